@@ -1,0 +1,246 @@
+#include "algorithms/collectives.h"
+
+#include <algorithm>
+#include <cstring>
+#include <numeric>
+
+#include "algorithms/pipeline.h"
+#include "algorithms/ring_schedule.h"
+#include "common/env.h"
+#include "common/error.h"
+#include "kernels/reduce.h"
+
+namespace hetcomm {
+
+RingPlan RingPlan::uniform(int size) {
+  RingPlan p;
+  p.order.resize(size);
+  std::iota(p.order.begin(), p.order.end(), 0);
+  p.shares.assign(size, 1.0 / size);
+  return p;
+}
+
+void RingPlan::validate(int size) const {
+  if (static_cast<int>(order.size()) != size || static_cast<int>(shares.size()) != size) {
+    throw CommError(strCat("hetcomm: a plan for ", size, " ranks needs ", size, " ring positions and ", size,
+                           " shares, got ", order.size(), " and ", shares.size()));
+  }
+  std::vector<int> sorted(order);
+  std::sort(sorted.begin(), sorted.end());
+  for (int i = 0; i < size; ++i) {
+    if (sorted[i] != i) throw CommError("hetcomm: plan order must be a permutation of the ranks 0..size-1");
+  }
+  double sum = 0;
+  for (double s : shares) {
+    if (!(s >= 0) || s != s || s > 1e300) throw CommError("hetcomm: plan shares must be finite and non-negative");
+    sum += s;
+  }
+  if (!(sum > 0)) throw CommError("hetcomm: plan shares must not all be zero");
+}
+
+bool RingPlan::isUniform() const {
+  for (size_t i = 0; i < order.size(); ++i) {
+    if (order[i] != static_cast<int>(i) || shares[i] != shares[0]) return false;
+  }
+  return true;
+}
+
+uint64_t RingPlan::fingerprint() const {
+  uint64_t h = 1469598103934665603ull;  // FNV-1a over the order and the shares' bits
+  auto mix = [&](uint64_t v) {
+    for (int i = 0; i < 8; ++i) {
+      h ^= (v >> (8 * i)) & 0xff;
+      h *= 1099511628211ull;
+    }
+  };
+  for (int r : order) mix(static_cast<uint64_t>(r));
+  for (double s : shares) {
+    uint64_t bits;
+    std::memcpy(&bits, &s, sizeof(bits));
+    mix(bits);
+  }
+  return h;
+}
+
+AllreduceAlgo chooseAllreduceAlgo(size_t bytes, int size) {
+  // Recursive doubling takes log2(P) (+2) latency steps but moves the whole buffer each time;
+  // the ring takes 2(P-1) steps and moves 2(P-1)/P of it. Small messages are latency bound.
+  return (bytes <= static_cast<size_t>(paramSmallAllreduceBytes()) || size <= 1) ? AllreduceAlgo::kRecursiveDoubling
+                                                                                  : AllreduceAlgo::kRing;
+}
+
+namespace {
+
+int positionOf(const RingPlan& plan, int rank) {
+  return static_cast<int>(std::find(plan.order.begin(), plan.order.end(), rank) - plan.order.begin());
+}
+
+// Runs one ring schedule over `buf` for this rank. chunkCounts/chunkOffsets are per position.
+void runRing(CollectiveContext& ctx, char* buf, const RingPlan& plan, const std::vector<size_t>& countsByPos,
+             const std::vector<size_t>& offsetsByPos, size_t es, DType dtype, RedOp op, RingPhases phases) {
+  const int P = ctx.size;
+  const int pos = positionOf(plan, ctx.rank);
+  RingSchedule sched = buildRingSchedule(pos, P, offsetsByPos, countsByPos, es, ctx.segmentBytes, phases);
+  PipelineSpec spec;
+  spec.sendPeer = plan.order[(pos + 1) % P];
+  spec.recvPeer = plan.order[(pos + P - 1) % P];
+  spec.sendLead = sched.sendLead;
+  spec.dtype = dtype;
+  spec.op = op;
+  for (const ByteRange& r : sched.sends) spec.sends.push_back({buf + r.offset, r.bytes, false});
+  for (size_t i = 0; i < sched.recvs.size(); ++i) {
+    spec.recvs.push_back({buf + sched.recvs[i].offset, sched.recvs[i].bytes, sched.recvReduces[i] != 0});
+  }
+  runPipeline(ctx, spec);
+}
+
+void allreduceRing(CollectiveContext& ctx, char* buf, size_t count, DType dtype, RedOp op, const RingPlan& plan) {
+  const int P = ctx.size;
+  // Shares are per rank; chunks are laid out in ring-position order.
+  std::vector<double> sharesByPos(P);
+  for (int pos = 0; pos < P; ++pos) sharesByPos[pos] = plan.shares[plan.order[pos]];
+  std::vector<size_t> counts = sharesToCounts(count, sharesByPos);
+  runRing(ctx, buf, plan, counts, prefixOffsets(counts), elementSize(dtype), dtype, op, RingPhases::kAllReduce);
+}
+
+// MPICH-style recursive doubling; with P not a power of two, the first 2*(P - 2^k) ranks fold in
+// pairs first and get the result back at the end. Partners combine the same two values in
+// opposite argument order, which the kernels make bitwise identical, so all ranks agree exactly.
+void allreduceRecursiveDoubling(CollectiveContext& ctx, char* buf, size_t count, DType dtype, RedOp op) {
+  const int P = ctx.size, r = ctx.rank;
+  const size_t bytes = count * elementSize(dtype);
+  int p2 = 1;
+  while (p2 * 2 <= P) p2 *= 2;
+  const int extra = P - p2;
+  std::vector<char> scratch(bytes);
+  int vrank;
+  if (r < 2 * extra) {
+    if (r % 2 == 0) {
+      exchange(ctx, r + 1, buf, bytes, -1, nullptr, 0, 0);
+      vrank = -1;
+    } else {
+      exchange(ctx, -1, nullptr, 0, r - 1, scratch.data(), bytes, 0);
+      reduceInto(buf, scratch.data(), count, dtype, op);
+      vrank = r / 2;
+    }
+  } else {
+    vrank = r - extra;
+  }
+  if (vrank >= 0) {
+    uint32_t step = 1;
+    for (int mask = 1; mask < p2; mask <<= 1, ++step) {
+      const int vpartner = vrank ^ mask;
+      const int partner = vpartner < extra ? vpartner * 2 + 1 : vpartner + extra;
+      exchange(ctx, partner, buf, bytes, partner, scratch.data(), bytes, step);
+      reduceInto(buf, scratch.data(), count, dtype, op);
+    }
+  }
+  if (r < 2 * extra) {
+    if (r % 2 == 1) {
+      exchange(ctx, r - 1, buf, bytes, -1, nullptr, 0, 1000);
+    } else {
+      exchange(ctx, -1, nullptr, 0, r + 1, buf, bytes, 1000);
+    }
+  }
+}
+
+}  // namespace
+
+void allreduce(CollectiveContext& ctx, char* buf, size_t count, DType dtype, RedOp op, const RingPlan& plan) {
+  if (ctx.size > 1) {
+    if (static_cast<AllreduceAlgo>(ctx.header.algo) == AllreduceAlgo::kRing) {
+      allreduceRing(ctx, buf, count, dtype, op, plan);
+    } else {
+      allreduceRecursiveDoubling(ctx, buf, count, dtype, op);
+    }
+  }
+  if (op == RedOp::kAvg) divideInPlace(buf, count, dtype, ctx.size);
+}
+
+void broadcast(CollectiveContext& ctx, char* buf, size_t bytes, int root) {
+  const int P = ctx.size;
+  if (P == 1) return;
+  const int pos = (ctx.rank - root + P) % P;
+  RingSchedule sched = buildChainSchedule(pos, P, bytes, ctx.segmentBytes);
+  PipelineSpec spec;
+  spec.sendPeer = pos == P - 1 ? -1 : (ctx.rank + 1) % P;
+  spec.recvPeer = pos == 0 ? -1 : (ctx.rank + P - 1) % P;
+  spec.sendLead = sched.sendLead;
+  for (const ByteRange& r : sched.sends) spec.sends.push_back({buf + r.offset, r.bytes, false});
+  for (const ByteRange& r : sched.recvs) spec.recvs.push_back({buf + r.offset, r.bytes, false});
+  runPipeline(ctx, spec);
+}
+
+void allgatherv(CollectiveContext& ctx, char* out, const std::vector<size_t>& blockBytes, const RingPlan& plan) {
+  const int P = ctx.size;
+  if (P == 1) return;
+  std::vector<size_t> offsets = prefixOffsets(blockBytes);
+  std::vector<size_t> countsByPos(P), offsetsByPos(P);
+  for (int pos = 0; pos < P; ++pos) {
+    countsByPos[pos] = blockBytes[plan.order[pos]];
+    offsetsByPos[pos] = offsets[plan.order[pos]];
+  }
+  runRing(ctx, out, plan, countsByPos, offsetsByPos, 1, DType::kUInt8, RedOp::kSum, RingPhases::kAllGather);
+}
+
+void reduceScatterv(CollectiveContext& ctx, char* work, const std::vector<size_t>& counts, DType dtype, RedOp op,
+                    const RingPlan& plan) {
+  const int P = ctx.size;
+  std::vector<size_t> offsets = prefixOffsets(counts);
+  if (P > 1) {
+    std::vector<size_t> countsByPos(P), offsetsByPos(P);
+    for (int pos = 0; pos < P; ++pos) {
+      countsByPos[pos] = counts[plan.order[pos]];
+      offsetsByPos[pos] = offsets[plan.order[pos]];
+    }
+    runRing(ctx, work, plan, countsByPos, offsetsByPos, elementSize(dtype), dtype, op, RingPhases::kReduceScatter);
+  }
+  if (op == RedOp::kAvg) {
+    divideInPlace(work + offsets[ctx.rank] * elementSize(dtype), counts[ctx.rank], dtype, ctx.size);
+  }
+}
+
+void gather(CollectiveContext& ctx, const char* in, char* out, size_t blockBytes, int root) {
+  if (ctx.rank != root) {
+    exchange(ctx, root, in, blockBytes, -1, nullptr, 0, 0);
+    return;
+  }
+  if (blockBytes > 0 && out + root * blockBytes != in) std::memmove(out + root * blockBytes, in, blockBytes);
+  for (int peer = 0; peer < ctx.size; ++peer) {
+    if (peer != root) exchange(ctx, -1, nullptr, 0, peer, out + peer * blockBytes, blockBytes, 0);
+  }
+}
+
+void scatter(CollectiveContext& ctx, const char* in, char* out, size_t blockBytes, int root) {
+  if (ctx.rank != root) {
+    exchange(ctx, -1, nullptr, 0, root, out, blockBytes, 0);
+    return;
+  }
+  for (int peer = 0; peer < ctx.size; ++peer) {
+    if (peer != root) exchange(ctx, peer, in + peer * blockBytes, blockBytes, -1, nullptr, 0, 0);
+  }
+  if (blockBytes > 0 && in + root * blockBytes != out) std::memmove(out, in + root * blockBytes, blockBytes);
+}
+
+void alltoallv(CollectiveContext& ctx, const char* in, const std::vector<size_t>& sendOffsets,
+               const std::vector<size_t>& sendBytes, char* out, const std::vector<size_t>& recvOffsets,
+               const std::vector<size_t>& recvBytes) {
+  const int P = ctx.size, r = ctx.rank;
+  if (recvBytes[r] != sendBytes[r]) {
+    throw CommError(strCat(ctx.prefix(), ": sends ", sendBytes[r], " bytes to itself but expects ", recvBytes[r]));
+  }
+  if (sendBytes[r] > 0) std::memmove(out + recvOffsets[r], in + sendOffsets[r], sendBytes[r]);
+  // Step s: send to r+s while receiving from r-s; every link is used once in each direction.
+  for (int s = 1; s < P; ++s) {
+    const int to = (r + s) % P, from = (r - s + P) % P;
+    exchange(ctx, to, in + sendOffsets[to], sendBytes[to], from, out + recvOffsets[from], recvBytes[from],
+             static_cast<uint32_t>(s));
+  }
+}
+
+void barrier(CollectiveContext& ctx) {
+  uint8_t token = 0;
+  if (ctx.size > 1) allreduceRecursiveDoubling(ctx, reinterpret_cast<char*>(&token), 1, DType::kUInt8, RedOp::kMax);
+}
+
+}  // namespace hetcomm

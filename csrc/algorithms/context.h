@@ -1,0 +1,42 @@
+#pragma once
+// What one collective call needs from the group: who we are, the connections, the deadline, and
+// the header that identifies the call on the wire.
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <string>
+
+#include "transport/framing.h"
+#include "transport/socket.h"
+
+namespace hetcomm {
+
+enum class CollectiveKind : uint8_t {
+  kAllreduce = 1,
+  kBroadcast,
+  kAllgather,
+  kReduceScatter,
+  kReduce,
+  kGather,
+  kScatter,
+  kAlltoall,
+  kBarrier,
+};
+const char* collectiveName(uint8_t kind);
+
+struct CollectiveContext {
+  int rank = 0;
+  int size = 1;
+  Deadline deadline;
+  int64_t timeoutMs = 0;
+  size_t segmentBytes = 256 * 1024;
+  // seq, opcode, dtype, redop, algo, bytes, aux: the fields every participant must agree on.
+  CollectiveHeader header;
+  // The collective connection to a peer (opened on first use, bounded by the deadline).
+  std::function<int(int peer)> fdOf;
+
+  // "hetcomm allreduce #42: rank 2"
+  std::string prefix() const;
+};
+
+}  // namespace hetcomm

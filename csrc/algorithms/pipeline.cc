@@ -1,0 +1,219 @@
+#include "algorithms/pipeline.h"
+
+#include <errno.h>
+#include <poll.h>
+#include <sys/socket.h>
+
+#include <algorithm>
+#include <cstring>
+
+#include "common/error.h"
+#include "kernels/reduce.h"
+
+namespace hetcomm {
+
+const char* collectiveName(uint8_t kind) {
+  switch (static_cast<CollectiveKind>(kind)) {
+    case CollectiveKind::kAllreduce: return "allreduce";
+    case CollectiveKind::kBroadcast: return "broadcast";
+    case CollectiveKind::kAllgather: return "allgather";
+    case CollectiveKind::kReduceScatter: return "reduce_scatter";
+    case CollectiveKind::kReduce: return "reduce";
+    case CollectiveKind::kGather: return "gather";
+    case CollectiveKind::kScatter: return "scatter";
+    case CollectiveKind::kAlltoall: return "alltoall";
+    case CollectiveKind::kBarrier: return "barrier";
+  }
+  return "unknown-collective";
+}
+
+std::string CollectiveContext::prefix() const {
+  return strCat("hetcomm ", collectiveName(header.opcode), " #", header.seq, ": rank ", rank);
+}
+
+namespace {
+
+constexpr size_t kH = CollectiveHeader::kBytes;
+
+std::string describeMismatch(const CollectiveHeader& want, const CollectiveHeader& got) {
+  std::string d;
+  auto add = [&](const std::string& s) { d += (d.empty() ? "" : ", ") + s; };
+  if (got.opcode != want.opcode) add(strCat("it runs ", collectiveName(got.opcode), " where this rank runs ", collectiveName(want.opcode)));
+  if (got.seq != want.seq) add(strCat("its collective #", got.seq, " meets this rank's #", want.seq));
+  if (got.dtype != want.dtype) {
+    add(strCat("dtype ", dtypeName(static_cast<DType>(got.dtype)), " vs ", dtypeName(static_cast<DType>(want.dtype))));
+  }
+  if (got.redop != want.redop) {
+    add(strCat("op ", redOpName(static_cast<RedOp>(got.redop)), " vs ", redOpName(static_cast<RedOp>(want.redop))));
+  }
+  if (got.bytes != want.bytes) add(strCat(got.bytes, " bytes vs ", want.bytes, " bytes"));
+  if (got.algo != want.algo) add(strCat("algorithm ", int(got.algo), " vs ", int(want.algo), " (message sizes differ)"));
+  if (got.aux != want.aux) add(strCat("root/plan ", got.aux, " vs ", want.aux));
+  if (got.step != want.step) add(strCat("step ", got.step, " vs ", want.step));
+  return d;
+}
+
+[[noreturn]] void throwIo(const CollectiveContext& ctx, int peer, const char* doing, int err) {
+  throw CommError(strCat(ctx.prefix(), " lost its connection to rank ", peer, " while ", doing, ": ",
+                         err == 0 ? "closed by the peer (did it fail or exit?)" : std::strerror(err)));
+}
+
+}  // namespace
+
+void runPipeline(const CollectiveContext& ctx, const PipelineSpec& spec) {
+  const bool doSend = spec.sendPeer >= 0, doRecv = spec.recvPeer >= 0;
+  HC_ENFORCE(doSend || spec.sends.empty());
+  HC_ENFORCE(doRecv || spec.recvs.empty());
+  const int sfd = doSend ? ctx.fdOf(spec.sendPeer) : -1;
+  const int rfd = doRecv ? ctx.fdOf(spec.recvPeer) : -1;
+
+  CollectiveHeader out = ctx.header;
+  out.step = spec.step;
+  if (spec.sendBytesField != UINT64_MAX) out.bytes = spec.sendBytesField;
+  CollectiveHeader want = ctx.header;
+  want.step = spec.step;
+  if (spec.expectBytesField != UINT64_MAX) want.bytes = spec.expectBytesField;
+  const auto outBytes = out.encode();
+  std::array<uint8_t, kH> inBytes{};
+
+  size_t scratchBytes = 0;
+  for (const Transfer& t : spec.recvs) {
+    if (t.reduce) scratchBytes = std::max(scratchBytes, t.bytes);
+  }
+  std::vector<char> scratch(scratchBytes);
+  const size_t es = elementSize(spec.dtype);
+
+  size_t hdrOut = doSend ? 0 : kH, hdrIn = doRecv ? 0 : kH;
+  size_t si = 0, sOff = 0, ri = 0, rOff = 0;
+  const size_t nsend = spec.sends.size(), nrecv = spec.recvs.size();
+
+  while (true) {
+    const bool sendDone = hdrOut == kH && si == nsend;
+    const bool recvDone = hdrIn == kH && ri == nrecv;
+    if (sendDone && recvDone) return;
+    bool progressed = false, sendBlocked = false;
+
+    // Send as much as the socket takes and the dependencies allow.
+    while (true) {
+      const char* p;
+      size_t left;
+      if (hdrOut < kH) {
+        p = reinterpret_cast<const char*>(outBytes.data()) + hdrOut;
+        left = kH - hdrOut;
+      } else if (si < nsend && (si < spec.sendLead || si - spec.sendLead < ri)) {
+        p = spec.sends[si].ptr + sOff;
+        left = spec.sends[si].bytes - sOff;
+      } else {
+        break;
+      }
+      ssize_t n = ::send(sfd, p, left, MSG_NOSIGNAL);
+      if (n > 0) {
+        progressed = true;
+        if (hdrOut < kH) {
+          hdrOut += static_cast<size_t>(n);
+        } else if ((sOff += static_cast<size_t>(n)) == spec.sends[si].bytes) {
+          ++si;
+          sOff = 0;
+        }
+      } else if (n < 0 && errno == EINTR) {
+        continue;
+      } else if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
+        sendBlocked = true;
+        break;
+      } else {
+        throwIo(ctx, spec.sendPeer, "sending", errno);
+      }
+    }
+
+    // Receive until the socket is drained or one item completes (then give sends a turn).
+    while (hdrIn < kH || ri < nrecv) {
+      char* p;
+      size_t left;
+      if (hdrIn < kH) {
+        p = reinterpret_cast<char*>(inBytes.data()) + hdrIn;
+        left = kH - hdrIn;
+      } else {
+        const Transfer& t = spec.recvs[ri];
+        p = (t.reduce ? scratch.data() : t.ptr) + rOff;
+        left = t.bytes - rOff;
+      }
+      ssize_t n = ::recv(rfd, p, left, 0);
+      if (n > 0) {
+        progressed = true;
+        if (hdrIn < kH) {
+          hdrIn += static_cast<size_t>(n);
+          if (hdrIn == kH) {
+            CollectiveHeader got;
+            std::string err = CollectiveHeader::decode(inBytes.data(), got);
+            if (!err.empty()) throw CommError(strCat(ctx.prefix(), " received garbage from rank ", spec.recvPeer, ": ", err));
+            if (!(got == want)) {
+              throw CommError(strCat(ctx.prefix(), " and rank ", spec.recvPeer,
+                                     " disagree about the collective (tensor shapes, dtypes, ops or call order differ "
+                                     "across ranks): ",
+                                     describeMismatch(want, got)));
+            }
+          }
+          continue;
+        }
+        const Transfer& t = spec.recvs[ri];
+        if ((rOff += static_cast<size_t>(n)) == t.bytes) {
+          if (t.reduce) reduceInto(t.ptr, scratch.data(), t.bytes / es, spec.dtype, spec.op);
+          ++ri;
+          rOff = 0;
+          break;
+        }
+      } else if (n == 0) {
+        throwIo(ctx, spec.recvPeer, "receiving", 0);
+      } else if (errno == EINTR) {
+        continue;
+      } else if (errno == EAGAIN || errno == EWOULDBLOCK) {
+        break;
+      } else {
+        throwIo(ctx, spec.recvPeer, "receiving", errno);
+      }
+    }
+    if (progressed) continue;
+
+    pollfd fds[2];
+    int nfds = 0;
+    const bool wantIn = !(hdrIn == kH && ri == nrecv);
+    if (sendBlocked) fds[nfds++] = {sfd, POLLOUT, 0};
+    if (wantIn) {
+      if (nfds == 1 && sfd == rfd) {
+        fds[0].events |= POLLIN;
+      } else {
+        fds[nfds++] = {rfd, POLLIN, 0};
+      }
+    }
+    HC_ENFORCE(nfds > 0, "pipeline stalled with nothing to wait for");
+    int rc = ::poll(fds, nfds, msUntil(ctx.deadline));
+    if (rc < 0 && errno != EINTR) throw CommError(strCat(ctx.prefix(), ": poll failed: ", std::strerror(errno)));
+    if (rc == 0) {
+      const int waitingFor = wantIn ? spec.recvPeer : spec.sendPeer;
+      throw TimeoutError(strCat(ctx.prefix(), " timed out after ", ctx.timeoutMs, " ms waiting for rank ", waitingFor,
+                                " (received ", ri, " of ", nrecv, " segments from rank ", spec.recvPeer, ", sent ", si,
+                                " of ", nsend, " to rank ", spec.sendPeer, ")"));
+    }
+    // Readiness, a hang-up or an error: the next send()/recv() reports which (EOF, EPIPE, ...).
+  }
+}
+
+void exchange(const CollectiveContext& ctx, int sendPeer, const void* sendBuf, size_t sendBytes, int recvPeer,
+              void* recvBuf, size_t recvBytes, uint32_t step) {
+  PipelineSpec spec;
+  spec.sendPeer = sendPeer;
+  spec.recvPeer = recvPeer;
+  spec.step = step;
+  if (sendPeer >= 0) {
+    spec.sendBytesField = sendBytes;
+    if (sendBytes > 0) spec.sends.push_back({const_cast<char*>(static_cast<const char*>(sendBuf)), sendBytes, false});
+    spec.sendLead = spec.sends.size();
+  }
+  if (recvPeer >= 0) {
+    spec.expectBytesField = recvBytes;
+    if (recvBytes > 0) spec.recvs.push_back({static_cast<char*>(recvBuf), recvBytes, false});
+  }
+  runPipeline(ctx, spec);
+}
+
+}  // namespace hetcomm

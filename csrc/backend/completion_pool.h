@@ -1,0 +1,41 @@
+#pragma once
+// Threads that complete futures, away from the communication thread.
+//
+// Future callbacks run inline on the thread that marks the future completed, and some callbacks
+// (PowerSGD's) block on further collectives. If the worker ran them, it would wait for work only
+// it can do: a deadlock (design.md §5). A callback may even block on a future that is queued
+// behind it here, so the pool grows a thread whenever every thread is busy (up to a cap), instead
+// of queueing behind a blocked callback.
+#include <condition_variable>
+#include <deque>
+#include <functional>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+namespace hetcomm {
+
+class CompletionPool {
+ public:
+  explicit CompletionPool(size_t maxThreads = 64) : maxThreads_(maxThreads) {}
+  ~CompletionPool() { stop(); }
+  CompletionPool(const CompletionPool&) = delete;
+  CompletionPool& operator=(const CompletionPool&) = delete;
+
+  void post(std::function<void()> fn);
+  // Runs what is queued, then joins every thread (idempotent). Must not be called from a pool thread.
+  void stop();
+
+ private:
+  void loop();
+
+  const size_t maxThreads_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<std::function<void()>> queue_;
+  std::vector<std::thread> threads_;
+  size_t idle_ = 0;
+  bool stopping_ = false;
+};
+
+}  // namespace hetcomm

@@ -1,0 +1,765 @@
+#include "backend/process_group_hetcomm.h"
+
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
+
+#include <c10/util/Exception.h>
+
+#include <random>
+
+#include "backend/tensor_checks.h"
+#include "common/env.h"
+#include "common/logging.h"
+
+namespace hetcomm {
+namespace {
+
+constexpr const char* kSecretKey = "hetcomm/secret";
+std::string addressKey(int rank) { return strCat("hetcomm/addr/", rank); }
+
+// The address other ranks can reach us on: HETCOMM_SOCKET_IFNAME's, else the one the kernel
+// routes towards the store's host (the host every rank already reaches), else loopback.
+std::string chooseListenIp(const c10::intrusive_ptr<c10d::Store>& store) {
+  const std::string ifname = envStr("HETCOMM_SOCKET_IFNAME");
+  if (!ifname.empty()) return interfaceAddress(ifname);
+  c10::intrusive_ptr<c10d::Store> s = store;
+  while (auto* prefix = dynamic_cast<c10d::PrefixStore*>(s.get())) s = prefix->getUnderlyingStore();
+  std::string host;
+  if (auto* tcp = dynamic_cast<c10d::TCPStore*>(s.get())) host = tcp->getHost();
+  if (host.empty()) host = envStr("MASTER_ADDR");
+  if (host.empty()) return "127.0.0.1";
+  return localAddressReaching(host);
+}
+
+std::exception_ptr distError(const std::string& message) {
+  try {
+    C10_THROW_ERROR(DistBackendError, message);
+  } catch (...) {
+    return std::current_exception();
+  }
+}
+
+// Point-to-point errors arrive as CommError; torch users expect DistBackendError.
+std::exception_ptr asDistError(std::exception_ptr e) {
+  if (!e) return nullptr;
+  try {
+    std::rethrow_exception(e);
+  } catch (const std::exception& x) {
+    return distError(x.what());
+  } catch (...) {
+    return distError("hetcomm: unknown error");
+  }
+}
+
+}  // namespace
+
+ProcessGroupHetcomm::ProcessGroupHetcomm(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
+                                         Options options)
+    : c10d::Backend(rank, size),
+      store_(store),
+      options_(std::move(options)),
+      completions_(std::make_shared<CompletionPool>()),
+      plan_(RingPlan::uniform(size)) {
+  try {
+    const std::string ip = options_.listenIp.empty() ? chooseListenIp(store_) : options_.listenIp;
+    TcpMesh::Secret secret{};
+    if (rank == 0) {
+      std::random_device rd;
+      for (auto& b : secret) b = static_cast<uint8_t>(rd());
+      store_->set(kSecretKey, std::vector<uint8_t>(secret.begin(), secret.end()));
+    } else {
+      store_->wait({kSecretKey}, options_.timeout);
+      std::vector<uint8_t> got = store_->get(kSecretKey);
+      TORCH_CHECK(got.size() == secret.size(), "hetcomm: malformed group secret in the store");
+      std::copy(got.begin(), got.end(), secret.begin());
+    }
+    auto store = store_;
+    auto lookup = [store](int peer, Deadline deadline) {
+      const std::string key = addressKey(peer);
+      store->wait({key}, std::chrono::milliseconds(std::max(1, msUntil(deadline))));
+      std::vector<uint8_t> v = store->get(key);
+      return HostPort::parse(std::string(v.begin(), v.end()));
+    };
+    mesh_ = std::make_unique<TcpMesh>(rank, size, ip, secret, lookup);
+    p2p_ = std::make_unique<P2PEngine>(rank, size, mesh_.get());
+    mesh_->setInboundP2PHandler([this](int peer, Socket s) { p2p_->addInbound(peer, std::move(s)); });
+    const std::string addr = mesh_->listenAddress().str();
+    store_->set(addressKey(rank), std::vector<uint8_t>(addr.begin(), addr.end()));
+    HC_LOG(kInfo, "rank ", rank, "/", size, " listening on ", addr);
+  } catch (const CommError& e) {
+    TORCH_CHECK(false, "hetcomm: cannot create the process group on rank ", rank, ": ", e.what());
+  }
+  worker_ = std::thread([this] { runWorker(); });
+}
+
+ProcessGroupHetcomm::~ProcessGroupHetcomm() { shutdown(); }
+
+uint64_t ProcessGroupHetcomm::getSequenceNumberForGroup() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return nextSeq_;
+}
+
+RingPlan ProcessGroupHetcomm::plan() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return plan_;
+}
+
+void ProcessGroupHetcomm::setPlan(RingPlan plan) {
+  try {
+    plan.validate(size_);
+  } catch (const CommError& e) {
+    TORCH_CHECK_VALUE(false, e.what());
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  plan_ = std::move(plan);
+}
+
+std::chrono::milliseconds ProcessGroupHetcomm::effectiveTimeout(std::chrono::milliseconds requested) const {
+  // Python leaves per-op timeouts unset (-1 ms): the group's timeout applies.
+  return requested.count() > 0 ? requested : options_.timeout;
+}
+
+c10::intrusive_ptr<WorkHetcomm> ProcessGroupHetcomm::enqueue(c10d::OpType type, const char* profilingTitle,
+                                                             CollectiveKind kind, std::vector<at::Tensor> outputs,
+                                                             CollectiveHeader header, std::chrono::milliseconds timeout,
+                                                             Body body) {
+  std::unique_lock<std::mutex> lock(mu_);
+  header.seq = nextSeq_++;
+  header.opcode = static_cast<uint8_t>(kind);
+  auto work = c10::make_intrusive<WorkHetcomm>(rank_, type, profilingTitle, std::move(outputs), header.seq, completions_);
+  if (stopping_) {
+    lock.unlock();
+    work->complete(distError(strCat("hetcomm ", collectiveName(header.opcode), ": the process group is shut down")));
+    return work;
+  }
+  queue_.push_back(Pending{work, header, timeout, std::move(body)});
+  cv_.notify_one();
+  return work;
+}
+
+void ProcessGroupHetcomm::runWorker() {
+  while (true) {
+    Pending op;
+    std::string broken;
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      cv_.wait(lock, [&] { return stopping_ || !queue_.empty(); });
+      if (queue_.empty()) return;
+      op = std::move(queue_.front());
+      queue_.pop_front();
+      broken = brokenReason_;
+    }
+    std::exception_ptr error;
+    CollectiveContext ctx;
+    ctx.rank = rank_;
+    ctx.size = size_;
+    ctx.header = op.header;
+    if (!broken.empty()) {
+      error = distError(strCat(ctx.prefix(), ": the process group is unusable after an earlier failure: ", broken));
+    } else {
+      ctx.timeoutMs = op.timeout.count();
+      ctx.deadline = Clock::now() + op.timeout;
+      ctx.segmentBytes = static_cast<size_t>(std::max<int64_t>(64, paramSegmentBytes()));
+      ctx.fdOf = [this, &ctx](int peer) { return mesh_->collectiveFd(peer, ctx.deadline); };
+      try {
+        op.body(ctx);
+      } catch (const CommError& e) {
+        std::string msg = e.what();
+        // Errors from below the collective layer (connecting, handshakes) lack the prefix.
+        if (msg.rfind("hetcomm ", 0) != 0 || msg.rfind(ctx.prefix(), 0) != 0) msg = strCat(ctx.prefix(), ": ", msg);
+        failGroup(msg);
+        error = distError(msg);
+      } catch (const std::exception& e) {
+        std::string msg = strCat(ctx.prefix(), ": ", e.what());
+        failGroup(msg);
+        error = distError(msg);
+      }
+    }
+    op.work->complete(error);
+  }
+}
+
+void ProcessGroupHetcomm::failGroup(const std::string& reason) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (brokenReason_.empty()) brokenReason_ = reason;
+  }
+  HC_LOG(kError, reason);
+  // Wake the peers blocked on us: they fail now instead of at their timeout.
+  mesh_->abort();
+}
+
+void ProcessGroupHetcomm::abort() {
+  failGroup("the process group was aborted");
+  shutdown();
+}
+
+void ProcessGroupHetcomm::shutdown() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (stopping_ && !worker_.joinable()) return;
+    stopping_ = true;
+    cv_.notify_all();
+  }
+  // The worker finishes what was issued (each operation bounded by its timeout), then exits.
+  if (worker_.joinable() && worker_.get_id() != std::this_thread::get_id()) worker_.join();
+  if (p2p_) p2p_->stop("the process group was shut down");
+  if (mesh_) mesh_->close();
+  completions_->stop();
+  // Rank 0 cleans the group's keys: it usually hosts the store, which is then alive during its own
+  // shutdown, while other ranks may outlive it.
+  if (rank_ == 0) {
+    try {
+      for (int r = 0; r < size_; ++r) store_->deleteKey(addressKey(r));
+      store_->deleteKey(kSecretKey);
+    } catch (const std::exception&) {
+      // The store's host already exited; the keys went with it.
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Collectives: validate here, on the caller's thread; the body runs on the worker.
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupHetcomm::allreduce(std::vector<at::Tensor>& tensors,
+                                                              const c10d::AllreduceOptions& opts) {
+  checkCount(tensors, 1, "allreduce", "input");
+  at::Tensor t = tensors[0];
+  checkDenseCpu(t, "allreduce");
+  const DType dt = toDType(t, "allreduce");
+  const RedOp op = toRedOp(opts.reduceOp, "allreduce");
+  checkReduce(dt, op, "allreduce");
+  const RingPlan plan = this->plan();
+  CollectiveHeader h;
+  h.dtype = static_cast<uint8_t>(dt);
+  h.redop = static_cast<uint8_t>(op);
+  h.bytes = t.nbytes();
+  h.algo = static_cast<uint8_t>(chooseAllreduceAlgo(t.nbytes(), size_));
+  h.aux = h.algo == static_cast<uint8_t>(AllreduceAlgo::kRing) ? plan.fingerprint() : 0;
+  return enqueue(c10d::OpType::ALLREDUCE, "hetcomm:all_reduce", CollectiveKind::kAllreduce, {t}, h,
+                 effectiveTimeout(opts.timeout), [t, dt, op, plan](CollectiveContext& ctx) {
+                   at::Tensor c = contiguousOf(t);
+                   hetcomm::allreduce(ctx, static_cast<char*>(c.data_ptr()), c.numel(), dt, op, plan);
+                   copyBackIfNeeded(t, c);
+                 });
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupHetcomm::allreduce_coalesced(std::vector<at::Tensor>& tensors,
+                                                                        const c10d::AllreduceCoalescedOptions& opts) {
+  TORCH_CHECK_VALUE(!tensors.empty(), "hetcomm allreduce_coalesced: needs at least one tensor");
+  checkDenseCpu(tensors[0], "allreduce_coalesced");
+  checkSame(tensors, tensors[0].scalar_type(), -1, "allreduce_coalesced", "tensors");
+  const DType dt = toDType(tensors[0], "allreduce_coalesced");
+  const RedOp op = toRedOp(opts.reduceOp, "allreduce_coalesced");
+  checkReduce(dt, op, "allreduce_coalesced");
+  const RingPlan plan = this->plan();
+  std::vector<size_t> sizes;
+  size_t bytes = 0;
+  for (const at::Tensor& t : tensors) {
+    sizes.push_back(t.numel());
+    bytes += t.nbytes();
+  }
+  CollectiveHeader h;
+  h.dtype = static_cast<uint8_t>(dt);
+  h.redop = static_cast<uint8_t>(op);
+  h.bytes = bytes;
+  h.algo = static_cast<uint8_t>(chooseAllreduceAlgo(bytes, size_));
+  h.aux = fingerprintSizes(sizes) ^ (h.algo == static_cast<uint8_t>(AllreduceAlgo::kRing) ? plan.fingerprint() : 0);
+  std::vector<at::Tensor> ts = tensors;
+  return enqueue(c10d::OpType::ALLREDUCE_COALESCED, "hetcomm:all_reduce_coalesced", CollectiveKind::kAllreduce, ts, h,
+                 effectiveTimeout(opts.timeout), [ts, dt, op, plan](CollectiveContext& ctx) {
+                   at::Tensor flat = flattenAll(ts);
+                   hetcomm::allreduce(ctx, static_cast<char*>(flat.data_ptr()), flat.numel(), dt, op, plan);
+                   int64_t off = 0;
+                   for (const at::Tensor& t : ts) {
+                     const_cast<at::Tensor&>(t).copy_(flat.narrow(0, off, t.numel()).view(t.sizes()));
+                     off += t.numel();
+                   }
+                 });
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupHetcomm::reduce(std::vector<at::Tensor>& tensors,
+                                                           const c10d::ReduceOptions& opts) {
+  checkCount(tensors, 1, "reduce", "input");
+  at::Tensor t = tensors[0];
+  checkDenseCpu(t, "reduce");
+  const int root = static_cast<int>(opts.rootRank);
+  TORCH_CHECK_VALUE(root >= 0 && root < size_, "hetcomm reduce: invalid root rank ", root);
+  const DType dt = toDType(t, "reduce");
+  const RedOp op = toRedOp(opts.reduceOp, "reduce");
+  checkReduce(dt, op, "reduce");
+  const RingPlan plan = this->plan();
+  CollectiveHeader h;
+  h.dtype = static_cast<uint8_t>(dt);
+  h.redop = static_cast<uint8_t>(op);
+  h.bytes = t.nbytes();
+  h.algo = static_cast<uint8_t>(chooseAllreduceAlgo(t.nbytes(), size_));
+  h.aux = (h.algo == static_cast<uint8_t>(AllreduceAlgo::kRing) ? plan.fingerprint() : 0) ^ static_cast<uint64_t>(root);
+  const int rank = rank_;
+  // Reduced as an allreduce on a private copy, so that non-root inputs stay untouched.
+  return enqueue(c10d::OpType::REDUCE, "hetcomm:reduce", CollectiveKind::kReduce, {t}, h,
+                 effectiveTimeout(opts.timeout), [t, dt, op, plan, root, rank](CollectiveContext& ctx) {
+                   at::Tensor c = rank == root ? contiguousOf(t) : t.contiguous().clone();
+                   hetcomm::allreduce(ctx, static_cast<char*>(c.data_ptr()), c.numel(), dt, op, plan);
+                   if (rank == root) copyBackIfNeeded(t, c);
+                 });
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupHetcomm::broadcast(std::vector<at::Tensor>& tensors,
+                                                              const c10d::BroadcastOptions& opts) {
+  checkCount(tensors, 1, "broadcast", "input");
+  at::Tensor t = tensors[0];
+  checkDenseCpu(t, "broadcast");
+  TORCH_CHECK_VALUE(opts.rootTensor == 0, "hetcomm broadcast: rootTensor must be 0");
+  const int root = static_cast<int>(opts.rootRank);
+  TORCH_CHECK_VALUE(root >= 0 && root < size_, "hetcomm broadcast: invalid root rank ", root);
+  CollectiveHeader h;
+  h.dtype = static_cast<uint8_t>(toDType(t, "broadcast"));
+  h.bytes = t.nbytes();
+  h.aux = static_cast<uint64_t>(root);
+  return enqueue(c10d::OpType::BROADCAST, "hetcomm:broadcast", CollectiveKind::kBroadcast, {t}, h,
+                 effectiveTimeout(opts.timeout), [t, root](CollectiveContext& ctx) {
+                   at::Tensor c = contiguousOf(t);
+                   hetcomm::broadcast(ctx, static_cast<char*>(c.data_ptr()), c.nbytes(), root);
+                   copyBackIfNeeded(t, c);
+                 });
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupHetcomm::allgather(std::vector<std::vector<at::Tensor>>& outputs,
+                                                              std::vector<at::Tensor>& inputs,
+                                                              const c10d::AllgatherOptions& opts) {
+  checkCount(inputs, 1, "allgather", "input");
+  TORCH_CHECK_VALUE(outputs.size() == 1, "hetcomm allgather: expects one output list per process, got ",
+                    outputs.size());
+  at::Tensor in = inputs[0];
+  checkDenseCpu(in, "allgather");
+  std::vector<at::Tensor> outs = outputs[0];
+  checkCount(outs, static_cast<size_t>(size_), "allgather", "output");
+  checkSame(outs, in.scalar_type(), -1, "allgather", "output");
+  TORCH_CHECK_VALUE(outs[rank_].numel() == in.numel(), "hetcomm allgather: output[", rank_, "] has ",
+                    outs[rank_].numel(), " elements but this rank's input has ", in.numel());
+  std::vector<size_t> blockBytes;
+  size_t total = 0;
+  for (const at::Tensor& o : outs) {
+    blockBytes.push_back(o.nbytes());
+    total += o.nbytes();
+  }
+  const RingPlan plan = this->plan();
+  CollectiveHeader h;
+  h.dtype = static_cast<uint8_t>(toDType(in, "allgather"));
+  h.bytes = total;
+  h.aux = fingerprintSizes(blockBytes) ^ plan.fingerprint();
+  const int rank = rank_;
+  return enqueue(c10d::OpType::ALLGATHER, "hetcomm:all_gather", CollectiveKind::kAllgather, outs, h,
+                 effectiveTimeout(opts.timeout), [in, outs, blockBytes, total, plan, rank](CollectiveContext& ctx) {
+                   at::Tensor flat = at::empty({static_cast<int64_t>(total)}, in.options().dtype(at::kByte));
+                   char* base = static_cast<char*>(flat.data_ptr());
+                   size_t off = 0;
+                   for (int r = 0; r < rank; ++r) off += blockBytes[r];
+                   at::Tensor c = contiguousOf(in);
+                   if (c.nbytes() > 0) std::memcpy(base + off, c.data_ptr(), c.nbytes());
+                   hetcomm::allgatherv(ctx, base, blockBytes, plan);
+                   off = 0;
+                   for (size_t r = 0; r < outs.size(); ++r) {
+                     at::Tensor block = flat.narrow(0, off, blockBytes[r]).view(outs[r].scalar_type());
+                     const_cast<at::Tensor&>(outs[r]).copy_(block.view(outs[r].sizes()));
+                     off += blockBytes[r];
+                   }
+                 });
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupHetcomm::_allgather_base(at::Tensor& output, at::Tensor& input,
+                                                                    const c10d::AllgatherOptions& opts) {
+  checkDenseCpu(input, "allgather_into_tensor");
+  checkDenseCpu(output, "allgather_into_tensor");
+  TORCH_CHECK_TYPE(output.scalar_type() == input.scalar_type(), "hetcomm allgather_into_tensor: output dtype ",
+                   output.scalar_type(), " differs from input dtype ", input.scalar_type());
+  TORCH_CHECK_VALUE(output.numel() == input.numel() * size_, "hetcomm allgather_into_tensor: output has ",
+                    output.numel(), " elements, expected input numel x world size = ", input.numel() * size_);
+  const RingPlan plan = this->plan();
+  CollectiveHeader h;
+  h.dtype = static_cast<uint8_t>(toDType(input, "allgather_into_tensor"));
+  h.bytes = output.nbytes();
+  h.aux = plan.fingerprint();
+  at::Tensor in = input, out = output;
+  const int rank = rank_, size = size_;
+  return enqueue(c10d::OpType::_ALLGATHER_BASE, "hetcomm:all_gather_into_tensor", CollectiveKind::kAllgather, {out}, h,
+                 effectiveTimeout(opts.timeout), [in, out, plan, rank, size](CollectiveContext& ctx) {
+                   at::Tensor o = contiguousOf(out);
+                   at::Tensor i = contiguousOf(in);
+                   const size_t block = i.nbytes();
+                   char* base = static_cast<char*>(o.data_ptr());
+                   // memmove: FSDP passes an input that is a view of its own slot of the output.
+                   if (block > 0) std::memmove(base + rank * block, i.data_ptr(), block);
+                   hetcomm::allgatherv(ctx, base, std::vector<size_t>(size, block), plan);
+                   copyBackIfNeeded(out, o);
+                 });
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupHetcomm::allgather_into_tensor_coalesced(
+    std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs, const c10d::AllgatherOptions& opts) {
+  TORCH_CHECK_VALUE(outputs.size() == inputs.size(), "hetcomm allgather_into_tensor_coalesced: ", outputs.size(),
+                    " outputs for ", inputs.size(), " inputs");
+  // Gathered as one flat allgather: block r is every input's rank-r share, back to back.
+  std::vector<at::Tensor> flatIns;
+  for (size_t k = 0; k < inputs.size(); ++k) {
+    checkDenseCpu(inputs[k], "allgather_into_tensor_coalesced");
+    checkDenseCpu(outputs[k], "allgather_into_tensor_coalesced");
+    TORCH_CHECK_VALUE(outputs[k].numel() == inputs[k].numel() * size_ &&
+                          outputs[k].scalar_type() == inputs[k].scalar_type(),
+                      "hetcomm allgather_into_tensor_coalesced: output ", k, " must hold world size x input ", k);
+  }
+  const RingPlan plan = this->plan();
+  size_t block = 0;
+  for (const at::Tensor& t : inputs) block += t.nbytes();
+  CollectiveHeader h;
+  h.bytes = block * size_;
+  h.aux = plan.fingerprint();
+  std::vector<at::Tensor> ins = inputs, outs = outputs;
+  const int rank = rank_, size = size_;
+  return enqueue(c10d::OpType::ALLGATHER_COALESCED, "hetcomm:all_gather_into_tensor_coalesced",
+                 CollectiveKind::kAllgather, outs, h, effectiveTimeout(opts.timeout),
+                 [ins, outs, block, plan, rank, size](CollectiveContext& ctx) {
+                   at::Tensor flat = at::empty({static_cast<int64_t>(block * size)}, at::kByte);
+                   char* base = static_cast<char*>(flat.data_ptr());
+                   size_t off = rank * block;
+                   for (const at::Tensor& t : ins) {
+                     at::Tensor c = contiguousOf(t);
+                     if (c.nbytes() > 0) std::memcpy(base + off, c.data_ptr(), c.nbytes());
+                     off += c.nbytes();
+                   }
+                   hetcomm::allgatherv(ctx, base, std::vector<size_t>(size, block), plan);
+                   size_t inner = 0;
+                   for (size_t k = 0; k < ins.size(); ++k) {
+                     const size_t nb = ins[k].nbytes();
+                     at::Tensor o = contiguousOf(outs[k]);
+                     char* dst = static_cast<char*>(o.data_ptr());
+                     for (int r = 0; r < size; ++r) {
+                       if (nb > 0) std::memcpy(dst + r * nb, base + r * block + inner, nb);
+                     }
+                     copyBackIfNeeded(outs[k], o);
+                     inner += nb;
+                   }
+                 });
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupHetcomm::gather(std::vector<std::vector<at::Tensor>>& outputs,
+                                                           std::vector<at::Tensor>& inputs,
+                                                           const c10d::GatherOptions& opts) {
+  checkCount(inputs, 1, "gather", "input");
+  at::Tensor in = inputs[0];
+  checkDenseCpu(in, "gather");
+  const int root = static_cast<int>(opts.rootRank);
+  TORCH_CHECK_VALUE(root >= 0 && root < size_, "hetcomm gather: invalid root rank ", root);
+  std::vector<at::Tensor> outs;
+  if (rank_ == root) {
+    TORCH_CHECK_VALUE(outputs.size() == 1, "hetcomm gather: the root needs one output list");
+    outs = outputs[0];
+    checkCount(outs, static_cast<size_t>(size_), "gather", "output");
+    checkSame(outs, in.scalar_type(), in.numel(), "gather", "output");
+  } else {
+    TORCH_CHECK_VALUE(outputs.empty() || outputs[0].empty(), "hetcomm gather: only the root takes outputs");
+  }
+  CollectiveHeader h;
+  h.dtype = static_cast<uint8_t>(toDType(in, "gather"));
+  h.bytes = in.nbytes();
+  h.aux = static_cast<uint64_t>(root);
+  const int rank = rank_, size = size_;
+  return enqueue(c10d::OpType::GATHER, "hetcomm:gather", CollectiveKind::kGather, outs, h,
+                 effectiveTimeout(opts.timeout), [in, outs, root, rank, size](CollectiveContext& ctx) {
+                   at::Tensor c = contiguousOf(in);
+                   const size_t block = c.nbytes();
+                   if (rank != root) {
+                     hetcomm::gather(ctx, static_cast<const char*>(c.data_ptr()), nullptr, block, root);
+                     return;
+                   }
+                   at::Tensor flat = at::empty({static_cast<int64_t>(block * size)}, at::kByte);
+                   hetcomm::gather(ctx, static_cast<const char*>(c.data_ptr()), static_cast<char*>(flat.data_ptr()),
+                                   block, root);
+                   for (int r = 0; r < size; ++r) {
+                     at::Tensor piece = flat.narrow(0, r * block, block).view(in.scalar_type()).view(in.sizes());
+                     const_cast<at::Tensor&>(outs[r]).copy_(piece.view(outs[r].sizes()));
+                   }
+                 });
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupHetcomm::scatter(std::vector<at::Tensor>& outputs,
+                                                            std::vector<std::vector<at::Tensor>>& inputs,
+                                                            const c10d::ScatterOptions& opts) {
+  checkCount(outputs, 1, "scatter", "output");
+  at::Tensor out = outputs[0];
+  checkDenseCpu(out, "scatter");
+  const int root = static_cast<int>(opts.rootRank);
+  TORCH_CHECK_VALUE(root >= 0 && root < size_, "hetcomm scatter: invalid root rank ", root);
+  std::vector<at::Tensor> ins;
+  if (rank_ == root) {
+    TORCH_CHECK_VALUE(inputs.size() == 1, "hetcomm scatter: the root needs one input list");
+    ins = inputs[0];
+    checkCount(ins, static_cast<size_t>(size_), "scatter", "input");
+    checkSame(ins, out.scalar_type(), out.numel(), "scatter", "input");
+  } else {
+    TORCH_CHECK_VALUE(inputs.empty() || inputs[0].empty(), "hetcomm scatter: only the root takes inputs");
+  }
+  CollectiveHeader h;
+  h.dtype = static_cast<uint8_t>(toDType(out, "scatter"));
+  h.bytes = out.nbytes();
+  h.aux = static_cast<uint64_t>(root);
+  const int rank = rank_;
+  return enqueue(c10d::OpType::SCATTER, "hetcomm:scatter", CollectiveKind::kScatter, {out}, h,
+                 effectiveTimeout(opts.timeout), [ins, out, root, rank](CollectiveContext& ctx) {
+                   at::Tensor o = contiguousOf(out);
+                   at::Tensor flat = rank == root ? flattenAll(ins) : at::Tensor();
+                   hetcomm::scatter(ctx, rank == root ? static_cast<const char*>(flat.data_ptr()) : nullptr,
+                                    static_cast<char*>(o.data_ptr()), o.nbytes(), root);
+                   copyBackIfNeeded(out, o);
+                 });
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupHetcomm::reduce_scatter(std::vector<at::Tensor>& outputs,
+                                                                   std::vector<std::vector<at::Tensor>>& inputs,
+                                                                   const c10d::ReduceScatterOptions& opts) {
+  checkCount(outputs, 1, "reduce_scatter", "output");
+  TORCH_CHECK_VALUE(inputs.size() == 1, "hetcomm reduce_scatter: expects one input list per process");
+  at::Tensor out = outputs[0];
+  checkDenseCpu(out, "reduce_scatter");
+  std::vector<at::Tensor> ins = inputs[0];
+  checkCount(ins, static_cast<size_t>(size_), "reduce_scatter", "input");
+  checkSame(ins, out.scalar_type(), -1, "reduce_scatter", "input");
+  TORCH_CHECK_VALUE(ins[rank_].numel() == out.numel(), "hetcomm reduce_scatter: input[", rank_, "] has ",
+                    ins[rank_].numel(), " elements but the output has ", out.numel());
+  const DType dt = toDType(out, "reduce_scatter");
+  const RedOp op = toRedOp(opts.reduceOp, "reduce_scatter");
+  checkReduce(dt, op, "reduce_scatter");
+  std::vector<size_t> counts;
+  for (const at::Tensor& t : ins) counts.push_back(t.numel());
+  const RingPlan plan = this->plan();
+  CollectiveHeader h;
+  h.dtype = static_cast<uint8_t>(dt);
+  h.redop = static_cast<uint8_t>(op);
+  h.bytes = 0;
+  for (const at::Tensor& t : ins) h.bytes += t.nbytes();
+  h.aux = fingerprintSizes(counts) ^ plan.fingerprint();
+  const int rank = rank_;
+  return enqueue(c10d::OpType::REDUCE_SCATTER, "hetcomm:reduce_scatter", CollectiveKind::kReduceScatter, {out}, h,
+                 effectiveTimeout(opts.timeout), [ins, out, counts, dt, op, plan, rank](CollectiveContext& ctx) {
+                   at::Tensor work = flattenAll(ins);
+                   hetcomm::reduceScatterv(ctx, static_cast<char*>(work.data_ptr()), counts, dt, op, plan);
+                   int64_t off = 0;
+                   for (int r = 0; r < rank; ++r) off += counts[r];
+                   const_cast<at::Tensor&>(out).copy_(work.narrow(0, off, counts[rank]).view(out.sizes()));
+                 });
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupHetcomm::_reduce_scatter_base(at::Tensor& output, at::Tensor& input,
+                                                                        const c10d::ReduceScatterOptions& opts) {
+  checkDenseCpu(input, "reduce_scatter_tensor");
+  checkDenseCpu(output, "reduce_scatter_tensor");
+  TORCH_CHECK_TYPE(output.scalar_type() == input.scalar_type(), "hetcomm reduce_scatter_tensor: output dtype ",
+                   output.scalar_type(), " differs from input dtype ", input.scalar_type());
+  TORCH_CHECK_VALUE(input.numel() == output.numel() * size_, "hetcomm reduce_scatter_tensor: input has ",
+                    input.numel(), " elements, expected output numel x world size = ", output.numel() * size_);
+  const DType dt = toDType(input, "reduce_scatter_tensor");
+  const RedOp op = toRedOp(opts.reduceOp, "reduce_scatter_tensor");
+  checkReduce(dt, op, "reduce_scatter_tensor");
+  const RingPlan plan = this->plan();
+  CollectiveHeader h;
+  h.dtype = static_cast<uint8_t>(dt);
+  h.redop = static_cast<uint8_t>(op);
+  h.bytes = input.nbytes();
+  h.aux = plan.fingerprint();
+  at::Tensor in = input, out = output;
+  const int rank = rank_, size = size_;
+  return enqueue(c10d::OpType::_REDUCE_SCATTER_BASE, "hetcomm:reduce_scatter_tensor", CollectiveKind::kReduceScatter,
+                 {out}, h, effectiveTimeout(opts.timeout), [in, out, dt, op, plan, rank, size](CollectiveContext& ctx) {
+                   at::Tensor work = in.contiguous().clone();  // the input stays untouched
+                   const size_t n = static_cast<size_t>(out.numel());
+                   hetcomm::reduceScatterv(ctx, static_cast<char*>(work.data_ptr()), std::vector<size_t>(size, n), dt,
+                                           op, plan);
+                   const_cast<at::Tensor&>(out).copy_(work.reshape({-1}).narrow(0, rank * n, n).view(out.sizes()));
+                 });
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupHetcomm::reduce_scatter_tensor_coalesced(
+    std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs, const c10d::ReduceScatterOptions& opts) {
+  TORCH_CHECK_VALUE(outputs.size() == inputs.size() && !inputs.empty(),
+                    "hetcomm reduce_scatter_tensor_coalesced: needs as many outputs as inputs, and at least one");
+  const DType dt = toDType(inputs[0], "reduce_scatter_tensor_coalesced");
+  const RedOp op = toRedOp(opts.reduceOp, "reduce_scatter_tensor_coalesced");
+  checkReduce(dt, op, "reduce_scatter_tensor_coalesced");
+  size_t block = 0;
+  for (size_t k = 0; k < inputs.size(); ++k) {
+    checkDenseCpu(inputs[k], "reduce_scatter_tensor_coalesced");
+    checkDenseCpu(outputs[k], "reduce_scatter_tensor_coalesced");
+    TORCH_CHECK_VALUE(inputs[k].scalar_type() == inputs[0].scalar_type() &&
+                          outputs[k].scalar_type() == inputs[0].scalar_type() &&
+                          inputs[k].numel() == outputs[k].numel() * size_,
+                      "hetcomm reduce_scatter_tensor_coalesced: input ", k,
+                      " must hold world size x output ", k, " elements, all of one dtype");
+    block += outputs[k].numel();
+  }
+  const RingPlan plan = this->plan();
+  CollectiveHeader h;
+  h.dtype = static_cast<uint8_t>(dt);
+  h.redop = static_cast<uint8_t>(op);
+  h.bytes = block * size_ * elementSize(dt);
+  h.aux = plan.fingerprint();
+  std::vector<at::Tensor> ins = inputs, outs = outputs;
+  const int rank = rank_, size = size_;
+  // One reduce-scatter over a buffer whose block r is every input's rank-r slice, back to back.
+  return enqueue(c10d::OpType::REDUCE_SCATTER_TENSOR_COALESCED, "hetcomm:reduce_scatter_tensor_coalesced",
+                 CollectiveKind::kReduceScatter, outs, h, effectiveTimeout(opts.timeout),
+                 [ins, outs, block, dt, op, plan, rank, size](CollectiveContext& ctx) {
+                   std::vector<at::Tensor> pieces;
+                   for (int r = 0; r < size; ++r) {
+                     for (size_t k = 0; k < ins.size(); ++k) {
+                       const int64_t n = outs[k].numel();
+                       pieces.push_back(ins[k].reshape({-1}).narrow(0, r * n, n));
+                     }
+                   }
+                   at::Tensor work = at::cat(pieces);
+                   hetcomm::reduceScatterv(ctx, static_cast<char*>(work.data_ptr()), std::vector<size_t>(size, block),
+                                           dt, op, plan);
+                   int64_t off = static_cast<int64_t>(rank * block);
+                   for (const at::Tensor& o : outs) {
+                     const_cast<at::Tensor&>(o).copy_(work.narrow(0, off, o.numel()).view(o.sizes()));
+                     off += o.numel();
+                   }
+                 });
+}
+
+namespace {
+
+// Byte offsets/sizes of dim-0 splits (empty split list: equal split).
+void splitBytes(const at::Tensor& t, const std::vector<int64_t>& splits, int size, const char* which,
+                std::vector<size_t>& offsets, std::vector<size_t>& bytes) {
+  const int64_t rows = t.dim() == 0 ? 1 : t.size(0);
+  const size_t rowBytes = rows == 0 ? 0 : t.nbytes() / rows;
+  std::vector<int64_t> s = splits;
+  if (s.empty()) {
+    TORCH_CHECK_VALUE(rows % size == 0, "hetcomm alltoall: ", which, " dim 0 (", rows,
+                      ") is not divisible by the world size ", size, " and no split sizes were given");
+    s.assign(size, rows / size);
+  }
+  TORCH_CHECK_VALUE(static_cast<int>(s.size()) == size, "hetcomm alltoall: ", which, " split sizes have ", s.size(),
+                    " entries, expected ", size);
+  int64_t sum = 0;
+  offsets.clear();
+  bytes.clear();
+  for (int64_t v : s) {
+    TORCH_CHECK_VALUE(v >= 0, "hetcomm alltoall: negative split size");
+    offsets.push_back(static_cast<size_t>(sum) * rowBytes);
+    bytes.push_back(static_cast<size_t>(v) * rowBytes);
+    sum += v;
+  }
+  TORCH_CHECK_VALUE(sum == rows, "hetcomm alltoall: ", which, " split sizes sum to ", sum, " but dim 0 is ", rows);
+}
+
+}  // namespace
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupHetcomm::alltoall_base(at::Tensor& output, at::Tensor& input,
+                                                                  std::vector<int64_t>& outputSplitSizes,
+                                                                  std::vector<int64_t>& inputSplitSizes,
+                                                                  const c10d::AllToAllOptions& opts) {
+  checkDenseCpu(input, "alltoall");
+  checkDenseCpu(output, "alltoall");
+  TORCH_CHECK_TYPE(output.scalar_type() == input.scalar_type(), "hetcomm alltoall: output dtype ",
+                   output.scalar_type(), " differs from input dtype ", input.scalar_type());
+  std::vector<size_t> sendOff, sendBytes, recvOff, recvBytes;
+  splitBytes(input, inputSplitSizes, size_, "input", sendOff, sendBytes);
+  splitBytes(output, outputSplitSizes, size_, "output", recvOff, recvBytes);
+  CollectiveHeader h;
+  h.dtype = static_cast<uint8_t>(toDType(input, "alltoall"));
+  at::Tensor in = input, out = output;
+  return enqueue(c10d::OpType::ALLTOALL_BASE, "hetcomm:all_to_all_single", CollectiveKind::kAlltoall, {out}, h,
+                 effectiveTimeout(opts.timeout),
+                 [in, out, sendOff, sendBytes, recvOff, recvBytes](CollectiveContext& ctx) {
+                   at::Tensor i = contiguousOf(in);
+                   at::Tensor o = contiguousOf(out);
+                   hetcomm::alltoallv(ctx, static_cast<const char*>(i.data_ptr()), sendOff, sendBytes,
+                                      static_cast<char*>(o.data_ptr()), recvOff, recvBytes);
+                   copyBackIfNeeded(out, o);
+                 });
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupHetcomm::alltoall(std::vector<at::Tensor>& outputs,
+                                                             std::vector<at::Tensor>& inputs,
+                                                             const c10d::AllToAllOptions& opts) {
+  checkCount(inputs, static_cast<size_t>(size_), "alltoall", "input");
+  checkCount(outputs, static_cast<size_t>(size_), "alltoall", "output");
+  checkDenseCpu(inputs[0], "alltoall");
+  checkSame(inputs, inputs[0].scalar_type(), -1, "alltoall", "input");
+  checkSame(outputs, inputs[0].scalar_type(), -1, "alltoall", "output");
+  std::vector<size_t> sendOff, sendBytes, recvOff, recvBytes;
+  size_t so = 0, ro = 0;
+  for (int r = 0; r < size_; ++r) {
+    sendOff.push_back(so);
+    sendBytes.push_back(inputs[r].nbytes());
+    so += inputs[r].nbytes();
+    recvOff.push_back(ro);
+    recvBytes.push_back(outputs[r].nbytes());
+    ro += outputs[r].nbytes();
+  }
+  CollectiveHeader h;
+  h.dtype = static_cast<uint8_t>(toDType(inputs[0], "alltoall"));
+  std::vector<at::Tensor> ins = inputs, outs = outputs;
+  return enqueue(c10d::OpType::ALLTOALL, "hetcomm:all_to_all", CollectiveKind::kAlltoall, outs, h,
+                 effectiveTimeout(opts.timeout),
+                 [ins, outs, sendOff, sendBytes, recvOff, recvBytes, ro](CollectiveContext& ctx) {
+                   at::Tensor in = flattenAll(ins);
+                   at::Tensor flat = at::empty({static_cast<int64_t>(ro)}, at::kByte);
+                   hetcomm::alltoallv(ctx, static_cast<const char*>(in.data_ptr()), sendOff, sendBytes,
+                                      static_cast<char*>(flat.data_ptr()), recvOff, recvBytes);
+                   for (size_t r = 0; r < outs.size(); ++r) {
+                     at::Tensor piece = flat.narrow(0, recvOff[r], recvBytes[r]).view(outs[r].scalar_type());
+                     const_cast<at::Tensor&>(outs[r]).copy_(piece.view(outs[r].sizes()));
+                   }
+                 });
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupHetcomm::barrier(const c10d::BarrierOptions& opts) {
+  CollectiveHeader h;
+  h.bytes = 1;
+  return enqueue(c10d::OpType::BARRIER, "hetcomm:barrier", CollectiveKind::kBarrier, {}, h,
+                 effectiveTimeout(opts.timeout), [](CollectiveContext& ctx) { hetcomm::barrier(ctx); });
+}
+
+// ---------------------------------------------------------------------------------------------
+// Point-to-point
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupHetcomm::send(std::vector<at::Tensor>& tensors, int dstRank, int tag) {
+  checkCount(tensors, 1, "send", "input");
+  checkDenseCpu(tensors[0], "send");
+  TORCH_CHECK_VALUE(dstRank >= 0 && dstRank < size_ && dstRank != rank_, "hetcomm send: invalid destination rank ",
+                    dstRank, " (this is rank ", rank_, " of ", size_, ")");
+  at::Tensor data = contiguousOf(tensors[0]);
+  auto work = c10::make_intrusive<WorkHetcomm>(rank_, c10d::OpType::SEND, "hetcomm:send", std::vector<at::Tensor>{},
+                                               0, completions_);
+  const auto timeout = options_.timeout;
+  // The lambda keeps `data` (and its storage) alive until the bytes are on the wire.
+  p2p_->postSend(dstRank, tag, static_cast<const char*>(data.data_ptr()), data.nbytes(), Clock::now() + timeout,
+                 timeout.count(), [work, data](std::exception_ptr e) {
+                   (void)data;
+                   work->complete(asDistError(e));
+                 });
+  return work;
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupHetcomm::recv(std::vector<at::Tensor>& tensors, int srcRank, int tag) {
+  checkCount(tensors, 1, "recv", "output");
+  checkDenseCpu(tensors[0], "recv");
+  TORCH_CHECK_VALUE(srcRank >= 0 && srcRank < size_ && srcRank != rank_, "hetcomm recv: invalid source rank ", srcRank,
+                    " (this is rank ", rank_, " of ", size_, ")");
+  at::Tensor target = tensors[0];
+  at::Tensor buffer = target.is_contiguous() ? target : at::empty_like(target, at::MemoryFormat::Contiguous);
+  auto work = c10::make_intrusive<WorkHetcomm>(rank_, c10d::OpType::RECV, "hetcomm:recv",
+                                               std::vector<at::Tensor>{target}, 0, completions_);
+  const auto timeout = options_.timeout;
+  p2p_->postRecv(srcRank, tag, static_cast<char*>(buffer.data_ptr()), buffer.nbytes(), Clock::now() + timeout,
+                 timeout.count(), [work, target, buffer](std::exception_ptr e) {
+                   if (!e && !target.is_same(buffer)) const_cast<at::Tensor&>(target).copy_(buffer);
+                   work->complete(asDistError(e));
+                 });
+  return work;
+}
+
+}  // namespace hetcomm

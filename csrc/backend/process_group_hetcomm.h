@@ -1,0 +1,124 @@
+#pragma once
+// ProcessGroupHetcomm: the c10d::Backend behind dist.init_process_group("hetcomm").
+//
+// Every operation goes through three phases (as in ProcessGroupGloo): it is validated on the
+// caller's thread and fails fast with a message that names the operation; a single worker thread
+// runs the collectives in issue order (the order is what every rank agrees on); the Work is
+// finished there and its future completed on a completion-pool thread. Point-to-point operations
+// go to their own engine and connections. Any communication failure aborts the group's
+// connections, so that peers blocked on this rank fail promptly too, and every later operation
+// fails with the original reason.
+#include <torch/csrc/distributed/c10d/Backend.hpp>
+#include <torch/csrc/distributed/c10d/Store.hpp>
+
+#include <atomic>
+#include <condition_variable>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+
+#include "algorithms/collectives.h"
+#include "backend/completion_pool.h"
+#include "backend/p2p_engine.h"
+#include "backend/work.h"
+#include "transport/tcp_mesh.h"
+
+namespace hetcomm {
+
+class ProcessGroupHetcomm : public c10d::Backend {
+ public:
+  struct Options {
+    std::chrono::milliseconds timeout{30 * 60 * 1000};
+    std::string listenIp;  // empty: HETCOMM_SOCKET_IFNAME, else the address that reaches the store
+  };
+
+  ProcessGroupHetcomm(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size, Options options);
+  ~ProcessGroupHetcomm() override;
+
+  const std::string getBackendName() const override { return "hetcomm"; }
+  void setTimeout(std::chrono::milliseconds timeout) override { options_.timeout = timeout; }
+
+  c10::intrusive_ptr<c10d::Work> broadcast(std::vector<at::Tensor>& tensors, const c10d::BroadcastOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allreduce(std::vector<at::Tensor>& tensors, const c10d::AllreduceOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allreduce_coalesced(std::vector<at::Tensor>& tensors,
+                                                      const c10d::AllreduceCoalescedOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> reduce(std::vector<at::Tensor>& tensors, const c10d::ReduceOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allgather(std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
+                                            const c10d::AllgatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> _allgather_base(at::Tensor& output, at::Tensor& input,
+                                                  const c10d::AllgatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allgather_into_tensor_coalesced(std::vector<at::Tensor>& outputs,
+                                                                  std::vector<at::Tensor>& inputs,
+                                                                  const c10d::AllgatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> gather(std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
+                                         const c10d::GatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> scatter(std::vector<at::Tensor>& outputs, std::vector<std::vector<at::Tensor>>& inputs,
+                                          const c10d::ScatterOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> reduce_scatter(std::vector<at::Tensor>& outputs,
+                                                 std::vector<std::vector<at::Tensor>>& inputs,
+                                                 const c10d::ReduceScatterOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> _reduce_scatter_base(at::Tensor& output, at::Tensor& input,
+                                                       const c10d::ReduceScatterOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> reduce_scatter_tensor_coalesced(std::vector<at::Tensor>& outputs,
+                                                                  std::vector<at::Tensor>& inputs,
+                                                                  const c10d::ReduceScatterOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> alltoall_base(at::Tensor& output, at::Tensor& input,
+                                                std::vector<int64_t>& outputSplitSizes,
+                                                std::vector<int64_t>& inputSplitSizes,
+                                                const c10d::AllToAllOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> alltoall(std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
+                                           const c10d::AllToAllOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> send(std::vector<at::Tensor>& tensors, int dstRank, int tag) override;
+  c10::intrusive_ptr<c10d::Work> recv(std::vector<at::Tensor>& tensors, int srcRank, int tag) override;
+  c10::intrusive_ptr<c10d::Work> barrier(const c10d::BarrierOptions& opts) override;
+
+  void setSequenceNumberForGroup() override {}
+  uint64_t getSequenceNumberForGroup() override;
+  void abort() override;
+  void shutdown() override;
+
+  // hetcomm's own API (bound in Python).
+  std::string listenAddress() const { return mesh_->listenAddress().str(); }
+  int64_t rejectedConnections() const { return mesh_->rejectedConnections(); }
+  RingPlan plan() const;
+  // Takes effect for operations issued after the call; every rank must set the same plan at the
+  // same point of its program (a mismatch is detected and reported by the next allreduce).
+  void setPlan(RingPlan plan);
+
+ private:
+  using Body = std::function<void(CollectiveContext&)>;
+  struct Pending {
+    c10::intrusive_ptr<WorkHetcomm> work;
+    CollectiveHeader header;
+    std::chrono::milliseconds timeout;
+    Body body;
+  };
+
+  c10::intrusive_ptr<WorkHetcomm> enqueue(c10d::OpType type, const char* profilingTitle, CollectiveKind kind,
+                                          std::vector<at::Tensor> outputs, CollectiveHeader header,
+                                          std::chrono::milliseconds timeout, Body body);
+  std::chrono::milliseconds effectiveTimeout(std::chrono::milliseconds requested) const;
+  void runWorker();
+  void failGroup(const std::string& reason);
+  void stopAll(const std::string& reason);
+
+  c10::intrusive_ptr<c10d::Store> store_;
+  Options options_;
+  std::shared_ptr<CompletionPool> completions_;
+  std::unique_ptr<TcpMesh> mesh_;
+  std::unique_ptr<P2PEngine> p2p_;
+
+  mutable std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<Pending> queue_;
+  uint64_t nextSeq_ = 0;
+  bool stopping_ = false;
+  std::string brokenReason_;  // set once the group failed; every later operation fails with it
+  RingPlan plan_;
+  std::thread worker_;
+};
+
+}  // namespace hetcomm

@@ -1,0 +1,81 @@
+// The Python module hetcomm._C: the backend class (a subclass of torch's Backend, so that torch
+// treats it like its own) and a few helpers for benchmarks and tests.
+#include <torch/csrc/utils/pybind.h>
+#include <torch/python.h>
+
+#include "backend/process_group_hetcomm.h"
+#include "backend/tensor_checks.h"
+#include "kernels/reduce.h"
+
+namespace py = pybind11;
+
+namespace {
+
+hetcomm::RedOp parseOp(const std::string& name) {
+  static const std::pair<const char*, hetcomm::RedOp> kOps[] = {
+      {"sum", hetcomm::RedOp::kSum},   {"avg", hetcomm::RedOp::kAvg},   {"product", hetcomm::RedOp::kProduct},
+      {"min", hetcomm::RedOp::kMin},   {"max", hetcomm::RedOp::kMax},   {"band", hetcomm::RedOp::kBand},
+      {"bor", hetcomm::RedOp::kBor},   {"bxor", hetcomm::RedOp::kBxor}};
+  for (const auto& kv : kOps) {
+    if (name == kv.first) return kv.second;
+  }
+  throw py::value_error("unknown reduce op '" + name + "' (sum, avg, product, min, max, band, bor, bxor)");
+}
+
+// dst = op(dst, src) with the backend's own CPU kernel (AVG reduces as SUM, like on the wire).
+void reduceIntoTensor(at::Tensor& dst, const at::Tensor& src, const std::string& opName) {
+  hetcomm::checkDenseCpu(dst, "reduce_into");
+  hetcomm::checkDenseCpu(src, "reduce_into");
+  TORCH_CHECK_VALUE(dst.is_contiguous() && src.is_contiguous(), "reduce_into: tensors must be contiguous");
+  TORCH_CHECK_VALUE(dst.scalar_type() == src.scalar_type() && dst.numel() == src.numel(),
+                    "reduce_into: tensors must have the same dtype and number of elements");
+  const hetcomm::DType dt = hetcomm::toDType(dst, "reduce_into");
+  const hetcomm::RedOp op = parseOp(opName);
+  hetcomm::checkReduce(dt, op, "reduce_into");
+  py::gil_scoped_release release;
+  hetcomm::reduceInto(dst.data_ptr(), src.data_ptr(), static_cast<size_t>(dst.numel()), dt, op);
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_C, m) {
+  m.doc() = "hetcomm C++ core";
+  py::module::import("torch.distributed");
+
+  py::class_<hetcomm::ProcessGroupHetcomm, c10d::Backend, c10::intrusive_ptr<hetcomm::ProcessGroupHetcomm>>(
+      m, "ProcessGroupHetcomm")
+      .def(py::init([](const c10::intrusive_ptr<c10d::Store>& store, int rank, int size, int64_t timeoutMs,
+                       const std::string& listenIp) {
+             hetcomm::ProcessGroupHetcomm::Options options;
+             options.timeout = std::chrono::milliseconds(timeoutMs);
+             options.listenIp = listenIp;
+             // Creation waits on the store for the other ranks: let other Python threads run.
+             py::gil_scoped_release release;
+             return c10::make_intrusive<hetcomm::ProcessGroupHetcomm>(store, rank, size, options);
+           }),
+           py::arg("store"), py::arg("rank"), py::arg("size"), py::arg("timeout_ms"), py::arg("listen_ip") = "")
+      .def("listen_address", &hetcomm::ProcessGroupHetcomm::listenAddress,
+           "This rank's listening address, ip:port.")
+      .def("rejected_connections", &hetcomm::ProcessGroupHetcomm::rejectedConnections,
+           "How many incoming connections failed the handshake and were closed.")
+      .def(
+          "get_plan",
+          [](const hetcomm::ProcessGroupHetcomm& pg) {
+            hetcomm::RingPlan p = pg.plan();
+            return py::make_tuple(p.order, p.shares);
+          },
+          "The ring plan as (order, shares): ring positions' ranks and each rank's share of an allreduce.")
+      .def(
+          "set_plan",
+          [](hetcomm::ProcessGroupHetcomm& pg, std::vector<int> order, std::vector<double> shares) {
+            hetcomm::RingPlan p;
+            p.order = std::move(order);
+            p.shares = std::move(shares);
+            pg.setPlan(std::move(p));
+          },
+          py::arg("order"), py::arg("shares"),
+          "Sets the ring plan for operations issued from now on; every rank must set the same plan.");
+
+  m.def("reduce_into", &reduceIntoTensor, py::arg("dst"), py::arg("src"), py::arg("op") = "sum",
+        "dst = op(dst, src) with hetcomm's CPU reduce kernel (for benchmarks and tests).");
+}

@@ -1,0 +1,50 @@
+#pragma once
+// Errors raised by the hetcomm core.
+//
+// Recoverable failures (a peer died, a timeout, garbage on a socket, ranks that disagree about a
+// collective) throw CommError; the backend turns it into torch.distributed.DistBackendError on
+// every rank that can know. Broken internal invariants use HC_ENFORCE, which throws
+// std::logic_error: they are bugs, not user errors.
+#include <sstream>
+#include <stdexcept>
+#include <string>
+
+namespace hetcomm {
+
+class CommError : public std::runtime_error {
+ public:
+  explicit CommError(const std::string& what) : std::runtime_error(what) {}
+};
+
+// A CommError caused by a deadline passing (lets callers report ErrorType::TIMEOUT).
+class TimeoutError : public CommError {
+ public:
+  explicit TimeoutError(const std::string& what) : CommError(what) {}
+};
+
+namespace detail {
+inline void appendAll(std::ostringstream&) {}
+template <typename T, typename... Rest>
+void appendAll(std::ostringstream& os, const T& first, const Rest&... rest) {
+  os << first;
+  appendAll(os, rest...);
+}
+}  // namespace detail
+
+template <typename... Args>
+std::string strCat(const Args&... args) {
+  std::ostringstream os;
+  detail::appendAll(os, args...);
+  return os.str();
+}
+
+}  // namespace hetcomm
+
+#define HC_ENFORCE(cond, ...)                                                           \
+  do {                                                                                  \
+    if (!(cond)) {                                                                      \
+      throw std::logic_error(::hetcomm::strCat("hetcomm internal error: ", #cond, " (", \
+                                               __FILE__, ":", __LINE__, ") ",           \
+                                               ##__VA_ARGS__));                         \
+    }                                                                                   \
+  } while (0)

@@ -1,0 +1,260 @@
+#include "transport/socket.h"
+
+#include <arpa/inet.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <ifaddrs.h>
+#include <net/if.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <climits>
+#include <cstring>
+#include <thread>
+
+#include "common/env.h"
+#include "common/error.h"
+
+namespace hetcomm {
+
+int msUntil(Deadline deadline) {
+  auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()).count();
+  if (left <= 0) return 0;
+  return left > INT_MAX ? INT_MAX : static_cast<int>(left);
+}
+
+Socket& Socket::operator=(Socket&& other) noexcept {
+  if (this != &other) {
+    close();
+    fd_ = other.release();
+  }
+  return *this;
+}
+
+void Socket::close() {
+  if (fd_ >= 0) {
+    ::close(fd_);
+    fd_ = -1;
+  }
+}
+
+void Socket::shutdownBoth() const {
+  if (fd_ >= 0) ::shutdown(fd_, SHUT_RDWR);
+}
+
+std::string HostPort::str() const {
+  return host.find(':') != std::string::npos ? strCat("[", host, "]:", port) : strCat(host, ":", port);
+}
+
+HostPort HostPort::parse(const std::string& text) {
+  auto colon = text.rfind(':');
+  if (colon == std::string::npos || colon + 1 >= text.size()) {
+    throw CommError(strCat("hetcomm: malformed address '", text, "' (expected host:port)"));
+  }
+  HostPort hp;
+  hp.host = text.substr(0, colon);
+  if (hp.host.size() >= 2 && hp.host.front() == '[' && hp.host.back() == ']') hp.host = hp.host.substr(1, hp.host.size() - 2);
+  hp.port = static_cast<uint16_t>(std::stoi(text.substr(colon + 1)));
+  return hp;
+}
+
+namespace {
+
+std::string errnoText(int err) { return std::strerror(err); }
+
+struct AddrInfo {
+  addrinfo* head = nullptr;
+  ~AddrInfo() {
+    if (head != nullptr) freeaddrinfo(head);
+  }
+};
+
+void resolve(const std::string& host, uint16_t port, int flags, AddrInfo& out) {
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  hints.ai_flags = flags;
+  std::string service = std::to_string(port);
+  int rc = getaddrinfo(host.empty() ? nullptr : host.c_str(), service.c_str(), &hints, &out.head);
+  if (rc != 0) throw CommError(strCat("hetcomm: cannot resolve '", host, "': ", gai_strerror(rc)));
+}
+
+}  // namespace
+
+void setNonBlocking(int fd) {
+  int flags = fcntl(fd, F_GETFL, 0);
+  if (flags < 0 || fcntl(fd, F_SETFL, flags | O_NONBLOCK) < 0) {
+    throw CommError(strCat("hetcomm: fcntl(O_NONBLOCK) failed: ", errnoText(errno)));
+  }
+}
+
+void tuneSocket(int fd) {
+  int one = 1;
+  setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+  int buf = static_cast<int>(paramSocketBufferBytes());
+  if (buf > 0) {
+    setsockopt(fd, SOL_SOCKET, SO_SNDBUF, &buf, sizeof(buf));
+    setsockopt(fd, SOL_SOCKET, SO_RCVBUF, &buf, sizeof(buf));
+  }
+}
+
+Socket listenOn(const std::string& ip, uint16_t port, int backlog) {
+  AddrInfo ai;
+  resolve(ip, port, AI_PASSIVE | AI_NUMERICHOST, ai);
+  std::string lastError = "no address";
+  for (addrinfo* p = ai.head; p != nullptr; p = p->ai_next) {
+    Socket s(::socket(p->ai_family, p->ai_socktype | SOCK_CLOEXEC, p->ai_protocol));
+    if (!s.valid()) continue;
+    int one = 1;
+    setsockopt(s.fd(), SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
+    // Set buffer sizes before listen() so that accepted sockets inherit them (window scaling).
+    tuneSocket(s.fd());
+    if (::bind(s.fd(), p->ai_addr, p->ai_addrlen) == 0 && ::listen(s.fd(), backlog) == 0) {
+      setNonBlocking(s.fd());
+      return s;
+    }
+    lastError = errnoText(errno);
+  }
+  throw CommError(strCat("hetcomm: cannot listen on ", ip, ":", port, ": ", lastError));
+}
+
+HostPort boundAddress(int fd) {
+  sockaddr_storage ss{};
+  socklen_t len = sizeof(ss);
+  if (getsockname(fd, reinterpret_cast<sockaddr*>(&ss), &len) != 0) {
+    throw CommError(strCat("hetcomm: getsockname failed: ", errnoText(errno)));
+  }
+  char host[NI_MAXHOST];
+  char serv[NI_MAXSERV];
+  int rc = getnameinfo(reinterpret_cast<sockaddr*>(&ss), len, host, sizeof(host), serv, sizeof(serv),
+                       NI_NUMERICHOST | NI_NUMERICSERV);
+  if (rc != 0) throw CommError(strCat("hetcomm: getnameinfo failed: ", gai_strerror(rc)));
+  HostPort hp;
+  hp.host = host;
+  hp.port = static_cast<uint16_t>(std::stoi(serv));
+  return hp;
+}
+
+Socket connectTo(const HostPort& addr, Deadline deadline) {
+  std::string lastError = "no address";
+  auto backoff = std::chrono::milliseconds(5);
+  while (true) {
+    AddrInfo ai;
+    resolve(addr.host, addr.port, 0, ai);
+    for (addrinfo* p = ai.head; p != nullptr; p = p->ai_next) {
+      Socket s(::socket(p->ai_family, p->ai_socktype | SOCK_CLOEXEC, p->ai_protocol));
+      if (!s.valid()) continue;
+      tuneSocket(s.fd());
+      setNonBlocking(s.fd());
+      int rc = ::connect(s.fd(), p->ai_addr, p->ai_addrlen);
+      if (rc != 0 && errno == EINPROGRESS) {
+        pollfd pfd{s.fd(), POLLOUT, 0};
+        rc = ::poll(&pfd, 1, msUntil(deadline));
+        if (rc == 1) {
+          int err = 0;
+          socklen_t len = sizeof(err);
+          getsockopt(s.fd(), SOL_SOCKET, SO_ERROR, &err, &len);
+          if (err == 0) return s;
+          lastError = errnoText(err);
+        } else {
+          lastError = rc == 0 ? "timed out" : errnoText(errno);
+        }
+      } else if (rc == 0) {
+        return s;
+      } else {
+        lastError = errnoText(errno);
+      }
+    }
+    if (Clock::now() + backoff >= deadline) break;
+    std::this_thread::sleep_for(backoff);
+    backoff = std::min(backoff * 2, std::chrono::milliseconds(500));
+  }
+  throw CommError(strCat("hetcomm: cannot connect to ", addr.str(), ": ", lastError));
+}
+
+namespace {
+
+// Waits for `events` on fd; throws on timeout or socket error.
+void waitFor(int fd, short events, Deadline deadline, const std::function<std::string()>& what) {
+  while (true) {
+    pollfd pfd{fd, events, 0};
+    int rc = ::poll(&pfd, 1, msUntil(deadline));
+    if (rc > 0) return;  // readiness or error: the following syscall reports which
+    if (rc == 0) throw TimeoutError(strCat("hetcomm: timed out ", what()));
+    if (errno != EINTR) throw CommError(strCat("hetcomm: poll failed ", what(), ": ", errnoText(errno)));
+  }
+}
+
+}  // namespace
+
+void sendAll(int fd, const void* data, size_t len, Deadline deadline, const std::function<std::string()>& what) {
+  const char* p = static_cast<const char*>(data);
+  while (len > 0) {
+    ssize_t n = ::send(fd, p, len, MSG_NOSIGNAL);
+    if (n > 0) {
+      p += n;
+      len -= static_cast<size_t>(n);
+    } else if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
+      waitFor(fd, POLLOUT, deadline, what);
+    } else if (n < 0 && errno == EINTR) {
+      continue;
+    } else {
+      throw CommError(strCat("hetcomm: send failed ", what(), ": ", errnoText(errno)));
+    }
+  }
+}
+
+void recvAll(int fd, void* data, size_t len, Deadline deadline, const std::function<std::string()>& what) {
+  char* p = static_cast<char*>(data);
+  while (len > 0) {
+    ssize_t n = ::recv(fd, p, len, 0);
+    if (n > 0) {
+      p += n;
+      len -= static_cast<size_t>(n);
+    } else if (n == 0) {
+      throw CommError(strCat("hetcomm: connection closed by peer ", what()));
+    } else if (errno == EAGAIN || errno == EWOULDBLOCK) {
+      waitFor(fd, POLLIN, deadline, what);
+    } else if (errno != EINTR) {
+      throw CommError(strCat("hetcomm: recv failed ", what(), ": ", errnoText(errno)));
+    }
+  }
+}
+
+std::string interfaceAddress(const std::string& ifname) {
+  ifaddrs* head = nullptr;
+  if (getifaddrs(&head) != 0) throw CommError(strCat("hetcomm: getifaddrs failed: ", errnoText(errno)));
+  std::string found;
+  for (ifaddrs* p = head; p != nullptr && found.empty(); p = p->ifa_next) {
+    if (p->ifa_addr == nullptr || ifname != p->ifa_name || p->ifa_addr->sa_family != AF_INET) continue;
+    char buf[INET_ADDRSTRLEN];
+    auto* sin = reinterpret_cast<sockaddr_in*>(p->ifa_addr);
+    if (inet_ntop(AF_INET, &sin->sin_addr, buf, sizeof(buf)) != nullptr) found = buf;
+  }
+  freeifaddrs(head);
+  if (found.empty()) {
+    throw CommError(strCat("hetcomm: HETCOMM_SOCKET_IFNAME=", ifname, " names no interface with an IPv4 address"));
+  }
+  return found;
+}
+
+std::string localAddressReaching(const std::string& host) {
+  addrinfo hints{};
+  hints.ai_family = AF_INET;
+  hints.ai_socktype = SOCK_DGRAM;
+  AddrInfo ai;
+  if (getaddrinfo(host.c_str(), "9", &hints, &ai.head) != 0 || ai.head == nullptr) {
+    throw CommError(strCat("hetcomm: cannot resolve store host '", host, "'"));
+  }
+  Socket s(::socket(AF_INET, SOCK_DGRAM | SOCK_CLOEXEC, 0));
+  if (!s.valid() || ::connect(s.fd(), ai.head->ai_addr, ai.head->ai_addrlen) != 0) {
+    throw CommError(strCat("hetcomm: no route to store host '", host, "': ", errnoText(errno)));
+  }
+  return boundAddress(s.fd()).host;
+}
+
+}  // namespace hetcomm

@@ -1,0 +1,69 @@
+#pragma once
+// Thin POSIX TCP helpers: RAII sockets, deadline-bounded blocking I/O built on poll(), address
+// discovery. Every wait is bounded by a deadline and ends in a CommError naming what it waited for.
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <string>
+
+namespace hetcomm {
+
+using Clock = std::chrono::steady_clock;
+using Deadline = Clock::time_point;
+
+// Milliseconds left until `deadline`, clamped to [0, INT_MAX] for poll().
+int msUntil(Deadline deadline);
+
+class Socket {
+ public:
+  Socket() = default;
+  explicit Socket(int fd) : fd_(fd) {}
+  ~Socket() { close(); }
+  Socket(Socket&& other) noexcept : fd_(other.release()) {}
+  Socket& operator=(Socket&& other) noexcept;
+  Socket(const Socket&) = delete;
+  Socket& operator=(const Socket&) = delete;
+
+  int fd() const { return fd_; }
+  bool valid() const { return fd_ >= 0; }
+  int release() {
+    int fd = fd_;
+    fd_ = -1;
+    return fd;
+  }
+  void close();
+  // Wakes up anything blocked on this socket (both directions) without freeing the descriptor.
+  void shutdownBoth() const;
+
+ private:
+  int fd_ = -1;
+};
+
+struct HostPort {
+  std::string host;
+  uint16_t port = 0;
+  std::string str() const;
+  // Accepts "host:port" and "[v6]:port".
+  static HostPort parse(const std::string& text);
+};
+
+// A non-blocking listening socket bound to ip (port 0 picks one).
+Socket listenOn(const std::string& ip, uint16_t port, int backlog = 128);
+HostPort boundAddress(int fd);
+// Connects, retrying refused connections until the deadline; the result is non-blocking and
+// tuned (TCP_NODELAY, large buffers).
+Socket connectTo(const HostPort& addr, Deadline deadline);
+void setNonBlocking(int fd);
+void tuneSocket(int fd);
+
+// Blocking-until-deadline transfers on non-blocking sockets. `what` builds the context of the
+// error message lazily ("waiting for rank 3 during handshake").
+void sendAll(int fd, const void* data, size_t len, Deadline deadline, const std::function<std::string()>& what);
+void recvAll(int fd, void* data, size_t len, Deadline deadline, const std::function<std::string()>& what);
+
+// The IPv4 address of a network interface, e.g. "eth0" -> "10.0.0.5"; throws if it has none.
+std::string interfaceAddress(const std::string& ifname);
+// The local address the kernel would use to reach host (no packet is sent).
+std::string localAddressReaching(const std::string& host);
+
+}  // namespace hetcomm

@@ -1,0 +1,188 @@
+#include "transport/tcp_mesh.h"
+
+#include <arpa/inet.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include "common/env.h"
+#include "common/logging.h"
+
+namespace hetcomm {
+namespace {
+
+// A legitimate peer sends its hello right after connecting; anything slower is not one of ours.
+HETCOMM_PARAM(paramHandshakeTimeoutMs, "HETCOMM_HANDSHAKE_TIMEOUT_MS", 3000)
+
+bool sameSecret(const TcpMesh::Secret& a, const TcpMesh::Secret& b) {
+  uint8_t diff = 0;  // constant time: do not leak how many bytes matched
+  for (size_t i = 0; i < a.size(); ++i) diff |= static_cast<uint8_t>(a[i] ^ b[i]);
+  return diff == 0;
+}
+
+}  // namespace
+
+TcpMesh::TcpMesh(int rank, int size, const std::string& listenIp, const Secret& secret, PeerLookup lookup)
+    : rank_(rank), size_(size), secret_(secret), lookup_(std::move(lookup)), collective_(size) {
+  listener_ = listenOn(listenIp, 0);
+  listenAddress_ = boundAddress(listener_.fd());
+  if (::pipe2(wakePipe_, O_CLOEXEC | O_NONBLOCK) != 0) throw CommError("hetcomm: pipe2 failed");
+  listenThread_ = std::thread([this] { listenLoop(); });
+}
+
+TcpMesh::~TcpMesh() { close(); }
+
+void TcpMesh::setInboundP2PHandler(InboundP2P handler) {
+  std::lock_guard<std::mutex> lock(mu_);
+  inboundP2P_ = std::move(handler);
+}
+
+int64_t TcpMesh::rejectedConnections() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return rejected_;
+}
+
+Socket TcpMesh::connectAndGreet(int peer, Channel channel, Deadline deadline) {
+  HostPort addr = lookup_(peer, deadline);
+  Socket s = connectTo(addr, deadline);
+  Hello hello;
+  hello.channel = channel;
+  hello.rank = rank_;
+  hello.worldSize = size_;
+  hello.secret = secret_;
+  auto what = [&] { return strCat("(rank ", rank_, " connecting to rank ", peer, " at ", addr.str(), ")"); };
+  auto bytes = hello.encode();
+  sendAll(s.fd(), bytes.data(), bytes.size(), deadline, what);
+  std::array<uint8_t, HelloAck::kBytes> ackBytes{};
+  recvAll(s.fd(), ackBytes.data(), ackBytes.size(), deadline, what);
+  HelloAck ack;
+  std::string err = HelloAck::decode(ackBytes.data(), ack);
+  if (!err.empty() || ack.rank != peer) {
+    throw CommError(strCat("hetcomm: handshake with rank ", peer, " at ", addr.str(), " failed: ",
+                           err.empty() ? strCat("it answered as rank ", ack.rank) : err));
+  }
+  return s;
+}
+
+int TcpMesh::collectiveFd(int peer, Deadline deadline) {
+  HC_ENFORCE(peer >= 0 && peer < size_ && peer != rank_);
+  {
+    std::unique_lock<std::mutex> lock(mu_);
+    if (aborted_ || closed_) throw CommError("hetcomm: the group's connections were shut down after an error");
+    if (collective_[peer].valid()) return collective_[peer].fd();
+    if (peer > rank_) {
+      // The higher rank opens the connection; wait for our listener to accept it.
+      bool ok = cv_.wait_until(lock, deadline, [&] { return collective_[peer].valid() || aborted_ || closed_; });
+      if (aborted_ || closed_) throw CommError("hetcomm: the group's connections were shut down after an error");
+      if (!ok) {
+        throw TimeoutError(strCat("hetcomm: rank ", rank_, " timed out waiting for rank ", peer,
+                                  " to connect (is it alive and in the same collective?)"));
+      }
+      return collective_[peer].fd();
+    }
+  }
+  Socket s = connectAndGreet(peer, Channel::kCollective, deadline);
+  std::lock_guard<std::mutex> lock(mu_);
+  if (aborted_ || closed_) throw CommError("hetcomm: the group's connections were shut down after an error");
+  collective_[peer] = std::move(s);
+  return collective_[peer].fd();
+}
+
+Socket TcpMesh::connectP2P(int peer, Deadline deadline) {
+  HC_ENFORCE(peer >= 0 && peer < size_ && peer != rank_);
+  return connectAndGreet(peer, Channel::kP2P, deadline);
+}
+
+void TcpMesh::abort() {
+  std::lock_guard<std::mutex> lock(mu_);
+  aborted_ = true;
+  for (Socket& s : collective_) s.shutdownBoth();
+  cv_.notify_all();
+}
+
+void TcpMesh::close() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (closed_) return;
+    closed_ = true;
+    cv_.notify_all();
+  }
+  if (wakePipe_[1] >= 0) {
+    char c = 1;
+    (void)!::write(wakePipe_[1], &c, 1);
+  }
+  if (listenThread_.joinable()) listenThread_.join();
+  std::lock_guard<std::mutex> lock(mu_);
+  for (Socket& s : collective_) s.close();
+  listener_.close();
+  for (int& fd : wakePipe_) {
+    if (fd >= 0) ::close(fd);
+    fd = -1;
+  }
+}
+
+void TcpMesh::listenLoop() {
+  while (true) {
+    pollfd fds[2] = {{listener_.fd(), POLLIN, 0}, {wakePipe_[0], POLLIN, 0}};
+    int rc = ::poll(fds, 2, -1);
+    if (rc < 0 && errno == EINTR) continue;
+    if (fds[1].revents != 0) return;
+    if (rc <= 0 || (fds[0].revents & POLLIN) == 0) continue;
+    sockaddr_storage ss{};
+    socklen_t len = sizeof(ss);
+    int fd = ::accept4(listener_.fd(), reinterpret_cast<sockaddr*>(&ss), &len, SOCK_CLOEXEC | SOCK_NONBLOCK);
+    if (fd < 0) continue;
+    char host[INET6_ADDRSTRLEN] = "?";
+    if (ss.ss_family == AF_INET) {
+      inet_ntop(AF_INET, &reinterpret_cast<sockaddr_in*>(&ss)->sin_addr, host, sizeof(host));
+    }
+    Socket s(fd);
+    tuneSocket(s.fd());
+    try {
+      acceptOne(std::move(s), host);
+    } catch (const std::exception& e) {
+      std::lock_guard<std::mutex> lock(mu_);
+      ++rejected_;
+      HC_LOG(kWarn, "rank ", rank_, ": rejected a connection from ", host, ": ", e.what());
+    }
+  }
+}
+
+void TcpMesh::acceptOne(Socket s, const std::string& from) {
+  const Deadline deadline = Clock::now() + std::chrono::milliseconds(paramHandshakeTimeoutMs());
+  std::array<uint8_t, Hello::kBytes> bytes{};
+  recvAll(s.fd(), bytes.data(), bytes.size(), deadline, [&] { return strCat("reading a handshake from ", from); });
+  Hello hello;
+  std::string err = Hello::decode(bytes.data(), hello);
+  if (err.empty() && hello.worldSize != size_) err = strCat("world size ", hello.worldSize, " != ", size_);
+  if (err.empty() && (hello.rank < 0 || hello.rank >= size_ || hello.rank == rank_)) {
+    err = strCat("invalid peer rank ", hello.rank);
+  }
+  if (err.empty() && !sameSecret(hello.secret, secret_)) err = "wrong group secret";
+  if (err.empty() && hello.channel == Channel::kCollective && hello.rank < rank_) {
+    err = strCat("rank ", hello.rank, " must not open a collective connection to a higher rank");
+  }
+  if (!err.empty()) throw CommError(err);
+
+  HelloAck ack;
+  ack.rank = rank_;
+  auto ackBytes = ack.encode();
+  sendAll(s.fd(), ackBytes.data(), ackBytes.size(), deadline, [&] { return strCat("answering rank ", hello.rank); });
+
+  std::unique_lock<std::mutex> lock(mu_);
+  if (hello.channel == Channel::kCollective) {
+    if (collective_[hello.rank].valid()) throw CommError(strCat("duplicate collective connection from rank ", hello.rank));
+    if (aborted_) s.shutdownBoth();
+    collective_[hello.rank] = std::move(s);
+    cv_.notify_all();
+    return;
+  }
+  InboundP2P handler = inboundP2P_;
+  lock.unlock();
+  if (!handler) throw CommError("point-to-point connection before the engine was ready");
+  handler(hello.rank, std::move(s));
+}
+
+}  // namespace hetcomm

@@ -1,0 +1,13 @@
+"""hetcomm: collectives for data-parallel training on heterogeneous clusters.
+
+``import hetcomm`` registers the torch.distributed backend ``"hetcomm"``::
+
+    import hetcomm, torch.distributed as dist
+    dist.init_process_group("hetcomm")
+"""
+from hetcomm._backend import register_backend, backend_of, listen_address
+
+__version__ = "0.1.0"
+__all__ = ["register_backend", "backend_of", "listen_address", "__version__"]
+
+register_backend()

@@ -1,0 +1,59 @@
+"""Registration of the ``"hetcomm"`` torch.distributed backend and access to its C++ object."""
+from __future__ import annotations
+
+import datetime
+import os
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from hetcomm import _C
+
+BACKEND_NAME = "hetcomm"
+# torch's own default for non-NCCL groups; used when the creator is given no timeout.
+DEFAULT_TIMEOUT = datetime.timedelta(minutes=30)
+
+
+def _timeout_ms(timeout: Optional[datetime.timedelta]) -> int:
+    if timeout is None:
+        timeout = DEFAULT_TIMEOUT
+    ms = int(timeout.total_seconds() * 1000)
+    if ms <= 0:
+        raise ValueError(f"hetcomm: the process group timeout must be positive, got {timeout}")
+    return ms
+
+
+def _create_backend(dist_backend_opts, backend_options) -> _C.ProcessGroupHetcomm:
+    """Extended-API creator: torch calls it in every process of a new group."""
+    return _C.ProcessGroupHetcomm(
+        dist_backend_opts.store,
+        dist_backend_opts.group_rank,
+        dist_backend_opts.group_size,
+        _timeout_ms(getattr(dist_backend_opts, "timeout", None)),
+        os.environ.get("HETCOMM_LISTEN_IP", ""),
+    )
+
+
+def register_backend() -> None:
+    """Registers ``"hetcomm"`` with torch.distributed (idempotent; ``import hetcomm`` calls it)."""
+    if BACKEND_NAME in dist.Backend.backend_list:
+        return
+    # devices must be a list: a string would be iterated per character.
+    dist.Backend.register_backend(BACKEND_NAME, _create_backend, extended_api=True, devices=["cpu"])
+
+
+def backend_of(group: Optional[dist.ProcessGroup] = None) -> _C.ProcessGroupHetcomm:
+    """The hetcomm backend object behind ``group`` (default: the world group)."""
+    pg = group if group is not None else dist.group.WORLD
+    if pg is None:
+        raise RuntimeError("hetcomm: no default process group; call dist.init_process_group('hetcomm') first")
+    backend = pg._get_backend(torch.device("cpu"))
+    if not isinstance(backend, _C.ProcessGroupHetcomm):
+        raise RuntimeError(f"hetcomm: the group's CPU backend is {type(backend).__name__}, not hetcomm")
+    return backend
+
+
+def listen_address(group: Optional[dist.ProcessGroup] = None) -> str:
+    """This rank's listening address (``ip:port``) in ``group``."""
+    return backend_of(group).listen_address()

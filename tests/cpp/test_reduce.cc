@@ -1,0 +1,563 @@
+// Reduce kernels and the fp16 / bf16 conversions (csrc/kernels).
+#include <cfloat>
+#include <cmath>
+#include <cstring>
+#include <iomanip>
+#include <limits>
+#include <random>
+#include <vector>
+
+#include "check.h"
+#include "common/error.h"
+#include "kernels/dtype.h"
+#include "kernels/reduce.h"
+
+using namespace hetcomm;
+
+namespace {
+
+const DType kAllDTypes[] = {DType::kFloat32, DType::kFloat64, DType::kFloat16, DType::kBFloat16, DType::kInt8,
+                            DType::kUInt8,   DType::kInt32,   DType::kInt64,   DType::kBool};
+const RedOp kAllOps[] = {RedOp::kSum, RedOp::kAvg,  RedOp::kProduct, RedOp::kMin,
+                         RedOp::kMax, RedOp::kBand, RedOp::kBor,     RedOp::kBxor};
+const size_t kCounts[] = {0, 1, 7, 1023, 4099};
+
+uint32_t bitsOf(float f) {
+  uint32_t b;
+  std::memcpy(&b, &f, 4);
+  return b;
+}
+float floatOf(uint32_t b) {
+  float f;
+  std::memcpy(&f, &b, 4);
+  return f;
+}
+bool isHalfNaN(uint16_t h) { return (h & 0x7c00u) == 0x7c00u && (h & 0x3ffu) != 0; }
+bool isBf16NaN(uint16_t b) { return (b & 0x7f80u) == 0x7f80u && (b & 0x7fu) != 0; }
+bool supported(DType t, RedOp op) {
+  try {
+    checkReduceSupported(t, op);
+    return true;
+  } catch (const CommError&) {
+    return false;
+  }
+}
+
+// --- independent references for the 16-bit formats ----------------------------------------------
+
+// Value of a non-NaN half, from the IEEE definition. 0x7c00 (inf) maps to 65536 = 2^16, the value
+// an exponent one past the largest would have: that is what round-to-nearest compares against.
+double halfValue(uint16_t h) {
+  const int exp = (h >> 10) & 0x1f, mant = h & 0x3ff;
+  double mag = exp == 0 ? std::ldexp(mant, -24) : std::ldexp(1024 + mant, exp - 25);
+  return (h & 0x8000) ? -mag : mag;
+}
+
+// Round-to-nearest-even float -> half by searching the (sorted) positive half values.
+uint16_t refFloatToHalf(float f) {
+  const uint16_t sign = std::signbit(f) ? 0x8000 : 0;
+  if (std::isnan(f)) return sign | 0x7e00;
+  const double a = std::fabs(static_cast<double>(f));
+  uint16_t lo = 0, hi = 0x7c00;  // invariant: halfValue(lo) <= a < halfValue(hi), unless a >= 2^16
+  if (a >= halfValue(0x7c00)) return sign | 0x7c00;
+  while (hi - lo > 1) {
+    const uint16_t mid = static_cast<uint16_t>((lo + hi) / 2);
+    (halfValue(mid) <= a ? lo : hi) = mid;
+  }
+  const double dlo = a - halfValue(lo), dhi = halfValue(hi) - a;
+  const uint16_t r = dlo < dhi ? lo : dhi < dlo ? hi : ((lo & 1) ? hi : lo);
+  return sign | r;
+}
+
+double bf16Value(uint16_t b) {  // non-NaN; 0x7f80 (inf) maps to 2^128
+  if ((b & 0x7fff) == 0x7f80) return (b & 0x8000) ? -std::ldexp(1.0, 128) : std::ldexp(1.0, 128);
+  return static_cast<double>(floatOf(static_cast<uint32_t>(b) << 16));
+}
+
+uint16_t refFloatToBf16(float f) {
+  if (std::isnan(f)) return 0xffff;  // any NaN; compared with isBf16NaN
+  const uint32_t bits = bitsOf(f);
+  const uint16_t lo = static_cast<uint16_t>(bits >> 16);  // truncation toward zero
+  if ((lo & 0x7fff) == 0x7f80) return lo;                 // +-inf
+  const uint16_t hi = static_cast<uint16_t>(lo + 1);
+  const double a = std::fabs(static_cast<double>(f));
+  const double dlo = a - std::fabs(bf16Value(lo)), dhi = std::fabs(bf16Value(hi)) - a;
+  return dlo < dhi ? lo : dhi < dlo ? hi : ((lo & 1) ? hi : lo);
+}
+
+}  // namespace
+
+// ------------------------------------------------------------------------------------ conversions
+
+TEST_CASE(half_to_float_all_patterns) {
+  for (uint32_t i = 0; i < 65536; ++i) {
+    const uint16_t h = static_cast<uint16_t>(i);
+    const float f = halfToFloat(h);
+    if (isHalfNaN(h)) {
+      CHECK_MSG(std::isnan(f) && std::signbit(f) == ((h & 0x8000) != 0), "h=0x", std::hex, h);
+    } else {
+      CHECK_MSG(bitsOf(f) == bitsOf(static_cast<float>(halfValue(h))) || (h & 0x7fff) == 0x7c00, "h=0x", std::hex, h,
+                " got ", f, " want ", halfValue(h));
+      if ((h & 0x7fff) == 0x7c00) CHECK_MSG(std::isinf(f) && std::signbit(f) == ((h & 0x8000) != 0), "h=0x", std::hex, h);
+    }
+  }
+}
+
+TEST_CASE(half_round_trip_all_patterns) {
+  for (uint32_t i = 0; i < 65536; ++i) {
+    const uint16_t h = static_cast<uint16_t>(i);
+    const uint16_t back = floatToHalf(halfToFloat(h));
+    if (isHalfNaN(h)) {
+      CHECK_MSG(isHalfNaN(back) && (back & 0x8000) == (h & 0x8000), "h=0x", std::hex, h, " back=0x", back);
+    } else {
+      CHECK_MSG(back == h, "h=0x", std::hex, h, " back=0x", back);
+    }
+  }
+}
+
+// For every pair of adjacent halves: the midpoint rounds to the even one, its float neighbours to
+// the nearer one. Covers subnormals, the subnormal/normal boundary and overflow at 65520.
+TEST_CASE(float_to_half_ties_and_neighbours) {
+  for (uint16_t h = 0; h < 0x7c00; ++h) {
+    const uint16_t next = static_cast<uint16_t>(h + 1);
+    const float a = static_cast<float>(halfValue(h));
+    const float mid = static_cast<float>((halfValue(h) + halfValue(next)) / 2);  // exact in float
+    const uint16_t even = (h & 1) ? next : h;
+    for (uint16_t sign : {uint16_t(0), uint16_t(0x8000)}) {
+      const float s = sign ? -1.0f : 1.0f;
+      CHECK_MSG(floatToHalf(s * a) == (sign | h), "value ", s * a);
+      CHECK_MSG(floatToHalf(s * mid) == (sign | even), "tie ", s * mid, " got 0x", std::hex, floatToHalf(s * mid));
+      CHECK_MSG(floatToHalf(s * std::nextafter(mid, 0.0f)) == (sign | h), "below tie ", s * mid);
+      CHECK_MSG(floatToHalf(s * std::nextafter(mid, INFINITY)) == (sign | next), "above tie ", s * mid);
+    }
+  }
+}
+
+TEST_CASE(float_to_half_specials) {
+  CHECK_EQ(floatToHalf(0.0f), 0x0000);
+  CHECK_EQ(floatToHalf(-0.0f), 0x8000);
+  CHECK_EQ(floatToHalf(1.0f), 0x3c00);
+  CHECK_EQ(floatToHalf(65504.0f), 0x7bff);
+  CHECK_EQ(floatToHalf(std::nextafter(65520.0f, 0.0f)), 0x7bff);
+  CHECK_EQ(floatToHalf(65520.0f), 0x7c00);  // tie between 65504 (odd) and 2^16: overflows
+  CHECK_EQ(floatToHalf(1e10f), 0x7c00);
+  CHECK_EQ(floatToHalf(-1e10f), 0xfc00);
+  CHECK_EQ(floatToHalf(FLT_MAX), 0x7c00);
+  CHECK_EQ(floatToHalf(INFINITY), 0x7c00);
+  CHECK_EQ(floatToHalf(-INFINITY), 0xfc00);
+  CHECK(isHalfNaN(floatToHalf(NAN)));
+  CHECK(isHalfNaN(floatToHalf(floatOf(0x7f800001u))));  // signalling NaN with a low payload bit
+  CHECK(isHalfNaN(floatToHalf(floatOf(0xff800001u))));
+  CHECK_EQ(floatToHalf(std::ldexp(1.0f, -24)), 0x0001);  // smallest subnormal
+  CHECK_EQ(floatToHalf(std::ldexp(1.0f, -25)), 0x0000);  // tie with zero: even
+  CHECK_EQ(floatToHalf(std::nextafter(std::ldexp(1.0f, -25), 1.0f)), 0x0001);
+  CHECK_EQ(floatToHalf(std::ldexp(1.5f, -24)), 0x0002);  // tie 1 / 2: even
+  CHECK_EQ(floatToHalf(std::ldexp(2.5f, -24)), 0x0002);  // tie 2 / 3: even
+  CHECK_EQ(floatToHalf(std::ldexp(1023.0f, -24)), 0x03ff);  // largest subnormal
+  CHECK_EQ(floatToHalf(std::ldexp(1023.5f, -24)), 0x0400);  // tie into the smallest normal
+  CHECK_EQ(floatToHalf(std::ldexp(1.0f, -14)), 0x0400);
+  CHECK_EQ(floatToHalf(std::ldexp(-1.0f, -24)), 0x8001);
+  CHECK_EQ(floatToHalf(1e-45f), 0x0000);  // float subnormal
+  CHECK_EQ(floatToHalf(-1e-45f), 0x8000);
+  CHECK_EQ(floatToHalf(1.0f + std::ldexp(1.0f, -11)), 0x3c00);      // tie, even below
+  CHECK_EQ(floatToHalf(1.0f + 3 * std::ldexp(1.0f, -11)), 0x3c02);  // tie, even above
+}
+
+TEST_CASE(float_to_half_random_vs_reference) {
+  std::mt19937 rng(1234);
+  std::uniform_real_distribution<float> inRange(-70000.0f, 70000.0f);
+  for (int i = 0; i < 1000000; ++i) {
+    const float f = (i % 2) ? floatOf(static_cast<uint32_t>(rng())) : inRange(rng) * std::ldexp(1.0f, -(i % 40));
+    const uint16_t got = floatToHalf(f), want = refFloatToHalf(f);
+    if (std::isnan(f)) {
+      CHECK_MSG(isHalfNaN(got), "f bits 0x", std::hex, bitsOf(f));
+    } else {
+      CHECK_MSG(got == want, "f=", f, " (bits 0x", std::hex, bitsOf(f), ") got 0x", got, " want 0x", want);
+    }
+  }
+}
+
+TEST_CASE(bf16_round_trip_all_patterns) {
+  for (uint32_t i = 0; i < 65536; ++i) {
+    const uint16_t b = static_cast<uint16_t>(i);
+    const float f = bf16ToFloat(b);
+    CHECK_EQ(bitsOf(f), static_cast<uint32_t>(b) << 16);
+    const uint16_t back = floatToBf16(f);
+    if (isBf16NaN(b)) {
+      CHECK_MSG(isBf16NaN(back) && (back & 0x8000) == (b & 0x8000), "b=0x", std::hex, b, " back=0x", back);
+    } else {
+      CHECK_MSG(back == b, "b=0x", std::hex, b, " back=0x", back);
+    }
+  }
+}
+
+TEST_CASE(float_to_bf16_rounding) {
+  CHECK_EQ(floatToBf16(1.0f + std::ldexp(1.0f, -8)), 0x3f80);      // tie, even below
+  CHECK_EQ(floatToBf16(1.0f + 3 * std::ldexp(1.0f, -8)), 0x3f82);  // tie, even above
+  CHECK_EQ(floatToBf16(FLT_MAX), 0x7f80);                           // overflows to inf
+  CHECK_EQ(floatToBf16(-FLT_MAX), 0xff80);
+  CHECK_EQ(floatToBf16(floatOf(0x7f7f7fffu)), 0x7f7f);              // just below the tie with inf
+  CHECK_EQ(floatToBf16(floatOf(0x7f7f8000u)), 0x7f80);              // tie, even is inf
+  CHECK_EQ(floatToBf16(floatOf(0x00000001u)), 0x0000);              // float subnormals
+  CHECK_EQ(floatToBf16(floatOf(0x00008001u)), 0x0001);
+  CHECK_EQ(floatToBf16(floatOf(0x80018000u)), 0x8002);
+  CHECK(isBf16NaN(floatToBf16(floatOf(0x7f800001u))));  // NaN whose payload lives in the low half
+  CHECK(isBf16NaN(floatToBf16(floatOf(0xff800001u))));
+  CHECK_EQ(floatToBf16(floatOf(0xff800001u)) & 0x8000, 0x8000);
+  std::mt19937 rng(99);
+  for (int i = 0; i < 1000000; ++i) {
+    const float f = floatOf(static_cast<uint32_t>(rng()));
+    const uint16_t got = floatToBf16(f);
+    if (std::isnan(f)) {
+      CHECK_MSG(isBf16NaN(got), "bits 0x", std::hex, bitsOf(f));
+    } else {
+      CHECK_MSG(got == refFloatToBf16(f), "bits 0x", std::hex, bitsOf(f), " got 0x", got);
+    }
+  }
+}
+
+// --------------------------------------------------------------------------------- reduce kernels
+
+namespace {
+
+// Random element bit patterns per dtype, with the special values mixed in.
+std::vector<uint8_t> randomData(DType t, size_t n, std::mt19937_64& rng, bool withNaN = true) {
+  const size_t es = elementSize(t);
+  std::vector<uint8_t> out(n * es);
+  std::uniform_real_distribution<double> val(-100.0, 100.0);
+  for (size_t i = 0; i < n; ++i) {
+    uint8_t* p = out.data() + i * es;
+    const unsigned pick = static_cast<unsigned>(rng() % 16);
+    switch (t) {
+      case DType::kFloat32: case DType::kFloat64: case DType::kFloat16: case DType::kBFloat16: {
+        static const double kSpecial[] = {0.0, -0.0, INFINITY, -INFINITY, 1e-40, -3e-310, 1e300, 65504.0, NAN};
+        double v = pick < 9 ? kSpecial[pick] : val(rng);
+        if (!withNaN && std::isnan(v)) v = 1.5;
+        if (t == DType::kFloat64) std::memcpy(p, &v, 8);
+        const float f = static_cast<float>(v);
+        if (t == DType::kFloat32) std::memcpy(p, &f, 4);
+        if (t == DType::kFloat16) { const uint16_t h = floatToHalf(f); std::memcpy(p, &h, 2); }
+        if (t == DType::kBFloat16) { const uint16_t b = floatToBf16(f); std::memcpy(p, &b, 2); }
+        break;
+      }
+      case DType::kBool: {
+        static const uint8_t kBool[] = {0, 1, 2, 255};  // non-canonical "true"s too
+        p[0] = kBool[pick % 4];
+        break;
+      }
+      default: {  // integers: uniform bits, with extremes and zero mixed in
+        uint64_t bits = rng();
+        if (pick == 0) bits = 0;
+        if (pick == 1) bits = ~uint64_t(0);                // -1 / max unsigned
+        if (pick == 2) bits = uint64_t(1) << (8 * es - 1);  // min signed
+        if (pick == 3) bits = (uint64_t(1) << (8 * es - 1)) - 1;
+        if (pick == 4) bits = 1;
+        std::memcpy(p, &bits, es);  // little-endian: low bytes
+      }
+    }
+  }
+  return out;
+}
+
+template <typename T>
+T loadAs(const uint8_t* p) {
+  T v;
+  std::memcpy(&v, p, sizeof(T));
+  return v;
+}
+
+template <typename F>
+F refFloatOp(F a, F b, RedOp op) {
+  switch (op) {
+    case RedOp::kSum: case RedOp::kAvg: return a + b;
+    case RedOp::kProduct: return a * b;
+    case RedOp::kMin: return (std::isnan(a) || std::isnan(b)) ? std::numeric_limits<F>::quiet_NaN() : (b < a ? b : a);
+    case RedOp::kMax: return (std::isnan(a) || std::isnan(b)) ? std::numeric_limits<F>::quiet_NaN() : (b > a ? b : a);
+    default: return 0;
+  }
+}
+
+template <typename T>
+T refIntOp(T a, T b, RedOp op) {
+  using U = std::make_unsigned_t<T>;
+  switch (op) {
+    case RedOp::kSum: case RedOp::kAvg: return static_cast<T>(static_cast<U>(static_cast<U>(a) + static_cast<U>(b)));
+    case RedOp::kProduct: return static_cast<T>(static_cast<U>(static_cast<uint64_t>(a) * static_cast<uint64_t>(b)));
+    case RedOp::kMin: return b < a ? b : a;
+    case RedOp::kMax: return b > a ? b : a;
+    case RedOp::kBand: return a & b;
+    case RedOp::kBor: return a | b;
+    case RedOp::kBxor: return a ^ b;
+  }
+  return 0;
+}
+
+// Expected result of op(a, b) for one element; returns a description of the mismatch or "".
+std::string checkElement(DType t, RedOp op, const uint8_t* a, const uint8_t* b, const uint8_t* got) {
+  auto floatCmp = [&](double want, double g, bool nanWant) -> std::string {
+    if (nanWant ? std::isnan(g) : (g == want && std::signbit(g) == std::signbit(want))) return "";
+    if (!nanWant && g == want && (op == RedOp::kMin || op == RedOp::kMax) && want == 0) return "";  // +-0: see symmetry test
+    return strCat("want ", want, " got ", g);
+  };
+  switch (t) {
+    case DType::kFloat32: {
+      const float w = refFloatOp(loadAs<float>(a), loadAs<float>(b), op);
+      return floatCmp(w, loadAs<float>(got), std::isnan(w));
+    }
+    case DType::kFloat64: {
+      const double w = refFloatOp(loadAs<double>(a), loadAs<double>(b), op);
+      return floatCmp(w, loadAs<double>(got), std::isnan(w));
+    }
+    case DType::kFloat16: {
+      const uint16_t w = floatToHalf(refFloatOp(halfToFloat(loadAs<uint16_t>(a)), halfToFloat(loadAs<uint16_t>(b)), op));
+      return floatCmp(halfToFloat(w), halfToFloat(loadAs<uint16_t>(got)), isHalfNaN(w));
+    }
+    case DType::kBFloat16: {
+      const uint16_t w = floatToBf16(refFloatOp(bf16ToFloat(loadAs<uint16_t>(a)), bf16ToFloat(loadAs<uint16_t>(b)), op));
+      return floatCmp(bf16ToFloat(w), bf16ToFloat(loadAs<uint16_t>(got)), isBf16NaN(w));
+    }
+    case DType::kBool: {
+      const bool x = a[0] != 0, y = b[0] != 0;
+      bool w = false;
+      if (op == RedOp::kSum || op == RedOp::kMax || op == RedOp::kBor) w = x || y;
+      if (op == RedOp::kProduct || op == RedOp::kMin || op == RedOp::kBand) w = x && y;
+      if (op == RedOp::kBxor) w = x != y;
+      return got[0] == static_cast<uint8_t>(w) ? "" : strCat("want ", int(w), " got ", int(got[0]), " (canonical 0/1)");
+    }
+#define HC_INT_CASE(D, T)                                                                   \
+  case D: {                                                                                 \
+    const T w = refIntOp<T>(loadAs<T>(a), loadAs<T>(b), op), g = loadAs<T>(got);           \
+    return w == g ? "" : strCat("want ", static_cast<long long>(w), " got ", static_cast<long long>(g)); \
+  }
+    HC_INT_CASE(DType::kInt8, int8_t)
+    HC_INT_CASE(DType::kUInt8, uint8_t)
+    HC_INT_CASE(DType::kInt32, int32_t)
+    HC_INT_CASE(DType::kInt64, int64_t)
+#undef HC_INT_CASE
+  }
+  return "unknown dtype";
+}
+
+}  // namespace
+
+// Every supported dtype x op against a reference, for counts that exercise the vector tails and a
+// misaligned start; the bytes around the range must stay untouched.
+TEST_CASE(reduce_every_dtype_and_op) {
+  std::mt19937_64 rng(7);
+  for (DType t : kAllDTypes) {
+    const size_t es = elementSize(t);
+    for (RedOp op : kAllOps) {
+      if (!supported(t, op)) continue;
+      for (size_t n : kCounts) {
+        for (size_t misalign : {size_t(0), size_t(1)}) {
+          const size_t guard = 3;
+          std::vector<uint8_t> a = randomData(t, n + 2 * guard, rng), b = randomData(t, n + 2 * guard, rng);
+          std::vector<uint8_t> dst = a;
+          const size_t start = (guard - misalign) * es;
+          reduceInto(dst.data() + start, b.data() + start, n, t, op);
+          int reported = 0;
+          for (size_t i = 0; i < n + 2 * guard; ++i) {
+            const size_t off = i * es;
+            const bool inside = off >= start && off < start + n * es;
+            std::string err = inside ? checkElement(t, op, &a[off], &b[off], &dst[off])
+                                     : (std::memcmp(&a[off], &dst[off], es) == 0 ? "" : "byte outside the range changed");
+            if (!err.empty() && reported++ < 3) {
+              CHECK_MSG(err.empty(), dtypeName(t), " ", redOpName(op), " n=", n, " misalign=", misalign, " i=", i, ": ", err);
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST_CASE(min_max_propagate_nan) {
+  for (DType t : {DType::kFloat32, DType::kFloat64, DType::kFloat16, DType::kBFloat16}) {
+    for (RedOp op : {RedOp::kMin, RedOp::kMax}) {
+      // NaN in dst, in src, in both; against small, large, infinite values.
+      const float xs[] = {0.0f, -1.0f, 3.0f, INFINITY, -INFINITY};
+      for (float x : xs) {
+        for (int where = 0; where < 3; ++where) {
+          const float a = where != 1 ? NAN : x, b = where != 0 ? NAN : x;
+          double got = 0;
+          if (t == DType::kFloat32) { float d = a; reduceInto(&d, &b, 1, t, op); got = d; }
+          if (t == DType::kFloat64) { double d = a, s = b; reduceInto(&d, &s, 1, t, op); got = d; }
+          if (t == DType::kFloat16) {
+            uint16_t d = floatToHalf(a), s = floatToHalf(b);
+            reduceInto(&d, &s, 1, t, op);
+            got = halfToFloat(d);
+          }
+          if (t == DType::kBFloat16) {
+            uint16_t d = floatToBf16(a), s = floatToBf16(b);
+            reduceInto(&d, &s, 1, t, op);
+            got = bf16ToFloat(d);
+          }
+          CHECK_MSG(std::isnan(got), dtypeName(t), " ", redOpName(op), "(", a, ", ", b, ") = ", got);
+        }
+      }
+    }
+  }
+}
+
+TEST_CASE(bool_results_are_canonical) {
+  const uint8_t vals[] = {0, 1, 2, 128, 255};
+  for (RedOp op : kAllOps) {
+    if (op == RedOp::kAvg) continue;
+    for (uint8_t a : vals) {
+      for (uint8_t b : vals) {
+        uint8_t d = a;
+        reduceInto(&d, &b, 1, DType::kBool, op);
+        const bool x = a != 0, y = b != 0;
+        const bool w = (op == RedOp::kSum || op == RedOp::kMax || op == RedOp::kBor) ? (x || y)
+                       : (op == RedOp::kBxor)                                      ? (x != y)
+                                                                                   : (x && y);
+        CHECK_MSG(d == static_cast<uint8_t>(w), redOpName(op), "(", a, ", ", b, ") = ", d);
+      }
+    }
+  }
+  uint8_t d = 1, s = 1;
+  CHECK_THROWS_AS(reduceInto(&d, &s, 1, DType::kBool, RedOp::kAvg), CommError);
+}
+
+TEST_CASE(integer_edge_cases) {
+  int8_t a8[] = {127, -128, -128, 127, -1};
+  const int8_t b8[] = {1, -1, 127, 127, -1};
+  reduceInto(a8, b8, 5, DType::kInt8, RedOp::kSum);
+  CHECK_EQ(a8[0], -128);
+  CHECK_EQ(a8[1], 127);
+  CHECK_EQ(a8[2], -1);
+  CHECK_EQ(a8[3], -2);
+  CHECK_EQ(a8[4], -2);
+  uint8_t u[] = {200, 0, 255};
+  const uint8_t v[] = {100, 255, 255};
+  reduceInto(u, v, 3, DType::kUInt8, RedOp::kMin);
+  CHECK_EQ(u[0], 100);
+  CHECK_EQ(u[1], 0);
+  CHECK_EQ(u[2], 255);
+  int64_t x[] = {std::numeric_limits<int64_t>::min(), 3, -5};
+  const int64_t y[] = {std::numeric_limits<int64_t>::max(), -7, 6};
+  reduceInto(x, y, 3, DType::kInt64, RedOp::kMax);
+  CHECK_EQ(x[0], std::numeric_limits<int64_t>::max());
+  CHECK_EQ(x[1], 3);
+  CHECK_EQ(x[2], 6);
+  int32_t p[] = {65536, -3};
+  const int32_t q[] = {65536, 7};
+  reduceInto(p, q, 2, DType::kInt32, RedOp::kProduct);  // 2^32 wraps to 0
+  CHECK_EQ(p[0], 0);
+  CHECK_EQ(p[1], -21);
+}
+
+namespace {
+// Operands from a pool of interesting values, so that equal-but-different pairs (+0 / -0) occur.
+// A single NaN bit pattern: with two different NaN payloads even IEEE addition is not bitwise
+// symmetric on common hardware.
+std::vector<uint8_t> poolData(DType t, size_t n, std::mt19937_64& rng) {
+  static const double kPool[] = {0.0, -0.0, 1.0, -1.0, 2.5, -2.5, INFINITY, -INFINITY, 1e-40, NAN};
+  const size_t es = elementSize(t);
+  if (!isFloating(t)) return randomData(t, n, rng);
+  std::vector<uint8_t> out(n * es);
+  for (size_t i = 0; i < n; ++i) {
+    const double v = kPool[rng() % 10];
+    const float f = static_cast<float>(v);
+    uint8_t* p = out.data() + i * es;
+    if (t == DType::kFloat64) std::memcpy(p, &v, 8);
+    if (t == DType::kFloat32) std::memcpy(p, &f, 4);
+    if (t == DType::kFloat16) { const uint16_t h = floatToHalf(f); std::memcpy(p, &h, 2); }
+    if (t == DType::kBFloat16) { const uint16_t b = floatToBf16(f); std::memcpy(p, &b, 2); }
+  }
+  return out;
+}
+}  // namespace
+
+// reduce.h: "The op is symmetric in its arguments, bit for bit".
+TEST_CASE(reduce_is_bitwise_symmetric) {
+  std::mt19937_64 rng(11);
+  for (DType t : kAllDTypes) {
+    const size_t es = elementSize(t);
+    for (RedOp op : kAllOps) {
+      if (!supported(t, op)) continue;
+      const size_t n = 1023;
+      std::vector<uint8_t> a = poolData(t, n, rng), b = poolData(t, n, rng);
+      std::vector<uint8_t> ab = a, ba = b;
+      reduceInto(ab.data(), b.data(), n, t, op);
+      reduceInto(ba.data(), a.data(), n, t, op);
+      int reported = 0;
+      for (size_t i = 0; i < n; ++i) {
+        if (std::memcmp(&ab[i * es], &ba[i * es], es) != 0 && reported++ < 2) {
+          auto hex = [&](const std::vector<uint8_t>& v) {  // the element's bits, most significant first
+            std::string s = "0x";
+            for (size_t k = es; k-- > 0;) s += strCat(std::hex, std::setw(2), std::setfill('0'), int(v[i * es + k]));
+            return s;
+          };
+          CHECK_MSG(false, dtypeName(t), " ", redOpName(op), ": op(a=", hex(a), ", b=", hex(b), ") = ", hex(ab),
+                    " but op(b, a) = ", hex(ba));
+        }
+      }
+    }
+  }
+}
+
+TEST_CASE(check_reduce_supported) {
+  for (DType t : kAllDTypes) {
+    for (RedOp op : kAllOps) {
+      const bool bitwise = op == RedOp::kBand || op == RedOp::kBor || op == RedOp::kBxor;
+      const bool bad = (bitwise && isFloating(t)) || (op == RedOp::kAvg && !isFloating(t));
+      if (bad) {
+        CHECK_THROWS_AS(checkReduceSupported(t, op), CommError);
+        try {
+          checkReduceSupported(t, op);
+        } catch (const CommError& e) {  // the message names the op and the dtype
+          CHECK_MSG(std::string(e.what()).find(redOpName(op)) != std::string::npos &&
+                        std::string(e.what()).find(dtypeName(t)) != std::string::npos,
+                    e.what());
+        }
+      } else {
+        CHECK_NOTHROW(checkReduceSupported(t, op));
+      }
+    }
+  }
+  // The kernels refuse bitwise ops on floats too, rather than reinterpreting bits.
+  float f = 1, g = 2;
+  CHECK_THROWS_AS(reduceInto(&f, &g, 1, DType::kFloat32, RedOp::kBxor), CommError);
+  uint16_t h = 0, k = 0;
+  CHECK_THROWS_AS(reduceInto(&h, &k, 1, DType::kFloat16, RedOp::kBand), CommError);
+}
+
+TEST_CASE(divide_in_place) {
+  float f[] = {3.0f, -8.0f, 1.0f};
+  divideInPlace(f, 3, DType::kFloat32, 4.0);
+  CHECK_EQ(f[0], 0.75f);
+  CHECK_EQ(f[1], -2.0f);
+  CHECK_EQ(f[2], 0.25f);
+  double d[] = {1.0, 7.0};
+  divideInPlace(d, 2, DType::kFloat64, 3.0);
+  CHECK_EQ(d[0], 1.0 / 3.0);
+  CHECK_EQ(d[1], 7.0 / 3.0);
+  uint16_t h[] = {floatToHalf(6.0f), floatToHalf(1.0f)};
+  divideInPlace(h, 2, DType::kFloat16, 3.0);
+  CHECK_EQ(h[0], floatToHalf(2.0f));
+  CHECK_EQ(h[1], floatToHalf(1.0f / 3.0f));
+  uint16_t b[] = {floatToBf16(10.0f)};
+  divideInPlace(b, 1, DType::kBFloat16, 4.0);
+  CHECK_EQ(b[0], floatToBf16(2.5f));
+  int32_t i[] = {4};
+  CHECK_THROWS_AS(divideInPlace(i, 1, DType::kInt32, 2.0), CommError);
+  uint8_t z[] = {1};
+  CHECK_THROWS_AS(divideInPlace(z, 1, DType::kBool, 2.0), CommError);
+  divideInPlace(nullptr, 0, DType::kFloat32, 2.0);  // empty is fine
+}
+
+TEST_CASE(dtype_metadata) {
+  CHECK_EQ(elementSize(DType::kFloat32), 4u);
+  CHECK_EQ(elementSize(DType::kFloat64), 8u);
+  CHECK_EQ(elementSize(DType::kFloat16), 2u);
+  CHECK_EQ(elementSize(DType::kBFloat16), 2u);
+  CHECK_EQ(elementSize(DType::kInt8), 1u);
+  CHECK_EQ(elementSize(DType::kUInt8), 1u);
+  CHECK_EQ(elementSize(DType::kInt32), 4u);
+  CHECK_EQ(elementSize(DType::kInt64), 8u);
+  CHECK_EQ(elementSize(DType::kBool), 1u);
+  int floating = 0;
+  for (DType t : kAllDTypes) floating += isFloating(t);
+  CHECK_EQ(floating, 4);
+}

@@ -1,0 +1,133 @@
+"""Result records of the benchmark and the JSON document built from them (no torch import).
+
+Bandwidths follow nccl-tests: ``algbw = bytes / time`` and, for AllReduce,
+``busbw = algbw * 2(n-1)/n``. The factor is the fraction of the buffer each rank must send
+(and receive) in any bandwidth-optimal AllReduce -- ``(n-1)/n`` in the reduce-scatter and again
+in the all-gather -- so busbw is comparable to the link bandwidth whatever the rank count.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any, Optional, Sequence
+
+# The pair whose busbw ratio the report shows when both ran.
+RATIO_NUMERATOR = "hetcomm"
+RATIO_DENOMINATOR = "gloo"
+
+
+def allreduce_bus_factor(world_size: int) -> float:
+    """``2(n-1)/n``: busbw / algbw for AllReduce (0 for a single rank, which moves nothing)."""
+    return 2.0 * (world_size - 1) / world_size
+
+
+@dataclass(frozen=True)
+class SizeResult:
+    """One (backend, size) measurement, already reduced over ranks."""
+
+    backend: str
+    size_bytes: int
+    count: int
+    dtype: str
+    redop: str
+    warmup: int
+    iters: int                      # agreed by all ranks
+    time_us: float                  # slowest rank's mean time per allreduce
+    algbw_gbps: float
+    busbw_gbps: float
+    wrong: int                      # wrong elements summed over ranks
+    rank_time_us: tuple[float, ...] # every rank's mean time, by rank (heterogeneity shows here)
+
+
+@dataclass
+class BenchReport:
+    """Everything one run measured, plus what is needed to reproduce it."""
+
+    argv: list[str]
+    command: str
+    launch: str                     # "local" or "env"
+    world_size: int
+    backends: list[str]
+    dtype: str
+    hostname: str
+    torch_version: str
+    python_version: str
+    started_at: str
+    config: dict[str, Any]
+    results: list[SizeResult] = field(default_factory=list)
+    finished_at: Optional[str] = None
+
+    @property
+    def total_wrong(self) -> int:
+        return sum(result.wrong for result in self.results)
+
+    def sizes(self) -> list[int]:
+        return sorted({result.size_bytes for result in self.results})
+
+    def by_size(self) -> dict[int, dict[str, SizeResult]]:
+        """``{size: {backend: result}}`` in ascending size, backends in run order."""
+        table: dict[int, dict[str, SizeResult]] = {size: {} for size in self.sizes()}
+        for result in self.results:
+            table[result.size_bytes][result.backend] = result
+        return table
+
+    def has_ratio(self) -> bool:
+        return RATIO_NUMERATOR in self.backends and RATIO_DENOMINATOR in self.backends
+
+    def to_json(self) -> dict[str, Any]:
+        rows = []
+        ratios = []
+        for size, per_backend in self.by_size().items():
+            any_result = next(iter(per_backend.values()))
+            row: dict[str, Any] = {
+                "size_bytes": size,
+                "count": any_result.count,
+                "type": any_result.dtype,
+                "redop": any_result.redop,
+                "backends": {name: _result_json(r) for name, r in per_backend.items()},
+            }
+            if self.has_ratio():
+                ratio = busbw_ratio(per_backend)
+                row["busbw_ratio_hetcomm_gloo"] = ratio
+                ratios.append({"size_bytes": size, "busbw_ratio_hetcomm_gloo": ratio})
+            rows.append(row)
+        return {
+            "benchmark": "allreduce",
+            "argv": self.argv,
+            "command": self.command,
+            "launch": self.launch,
+            "nprocs": self.world_size,
+            "backends": self.backends,
+            "dtype": self.dtype,
+            "hostname": self.hostname,
+            "torch_version": self.torch_version,
+            "python_version": self.python_version,
+            "started_at": self.started_at,
+            "finished_at": self.finished_at,
+            "config": self.config,
+            "total_wrong": self.total_wrong,
+            "rows": rows,
+            "ratios": ratios,
+        }
+
+
+def busbw_ratio(per_backend: dict[str, SizeResult],
+                numerator: str = RATIO_NUMERATOR,
+                denominator: str = RATIO_DENOMINATOR) -> Optional[float]:
+    """busbw(numerator) / busbw(denominator); None if either is missing or the denominator is 0."""
+    top, bottom = per_backend.get(numerator), per_backend.get(denominator)
+    if top is None or bottom is None or bottom.busbw_gbps <= 0.0:
+        return None
+    return top.busbw_gbps / bottom.busbw_gbps
+
+
+def _result_json(result: SizeResult) -> dict[str, Any]:
+    data = asdict(result)
+    data["rank_time_us"] = list(result.rank_time_us)
+    for key in ("size_bytes", "count", "dtype", "redop", "backend"):
+        data.pop(key)           # carried once by the row
+    return data
+
+
+def average_busbw(results: Sequence[SizeResult]) -> float:
+    """Mean busbw over sizes, as nccl-tests' "Avg bus bandwidth" footer."""
+    return sum(r.busbw_gbps for r in results) / len(results) if results else 0.0

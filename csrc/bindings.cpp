@@ -62,18 +62,21 @@ PYBIND11_MODULE(_C, m) {
           "get_plan",
           [](const hetcomm::ProcessGroupHetcomm& pg) {
             hetcomm::RingPlan p = pg.plan();
-            return py::make_tuple(p.order, p.shares);
+            return py::make_tuple(p.order, p.shares, p.minBytes);
           },
-          "The ring plan as (order, shares): ring positions' ranks and each rank's share of an allreduce.")
+          "The ring plan as (order, shares, min_bytes): ring positions' ranks, each rank's share of an "
+          "allreduce, and the smallest allreduce (bytes) that uses it rather than uniform shares.")
       .def(
           "set_plan",
-          [](hetcomm::ProcessGroupHetcomm& pg, std::vector<int> order, std::vector<double> shares) {
+          [](hetcomm::ProcessGroupHetcomm& pg, std::vector<int> order, std::vector<double> shares,
+             uint64_t minBytes) {
             hetcomm::RingPlan p;
             p.order = std::move(order);
             p.shares = std::move(shares);
+            p.minBytes = minBytes;
             pg.setPlan(std::move(p));
           },
-          py::arg("order"), py::arg("shares"),
+          py::arg("order"), py::arg("shares"), py::arg("min_bytes") = 0,
           "Sets the ring plan for operations issued from now on; every rank must set the same plan.");
 
   m.def("reduce_into", &reduceIntoTensor, py::arg("dst"), py::arg("src"), py::arg("op") = "sum",

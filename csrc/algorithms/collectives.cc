@@ -45,6 +45,10 @@ bool RingPlan::isUniform() const {
   return true;
 }
 
+RingPlan RingPlan::forBytes(size_t bytes) const {
+  return bytes >= minBytes ? *this : uniform(static_cast<int>(order.size()));
+}
+
 uint64_t RingPlan::fingerprint() const {
   uint64_t h = 1469598103934665603ull;  // FNV-1a over the order and the shares' bits
   auto mix = [&](uint64_t v) {
@@ -54,6 +58,7 @@ uint64_t RingPlan::fingerprint() const {
     }
   };
   for (int r : order) mix(static_cast<uint64_t>(r));
+  mix(minBytes);
   for (double s : shares) {
     uint64_t bits;
     std::memcpy(&bits, &s, sizeof(bits));
@@ -80,7 +85,8 @@ void runRing(CollectiveContext& ctx, char* buf, const RingPlan& plan, const std:
              const std::vector<size_t>& offsetsByPos, size_t es, DType dtype, RedOp op, RingPhases phases) {
   const int P = ctx.size;
   const int pos = positionOf(plan, ctx.rank);
-  RingSchedule sched = buildRingSchedule(pos, P, offsetsByPos, countsByPos, es, ctx.segmentBytes, phases);
+  const size_t maxChunk = *std::max_element(countsByPos.begin(), countsByPos.end()) * es;
+  RingSchedule sched = buildRingSchedule(pos, P, offsetsByPos, countsByPos, es, ctx.segmentBytesFor(maxChunk), phases);
   PipelineSpec spec;
   spec.sendPeer = plan.order[(pos + 1) % P];
   spec.recvPeer = plan.order[(pos + P - 1) % P];
@@ -161,7 +167,7 @@ void broadcast(CollectiveContext& ctx, char* buf, size_t bytes, int root) {
   const int P = ctx.size;
   if (P == 1) return;
   const int pos = (ctx.rank - root + P) % P;
-  RingSchedule sched = buildChainSchedule(pos, P, bytes, ctx.segmentBytes);
+  RingSchedule sched = buildChainSchedule(pos, P, bytes, ctx.segmentBytesFor(bytes));
   PipelineSpec spec;
   spec.sendPeer = pos == P - 1 ? -1 : (ctx.rank + 1) % P;
   spec.recvPeer = pos == 0 ? -1 : (ctx.rank + P - 1) % P;

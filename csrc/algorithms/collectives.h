@@ -14,11 +14,16 @@ namespace hetcomm {
 struct RingPlan {
   std::vector<int> order;
   std::vector<double> shares;
+  // Allreduces smaller than this use uniform shares in rank order: below the crossover the
+  // weighted plan's longer critical path costs more than its balance saves (the planner decides).
+  uint64_t minBytes = 0;
 
   static RingPlan uniform(int size);
   // Throws CommError unless order is a permutation of 0..size-1 and shares are valid.
   void validate(int size) const;
   bool isUniform() const;
+  // The plan an allreduce of `bytes` uses: this one, or uniform below minBytes.
+  RingPlan forBytes(size_t bytes) const;
   // A fingerprint carried in the headers so that ranks holding different plans fail loudly.
   uint64_t fingerprint() const;
 };

@@ -29,7 +29,7 @@ struct CollectiveContext {
   int size = 1;
   Deadline deadline;
   int64_t timeoutMs = 0;
-  size_t segmentBytes = 256 * 1024;
+  size_t segmentBytes = 0;  // 0: adaptive (segmentBytesFor), else forced
   // seq, opcode, dtype, redop, algo, bytes, aux: the fields every participant must agree on.
   CollectiveHeader header;
   // The collective connection to a peer (opened on first use, bounded by the deadline).
@@ -37,6 +37,8 @@ struct CollectiveContext {
 
   // "hetcomm allreduce #42: rank 2"
   std::string prefix() const;
+  // Segment size for a pipeline whose largest chunk is chunkBytes.
+  size_t segmentBytesFor(size_t chunkBytes) const;
 };
 
 }  // namespace hetcomm

@@ -31,6 +31,15 @@ std::string CollectiveContext::prefix() const {
   return strCat("hetcomm ", collectiveName(header.opcode), " #", header.seq, ": rank ", rank);
 }
 
+size_t CollectiveContext::segmentBytesFor(size_t chunkBytes) const {
+  if (segmentBytes > 0) return segmentBytes;
+  // About 4 segments per chunk keeps every link busy while the pipeline fills and drains; the
+  // bounds trade wake-ups per byte (small segments cost a poll() and a context switch each, which
+  // hurts most when ranks share cores) against fill latency (large ones).
+  constexpr size_t kMin = 32 * 1024, kMax = 1024 * 1024;
+  return std::min(kMax, std::max(kMin, chunkBytes / 4));
+}
+
 namespace {
 
 constexpr size_t kH = CollectiveHeader::kBytes;
@@ -190,9 +199,13 @@ void runPipeline(const CollectiveContext& ctx, const PipelineSpec& spec) {
     if (rc < 0 && errno != EINTR) throw CommError(strCat(ctx.prefix(), ": poll failed: ", std::strerror(errno)));
     if (rc == 0) {
       const int waitingFor = wantIn ? spec.recvPeer : spec.sendPeer;
+      std::string progress;
+      if (spec.recvPeer >= 0) progress = strCat("received ", ri, " of ", nrecv, " segments from rank ", spec.recvPeer);
+      if (spec.sendPeer >= 0) {
+        progress += strCat(progress.empty() ? "" : ", ", "sent ", si, " of ", nsend, " segments to rank ", spec.sendPeer);
+      }
       throw TimeoutError(strCat(ctx.prefix(), " timed out after ", ctx.timeoutMs, " ms waiting for rank ", waitingFor,
-                                " (received ", ri, " of ", nrecv, " segments from rank ", spec.recvPeer, ", sent ", si,
-                                " of ", nsend, " to rank ", spec.sendPeer, ")"));
+                                " (", progress, ")"));
     }
     // Readiness, a hang-up or an error: the next send()/recv() reports which (EOF, EPIPE, ...).
   }

@@ -159,7 +159,7 @@ void ProcessGroupHetcomm::runWorker() {
     } else {
       ctx.timeoutMs = op.timeout.count();
       ctx.deadline = Clock::now() + op.timeout;
-      ctx.segmentBytes = static_cast<size_t>(std::max<int64_t>(64, paramSegmentBytes()));
+      ctx.segmentBytes = static_cast<size_t>(std::max<int64_t>(0, paramSegmentBytes()));
       ctx.fdOf = [this, &ctx](int peer) { return mesh_->collectiveFd(peer, ctx.deadline); };
       try {
         op.body(ctx);
@@ -229,7 +229,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupHetcomm::allreduce(std::vector<at::Te
   const DType dt = toDType(t, "allreduce");
   const RedOp op = toRedOp(opts.reduceOp, "allreduce");
   checkReduce(dt, op, "allreduce");
-  const RingPlan plan = this->plan();
+  const RingPlan plan = this->plan().forBytes(t.nbytes());
   CollectiveHeader h;
   h.dtype = static_cast<uint8_t>(dt);
   h.redop = static_cast<uint8_t>(op);
@@ -252,13 +252,13 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupHetcomm::allreduce_coalesced(std::vec
   const DType dt = toDType(tensors[0], "allreduce_coalesced");
   const RedOp op = toRedOp(opts.reduceOp, "allreduce_coalesced");
   checkReduce(dt, op, "allreduce_coalesced");
-  const RingPlan plan = this->plan();
   std::vector<size_t> sizes;
   size_t bytes = 0;
   for (const at::Tensor& t : tensors) {
     sizes.push_back(t.numel());
     bytes += t.nbytes();
   }
+  const RingPlan plan = this->plan().forBytes(bytes);
   CollectiveHeader h;
   h.dtype = static_cast<uint8_t>(dt);
   h.redop = static_cast<uint8_t>(op);
@@ -288,7 +288,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupHetcomm::reduce(std::vector<at::Tenso
   const DType dt = toDType(t, "reduce");
   const RedOp op = toRedOp(opts.reduceOp, "reduce");
   checkReduce(dt, op, "reduce");
-  const RingPlan plan = this->plan();
+  const RingPlan plan = this->plan().forBytes(t.nbytes());
   CollectiveHeader h;
   h.dtype = static_cast<uint8_t>(dt);
   h.redop = static_cast<uint8_t>(op);

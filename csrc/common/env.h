@@ -26,13 +26,14 @@ inline std::string envStr(const char* name, const std::string& fallback = "") {
     return value;                                    \
   }
 
-// Bytes per pipelined segment of the ring.
-HETCOMM_PARAM(paramSegmentBytes, "HETCOMM_SEGMENT_BYTES", 128 * 1024)
+// Bytes per pipelined segment of the ring; 0 (default) adapts it to the chunk size.
+HETCOMM_PARAM(paramSegmentBytes, "HETCOMM_SEGMENT_BYTES", 0)
 // Allreduce of at most this many bytes uses recursive doubling (latency-optimal) instead of the
 // ring (bandwidth-optimal).
 HETCOMM_PARAM(paramSmallAllreduceBytes, "HETCOMM_SMALL_ALLREDUCE_BYTES", 32 * 1024)
-// Socket send/receive buffer sizes requested from the kernel.
-HETCOMM_PARAM(paramSocketBufferBytes, "HETCOMM_SOCKET_BUFFER_BYTES", 4 * 1024 * 1024)
+// Socket send/receive buffer sizes requested from the kernel: -1 (default) = 256 KB on loopback
+// and the kernel's autotuning elsewhere, 0 = always autotune, N = always N bytes.
+HETCOMM_PARAM(paramSocketBufferBytes, "HETCOMM_SOCKET_BUFFER_BYTES", -1)
 // Log level: 0 errors, 1 warnings (default), 2 info, 3 debug.
 HETCOMM_PARAM(paramLogLevel, "HETCOMM_LOG_LEVEL", 1)
 

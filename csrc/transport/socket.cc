@@ -92,10 +92,27 @@ void setNonBlocking(int fd) {
   }
 }
 
-void tuneSocket(int fd) {
+namespace {
+
+bool isLoopback(const sockaddr* sa) {
+  if (sa->sa_family == AF_INET) {
+    return (ntohl(reinterpret_cast<const sockaddr_in*>(sa)->sin_addr.s_addr) >> 24) == 127;
+  }
+  if (sa->sa_family == AF_INET6) {
+    const in6_addr& a = reinterpret_cast<const sockaddr_in6*>(sa)->sin6_addr;
+    if (IN6_IS_ADDR_LOOPBACK(&a)) return true;
+    return IN6_IS_ADDR_V4MAPPED(&a) && a.s6_addr[12] == 127;
+  }
+  return false;
+}
+
+}  // namespace
+
+void tuneSocket(int fd, bool loopback) {
   int one = 1;
   setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
-  int buf = static_cast<int>(paramSocketBufferBytes());
+  const int64_t configured = paramSocketBufferBytes();
+  const int buf = static_cast<int>(configured >= 0 ? configured : (loopback ? 256 * 1024 : 0));
   if (buf > 0) {
     setsockopt(fd, SOL_SOCKET, SO_SNDBUF, &buf, sizeof(buf));
     setsockopt(fd, SOL_SOCKET, SO_RCVBUF, &buf, sizeof(buf));
@@ -112,7 +129,7 @@ Socket listenOn(const std::string& ip, uint16_t port, int backlog) {
     int one = 1;
     setsockopt(s.fd(), SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
     // Set buffer sizes before listen() so that accepted sockets inherit them (window scaling).
-    tuneSocket(s.fd());
+    tuneSocket(s.fd(), isLoopback(p->ai_addr));
     if (::bind(s.fd(), p->ai_addr, p->ai_addrlen) == 0 && ::listen(s.fd(), backlog) == 0) {
       setNonBlocking(s.fd());
       return s;
@@ -148,7 +165,7 @@ Socket connectTo(const HostPort& addr, Deadline deadline) {
     for (addrinfo* p = ai.head; p != nullptr; p = p->ai_next) {
       Socket s(::socket(p->ai_family, p->ai_socktype | SOCK_CLOEXEC, p->ai_protocol));
       if (!s.valid()) continue;
-      tuneSocket(s.fd());
+      tuneSocket(s.fd(), isLoopback(p->ai_addr));
       setNonBlocking(s.fd());
       int rc = ::connect(s.fd(), p->ai_addr, p->ai_addrlen);
       if (rc != 0 && errno == EINPROGRESS) {

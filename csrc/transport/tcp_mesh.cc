@@ -1,6 +1,8 @@
 #include "transport/tcp_mesh.h"
 
 #include <arpa/inet.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <poll.h>
@@ -138,8 +140,9 @@ void TcpMesh::listenLoop() {
     if (ss.ss_family == AF_INET) {
       inet_ntop(AF_INET, &reinterpret_cast<sockaddr_in*>(&ss)->sin_addr, host, sizeof(host));
     }
-    Socket s(fd);
-    tuneSocket(s.fd());
+    Socket s(fd);  // inherits the listener's buffer sizes
+    int one = 1;
+    setsockopt(s.fd(), IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
     try {
       acceptOne(std::move(s), host);
     } catch (const std::exception& e) {

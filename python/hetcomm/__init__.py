@@ -5,9 +5,11 @@
     import hetcomm, torch.distributed as dist
     dist.init_process_group("hetcomm")
 """
-from hetcomm._backend import register_backend, backend_of, listen_address
+from hetcomm._backend import (backend_of, get_plan, link_model, listen_address, probe, register_backend,
+                              set_plan)
 
 __version__ = "0.1.0"
-__all__ = ["register_backend", "backend_of", "listen_address", "__version__"]
+__all__ = ["register_backend", "backend_of", "get_plan", "set_plan", "probe", "link_model", "listen_address",
+           "__version__"]
 
 register_backend()

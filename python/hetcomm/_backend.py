@@ -25,14 +25,22 @@ def _timeout_ms(timeout: Optional[datetime.timedelta]) -> int:
 
 
 def _create_backend(dist_backend_opts, backend_options) -> _C.ProcessGroupHetcomm:
-    """Extended-API creator: torch calls it in every process of a new group."""
-    return _C.ProcessGroupHetcomm(
+    """Extended-API creator: torch calls it in every process of a new group.
+
+    Besides building the C++ backend it measures the links (or reads the declared ones) and
+    installs the ring plan, since every rank of the group is here at the same time.
+    """
+    from hetcomm.topology import configure_group
+
+    backend = _C.ProcessGroupHetcomm(
         dist_backend_opts.store,
         dist_backend_opts.group_rank,
         dist_backend_opts.group_size,
         _timeout_ms(getattr(dist_backend_opts, "timeout", None)),
         os.environ.get("HETCOMM_LISTEN_IP", ""),
     )
+    configure_group(backend)
+    return backend
 
 
 def register_backend() -> None:
@@ -52,6 +60,36 @@ def backend_of(group: Optional[dist.ProcessGroup] = None) -> _C.ProcessGroupHetc
     if not isinstance(backend, _C.ProcessGroupHetcomm):
         raise RuntimeError(f"hetcomm: the group's CPU backend is {type(backend).__name__}, not hetcomm")
     return backend
+
+
+def get_plan(group: Optional[dist.ProcessGroup] = None):
+    """The ring plan the group's allreduces use (a `hetcomm.planner.Plan`)."""
+    from hetcomm.planner import Plan
+
+    order, shares, min_bytes = backend_of(group).get_plan()
+    return Plan(tuple(order), tuple(shares), min_bytes=min_bytes)
+
+
+def set_plan(plan, group: Optional[dist.ProcessGroup] = None) -> None:
+    """Installs a plan (a `hetcomm.planner.Plan`); every rank must set the same plan at the same point."""
+    backend_of(group).set_plan(list(plan.order), list(plan.shares), int(plan.min_bytes))
+
+
+def probe(group: Optional[dist.ProcessGroup] = None):
+    """Re-measures the group's links and reduce throughput, installs the resulting plan, returns the model.
+
+    A collective: every rank of the group must call it.
+    """
+    from hetcomm.topology import probe_backend
+
+    return probe_backend(backend_of(group))
+
+
+def link_model(group: Optional[dist.ProcessGroup] = None):
+    """The `LinkModel` behind the group's plan (None if none was measured or declared)."""
+    from hetcomm.topology import model_of
+
+    return model_of(backend_of(group))
 
 
 def listen_address(group: Optional[dist.ProcessGroup] = None) -> str:

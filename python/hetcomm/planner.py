@@ -283,12 +283,16 @@ class Plan:
     ``order[p]``: the rank at ring position p (it sends to ``order[p+1]``). ``shares[r]``: rank r's
     fraction of the buffer. ``predicted_bw_seconds_per_byte``: ``max(T_bw, T_reduce) / N`` under the
     model the plan was made for (``None`` for a plan built without one); its inverse is the
-    predicted algorithm bandwidth for large messages.
+    predicted algorithm bandwidth for large messages. ``min_bytes``: smaller allreduces use
+    uniform shares instead.
     """
 
     order: tuple[int, ...]
     shares: tuple[float, ...]
     predicted_bw_seconds_per_byte: Optional[float] = None
+    # Allreduces smaller than this keep uniform shares in the engine (the weighted plan only pays
+    # above the crossover size; see `crossover_bytes`).
+    min_bytes: int = 0
 
     def __post_init__(self) -> None:
         order = tuple(int(r) for r in self.order)
@@ -709,12 +713,28 @@ def make_plan(model: LinkModel, nbytes: Optional[int] = None, min_gain: float = 
     return best if t_best < t_uniform * (1.0 - min_gain) else uniform
 
 
+def crossover_bytes(model: LinkModel, min_gain: float = DEFAULT_MIN_GAIN, max_log2: int = 40) -> Optional[int]:
+    """The smallest power-of-two message size at which `make_plan` picks the weighted plan.
+
+    ``None`` when it never does (uniform links, or no gain beyond ``min_gain``).
+    """
+    if make_plan(model, None, min_gain).is_uniform:
+        return None
+    start = max(1, model.small_allreduce_bytes + 1).bit_length()
+    for k in range(start, max_log2 + 1):
+        if not make_plan(model, 1 << k, min_gain).is_uniform:
+            return 1 << k
+    return None
+
+
 def format_plan(plan: Plan, model: Optional[LinkModel] = None) -> str:
     """One line for a debug log: ring order, shares in %, predicted large-message algbw."""
     ring = ">".join(str(r) for r in plan.order)
     total = math.fsum(plan.shares)
     shares = " ".join(f"r{r}={100.0 * s / total:.1f}%" for r, s in enumerate(plan.shares))
     line = f"hetcomm plan: ring {ring} | shares {shares}"
+    if plan.min_bytes:
+        line += f" | for allreduces >= {plan.min_bytes} B"
     if model is not None and model.world_size > 1:
         per_byte = ring_seconds_per_byte(plan.order, plan.shares, model)
         uniform = ring_seconds_per_byte(tuple(range(model.world_size)), (1.0,) * model.world_size, model)

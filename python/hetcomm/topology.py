@@ -1,0 +1,117 @@
+"""What hetcomm knows about a group's links, and the ring plan it derives from that.
+
+At group creation (`configure_group`, called by the backend creator), every rank:
+
+1. gets a `LinkModel`: declared bandwidths (``HETCOMM_LINK_MBIT``: per-rank NIC rates
+   ``"800,800,800,100"`` or a matrix ``"0,800;800,0"``), else measured (`hetcomm.probe`), unless
+   ``HETCOMM_PROBE=0`` (then the engine keeps its uniform plan);
+2. rank 0 chooses the plan (`planner.make_plan` for large messages, and the crossover size below
+   which allreduces stay uniform) and broadcasts it, so all ranks hold the same plan even if their
+   numerics differed; every rank installs it.
+
+Users can re-run this (`hetcomm.probe(group)`), read the plan (`get_plan`), or set their own
+(`set_plan`): every rank must then set the same plan at the same point of its program.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import time
+from typing import Optional
+
+import torch
+
+from hetcomm import planner
+from hetcomm.probe import measure_model, model_from_declared, parse_mbit
+
+log = logging.getLogger("hetcomm")
+
+# The model behind each live backend's plan, by the backend's listening address (unique in the
+# process). Python attributes cannot live on the backend: torch hands out fresh wrappers of it.
+_models: dict[str, planner.LinkModel] = {}
+
+
+def model_of(backend) -> Optional[planner.LinkModel]:
+    return _models.get(backend.listen_address())
+
+
+def _log_plan(line: str) -> None:
+    log.debug(line)
+    if int(os.environ.get("HETCOMM_LOG_LEVEL", "1") or 1) >= 2:
+        print(f"[hetcomm INFO] {line}", file=sys.stderr, flush=True)
+
+
+def declared_model(size: int) -> Optional[planner.LinkModel]:
+    text = os.environ.get("HETCOMM_LINK_MBIT", "").strip()
+    if not text:
+        return None
+    nic, matrix = parse_mbit(text)
+    return model_from_declared(size, nic_mbit=nic, link_mbit=matrix)
+
+
+# A measured model must predict a larger gain than a declared one before hetcomm leaves uniform
+# shares: timing links between processes that share cores varies by ~10-20% (seen on 4 ranks on
+# 2 cores over loopback, where identical links measured 0.3-0.6 GB/s), and a plan fitted to noise
+# costs more than it saves.
+MEASURED_MIN_GAIN = 0.15
+DECLARED_MIN_GAIN = planner.DEFAULT_MIN_GAIN
+
+
+def choose_plan(model: planner.LinkModel, min_gain: float = DECLARED_MIN_GAIN) -> planner.Plan:
+    """The large-message plan, with min_bytes set to the crossover (uniform if weighting gains nothing)."""
+    best = planner.make_plan(model, None, min_gain)
+    if best.is_uniform:
+        return best
+    crossover = planner.crossover_bytes(model, min_gain)
+    return planner.Plan(best.order, best.shares, best.predicted_bw_seconds_per_byte,
+                        min_bytes=crossover if crossover is not None else 0)
+
+
+def _broadcast_plan(backend, plan: Optional[planner.Plan], size: int) -> planner.Plan:
+    """Rank 0's plan, on every rank: [min_bytes, order..., shares...] as float64."""
+    buf = torch.zeros(1 + 2 * size, dtype=torch.float64)
+    if backend.rank() == 0:
+        buf[0] = float(plan.min_bytes)
+        buf[1:1 + size] = torch.tensor(plan.order, dtype=torch.float64)
+        buf[1 + size:] = torch.tensor(plan.shares, dtype=torch.float64)
+    opts = torch.distributed.BroadcastOptions()
+    opts.rootRank = 0
+    backend.broadcast([buf], opts).wait()
+    values = buf.tolist()
+    return planner.Plan(tuple(int(v) for v in values[1:1 + size]), tuple(values[1 + size:]),
+                        plan.predicted_bw_seconds_per_byte if plan is not None else None,
+                        min_bytes=int(values[0]))
+
+
+def apply_model(backend, model: planner.LinkModel, min_gain: float = DECLARED_MIN_GAIN) -> planner.Plan:
+    """Chooses (rank 0), agrees on and installs the plan for `model`; returns it."""
+    size = backend.size()
+    plan = choose_plan(model, min_gain) if backend.rank() == 0 else None
+    plan = _broadcast_plan(backend, plan, size)
+    backend.set_plan(list(plan.order), list(plan.shares), plan.min_bytes)
+    _models[backend.listen_address()] = model
+    _log_plan(planner.format_plan(plan, model))
+    return plan
+
+
+def probe_backend(backend) -> planner.LinkModel:
+    """Measures (or reads the declared) model of a backend's group and installs its plan."""
+    start = time.perf_counter()
+    model = declared_model(backend.size())
+    source, min_gain = "declared (HETCOMM_LINK_MBIT)", DECLARED_MIN_GAIN
+    if model is None:
+        model = measure_model(backend)
+        source, min_gain = "measured", MEASURED_MIN_GAIN
+    apply_model(backend, model, min_gain)
+    _log_plan(f"hetcomm probe: {source} model in {time.perf_counter() - start:.3f} s")
+    return model
+
+
+def configure_group(backend) -> None:
+    """Called at group creation: the plan from declared or probed links, unless HETCOMM_PROBE=0."""
+    if backend.size() == 1:
+        return
+    if os.environ.get("HETCOMM_PROBE", "1").strip() == "0" and not os.environ.get("HETCOMM_LINK_MBIT"):
+        return
+    probe_backend(backend)

@@ -1,0 +1,171 @@
+"""Network namespaces, the hub bridge and veth pairs of a simulated cluster (``ip``/``tc``).
+
+Names (``<id>`` = 6 hex digits chosen per run, so that concurrent runs never collide):
+
+* ``hcsim-<id>-hub``: the hub namespace; holds the bridge ``hc<id>br`` (address ``.254`` of
+  the run's /24, so a launcher thread can host a store there, see :func:`enter_netns`) and
+  the hub-side veth ends ``hc<id>p<k>``, one per rank, enslaved to the bridge.
+* ``hcsim-<id>-r<k>``: rank k's namespace; holds ``lo`` (up) and ``eth0`` (address ``.k+1``).
+
+The veth pairs are created inside the hub with their peer created directly in the rank's
+namespace, so no interface ever exists in the root namespace, and the root namespace's
+interfaces, routes and addresses are never touched.
+"""
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import ctypes.util
+import os
+import shutil
+import signal
+import subprocess
+import threading
+import time
+from typing import Iterator, Optional, Sequence
+
+from hetcomm.sim.spec import SimError
+
+NETNS_DIR = "/run/netns"
+RANK_IFNAME = "eth0"
+
+_TOOL_DIRS = ("/usr/sbin", "/sbin", "/usr/local/sbin", "/bin", "/usr/bin")
+
+
+def find_tool(name: str) -> Optional[str]:
+    path = shutil.which(name)
+    if path:
+        return path
+    for d in _TOOL_DIRS:
+        p = os.path.join(d, name)
+        if os.access(p, os.X_OK):
+            return p
+    return None
+
+
+def check_prerequisites() -> tuple[str, str]:
+    """Root and iproute2: returns the paths of ``ip`` and ``tc``, or raises :class:`SimError`."""
+    if os.geteuid() != 0:
+        raise SimError("hetcomm.sim needs root: it creates network namespaces (ip netns) and cgroups")
+    ip, tc = find_tool("ip"), find_tool("tc")
+    missing = [n for n, p in (("ip", ip), ("tc", tc)) if p is None]
+    if missing:
+        raise SimError(f"hetcomm.sim needs the iproute2 commands `ip` and `tc`; not found: "
+                       f"{', '.join(missing)} (install iproute2, e.g. `apt-get install iproute2`)")
+    assert ip and tc
+    return ip, tc
+
+
+class Runner:
+    """Runs ``ip``/``tc`` commands, optionally echoing them (``verbose``), raising on failure."""
+
+    def __init__(self, ip: str = "ip", tc: str = "tc", verbose: bool = False, log=None):
+        self.ip, self.tc = ip, tc
+        self.verbose = verbose
+        self.log = log
+
+    def __call__(self, argv: Sequence[str], *, check: bool = True,
+                 what: str = "") -> subprocess.CompletedProcess:
+        argv = list(argv)
+        if argv[0] == "ip":
+            argv[0] = self.ip
+        elif argv[0] == "tc":
+            argv[0] = self.tc
+        if self.verbose and self.log:
+            self.log("+ " + " ".join([os.path.basename(argv[0])] + argv[1:]))
+        proc = subprocess.run(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, timeout=60)
+        if check and proc.returncode != 0:
+            cmd = " ".join([os.path.basename(argv[0])] + argv[1:])
+            raise SimError(f"{what + ': ' if what else ''}`{cmd}` failed (exit {proc.returncode}): "
+                           f"{(proc.stderr or proc.stdout).strip()}")
+        return proc
+
+
+def netns_exists(name: str) -> bool:
+    return os.path.exists(os.path.join(NETNS_DIR, name))
+
+
+def list_netns() -> list[str]:
+    try:
+        return sorted(os.listdir(NETNS_DIR))
+    except FileNotFoundError:
+        return []
+
+
+def netns_pids(run: Runner, name: str) -> list[int]:
+    proc = run(["ip", "netns", "pids", name], check=False)
+    if proc.returncode != 0:
+        return []
+    return [int(x) for x in proc.stdout.split() if x.isdigit()]
+
+
+def kill_netns_processes(run: Runner, names: Sequence[str], wait_s: float = 3.0) -> None:
+    """SIGKILLs every process still inside the namespaces ``names`` (so they can be destroyed)."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        pids = [p for n in names if netns_exists(n) for p in netns_pids(run, n)]
+        pids = [p for p in pids if p != os.getpid()]
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        if not pids or time.monotonic() > deadline:
+            return
+        time.sleep(0.05)
+
+
+def delete_netns(run: Runner, name: str) -> Optional[str]:
+    """Deletes namespace ``name``; returns an error message or None."""
+    if not netns_exists(name):
+        return None
+    proc = run(["ip", "netns", "del", name], check=False)
+    if proc.returncode != 0 and netns_exists(name):
+        return f"ip netns del {name}: {proc.stderr.strip()}"
+    return None
+
+
+# --------------------------------------------------------------------------------------------
+# Switching the calling thread into a namespace (for a store or a probe hosted by the launcher)
+# --------------------------------------------------------------------------------------------
+
+_CLONE_NEWNET = 0x40000000
+_libc = None
+_setns_lock = threading.Lock()
+
+
+def _setns(fd: int) -> None:
+    global _libc
+    if hasattr(os, "setns"):  # Python >= 3.12
+        os.setns(fd, _CLONE_NEWNET)
+        return
+    if _libc is None:
+        _libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+    if _libc.setns(fd, _CLONE_NEWNET) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"setns: {os.strerror(err)}")
+
+
+@contextlib.contextmanager
+def enter_netns(name: str) -> Iterator[None]:
+    """Moves the *calling thread* into network namespace ``name`` for the ``with`` block.
+
+    Sockets created inside the block stay in that namespace for their whole life (a server
+    created here keeps serving from there, and threads started here inherit the namespace), so
+    a launcher can host e.g. a ``TCPStore`` on the hub address that every rank can reach. Other
+    threads of the process are not affected.
+    """
+    own = os.open("/proc/thread-self/ns/net", os.O_RDONLY)
+    try:
+        target = os.open(os.path.join(NETNS_DIR, name), os.O_RDONLY)
+        try:
+            _setns(target)
+        finally:
+            os.close(target)
+        try:
+            yield
+        finally:
+            _setns(own)
+    finally:
+        os.close(own)

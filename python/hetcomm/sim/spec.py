@@ -1,0 +1,342 @@
+"""What a simulated cluster looks like: :class:`SimSpec`, its parsing, and the bandwidths it implies.
+
+Everything here is pure (no root, no ``ip``/``tc``), so the planner and the benchmark can compute
+the physical bound of a simulated cluster without building it.
+
+Units
+-----
+Rates are given in Mbit/s as ``tc`` understands them: 1 Mbit = 10**6 bit, so 100 Mbit/s is
+12.5e6 bytes/s. :func:`effective_bandwidth` returns bytes/s. A TCP stream moves payload at about
+``TCP_GOODPUT_FRACTION`` of the shaped rate (1448 payload bytes per 1514-byte frame: headers are
+shaped too); measured on the development VM: 100 Mbit -> 11.9-12.0 MB/s, 400 -> 47.7-48.0 MB/s,
+800 -> 94.4-94.9 MB/s, 1000 -> 117-120 MB/s.
+
+``None`` (or ``inf`` on the command line) means "not shaped".
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from typing import Mapping, Optional, Sequence
+
+#: payload bytes per shaped byte for a bulk TCP stream over the simulated (MTU 1500) links
+TCP_GOODPUT_FRACTION = 1448 / 1514
+
+MBIT = 1e6 / 8  # bytes per second in one Mbit/s
+
+_UNSHAPED_WORDS = ("inf", "-", "none", "unlimited", "")
+
+
+class SimError(RuntimeError):
+    """A simulated cluster cannot be described, built or run (the message says why)."""
+
+
+def mbit_to_bytes_per_s(mbit: Optional[float]) -> float:
+    """Mbit/s (``None`` = unshaped) to bytes/s (``math.inf`` = unshaped)."""
+    return math.inf if mbit is None else float(mbit) * MBIT
+
+
+def _parse_rate(text: str, what: str, *, allow_zero: bool = False) -> Optional[float]:
+    t = text.strip().lower()
+    if t.endswith("mbit"):
+        t = t[:-4]
+    if t in _UNSHAPED_WORDS:
+        return None
+    try:
+        v = float(t)
+    except ValueError:
+        raise SimError(f"{what}: {text!r} is not a rate in Mbit/s "
+                       "(a number, or 'inf' for unshaped)") from None
+    if math.isinf(v) and v > 0:
+        return None
+    if not (v > 0 or (allow_zero and v == 0)) or math.isnan(v):
+        raise SimError(f"{what}: {text!r} must be a positive rate in Mbit/s ('inf' for unshaped)")
+    return v
+
+
+def parse_rate_list(text: str, what: str = "--nic-mbit") -> list[Optional[float]]:
+    """``"800,800,800,100"`` -> ``[800.0, 800.0, 800.0, 100.0]`` (``inf`` -> None)."""
+    items = [s for s in text.replace(" ", "").split(",")]
+    if not items or items == [""]:
+        raise SimError(f"{what}: empty list")
+    return [_parse_rate(s, f"{what} item {i}") for i, s in enumerate(items)]
+
+
+def parse_float_list(text: str, what: str) -> list[float]:
+    out = []
+    for i, s in enumerate(text.replace(" ", "").split(",")):
+        try:
+            v = float(s)
+        except ValueError:
+            raise SimError(f"{what}: item {i} {s!r} is not a number") from None
+        if not v > 0 or math.isinf(v):
+            raise SimError(f"{what}: item {i} {s!r} must be a positive finite number")
+        out.append(v)
+    return out
+
+
+def parse_matrix(text: str, what: str = "--link-mbit") -> list[list[Optional[float]]]:
+    """A PxP matrix of directed link rates in Mbit/s: row i = from rank i, column j = to rank j.
+
+    ``text`` is either inline (rows separated by ``;``, values by ``,``:
+    ``"0,800,100;800,0,100;100,100,0"``) or the path of a file (rows on lines or separated by
+    ``;``, values separated by commas and/or blanks, ``#`` starts a comment). The diagonal is
+    ignored (write 0). Off the diagonal a value must be positive, or ``inf``/``-`` for a link
+    that is limited only by the two NICs.
+    """
+    if os.path.isfile(text):
+        with open(text) as f:
+            lines = [ln.split("#", 1)[0] for ln in f.read().splitlines()]
+        body = ";".join(ln for ln in lines if ln.strip())
+    else:
+        body = text
+    rows_txt = [r for r in body.replace("\n", ";").split(";") if r.strip()]
+    rows = [[v for v in r.replace(",", " ").split()] for r in rows_txt]
+    p = len(rows)
+    if p == 0:
+        raise SimError(f"{what}: empty matrix")
+    for i, r in enumerate(rows):
+        if len(r) != p:
+            raise SimError(f"{what}: row {i} has {len(r)} values, expected {p} (a {p}x{p} matrix)")
+    out: list[list[Optional[float]]] = []
+    for i, r in enumerate(rows):
+        row: list[Optional[float]] = []
+        for j, v in enumerate(r):
+            if i == j:
+                row.append(None)
+            else:
+                row.append(_parse_rate(v, f"{what}[{i}][{j}]"))
+        out.append(row)
+    return out
+
+
+def format_rate(v: Optional[float]) -> str:
+    if v is None or math.isinf(v):
+        return "inf"
+    return f"{v:g}"
+
+
+def format_matrix(m: Sequence[Sequence[Optional[float]]]) -> str:
+    """Inverse of :func:`parse_matrix`: rows joined by ``;``, diagonal written ``0``."""
+    return ";".join(",".join("0" if i == j else format_rate(v) for j, v in enumerate(row))
+                    for i, row in enumerate(m))
+
+
+@dataclasses.dataclass
+class SimSpec:
+    """A simulated heterogeneous cluster.
+
+    nic_mbit: per-rank NIC rate in Mbit/s (None = unshaped). Applies to each rank's egress *and*
+        its ingress (full duplex: a rank can send and receive at the NIC rate at the same time).
+    link_mbit: optional PxP matrix of directed link rates (row = sender, column = receiver;
+        diagonal ignored; None = only the NICs limit that link).
+    sites, intra_mbit, inter_mbit: a shorthand for ``link_mbit``: ranks on the same site talk at
+        ``intra_mbit``, across sites at ``inter_mbit`` (None = unshaped). Mutually exclusive with
+        an explicit ``link_mbit``.
+    cpu_quota: per-rank CPU quota in cores (1.0 = one core, 0.25 = a quarter); None = no cgroup.
+    latency_ms: one-way delay added on each rank's egress (netem; the kernel must have it).
+    nprocs: world size when no per-rank list gives it.
+    """
+
+    nic_mbit: Optional[list[Optional[float]]] = None
+    link_mbit: Optional[list[list[Optional[float]]]] = None
+    sites: Optional[list[int]] = None
+    intra_mbit: Optional[float] = None
+    inter_mbit: Optional[float] = None
+    cpu_quota: Optional[list[float]] = None
+    latency_ms: float = 0.0
+    nprocs: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    # -- size and validation ----------------------------------------------------------------
+    @property
+    def world_size(self) -> int:
+        sizes = self._sizes()
+        return next(iter(sizes.values()))
+
+    def _sizes(self) -> dict[str, int]:
+        sizes: dict[str, int] = {}
+        if self.nprocs is not None:
+            sizes["nprocs"] = int(self.nprocs)
+        if self.nic_mbit is not None:
+            sizes["nic_mbit"] = len(self.nic_mbit)
+        if self.link_mbit is not None:
+            sizes["link_mbit"] = len(self.link_mbit)
+        if self.sites is not None:
+            sizes["sites"] = len(self.sites)
+        if self.cpu_quota is not None:
+            sizes["cpu_quota"] = len(self.cpu_quota)
+        return sizes
+
+    def validate(self) -> None:
+        sizes = self._sizes()
+        if not sizes:
+            raise SimError("the world size is unknown: give nic_mbit (--nic-mbit), sites, link_mbit, "
+                           "cpu_quota or nprocs (--nprocs)")
+        if len(set(sizes.values())) != 1:
+            raise SimError("inconsistent world sizes: " +
+                           ", ".join(f"{k} gives {v}" for k, v in sizes.items()))
+        p = next(iter(sizes.values()))
+        if p < 1:
+            raise SimError(f"the world size must be at least 1, got {p}")
+        if p > 250:
+            raise SimError(f"at most 250 ranks can be simulated (one /24), got {p}")
+        if self.link_mbit is not None and self.sites is not None:
+            raise SimError("give either link_mbit (--link-mbit) or sites (--sites), not both")
+        if self.sites is None and (self.intra_mbit is not None or self.inter_mbit is not None):
+            raise SimError("intra_mbit/inter_mbit (--intra-mbit/--inter-mbit) need sites (--sites)")
+        if self.sites is not None and self.intra_mbit is None and self.inter_mbit is None:
+            raise SimError("sites (--sites) needs --intra-mbit and/or --inter-mbit")
+        if self.link_mbit is not None:
+            for i, row in enumerate(self.link_mbit):
+                if len(row) != p:
+                    raise SimError(f"link_mbit row {i} has {len(row)} values, expected {p}")
+                for j, v in enumerate(row):
+                    if i != j and v is not None and not v > 0:
+                        raise SimError(f"link_mbit[{i}][{j}] = {v}: must be positive (None = unshaped)")
+        for name in ("intra_mbit", "inter_mbit"):
+            v = getattr(self, name)
+            if v is not None and not v > 0:
+                raise SimError(f"{name} = {v}: must be positive (None = unshaped)")
+        if self.nic_mbit is not None:
+            for i, v in enumerate(self.nic_mbit):
+                if v is not None and not v > 0:
+                    raise SimError(f"nic_mbit[{i}] = {v}: must be positive (None = unshaped)")
+        if self.cpu_quota is not None:
+            for i, q in enumerate(self.cpu_quota):
+                if not (q > 0 and math.isfinite(q)) or q < 0.01:
+                    raise SimError(f"cpu_quota[{i}] = {q}: must be a number of cores >= 0.01")
+        if not (self.latency_ms >= 0 and math.isfinite(self.latency_ms)):
+            raise SimError(f"latency_ms = {self.latency_ms}: must be >= 0")
+
+    # -- derived quantities -----------------------------------------------------------------
+    def nic(self, rank: int) -> Optional[float]:
+        return None if self.nic_mbit is None else self.nic_mbit[rank]
+
+    def links(self) -> Optional[list[list[Optional[float]]]]:
+        """The configured directed link matrix in Mbit/s (from link_mbit or sites), or None.
+
+        Diagonal entries are None. Without per-link shaping, None.
+        """
+        p = self.world_size
+        if self.link_mbit is not None:
+            return [[None if i == j else self.link_mbit[i][j] for j in range(p)] for i in range(p)]
+        if self.sites is not None:
+            return [[None if i == j else
+                     (self.intra_mbit if self.sites[i] == self.sites[j] else self.inter_mbit)
+                     for j in range(p)] for i in range(p)]
+        return None
+
+    @property
+    def per_link(self) -> bool:
+        """True when the egress side needs one HTB class per destination."""
+        links = self.links()
+        return links is not None and any(v is not None for row in links for v in row)
+
+    @property
+    def shaped(self) -> bool:
+        return self.per_link or (self.nic_mbit is not None and any(v is not None for v in self.nic_mbit))
+
+    # -- environment ------------------------------------------------------------------------
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> "SimSpec":
+        return cls(**json.loads(text))
+
+    @classmethod
+    def from_env(cls, environ: Optional[Mapping[str, str]] = None) -> Optional["SimSpec"]:
+        """The spec of the simulated cluster this process runs in (``HETCOMM_SIM_SPEC``), or None."""
+        env = os.environ if environ is None else environ
+        if env.get("HETCOMM_SIM") != "1" or "HETCOMM_SIM_SPEC" not in env:
+            return None
+        return cls.from_json(env["HETCOMM_SIM_SPEC"])
+
+    def describe(self) -> str:
+        p = self.world_size
+        parts = [f"{p} rank{'s' if p != 1 else ''}"]
+        if self.nic_mbit is not None:
+            parts.append("NIC Mbit/s " + ",".join(format_rate(v) for v in self.nic_mbit))
+        if self.sites is not None:
+            parts.append(f"sites {','.join(map(str, self.sites))} intra {format_rate(self.intra_mbit)} "
+                         f"inter {format_rate(self.inter_mbit)} Mbit/s")
+        elif self.link_mbit is not None:
+            parts.append("links Mbit/s " + format_matrix(self.links() or []))
+        if self.cpu_quota is not None:
+            parts.append("CPU quota " + ",".join(f"{q:g}" for q in self.cpu_quota))
+        if self.latency_ms:
+            parts.append(f"latency {self.latency_ms:g} ms one-way")
+        if not self.shaped:
+            parts.append("network unshaped")
+        return "; ".join(parts)
+
+
+def effective_link_mbit(spec: SimSpec) -> list[list[Optional[float]]]:
+    """Directed rate of a single flow i -> j in Mbit/s: min(NIC_i, NIC_j, link_ij); None = unshaped.
+
+    This is what one TCP connection between i and j alone can get (times TCP_GOODPUT_FRACTION).
+    Several concurrent flows also share NIC_i (all of i's outgoing flows) and NIC_j (all of j's
+    incoming flows). The diagonal is None.
+    """
+    p = spec.world_size
+    links = spec.links()
+    out: list[list[Optional[float]]] = []
+    for i in range(p):
+        row: list[Optional[float]] = []
+        for j in range(p):
+            if i == j:
+                row.append(None)
+                continue
+            cands = [spec.nic(i), spec.nic(j), links[i][j] if links is not None else None]
+            vals = [v for v in cands if v is not None]
+            row.append(min(vals) if vals else None)
+        out.append(row)
+    return out
+
+
+def effective_bandwidth(spec: SimSpec) -> list[list[float]]:
+    """The effective directed link-bandwidth matrix in **bytes/s** implied by ``spec``.
+
+    ``bw[i][j] = min(NIC_i, NIC_j, link_ij) * 1e6 / 8``; ``math.inf`` where nothing is shaped and
+    on the diagonal. This is the wire rate; TCP payload gets about ``TCP_GOODPUT_FRACTION`` of it.
+    """
+    return [[mbit_to_bytes_per_s(v) for v in row] for row in effective_link_mbit(spec)]
+
+
+def ring_allreduce_seconds(bw: Sequence[Sequence[float]], nbytes: float,
+                           shares: Optional[Sequence[float]] = None,
+                           order: Optional[Sequence[int]] = None) -> float:
+    """Time of a pipelined ring AllReduce of ``nbytes`` on links of bandwidth ``bw`` (bytes/s).
+
+    The ring cost model of design.md section 2: rank A owns (fully reduces) a fraction ``s_A``
+    of the buffer. In reduce-scatter the link A->B carries every chunk except A's own; in
+    all-gather every chunk except B's own, so it carries ``(2 - s_A - s_B) * nbytes`` in all and
+
+        T = max over ring links A->B of (2 - s_A - s_B) * nbytes / bw(A->B)
+
+    (no latency terms). ``shares`` defaults to uniform ``1/P`` (what Gloo and NCCL do), giving
+    ``2 * nbytes * (P-1)/P / min(bw)`` when one link is the slowest; ``order`` defaults to
+    ``0, 1, ..., P-1``. Example: NICs 800,800,800,100 Mbit/s, 16 MB, uniform: 24 MB through the
+    12.5 MB/s NIC = 1.92 s.
+    """
+    p = len(bw)
+    if p <= 1:
+        return 0.0
+    order = list(range(p)) if order is None else list(order)
+    if sorted(order) != list(range(p)):
+        raise ValueError(f"order must be a permutation of 0..{p - 1}, got {order}")
+    if shares is None:
+        shares = [1.0 / p] * p
+    if len(shares) != p or abs(sum(shares) - 1.0) > 1e-6 or min(shares) < 0:
+        raise ValueError(f"shares must be {p} non-negative fractions summing to 1, got {shares}")
+    t = 0.0
+    for k in range(p):
+        a, b = order[k], order[(k + 1) % p]
+        load = (2.0 - shares[a] - shares[b]) * nbytes
+        t = max(t, load / bw[a][b] if bw[a][b] > 0 else math.inf)
+    return t

@@ -62,21 +62,23 @@ PYBIND11_MODULE(_C, m) {
           "get_plan",
           [](const hetcomm::ProcessGroupHetcomm& pg) {
             hetcomm::RingPlan p = pg.plan();
-            return py::make_tuple(p.order, p.shares, p.minBytes);
+            return py::make_tuple(p.order, p.shares, p.minBytes, p.segmentBytes);
           },
-          "The ring plan as (order, shares, min_bytes): ring positions' ranks, each rank's share of an "
-          "allreduce, and the smallest allreduce (bytes) that uses it rather than uniform shares.")
+          "The ring plan as (order, shares, min_bytes, segment_bytes): ring positions' ranks, each rank's "
+          "share of an allreduce, the smallest allreduce (bytes) that uses it rather than uniform shares, "
+          "and its pipeline segment size (0: adaptive).")
       .def(
           "set_plan",
           [](hetcomm::ProcessGroupHetcomm& pg, std::vector<int> order, std::vector<double> shares,
-             uint64_t minBytes) {
+             uint64_t minBytes, uint64_t segmentBytes) {
             hetcomm::RingPlan p;
             p.order = std::move(order);
             p.shares = std::move(shares);
             p.minBytes = minBytes;
+            p.segmentBytes = segmentBytes;
             pg.setPlan(std::move(p));
           },
-          py::arg("order"), py::arg("shares"), py::arg("min_bytes") = 0,
+          py::arg("order"), py::arg("shares"), py::arg("min_bytes") = 0, py::arg("segment_bytes") = 0,
           "Sets the ring plan for operations issued from now on; every rank must set the same plan.");
 
   m.def("reduce_into", &reduceIntoTensor, py::arg("dst"), py::arg("src"), py::arg("op") = "sum",

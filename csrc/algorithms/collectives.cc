@@ -59,6 +59,7 @@ uint64_t RingPlan::fingerprint() const {
   };
   for (int r : order) mix(static_cast<uint64_t>(r));
   mix(minBytes);
+  mix(segmentBytes);
   for (double s : shares) {
     uint64_t bits;
     std::memcpy(&bits, &s, sizeof(bits));
@@ -106,7 +107,9 @@ void allreduceRing(CollectiveContext& ctx, char* buf, size_t count, DType dtype,
   std::vector<double> sharesByPos(P);
   for (int pos = 0; pos < P; ++pos) sharesByPos[pos] = plan.shares[plan.order[pos]];
   std::vector<size_t> counts = sharesToCounts(count, sharesByPos);
-  runRing(ctx, buf, plan, counts, prefixOffsets(counts), elementSize(dtype), dtype, op, RingPhases::kAllReduce);
+  CollectiveContext planned = ctx;
+  if (ctx.segmentBytes == 0 && plan.segmentBytes > 0) planned.segmentBytes = plan.segmentBytes;
+  runRing(planned, buf, plan, counts, prefixOffsets(counts), elementSize(dtype), dtype, op, RingPhases::kAllReduce);
 }
 
 // MPICH-style recursive doubling; with P not a power of two, the first 2*(P - 2^k) ranks fold in

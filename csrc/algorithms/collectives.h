@@ -17,6 +17,9 @@ struct RingPlan {
   // Allreduces smaller than this use uniform shares in rank order: below the crossover the
   // weighted plan's longer critical path costs more than its balance saves (the planner decides).
   uint64_t minBytes = 0;
+  // Pipeline segment size for this plan's allreduces (0: adaptive). The planner sets it from the
+  // slowest ring link: a segment crossing a slow link is pipeline fill that nothing overlaps.
+  uint64_t segmentBytes = 0;
 
   static RingPlan uniform(int size);
   // Throws CommError unless order is a permutation of 0..size-1 and shares are valid.

@@ -63,8 +63,9 @@ std::string describeMismatch(const CollectiveHeader& want, const CollectiveHeade
 }
 
 [[noreturn]] void throwIo(const CollectiveContext& ctx, int peer, const char* doing, int err) {
-  throw CommError(strCat(ctx.prefix(), " lost its connection to rank ", peer, " while ", doing, ": ",
-                         err == 0 ? "closed by the peer (did it fail or exit?)" : std::strerror(err)));
+  throw PeerClosedError(strCat(ctx.prefix(), " lost its connection to rank ", peer, " while ", doing, ": ",
+                         err == 0 ? "closed by the peer (did it fail or exit?)" : std::strerror(err)),
+                        peer);
 }
 
 }  // namespace

@@ -73,7 +73,23 @@ void P2PEngine::postRecv(int peer, int64_t tag, char* data, size_t bytes, Deadli
     op.done(std::make_exception_ptr(CommError(strCat("hetcomm recv from rank ", peer, ": ", why))));
     return;
   }
-  peers_[peer].recvs.push_back(std::move(op));
+  Peer& p = peers_[peer];
+  for (auto it = p.unexpected.begin(); it != p.unexpected.end(); ++it) {
+    if (it->first != tag) continue;
+    std::vector<char> payload = std::move(it->second);
+    p.unexpected.erase(it);
+    lock.unlock();
+    if (payload.size() != bytes) {
+      op.done(std::make_exception_ptr(CommError(strCat(
+          "hetcomm recv on rank ", rank_, ": rank ", peer, " sent ", payload.size(), " bytes with tag ", tag,
+          " but this receive expects ", bytes, " bytes"))));
+    } else {
+      if (bytes > 0) std::memcpy(data, payload.data(), bytes);
+      op.done(nullptr);
+    }
+    return;
+  }
+  p.recvs.push_back(std::move(op));
   lock.unlock();
   wake();
 }
@@ -100,6 +116,10 @@ void P2PEngine::stop(const std::string& reason) {
     for (Peer& p : peers_) {
       failAll(p.sends, reason, finished);
       failAll(p.recvs, reason, finished);
+      if (p.incoming.matched) {
+        finished.emplace_back(std::move(p.incoming.op.done), std::make_exception_ptr(CommError(reason)));
+        p.incoming = Incoming();
+      }
       p.out.close();
       p.in.close();
     }
@@ -167,46 +187,127 @@ void P2PEngine::progressSends(int peer, Peer& p, Finished& finished) {
   }
 }
 
+void P2PEngine::breakInbound(int peer, Peer& p, const std::string& why, Finished& finished) {
+  p.inError = why;
+  p.in.close();
+  if (p.incoming.matched) {
+    finished.emplace_back(std::move(p.incoming.op.done),
+                          std::make_exception_ptr(CommError(strCat("hetcomm recv on rank ", rank_, ": ", why))));
+  }
+  p.incoming = Incoming();
+  failAll(p.recvs, strCat("hetcomm recv on rank ", rank_, ": ", why), finished);
+}
+
 void P2PEngine::progressRecvs(int peer, Peer& p, Finished& finished) {
-  while (!p.recvs.empty() && p.in.valid()) {
-    Op& op = p.recvs.front();
+  while (p.in.valid()) {
+    Incoming& in = p.incoming;
+    const bool inHeader = in.headerDone < in.header.size();
     char* ptr;
     size_t left;
-    if (op.headerDone < op.header.size()) {
-      ptr = reinterpret_cast<char*>(op.header.data()) + op.headerDone;
-      left = op.header.size() - op.headerDone;
+    if (inHeader) {
+      ptr = reinterpret_cast<char*>(in.header.data()) + in.headerDone;
+      left = in.header.size() - in.headerDone;
     } else {
-      ptr = op.data + op.dataDone;
-      left = op.bytes - op.dataDone;
+      ptr = (in.matched ? in.op.data : in.unexpected.data()) + in.dataDone;
+      left = in.parsed.bytes - in.dataDone;
     }
-    ssize_t n = left == 0 ? 0 : ::recv(p.in.fd(), ptr, left, 0);
-    if (left != 0 && n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) return;
-    std::string error;
-    if (left != 0 && n == 0) error = strCat("rank ", peer, " closed the connection (did it fail or exit?)");
-    if (n < 0) error = strCat("connection from rank ", peer, " failed: ", std::strerror(errno));
-    if (error.empty() && op.headerDone < op.header.size()) {
-      op.headerDone += static_cast<size_t>(n);
-      if (op.headerDone == op.header.size()) {
-        P2PHeader h;
-        error = P2PHeader::decode(op.header.data(), h);
-        if (error.empty() && (h.tag != op.tag || h.bytes != op.bytes)) {
-          error = strCat("rank ", peer, " sent ", h.bytes, " bytes with tag ", h.tag, " but rank ", rank_,
-                         " posted a receive of ", op.bytes, " bytes with tag ", op.tag,
-                         " (sends and receives must match in order, size and tag)");
+    if (left > 0) {
+      ssize_t n = ::recv(p.in.fd(), ptr, left, 0);
+      if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) return;
+      if (n == 0) {
+        // Between messages this is a peer that finished (or died): only pending receives fail.
+        return breakInbound(peer, p, strCat("rank ", peer, " closed the connection (did it fail or exit?)"), finished);
+      }
+      if (n < 0) return breakInbound(peer, p, strCat("connection from rank ", peer, " failed: ", std::strerror(errno)), finished);
+      if (inHeader) {
+        in.headerDone += static_cast<size_t>(n);
+        if (in.headerDone < in.header.size()) continue;
+        std::string err = P2PHeader::decode(in.header.data(), in.parsed);
+        if (!err.empty()) return breakInbound(peer, p, strCat("garbage from rank ", peer, ": ", err), finished);
+        auto match = std::find_if(p.recvs.begin(), p.recvs.end(), [&](const Op& op) { return op.tag == in.parsed.tag; });
+        if (match != p.recvs.end()) {
+          if (match->bytes != in.parsed.bytes) {
+            Op op = std::move(*match);
+            p.recvs.erase(match);
+            finished.emplace_back(std::move(op.done), std::make_exception_ptr(CommError(strCat(
+                "hetcomm recv on rank ", rank_, ": rank ", peer, " sent ", in.parsed.bytes, " bytes with tag ",
+                in.parsed.tag, " but this receive expects ", op.bytes, " bytes"))));
+            return breakInbound(peer, p, strCat("message size mismatch with rank ", peer, " (tag ", in.parsed.tag, ")"),
+                                finished);
+          }
+          in.matched = true;
+          in.op = std::move(*match);
+          p.recvs.erase(match);
+        } else {
+          in.unexpected.resize(in.parsed.bytes);
+        }
+      } else {
+        in.dataDone += static_cast<size_t>(n);
+      }
+    }
+    if (in.headerDone == in.header.size() && in.dataDone == in.parsed.bytes) {
+      if (in.matched) {
+        finished.emplace_back(std::move(in.op.done), nullptr);
+      } else {
+        // A receive may have been posted while this message was arriving unclaimed.
+        auto match = std::find_if(p.recvs.begin(), p.recvs.end(), [&](const Op& op) { return op.tag == in.parsed.tag; });
+        if (match == p.recvs.end()) {
+          p.unexpected.emplace_back(in.parsed.tag, std::move(in.unexpected));
+        } else {
+          Op op = std::move(*match);
+          p.recvs.erase(match);
+          if (op.bytes != in.parsed.bytes) {
+            finished.emplace_back(std::move(op.done), std::make_exception_ptr(CommError(strCat(
+                "hetcomm recv on rank ", rank_, ": rank ", peer, " sent ", in.parsed.bytes, " bytes with tag ",
+                in.parsed.tag, " but this receive expects ", op.bytes, " bytes"))));
+          } else {
+            if (op.bytes > 0) std::memcpy(op.data, in.unexpected.data(), op.bytes);
+            finished.emplace_back(std::move(op.done), nullptr);
+          }
         }
       }
-    } else if (error.empty()) {
-      op.dataDone += static_cast<size_t>(n);
+      in = Incoming();
     }
-    if (!error.empty()) {
-      p.inError = error;
-      p.in.close();
-      failAll(p.recvs, strCat("hetcomm recv on rank ", rank_, ": ", error), finished);
-      return;
+  }
+}
+
+void P2PEngine::timeOut(int peer, Peer& p, Deadline now, Finished& finished, int& pollTimeoutMs) {
+  auto why = [&](const char* kind, const Op& op) {
+    return strCat("hetcomm ", kind, ": rank ", rank_, " timed out after ", op.timeoutMs, " ms waiting for rank ", peer,
+                  " (tag ", op.tag, ", ", op.bytes, " bytes)");
+  };
+  auto track = [&](Deadline d) {
+    const int ms = msUntil(d);
+    pollTimeoutMs = pollTimeoutMs < 0 ? ms : std::min(pollTimeoutMs, ms);
+  };
+  // Sends go in order: only the head can be waiting on the network.
+  if (!p.sends.empty()) {
+    Op& op = p.sends.front();
+    if (op.deadline <= now) {
+      const std::string w = why("send", op);
+      if (op.headerDone > 0) {  // half sent: the stream is unusable
+        p.outError = w;
+        p.out.close();
+        failAll(p.sends, w, finished);
+      } else {
+        finished.emplace_back(std::move(op.done), std::make_exception_ptr(TimeoutError(w)));
+        p.sends.pop_front();
+      }
+    } else {
+      track(op.deadline);
     }
-    if (op.headerDone == op.header.size() && op.dataDone == op.bytes) {
-      finished.emplace_back(std::move(op.done), nullptr);
-      p.recvs.pop_front();
+  }
+  if (p.incoming.matched) {
+    if (p.incoming.op.deadline <= now) return breakInbound(peer, p, why("recv", p.incoming.op), finished);
+    track(p.incoming.op.deadline);
+  }
+  for (auto it = p.recvs.begin(); it != p.recvs.end();) {
+    if (it->deadline <= now) {
+      finished.emplace_back(std::move(it->done), std::make_exception_ptr(TimeoutError(why("recv", *it))));
+      it = p.recvs.erase(it);
+    } else {
+      track(it->deadline);
+      ++it;
     }
   }
 }
@@ -225,30 +326,10 @@ void P2PEngine::loop() {
         Peer& p = peers_[peer];
         progressSends(peer, p, finished);
         progressRecvs(peer, p, finished);
-        // Time out the operations at the head of each queue (the ones actually waiting).
-        for (std::deque<Op>* q : {&p.sends, &p.recvs}) {
-          if (q->empty()) continue;
-          Op& op = q->front();
-          if (op.deadline <= now) {
-            const bool isSend = q == &p.sends;
-            std::string why = strCat("hetcomm ", isSend ? "send" : "recv", ": rank ", rank_, " timed out after ",
-                                     op.timeoutMs, " ms waiting for rank ", peer, " (tag ", op.tag, ", ", op.bytes,
-                                     " bytes)");
-            // A half-transferred message leaves the stream unusable.
-            if (op.headerDone > 0) {
-              (isSend ? p.outError : p.inError) = why;
-              (isSend ? p.out : p.in).close();
-              failAll(*q, why, finished);
-            } else {
-              finished.emplace_back(std::move(op.done), std::make_exception_ptr(TimeoutError(why)));
-              q->pop_front();
-            }
-            continue;
-          }
-          timeoutMs = timeoutMs < 0 ? msUntil(op.deadline) : std::min(timeoutMs, msUntil(op.deadline));
-        }
+        timeOut(peer, p, now, finished, timeoutMs);
         if (!p.sends.empty() && p.out.valid()) fds.push_back({p.out.fd(), POLLOUT, 0});
-        if (!p.recvs.empty() && p.in.valid()) fds.push_back({p.in.fd(), POLLIN, 0});
+        // Always read: a message may arrive before the receive that claims it.
+        if (p.in.valid()) fds.push_back({p.in.fd(), POLLIN, 0});
       }
     }
     for (auto& f : finished) f.first(f.second);

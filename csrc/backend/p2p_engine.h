@@ -3,10 +3,12 @@
 //
 // Sends and receives with different peers, and the two directions with one peer, progress
 // independently, so "both ranks isend a large tensor, then irecv" cannot deadlock the way it would
-// if sends blocked the collective worker. Messages to one peer are matched in posting order; the
-// tag and size carried in each message header must equal the posted receive's, or that receive
-// fails with a message naming both sides (and the stream from that peer is closed: it can no
-// longer be trusted).
+// if sends blocked the collective worker. A receive matches the earliest message from its peer
+// with its tag (as in Gloo and MPI), whatever the posting order. Incoming data is read eagerly:
+// a message nobody has asked for yet is kept until a receive claims it, so a sender is never
+// stuck behind a tag the receiver posts later. A message whose size differs from the matching
+// receive's fails that receive with a message naming both sides, and the stream from that peer is
+// closed (it can no longer be trusted).
 #include <array>
 #include <condition_variable>
 #include <deque>
@@ -50,13 +52,26 @@ class P2PEngine {
     size_t headerDone = 0;
     size_t dataDone = 0;
   };
+  // The message currently arriving from a peer: its header, then its payload, written either
+  // into the matching posted receive or into a buffer of its own (unexpected).
+  struct Incoming {
+    std::array<uint8_t, P2PHeader::kBytes> header{};
+    size_t headerDone = 0;
+    P2PHeader parsed;
+    bool matched = false;
+    Op op;                        // when matched
+    std::vector<char> unexpected; // when not
+    size_t dataDone = 0;
+  };
   struct Peer {
     Socket out;
     std::string outError;
     std::deque<Op> sends;
     Socket in;
     std::string inError;
-    std::deque<Op> recvs;
+    std::deque<Op> recvs;  // posted, not yet matched, in posting order
+    Incoming incoming;
+    std::deque<std::pair<int64_t, std::vector<char>>> unexpected;  // (tag, payload), arrival order
   };
   using Finished = std::vector<std::pair<Done, std::exception_ptr>>;
 
@@ -65,6 +80,8 @@ class P2PEngine {
   void connectPending(Finished& finished);
   void progressSends(int peer, Peer& p, Finished& finished);
   void progressRecvs(int peer, Peer& p, Finished& finished);
+  void breakInbound(int peer, Peer& p, const std::string& why, Finished& finished);
+  void timeOut(int peer, Peer& p, Deadline now, Finished& finished, int& pollTimeoutMs);
   void failAll(std::deque<Op>& ops, const std::string& why, Finished& finished);
 
   const int rank_;

@@ -16,6 +16,10 @@ namespace {
 
 constexpr const char* kSecretKey = "hetcomm/secret";
 std::string addressKey(int rank) { return strCat("hetcomm/addr/", rank); }
+// Where a rank leaves the reason it gave up, for the peers that only see its connection close.
+std::string abortKey(int rank) { return strCat("hetcomm/abort/", rank); }
+// How long a rank that lost a peer waits for that peer's reason to appear in the store.
+constexpr std::chrono::milliseconds kAbortReasonWait{2000};
 
 // The address other ranks can reach us on: HETCOMM_SOCKET_IFNAME's, else the one the kernel
 // routes towards the store's host (the host every rank already reaches), else loopback.
@@ -163,6 +167,12 @@ void ProcessGroupHetcomm::runWorker() {
       ctx.fdOf = [this, &ctx](int peer) { return mesh_->collectiveFd(peer, ctx.deadline); };
       try {
         op.body(ctx);
+      } catch (const PeerClosedError& e) {
+        std::string msg = e.what();
+        const std::string why = peerAbortReason(e.peer());
+        if (!why.empty()) msg = strCat(msg, "; rank ", e.peer(), " reported: ", why);
+        failGroup(msg);
+        error = distError(msg);
       } catch (const CommError& e) {
         std::string msg = e.what();
         // Errors from below the collective layer (connecting, handshakes) lack the prefix.
@@ -179,12 +189,34 @@ void ProcessGroupHetcomm::runWorker() {
   }
 }
 
+std::string ProcessGroupHetcomm::peerAbortReason(int peer) {
+  try {
+    const std::string key = abortKey(peer);
+    store_->wait({key}, kAbortReasonWait);
+    std::vector<uint8_t> v = store_->get(key);
+    return std::string(v.begin(), v.end());
+  } catch (const std::exception&) {
+    return "";  // it left none (killed?), or the store is gone with it
+  }
+}
+
 void ProcessGroupHetcomm::failGroup(const std::string& reason) {
   {
     std::lock_guard<std::mutex> lock(mu_);
-    if (brokenReason_.empty()) brokenReason_ = reason;
+    if (!brokenReason_.empty()) return;
+    brokenReason_ = reason;
   }
   HC_LOG(kError, reason);
+  // Leave the reason for the peers before they see our connections close. Detached: a store
+  // whose host died must not delay the abort; the store outlives the thread's short work.
+  auto store = store_;
+  const std::string key = abortKey(rank_);
+  std::thread([store, key, reason] {
+    try {
+      store->set(key, std::vector<uint8_t>(reason.begin(), reason.end()));
+    } catch (const std::exception&) {
+    }
+  }).detach();
   // Wake the peers blocked on us: they fail now instead of at their timeout.
   mesh_->abort();
 }
@@ -210,7 +242,10 @@ void ProcessGroupHetcomm::shutdown() {
   // shutdown, while other ranks may outlive it.
   if (rank_ == 0) {
     try {
-      for (int r = 0; r < size_; ++r) store_->deleteKey(addressKey(r));
+      for (int r = 0; r < size_; ++r) {
+        store_->deleteKey(addressKey(r));
+        store_->deleteKey(abortKey(r));
+      }
       store_->deleteKey(kSecretKey);
     } catch (const std::exception&) {
       // The store's host already exited; the keys went with it.

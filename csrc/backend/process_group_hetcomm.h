@@ -103,6 +103,8 @@ class ProcessGroupHetcomm : public c10d::Backend {
   std::chrono::milliseconds effectiveTimeout(std::chrono::milliseconds requested) const;
   void runWorker();
   void failGroup(const std::string& reason);
+  // The reason `peer` gave up, if it left one in the store within a short wait ("" otherwise).
+  std::string peerAbortReason(int peer);
   void stopAll(const std::string& reason);
 
   c10::intrusive_ptr<c10d::Store> store_;

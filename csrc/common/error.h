@@ -16,6 +16,17 @@ class CommError : public std::runtime_error {
   explicit CommError(const std::string& what) : std::runtime_error(what) {}
 };
 
+// The connection to `peer` was closed or reset: the peer exited, crashed or gave up. The backend
+// adds the peer's own reason when it left one in the store.
+class PeerClosedError : public CommError {
+ public:
+  PeerClosedError(const std::string& what, int peer) : CommError(what), peer_(peer) {}
+  int peer() const { return peer_; }
+
+ private:
+  int peer_;
+};
+
 // A CommError caused by a deadline passing (lets callers report ErrorType::TIMEOUT).
 class TimeoutError : public CommError {
  public:

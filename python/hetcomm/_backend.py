@@ -66,13 +66,13 @@ def get_plan(group: Optional[dist.ProcessGroup] = None):
     """The ring plan the group's allreduces use (a `hetcomm.planner.Plan`)."""
     from hetcomm.planner import Plan
 
-    order, shares, min_bytes = backend_of(group).get_plan()
-    return Plan(tuple(order), tuple(shares), min_bytes=min_bytes)
+    order, shares, min_bytes, segment_bytes = backend_of(group).get_plan()
+    return Plan(tuple(order), tuple(shares), min_bytes=min_bytes, segment_bytes=segment_bytes)
 
 
 def set_plan(plan, group: Optional[dist.ProcessGroup] = None) -> None:
     """Installs a plan (a `hetcomm.planner.Plan`); every rank must set the same plan at the same point."""
-    backend_of(group).set_plan(list(plan.order), list(plan.shares), int(plan.min_bytes))
+    backend_of(group).set_plan(list(plan.order), list(plan.shares), int(plan.min_bytes), int(plan.segment_bytes))
 
 
 def probe(group: Optional[dist.ProcessGroup] = None):

@@ -293,6 +293,8 @@ class Plan:
     # Allreduces smaller than this keep uniform shares in the engine (the weighted plan only pays
     # above the crossover size; see `crossover_bytes`).
     min_bytes: int = 0
+    # The engine's pipeline segment size for this plan (0: its adaptive default).
+    segment_bytes: int = 0
 
     def __post_init__(self) -> None:
         order = tuple(int(r) for r in self.order)
@@ -735,6 +737,8 @@ def format_plan(plan: Plan, model: Optional[LinkModel] = None) -> str:
     line = f"hetcomm plan: ring {ring} | shares {shares}"
     if plan.min_bytes:
         line += f" | for allreduces >= {plan.min_bytes} B"
+    if plan.segment_bytes:
+        line += f" | segments {plan.segment_bytes // 1024} KB"
     if model is not None and model.world_size > 1:
         per_byte = ring_seconds_per_byte(plan.order, plan.shares, model)
         uniform = ring_seconds_per_byte(tuple(range(model.world_size)), (1.0,) * model.world_size, model)

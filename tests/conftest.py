@@ -1,0 +1,52 @@
+"""Shared pytest configuration for the hetcomm suite.
+
+The backend under test is ``HETCOMM_TEST_BACKEND`` (default "hetcomm"). Running the suite with
+``HETCOMM_TEST_BACKEND=gloo`` checks the tests themselves against PyTorch's reference backend;
+tests that only make sense for hetcomm (its wire protocol, its Python API) skip under gloo and
+say so.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))  # for `import harness` in spawned ranks too
+
+from harness import BACKEND  # noqa: E402
+
+
+def pytest_report_header(config) -> str:
+    return f"hetcomm tests: backend under test = {BACKEND!r} (HETCOMM_TEST_BACKEND)"
+
+
+@pytest.fixture(scope="session")
+def backend_importable() -> str:
+    """Fails every test that uses it at once, with the import error, when hetcomm cannot be
+    imported (the multi-process test modules use it through ``pytestmark``).
+
+    Checked in a separate interpreter so that a crash while loading the extension cannot take
+    pytest down with it.
+    """
+    if BACKEND not in ("hetcomm", "gloo"):
+        pytest.fail(f"HETCOMM_TEST_BACKEND={BACKEND!r}: expected 'hetcomm' or 'gloo'")
+    if BACKEND == "hetcomm":
+        proc = subprocess.run([sys.executable, "-c", "import hetcomm"], capture_output=True,
+                              text=True, timeout=120)
+        if proc.returncode != 0:
+            pytest.fail("`import hetcomm` failed (exit status "
+                        f"{proc.returncode}):\n{proc.stderr[-3000:]}", pytrace=False)
+    return BACKEND
+
+
+@pytest.fixture
+def backend() -> str:
+    return BACKEND
+
+
+def hetcomm_only(reason: str):
+    """Skip marker for tests of hetcomm's own API or wire protocol when running under gloo."""
+    return pytest.mark.skipif(BACKEND != "hetcomm",
+                              reason=f"hetcomm-only ({reason}); backend under test is {BACKEND}")

@@ -318,8 +318,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupHetcomm::reduce(std::vector<at::Tenso
   checkCount(tensors, 1, "reduce", "input");
   at::Tensor t = tensors[0];
   checkDenseCpu(t, "reduce");
+  checkRoot(opts.rootRank, size_, "reduce");
   const int root = static_cast<int>(opts.rootRank);
-  TORCH_CHECK_VALUE(root >= 0 && root < size_, "hetcomm reduce: invalid root rank ", root);
   const DType dt = toDType(t, "reduce");
   const RedOp op = toRedOp(opts.reduceOp, "reduce");
   checkReduce(dt, op, "reduce");
@@ -346,8 +346,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupHetcomm::broadcast(std::vector<at::Te
   at::Tensor t = tensors[0];
   checkDenseCpu(t, "broadcast");
   TORCH_CHECK_VALUE(opts.rootTensor == 0, "hetcomm broadcast: rootTensor must be 0");
+  checkRoot(opts.rootRank, size_, "broadcast");
   const int root = static_cast<int>(opts.rootRank);
-  TORCH_CHECK_VALUE(root >= 0 && root < size_, "hetcomm broadcast: invalid root rank ", root);
   CollectiveHeader h;
   h.dtype = static_cast<uint8_t>(toDType(t, "broadcast"));
   h.bytes = t.nbytes();
@@ -484,17 +484,9 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupHetcomm::gather(std::vector<std::vect
   checkCount(inputs, 1, "gather", "input");
   at::Tensor in = inputs[0];
   checkDenseCpu(in, "gather");
+  checkRoot(opts.rootRank, size_, "gather");
   const int root = static_cast<int>(opts.rootRank);
-  TORCH_CHECK_VALUE(root >= 0 && root < size_, "hetcomm gather: invalid root rank ", root);
-  std::vector<at::Tensor> outs;
-  if (rank_ == root) {
-    TORCH_CHECK_VALUE(outputs.size() == 1, "hetcomm gather: the root needs one output list");
-    outs = outputs[0];
-    checkCount(outs, static_cast<size_t>(size_), "gather", "output");
-    checkSame(outs, in.scalar_type(), in.numel(), "gather", "output");
-  } else {
-    TORCH_CHECK_VALUE(outputs.empty() || outputs[0].empty(), "hetcomm gather: only the root takes outputs");
-  }
+  const std::vector<at::Tensor> outs = rootOnlyList(outputs, rank_ == root, size_, in, "gather", "output");
   CollectiveHeader h;
   h.dtype = static_cast<uint8_t>(toDType(in, "gather"));
   h.bytes = in.nbytes();
@@ -524,17 +516,9 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupHetcomm::scatter(std::vector<at::Tens
   checkCount(outputs, 1, "scatter", "output");
   at::Tensor out = outputs[0];
   checkDenseCpu(out, "scatter");
+  checkRoot(opts.rootRank, size_, "scatter");
   const int root = static_cast<int>(opts.rootRank);
-  TORCH_CHECK_VALUE(root >= 0 && root < size_, "hetcomm scatter: invalid root rank ", root);
-  std::vector<at::Tensor> ins;
-  if (rank_ == root) {
-    TORCH_CHECK_VALUE(inputs.size() == 1, "hetcomm scatter: the root needs one input list");
-    ins = inputs[0];
-    checkCount(ins, static_cast<size_t>(size_), "scatter", "input");
-    checkSame(ins, out.scalar_type(), out.numel(), "scatter", "input");
-  } else {
-    TORCH_CHECK_VALUE(inputs.empty() || inputs[0].empty(), "hetcomm scatter: only the root takes inputs");
-  }
+  const std::vector<at::Tensor> ins = rootOnlyList(inputs, rank_ == root, size_, out, "scatter", "input");
   CollectiveHeader h;
   h.dtype = static_cast<uint8_t>(toDType(out, "scatter"));
   h.bytes = out.nbytes();

@@ -72,6 +72,22 @@ void checkSame(const std::vector<at::Tensor>& list, at::ScalarType dtype, int64_
   }
 }
 
+void checkRoot(int64_t root, int size, const char* op) {
+  TORCH_CHECK_VALUE(root >= 0 && root < size, "hetcomm ", op, ": invalid root rank ", root, " (group of ", size, ")");
+}
+
+std::vector<at::Tensor> rootOnlyList(const std::vector<std::vector<at::Tensor>>& lists, bool isRoot, int size,
+                                     const at::Tensor& like, const char* op, const char* what) {
+  if (!isRoot) {
+    TORCH_CHECK_VALUE(lists.empty() || lists[0].empty(), "hetcomm ", op, ": only the root takes ", what, " tensors");
+    return {};
+  }
+  TORCH_CHECK_VALUE(lists.size() == 1, "hetcomm ", op, ": the root needs one list of ", what, " tensors");
+  checkCount(lists[0], static_cast<size_t>(size), op, what);
+  checkSame(lists[0], like.scalar_type(), like.numel(), op, what);
+  return lists[0];
+}
+
 at::Tensor flattenAll(const std::vector<at::Tensor>& tensors) {
   std::vector<at::Tensor> flat;
   flat.reserve(tensors.size());

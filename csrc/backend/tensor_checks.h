@@ -21,6 +21,12 @@ void checkCount(const std::vector<at::Tensor>& tensors, size_t n, const char* op
 // Every tensor of `list` has `dtype` and, if numel >= 0, that many elements.
 void checkSame(const std::vector<at::Tensor>& list, at::ScalarType dtype, int64_t numel, const char* op,
                const char* what);
+// A valid root rank for a rooted collective.
+void checkRoot(int64_t root, int size, const char* op);
+// The tensor list only the root passes (gather's outputs, scatter's inputs): at the root, one list
+// of `size` tensors like `like` (dtype and numel); elsewhere, nothing. Returns the root's list.
+std::vector<at::Tensor> rootOnlyList(const std::vector<std::vector<at::Tensor>>& lists, bool isRoot, int size,
+                                     const at::Tensor& like, const char* op, const char* what);
 // A contiguous tensor with the same data (the tensor itself when already contiguous).
 inline at::Tensor contiguousOf(const at::Tensor& t) { return t.is_contiguous() ? t : t.contiguous(); }
 // Copies `result` back into `t` unless they are the same tensor (the non-contiguous case).

@@ -35,6 +35,6 @@ setup(
     ext_modules=[ext],
     cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
     python_requires=">=3.9",
-    install_requires=["numpy"],
+    install_requires=["numpy", "scipy"],
     extras_require={"test": ["pytest", "pytest-benchmark", "expecttest"]},
 )

@@ -4,6 +4,6 @@
 # `torch` would pull several GB of CUDA packages.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-python -m pip install --quiet "torch==2.13.0" numpy pybind11 ninja pytest pytest-benchmark expecttest
+python -m pip install --quiet "torch==2.13.0" numpy scipy pybind11 ninja pytest pytest-benchmark expecttest matplotlib
 # --no-build-isolation: build against the torch installed above, not a fresh one.
 python -m pip install --quiet --no-build-isolation -e .

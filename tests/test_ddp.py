@@ -21,12 +21,12 @@ from torch.distributed.algorithms.join import Join
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from conftest import hetcomm_only
-from harness import Cases, run_ranks, run_suite
+from harness import Cases, run_ranks, run_ranks_outcomes, run_suite
 
 pytestmark = pytest.mark.usefixtures("backend_importable")
 
 # PowerSGD runs with one bucket here: with several buckets in flight gloo deadlocks (see
-# test_powerSGD_many_buckets_in_flight_does_not_deadlock).
+# test_powerSGD_many_buckets_in_flight_never_hangs).
 VARIANTS = ["plain", "many_buckets", "allreduce_hook", "fp16_compress_hook", "powerSGD_hook",
             "find_unused_parameters", "join_uneven_inputs"]
 STEPS = 5
@@ -137,13 +137,24 @@ def powersgd_many_buckets(rank: int, world_size: int) -> list[torch.Tensor]:
 
 
 @hetcomm_only("gloo itself deadlocks here: its 2 worker threads both block in PowerSGD callbacks")
-def test_powerSGD_many_buckets_in_flight_does_not_deadlock() -> None:
+def test_powerSGD_many_buckets_in_flight_never_hangs() -> None:
     """Several PowerSGD buckets in flight, each callback blocking on further collectives.
 
     A backend that completes futures on a fixed small pool of threads that also run the
     collectives deadlocks once more callbacks block than it has threads; gloo (2 threads) does.
-    No gloo reference run is possible, so only the ranks' agreement is checked.
+    hetcomm completes futures on a pool that grows, so it never deadlocks. What it cannot do is
+    give an order to collectives that two threads issue at the same time: PowerSGD's callbacks
+    (on completion threads) race with DDP issuing the next bucket (on the autograd thread), so
+    the ranks may issue them in different orders. hetcomm's contract there: no hang, no wrong
+    numbers — either the ranks end with identical parameters, or every rank raises the
+    "disagree about the collective" error.
     """
-    finals = run_ranks(WORLD_SIZE, powersgd_many_buckets, timeout=90, pg_timeout=30)
-    for k, (a, b) in enumerate(zip(*finals, strict=True)):
-        assert torch.equal(a, b), f"parameter {k}: rank 0 and rank 1 differ"
+    outcomes = run_ranks_outcomes(WORLD_SIZE, powersgd_many_buckets, timeout=90, pg_timeout=30)
+    assert all(o.status in ("ok", "raised") for o in outcomes), [o.describe() for o in outcomes]
+    if all(o.status == "ok" for o in outcomes):
+        for k, (a, b) in enumerate(zip(*(o.value for o in outcomes), strict=True)):
+            assert torch.equal(a, b), f"parameter {k}: rank 0 and rank 1 differ"
+        return
+    for o in outcomes:
+        assert o.status == "raised", f"one rank finished while the other failed: {o.describe()}"
+        assert "disagree about the collective" in o.message or "earlier failure" in o.message, o.describe()

@@ -5,6 +5,11 @@ It measures ``allreduce(SUM)`` over a range of message sizes for each backend na
 backend's ``time algbw busbw #wrong`` side by side and the busbw ratio hetcomm/gloo, and keeps the
 numbers with the command that made them (``--json``).
 
+``--sim-nic-mbit 800,800,800,100`` (or ``--sim-sites``/``--sim-link-mbit``) runs the same workers
+on a simulated heterogeneous cluster instead (root), backends ``hetcomm,hetcomm-uniform,gloo``,
+and shows beside each measurement the planner's prediction for the plan the group used and the
+physical bound. ``--plot`` draws busbw against size.
+
 Layout (each piece replaceable on its own; a simulated cluster or a plot is a new launcher or a
 new reporter, not a change to the measurement):
 
@@ -14,6 +19,11 @@ new reporter, not a change to the measurement):
 ``measure``  one (backend, size) measurement: warm-up, agreed iteration count, timing, check
 ``results``  plain result records and the JSON document (no torch)
 ``report``   the table, the progress lines and the JSON file (no torch)
+``sim_launch`` ``--sim-*``: a simulated heterogeneous cluster (hetcomm.sim, root) whose ranks each
+             run this CLI as one env-mode rank
+``analysis`` on a simulated cluster: physical link model, physical bound, the planner's
+             prediction for the plan each group used (no torch)
+``plot``     ``--plot``: busbw against size from the JSON document (matplotlib, Agg)
 
 Nothing here imports :mod:`hetcomm` itself at module level: ``hetcomm/__init__`` loads the
 compiled extension, and a gloo-only run must work without it. Workers import it only when

@@ -10,9 +10,10 @@ argument before paying for ``import torch``.
 """
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import asdict, dataclass
-from typing import Any, Optional, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 # Canonical dtype name -> element size in bytes. The names are torch attribute names.
 DTYPE_BYTES: dict[str, int] = {
@@ -38,6 +39,76 @@ _SIZE_SUFFIX: dict[str, int] = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 _SIZE_RE = re.compile(r"^\s*(\d+)\s*([KMG]?)(?:I?B)?\s*$", re.IGNORECASE)
 
 DEFAULT_BACKENDS: tuple[str, ...] = ("hetcomm", "gloo")
+
+# Bench-level backend names that run torch's "hetcomm" backend with one environment variable set
+# at group creation (read by hetcomm.topology.configure_group), restored right after:
+#   hetcomm-uniform   HETCOMM_PROBE=0 (and no HETCOMM_LINK_MBIT): the engine's uniform plan,
+#                     links not probed -- what hetcomm does without its planner;
+#   hetcomm-declared  HETCOMM_LINK_MBIT = the simulated cluster's rates (HETCOMM_SIM_NIC_MBIT, or
+#                     the effective link matrix when links are shaped): the plan comes from
+#                     declared bandwidths instead of a probe.
+# Plain "hetcomm" is the product default (links probed at group creation, weighted plan).
+BACKEND_VARIANTS: dict[str, str] = {
+    "hetcomm-uniform": "hetcomm",
+    "hetcomm-declared": "hetcomm",
+}
+
+# Defaults of a run on a simulated cluster (--sim-*): the issue's target sizes, few iterations
+# (a 64 MB allreduce through a 100 Mbit/s NIC takes 6-9 s), a timeout that slow links survive.
+SIM_DEFAULT_BACKENDS: tuple[str, ...] = ("hetcomm", "hetcomm-uniform", "gloo")
+SIM_DEFAULT_SIZES = "16M,64M"
+SIM_DEFAULT_WARMUP = 1
+SIM_DEFAULT_SECONDS_PER_SIZE = 0.5
+SIM_DEFAULT_MIN_ITERS = 3
+SIM_MIN_TIMEOUT_S = 300.0
+
+
+# What a declared model says for a link the simulation does not shape (the planner needs finite
+# rates): 80000 Mbit/s = 10 GB/s, the same stand-in as hetcomm.bench.analysis.UNSHAPED_BYTES_PER_S.
+UNSHAPED_DECLARED_MBIT = "80000"
+
+
+# The sim launcher hands every rank the user's own command line here (JSON list), so the report
+# records the command that was typed rather than the per-rank one it was turned into.
+ARGV_ENV = "HETCOMM_BENCH_ARGV"
+
+
+def torch_backend(name: str) -> str:
+    """The torch.distributed backend behind a bench backend name (``hetcomm-uniform`` -> hetcomm)."""
+    return BACKEND_VARIANTS.get(name, name)
+
+
+def declared_link_mbit(environ: Mapping[str, str]) -> str:
+    """``HETCOMM_LINK_MBIT`` for ``hetcomm-declared``: the simulated cluster's rates.
+
+    In a simulated cluster (``HETCOMM_SIM=1``): the NIC rates ``HETCOMM_SIM_NIC_MBIT``, or, when
+    links are shaped too, the effective matrix ``HETCOMM_SIM_EFFECTIVE_MBIT`` (min of NICs and
+    link); unshaped entries become ``UNSHAPED_DECLARED_MBIT``. Outside a simulation the user's own
+    ``HETCOMM_LINK_MBIT``. Raises ValueError when there is nothing to declare.
+    """
+    if environ.get("HETCOMM_SIM") == "1":
+        if environ.get("HETCOMM_SIM_LINK_MBIT", "").strip():
+            text = environ.get("HETCOMM_SIM_EFFECTIVE_MBIT", "")
+        else:
+            text = environ.get("HETCOMM_SIM_NIC_MBIT", "")
+        if text.strip():
+            rows = [[UNSHAPED_DECLARED_MBIT if cell.strip().lower() == "inf" else cell.strip()
+                     for cell in row.split(",")] for row in text.split(";")]
+            return ";".join(",".join(row) for row in rows)
+    declared = environ.get("HETCOMM_LINK_MBIT", "").strip()
+    if declared:
+        return declared
+    raise ValueError("backend 'hetcomm-declared' declares the simulated cluster's rates: it needs "
+                     "--sim-nic-mbit/--sim-sites/--sim-link-mbit (or HETCOMM_LINK_MBIT set)")
+
+
+def variant_environment(name: str, environ: Mapping[str, str]) -> dict[str, Optional[str]]:
+    """Variables to set (None: unset) while the group of backend ``name`` is created."""
+    if name == "hetcomm-uniform":
+        return {"HETCOMM_PROBE": "0", "HETCOMM_LINK_MBIT": None}
+    if name == "hetcomm-declared":
+        return {"HETCOMM_LINK_MBIT": declared_link_mbit(environ)}
+    return {}
 
 
 def parse_size(text: str) -> int:
@@ -121,6 +192,7 @@ class BenchConfig:
     nprocs: int                     # ranks to launch locally (ignored under torchrun)
     json_path: Optional[str]
     argv: tuple[str, ...]           # the exact command line, kept in the JSON output
+    plot_path: Optional[str] = None # --plot: PNG written by rank 0 after the table
 
     @property
     def element_bytes(self) -> int:
@@ -133,3 +205,27 @@ class BenchConfig:
         data["backends"] = list(self.backends)
         data["sizes"] = list(self.sizes)
         return data
+
+
+def worker_argv(config: BenchConfig) -> list[str]:
+    """Arguments of ``python -m hetcomm.bench`` that make a rank run exactly ``config``.
+
+    Used to start the ranks of a simulated cluster (each re-runs the CLI as one rank, env mode):
+    every resolved value is spelled out, so a rank never falls back on a default of its own.
+    Paths are made absolute. The inverse of the parser for everything but ``nprocs``/``argv``.
+    """
+    def size_list(values: Sequence[int]) -> str:
+        return ",".join(str(v) for v in values)
+
+    args = ["--backends", ",".join(config.backends), "--sizes", size_list(config.sizes),
+            "--dtype", config.dtype, "--warmup", str(config.warmup),
+            "--seconds-per-size", repr(config.seconds_per_size),
+            "--min-iters", str(config.min_iters), "--max-iters", str(config.max_iters),
+            "--timeout", repr(config.timeout_s)]
+    if config.iters is not None:
+        args += ["--iters", str(config.iters)]
+    if config.json_path is not None:
+        args += ["--json", os.path.abspath(config.json_path)]
+    if config.plot_path is not None:
+        args += ["--plot", os.path.abspath(config.plot_path)]
+    return args

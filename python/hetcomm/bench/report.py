@@ -11,7 +11,7 @@ import sys
 from typing import Optional, TextIO
 
 from hetcomm.bench.results import (RATIO_DENOMINATOR, RATIO_NUMERATOR, BenchReport, SizeResult,
-                                   average_busbw, busbw_ratio)
+                                   average_busbw, busbw_ratio, speedup)
 
 PREFIX = "hetcomm.bench"
 
@@ -28,12 +28,25 @@ def print_progress(result: SizeResult, stream: TextIO = sys.stderr) -> None:
           f"#wrong {result.wrong}", file=stream, flush=True)
 
 
+def print_plan(record: dict, stream: TextIO = sys.stderr) -> None:
+    """The plan a hetcomm group uses, printed once, right after the group was created."""
+    if record.get("kind") != "hetcomm":
+        return
+    print(f"{PREFIX}: {record['backend']}: [{record.get('source', '?')}] {record.get('text', '')}",
+          file=stream, flush=True)
+
+
 def _fields(cells: list[str], widths: list[int]) -> str:
     return " ".join(cell.rjust(width) for cell, width in zip(cells, widths))
 
 
 def format_table(bench_report: BenchReport) -> str:
-    """The table: per size, each backend's columns side by side, then the busbw ratio."""
+    """The table: per size, each backend's columns side by side, then the busbw ratio.
+
+    On a simulated cluster (``bench_report.sim``) the sim table instead (:func:`format_sim_table`).
+    """
+    if bench_report.sim is not None:
+        return format_sim_table(bench_report)
     backends = bench_report.backends
     size_widths = [w for _, w in _SIZE_COLUMNS]
     backend_widths = [w for _, w in _BACKEND_COLUMNS]
@@ -85,6 +98,126 @@ def _backend_cells(result: Optional[SizeResult]) -> list[str]:
 
 def _format_ratio(ratio: Optional[float]) -> str:
     return "-" if ratio is None else f"{ratio:.2f}"
+
+
+# Columns of the sim table: one row per (size, backend), sizes in blocks.
+_SIM_COLUMNS = (("size(B)", 12), ("count", 11), ("type", 9), ("redop", 6), ("backend", -16),
+                ("time(ms)", 11), ("busbw(GB/s)", 12), ("#wrong", 7), ("pred(ms)", 11),
+                ("meas/pred", 10), ("bound(ms)", 11), ("meas/bound", 11))
+
+
+def _sim_fields(cells: list[str]) -> str:
+    out = []
+    for cell, (_, width) in zip(cells, _SIM_COLUMNS):
+        out.append(cell.ljust(-width) if width < 0 else cell.rjust(width))
+    return " ".join(out)
+
+
+def _ms(seconds: Optional[float]) -> str:
+    return "-" if seconds is None else f"{seconds * 1e3:.2f}"
+
+
+def _x(ratio: Optional[float]) -> str:
+    return "-" if ratio is None else f"{ratio:.2f}"
+
+
+def plan_lines(bench_report: BenchReport, prefix: str = "#   ") -> list[str]:
+    """One line per backend: where its plan came from, then ``format_plan`` of it."""
+    if not bench_report.plans:
+        return []
+    width = max(len(name) for name in bench_report.plans)
+    lines = []
+    for name in bench_report.backends:
+        record = bench_report.plans.get(name)
+        if record is None:
+            continue
+        text = record.get("text_physical") or record.get("text", "")
+        lines.append(f"{prefix}{name:<{width}}  [{record.get('source', '?')}] {text}")
+        model = record.get("model")
+        if model and model.get("bw_bytes_per_s"):
+            lines.append(f"{prefix}{'':<{width}}  its model's links MB/s (row sends to column): "
+                         + format_mb_matrix(model["bw_bytes_per_s"]))
+    return lines
+
+
+def format_mb_matrix(bw) -> str:
+    """``bw`` in bytes/s as MB/s, rows joined by ``;``, the diagonal as ``-``."""
+    def cell(i: int, j: int, v) -> str:
+        if i == j or v is None:
+            return "-"
+        return "inf" if v == float("inf") else f"{v / 1e6:.3g}"
+    return "; ".join(",".join(cell(i, j, v) for j, v in enumerate(row)) for i, row in enumerate(bw))
+
+
+def format_sim_table(bench_report: BenchReport) -> str:
+    """The table of a run on a simulated cluster: measurement, prediction, bound, speedups."""
+    sim = bench_report.sim
+    assert sim is not None
+    alpha_us = sim.get("alpha_s", 0.0) * 1e6
+    lines = [
+        f"# {PREFIX}: allreduce, {bench_report.world_size} ranks ({bench_report.launch} launch), "
+        f"{bench_report.dtype} sum, torch {bench_report.torch_version}, "
+        f"host {bench_report.hostname}",
+        f"# cluster: {sim.get('description', '?')}",
+        "# time: slowest rank's mean per call; busbw = algbw * 2(n-1)/n",
+        f"# bound: {sim.get('bound_text', '-')}",
+        *([f"#   note: {sim['aggregate_bound_text']}"] if sim.get("aggregate_bound_text") else []),
+        "# pred: hetcomm.planner.predict_allreduce_seconds(the plan the group used, physical model, N);"
+        " gloo: a uniform ring",
+        f"#   physical model: min(NIC_i, link_ij, NIC_j) wire rates, alpha {alpha_us:g} us; TCP payload "
+        "gets ~95.6% of a wire rate, so even a perfect run shows meas/pred, meas/bound ~1.05",
+    ]
+    plans = plan_lines(bench_report)
+    if plans:
+        lines.append("# plans (algbw predicted on the physical model):")
+        lines += plans
+    baselines = bench_report.speedup_baselines()
+    header = _sim_fields([name for name, _ in _SIM_COLUMNS])
+    if baselines:
+        header += "  speedup of hetcomm (time ratio)"
+    lines += ["#", "#" + header[1:]]
+    for size, per_backend in bench_report.by_size().items():
+        first = True
+        for name in bench_report.backends:
+            result = per_backend.get(name)
+            if result is None:
+                continue
+            lead = ([str(size), str(result.count), result.dtype, result.redop] if first
+                    else ["", "", "", ""])
+            first = False
+            cells = lead + [name, f"{result.time_us / 1e3:.2f}", f"{result.busbw_gbps:.4f}",
+                            str(result.wrong), _ms(bench_report.predicted(result)),
+                            _x(bench_report.pred_ratio(result)), _ms(bench_report.bound(size)),
+                            _x(bench_report.time_over_bound(result))]
+            line = _sim_fields(cells)
+            if name == RATIO_NUMERATOR and baselines:
+                line += "  " + ", ".join(
+                    f"{_x(speedup(per_backend, b))}x over {b}" for b in baselines)
+            lines.append(line)
+
+    lines.append("#")
+    for name in bench_report.backends:
+        runs = [r for r in bench_report.results if r.backend == name]
+        ratios = [bench_report.pred_ratio(r) for r in runs]
+        ratios = [r for r in ratios if r is not None]
+        extra = f", meas/pred {min(ratios):.2f}-{max(ratios):.2f}" if ratios else ""
+        lines.append(f"# {name}: avg busbw {average_busbw(runs):.4f} GB/s, "
+                     f"#wrong {sum(r.wrong for r in runs)}{extra}")
+    for baseline in baselines:
+        per_size = [(size, speedup(per_backend, baseline))
+                    for size, per_backend in bench_report.by_size().items()]
+        lines.append(f"# hetcomm speedup over {baseline} (time {baseline} / time hetcomm): "
+                     + ", ".join(f"{_x(v)}x at {_size_label(size)}" for size, v in per_size))
+    verdict = "OK" if bench_report.total_wrong == 0 else "FAILED"
+    lines.append(f"# total #wrong: {bench_report.total_wrong} {verdict}")
+    return "\n".join(lines)
+
+
+def _size_label(size: int) -> str:
+    for suffix, unit in (("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
+        if size >= unit and size % unit == 0:
+            return f"{size // unit}{suffix}"
+    return f"{size} B"
 
 
 def print_table(bench_report: BenchReport, stream: TextIO = sys.stdout) -> None:

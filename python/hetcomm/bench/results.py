@@ -13,6 +13,8 @@ from typing import Any, Optional, Sequence
 # The pair whose busbw ratio the report shows when both ran.
 RATIO_NUMERATOR = "hetcomm"
 RATIO_DENOMINATOR = "gloo"
+# Speedups of hetcomm (time ratio other/hetcomm) reported when these ran beside it.
+SPEEDUP_BASELINES = ("gloo", "hetcomm-uniform")
 
 
 def allreduce_bus_factor(world_size: int) -> float:
@@ -55,6 +57,14 @@ class BenchReport:
     config: dict[str, Any]
     results: list[SizeResult] = field(default_factory=list)
     finished_at: Optional[str] = None
+    # Plan each backend's group used, recorded right after its creation (JSON-ready dicts:
+    # backend, kind, source, order, shares, min_bytes, segment_bytes, text, model).
+    plans: dict[str, dict[str, Any]] = field(default_factory=dict)
+    # Simulated cluster (hetcomm.bench.analysis.physical_model), None outside a simulation; with
+    # it, analysis.annotate fills the predictions and bounds below.
+    sim: Optional[dict[str, Any]] = None
+    predicted_s: dict[str, dict[int, Optional[float]]] = field(default_factory=dict)
+    bound_s: dict[int, Optional[float]] = field(default_factory=dict)
 
     @property
     def total_wrong(self) -> int:
@@ -73,6 +83,26 @@ class BenchReport:
     def has_ratio(self) -> bool:
         return RATIO_NUMERATOR in self.backends and RATIO_DENOMINATOR in self.backends
 
+    def speedup_baselines(self) -> list[str]:
+        """The baselines hetcomm's speedup is reported against (those that ran beside it)."""
+        if RATIO_NUMERATOR not in self.backends:
+            return []
+        return [name for name in SPEEDUP_BASELINES if name in self.backends]
+
+    def predicted(self, result: SizeResult) -> Optional[float]:
+        return self.predicted_s.get(result.backend, {}).get(result.size_bytes)
+
+    def pred_ratio(self, result: SizeResult) -> Optional[float]:
+        """measured / predicted (1.0: the planner's model was exact)."""
+        return _ratio(result.time_us * 1e-6, self.predicted(result))
+
+    def bound(self, size_bytes: int) -> Optional[float]:
+        return self.bound_s.get(size_bytes)
+
+    def time_over_bound(self, result: SizeResult) -> Optional[float]:
+        """measured / physical bound (>= 1; about 1.05 is TCP's header overhead alone)."""
+        return _ratio(result.time_us * 1e-6, self.bound(result.size_bytes))
+
     def to_json(self) -> dict[str, Any]:
         rows = []
         ratios = []
@@ -89,8 +119,18 @@ class BenchReport:
                 ratio = busbw_ratio(per_backend)
                 row["busbw_ratio_hetcomm_gloo"] = ratio
                 ratios.append({"size_bytes": size, "busbw_ratio_hetcomm_gloo": ratio})
+            if self.sim is not None:
+                row["bound_s"] = self.bound(size)
+                for name, result in per_backend.items():
+                    row["backends"][name].update({
+                        "predicted_s": self.predicted(result),
+                        "pred_ratio": self.pred_ratio(result),
+                        "bound_s": self.bound(size),
+                        "time_over_bound": self.time_over_bound(result)})
+            for baseline in self.speedup_baselines():
+                row[speedup_key(baseline)] = speedup(per_backend, baseline)
             rows.append(row)
-        return {
+        document = {
             "benchmark": "allreduce",
             "argv": self.argv,
             "command": self.command,
@@ -108,6 +148,11 @@ class BenchReport:
             "rows": rows,
             "ratios": ratios,
         }
+        if self.plans:
+            document["plans"] = self.plans
+        if self.sim is not None:
+            document["sim"] = self.sim
+        return document
 
 
 def busbw_ratio(per_backend: dict[str, SizeResult],
@@ -118,6 +163,27 @@ def busbw_ratio(per_backend: dict[str, SizeResult],
     if top is None or bottom is None or bottom.busbw_gbps <= 0.0:
         return None
     return top.busbw_gbps / bottom.busbw_gbps
+
+
+def speedup(per_backend: dict[str, SizeResult], baseline: str,
+            subject: str = RATIO_NUMERATOR) -> Optional[float]:
+    """time(baseline) / time(subject): how many times faster ``subject`` was; None if missing."""
+    top, bottom = per_backend.get(baseline), per_backend.get(subject)
+    if top is None or bottom is None:
+        return None
+    return _ratio(top.time_us, bottom.time_us)
+
+
+def speedup_key(baseline: str) -> str:
+    """JSON key of hetcomm's speedup over ``baseline``: speedup_hetcomm_over_gloo, ..._uniform."""
+    short = baseline.replace("hetcomm-", "")
+    return f"speedup_{RATIO_NUMERATOR}_over_{short}"
+
+
+def _ratio(top: Optional[float], bottom: Optional[float]) -> Optional[float]:
+    if top is None or bottom is None or not bottom > 0.0:
+        return None
+    return top / bottom
 
 
 def _result_json(result: SizeResult) -> dict[str, Any]:

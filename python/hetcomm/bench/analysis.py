@@ -1,0 +1,240 @@
+"""What a simulated cluster should give: its physical link model, the physical bound of an
+AllReduce, and the planner's prediction for the plan each backend's group actually used.
+
+Only rank 0 calls this, after the measurements, with plain data: the ``SimSpec`` the ranks run in
+(``HETCOMM_SIM_SPEC``) and the plan records the worker took right after each group's creation.
+No torch; :mod:`hetcomm.planner` and :mod:`hetcomm.sim.spec` are imported when first needed.
+
+Physical model
+--------------
+``bw[i][j] = effective_bandwidth(spec)[i][j]`` (bytes/s): ``min(NIC_i, link_ij, NIC_j)``, the
+shaped *wire* rate. TCP payload gets about ``TCP_GOODPUT_FRACTION`` (95.6%) of it, so even a
+perfect implementation measures ``time_over_bound`` and ``pred_ratio`` of about 1.05. A link
+that nothing shapes gets ``UNSHAPED_BYTES_PER_S`` (a stand-in for a veth between namespaces),
+since the planner's model needs finite rates. ``alpha`` is ``SIM_ALPHA_S`` per message.
+
+Physical bound
+--------------
+In any AllReduce algorithm (without in-network reduction), for every element each side of a cut
+of the ranks into S and its complement must receive information from the other side: at least N
+bytes cross the cut in each direction. A cut's capacity in one direction is at most the sum of
+the senders' NICs, the sum of the receivers' NICs and the sum of the crossing links, so
+
+    time >= max over cuts, both directions, of N / capacity
+
+When only NICs are shaped the tightest cut is the slowest rank alone: ``N / slowest NIC`` (the
+slow rank must receive and send N bytes at least once; design.md section 2). That is the bound
+the table shows. When NICs are alike the classic total-traffic bound is tighter (every element
+needs P-1 combining and P-1 spreading transfers: ``2(P-1) N / sum of NICs``, i.e. the uniform
+ring's ``2(P-1)/P N / NIC``); the report then says so in a note instead of changing the bound. With shaped links
+(``--sim-sites``, ``--sim-link-mbit``) every cut is tried (up to ``MAX_CUT_RANKS`` ranks; above,
+single ranks and sites only, which keeps the bound valid but maybe looser).
+
+Predictions
+-----------
+``predict_allreduce_seconds(plan, model, N)`` of :mod:`hetcomm.planner` on the physical model,
+with the plan the engine uses for N bytes: the group's plan, or the uniform plan in rank order
+below the plan's ``min_bytes`` (the engine's rule), the plan's segment size unless the rank had
+``HETCOMM_SEGMENT_BYTES``, and the rank's ``HETCOMM_SMALL_ALLREDUCE_BYTES`` (recursive doubling
+at or below it). Gloo is predicted as a uniform ring at every size.
+"""
+from __future__ import annotations
+
+import itertools
+import json
+import math
+from typing import Any, Optional, Sequence
+
+SIM_ALPHA_S = 1e-4                 # seconds per message on the simulated links (veth, TCP)
+UNSHAPED_BYTES_PER_S = 10e9        # stand-in rate of a link nothing shapes (planner needs finite)
+MAX_CUT_RANKS = 16                 # every cut is tried up to this world size (2^(P-1) - 1 cuts)
+HETCOMM_SMALL_ALLREDUCE_BYTES = 32 * 1024   # engine default (HETCOMM_SMALL_ALLREDUCE_BYTES)
+
+
+def _finite_or_none(value: float) -> Optional[float]:
+    return None if math.isinf(value) else value
+
+
+def _fmt_rate(bytes_per_s: float) -> str:
+    return f"{bytes_per_s * 8 / 1e6:g} Mbit/s = {bytes_per_s / 1e6:.4g} MB/s"
+
+
+def cut_bound(nic_bps: Sequence[float], eff_bw: Sequence[Sequence[float]],
+              sites: Optional[Sequence[Any]] = None) -> tuple[float, tuple[int, ...]]:
+    """The narrowest cut: (capacity in bytes/s, the ranks on one side). ``inf`` if unshaped.
+
+    ``nic_bps``: per-rank NIC rate (``inf`` = unshaped); ``eff_bw``: directed effective link
+    rates (``inf`` = unshaped, diagonal ignored). Capacity of S -> T is bounded by the sum of S's
+    NICs, the sum of T's NICs and the sum of the links from S to T; the cut's capacity is the
+    smaller direction.
+    """
+    P = len(nic_bps)
+    if P < 2:
+        return math.inf, ()
+
+    def capacity(side: tuple[int, ...]) -> float:
+        inside = set(side)
+        rest = [j for j in range(P) if j not in inside]
+
+        def one_way(src: Sequence[int], dst: Sequence[int]) -> float:
+            return min(math.fsum(nic_bps[i] for i in src), math.fsum(nic_bps[j] for j in dst),
+                       math.fsum(eff_bw[i][j] for i in src for j in dst))
+        return min(one_way(side, rest), one_way(rest, side))
+
+    if P <= MAX_CUT_RANKS:
+        # Sides containing rank 0 enumerate every cut once.
+        sides = [(0,) + rest for k in range(0, P - 1)
+                 for rest in itertools.combinations(range(1, P), k)]
+    else:
+        sides = [(i,) for i in range(P)]
+        if sites is not None:
+            for label in sorted(set(map(str, sites))):
+                side = tuple(i for i in range(P) if str(sites[i]) == label)
+                if 0 < len(side) < P:
+                    sides.append(side)
+    best_cap, best_side = math.inf, ()
+    for side in sides:
+        cap = capacity(side)
+        if cap < best_cap:
+            best_cap, best_side = cap, side
+    return best_cap, best_side
+
+
+def physical_model(spec) -> dict[str, Any]:
+    """The ``sim`` section of the report: spec, physical bandwidths, the bound and how it is made.
+
+    JSON-ready: unshaped rates are ``None``.
+    """
+    from hetcomm.sim.spec import effective_bandwidth, mbit_to_bytes_per_s
+
+    P = spec.world_size
+    bw = effective_bandwidth(spec)
+    nic_bps = [mbit_to_bytes_per_s(spec.nic(k)) for k in range(P)]
+    if spec.per_link:
+        capacity, side = cut_bound(nic_bps, bw, spec.sites)
+        if math.isinf(capacity):
+            text = "none: nothing is shaped"
+        else:
+            other = tuple(k for k in range(P) if k not in side)
+            text = (f"N bytes each way across the narrowest cut {{{','.join(map(str, side))}}}|"
+                    f"{{{','.join(map(str, other))}}} (at most {_fmt_rate(capacity)} each way "
+                    f"over all its links): bound = N / {capacity / 1e6:.4g} MB/s")
+        kind = "cut"
+    else:
+        capacity = min(nic_bps) if nic_bps else math.inf
+        if math.isinf(capacity):
+            text = "none: nothing is shaped"
+        else:
+            slow = [k for k, v in enumerate(nic_bps) if v == capacity]
+            who = ("every rank" if len(slow) == P else
+                   f"rank{'s' if len(slow) > 1 else ''} {','.join(map(str, slow))}")
+            text = (f"N bytes through the slowest NIC ({who}, {_fmt_rate(capacity)}): "
+                    f"bound = N / {capacity / 1e6:.4g} MB/s")
+        kind = "nic"
+    # Every element needs P-1 combining transfers and P-1 to spread the result: 2(P-1) N bytes
+    # leave (and enter) NICs in all; a classic bound, tighter than the slowest NIC when NICs are
+    # alike. Shown as a note; the table's bound stays the one above.
+    total_nic = math.fsum(nic_bps)
+    aggregate = total_nic / (2 * (P - 1)) if P > 1 and math.isfinite(total_nic) else math.inf
+    aggregate_text = None
+    if aggregate < capacity * (1 - 1e-9):
+        aggregate_text = (f"the total-traffic bound 2(P-1) N / sum of NICs = N / "
+                          f"{aggregate / 1e6:.4g} MB/s is tighter here: a perfect run shows "
+                          f"meas/bound {capacity / aggregate:.2f}")
+    return {
+        "spec": json.loads(spec.to_json()),
+        "description": spec.describe(),
+        "world_size": P,
+        "bw_bytes_per_s": [[None if i == j else _finite_or_none(v) for j, v in enumerate(row)]
+                           for i, row in enumerate(bw)],
+        "unshaped_bytes_per_s": UNSHAPED_BYTES_PER_S,
+        "alpha_s": SIM_ALPHA_S,
+        "bound_kind": kind,
+        "bound_bytes_per_s": _finite_or_none(capacity),
+        "bound_text": text,
+        "aggregate_bound_bytes_per_s": _finite_or_none(aggregate),
+        "aggregate_bound_text": aggregate_text,
+        "wire_rate_note": "rates are shaped wire rates; TCP payload gets about 95.6% of them",
+    }
+
+
+def bound_seconds(sim: dict[str, Any], nbytes: int) -> Optional[float]:
+    rate = sim.get("bound_bytes_per_s")
+    return None if not rate else nbytes / rate
+
+
+def _planner_model(sim: dict[str, Any], segment_bytes: int = 0, small_allreduce_bytes: int = 0):
+    from hetcomm.planner import LinkModel
+
+    P = sim["world_size"]
+    stand_in = sim.get("unshaped_bytes_per_s", UNSHAPED_BYTES_PER_S)
+    rows = sim["bw_bytes_per_s"]
+    bw = [[0.0 if i == j else (rows[i][j] if rows[i][j] is not None else stand_in)
+           for j in range(P)] for i in range(P)]
+    return LinkModel(bw=bw, alpha=sim.get("alpha_s", SIM_ALPHA_S), segment_bytes=segment_bytes,
+                     small_allreduce_bytes=small_allreduce_bytes)
+
+
+def effective_plan(record: dict[str, Any], nbytes: int, world_size: int):
+    """The (planner) Plan the engine runs for an allreduce of ``nbytes``, and its segment size."""
+    from hetcomm.planner import Plan, uniform_plan
+
+    if record.get("kind") != "hetcomm" or nbytes < int(record.get("min_bytes") or 0):
+        return uniform_plan(world_size), 0
+    plan = Plan(tuple(record["order"]), tuple(record["shares"]))
+    return plan, int(record.get("segment_bytes") or 0)
+
+
+def predict_seconds(sim: dict[str, Any], record: dict[str, Any], nbytes: int) -> Optional[float]:
+    """The planner's prediction for ``nbytes`` under the plan of ``record`` on the physical model."""
+    P = sim["world_size"]
+    plan, segment = effective_plan(record, nbytes, P)
+    if record.get("kind") == "hetcomm":
+        env_segment = int(record.get("env_segment_bytes") or 0)
+        small = int(record.get("small_allreduce_bytes", HETCOMM_SMALL_ALLREDUCE_BYTES))
+        model = _planner_model(sim, env_segment or segment, small)
+    else:
+        model = _planner_model(sim, 0, 0)   # gloo: a ring at every size, adaptive segments
+    from hetcomm.planner import predict_allreduce_seconds
+    return predict_allreduce_seconds(plan, model, int(nbytes))
+
+
+def uniform_record(backend: str, world_size: int, note: str) -> dict[str, Any]:
+    """The plan record of a backend that does not plan (gloo): a uniform ring, modelled."""
+    ring = ">".join(str(r) for r in range(world_size))
+    return {"backend": backend, "kind": "gloo", "source": note,
+            "order": list(range(world_size)), "shares": [1.0 / world_size] * world_size,
+            "min_bytes": 0, "segment_bytes": 0, "model": None,
+            "text": f"uniform ring {ring} | shares {100.0 / world_size:.1f}% each"}
+
+
+def plan_line(sim: Optional[dict[str, Any]], record: dict[str, Any]) -> str:
+    """``format_plan`` of a record, evaluated on the physical model when there is one."""
+    from hetcomm.planner import Plan, format_plan
+
+    plan = Plan(tuple(record["order"]), tuple(record["shares"]),
+                min_bytes=int(record.get("min_bytes") or 0),
+                **({"segment_bytes": int(record.get("segment_bytes") or 0)}
+                   if "segment_bytes" in Plan.__dataclass_fields__ else {}))
+    model = _planner_model(sim) if sim is not None else None
+    line = format_plan(plan, model)
+    if record.get("kind") != "hetcomm":
+        line = line.replace("hetcomm plan: ", "", 1)
+    if model is not None:
+        line = line.replace("| predicted", "| on the physical model:", 1)
+    return line
+
+
+def annotate(report) -> None:
+    """Fills ``report.predicted_s`` and ``report.bound_s`` from ``report.sim`` and ``report.plans``."""
+    sim = report.sim
+    if sim is None:
+        return
+    for result in report.results:
+        report.bound_s[result.size_bytes] = bound_seconds(sim, result.size_bytes)
+        record = report.plans.get(result.backend)
+        if record is not None:
+            report.predicted_s.setdefault(result.backend, {})[result.size_bytes] = \
+                predict_seconds(sim, record, result.size_bytes)
+    for name, record in report.plans.items():
+        record["text_physical"] = plan_line(sim, record)

@@ -205,9 +205,9 @@ def intruders(rank: int, world_size: int) -> dict:
     import hetcomm
 
     store = default_store()
-    store.set(f"addr{rank}", hetcomm.listen_address())
     backend = hetcomm.backend_of()
-    before = backend.rejected_connections()
+    before = backend.rejected_connections()  # before the address is out: no probe counted yet
+    store.set(f"addr{rank}", hetcomm.listen_address())
     problems = {}
     if rank == 1:
         host, port = store.get("addr0").decode().rsplit(":", 1)
@@ -232,6 +232,10 @@ def intruders(rank: int, world_size: int) -> dict:
         while backend.rejected_connections() < before + 4 and time.monotonic() < deadline:
             time.sleep(0.05)
         rejected = backend.rejected_connections() - before
+        store.set("counted", "1")
+    # Rank 1 must not start the collective while rank 0 may still be counting (up to 10 s,
+    # longer than the group timeout).
+    _wait_for_key("counted", 60)
     # The group must still work, collective and point-to-point, in both directions.
     inputs = [pattern(1031, torch.float32, r) for r in range(world_size)]
     t = inputs[rank].clone()
@@ -243,6 +247,9 @@ def intruders(rank: int, world_size: int) -> dict:
     for w in works:
         w.wait()
     assert_same(got, pattern(77, torch.int64, peer), "send/recv after the intruders")
+    # Neither rank tears down while the other may still be receiving: that race has its own
+    # test (test_registration.py::test_message_sent_before_destroy_is_delivered).
+    dist.barrier()
     return {"problems": problems, "rejected": rejected,
             "address": hetcomm.listen_address()}
 

@@ -196,6 +196,29 @@ def test_torchrun_two_processes(tmp_path) -> None:
     assert "OK rank 0" in output and "OK rank 1" in output, output[-8000:]
 
 
+def send_then_leave(rank: int, world_size: int):
+    """Rank 1 sends, waits for its send and returns at once (the harness then destroys the
+    group); rank 0 receives only after a pause, by when rank 1 has probably torn down."""
+    x = pattern(1031, torch.float32, 1)
+    if rank == 1:
+        dist.isend(x, dst=0).wait()
+        return None
+    time.sleep(1.0)  # makes the race likely; a correct backend passes with or without it
+    got = torch.empty_like(x)
+    dist.recv(got, src=1)
+    assert_same(got, x, "message received after the sender's destroy_process_group()")
+    return None
+
+
+def test_message_sent_before_destroy_is_delivered() -> None:
+    """A completed send is delivered even if the sender destroys its group right after.
+
+    A backend that closes a socket with unread incoming bytes makes the kernel reset the
+    connection, and the peer loses what it has not read yet: shut down gracefully instead.
+    """
+    run_ranks(2, send_then_leave)
+
+
 def backend_name(rank: int, world_size: int) -> str:
     return dist.get_backend()
 

@@ -67,13 +67,8 @@ void P2PEngine::postRecv(int peer, int64_t tag, char* data, size_t bytes, Deadli
   op.timeoutMs = timeoutMs;
   op.done = std::move(done);
   std::unique_lock<std::mutex> lock(mu_);
-  if (stopping_ || !peers_[peer].inError.empty()) {
-    std::string why = stopping_ ? "the process group is shutting down" : peers_[peer].inError;
-    lock.unlock();
-    op.done(std::make_exception_ptr(CommError(strCat("hetcomm recv from rank ", peer, ": ", why))));
-    return;
-  }
   Peer& p = peers_[peer];
+  // Messages that already arrived stay claimable after the sender closed its connection.
   for (auto it = p.unexpected.begin(); it != p.unexpected.end(); ++it) {
     if (it->first != tag) continue;
     std::vector<char> payload = std::move(it->second);
@@ -87,6 +82,12 @@ void P2PEngine::postRecv(int peer, int64_t tag, char* data, size_t bytes, Deadli
       if (bytes > 0) std::memcpy(data, payload.data(), bytes);
       op.done(nullptr);
     }
+    return;
+  }
+  if (stopping_ || !p.inError.empty()) {
+    std::string why = stopping_ ? "the process group is shutting down" : p.inError;
+    lock.unlock();
+    op.done(std::make_exception_ptr(CommError(strCat("hetcomm recv from rank ", peer, ": ", why))));
     return;
   }
   p.recvs.push_back(std::move(op));

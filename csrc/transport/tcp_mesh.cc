@@ -9,6 +9,8 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <cstring>
+
 #include "common/env.h"
 #include "common/logging.h"
 
@@ -125,12 +127,34 @@ void TcpMesh::close() {
   }
 }
 
+// Handshakes are progressed side by side: a connection that sends nothing (or trickles) holds
+// only its own slot until its deadline, never the peers connecting after it.
 void TcpMesh::listenLoop() {
+  std::vector<Greeting> greetings;
   while (true) {
-    pollfd fds[2] = {{listener_.fd(), POLLIN, 0}, {wakePipe_[0], POLLIN, 0}};
-    int rc = ::poll(fds, 2, -1);
-    if (rc < 0 && errno == EINTR) continue;
+    std::vector<pollfd> fds = {{listener_.fd(), POLLIN, 0}, {wakePipe_[0], POLLIN, 0}};
+    int timeoutMs = -1;
+    for (const Greeting& g : greetings) {
+      fds.push_back({g.socket.fd(), POLLIN, 0});
+      const int ms = msUntil(g.deadline);
+      timeoutMs = timeoutMs < 0 ? ms : std::min(timeoutMs, ms);
+    }
+    int rc = ::poll(fds.data(), fds.size(), timeoutMs);
+    if (rc < 0 && errno != EINTR) continue;
     if (fds[1].revents != 0) return;
+    // Progress (or expire) the pending handshakes; fds[2 + k] belongs to greetings[k].
+    std::vector<Greeting> still;
+    for (size_t k = 0; k < greetings.size(); ++k) {
+      Greeting& g = greetings[k];
+      const bool readable = rc > 0 && fds[2 + k].revents != 0;
+      if (readable && progressGreeting(g)) continue;
+      if (!readable && Clock::now() >= g.deadline) {
+        reject(g.from, strCat("no complete handshake within ", paramHandshakeTimeoutMs(), " ms"));
+        continue;
+      }
+      still.push_back(std::move(g));
+    }
+    greetings.swap(still);
     if (rc <= 0 || (fds[0].revents & POLLIN) == 0) continue;
     sockaddr_storage ss{};
     socklen_t len = sizeof(ss);
@@ -140,25 +164,42 @@ void TcpMesh::listenLoop() {
     if (ss.ss_family == AF_INET) {
       inet_ntop(AF_INET, &reinterpret_cast<sockaddr_in*>(&ss)->sin_addr, host, sizeof(host));
     }
-    Socket s(fd);  // inherits the listener's buffer sizes
+    Greeting g;
+    g.socket = Socket(fd);  // inherits the listener's buffer sizes
     int one = 1;
-    setsockopt(s.fd(), IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
-    try {
-      acceptOne(std::move(s), host);
-    } catch (const std::exception& e) {
-      std::lock_guard<std::mutex> lock(mu_);
-      ++rejected_;
-      HC_LOG(kWarn, "rank ", rank_, ": rejected a connection from ", host, ": ", e.what());
-    }
+    setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+    g.from = host;
+    g.deadline = Clock::now() + std::chrono::milliseconds(paramHandshakeTimeoutMs());
+    greetings.push_back(std::move(g));
   }
 }
 
-void TcpMesh::acceptOne(Socket s, const std::string& from) {
-  const Deadline deadline = Clock::now() + std::chrono::milliseconds(paramHandshakeTimeoutMs());
-  std::array<uint8_t, Hello::kBytes> bytes{};
-  recvAll(s.fd(), bytes.data(), bytes.size(), deadline, [&] { return strCat("reading a handshake from ", from); });
+void TcpMesh::reject(const std::string& from, const std::string& why) {
+  std::lock_guard<std::mutex> lock(mu_);
+  ++rejected_;
+  HC_LOG(kWarn, "rank ", rank_, ": rejected a connection from ", from, ": ", why);
+}
+
+bool TcpMesh::progressGreeting(Greeting& g) {
+  ssize_t n = ::recv(g.socket.fd(), g.hello.data() + g.got, g.hello.size() - g.got, 0);
+  if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) return false;
+  if (n <= 0) {
+    reject(g.from, n == 0 ? "closed before completing the handshake" : std::strerror(errno));
+    return true;
+  }
+  g.got += static_cast<size_t>(n);
+  if (g.got < g.hello.size()) return false;
+  try {
+    acceptGreeting(g);
+  } catch (const std::exception& e) {
+    reject(g.from, e.what());
+  }
+  return true;
+}
+
+void TcpMesh::acceptGreeting(Greeting& g) {
   Hello hello;
-  std::string err = Hello::decode(bytes.data(), hello);
+  std::string err = Hello::decode(g.hello.data(), hello);
   if (err.empty() && hello.worldSize != size_) err = strCat("world size ", hello.worldSize, " != ", size_);
   if (err.empty() && (hello.rank < 0 || hello.rank >= size_ || hello.rank == rank_)) {
     err = strCat("invalid peer rank ", hello.rank);
@@ -172,20 +213,22 @@ void TcpMesh::acceptOne(Socket s, const std::string& from) {
   HelloAck ack;
   ack.rank = rank_;
   auto ackBytes = ack.encode();
-  sendAll(s.fd(), ackBytes.data(), ackBytes.size(), deadline, [&] { return strCat("answering rank ", hello.rank); });
+  // 8 bytes into an empty socket buffer: immediate in practice; bounded all the same.
+  sendAll(g.socket.fd(), ackBytes.data(), ackBytes.size(), g.deadline,
+          [&] { return strCat("answering rank ", hello.rank); });
 
   std::unique_lock<std::mutex> lock(mu_);
   if (hello.channel == Channel::kCollective) {
     if (collective_[hello.rank].valid()) throw CommError(strCat("duplicate collective connection from rank ", hello.rank));
-    if (aborted_) s.shutdownBoth();
-    collective_[hello.rank] = std::move(s);
+    if (aborted_) g.socket.shutdownBoth();
+    collective_[hello.rank] = std::move(g.socket);
     cv_.notify_all();
     return;
   }
   InboundP2P handler = inboundP2P_;
   lock.unlock();
   if (!handler) throw CommError("point-to-point connection before the engine was ready");
-  handler(hello.rank, std::move(s));
+  handler(hello.rank, std::move(g.socket));
 }
 
 }  // namespace hetcomm

@@ -52,8 +52,19 @@ class TcpMesh {
 
  private:
   Socket connectAndGreet(int peer, Channel channel, Deadline deadline);
+  // A connection that has not finished its handshake yet.
+  struct Greeting {
+    Socket socket;
+    std::string from;
+    std::array<uint8_t, Hello::kBytes> hello{};
+    size_t got = 0;
+    Deadline deadline;
+  };
   void listenLoop();
-  void acceptOne(Socket socket, const std::string& from);
+  // Reads what the greeting sent; true when it is finished (accepted or rejected).
+  bool progressGreeting(Greeting& g);
+  void acceptGreeting(Greeting& g);
+  void reject(const std::string& from, const std::string& why);
 
   const int rank_;
   const int size_;

@@ -167,3 +167,17 @@ def test_probe_recovers_shaped_rates_on_the_simulator(tmp_path) -> None:
                 f"link {i}->{j}: measured {measured:.3g} B/s, TCP through the shaped link {reachable:.3g}"
     # With rank 1 behind the slowest NIC, the plan must shift the buffer towards it.
     assert result["plan"][1] > 1 / 3, result
+
+
+def _probe_on_demand(rank: int, world_size: int) -> dict:
+    import hetcomm
+
+    model = hetcomm.probe()  # the function, not a module of the same name
+    return {"ranks": model.world_size, "same_as_stored": hetcomm.link_model() == model,
+            "positive": all(model.bw[i][j] > 0 for i in range(world_size) for j in range(world_size) if i != j)}
+
+
+@hetcomm_only("hetcomm.probe")
+def test_probe_can_be_rerun_on_demand() -> None:
+    for res in run_ranks(2, _probe_on_demand):
+        assert res == {"ranks": 2, "same_as_stored": True, "positive": True}

@@ -3,7 +3,7 @@
 At group creation (`configure_group`, called by the backend creator), every rank:
 
 1. gets a `LinkModel`: declared bandwidths (``HETCOMM_LINK_MBIT``: per-rank NIC rates
-   ``"800,800,800,100"`` or a matrix ``"0,800;800,0"``), else measured (`hetcomm.probe`), unless
+   ``"800,800,800,100"`` or a matrix ``"0,800;800,0"``), else measured (`hetcomm.measure`), unless
    ``HETCOMM_PROBE=0`` (then the engine keeps its uniform plan);
 2. rank 0 chooses the plan (`planner.make_plan` for large messages, and the crossover size below
    which allreduces stay uniform) and broadcasts it, so all ranks hold the same plan even if their
@@ -23,7 +23,7 @@ from typing import Optional
 import torch
 
 from hetcomm import planner
-from hetcomm.probe import measure_model, model_from_declared, parse_mbit
+from hetcomm.measure import measure_model, model_from_declared, parse_mbit
 
 log = logging.getLogger("hetcomm")
 

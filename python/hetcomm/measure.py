@@ -1,4 +1,4 @@
-"""Measuring the cluster: directed link bandwidths and reduce throughput, the planner's inputs.
+"""The probe behind `hetcomm.probe()`: directed link bandwidths and reduce throughput, the planner's inputs.
 
 Links are measured in P-1 rounds; in round s every rank sends to rank+s and receives from
 rank-s at the same time. Each rank then carries exactly one outgoing and one incoming

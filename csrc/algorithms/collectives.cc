@@ -38,13 +38,6 @@ void RingPlan::validate(int size) const {
   if (!(sum > 0)) throw CommError("hetcomm: plan shares must not all be zero");
 }
 
-bool RingPlan::isUniform() const {
-  for (size_t i = 0; i < order.size(); ++i) {
-    if (order[i] != static_cast<int>(i) || shares[i] != shares[0]) return false;
-  }
-  return true;
-}
-
 RingPlan RingPlan::forBytes(size_t bytes) const {
   return bytes >= minBytes ? *this : uniform(static_cast<int>(order.size()));
 }

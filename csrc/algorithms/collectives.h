@@ -24,7 +24,6 @@ struct RingPlan {
   static RingPlan uniform(int size);
   // Throws CommError unless order is a permutation of 0..size-1 and shares are valid.
   void validate(int size) const;
-  bool isUniform() const;
   // The plan an allreduce of `bytes` uses: this one, or uniform below minBytes.
   RingPlan forBytes(size_t bytes) const;
   // A fingerprint carried in the headers so that ranks holding different plans fail loudly.

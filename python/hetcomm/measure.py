@@ -27,6 +27,7 @@ because of floating-point differences.
 """
 from __future__ import annotations
 
+import os
 import time
 from typing import Optional, Sequence
 
@@ -153,10 +154,23 @@ def model_from_declared(size: int, nic_mbit: Optional[Sequence[float]] = None,
 
 
 def parse_mbit(text: str) -> tuple[Optional[list[float]], Optional[list[list[float]]]]:
-    """``"800,800,100"`` -> NIC rates; ``"0,800;800,0"`` -> a link matrix (rows separated by ';')."""
+    """``"800,800,100"`` -> NIC rates; ``"0,800;800,0"`` (or a file) -> a link matrix; Mbit/s.
+
+    The same formats as the simulator's ``--nic-mbit`` / ``--link-mbit`` (one parser for both),
+    except that every rate must be given: a declared model has no "unshaped" links.
+    """
+    from hetcomm.sim.spec import SimError, parse_matrix, parse_rate_list
+
     try:
-        if ";" in text:
-            return None, [[float(v) for v in row.split(",")] for row in text.strip().strip(";").split(";")]
-        return [float(v) for v in text.split(",")], None
-    except ValueError:
-        raise ValueError(f"hetcomm: cannot parse bandwidths '{text}' (e.g. '800,800,100' or '0,800;800,0')") from None
+        if ";" in text or os.path.isfile(text):
+            matrix = parse_matrix(text, "HETCOMM_LINK_MBIT")
+            missing = [(i, j) for i, row in enumerate(matrix) for j, v in enumerate(row) if i != j and v is None]
+            if missing:
+                raise ValueError(f"hetcomm: HETCOMM_LINK_MBIT: links {missing} have no rate")
+            return None, [[0.0 if v is None else v for v in row] for row in matrix]
+        nics = parse_rate_list(text, "HETCOMM_LINK_MBIT")
+        if any(v is None for v in nics):
+            raise ValueError("hetcomm: HETCOMM_LINK_MBIT: every NIC needs a rate in Mbit/s")
+        return nics, None
+    except SimError as e:
+        raise ValueError(f"hetcomm: {e}") from None

@@ -75,6 +75,31 @@ def segment_bytes_for(plan: planner.Plan, model: planner.LinkModel) -> int:
     return seg
 
 
+# Measured link rates within this factor of each other are taken as one rate (their group's
+# median) before planning: the probe's error is of that order, and a plan fitted to it hands
+# small shares around for nothing (800/800/800/100 measured as 101-138/11.4-12 MB/s gave rank 1
+# 5% and ran at 1.12x the bound; the same links declared gave 0/0/0/100% and 1.065x).
+MEASURED_RATE_TOLERANCE = 1.25
+
+
+def snap_measured(model: planner.LinkModel, tolerance: float = MEASURED_RATE_TOLERANCE) -> planner.LinkModel:
+    """`model` with its link rates grouped: sorted descending, a rate joins the current group while
+    it is within `tolerance` of the group's fastest, and every rate becomes its group's median."""
+    P = model.world_size
+    links = sorted(((model.bw[i][j], i, j) for i in range(P) for j in range(P) if i != j), reverse=True)
+    snapped = [list(row) for row in model.bw]
+    group: list[tuple[float, int, int]] = []
+    for entry in links + [(0.0, -1, -1)]:
+        if group and not (entry[0] > 0 and entry[0] * tolerance >= group[0][0]):
+            median = group[len(group) // 2][0]
+            for _, i, j in group:
+                snapped[i][j] = median
+            group = []
+        group.append(entry)
+    return planner.LinkModel(bw=tuple(tuple(row) for row in snapped), reduce_bps=model.reduce_bps, alpha=model.alpha,
+                             segment_bytes=model.segment_bytes, small_allreduce_bytes=model.small_allreduce_bytes)
+
+
 def choose_plan(model: planner.LinkModel, min_gain: float = DECLARED_MIN_GAIN) -> planner.Plan:
     """The large-message plan, with min_bytes set to the crossover (uniform if weighting gains nothing)."""
     best = planner.make_plan(model, None, min_gain)
@@ -103,10 +128,13 @@ def _broadcast_plan(backend, plan: Optional[planner.Plan], size: int) -> planner
                         min_bytes=int(values[0]), segment_bytes=int(values[1]))
 
 
-def apply_model(backend, model: planner.LinkModel, min_gain: float = DECLARED_MIN_GAIN) -> planner.Plan:
+def apply_model(backend, model: planner.LinkModel, min_gain: float = DECLARED_MIN_GAIN,
+                measured: bool = False) -> planner.Plan:
     """Chooses (rank 0), agrees on and installs the plan for `model`; returns it."""
     size = backend.size()
-    plan = choose_plan(model, min_gain) if backend.rank() == 0 else None
+    plan = None
+    if backend.rank() == 0:
+        plan = choose_plan(snap_measured(model) if measured else model, min_gain)
     plan = _broadcast_plan(backend, plan, size)
     backend.set_plan(list(plan.order), list(plan.shares), plan.min_bytes, plan.segment_bytes)
     _models[backend.listen_address()] = model
@@ -122,7 +150,7 @@ def probe_backend(backend) -> planner.LinkModel:
     if model is None:
         model = measure_model(backend)
         source, min_gain = "measured", MEASURED_MIN_GAIN
-    apply_model(backend, model, min_gain)
+    apply_model(backend, model, min_gain, measured=source == "measured")
     _log_plan(f"hetcomm probe: {source} model in {time.perf_counter() - start:.3f} s")
     return model
 

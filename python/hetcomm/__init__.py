@@ -4,12 +4,18 @@
 
     import hetcomm, torch.distributed as dist
     dist.init_process_group("hetcomm")
+
+For unequal ranks in data-parallel training: `hetcomm.AdaptiveDataParallel` (per-rank batches
+proportional to measured speed, sample-weighted gradients), built from `hetcomm.partition`,
+`hetcomm.data` and `hetcomm.hooks`.
 """
 from hetcomm._backend import (backend_of, get_plan, link_model, listen_address, probe, register_backend,
                               set_plan)
+from hetcomm import data, hooks, partition  # noqa: E402  (public submodules)
+from hetcomm.adaptive import AdaptiveDataParallel
 
 __version__ = "0.1.0"
 __all__ = ["register_backend", "backend_of", "get_plan", "set_plan", "probe", "link_model", "listen_address",
-           "__version__"]
+           "AdaptiveDataParallel", "data", "hooks", "partition", "__version__"]
 
 register_backend()

@@ -12,24 +12,17 @@
 
 #include "common/error.h"
 #include "kernels/reduce.h"
+#include "kernels/reduce_ops.h"
 
 namespace hetcomm {
 namespace {
 
-// Signed integers add and multiply in their unsigned type: two's-complement wraparound, without
-// the undefined behaviour of signed overflow.
-template <typename T, bool = std::is_integral<T>::value>
-struct WrapType { using type = T; };
-template <typename T>
-struct WrapType<T, true> { using type = typename std::make_unsigned<T>::type; };
-template <typename T>
-using Wrap = typename WrapType<T>::type;
-struct Sum {
-  template <typename T> static T apply(T a, T b) { return static_cast<T>(static_cast<Wrap<T>>(a) + static_cast<Wrap<T>>(b)); }
-};
-struct Prod {
-  template <typename T> static T apply(T a, T b) { return static_cast<T>(static_cast<Wrap<T>>(a) * static_cast<Wrap<T>>(b)); }
-};
+using ops::Band;
+using ops::Bor;
+using ops::Bxor;
+using ops::Prod;
+using ops::Sum;
+
 // MIN/MAX are symmetric bit for bit: NaN wins (two NaNs give the canonical quiet NaN), and of
 // two equal values (+0 and -0) MIN takes the negative one, MAX the positive one.
 template <typename T, bool kMin>
@@ -43,9 +36,6 @@ inline T minMax(T a, T b) {
 }
 struct Min { template <typename T> static T apply(T a, T b) { return minMax<T, true>(a, b); } };
 struct Max { template <typename T> static T apply(T a, T b) { return minMax<T, false>(a, b); } };
-struct Band { template <typename T> static T apply(T a, T b) { return a & b; } };
-struct Bor { template <typename T> static T apply(T a, T b) { return a | b; } };
-struct Bxor { template <typename T> static T apply(T a, T b) { return a ^ b; } };
 
 template <typename Op, typename T>
 void loop(T* __restrict__ dst, const T* __restrict__ src, size_t n) {

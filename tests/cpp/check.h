@@ -1,7 +1,8 @@
 #pragma once
 // A tiny test harness: TEST_CASE registers a function, CHECK* record a failure and go on,
-// REQUIRE* stop the current test. check_main.cc runs every test (or those whose name contains one
-// of the command-line arguments) and exits non-zero if any check failed.
+// REQUIRE* stop the current test, SKIP_TEST leaves it as skipped. check_main.cc runs every test (or
+// those whose name contains one of the command-line arguments) and exits 1 if any check failed,
+// else kSkipExitCode if any test was skipped, else 0.
 #include <cstdint>
 #include <sstream>
 #include <string>
@@ -19,6 +20,12 @@ struct Registrar {
   Registrar(const char* name, void (*fn)()) { registry().push_back({name, fn}); }
 };
 struct Abort {};  // thrown by REQUIRE* to leave the current test
+struct Skip {     // thrown by SKIP_TEST: the test cannot run on this machine (e.g. it has no GPU)
+  std::string reason;
+};
+// Exit code of a run in which nothing failed but some test was skipped; tests/cpp/CMakeLists.txt
+// gives it to ctest as SKIP_RETURN_CODE, so ctest reports such a program as skipped, not passed.
+constexpr int kSkipExitCode = 77;
 
 // Records a failure (printing at most a few per test so that a broken loop does not flood).
 void fail(const char* file, int line, const std::string& what);
@@ -80,6 +87,8 @@ std::string showPair(const char* ea, const char* eb, const A& a, const B& b) {
       throw ::check::Abort{};                              \
     }                                                      \
   } while (0)
+// Leaves the current test and reports it skipped, with the reason, instead of passed.
+#define SKIP_TEST(reason) throw ::check::Skip{reason}
 #define CHECK_THROWS_AS(expr, Exc)                                                           \
   do {                                                                                       \
     bool hc_caught_ = false;                                                                 \

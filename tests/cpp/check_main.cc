@@ -22,7 +22,7 @@ void fail(const char* file, int line, const std::string& what) {
 }  // namespace check
 
 int main(int argc, char** argv) {
-  int run = 0, failed = 0;
+  int run = 0, failed = 0, skipped = 0;
   for (const check::TestCase& t : check::registry()) {
     bool selected = argc < 2;
     for (int i = 1; i < argc; ++i) selected |= std::strstr(t.name, argv[i]) != nullptr;
@@ -34,6 +34,13 @@ int main(int argc, char** argv) {
     try {
       t.fn();
     } catch (const check::Abort&) {
+    } catch (const check::Skip& skip) {
+      if (check::gFailuresInTest == 0) {
+        ++skipped;
+        std::printf("[ SKIP ] %s: %s\n", t.name, skip.reason.c_str());
+        std::fflush(stdout);
+        continue;
+      }
     } catch (const std::exception& e) {
       check::fail(__FILE__, __LINE__, std::string("uncaught exception: ") + e.what());
     }
@@ -45,6 +52,9 @@ int main(int argc, char** argv) {
     }
     std::fflush(stdout);
   }
-  std::printf("%d test(s) run, %d failed\n", run, failed);
-  return failed == 0 && run > 0 ? 0 : 1;
+  std::printf("%d test(s) run, %d failed", run, failed);
+  if (skipped > 0) std::printf(", %d skipped", skipped);
+  std::printf("\n");
+  if (failed > 0 || run == 0) return 1;
+  return skipped > 0 ? check::kSkipExitCode : 0;
 }

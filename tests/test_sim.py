@@ -100,8 +100,17 @@ def test_burst_scales_with_rate():
 def test_tc_plans():
     addrs = ["10.1.2.1", "10.1.2.2", "10.1.2.3"]
     spec = SimSpec(nic_mbit=[100, 400, 800])
-    assert shaping.egress_plan(spec, 0, "eth0", addrs) == [
-        ["qdisc", "add", "dev", "eth0", "root", "handle", "1:"] + shaping.tbf_args(100)]
+    # NIC only: still a leaf per destination under the NIC's class (a per-flow NIC queue, not
+    # one FIFO: see the module docstring), every leaf allowed the whole NIC.
+    plan = [" ".join(c) for c in shaping.egress_plan(spec, 0, "eth0", addrs)]
+    assert plan[0] == "qdisc add dev eth0 root handle 1: htb default 2"
+    assert any(c.startswith("class add dev eth0 parent 1: classid 1:1 htb rate 100000kbit ceil 100000kbit")
+               for c in plan)
+    for dest in (1, 2):
+        assert any(c.startswith(f"class add dev eth0 parent 1:1 classid 1:{10 + dest:x} htb rate 33333kbit "
+                                "ceil 100000kbit") for c in plan), plan
+        assert (f"filter add dev eth0 parent 1: protocol ip prio 1 u32 match ip dst {addrs[dest]}/32 "
+                f"flowid 1:{10 + dest:x}") in plan
     assert shaping.ingress_plan(spec, 1, "p1") == [
         ["qdisc", "add", "dev", "p1", "root", "handle", "1:"] + shaping.tbf_args(400)]
     assert shaping.egress_plan(SimSpec(nprocs=3), 0, "eth0", addrs) == []

@@ -15,12 +15,14 @@ EXIT_USAGE = 2
 
 EPILOG = """\
 what is shaped where:
-  --nic-mbit R_k    rank k's NIC, both directions: tbf on eth0 in rank k's namespace (egress)
-                    and tbf on its bridge port in the hub namespace (ingress).
+  --nic-mbit R_k    rank k's NIC, both directions: HTB on eth0 in rank k's namespace (egress;
+                    one class per destination under a parent class at the NIC rate, so ACKs
+                    do not queue behind bulk data, as with a host's fq_codel) and tbf on its
+                    bridge port in the hub namespace (ingress).
   --sites/--link-mbit
-                    per directed link, at the sender: HTB on eth0 with one class per destination
-                    (u32 on the destination address), ceil = min(link, NIC), under a parent class
-                    at the NIC rate; the receiver's NIC tbf still applies on its ingress.
+                    per directed link, at the sender: the same HTB classes (u32 on the
+                    destination address), each with ceil = min(link, NIC); the receiver's NIC
+                    tbf still applies on its ingress.
   A single flow i->j gets min(NIC_i, link_ij, NIC_j); TCP payload ~95.6% of that.
 
 environment of each rank:

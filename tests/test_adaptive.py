@@ -127,7 +127,7 @@ def test_example_on_the_simulator_shifts_the_partition_away_from_the_throttled_r
     summary = tmp_path / "summary.json"
     cmd = [sys.executable, "-m", "hetcomm.sim", "--nprocs", "2", "--cpu-quota", "1,0.25", "-q", "--",
            sys.executable, os.path.join(ROOT, "examples", "train_hetero.py"), "--partition", "adaptive",
-           "--samples", "1600", "--global-batch", "32", "--interval", "3", "--log-every", "10",
+           "--samples", "1600", "--global-batch", "32", "--block", "64", "--interval", "3", "--log-every", "10",
            "--corpus-chars", "200000", "--json", str(summary)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

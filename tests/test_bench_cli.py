@@ -68,6 +68,15 @@ def test_sim_defaults_and_explicit_values_win():
     assert config.timeout_s > 300
 
 
+def test_sim_tcp_congestion_control():
+    _, spec = parse("--sim-nic-mbit", "100,100")
+    assert spec.tcp_cc == "cubic"   # whatever this host uses
+    _, spec = parse("--sim-nic-mbit", "100,100", "--sim-tcp-cc", "bbr")
+    assert spec.tcp_cc == "bbr"
+    _, spec = parse("--sim-nic-mbit", "100,100", "--sim-tcp-cc", "host")
+    assert spec.tcp_cc is None
+
+
 def test_sim_sites_and_matrix_forms():
     _, spec = parse("--sim-sites", "0,0,1,1", "--sim-intra-mbit", "1000",
                     "--sim-inter-mbit", "100")
@@ -86,6 +95,8 @@ def test_sim_sites_and_matrix_forms():
     (["--sim-nic-mbit", "100,abc"], "--sim-nic-mbit"),
     (["--sizes", "1M", "--max-bytes", "4M"], "cannot be combined"),
     (["--backends", "hetcomm-declared"], "hetcomm-declared"),
+    (["--sim-tcp-cc", "bbr"], "give the cluster too"),
+    (["--sim-nic-mbit", "100,100", "--sim-tcp-cc", "BBR;rm"], "not a TCP congestion control"),
 ])
 def test_bad_arguments_exit_2_with_message(args, message, capsys, monkeypatch):
     monkeypatch.delenv("HETCOMM_LINK_MBIT", raising=False)

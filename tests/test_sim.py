@@ -54,6 +54,12 @@ def test_spec_world_size_and_validation():
         SimSpec(sites=[0, 1])
     with pytest.raises(SimError, match="positive"):
         SimSpec(nic_mbit=[100, 0])
+    assert SimSpec(nprocs=2).tcp_cc == "cubic"
+    assert SimSpec(nprocs=2, tcp_cc=None).tcp_cc is None
+    with pytest.raises(SimError, match="not a TCP congestion control"):
+        SimSpec(nprocs=2, tcp_cc="../x")
+    assert sim_main.tcp_cc_arg(None) == "cubic" and sim_main.tcp_cc_arg("host") is None
+    assert sim_main.tcp_cc_arg("reno") == "reno"
 
 
 def test_parse_matrix_inline_and_file(tmp_path):
@@ -408,6 +414,7 @@ ENV_DUMP = ("import json, os\n"
             "s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM); s.connect((env['MASTER_ADDR'], 9))\n"
             "env['src'] = s.getsockname()[0]\n"
             "env['ifaces'] = sorted(os.listdir('/sys/class/net'))\n"
+            "env['tcp_cc'] = open('/proc/sys/net/ipv4/tcp_congestion_control').read().strip()\n"
             "print(json.dumps(env))\n")
 
 
@@ -437,6 +444,25 @@ def test_rank_environment():
         assert env["PYTHONUNBUFFERED"] == "1"
         assert env["src"] == addrs[k], "a rank reaches MASTER_ADDR from its own address"
         assert env["ifaces"] == ["eth0", "lo"], "a rank sees only its own interfaces"
+        assert env["tcp_cc"] == "cubic", "mainline Linux's default, whatever the host uses"
+
+
+@needs_netns
+def test_tcp_congestion_control_option():
+    """--tcp-cc reno (built into every kernel) reaches every rank; 'host' keeps the host's
+    choice; an unknown name fails setup with the available ones named and leaves nothing."""
+    code = "print(open('/proc/sys/net/ipv4/tcp_congestion_control').read().strip())"
+    proc = run_sim(["--nprocs", "2", "--tcp-cc", "reno"], [sys.executable, "-c", code])
+    assert proc.returncode == 0, proc.stderr
+    assert sorted(proc.stdout.splitlines()) == ["[rank 0] reno", "[rank 1] reno"], proc.stdout
+    with open("/proc/sys/net/ipv4/tcp_congestion_control") as f:
+        host = f.read().strip()
+    proc = run_sim(["--nprocs", "1", "--tcp-cc", "host"], [sys.executable, "-c", code])
+    assert proc.returncode == 0 and proc.stdout.split()[-1] == host, (proc.stdout, proc.stderr)
+    proc = run_sim(["--nprocs", "1", "--tcp-cc", "nosuchcc"], [sys.executable, "-c", code])
+    assert proc.returncode != 0
+    assert "'nosuchcc': the kernel refused it" in proc.stderr and "available here:" in proc.stderr
+    assert "reno" in proc.stderr.split("available here:")[1]
 
 
 @needs_netns

@@ -41,7 +41,9 @@ SIM_TIMEOUT_FACTOR = 10.0
 
 # The --sim-* options, as the names of hetcomm.sim's own options (its spec_from_args reads them).
 SIM_OPTIONS = ("nic_mbit", "link_mbit", "sites", "intra_mbit", "inter_mbit", "cpu_quota",
-               "latency_ms")
+               "latency_ms", "tcp_cc")
+# Those that describe the cluster: any of them turns the simulation on.
+SIM_CLUSTER_OPTIONS = SIM_OPTIONS[:-1]
 
 # torch's own backends that can reduce CPU tensors (nccl and xccl need device tensors; "fake"
 # moves nothing).
@@ -157,12 +159,15 @@ def build_parser() -> argparse.ArgumentParser:
                      help="per-rank CPU quota in cores, e.g. 1,0.5,0.25,0.25")
     sim.add_argument("--sim-latency-ms", metavar="MS", type=float, default=None,
                      help="one-way delay added on each rank's egress (netem)")
+    sim.add_argument("--sim-tcp-cc", metavar="NAME", default=None,
+                     help="TCP congestion control of the simulated hosts (default cubic, "
+                          "mainline Linux's default; 'host' keeps this machine's)")
     return parser
 
 
 def sim_requested(args: argparse.Namespace) -> bool:
     """True when any --sim-* option was given."""
-    return any(getattr(args, f"sim_{name}") is not None for name in SIM_OPTIONS)
+    return any(getattr(args, f"sim_{name}") is not None for name in SIM_CLUSTER_OPTIONS)
 
 
 def sim_spec_from_args(args: argparse.Namespace):
@@ -304,6 +309,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             spec = sim_spec_from_args(args)
         except ValueError as error:
             parser.error(str(error))
+    elif args.sim_tcp_cc is not None:
+        parser.error("--sim-tcp-cc sets the TCP of a simulated cluster: give the cluster too "
+                     "(--sim-nic-mbit, --sim-sites or --sim-link-mbit)")
     try:
         config = config_from_args(args, argv, spec)
     except ValueError as error:

@@ -8,7 +8,7 @@ from typing import Optional, Sequence
 
 from hetcomm.sim.cluster import DEFAULT_MASTER_PORT, SimCluster, cleanup_stale
 from hetcomm.sim.launcher import SimInterrupted
-from hetcomm.sim.spec import (SimError, SimSpec, parse_float_list, parse_matrix, parse_rate_list,
+from hetcomm.sim.spec import (DEFAULT_TCP_CC, SimError, SimSpec, parse_float_list, parse_matrix, parse_rate_list,
                               _parse_rate)
 
 EXIT_USAGE = 2
@@ -62,6 +62,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="only warn when the quotas sum to more than the cores")
     g.add_argument("--latency-ms", type=float, default=0.0, help="one-way delay added on each rank's "
                    "egress (needs netem in the kernel)")
+    g.add_argument("--tcp-cc", metavar="NAME", default=None,
+                   help=f"TCP congestion control in every namespace (default {DEFAULT_TCP_CC}, "
+                        "mainline Linux's default, whatever the host uses; 'host' keeps the host's)")
     r = p.add_argument_group("run")
     r.add_argument("--master-port", type=int, default=DEFAULT_MASTER_PORT,
                    help=f"MASTER_PORT (default {DEFAULT_MASTER_PORT}; rank 0's namespace is private, "
@@ -113,7 +116,16 @@ def spec_from_args(args: argparse.Namespace) -> SimSpec:
         cpu_quota=quota,
         latency_ms=args.latency_ms,
         nprocs=n,
+        tcp_cc=tcp_cc_arg(getattr(args, "tcp_cc", None)),
     )
+
+
+def tcp_cc_arg(text: Optional[str]) -> Optional[str]:
+    """--tcp-cc: None (not given) -> the default, 'host' -> None (inherit the host's)."""
+    if text is None:
+        return DEFAULT_TCP_CC
+    text = text.strip()
+    return None if text == "host" else text
 
 
 def _err(msg: str) -> None:

@@ -232,6 +232,9 @@ class SimCluster:
             run(["ip", "-n", hub, "link", "set", port, "up"])
             run(["ip", "-n", ns, "addr", "add", f"{self.addresses[k]}/24", "dev", RANK_IFNAME])
             run(["ip", "-n", ns, "link", "set", RANK_IFNAME, "up"])
+        if self.spec.tcp_cc is not None:
+            for name in self.namespaces + [hub]:
+                _netns.set_tcp_congestion_control(name, self.spec.tcp_cc)
         for k in range(self.world_size):
             for args in shaping.egress_plan(self.spec, k, RANK_IFNAME, self.addresses):
                 self._tc(self.namespaces[k], args, f"shaping rank {k}'s egress")

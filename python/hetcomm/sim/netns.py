@@ -169,3 +169,33 @@ def enter_netns(name: str) -> Iterator[None]:
             _setns(own)
     finally:
         os.close(own)
+
+
+TCP_CC_SYSCTL = "/proc/sys/net/ipv4/tcp_congestion_control"
+TCP_CC_AVAILABLE = "/proc/sys/net/ipv4/tcp_available_congestion_control"
+
+
+def set_tcp_congestion_control(name: str, algorithm: str) -> None:
+    """Makes ``algorithm`` the default TCP congestion control of namespace ``name``.
+
+    The sysctl is per namespace (a new one starts with the host's value); writing it as root
+    loads the algorithm's module if it is not loaded yet. Raises :class:`SimError` naming the
+    available algorithms when the kernel refuses.
+    """
+    with enter_netns(name):
+        try:
+            with open(TCP_CC_SYSCTL, "w") as f:
+                f.write(algorithm)
+            with open(TCP_CC_SYSCTL) as f:
+                now = f.read().strip()
+        except OSError as error:
+            try:
+                with open(TCP_CC_AVAILABLE) as f:
+                    available = f.read().split()
+            except OSError:
+                available = []
+            raise SimError(f"TCP congestion control {algorithm!r}: the kernel refused it "
+                           f"({error.strerror}); available here: {', '.join(available) or 'unknown'} "
+                           f"(--tcp-cc host keeps the host's default)") from None
+    if now != algorithm:
+        raise SimError(f"TCP congestion control {algorithm!r}: namespace {name} reports {now!r}")

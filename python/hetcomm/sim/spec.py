@@ -19,12 +19,16 @@ import dataclasses
 import json
 import math
 import os
+import re
 from typing import Mapping, Optional, Sequence
 
 #: payload bytes per shaped byte for a bulk TCP stream over the simulated (MTU 1500) links
 TCP_GOODPUT_FRACTION = 1448 / 1514
 
 MBIT = 1e6 / 8  # bytes per second in one Mbit/s
+
+#: TCP congestion control of a simulated cluster unless told otherwise (SimSpec.tcp_cc)
+DEFAULT_TCP_CC = "cubic"
 
 _UNSHAPED_WORDS = ("inf", "-", "none", "unlimited", "")
 
@@ -138,6 +142,13 @@ class SimSpec:
     cpu_quota: per-rank CPU quota in cores (1.0 = one core, 0.25 = a quarter); None = no cgroup.
     latency_ms: one-way delay added on each rank's egress (netem; the kernel must have it).
     nprocs: world size when no per-rank list gives it.
+    tcp_cc: TCP congestion control of every namespace of the cluster (``None`` = inherit the
+        host's). The default is ``cubic``, mainline Linux's default, so that results do not depend
+        on how the host was configured: a new namespace inherits the host's choice, and the
+        development VM's kernel defaults to ``bbr``. Under bbr, on 800/800/800/100 Mbit/s, the
+        slow rank's outgoing flow ran at half rate for the first ~0.2 s of every 16 MB allreduce,
+        while the fast ranks' reduce-scatter flooded each other on the shared cores: hetcomm
+        took 1.13x the bound there and 1.06x under cubic (see README, "Simulated cluster").
     """
 
     nic_mbit: Optional[list[Optional[float]]] = None
@@ -148,6 +159,7 @@ class SimSpec:
     cpu_quota: Optional[list[float]] = None
     latency_ms: float = 0.0
     nprocs: Optional[int] = None
+    tcp_cc: Optional[str] = DEFAULT_TCP_CC
 
     def __post_init__(self) -> None:
         self.validate()
@@ -212,6 +224,10 @@ class SimSpec:
                     raise SimError(f"cpu_quota[{i}] = {q}: must be a number of cores >= 0.01")
         if not (self.latency_ms >= 0 and math.isfinite(self.latency_ms)):
             raise SimError(f"latency_ms = {self.latency_ms}: must be >= 0")
+        if self.tcp_cc is not None and not re.fullmatch(r"[a-z][a-z0-9_]{0,15}", self.tcp_cc):
+            raise SimError(f"tcp_cc = {self.tcp_cc!r}: not a TCP congestion control name "
+                           f"(e.g. cubic, reno, bbr; see /proc/sys/net/ipv4/"
+                           f"tcp_available_congestion_control)")
 
     # -- derived quantities -----------------------------------------------------------------
     def nic(self, rank: int) -> Optional[float]:
@@ -273,6 +289,7 @@ class SimSpec:
             parts.append(f"latency {self.latency_ms:g} ms one-way")
         if not self.shaped:
             parts.append("network unshaped")
+        parts.append(f"TCP {self.tcp_cc}" if self.tcp_cc else "TCP: the host's default")
         return "; ".join(parts)
 
 

@@ -24,6 +24,8 @@ what is shaped where:
                     destination address), each with ceil = min(link, NIC); the receiver's NIC
                     tbf still applies on its ingress.
   A single flow i->j gets min(NIC_i, link_ij, NIC_j); TCP payload ~95.6% of that.
+  --tcp-cc NAME     every namespace's TCP congestion control; cubic, mainline Linux's default,
+                    unless given, so results do not depend on the host's own setting.
 
 environment of each rank:
   RANK WORLD_SIZE LOCAL_RANK(=RANK) LOCAL_WORLD_SIZE(=WORLD_SIZE) MASTER_ADDR(rank 0) MASTER_PORT

@@ -178,10 +178,14 @@ TCP_CC_AVAILABLE = "/proc/sys/net/ipv4/tcp_available_congestion_control"
 def set_tcp_congestion_control(name: str, algorithm: str) -> None:
     """Makes ``algorithm`` the default TCP congestion control of namespace ``name``.
 
-    The sysctl is per namespace (a new one starts with the host's value); writing it as root
-    loads the algorithm's module if it is not loaded yet. Raises :class:`SimError` naming the
-    available algorithms when the kernel refuses.
+    The sysctl is per namespace since Linux 4.15 (a new namespace starts with the host's
+    value); writing it as root loads the algorithm's module if it is not loaded yet. Raises
+    :class:`SimError` naming the available algorithms when the kernel refuses, and when the
+    write reached this process's own namespace instead (an older kernel with one global
+    setting), after putting the old value back.
     """
+    with open(TCP_CC_SYSCTL) as f:
+        ours = f.read().strip()
     with enter_netns(name):
         try:
             with open(TCP_CC_SYSCTL, "w") as f:
@@ -199,3 +203,10 @@ def set_tcp_congestion_control(name: str, algorithm: str) -> None:
                            f"(--tcp-cc host keeps the host's default)") from None
     if now != algorithm:
         raise SimError(f"TCP congestion control {algorithm!r}: namespace {name} reports {now!r}")
+    with open(TCP_CC_SYSCTL) as f:
+        leaked = f.read().strip() != ours
+    if leaked:
+        with open(TCP_CC_SYSCTL, "w") as f:
+            f.write(ours)
+        raise SimError("this kernel has one TCP congestion control for all namespaces (before "
+                       "Linux 4.15): the simulator will not change the host's; pass --tcp-cc host")

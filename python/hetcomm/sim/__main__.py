@@ -8,8 +8,8 @@ from typing import Optional, Sequence
 
 from hetcomm.sim.cluster import DEFAULT_MASTER_PORT, SimCluster, cleanup_stale
 from hetcomm.sim.launcher import SimInterrupted
-from hetcomm.sim.spec import (DEFAULT_TCP_CC, SimError, SimSpec, parse_float_list, parse_matrix, parse_rate_list,
-                              _parse_rate)
+from hetcomm.sim.spec import (DEFAULT_TCP_CC, SimError, SimSpec, parse_float_list, parse_matrix,
+                              parse_rate_list, _parse_rate)
 
 EXIT_USAGE = 2
 

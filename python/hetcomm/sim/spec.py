@@ -148,7 +148,8 @@ class SimSpec:
         development VM's kernel defaults to ``bbr``. Under bbr, on 800/800/800/100 Mbit/s, the
         slow rank's outgoing flow ran at half rate for the first ~0.2 s of every 16 MB allreduce,
         while the fast ranks' reduce-scatter flooded each other on the shared cores: hetcomm
-        took 1.13x the bound there and 1.06x under cubic (see README, "Simulated cluster").
+        took 1.13-1.16x the bound there and 1.06-1.08x under cubic (README, "Simulated
+        heterogeneous cluster").
     """
 
     nic_mbit: Optional[list[Optional[float]]] = None

@@ -4,6 +4,7 @@
 #include <cstring>
 #include <numeric>
 
+#include "algorithms/device_ops.h"
 #include "algorithms/pipeline.h"
 #include "algorithms/ring_schedule.h"
 #include "common/env.h"
@@ -69,6 +70,26 @@ AllreduceAlgo chooseAllreduceAlgo(size_t bytes, int size) {
 }
 
 namespace {
+
+// dst <- src within this rank's own buffers, host or device memory.
+void copyLocal(CollectiveContext& ctx, char* dst, const char* src, size_t bytes) {
+  if (bytes == 0 || dst == src) return;
+  if (ctx.device != nullptr) {
+    ctx.device->copyWithinDevice(dst, src, bytes);
+  } else {
+    std::memmove(dst, src, bytes);
+  }
+}
+
+// The second half of AVG, wherever the data lives.
+void divideLocal(CollectiveContext& ctx, char* data, size_t count, DType dtype, double divisor) {
+  if (count == 0) return;
+  if (ctx.device != nullptr) {
+    ctx.device->divide(data, count, dtype, divisor);
+  } else {
+    divideInPlace(data, count, dtype, divisor);
+  }
+}
 
 int positionOf(const RingPlan& plan, int rank) {
   return static_cast<int>(std::find(plan.order.begin(), plan.order.end(), rank) - plan.order.begin());
@@ -146,20 +167,53 @@ void allreduceRecursiveDoubling(CollectiveContext& ctx, char* buf, size_t count,
   }
 }
 
+// An allreduce of device memory staged whole: copied to pinned host memory at once, reduced there
+// by the host algorithm the header names (exactly as for a CPU tensor, so the bytes on the wire
+// are the same either way), and copied back. For small and medium messages this beats the staged
+// pipeline: one copy each way instead of a few device operations per segment, and the CPU adds a
+// few megabytes faster than the device round trips take (paramDeviceHostReduceBytes).
+void allreduceStagedWhole(CollectiveContext& ctx, char* buf, size_t count, DType dtype, RedOp op,
+                          const RingPlan& plan) {
+  DeviceOps& dev = *ctx.device;
+  const size_t bytes = count * elementSize(dtype);
+  if (bytes == 0) return;
+  char* host = dev.hostBuffer(bytes);
+  dev.copyToHost(host, buf, bytes);
+  dev.waitFor(dev.mark());
+  CollectiveContext onHost = ctx;
+  onHost.device = nullptr;
+  if (static_cast<AllreduceAlgo>(ctx.header.algo) == AllreduceAlgo::kRing) {
+    allreduceRing(onHost, host, count, dtype, op, plan);
+  } else {
+    allreduceRecursiveDoubling(onHost, host, count, dtype, op);
+  }
+  if (op == RedOp::kAvg) divideInPlace(host, count, dtype, ctx.size);
+  dev.testDelay();
+  dev.copyToDevice(buf, host, bytes);
+}
+
 }  // namespace
 
 void allreduce(CollectiveContext& ctx, char* buf, size_t count, DType dtype, RedOp op, const RingPlan& plan) {
+  SettleOnExit settle(ctx.device);
   if (ctx.size > 1) {
-    if (static_cast<AllreduceAlgo>(ctx.header.algo) == AllreduceAlgo::kRing) {
+    const bool ring = static_cast<AllreduceAlgo>(ctx.header.algo) == AllreduceAlgo::kRing;
+    if (ctx.device != nullptr &&
+        (!ring || count * elementSize(dtype) <= static_cast<size_t>(std::max<int64_t>(0, paramDeviceHostReduceBytes())))) {
+      allreduceStagedWhole(ctx, buf, count, dtype, op, plan);
+      return;  // divided on the host already
+    }
+    if (ring) {
       allreduceRing(ctx, buf, count, dtype, op, plan);
     } else {
       allreduceRecursiveDoubling(ctx, buf, count, dtype, op);
     }
   }
-  if (op == RedOp::kAvg) divideInPlace(buf, count, dtype, ctx.size);
+  if (op == RedOp::kAvg) divideLocal(ctx, buf, count, dtype, ctx.size);
 }
 
 void broadcast(CollectiveContext& ctx, char* buf, size_t bytes, int root) {
+  SettleOnExit settle(ctx.device);
   const int P = ctx.size;
   if (P == 1) return;
   const int pos = (ctx.rank - root + P) % P;
@@ -174,6 +228,7 @@ void broadcast(CollectiveContext& ctx, char* buf, size_t bytes, int root) {
 }
 
 void allgatherv(CollectiveContext& ctx, char* out, const std::vector<size_t>& blockBytes, const RingPlan& plan) {
+  SettleOnExit settle(ctx.device);
   const int P = ctx.size;
   if (P == 1) return;
   std::vector<size_t> offsets = prefixOffsets(blockBytes);
@@ -187,6 +242,7 @@ void allgatherv(CollectiveContext& ctx, char* out, const std::vector<size_t>& bl
 
 void reduceScatterv(CollectiveContext& ctx, char* work, const std::vector<size_t>& counts, DType dtype, RedOp op,
                     const RingPlan& plan) {
+  SettleOnExit settle(ctx.device);
   const int P = ctx.size;
   std::vector<size_t> offsets = prefixOffsets(counts);
   if (P > 1) {
@@ -198,22 +254,24 @@ void reduceScatterv(CollectiveContext& ctx, char* work, const std::vector<size_t
     runRing(ctx, work, plan, countsByPos, offsetsByPos, elementSize(dtype), dtype, op, RingPhases::kReduceScatter);
   }
   if (op == RedOp::kAvg) {
-    divideInPlace(work + offsets[ctx.rank] * elementSize(dtype), counts[ctx.rank], dtype, ctx.size);
+    divideLocal(ctx, work + offsets[ctx.rank] * elementSize(dtype), counts[ctx.rank], dtype, ctx.size);
   }
 }
 
 void gather(CollectiveContext& ctx, const char* in, char* out, size_t blockBytes, int root) {
+  SettleOnExit settle(ctx.device);
   if (ctx.rank != root) {
     exchange(ctx, root, in, blockBytes, -1, nullptr, 0, 0);
     return;
   }
-  if (blockBytes > 0 && out + root * blockBytes != in) std::memmove(out + root * blockBytes, in, blockBytes);
+  copyLocal(ctx, out + root * blockBytes, in, blockBytes);
   for (int peer = 0; peer < ctx.size; ++peer) {
     if (peer != root) exchange(ctx, -1, nullptr, 0, peer, out + peer * blockBytes, blockBytes, 0);
   }
 }
 
 void scatter(CollectiveContext& ctx, const char* in, char* out, size_t blockBytes, int root) {
+  SettleOnExit settle(ctx.device);
   if (ctx.rank != root) {
     exchange(ctx, -1, nullptr, 0, root, out, blockBytes, 0);
     return;
@@ -221,17 +279,18 @@ void scatter(CollectiveContext& ctx, const char* in, char* out, size_t blockByte
   for (int peer = 0; peer < ctx.size; ++peer) {
     if (peer != root) exchange(ctx, peer, in + peer * blockBytes, blockBytes, -1, nullptr, 0, 0);
   }
-  if (blockBytes > 0 && in + root * blockBytes != out) std::memmove(out, in + root * blockBytes, blockBytes);
+  copyLocal(ctx, out, in + root * blockBytes, blockBytes);
 }
 
 void alltoallv(CollectiveContext& ctx, const char* in, const std::vector<size_t>& sendOffsets,
                const std::vector<size_t>& sendBytes, char* out, const std::vector<size_t>& recvOffsets,
                const std::vector<size_t>& recvBytes) {
+  SettleOnExit settle(ctx.device);
   const int P = ctx.size, r = ctx.rank;
   if (recvBytes[r] != sendBytes[r]) {
     throw CommError(strCat(ctx.prefix(), ": sends ", sendBytes[r], " bytes to itself but expects ", recvBytes[r]));
   }
-  if (sendBytes[r] > 0) std::memmove(out + recvOffsets[r], in + sendOffsets[r], sendBytes[r]);
+  copyLocal(ctx, out + recvOffsets[r], in + sendOffsets[r], sendBytes[r]);
   // Step s: send to r+s while receiving from r-s; every link is used once in each direction.
   for (int s = 1; s < P; ++s) {
     const int to = (r + s) % P, from = (r - s + P) % P;
@@ -241,8 +300,10 @@ void alltoallv(CollectiveContext& ctx, const char* in, const std::vector<size_t>
 }
 
 void barrier(CollectiveContext& ctx) {
-  uint8_t token = 0;
-  if (ctx.size > 1) allreduceRecursiveDoubling(ctx, reinterpret_cast<char*>(&token), 1, DType::kUInt8, RedOp::kMax);
+  uint8_t token = 0;  // host memory, whatever the group's tensors are
+  CollectiveContext onHost = ctx;
+  onHost.device = nullptr;
+  if (ctx.size > 1) allreduceRecursiveDoubling(onHost, reinterpret_cast<char*>(&token), 1, DType::kUInt8, RedOp::kMax);
 }
 
 }  // namespace hetcomm

@@ -11,6 +11,8 @@
 
 namespace hetcomm {
 
+class DeviceOps;
+
 enum class CollectiveKind : uint8_t {
   kAllreduce = 1,
   kBroadcast,
@@ -34,6 +36,9 @@ struct CollectiveContext {
   CollectiveHeader header;
   // The collective connection to a peer (opened on first use, bounded by the deadline).
   std::function<int(int peer)> fdOf;
+  // Null: the buffers are host memory. Else they are device memory, reached only through this
+  // (see device_ops.h).
+  DeviceOps* device = nullptr;
 
   // "hetcomm allreduce #42: rank 2"
   std::string prefix() const;

@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cstring>
 
+#include "algorithms/pipeline_io.h"
 #include "common/error.h"
 #include "kernels/reduce.h"
 
@@ -40,9 +41,8 @@ size_t CollectiveContext::segmentBytesFor(size_t chunkBytes) const {
   return std::min(kMax, std::max(kMin, chunkBytes / 4));
 }
 
+namespace pipeline_io {
 namespace {
-
-constexpr size_t kH = CollectiveHeader::kBytes;
 
 std::string describeMismatch(const CollectiveHeader& want, const CollectiveHeader& got) {
   std::string d;
@@ -70,21 +70,110 @@ std::string describeMismatch(const CollectiveHeader& want, const CollectiveHeade
 
 }  // namespace
 
+CollectiveHeader outgoingHeader(const CollectiveContext& ctx, const PipelineSpec& spec) {
+  CollectiveHeader h = ctx.header;
+  h.step = spec.step;
+  if (spec.sendBytesField != UINT64_MAX) h.bytes = spec.sendBytesField;
+  return h;
+}
+
+CollectiveHeader expectedHeader(const CollectiveContext& ctx, const PipelineSpec& spec) {
+  CollectiveHeader h = ctx.header;
+  h.step = spec.step;
+  if (spec.expectBytesField != UINT64_MAX) h.bytes = spec.expectBytesField;
+  return h;
+}
+
+void checkHeader(const CollectiveContext& ctx, const PipelineSpec& spec, const uint8_t* bytes,
+                 const CollectiveHeader& want) {
+  CollectiveHeader got;
+  std::string err = CollectiveHeader::decode(bytes, got);
+  if (!err.empty()) throw CommError(strCat(ctx.prefix(), " received garbage from rank ", spec.recvPeer, ": ", err));
+  if (!(got == want)) {
+    throw CommError(strCat(ctx.prefix(), " and rank ", spec.recvPeer,
+                           " disagree about the collective (tensor shapes, dtypes, ops or call order differ "
+                           "across ranks): ",
+                           describeMismatch(want, got)));
+  }
+}
+
+size_t sendSome(const CollectiveContext& ctx, int fd, int peer, const char* data, size_t len) {
+  while (true) {
+    ssize_t n = ::send(fd, data, len, MSG_NOSIGNAL);
+    if (n > 0) return static_cast<size_t>(n);
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return 0;
+    throwIo(ctx, peer, "sending", n < 0 ? errno : 0);
+  }
+}
+
+size_t recvSome(const CollectiveContext& ctx, int fd, int peer, char* data, size_t len) {
+  while (true) {
+    ssize_t n = ::recv(fd, data, len, 0);
+    if (n > 0) return static_cast<size_t>(n);
+    if (n == 0) throwIo(ctx, peer, "receiving", 0);
+    if (errno == EINTR) continue;
+    if (errno == EAGAIN || errno == EWOULDBLOCK) return 0;
+    throwIo(ctx, peer, "receiving", errno);
+  }
+}
+
+int socketsToWaitFor(pollfd* fds, int sfd, bool wantOut, int rfd, bool wantIn) {
+  int nfds = 0;
+  if (wantOut) fds[nfds++] = {sfd, POLLOUT, 0};
+  if (wantIn) {
+    if (nfds == 1 && sfd == rfd) {
+      fds[0].events |= POLLIN;
+    } else {
+      fds[nfds++] = {rfd, POLLIN, 0};
+    }
+  }
+  return nfds;
+}
+
+bool waitReady(const CollectiveContext& ctx, pollfd* fds, int nfds, int64_t maxWaitUs) {
+  const auto now = Clock::now();
+  if (now >= ctx.deadline) return false;
+  auto wait = std::chrono::duration_cast<std::chrono::nanoseconds>(ctx.deadline - now);
+  if (maxWaitUs >= 0) wait = std::min<std::chrono::nanoseconds>(wait, std::chrono::microseconds(maxWaitUs));
+  timespec ts;
+  ts.tv_sec = static_cast<time_t>(wait.count() / 1000000000);
+  ts.tv_nsec = static_cast<long>(wait.count() % 1000000000);
+  int rc = ::ppoll(fds, static_cast<nfds_t>(nfds), &ts, nullptr);
+  if (rc < 0 && errno != EINTR) throw CommError(strCat(ctx.prefix(), ": poll failed: ", std::strerror(errno)));
+  // Readiness, a hang-up or an error: the next send()/recv() reports which (EOF, EPIPE, ...).
+  return rc != 0 || Clock::now() < ctx.deadline;
+}
+
+void throwTimeout(const CollectiveContext& ctx, const PipelineSpec& spec, int waitingFor, size_t received,
+                  size_t toReceive, size_t sent, size_t toSend) {
+  std::string progress;
+  if (spec.recvPeer >= 0) progress = strCat("received ", received, " of ", toReceive, " segments from rank ", spec.recvPeer);
+  if (spec.sendPeer >= 0) {
+    progress += strCat(progress.empty() ? "" : ", ", "sent ", sent, " of ", toSend, " segments to rank ", spec.sendPeer);
+  }
+  throw TimeoutError(strCat(ctx.prefix(), " timed out after ", ctx.timeoutMs, " ms waiting for rank ", waitingFor,
+                            " (", progress, ")"));
+}
+
+}  // namespace pipeline_io
+
+using namespace pipeline_io;
+
 void runPipeline(const CollectiveContext& ctx, const PipelineSpec& spec) {
+  if (ctx.device != nullptr) {
+    runStagedPipeline(ctx, spec);
+    return;
+  }
   const bool doSend = spec.sendPeer >= 0, doRecv = spec.recvPeer >= 0;
   HC_ENFORCE(doSend || spec.sends.empty());
   HC_ENFORCE(doRecv || spec.recvs.empty());
   const int sfd = doSend ? ctx.fdOf(spec.sendPeer) : -1;
   const int rfd = doRecv ? ctx.fdOf(spec.recvPeer) : -1;
 
-  CollectiveHeader out = ctx.header;
-  out.step = spec.step;
-  if (spec.sendBytesField != UINT64_MAX) out.bytes = spec.sendBytesField;
-  CollectiveHeader want = ctx.header;
-  want.step = spec.step;
-  if (spec.expectBytesField != UINT64_MAX) want.bytes = spec.expectBytesField;
-  const auto outBytes = out.encode();
-  std::array<uint8_t, kH> inBytes{};
+  const auto outBytes = outgoingHeader(ctx, spec).encode();
+  const CollectiveHeader want = expectedHeader(ctx, spec);
+  std::array<uint8_t, kHeaderBytes> inBytes{};
 
   size_t scratchBytes = 0;
   for (const Transfer& t : spec.recvs) {
@@ -93,13 +182,13 @@ void runPipeline(const CollectiveContext& ctx, const PipelineSpec& spec) {
   std::vector<char> scratch(scratchBytes);
   const size_t es = elementSize(spec.dtype);
 
-  size_t hdrOut = doSend ? 0 : kH, hdrIn = doRecv ? 0 : kH;
+  size_t hdrOut = doSend ? 0 : kHeaderBytes, hdrIn = doRecv ? 0 : kHeaderBytes;
   size_t si = 0, sOff = 0, ri = 0, rOff = 0;
   const size_t nsend = spec.sends.size(), nrecv = spec.recvs.size();
 
   while (true) {
-    const bool sendDone = hdrOut == kH && si == nsend;
-    const bool recvDone = hdrIn == kH && ri == nrecv;
+    const bool sendDone = hdrOut == kHeaderBytes && si == nsend;
+    const bool recvDone = hdrIn == kHeaderBytes && ri == nrecv;
     if (sendDone && recvDone) return;
     bool progressed = false, sendBlocked = false;
 
@@ -107,108 +196,65 @@ void runPipeline(const CollectiveContext& ctx, const PipelineSpec& spec) {
     while (true) {
       const char* p;
       size_t left;
-      if (hdrOut < kH) {
+      if (hdrOut < kHeaderBytes) {
         p = reinterpret_cast<const char*>(outBytes.data()) + hdrOut;
-        left = kH - hdrOut;
+        left = kHeaderBytes - hdrOut;
       } else if (si < nsend && (si < spec.sendLead || si - spec.sendLead < ri)) {
         p = spec.sends[si].ptr + sOff;
         left = spec.sends[si].bytes - sOff;
       } else {
         break;
       }
-      ssize_t n = ::send(sfd, p, left, MSG_NOSIGNAL);
-      if (n > 0) {
-        progressed = true;
-        if (hdrOut < kH) {
-          hdrOut += static_cast<size_t>(n);
-        } else if ((sOff += static_cast<size_t>(n)) == spec.sends[si].bytes) {
-          ++si;
-          sOff = 0;
-        }
-      } else if (n < 0 && errno == EINTR) {
-        continue;
-      } else if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
+      const size_t n = sendSome(ctx, sfd, spec.sendPeer, p, left);
+      if (n == 0) {
         sendBlocked = true;
         break;
-      } else {
-        throwIo(ctx, spec.sendPeer, "sending", errno);
+      }
+      progressed = true;
+      if (hdrOut < kHeaderBytes) {
+        hdrOut += n;
+      } else if ((sOff += n) == spec.sends[si].bytes) {
+        ++si;
+        sOff = 0;
       }
     }
 
     // Receive until the socket is drained or one item completes (then give sends a turn).
-    while (hdrIn < kH || ri < nrecv) {
+    while (hdrIn < kHeaderBytes || ri < nrecv) {
       char* p;
       size_t left;
-      if (hdrIn < kH) {
+      if (hdrIn < kHeaderBytes) {
         p = reinterpret_cast<char*>(inBytes.data()) + hdrIn;
-        left = kH - hdrIn;
+        left = kHeaderBytes - hdrIn;
       } else {
         const Transfer& t = spec.recvs[ri];
         p = (t.reduce ? scratch.data() : t.ptr) + rOff;
         left = t.bytes - rOff;
       }
-      ssize_t n = ::recv(rfd, p, left, 0);
-      if (n > 0) {
-        progressed = true;
-        if (hdrIn < kH) {
-          hdrIn += static_cast<size_t>(n);
-          if (hdrIn == kH) {
-            CollectiveHeader got;
-            std::string err = CollectiveHeader::decode(inBytes.data(), got);
-            if (!err.empty()) throw CommError(strCat(ctx.prefix(), " received garbage from rank ", spec.recvPeer, ": ", err));
-            if (!(got == want)) {
-              throw CommError(strCat(ctx.prefix(), " and rank ", spec.recvPeer,
-                                     " disagree about the collective (tensor shapes, dtypes, ops or call order differ "
-                                     "across ranks): ",
-                                     describeMismatch(want, got)));
-            }
-          }
-          continue;
-        }
-        const Transfer& t = spec.recvs[ri];
-        if ((rOff += static_cast<size_t>(n)) == t.bytes) {
-          if (t.reduce) reduceInto(t.ptr, scratch.data(), t.bytes / es, spec.dtype, spec.op);
-          ++ri;
-          rOff = 0;
-          break;
-        }
-      } else if (n == 0) {
-        throwIo(ctx, spec.recvPeer, "receiving", 0);
-      } else if (errno == EINTR) {
+      const size_t n = recvSome(ctx, rfd, spec.recvPeer, p, left);
+      if (n == 0) break;
+      progressed = true;
+      if (hdrIn < kHeaderBytes) {
+        if ((hdrIn += n) == kHeaderBytes) checkHeader(ctx, spec, inBytes.data(), want);
         continue;
-      } else if (errno == EAGAIN || errno == EWOULDBLOCK) {
+      }
+      const Transfer& t = spec.recvs[ri];
+      if ((rOff += n) == t.bytes) {
+        if (t.reduce) reduceInto(t.ptr, scratch.data(), t.bytes / es, spec.dtype, spec.op);
+        ++ri;
+        rOff = 0;
         break;
-      } else {
-        throwIo(ctx, spec.recvPeer, "receiving", errno);
       }
     }
     if (progressed) continue;
 
     pollfd fds[2];
-    int nfds = 0;
-    const bool wantIn = !(hdrIn == kH && ri == nrecv);
-    if (sendBlocked) fds[nfds++] = {sfd, POLLOUT, 0};
-    if (wantIn) {
-      if (nfds == 1 && sfd == rfd) {
-        fds[0].events |= POLLIN;
-      } else {
-        fds[nfds++] = {rfd, POLLIN, 0};
-      }
-    }
+    const bool wantIn = !(hdrIn == kHeaderBytes && ri == nrecv);
+    const int nfds = socketsToWaitFor(fds, sfd, sendBlocked, rfd, wantIn);
     HC_ENFORCE(nfds > 0, "pipeline stalled with nothing to wait for");
-    int rc = ::poll(fds, nfds, msUntil(ctx.deadline));
-    if (rc < 0 && errno != EINTR) throw CommError(strCat(ctx.prefix(), ": poll failed: ", std::strerror(errno)));
-    if (rc == 0) {
-      const int waitingFor = wantIn ? spec.recvPeer : spec.sendPeer;
-      std::string progress;
-      if (spec.recvPeer >= 0) progress = strCat("received ", ri, " of ", nrecv, " segments from rank ", spec.recvPeer);
-      if (spec.sendPeer >= 0) {
-        progress += strCat(progress.empty() ? "" : ", ", "sent ", si, " of ", nsend, " segments to rank ", spec.sendPeer);
-      }
-      throw TimeoutError(strCat(ctx.prefix(), " timed out after ", ctx.timeoutMs, " ms waiting for rank ", waitingFor,
-                                " (", progress, ")"));
+    if (!waitReady(ctx, fds, nfds, -1)) {
+      throwTimeout(ctx, spec, wantIn ? spec.recvPeer : spec.sendPeer, ri, nrecv, si, nsend);
     }
-    // Readiness, a hang-up or an error: the next send()/recv() reports which (EOF, EPIPE, ...).
   }
 }
 

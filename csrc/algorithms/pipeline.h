@@ -4,6 +4,11 @@
 // poll(), so that sending, receiving and reducing overlap on a single thread that sleeps when it
 // cannot progress. Dependencies follow the ring rule (see ring_schedule.h): sends[j], j >= lead,
 // waits until recvs[j - lead] has been received (and reduced).
+//
+// With ctx.device set, the transfers' pointers are device memory and runPipeline stages them
+// (staged_pipeline.cc): each send is copied to a pinned host slot before it goes on the wire,
+// each receive lands in a slot and is copied (or reduced) into device memory, segment by segment,
+// so that the device copies, the network and the reductions overlap.
 #include <vector>
 
 #include "algorithms/context.h"
@@ -32,6 +37,8 @@ struct PipelineSpec {
 };
 
 void runPipeline(const CollectiveContext& ctx, const PipelineSpec& spec);
+// runPipeline for device memory (ctx.device != nullptr); called by runPipeline.
+void runStagedPipeline(const CollectiveContext& ctx, const PipelineSpec& spec);
 
 // Convenience: send `sendBytes` from sendBuf to sendPeer while receiving `recvBytes` into recvBuf
 // from recvPeer (either peer may be -1). Headers carry the per-message sizes, so a size mismatch

@@ -34,6 +34,19 @@ HETCOMM_PARAM(paramSmallAllreduceBytes, "HETCOMM_SMALL_ALLREDUCE_BYTES", 32 * 10
 // Socket send/receive buffer sizes requested from the kernel: -1 (default) = 256 KB on loopback
 // and the kernel's autotuning elsewhere, 0 = always autotune, N = always N bytes.
 HETCOMM_PARAM(paramSocketBufferBytes, "HETCOMM_SOCKET_BUFFER_BYTES", -1)
+// Device (CUDA) tensors. An allreduce of at most HETCOMM_DEVICE_HOST_REDUCE_BYTES is copied to
+// pinned host memory whole, reduced there exactly as a CPU tensor would be, and copied back: below
+// that size the per-segment device operations of the staged pipeline cost more than they overlap.
+// Measured on an H100 shared by 2 ranks (benchmarks/results/cuda_staging_sweep_h100.txt), whole
+// vs staged: 1 MB 0.56 vs 1.42 ms, 4 MB 1.88 vs 2.07 ms, 16 MB 8.5 vs 8.7 ms, 64 MB 40 vs 27 ms;
+// an earlier run gave 0.53 vs 1.34, 2.08 vs 1.71 and 8.8 vs 5.3 ms up to 16 MB: the crossover
+// lies between 2 and 16 MB. Larger messages go through the staged pipeline in slots of
+// HETCOMM_DEVICE_SLOT_BYTES (rounded up to 16; 256 KB slots were twice as slow, 4 MB ones within
+// the noise), whose loop polls the device every HETCOMM_DEVICE_POLL_US microseconds while only
+// device work is pending.
+HETCOMM_PARAM(paramDeviceHostReduceBytes, "HETCOMM_DEVICE_HOST_REDUCE_BYTES", 2 * 1024 * 1024)
+HETCOMM_PARAM(paramDeviceSlotBytes, "HETCOMM_DEVICE_SLOT_BYTES", 1 << 20)
+HETCOMM_PARAM(paramDevicePollUs, "HETCOMM_DEVICE_POLL_US", 20)
 // Log level: 0 errors, 1 warnings (default), 2 info, 3 debug.
 HETCOMM_PARAM(paramLogLevel, "HETCOMM_LOG_LEVEL", 1)
 

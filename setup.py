@@ -7,13 +7,63 @@ not against whatever torch pip would fetch into an isolated build environment.
 """
 import glob
 import os
+import shutil
 
-import torch
-from setuptools import find_packages, setup
-from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension
+
+def set_cuda_home() -> None:
+    """Points CUDA_HOME at a CUDA installation with headers, unless the user set it.
+
+    torch looks for CUDA at $CUDA_HOME, else two folders above `which nvcc`. Where nvcc on PATH
+    is a wrapper script or a link (/usr/local/bin/nvcc on our machines), that guess is /usr/local,
+    which has no cuda_runtime.h, and the build fails halfway. Here the first folder that has both
+    bin/nvcc and include/cuda_runtime.h wins: nvcc's own (links followed), /usr/local/cuda, then
+    /usr/local/cuda-* newest first.
+    """
+    if os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH"):
+        return
+    candidates = []
+    nvcc = shutil.which("nvcc")
+    if nvcc:
+        candidates.append(os.path.dirname(os.path.dirname(os.path.realpath(nvcc))))
+    candidates += ["/usr/local/cuda"] + sorted(glob.glob("/usr/local/cuda-*"), reverse=True)
+    for home in candidates:
+        if os.path.exists(os.path.join(home, "bin", "nvcc")) and \
+                os.path.exists(os.path.join(home, "include", "cuda_runtime.h")):
+            os.environ["CUDA_HOME"] = home
+            return
+
+
+set_cuda_home()  # before torch.utils.cpp_extension reads it
+
+import torch  # noqa: E402
+from setuptools import find_packages, setup  # noqa: E402
+from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension  # noqa: E402
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 CXX_FLAGS = ["-O3", "-std=c++17", "-Wall", "-Wno-unused-parameter"]
+
+
+def shared_libstdcxx() -> list:
+    """Link arguments that make the extension use the shared libstdc++ torch itself runs with.
+
+    Some toolchains link libstdc++ statically by default (seen with the /opt/gcc of our GPU
+    machines): the extension then carries a second copy of the C++ runtime beside the one torch
+    loaded, and the first std::ostringstream it builds crashes the process. Naming the very
+    library this process has mapped (torch loaded it) as a linker input, ahead of the driver's
+    own -lstdc++, makes the linker resolve everything against it, dynamically.
+    """
+    try:
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                path = line.split()[-1]
+                if os.path.basename(path).startswith("libstdc++.so") and os.path.exists(path):
+                    return [path]
+    except OSError:
+        pass
+    return ["-lstdc++"]
+
+
+LINK_FLAGS = shared_libstdcxx()
 
 
 def cpp_sources():
@@ -38,6 +88,7 @@ if with_cuda():
         include_dirs=[os.path.join(ROOT, "csrc")],
         define_macros=[("HETCOMM_WITH_CUDA", None)],
         extra_compile_args={"cxx": CXX_FLAGS, "nvcc": ["-O3", "-std=c++17", "-Xcompiler=-Wall,-Wno-unused-parameter"]},
+        extra_link_args=LINK_FLAGS,
     )
 else:
     ext = CppExtension(
@@ -45,6 +96,7 @@ else:
         sources=cpp_sources(),
         include_dirs=[os.path.join(ROOT, "csrc")],
         extra_compile_args=CXX_FLAGS,
+        extra_link_args=LINK_FLAGS,
     )
 
 setup(

@@ -3,6 +3,7 @@
 #include <torch/csrc/utils/pybind.h>
 #include <torch/python.h>
 
+#include "backend/cuda_device_ops.h"
 #include "backend/process_group_hetcomm.h"
 #include "backend/tensor_checks.h"
 #include "kernels/reduce.h"
@@ -24,8 +25,9 @@ hetcomm::RedOp parseOp(const std::string& name) {
 
 // dst = op(dst, src) with the backend's own CPU kernel (AVG reduces as SUM, like on the wire).
 void reduceIntoTensor(at::Tensor& dst, const at::Tensor& src, const std::string& opName) {
-  hetcomm::checkDenseCpu(dst, "reduce_into");
-  hetcomm::checkDenseCpu(src, "reduce_into");
+  hetcomm::checkDense(dst, "reduce_into");
+  hetcomm::checkDense(src, "reduce_into");
+  TORCH_CHECK_VALUE(dst.is_cpu() && src.is_cpu(), "reduce_into: CPU tensors only");
   TORCH_CHECK_VALUE(dst.is_contiguous() && src.is_contiguous(), "reduce_into: tensors must be contiguous");
   TORCH_CHECK_VALUE(dst.scalar_type() == src.scalar_type() && dst.numel() == src.numel(),
                     "reduce_into: tensors must have the same dtype and number of elements");
@@ -81,6 +83,9 @@ PYBIND11_MODULE(_C, m) {
           py::arg("order"), py::arg("shares"), py::arg("min_bytes") = 0, py::arg("segment_bytes") = 0,
           "Sets the ring plan for operations issued from now on; every rank must set the same plan.");
 
+  m.def(
+      "built_with_cuda", [] { return hetcomm::kBuiltWithCuda; },
+      "True when this build moves CUDA tensors (the backend then registers for 'cuda' too).");
   m.def("reduce_into", &reduceIntoTensor, py::arg("dst"), py::arg("src"), py::arg("op") = "sum",
         "dst = op(dst, src) with hetcomm's CPU reduce kernel (for benchmarks and tests).");
 }

@@ -658,6 +658,7 @@ def assert_same(got, expected, what: str = "") -> None:
     import torch
 
     prefix = f"{what}: " if what else ""
+    got, expected = got.cpu(), expected.cpu()  # results of CUDA collectives are checked here too
     assert got.dtype == expected.dtype, f"{prefix}dtype {got.dtype} != expected {expected.dtype}"
     assert got.shape == expected.shape, \
         f"{prefix}shape {tuple(got.shape)} != expected {tuple(expected.shape)}"
@@ -675,6 +676,7 @@ def assert_close_avg(got, expected_sum_exact, world_size: int, what: str = "") -
     """AVG may divide before or after summing: allow a few ulps of the result."""
     import torch
 
+    got, expected_sum_exact = got.cpu(), expected_sum_exact.cpu()
     exact = expected_sum_exact.double() / world_size
     eps = torch.finfo(got.dtype).eps
     tol = world_size * eps * (exact.abs() + 1)

@@ -6,6 +6,10 @@ microseconds); each family of checks is then reported as its own test, e.g.
 rank, op, dtype and size. Inputs follow ``x[i] = (i % period) * STRIDE + rank`` (see
 ``harness.pattern``), chosen so that every expected result is exactly representable in its dtype
 whatever the reduction order; expected values are computed here with plain torch.
+
+The same job runs on CUDA tensors (``collective_suite(rank, ws, "cuda")``, from test_cuda.py):
+inputs and outputs are moved to the device just before each call and compared, on the CPU,
+with the same expected values.
 """
 from __future__ import annotations
 
@@ -75,7 +79,22 @@ def split_sizes(src: int, dst: int, n: int, world_size: int) -> int:
 # The job: runs in every rank
 # --------------------------------------------------------------------------------------------
 
-def collective_suite(rank: int, world_size: int) -> None:
+_DEVICE = torch.device("cpu")  # where this rank's collectives run (set by collective_suite)
+
+
+def dev(t: torch.Tensor) -> torch.Tensor:
+    """``t`` on the suite's device: the tensor itself on the CPU, a copy on a GPU."""
+    return t.to(_DEVICE)
+
+
+def collective_suite(rank: int, world_size: int, device: str = "cpu") -> None:
+    global _DEVICE
+    if device == "cuda":
+        # Ranks share the GPUs there are: with one GPU, every rank runs on it.
+        _DEVICE = torch.device("cuda", rank % torch.cuda.device_count())
+        torch.cuda.set_device(_DEVICE)
+    else:
+        _DEVICE = torch.device(device)
     cases = Cases(rank)
     for check in (_all_reduce, _all_reduce_coalesced, _broadcast, _all_gather,
                   _all_gather_into_tensor, _reduce_scatter, _reduce_scatter_tensor, _reduce,
@@ -90,7 +109,7 @@ def _all_reduce(cases: Cases, rank: int, ws: int) -> None:
         for op in ([R.SUM] if n == LARGE else ops_for(dtype)):
             with cases.case("all_reduce", label(op, dtype, f"n={n}")):
                 inputs = [inputs_for(op, n, dtype, r) for r in range(ws)]
-                t = inputs[rank].clone()
+                t = dev(inputs[rank].clone())
                 dist.all_reduce(t, op=op)
                 if op == R.AVG:
                     assert_close_avg(t, expected_reduce(inputs, R.SUM), ws)
@@ -100,7 +119,7 @@ def _all_reduce(cases: Cases, rank: int, ws: int) -> None:
         with cases.case("all_reduce", label("SUM float32 shape", shape)):
             inputs = [pattern(60, torch.float32, r)[:_numel(shape)].reshape(shape)
                       for r in range(ws)]
-            t = inputs[rank].clone()
+            t = dev(inputs[rank].clone())
             dist.all_reduce(t)
             assert_same(t, expected_reduce(inputs, R.SUM))
 
@@ -119,7 +138,7 @@ def _all_reduce_coalesced(cases: Cases, rank: int, ws: int) -> None:
                 sizes = [n, 3, ws + 2]
                 per_rank = [[pattern(s, dtype, r, salt=k) for k, s in enumerate(sizes)]
                             for r in range(ws)]
-                ts = [t.clone() for t in per_rank[rank]]
+                ts = [dev(t.clone()) for t in per_rank[rank]]
                 dist.all_reduce_coalesced(ts, op=op)
                 for k in range(len(sizes)):
                     assert_same(ts[k], expected_reduce([p[k] for p in per_rank], op), f"tensor {k}")
@@ -129,7 +148,7 @@ def _broadcast(cases: Cases, rank: int, ws: int) -> None:
     for dtype, n in shapes(ws):
         for root in ([ws - 1] if n == LARGE else range(ws)):
             with cases.case("broadcast", label(dtype, f"n={n} root={root}")):
-                t = pattern(n, dtype, rank)
+                t = dev(pattern(n, dtype, rank))
                 dist.broadcast(t, src=root)
                 assert_same(t, pattern(n, dtype, root))
 
@@ -138,15 +157,15 @@ def _all_gather(cases: Cases, rank: int, ws: int) -> None:
     for dtype, n in shapes(ws, large=False):
         expected = [pattern(n, dtype, r) for r in range(ws)]
         with cases.case("all_gather", label(dtype, f"n={n} out-of-place")):
-            inp = expected[rank].clone()
-            outs = [poison_like(e) for e in expected]
+            inp = dev(expected[rank].clone())
+            outs = [dev(poison_like(e)) for e in expected]
             dist.all_gather(outs, inp)
             for r in range(ws):
                 assert_same(outs[r], expected[r], f"output[{r}]")
             assert_same(inp, expected[rank], "input modified")
         with cases.case("all_gather", label(dtype, f"n={n} in-place (output[rank] is input)")):
-            outs = [poison_like(e) for e in expected]
-            outs[rank] = expected[rank].clone()
+            outs = [dev(poison_like(e)) for e in expected]
+            outs[rank] = dev(expected[rank].clone())
             dist.all_gather(outs, outs[rank])
             for r in range(ws):
                 assert_same(outs[r], expected[r], f"output[{r}]")
@@ -156,8 +175,8 @@ def _all_gather_into_tensor(cases: Cases, rank: int, ws: int) -> None:
     for dtype, n in shapes(ws):
         expected = torch.cat([pattern(n, dtype, r) for r in range(ws)])
         with cases.case("all_gather_into_tensor", label(dtype, f"n={n} out-of-place")):
-            inp = pattern(n, dtype, rank)
-            out = poison_like(expected)
+            inp = dev(pattern(n, dtype, rank))
+            out = dev(poison_like(expected))
             dist.all_gather_into_tensor(out, inp)
             assert_same(out, expected)
             assert_same(inp, pattern(n, dtype, rank), "input modified")
@@ -165,7 +184,7 @@ def _all_gather_into_tensor(cases: Cases, rank: int, ws: int) -> None:
             continue
         with cases.case("all_gather_into_tensor",
                         label(dtype, f"n={n} in-place (input is the output's own chunk)")):
-            out = poison_like(expected)
+            out = dev(poison_like(expected))
             own = out[rank * n:(rank + 1) * n]
             own.copy_(pattern(n, dtype, rank))
             dist.all_gather_into_tensor(out, own)
@@ -180,14 +199,14 @@ def _reduce_scatter(cases: Cases, rank: int, ws: int) -> None:
     for dtype, n in shapes(ws, large=False):
         for op in (R.SUM, R.MIN, R.MAX):
             with cases.case("reduce_scatter", label(op, dtype, f"n={n} out-of-place")):
-                ins = [inputs_for(op, n, dtype, rank, salt=j) for j in range(ws)]
+                ins = [dev(inputs_for(op, n, dtype, rank, salt=j)) for j in range(ws)]
                 expected = _reduce_scatter_expected(op, n, dtype, rank, ws)
-                out = poison_like(expected)
+                out = dev(poison_like(expected))
                 dist.reduce_scatter(out, ins, op=op)
                 assert_same(out, expected)
         with cases.case("reduce_scatter",
                         label(R.SUM, dtype, f"n={n} in-place (output is input[rank])")):
-            ins = [pattern(n, dtype, rank, salt=j) for j in range(ws)]
+            ins = [dev(pattern(n, dtype, rank, salt=j)) for j in range(ws)]
             dist.reduce_scatter(ins[rank], ins, op=R.SUM)
             assert_same(ins[rank], _reduce_scatter_expected(R.SUM, n, dtype, rank, ws))
 
@@ -197,10 +216,10 @@ def _reduce_scatter_tensor(cases: Cases, rank: int, ws: int) -> None:
         large, n = n == LARGE, per_peer(n, ws)
         for op in ([R.SUM] if large else [R.SUM, R.MIN, R.MAX]):
             with cases.case("reduce_scatter_tensor", label(op, dtype, f"n={n} out-of-place")):
-                inp = torch.cat([inputs_for(op, n, dtype, rank, salt=j) for j in range(ws)])
+                inp = dev(torch.cat([inputs_for(op, n, dtype, rank, salt=j) for j in range(ws)]))
                 original = inp.clone()
                 expected = _reduce_scatter_expected(op, n, dtype, rank, ws)
-                out = poison_like(expected)
+                out = dev(poison_like(expected))
                 dist.reduce_scatter_tensor(out, inp, op=op)
                 assert_same(out, expected)
                 assert_same(inp, original, "input modified")
@@ -208,7 +227,7 @@ def _reduce_scatter_tensor(cases: Cases, rank: int, ws: int) -> None:
             continue
         with cases.case("reduce_scatter_tensor",
                         label(R.SUM, dtype, f"n={n} in-place (output is the input's own chunk)")):
-            inp = torch.cat([pattern(n, dtype, rank, salt=j) for j in range(ws)])
+            inp = dev(torch.cat([pattern(n, dtype, rank, salt=j) for j in range(ws)]))
             own = inp[rank * n:(rank + 1) * n]
             dist.reduce_scatter_tensor(own, inp, op=R.SUM)
             assert_same(own, _reduce_scatter_expected(R.SUM, n, dtype, rank, ws))
@@ -220,7 +239,7 @@ def _reduce(cases: Cases, rank: int, ws: int) -> None:
             for op in (R.SUM, R.MAX):
                 with cases.case("reduce", label(op, dtype, f"n={n} root={root}")):
                     inputs = [inputs_for(op, n, dtype, r) for r in range(ws)]
-                    t = inputs[rank].clone()
+                    t = dev(inputs[rank].clone())
                     dist.reduce(t, dst=root, op=op)
                     if rank == root:  # non-roots' buffers are unspecified after reduce
                         assert_same(t, expected_reduce(inputs, op))
@@ -231,8 +250,8 @@ def _gather(cases: Cases, rank: int, ws: int) -> None:
         expected = [pattern(n, dtype, r) for r in range(ws)]
         for root in range(ws):
             with cases.case("gather", label(dtype, f"n={n} root={root}")):
-                inp = expected[rank].clone()
-                outs = [poison_like(e) for e in expected] if rank == root else None
+                inp = dev(expected[rank].clone())
+                outs = [dev(poison_like(e)) for e in expected] if rank == root else None
                 dist.gather(inp, outs, dst=root)
                 if rank == root:
                     for r in range(ws):
@@ -244,10 +263,10 @@ def _scatter(cases: Cases, rank: int, ws: int) -> None:
     for dtype, n in shapes(ws, large=False):
         for root in range(ws):
             with cases.case("scatter", label(dtype, f"n={n} root={root}")):
-                chunks = ([pattern(n, dtype, root, salt=j) for j in range(ws)]
+                chunks = ([dev(pattern(n, dtype, root, salt=j)) for j in range(ws)]
                           if rank == root else None)
                 expected = pattern(n, dtype, root, salt=rank)
-                out = poison_like(expected)
+                out = dev(poison_like(expected))
                 dist.scatter(out, chunks, src=root)
                 assert_same(out, expected)
 
@@ -255,9 +274,9 @@ def _scatter(cases: Cases, rank: int, ws: int) -> None:
 def _all_to_all(cases: Cases, rank: int, ws: int) -> None:
     for dtype, n in shapes(ws, large=False):
         with cases.case("all_to_all", label(dtype, f"n={n} even")):
-            ins = [pattern(n, dtype, rank, salt=j) for j in range(ws)]
+            ins = [dev(pattern(n, dtype, rank, salt=j)) for j in range(ws)]
             expected = [pattern(n, dtype, j, salt=rank) for j in range(ws)]
-            outs = [poison_like(e) for e in expected]
+            outs = [dev(poison_like(e)) for e in expected]
             dist.all_to_all(outs, ins)
             for j in range(ws):
                 assert_same(outs[j], expected[j], f"from rank {j}")
@@ -267,10 +286,10 @@ def _all_to_all_single(cases: Cases, rank: int, ws: int) -> None:
     for dtype, n in shapes(ws):
         n = per_peer(n, ws)
         with cases.case("all_to_all_single", label(dtype, f"n={n} per peer")):
-            inp = torch.cat([pattern(n, dtype, rank, salt=j) for j in range(ws)])
+            inp = dev(torch.cat([pattern(n, dtype, rank, salt=j) for j in range(ws)]))
             original = inp.clone()
             expected = torch.cat([pattern(n, dtype, j, salt=rank) for j in range(ws)])
-            out = poison_like(expected)
+            out = dev(poison_like(expected))
             dist.all_to_all_single(out, inp)
             assert_same(out, expected)
             assert_same(inp, original, "input modified")
@@ -279,9 +298,9 @@ def _all_to_all_single(cases: Cases, rank: int, ws: int) -> None:
         with cases.case("all_to_all_single_uneven", label(dtype, f"n={n}")):
             send = [split_sizes(rank, j, n, ws) for j in range(ws)]
             recv = [split_sizes(j, rank, n, ws) for j in range(ws)]
-            inp = torch.cat([pattern(send[j], dtype, rank, salt=j) for j in range(ws)])
+            inp = dev(torch.cat([pattern(send[j], dtype, rank, salt=j) for j in range(ws)]))
             expected = torch.cat([pattern(recv[j], dtype, j, salt=rank) for j in range(ws)])
-            out = poison_like(expected)
+            out = dev(poison_like(expected))
             dist.all_to_all_single(out, inp, output_split_sizes=recv, input_split_sizes=send)
             assert_same(out, expected, f"send splits {send} recv splits {recv}")
 
@@ -298,9 +317,9 @@ def _send_recv(cases: Cases, rank: int, ws: int) -> None:
                 with cases.case("send_recv", label(dtype, f"n={n} {src}->{dst}")):
                     expected = pattern(n, dtype, src, salt=dst)
                     if rank == src:
-                        dist.send(expected.clone(), dst=dst)
+                        dist.send(dev(expected.clone()), dst=dst)
                     else:
-                        buf = poison_like(expected)
+                        buf = dev(poison_like(expected))
                         dist.recv(buf, src=src)
                         assert_same(buf, expected)
     # Tagged messages on one pair, in order.
@@ -309,10 +328,10 @@ def _send_recv(cases: Cases, rank: int, ws: int) -> None:
         with cases.case("send_recv", "int32 tags 3 then 4, received in the same order"):
             a, b = pattern(100, torch.int32, 0, salt=3), pattern(50, torch.int32, 0, salt=4)
             if rank == 0:
-                dist.send(a.clone(), dst=peer, tag=3)
-                dist.send(b.clone(), dst=peer, tag=4)
+                dist.send(dev(a.clone()), dst=peer, tag=3)
+                dist.send(dev(b.clone()), dst=peer, tag=4)
             else:
-                got_a, got_b = poison_like(a), poison_like(b)
+                got_a, got_b = dev(poison_like(a)), dev(poison_like(b))
                 dist.recv(got_a, src=peer, tag=3)
                 dist.recv(got_b, src=peer, tag=4)
                 assert_same(got_a, a, "tag 3")
@@ -333,12 +352,12 @@ def _send_recv_tags_out_of_order(cases: Cases, rank: int, ws: int) -> None:
                         "rank 0 sends tag 7 then tag 5; rank 1 receives 5 then 7"):
             a, b = pattern(100, torch.int32, 0, salt=7), pattern(50, torch.int32, 0, salt=5)
             if rank == 0:
-                works = [dist.isend(a.clone(), dst=peer, tag=7),
-                         dist.isend(b.clone(), dst=peer, tag=5)]
+                works = [dist.isend(dev(a.clone()), dst=peer, tag=7),
+                         dist.isend(dev(b.clone()), dst=peer, tag=5)]
                 for w in works:
                     w.wait()
             else:
-                got_b, got_a = poison_like(b), poison_like(a)
+                got_b, got_a = dev(poison_like(b)), dev(poison_like(a))
                 w5 = dist.irecv(got_b, src=peer, tag=5)
                 w7 = dist.irecv(got_a, src=peer, tag=7)
                 w5.wait()
@@ -357,8 +376,8 @@ def _isend_irecv_both_ways(cases: Cases, rank: int, ws: int) -> None:
     for dtype, n in [(torch.float32, LARGE // (ws - 1)), (torch.float16, 1031), (torch.int8, 5),
                      (torch.bool, 33), (torch.int64, 0)]:
         with cases.case("isend_irecv_both_ways", label(dtype, f"n={n} all pairs")):
-            sends = [dist.isend(pattern(n, dtype, rank, salt=p), dst=p) for p in peers]
-            bufs = {p: poison_like(pattern(n, dtype, p, salt=rank)) for p in peers}
+            sends = [dist.isend(dev(pattern(n, dtype, rank, salt=p)), dst=p) for p in peers]
+            bufs = {p: dev(poison_like(pattern(n, dtype, p, salt=rank))) for p in peers}
             recvs = [dist.irecv(bufs[p], src=p) for p in peers]
             for w in sends + recvs:
                 w.wait()
@@ -367,10 +386,10 @@ def _isend_irecv_both_ways(cases: Cases, rank: int, ws: int) -> None:
     with cases.case("isend_irecv_both_ways",
                     "batch_isend_irecv float32 n=1031 ring both directions"):
         right, left = (rank + 1) % ws, (rank - 1) % ws
-        from_left = poison_like(pattern(1031, torch.float32, left, salt=1))
-        from_right = poison_like(pattern(1031, torch.float32, right, salt=2))
-        ops = [dist.P2POp(dist.isend, pattern(1031, torch.float32, rank, salt=1), right),
-               dist.P2POp(dist.isend, pattern(1031, torch.float32, rank, salt=2), left),
+        from_left = dev(poison_like(pattern(1031, torch.float32, left, salt=1)))
+        from_right = dev(poison_like(pattern(1031, torch.float32, right, salt=2)))
+        ops = [dist.P2POp(dist.isend, dev(pattern(1031, torch.float32, rank, salt=1)), right),
+               dist.P2POp(dist.isend, dev(pattern(1031, torch.float32, rank, salt=2)), left),
                dist.P2POp(dist.irecv, from_left, left),
                dist.P2POp(dist.irecv, from_right, right)]
         if ws == 2:  # left == right: keep the two messages on the pair in a known order by tag
@@ -401,7 +420,7 @@ def _barrier(cases: Cases, rank: int, ws: int) -> None:
 def _async(cases: Cases, rank: int, ws: int) -> None:
     with cases.case("async_wait", "6 outstanding all_reduce float32, waited in reverse order"):
         inputs = [[pattern(1031, torch.float32, r, salt=k) for r in range(ws)] for k in range(6)]
-        ts = [inputs[k][rank].clone() for k in range(6)]
+        ts = [dev(inputs[k][rank].clone()) for k in range(6)]
         works = [dist.all_reduce(t, async_op=True) for t in ts]
         for w in reversed(works):
             w.wait()
@@ -409,11 +428,11 @@ def _async(cases: Cases, rank: int, ws: int) -> None:
             assert works[k].is_completed(), f"work {k} not completed after wait()"
             assert_same(ts[k], expected_reduce(inputs[k], R.SUM), f"tensor {k}")
     with cases.case("async_wait", "outstanding broadcast, all_gather, all_reduce MAX int64"):
-        b = pattern(77, torch.int64, rank)
-        g_in = pattern(9, torch.int64, rank)
-        g_out = [torch.empty(9, dtype=torch.int64) for _ in range(ws)]
+        b = dev(pattern(77, torch.int64, rank))
+        g_in = dev(pattern(9, torch.int64, rank))
+        g_out = [torch.empty(9, dtype=torch.int64, device=_DEVICE) for _ in range(ws)]
         m_inputs = [pattern(33, torch.int64, r, salt=3) for r in range(ws)]
-        m = m_inputs[rank].clone()
+        m = dev(m_inputs[rank].clone())
         works = [dist.broadcast(b, src=ws - 1, async_op=True),
                  dist.all_gather(g_out, g_in, async_op=True),
                  dist.all_reduce(m, op=R.MAX, async_op=True)]
@@ -426,7 +445,7 @@ def _async(cases: Cases, rank: int, ws: int) -> None:
     with cases.case("future_then", "all_reduce SUM float32 then(callback) returning a value"):
         inputs = [pattern(1031, torch.float32, r) for r in range(ws)]
         expected = expected_reduce(inputs, R.SUM)
-        t = inputs[rank].clone()
+        t = dev(inputs[rank].clone())
         fut = dist.all_reduce(t, async_op=True).get_future()
         chained = fut.then(lambda f: float(f.value()[0].double().sum()))
         assert chained.wait() == float(expected.double().sum()), "callback saw the wrong tensor"
@@ -441,7 +460,7 @@ def _async(cases: Cases, rank: int, ws: int) -> None:
                     "a then() callback that runs a blocking all_reduce (what PowerSGD does)"):
         inputs = [pattern(1031, torch.float32, r) for r in range(ws)]
         once = expected_reduce(inputs, R.SUM)
-        t = inputs[rank].clone()
+        t = dev(inputs[rank].clone())
 
         def reduce_again(f):
             x = f.value()[0].clone()
@@ -460,7 +479,7 @@ def _non_contiguous(cases: Cases, rank: int, ws: int) -> None:
     for dtype in (torch.float32, torch.int64, torch.float16, torch.uint8):
         bases = [pattern(15, dtype, r).reshape(3, 5) for r in range(ws)]
         with cases.case("non_contiguous", label(dtype, "all_reduce SUM on a transposed 3x5")):
-            mine = bases[rank].clone()
+            mine = dev(bases[rank].clone())
             t = mine.t()
             assert not t.is_contiguous()
             dist.all_reduce(t)
@@ -472,14 +491,14 @@ def _non_contiguous(cases: Cases, rank: int, ws: int) -> None:
             # i.e. the wrong elements, silently: a reference bug, not one to hold tests to.
             continue
         with cases.case("non_contiguous", label(dtype, "broadcast of a strided slice x[::2]")):
-            full = pattern(20, dtype, rank)
+            full = dev(pattern(20, dtype, rank))
             view = full[::2]
             dist.broadcast(view, src=0)
             assert_same(view, pattern(20, dtype, 0)[::2], "the slice")
             assert_same(full[1::2], pattern(20, dtype, rank)[1::2], "elements between the slice")
         with cases.case("non_contiguous", label(dtype, "all_gather of a transposed input")):
-            outs = [torch.empty(5, 3, dtype=dtype) for _ in range(ws)]
-            dist.all_gather(outs, bases[rank].t())
+            outs = [torch.empty(5, 3, dtype=dtype, device=_DEVICE) for _ in range(ws)]
+            dist.all_gather(outs, dev(bases[rank]).t())
             for r in range(ws):
                 assert_same(outs[r], bases[r].t().contiguous(), f"output[{r}]")
 
@@ -499,11 +518,14 @@ def _report(world_size: int):
     return _REPORTS[world_size]
 
 
-PARAMS = [pytest.param(ws, f, id=f"{ws}-{f}") for ws in WORLD_SIZES for f in FAMILIES
-          if ws > 1 or f not in NEEDS_PEER]
+def family_params(world_sizes) -> list:
+    """(world size, family) pairs as pytest params with ids like "3-all_reduce"; the
+    point-to-point families need a peer."""
+    return [pytest.param(ws, f, id=f"{ws}-{f}") for ws in world_sizes for f in FAMILIES
+            if ws > 1 or f not in NEEDS_PEER]
 
 
-@pytest.mark.parametrize("world_size,family", PARAMS)
+@pytest.mark.parametrize("world_size,family", family_params(WORLD_SIZES))
 def test_collective(world_size: int, family: str) -> None:
     _report(world_size).assert_family(family)
 

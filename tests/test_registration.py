@@ -46,6 +46,38 @@ def test_import_registers_the_backend() -> None:
     assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr[-3000:]
 
 
+@hetcomm_only("checks hetcomm's registration")
+def test_backend_registers_cuda_only_when_built_with_cuda() -> None:
+    import hetcomm
+    from hetcomm import _C
+
+    expected = ["cpu", "cuda"] if _C.built_with_cuda() else ["cpu"]
+    assert hetcomm.supported_devices() == expected
+    assert dist.Backend.backend_capability["hetcomm"] == expected
+
+
+@hetcomm_only("inspects hetcomm's extension module")
+def test_extension_links_the_shared_cpp_runtime() -> None:
+    """The extension must use torch's shared libstdc++, not carry a static copy of its own.
+
+    A toolchain that links libstdc++ statically by default (seen on a GPU machine) produced an
+    extension whose first std::ostringstream crashed the process; setup.py names the shared
+    library torch runs with. Checked on the built module's dynamic section.
+    """
+    import shutil
+
+    from hetcomm import _C
+
+    objdump = shutil.which("objdump")
+    if objdump is None:
+        pytest.skip("needs objdump (binutils) to read the extension's dynamic section")
+    out = subprocess.run([objdump, "-p", _C.__file__], capture_output=True, text=True,
+                         timeout=60, check=True).stdout
+    needed = [line.split()[-1] for line in out.splitlines() if line.strip().startswith("NEEDED")]
+    assert any(name.startswith("libstdc++.so") for name in needed), \
+        f"{_C.__file__} does not link the shared libstdc++ (NEEDED: {needed})"
+
+
 def env_init(rank: int, world_size: int) -> str:
     assert os.environ["RANK"] == str(rank) and os.environ["WORLD_SIZE"] == str(world_size)
     _allreduce_is_right(rank, world_size)

@@ -3,10 +3,15 @@
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
+#include <c10/core/DeviceGuard.h>
+#include <c10/core/StreamGuard.h>
 #include <c10/util/Exception.h>
 
 #include <random>
 
+#include "algorithms/emulated_device_ops.h"
+#include "backend/cuda_device_ops.h"
+#include "backend/device_streams.h"
 #include "backend/tensor_checks.h"
 #include "common/env.h"
 #include "common/logging.h"
@@ -20,6 +25,12 @@ std::string addressKey(int rank) { return strCat("hetcomm/addr/", rank); }
 std::string abortKey(int rank) { return strCat("hetcomm/abort/", rank); }
 // How long a rank that lost a peer waits for that peer's reason to appear in the store.
 constexpr std::chrono::milliseconds kAbortReasonWait{2000};
+// The emulated device (HETCOMM_DEBUG_EMULATE_DEVICE): small slots and few of them, so that the
+// tests' medium-sized tensors already span several slots and wait for slots to come free, and a
+// random pause before each queued operation, so that missing waits show up as wrong bytes.
+constexpr size_t kEmulatedSlotBytes = 16 * 1024;
+constexpr int kEmulatedSlots = 4;
+constexpr int kEmulatedJitterUs = 20;
 
 // The address other ranks can reach us on: HETCOMM_SOCKET_IFNAME's, else the one the kernel
 // routes towards the store's host (the host every rank already reaches), else loopback.
@@ -64,6 +75,9 @@ ProcessGroupHetcomm::ProcessGroupHetcomm(const c10::intrusive_ptr<c10d::Store>& 
       options_(std::move(options)),
       completions_(std::make_shared<CompletionPool>()),
       plan_(RingPlan::uniform(size)) {
+  if (envInt("HETCOMM_DEBUG_EMULATE_DEVICE", 0) != 0) {
+    emulatedDevice_ = std::make_unique<EmulatedDeviceOps>(kEmulatedSlotBytes, kEmulatedSlots, kEmulatedJitterUs);
+  }
   try {
     const std::string ip = options_.listenIp.empty() ? chooseListenIp(store_) : options_.listenIp;
     TcpMesh::Secret secret{};
@@ -123,25 +137,67 @@ std::chrono::milliseconds ProcessGroupHetcomm::effectiveTimeout(std::chrono::mil
   return requested.count() > 0 ? requested : options_.timeout;
 }
 
+c10::Stream ProcessGroupHetcomm::collectiveStream(c10::Device device) {
+  std::lock_guard<std::mutex> lock(mu_);
+  DeviceState& state = devices_[device.index()];
+  if (!state.collectiveStream) state.collectiveStream = poolStream(device);
+  return *state.collectiveStream;
+}
+
+c10::Stream ProcessGroupHetcomm::p2pStream(c10::Device device) {
+  std::lock_guard<std::mutex> lock(mu_);
+  DeviceState& state = devices_[device.index()];
+  if (!state.p2pStream) state.p2pStream = poolStream(device);
+  return *state.p2pStream;
+}
+
+DeviceOps* ProcessGroupHetcomm::deviceOps(const c10::Stream& stream) {
+  DeviceState* state;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    state = &devices_[stream.device_index()];  // std::map: the node stays where it is
+  }
+  if (!state->ops) {
+#ifdef HETCOMM_WITH_CUDA
+    state->ops = makeCudaDeviceOps(stream);
+#else
+    HC_ENFORCE(false, "a device operation in a build without CUDA");
+#endif
+  }
+  return state->ops.get();
+}
+
 c10::intrusive_ptr<WorkHetcomm> ProcessGroupHetcomm::enqueue(c10d::OpType type, const char* profilingTitle,
-                                                             CollectiveKind kind, std::vector<at::Tensor> outputs,
-                                                             CollectiveHeader header, std::chrono::milliseconds timeout,
-                                                             Body body) {
+                                                             CollectiveKind kind, std::vector<at::Tensor> inputs,
+                                                             std::vector<at::Tensor> outputs, CollectiveHeader header,
+                                                             std::chrono::milliseconds timeout, Body body) {
+  const c10::Device device = commonDevice(inputs, outputs, collectiveName(static_cast<uint8_t>(kind)));
+  std::optional<c10::Stream> stream;
+  std::optional<c10::Event> inputsReady;
+  if (device.is_cuda()) {
+    stream = collectiveStream(device);
+    inputsReady.emplace(markCurrentStream(device));
+    keepAliveOnStream(inputs, *stream);
+    keepAliveOnStream(outputs, *stream);
+  }
   std::unique_lock<std::mutex> lock(mu_);
   header.seq = nextSeq_++;
   header.opcode = static_cast<uint8_t>(kind);
-  auto work = c10::make_intrusive<WorkHetcomm>(rank_, type, profilingTitle, std::move(outputs), header.seq, completions_);
+  auto work = c10::make_intrusive<WorkHetcomm>(rank_, type, profilingTitle, std::move(outputs), header.seq,
+                                               completions_, stream);
   if (stopping_) {
     lock.unlock();
     work->complete(distError(strCat("hetcomm ", collectiveName(header.opcode), ": the process group is shut down")));
     return work;
   }
-  queue_.push_back(Pending{work, header, timeout, std::move(body)});
+  queue_.push_back(Pending{work, header, timeout, std::move(body), stream, std::move(inputsReady)});
   cv_.notify_one();
   return work;
 }
 
 void ProcessGroupHetcomm::runWorker() {
+  // The bodies write into tensors that may require grad (DDP's parameters in a broadcast).
+  at::NoGradGuard noGrad;
   while (true) {
     Pending op;
     std::string broken;
@@ -166,6 +222,18 @@ void ProcessGroupHetcomm::runWorker() {
       ctx.segmentBytes = static_cast<size_t>(std::max<int64_t>(0, paramSegmentBytes()));
       ctx.fdOf = [this, &ctx](int peer) { return mesh_->collectiveFd(peer, ctx.deadline); };
       try {
+        // A CUDA operation: every device-side step, the body's tensor operations included, goes on
+        // the group's stream, after what the caller had queued when it issued the operation.
+        std::optional<c10::DeviceGuard> onDevice;
+        std::optional<c10::StreamGuard> onStream;
+        if (op.stream) {
+          onDevice.emplace(op.stream->device());
+          onStream.emplace(*op.stream);
+          op.inputsReady->block(*op.stream);
+          ctx.device = deviceOps(*op.stream);
+        } else {
+          ctx.device = emulatedDevice_.get();
+        }
         op.body(ctx);
       } catch (const PeerClosedError& e) {
         std::string msg = e.what();
@@ -260,7 +328,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupHetcomm::allreduce(std::vector<at::Te
                                                               const c10d::AllreduceOptions& opts) {
   checkCount(tensors, 1, "allreduce", "input");
   at::Tensor t = tensors[0];
-  checkDenseCpu(t, "allreduce");
+  checkDense(t, "allreduce");
   const DType dt = toDType(t, "allreduce");
   const RedOp op = toRedOp(opts.reduceOp, "allreduce");
   checkReduce(dt, op, "allreduce");
@@ -271,7 +339,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupHetcomm::allreduce(std::vector<at::Te
   h.bytes = t.nbytes();
   h.algo = static_cast<uint8_t>(chooseAllreduceAlgo(t.nbytes(), size_));
   h.aux = h.algo == static_cast<uint8_t>(AllreduceAlgo::kRing) ? plan.fingerprint() : 0;
-  return enqueue(c10d::OpType::ALLREDUCE, "hetcomm:all_reduce", CollectiveKind::kAllreduce, {t}, h,
+  return enqueue(c10d::OpType::ALLREDUCE, "hetcomm:all_reduce", CollectiveKind::kAllreduce, {t}, {t}, h,
                  effectiveTimeout(opts.timeout), [t, dt, op, plan](CollectiveContext& ctx) {
                    at::Tensor c = contiguousOf(t);
                    hetcomm::allreduce(ctx, static_cast<char*>(c.data_ptr()), c.numel(), dt, op, plan);
@@ -282,7 +350,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupHetcomm::allreduce(std::vector<at::Te
 c10::intrusive_ptr<c10d::Work> ProcessGroupHetcomm::allreduce_coalesced(std::vector<at::Tensor>& tensors,
                                                                         const c10d::AllreduceCoalescedOptions& opts) {
   TORCH_CHECK_VALUE(!tensors.empty(), "hetcomm allreduce_coalesced: needs at least one tensor");
-  checkDenseCpu(tensors[0], "allreduce_coalesced");
+  checkDense(tensors[0], "allreduce_coalesced");
   checkSame(tensors, tensors[0].scalar_type(), -1, "allreduce_coalesced", "tensors");
   const DType dt = toDType(tensors[0], "allreduce_coalesced");
   const RedOp op = toRedOp(opts.reduceOp, "allreduce_coalesced");
@@ -301,7 +369,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupHetcomm::allreduce_coalesced(std::vec
   h.algo = static_cast<uint8_t>(chooseAllreduceAlgo(bytes, size_));
   h.aux = fingerprintSizes(sizes) ^ (h.algo == static_cast<uint8_t>(AllreduceAlgo::kRing) ? plan.fingerprint() : 0);
   std::vector<at::Tensor> ts = tensors;
-  return enqueue(c10d::OpType::ALLREDUCE_COALESCED, "hetcomm:all_reduce_coalesced", CollectiveKind::kAllreduce, ts, h,
+  return enqueue(c10d::OpType::ALLREDUCE_COALESCED, "hetcomm:all_reduce_coalesced", CollectiveKind::kAllreduce, ts, ts, h,
                  effectiveTimeout(opts.timeout), [ts, dt, op, plan](CollectiveContext& ctx) {
                    at::Tensor flat = flattenAll(ts);
                    hetcomm::allreduce(ctx, static_cast<char*>(flat.data_ptr()), flat.numel(), dt, op, plan);
@@ -317,7 +385,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupHetcomm::reduce(std::vector<at::Tenso
                                                            const c10d::ReduceOptions& opts) {
   checkCount(tensors, 1, "reduce", "input");
   at::Tensor t = tensors[0];
-  checkDenseCpu(t, "reduce");
+  checkDense(t, "reduce");
   checkRoot(opts.rootRank, size_, "reduce");
   const int root = static_cast<int>(opts.rootRank);
   const DType dt = toDType(t, "reduce");
@@ -332,7 +400,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupHetcomm::reduce(std::vector<at::Tenso
   h.aux = (h.algo == static_cast<uint8_t>(AllreduceAlgo::kRing) ? plan.fingerprint() : 0) ^ static_cast<uint64_t>(root);
   const int rank = rank_;
   // Reduced as an allreduce on a private copy, so that non-root inputs stay untouched.
-  return enqueue(c10d::OpType::REDUCE, "hetcomm:reduce", CollectiveKind::kReduce, {t}, h,
+  return enqueue(c10d::OpType::REDUCE, "hetcomm:reduce", CollectiveKind::kReduce, {t}, {t}, h,
                  effectiveTimeout(opts.timeout), [t, dt, op, plan, root, rank](CollectiveContext& ctx) {
                    at::Tensor c = rank == root ? contiguousOf(t) : t.contiguous().clone();
                    hetcomm::allreduce(ctx, static_cast<char*>(c.data_ptr()), c.numel(), dt, op, plan);
@@ -344,7 +412,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupHetcomm::broadcast(std::vector<at::Te
                                                               const c10d::BroadcastOptions& opts) {
   checkCount(tensors, 1, "broadcast", "input");
   at::Tensor t = tensors[0];
-  checkDenseCpu(t, "broadcast");
+  checkDense(t, "broadcast");
   TORCH_CHECK_VALUE(opts.rootTensor == 0, "hetcomm broadcast: rootTensor must be 0");
   checkRoot(opts.rootRank, size_, "broadcast");
   const int root = static_cast<int>(opts.rootRank);
@@ -352,7 +420,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupHetcomm::broadcast(std::vector<at::Te
   h.dtype = static_cast<uint8_t>(toDType(t, "broadcast"));
   h.bytes = t.nbytes();
   h.aux = static_cast<uint64_t>(root);
-  return enqueue(c10d::OpType::BROADCAST, "hetcomm:broadcast", CollectiveKind::kBroadcast, {t}, h,
+  return enqueue(c10d::OpType::BROADCAST, "hetcomm:broadcast", CollectiveKind::kBroadcast, {t}, {t}, h,
                  effectiveTimeout(opts.timeout), [t, root](CollectiveContext& ctx) {
                    at::Tensor c = contiguousOf(t);
                    hetcomm::broadcast(ctx, static_cast<char*>(c.data_ptr()), c.nbytes(), root);
@@ -367,7 +435,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupHetcomm::allgather(std::vector<std::v
   TORCH_CHECK_VALUE(outputs.size() == 1, "hetcomm allgather: expects one output list per process, got ",
                     outputs.size());
   at::Tensor in = inputs[0];
-  checkDenseCpu(in, "allgather");
+  checkDense(in, "allgather");
   std::vector<at::Tensor> outs = outputs[0];
   checkCount(outs, static_cast<size_t>(size_), "allgather", "output");
   checkSame(outs, in.scalar_type(), -1, "allgather", "output");
@@ -385,14 +453,14 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupHetcomm::allgather(std::vector<std::v
   h.bytes = total;
   h.aux = fingerprintSizes(blockBytes) ^ plan.fingerprint();
   const int rank = rank_;
-  return enqueue(c10d::OpType::ALLGATHER, "hetcomm:all_gather", CollectiveKind::kAllgather, outs, h,
+  return enqueue(c10d::OpType::ALLGATHER, "hetcomm:all_gather", CollectiveKind::kAllgather, {in}, outs, h,
                  effectiveTimeout(opts.timeout), [in, outs, blockBytes, total, plan, rank](CollectiveContext& ctx) {
                    at::Tensor flat = at::empty({static_cast<int64_t>(total)}, in.options().dtype(at::kByte));
                    char* base = static_cast<char*>(flat.data_ptr());
                    size_t off = 0;
                    for (int r = 0; r < rank; ++r) off += blockBytes[r];
                    at::Tensor c = contiguousOf(in);
-                   if (c.nbytes() > 0) std::memcpy(base + off, c.data_ptr(), c.nbytes());
+                   if (c.nbytes() > 0) flat.narrow(0, off, c.nbytes()).copy_(asBytes(c));
                    hetcomm::allgatherv(ctx, base, blockBytes, plan);
                    off = 0;
                    for (size_t r = 0; r < outs.size(); ++r) {
@@ -405,8 +473,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupHetcomm::allgather(std::vector<std::v
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupHetcomm::_allgather_base(at::Tensor& output, at::Tensor& input,
                                                                     const c10d::AllgatherOptions& opts) {
-  checkDenseCpu(input, "allgather_into_tensor");
-  checkDenseCpu(output, "allgather_into_tensor");
+  checkDense(input, "allgather_into_tensor");
+  checkDense(output, "allgather_into_tensor");
   TORCH_CHECK_TYPE(output.scalar_type() == input.scalar_type(), "hetcomm allgather_into_tensor: output dtype ",
                    output.scalar_type(), " differs from input dtype ", input.scalar_type());
   TORCH_CHECK_VALUE(output.numel() == input.numel() * size_, "hetcomm allgather_into_tensor: output has ",
@@ -418,14 +486,16 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupHetcomm::_allgather_base(at::Tensor& 
   h.aux = plan.fingerprint();
   at::Tensor in = input, out = output;
   const int rank = rank_, size = size_;
-  return enqueue(c10d::OpType::_ALLGATHER_BASE, "hetcomm:all_gather_into_tensor", CollectiveKind::kAllgather, {out}, h,
+  return enqueue(c10d::OpType::_ALLGATHER_BASE, "hetcomm:all_gather_into_tensor", CollectiveKind::kAllgather, {in}, {out}, h,
                  effectiveTimeout(opts.timeout), [in, out, plan, rank, size](CollectiveContext& ctx) {
                    at::Tensor o = contiguousOf(out);
                    at::Tensor i = contiguousOf(in);
                    const size_t block = i.nbytes();
                    char* base = static_cast<char*>(o.data_ptr());
-                   // memmove: FSDP passes an input that is a view of its own slot of the output.
-                   if (block > 0) std::memmove(base + rank * block, i.data_ptr(), block);
+                   // FSDP passes an input that is a view of its own slot of the output: nothing to copy.
+                   if (block > 0 && base + rank * block != i.data_ptr()) {
+                     asBytes(o).narrow(0, rank * block, block).copy_(asBytes(i));
+                   }
                    hetcomm::allgatherv(ctx, base, std::vector<size_t>(size, block), plan);
                    copyBackIfNeeded(out, o);
                  });
@@ -438,8 +508,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupHetcomm::allgather_into_tensor_coales
   // Gathered as one flat allgather: block r is every input's rank-r share, back to back.
   std::vector<at::Tensor> flatIns;
   for (size_t k = 0; k < inputs.size(); ++k) {
-    checkDenseCpu(inputs[k], "allgather_into_tensor_coalesced");
-    checkDenseCpu(outputs[k], "allgather_into_tensor_coalesced");
+    checkDense(inputs[k], "allgather_into_tensor_coalesced");
+    checkDense(outputs[k], "allgather_into_tensor_coalesced");
     TORCH_CHECK_VALUE(outputs[k].numel() == inputs[k].numel() * size_ &&
                           outputs[k].scalar_type() == inputs[k].scalar_type(),
                       "hetcomm allgather_into_tensor_coalesced: output ", k, " must hold world size x input ", k);
@@ -453,25 +523,26 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupHetcomm::allgather_into_tensor_coales
   std::vector<at::Tensor> ins = inputs, outs = outputs;
   const int rank = rank_, size = size_;
   return enqueue(c10d::OpType::ALLGATHER_COALESCED, "hetcomm:all_gather_into_tensor_coalesced",
-                 CollectiveKind::kAllgather, outs, h, effectiveTimeout(opts.timeout),
+                 CollectiveKind::kAllgather, ins, outs, h, effectiveTimeout(opts.timeout),
                  [ins, outs, block, plan, rank, size](CollectiveContext& ctx) {
-                   at::Tensor flat = at::empty({static_cast<int64_t>(block * size)}, at::kByte);
-                   char* base = static_cast<char*>(flat.data_ptr());
+                   at::Tensor flat =
+                       at::empty({static_cast<int64_t>(block * size)},
+                                 (outs.empty() ? at::TensorOptions() : outs[0].options()).dtype(at::kByte));
                    size_t off = rank * block;
                    for (const at::Tensor& t : ins) {
                      at::Tensor c = contiguousOf(t);
-                     if (c.nbytes() > 0) std::memcpy(base + off, c.data_ptr(), c.nbytes());
+                     if (c.nbytes() > 0) flat.narrow(0, off, c.nbytes()).copy_(asBytes(c));
                      off += c.nbytes();
                    }
-                   hetcomm::allgatherv(ctx, base, std::vector<size_t>(size, block), plan);
-                   size_t inner = 0;
+                   hetcomm::allgatherv(ctx, static_cast<char*>(flat.data_ptr()), std::vector<size_t>(size, block),
+                                       plan);
+                   // Block r holds every input's rank-r share: output k takes its piece of each block.
+                   const at::Tensor blocks = flat.view({size, static_cast<int64_t>(block)});
+                   int64_t inner = 0;
                    for (size_t k = 0; k < ins.size(); ++k) {
-                     const size_t nb = ins[k].nbytes();
+                     const int64_t nb = static_cast<int64_t>(ins[k].nbytes());
                      at::Tensor o = contiguousOf(outs[k]);
-                     char* dst = static_cast<char*>(o.data_ptr());
-                     for (int r = 0; r < size; ++r) {
-                       if (nb > 0) std::memcpy(dst + r * nb, base + r * block + inner, nb);
-                     }
+                     if (nb > 0) asBytes(o).view({size, nb}).copy_(blocks.narrow(1, inner, nb));
                      copyBackIfNeeded(outs[k], o);
                      inner += nb;
                    }
@@ -483,7 +554,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupHetcomm::gather(std::vector<std::vect
                                                            const c10d::GatherOptions& opts) {
   checkCount(inputs, 1, "gather", "input");
   at::Tensor in = inputs[0];
-  checkDenseCpu(in, "gather");
+  checkDense(in, "gather");
   checkRoot(opts.rootRank, size_, "gather");
   const int root = static_cast<int>(opts.rootRank);
   const std::vector<at::Tensor> outs = rootOnlyList(outputs, rank_ == root, size_, in, "gather", "output");
@@ -492,7 +563,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupHetcomm::gather(std::vector<std::vect
   h.bytes = in.nbytes();
   h.aux = static_cast<uint64_t>(root);
   const int rank = rank_, size = size_;
-  return enqueue(c10d::OpType::GATHER, "hetcomm:gather", CollectiveKind::kGather, outs, h,
+  return enqueue(c10d::OpType::GATHER, "hetcomm:gather", CollectiveKind::kGather, {in}, outs, h,
                  effectiveTimeout(opts.timeout), [in, outs, root, rank, size](CollectiveContext& ctx) {
                    at::Tensor c = contiguousOf(in);
                    const size_t block = c.nbytes();
@@ -500,7 +571,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupHetcomm::gather(std::vector<std::vect
                      hetcomm::gather(ctx, static_cast<const char*>(c.data_ptr()), nullptr, block, root);
                      return;
                    }
-                   at::Tensor flat = at::empty({static_cast<int64_t>(block * size)}, at::kByte);
+                   at::Tensor flat = at::empty({static_cast<int64_t>(block * size)}, c.options().dtype(at::kByte));
                    hetcomm::gather(ctx, static_cast<const char*>(c.data_ptr()), static_cast<char*>(flat.data_ptr()),
                                    block, root);
                    for (int r = 0; r < size; ++r) {
@@ -515,7 +586,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupHetcomm::scatter(std::vector<at::Tens
                                                             const c10d::ScatterOptions& opts) {
   checkCount(outputs, 1, "scatter", "output");
   at::Tensor out = outputs[0];
-  checkDenseCpu(out, "scatter");
+  checkDense(out, "scatter");
   checkRoot(opts.rootRank, size_, "scatter");
   const int root = static_cast<int>(opts.rootRank);
   const std::vector<at::Tensor> ins = rootOnlyList(inputs, rank_ == root, size_, out, "scatter", "input");
@@ -524,7 +595,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupHetcomm::scatter(std::vector<at::Tens
   h.bytes = out.nbytes();
   h.aux = static_cast<uint64_t>(root);
   const int rank = rank_;
-  return enqueue(c10d::OpType::SCATTER, "hetcomm:scatter", CollectiveKind::kScatter, {out}, h,
+  return enqueue(c10d::OpType::SCATTER, "hetcomm:scatter", CollectiveKind::kScatter, ins, {out}, h,
                  effectiveTimeout(opts.timeout), [ins, out, root, rank](CollectiveContext& ctx) {
                    at::Tensor o = contiguousOf(out);
                    at::Tensor flat = rank == root ? flattenAll(ins) : at::Tensor();
@@ -540,7 +611,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupHetcomm::reduce_scatter(std::vector<a
   checkCount(outputs, 1, "reduce_scatter", "output");
   TORCH_CHECK_VALUE(inputs.size() == 1, "hetcomm reduce_scatter: expects one input list per process");
   at::Tensor out = outputs[0];
-  checkDenseCpu(out, "reduce_scatter");
+  checkDense(out, "reduce_scatter");
   std::vector<at::Tensor> ins = inputs[0];
   checkCount(ins, static_cast<size_t>(size_), "reduce_scatter", "input");
   checkSame(ins, out.scalar_type(), -1, "reduce_scatter", "input");
@@ -559,7 +630,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupHetcomm::reduce_scatter(std::vector<a
   for (const at::Tensor& t : ins) h.bytes += t.nbytes();
   h.aux = fingerprintSizes(counts) ^ plan.fingerprint();
   const int rank = rank_;
-  return enqueue(c10d::OpType::REDUCE_SCATTER, "hetcomm:reduce_scatter", CollectiveKind::kReduceScatter, {out}, h,
+  return enqueue(c10d::OpType::REDUCE_SCATTER, "hetcomm:reduce_scatter", CollectiveKind::kReduceScatter, ins, {out}, h,
                  effectiveTimeout(opts.timeout), [ins, out, counts, dt, op, plan, rank](CollectiveContext& ctx) {
                    at::Tensor work = flattenAll(ins);
                    hetcomm::reduceScatterv(ctx, static_cast<char*>(work.data_ptr()), counts, dt, op, plan);
@@ -571,8 +642,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupHetcomm::reduce_scatter(std::vector<a
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupHetcomm::_reduce_scatter_base(at::Tensor& output, at::Tensor& input,
                                                                         const c10d::ReduceScatterOptions& opts) {
-  checkDenseCpu(input, "reduce_scatter_tensor");
-  checkDenseCpu(output, "reduce_scatter_tensor");
+  checkDense(input, "reduce_scatter_tensor");
+  checkDense(output, "reduce_scatter_tensor");
   TORCH_CHECK_TYPE(output.scalar_type() == input.scalar_type(), "hetcomm reduce_scatter_tensor: output dtype ",
                    output.scalar_type(), " differs from input dtype ", input.scalar_type());
   TORCH_CHECK_VALUE(input.numel() == output.numel() * size_, "hetcomm reduce_scatter_tensor: input has ",
@@ -589,7 +660,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupHetcomm::_reduce_scatter_base(at::Ten
   at::Tensor in = input, out = output;
   const int rank = rank_, size = size_;
   return enqueue(c10d::OpType::_REDUCE_SCATTER_BASE, "hetcomm:reduce_scatter_tensor", CollectiveKind::kReduceScatter,
-                 {out}, h, effectiveTimeout(opts.timeout), [in, out, dt, op, plan, rank, size](CollectiveContext& ctx) {
+                 {in}, {out}, h, effectiveTimeout(opts.timeout), [in, out, dt, op, plan, rank, size](CollectiveContext& ctx) {
                    at::Tensor work = in.contiguous().clone();  // the input stays untouched
                    const size_t n = static_cast<size_t>(out.numel());
                    hetcomm::reduceScatterv(ctx, static_cast<char*>(work.data_ptr()), std::vector<size_t>(size, n), dt,
@@ -607,8 +678,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupHetcomm::reduce_scatter_tensor_coales
   checkReduce(dt, op, "reduce_scatter_tensor_coalesced");
   size_t block = 0;
   for (size_t k = 0; k < inputs.size(); ++k) {
-    checkDenseCpu(inputs[k], "reduce_scatter_tensor_coalesced");
-    checkDenseCpu(outputs[k], "reduce_scatter_tensor_coalesced");
+    checkDense(inputs[k], "reduce_scatter_tensor_coalesced");
+    checkDense(outputs[k], "reduce_scatter_tensor_coalesced");
     TORCH_CHECK_VALUE(inputs[k].scalar_type() == inputs[0].scalar_type() &&
                           outputs[k].scalar_type() == inputs[0].scalar_type() &&
                           inputs[k].numel() == outputs[k].numel() * size_,
@@ -625,8 +696,9 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupHetcomm::reduce_scatter_tensor_coales
   std::vector<at::Tensor> ins = inputs, outs = outputs;
   const int rank = rank_, size = size_;
   // One reduce-scatter over a buffer whose block r is every input's rank-r slice, back to back.
-  return enqueue(c10d::OpType::REDUCE_SCATTER_TENSOR_COALESCED, "hetcomm:reduce_scatter_tensor_coalesced",
-                 CollectiveKind::kReduceScatter, outs, h, effectiveTimeout(opts.timeout),
+  // OpType::COALESCED: torch 2.11 has no REDUCE_SCATTER_TENSOR_COALESCED (2.13 added it).
+  return enqueue(c10d::OpType::COALESCED, "hetcomm:reduce_scatter_tensor_coalesced",
+                 CollectiveKind::kReduceScatter, ins, outs, h, effectiveTimeout(opts.timeout),
                  [ins, outs, block, dt, op, plan, rank, size](CollectiveContext& ctx) {
                    std::vector<at::Tensor> pieces;
                    for (int r = 0; r < size; ++r) {
@@ -679,8 +751,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupHetcomm::alltoall_base(at::Tensor& ou
                                                                   std::vector<int64_t>& outputSplitSizes,
                                                                   std::vector<int64_t>& inputSplitSizes,
                                                                   const c10d::AllToAllOptions& opts) {
-  checkDenseCpu(input, "alltoall");
-  checkDenseCpu(output, "alltoall");
+  checkDense(input, "alltoall");
+  checkDense(output, "alltoall");
   TORCH_CHECK_TYPE(output.scalar_type() == input.scalar_type(), "hetcomm alltoall: output dtype ",
                    output.scalar_type(), " differs from input dtype ", input.scalar_type());
   std::vector<size_t> sendOff, sendBytes, recvOff, recvBytes;
@@ -689,7 +761,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupHetcomm::alltoall_base(at::Tensor& ou
   CollectiveHeader h;
   h.dtype = static_cast<uint8_t>(toDType(input, "alltoall"));
   at::Tensor in = input, out = output;
-  return enqueue(c10d::OpType::ALLTOALL_BASE, "hetcomm:all_to_all_single", CollectiveKind::kAlltoall, {out}, h,
+  return enqueue(c10d::OpType::ALLTOALL_BASE, "hetcomm:all_to_all_single", CollectiveKind::kAlltoall, {in}, {out}, h,
                  effectiveTimeout(opts.timeout),
                  [in, out, sendOff, sendBytes, recvOff, recvBytes](CollectiveContext& ctx) {
                    at::Tensor i = contiguousOf(in);
@@ -705,7 +777,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupHetcomm::alltoall(std::vector<at::Ten
                                                              const c10d::AllToAllOptions& opts) {
   checkCount(inputs, static_cast<size_t>(size_), "alltoall", "input");
   checkCount(outputs, static_cast<size_t>(size_), "alltoall", "output");
-  checkDenseCpu(inputs[0], "alltoall");
+  checkDense(inputs[0], "alltoall");
   checkSame(inputs, inputs[0].scalar_type(), -1, "alltoall", "input");
   checkSame(outputs, inputs[0].scalar_type(), -1, "alltoall", "output");
   std::vector<size_t> sendOff, sendBytes, recvOff, recvBytes;
@@ -721,11 +793,11 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupHetcomm::alltoall(std::vector<at::Ten
   CollectiveHeader h;
   h.dtype = static_cast<uint8_t>(toDType(inputs[0], "alltoall"));
   std::vector<at::Tensor> ins = inputs, outs = outputs;
-  return enqueue(c10d::OpType::ALLTOALL, "hetcomm:all_to_all", CollectiveKind::kAlltoall, outs, h,
+  return enqueue(c10d::OpType::ALLTOALL, "hetcomm:all_to_all", CollectiveKind::kAlltoall, ins, outs, h,
                  effectiveTimeout(opts.timeout),
                  [ins, outs, sendOff, sendBytes, recvOff, recvBytes, ro](CollectiveContext& ctx) {
                    at::Tensor in = flattenAll(ins);
-                   at::Tensor flat = at::empty({static_cast<int64_t>(ro)}, at::kByte);
+                   at::Tensor flat = at::empty({static_cast<int64_t>(ro)}, in.options().dtype(at::kByte));
                    hetcomm::alltoallv(ctx, static_cast<const char*>(in.data_ptr()), sendOff, sendBytes,
                                       static_cast<char*>(flat.data_ptr()), recvOff, recvBytes);
                    for (size_t r = 0; r < outs.size(); ++r) {
@@ -738,19 +810,36 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupHetcomm::alltoall(std::vector<at::Ten
 c10::intrusive_ptr<c10d::Work> ProcessGroupHetcomm::barrier(const c10d::BarrierOptions& opts) {
   CollectiveHeader h;
   h.bytes = 1;
-  return enqueue(c10d::OpType::BARRIER, "hetcomm:barrier", CollectiveKind::kBarrier, {}, h,
+  return enqueue(c10d::OpType::BARRIER, "hetcomm:barrier", CollectiveKind::kBarrier, {}, {}, h,
                  effectiveTimeout(opts.timeout), [](CollectiveContext& ctx) { hetcomm::barrier(ctx); });
 }
 
 // ---------------------------------------------------------------------------------------------
 // Point-to-point
 
+// A CUDA tensor to send is first copied into pinned host memory, on the group's point-to-point
+// stream after what the caller had queued, and the calling thread waits for that stream (only)
+// before handing the bytes to the engine. Waiting here keeps the messages to one peer in the order
+// they were posted, which tag matching relies on; sends are rare in data-parallel training.
+at::Tensor ProcessGroupHetcomm::stageForSend(const at::Tensor& data) {
+  const c10::Stream stream = p2pStream(data.device());
+  markCurrentStream(data.device()).block(stream);
+  at::Tensor host = at::empty({static_cast<int64_t>(data.nbytes())}, at::TensorOptions().dtype(at::kByte).pinned_memory(true));
+  if (data.nbytes() > 0) {
+    c10::StreamGuard onStream(stream);
+    host.copy_(asBytes(data), /*non_blocking=*/true);
+  }
+  stream.synchronize();
+  return host;
+}
+
 c10::intrusive_ptr<c10d::Work> ProcessGroupHetcomm::send(std::vector<at::Tensor>& tensors, int dstRank, int tag) {
   checkCount(tensors, 1, "send", "input");
-  checkDenseCpu(tensors[0], "send");
+  checkDense(tensors[0], "send");
   TORCH_CHECK_VALUE(dstRank >= 0 && dstRank < size_ && dstRank != rank_, "hetcomm send: invalid destination rank ",
                     dstRank, " (this is rank ", rank_, " of ", size_, ")");
   at::Tensor data = contiguousOf(tensors[0]);
+  if (data.is_cuda()) data = stageForSend(data);
   auto work = c10::make_intrusive<WorkHetcomm>(rank_, c10d::OpType::SEND, "hetcomm:send", std::vector<at::Tensor>{},
                                                0, completions_);
   const auto timeout = options_.timeout;
@@ -765,17 +854,43 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupHetcomm::send(std::vector<at::Tensor>
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupHetcomm::recv(std::vector<at::Tensor>& tensors, int srcRank, int tag) {
   checkCount(tensors, 1, "recv", "output");
-  checkDenseCpu(tensors[0], "recv");
+  checkDense(tensors[0], "recv");
   TORCH_CHECK_VALUE(srcRank >= 0 && srcRank < size_ && srcRank != rank_, "hetcomm recv: invalid source rank ", srcRank,
                     " (this is rank ", rank_, " of ", size_, ")");
   at::Tensor target = tensors[0];
-  at::Tensor buffer = target.is_contiguous() ? target : at::empty_like(target, at::MemoryFormat::Contiguous);
+  // A CUDA target receives into pinned host memory; the engine's callback then queues the copy
+  // into the target on the group's point-to-point stream, after what the caller had queued.
+  std::optional<c10::Stream> stream;
+  std::shared_ptr<c10::Event> targetReady;
+  at::Tensor buffer;
+  if (target.is_cuda()) {
+    stream = p2pStream(target.device());
+    targetReady = std::make_shared<c10::Event>(markCurrentStream(target.device()));
+    keepAliveOnStream({target}, *stream);
+    buffer = at::empty({static_cast<int64_t>(target.nbytes())},
+                       at::TensorOptions().dtype(at::kByte).pinned_memory(true));
+  } else {
+    buffer = target.is_contiguous() ? target : at::empty_like(target, at::MemoryFormat::Contiguous);
+  }
   auto work = c10::make_intrusive<WorkHetcomm>(rank_, c10d::OpType::RECV, "hetcomm:recv",
-                                               std::vector<at::Tensor>{target}, 0, completions_);
+                                               std::vector<at::Tensor>{target}, 0, completions_, stream);
   const auto timeout = options_.timeout;
   p2p_->postRecv(srcRank, tag, static_cast<char*>(buffer.data_ptr()), buffer.nbytes(), Clock::now() + timeout,
-                 timeout.count(), [work, target, buffer](std::exception_ptr e) {
-                   if (!e && !target.is_same(buffer)) const_cast<at::Tensor&>(target).copy_(buffer);
+                 timeout.count(), [work, target, buffer, stream, targetReady](std::exception_ptr e) {
+                   if (!e) {
+                     try {
+                       if (stream) {
+                         c10::StreamGuard onStream(*stream);
+                         targetReady->block(*stream);
+                         const_cast<at::Tensor&>(target).copy_(
+                             buffer.view(target.scalar_type()).view(target.sizes()), /*non_blocking=*/true);
+                       } else if (!target.is_same(buffer)) {
+                         const_cast<at::Tensor&>(target).copy_(buffer);
+                       }
+                     } catch (...) {
+                       e = std::current_exception();
+                     }
+                   }
                    work->complete(asDistError(e));
                  });
   return work;

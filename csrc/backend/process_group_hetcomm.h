@@ -8,6 +8,11 @@
 // go to their own engine and connections. Any communication failure aborts the group's
 // connections, so that peers blocked on this rank fail promptly too, and every later operation
 // fails with the original reason.
+//
+// CUDA tensors (when built with CUDA) go through the same worker: their data crosses the transport
+// through pinned host slots, segment by segment (algorithms/staged_pipeline.cc), reductions run
+// on the GPU, and everything device-side is queued on the group's stream for the device, with the
+// stream semantics described in device_streams.h.
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
@@ -15,12 +20,15 @@
 #include <condition_variable>
 #include <deque>
 #include <functional>
+#include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <thread>
 
 #include "algorithms/collectives.h"
+#include "algorithms/device_ops.h"
 #include "backend/completion_pool.h"
 #include "backend/p2p_engine.h"
 #include "backend/work.h"
@@ -95,11 +103,30 @@ class ProcessGroupHetcomm : public c10d::Backend {
     CollectiveHeader header;
     std::chrono::milliseconds timeout;
     Body body;
+    // CUDA operations: the group's stream on the tensors' device, and the point the caller's
+    // current stream had reached when it issued the operation.
+    std::optional<c10::Stream> stream;
+    std::optional<c10::Event> inputsReady;
+  };
+  // Per CUDA device: the streams the group works on and, created by the worker on first use, the
+  // staging machinery of its collectives.
+  struct DeviceState {
+    std::optional<c10::Stream> collectiveStream;
+    std::optional<c10::Stream> p2pStream;
+    std::unique_ptr<DeviceOps> ops;
   };
 
+  // `inputs` and `outputs` are every tensor the body touches (the outputs are also the future's
+  // value); they must all be on one device.
   c10::intrusive_ptr<WorkHetcomm> enqueue(c10d::OpType type, const char* profilingTitle, CollectiveKind kind,
-                                          std::vector<at::Tensor> outputs, CollectiveHeader header,
-                                          std::chrono::milliseconds timeout, Body body);
+                                          std::vector<at::Tensor> inputs, std::vector<at::Tensor> outputs,
+                                          CollectiveHeader header, std::chrono::milliseconds timeout, Body body);
+  c10::Stream collectiveStream(c10::Device device);
+  c10::Stream p2pStream(c10::Device device);
+  // The DeviceOps of a device (worker thread only).
+  DeviceOps* deviceOps(const c10::Stream& stream);
+  // A CUDA tensor's bytes in pinned host memory, copied after what the caller had queued.
+  at::Tensor stageForSend(const at::Tensor& data);
   std::chrono::milliseconds effectiveTimeout(std::chrono::milliseconds requested) const;
   void runWorker();
   void failGroup(const std::string& reason);
@@ -120,6 +147,10 @@ class ProcessGroupHetcomm : public c10d::Backend {
   bool stopping_ = false;
   std::string brokenReason_;  // set once the group failed; every later operation fails with it
   RingPlan plan_;
+  std::map<c10::DeviceIndex, DeviceState> devices_;  // guarded by mu_; ops touched by the worker only
+  // HETCOMM_DEBUG_EMULATE_DEVICE=1: CPU tensors take the staged (device) path, on an emulated
+  // device, so that machines without a GPU test it.
+  std::unique_ptr<DeviceOps> emulatedDevice_;
   std::thread worker_;
 };
 

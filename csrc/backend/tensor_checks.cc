@@ -2,6 +2,7 @@
 
 #include <c10/util/Exception.h>
 
+#include "backend/cuda_device_ops.h"
 #include "common/error.h"
 #include "kernels/reduce.h"
 
@@ -39,12 +40,18 @@ RedOp toRedOp(const c10d::ReduceOp& reduceOp, const char* op) {
   TORCH_CHECK(false, "hetcomm ", op, ": unsupported reduce op (supported: SUM, AVG, PRODUCT, MIN, MAX, BAND, BOR, BXOR)");
 }
 
-void checkDenseCpu(const at::Tensor& t, const char* op) {
+void checkDense(const at::Tensor& t, const char* op) {
   TORCH_CHECK(t.defined(), "hetcomm ", op, ": got an undefined tensor");
   TORCH_CHECK(t.layout() == at::kStrided, "hetcomm ", op, ": only dense (strided) tensors are supported, got layout ",
               t.layout());
-  TORCH_CHECK(t.device().is_cpu(), "hetcomm ", op, ": only CPU tensors are supported in this build, got a tensor on ",
-              t.device());
+  if (t.device().is_cuda()) {
+    TORCH_CHECK(kBuiltWithCuda, "hetcomm ", op, ": got a tensor on ", t.device(),
+                ", but this build of hetcomm has no CUDA support (it was built against a CPU-only torch or without "
+                "nvcc); rebuild it where both are present, or move the tensor to the CPU");
+  } else {
+    TORCH_CHECK(t.device().is_cpu(), "hetcomm ", op, ": tensors on ", t.device(), " are not supported (",
+                kBuiltWithCuda ? "CPU and CUDA only" : "CPU only in this build", ")");
+  }
   toDType(t, op);
 }
 
@@ -64,7 +71,7 @@ void checkCount(const std::vector<at::Tensor>& tensors, size_t n, const char* op
 void checkSame(const std::vector<at::Tensor>& list, at::ScalarType dtype, int64_t numel, const char* op,
                const char* what) {
   for (size_t i = 0; i < list.size(); ++i) {
-    checkDenseCpu(list[i], op);
+    checkDense(list[i], op);
     TORCH_CHECK_TYPE(list[i].scalar_type() == dtype, "hetcomm ", op, ": ", what, "[", i, "] has dtype ",
                      list[i].scalar_type(), " but the input has ", dtype);
     TORCH_CHECK_VALUE(numel < 0 || list[i].numel() == numel, "hetcomm ", op, ": ", what, "[", i, "] has ",

@@ -12,8 +12,9 @@ namespace hetcomm {
 
 DType toDType(const at::Tensor& t, const char* op);
 RedOp toRedOp(const c10d::ReduceOp& reduceOp, const char* op);
-// Rejects what the core cannot move: CUDA (not yet), sparse and other non-strided layouts.
-void checkDenseCpu(const at::Tensor& t, const char* op);
+// Rejects what the core cannot move: sparse and other non-strided layouts, unsupported dtypes,
+// and devices other than the CPU and (in a build with CUDA) CUDA GPUs.
+void checkDense(const at::Tensor& t, const char* op);
 // dtype and op together (BXOR on floats, AVG on integers, ...).
 void checkReduce(DType dtype, RedOp op, const char* op_name);
 // Exactly `n` tensors were passed.
@@ -33,6 +34,8 @@ inline at::Tensor contiguousOf(const at::Tensor& t) { return t.is_contiguous() ?
 inline void copyBackIfNeeded(const at::Tensor& t, const at::Tensor& result) {
   if (!t.is_same(result)) const_cast<at::Tensor&>(t).copy_(result.view(t.sizes()));
 }
+// A contiguous tensor's bytes, as a flat uint8 tensor sharing its memory.
+inline at::Tensor asBytes(const at::Tensor& contiguous) { return contiguous.reshape({-1}).view(at::kByte); }
 // One flat tensor holding the given tensors back to back.
 at::Tensor flattenAll(const std::vector<at::Tensor>& tensors);
 // A 64-bit fingerprint of a vector of sizes (carried in headers to catch disagreements).

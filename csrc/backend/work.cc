@@ -1,25 +1,54 @@
 #include "backend/work.h"
 
+#include <c10/core/StreamGuard.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
+
 namespace hetcomm {
+namespace {
+
+std::vector<c10::Device> devicesOf(const std::optional<c10::Stream>& stream) {
+  if (!stream) return {};
+  return {stream->device()};
+}
+
+}  // namespace
 
 WorkHetcomm::WorkHetcomm(int rank, c10d::OpType type, const char* profilingTitle, std::vector<at::Tensor> outputs,
-                         uint64_t seq, std::shared_ptr<CompletionPool> pool)
+                         uint64_t seq, std::shared_ptr<CompletionPool> pool, std::optional<c10::Stream> stream)
     : c10d::Work(rank, type, profilingTitle),
       outputs_(std::move(outputs)),
       seq_(seq),
-      future_(c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()))),
+      stream_(stream),
+      future_(c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()),
+                                                       devicesOf(stream))),
       pool_(std::move(pool)) {}
 
+bool WorkHetcomm::isCompleted() {
+  if (!c10d::Work::isCompleted()) return false;
+  return !done_ || done_->query();
+}
+
+void WorkHetcomm::synchronize() {
+  if (done_) done_->block(c10::impl::VirtualGuardImpl(stream_->device_type()).getStream(stream_->device()));
+}
+
 void WorkHetcomm::complete(std::exception_ptr error) {
+  if (stream_ && !error) {
+    done_.emplace(stream_->device_type());
+    done_->record(*stream_);
+  }
   finish(error);  // wakes wait(); never runs user callbacks
   auto future = future_;
   auto outputs = outputs_;
-  pool_->post([future, outputs, error]() {
+  auto stream = stream_;
+  pool_->post([future, outputs, error, stream]() {
     if (error) {
       future->setError(error);
-    } else {
-      future->markCompleted(c10::IValue(outputs));
+      return;
     }
+    // The future records its own events on the current stream of its device: make that ours.
+    c10::OptionalStreamGuard guard(stream);
+    future->markCompleted(c10::IValue(outputs));
   });
 }
 

@@ -2,8 +2,11 @@
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
 #include <ATen/core/ivalue.h>
+#include <c10/core/Event.h>
+#include <c10/core/Stream.h>
 
 #include <memory>
+#include <optional>
 
 #include "backend/completion_pool.h"
 
@@ -12,21 +15,36 @@ namespace hetcomm {
 // A hetcomm operation as seen by torch: wait() (from c10d::Work) blocks until the worker has
 // finished it and rethrows its error; getFuture() completes with the output tensors, on a
 // completion-pool thread, after wait() would return.
+//
+// An operation on CUDA tensors ran on `stream` (the group's stream for the device). When the
+// host side finishes, the device may still be working through what was queued; complete()
+// records an event there, and:
+//   * wait() / synchronize() make the caller's current stream wait for it (not the host, not
+//     the device): kernels the caller queues next see the result;
+//   * isCompleted() is true only once the device got there too;
+//   * the future is created with the device and marked completed with the group's stream as the
+//     current one, so torch's CUDA-aware future makes its callbacks' streams (and value()'s
+//     readers after wait()) wait for the data, as DDP requires.
 class WorkHetcomm : public c10d::Work {
  public:
   WorkHetcomm(int rank, c10d::OpType type, const char* profilingTitle, std::vector<at::Tensor> outputs, uint64_t seq,
-              std::shared_ptr<CompletionPool> pool);
+              std::shared_ptr<CompletionPool> pool, std::optional<c10::Stream> stream = std::nullopt);
 
   c10::intrusive_ptr<c10::ivalue::Future> getFuture() override { return future_; }
   std::vector<at::Tensor> result() override { return outputs_; }
   uint64_t getSequencenumber() const override { return seq_; }
+  bool isCompleted() override;
+  void synchronize() override;
 
-  // Called once, by whoever finished the operation (the worker or the point-to-point engine).
+  // Called once, by whoever finished the operation (the worker or the point-to-point engine),
+  // after the operation's last device work was enqueued on the stream.
   void complete(std::exception_ptr error);
 
  private:
   std::vector<at::Tensor> outputs_;
   const uint64_t seq_;
+  const std::optional<c10::Stream> stream_;
+  std::optional<c10::Event> done_;  // written by complete() before finish(), read after it
   c10::intrusive_ptr<c10::ivalue::Future> future_;
   std::shared_ptr<CompletionPool> pool_;
 };

@@ -10,12 +10,13 @@ proportional to measured speed, sample-weighted gradients), built from `hetcomm.
 `hetcomm.data` and `hetcomm.hooks`.
 """
 from hetcomm._backend import (backend_of, get_plan, link_model, listen_address, probe, register_backend,
-                              set_plan)
+                              set_plan, supported_devices)
 from hetcomm import data, hooks, partition  # noqa: E402  (public submodules)
 from hetcomm.adaptive import AdaptiveDataParallel
 
 __version__ = "0.1.0"
 __all__ = ["register_backend", "backend_of", "get_plan", "set_plan", "probe", "link_model", "listen_address",
+           "supported_devices",
            "AdaptiveDataParallel", "data", "hooks", "partition", "__version__"]
 
 register_backend()

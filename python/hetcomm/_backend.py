@@ -43,12 +43,24 @@ def _create_backend(dist_backend_opts, backend_options) -> _C.ProcessGroupHetcom
     return backend
 
 
+def supported_devices() -> list[str]:
+    """The device types this build of hetcomm moves: ``["cpu", "cuda"]`` when it was compiled
+    against a CUDA build of torch with nvcc present, else ``["cpu"]``."""
+    return ["cpu", "cuda"] if _C.built_with_cuda() else ["cpu"]
+
+
 def register_backend() -> None:
-    """Registers ``"hetcomm"`` with torch.distributed (idempotent; ``import hetcomm`` calls it)."""
+    """Registers ``"hetcomm"`` with torch.distributed (idempotent; ``import hetcomm`` calls it).
+
+    It registers for the device types of :func:`supported_devices`: a CPU-only build stays a
+    CPU-only backend, so that torch picks another backend (or reports none) for CUDA tensors
+    instead of handing them to a build that cannot move them.
+    """
     if BACKEND_NAME in dist.Backend.backend_list:
         return
     # devices must be a list: a string would be iterated per character.
-    dist.Backend.register_backend(BACKEND_NAME, _create_backend, extended_api=True, devices=["cpu"])
+    dist.Backend.register_backend(BACKEND_NAME, _create_backend, extended_api=True,
+                                  devices=supported_devices())
 
 
 def backend_of(group: Optional[dist.ProcessGroup] = None) -> _C.ProcessGroupHetcomm:

@@ -107,6 +107,35 @@ def test_bad_arguments_exit_2_with_message(args, message, capsys, monkeypatch):
     assert message in capsys.readouterr().err
 
 
+def test_device_option_parses_and_reaches_the_ranks():
+    config, _ = parse()
+    assert config.device == "cpu"
+    config, _ = parse("--device", "cuda", "--sizes", "1M")
+    assert config.device == "cuda"
+    again, _ = parse(*worker_argv(config))
+    assert again.device == "cuda"
+    assert "--device" not in worker_argv(parse()[0])  # the default is not spelled out
+
+
+def test_device_cuda_without_a_usable_gpu_says_why(capsys, monkeypatch):
+    import torch
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["hetcomm.bench", "--device", "cuda", "--sizes", "1M"])
+    assert exit_info.value.code == 2
+    assert "no CUDA GPU is usable here" in capsys.readouterr().err
+
+
+def test_device_cuda_with_a_cpu_only_hetcomm_says_so(capsys, monkeypatch):
+    import torch
+    import hetcomm
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(hetcomm, "supported_devices", lambda: ["cpu"])
+    assert "no CUDA support" in cli.check_device("cuda", ("hetcomm", "gloo"))
+    assert cli.check_device("cuda", ("gloo",)) is None
+    assert cli.check_device("cpu", ("hetcomm",)) is None
+
+
 def test_sim_needs_root_says_so(capsys, monkeypatch):
     monkeypatch.setattr(os, "geteuid", lambda: 1000)
     with pytest.raises(SystemExit) as exit_info:
@@ -146,7 +175,7 @@ def test_worker_argv_round_trip(tmp_path):
                          "--iters", "4", "--dtype", "bf16")
     again, _ = parse(*worker_argv(config))     # as each rank parses it (no --sim-*)
     for field in ("backends", "sizes", "dtype", "warmup", "iters", "min_iters", "max_iters",
-                  "seconds_per_size", "timeout_s", "json_path", "plot_path"):
+                  "seconds_per_size", "timeout_s", "json_path", "plot_path", "device"):
         assert getattr(again, field) == getattr(config, field), field
     assert not any(arg.startswith("--sim") for arg in worker_argv(config))
 

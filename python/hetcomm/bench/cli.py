@@ -100,6 +100,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--nprocs", type=int, default=None,
                         help=f"local ranks to launch (default {DEFAULT_NPROCS}; "
                              "ignored under torchrun)")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="where the tensors live (default cpu). With cuda, rank r uses GPU "
+                             "r mod the GPUs visible, so that several ranks share one GPU when "
+                             "there is only one; times include the device copies and end when "
+                             "the result is on the device")
     parser.add_argument("--dtype", type=_dtype_arg, default="float32",
                         help=f"element type: {', '.join(DTYPE_BYTES)} (default float32)")
     parser.add_argument("--min-bytes", type=_size_arg, default=None,
@@ -206,6 +211,24 @@ def usable_backends() -> list[str]:
     return [name for name in _CPU_BUILTIN_BACKENDS if available[name]] + plugins
 
 
+def check_device(device: str, backends: Sequence[str]) -> Optional[str]:
+    """An error message if ``device`` cannot be benchmarked here with ``backends``, else None."""
+    if device == "cpu":
+        return None
+    import torch
+    if not torch.cuda.is_available():
+        return ("--device cuda: no CUDA GPU is usable here (torch.cuda.is_available() is False; "
+                f"torch {torch.__version__} {'without' if torch.version.cuda is None else 'with'} "
+                "CUDA)")
+    if "hetcomm" in {torch_backend(name) for name in backends}:
+        import hetcomm
+        if "cuda" not in hetcomm.supported_devices():
+            return ("--device cuda: this build of hetcomm has no CUDA support (built against a "
+                    "CPU-only torch or without nvcc); rebuild it with `pip install "
+                    "--no-build-isolation -e .` where both are present")
+    return None
+
+
 def check_backends(backends: Sequence[str]) -> Optional[str]:
     """An error message if some backend cannot run here, else None.
 
@@ -291,7 +314,7 @@ def config_from_args(args: argparse.Namespace, argv: Sequence[str], spec=None) -
         dtype=args.dtype, warmup=warmup, iters=args.iters, min_iters=min_iters,
         max_iters=args.max_iters, seconds_per_size=seconds_per_size,
         timeout_s=timeout_s, nprocs=nprocs, json_path=args.json, argv=tuple(argv),
-        plot_path=args.plot)
+        plot_path=args.plot, device=args.device)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -316,7 +339,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         config = config_from_args(args, argv, spec)
     except ValueError as error:
         parser.error(str(error))
-    backend_error = check_backends(config.backends)
+    backend_error = check_backends(config.backends) or check_device(config.device, config.backends)
     if backend_error:
         parser.error(backend_error)
     if config.plot_path is not None:

@@ -193,6 +193,7 @@ class BenchConfig:
     json_path: Optional[str]
     argv: tuple[str, ...]           # the exact command line, kept in the JSON output
     plot_path: Optional[str] = None # --plot: PNG written by rank 0 after the table
+    device: str = "cpu"             # "cpu" or "cuda": where the allreduced tensors live
 
     @property
     def element_bytes(self) -> int:
@@ -228,4 +229,6 @@ def worker_argv(config: BenchConfig) -> list[str]:
         args += ["--json", os.path.abspath(config.json_path)]
     if config.plot_path is not None:
         args += ["--plot", os.path.abspath(config.plot_path)]
+    if config.device != "cpu":
+        args += ["--device", config.device]
     return args

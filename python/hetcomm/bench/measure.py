@@ -14,7 +14,10 @@ Timing (as nccl-tests)
 ----------------------
 Barrier, then ``iters`` back-to-back synchronous allreduces; each rank's mean time per call; the
 row reports the slowest rank (the collective is not done until the last rank is). The per-rank
-times are kept too: on a heterogeneous cluster their spread is the point.
+times are kept too: on a heterogeneous cluster their spread is the point. With ``--device cuda``
+the clock stops only once the caller's stream has the result (a synchronous ``all_reduce`` of a
+CUDA tensor may return before the last copy to the device has run): the stream, not the whole
+device, is synchronised.
 
 What is timed, what is checked
 ------------------------------
@@ -36,6 +39,7 @@ function, so all ranks issue the same number of collectives.
 """
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from datetime import timedelta
@@ -156,10 +160,14 @@ def count_wrong(buffer: torch.Tensor, world_size: int, modulus: int) -> int:
 
 
 def _timed_allreduces(buffer: torch.Tensor, calls: int) -> float:
-    """Seconds for ``calls`` back-to-back synchronous allreduces on the default group."""
+    """Seconds for ``calls`` back-to-back synchronous allreduces on the default group, until the
+    result is usable (on a GPU: until the current stream has reached it)."""
+    synchronize = torch.cuda.current_stream().synchronize if buffer.is_cuda else (lambda: None)
+    synchronize()
     start = time.perf_counter()
     for _ in range(calls):
         dist.all_reduce(buffer, op=dist.ReduceOp.SUM)
+    synchronize()
     return time.perf_counter() - start
 
 
@@ -169,13 +177,21 @@ def _warm_up(buffer: torch.Tensor, calls: int) -> Optional[float]:
     return statistics.median(durations) if durations else None
 
 
+def rank_device(device: str, rank: int) -> torch.device:
+    """The device of ``rank``: the CPU, or GPU ``LOCAL_RANK`` (else rank) mod the GPUs visible."""
+    if device == "cpu":
+        return torch.device("cpu")
+    local_rank = int(os.environ.get("LOCAL_RANK", rank))
+    return torch.device("cuda", local_rank % torch.cuda.device_count())
+
+
 def measure_allreduce(backend: str, size_bytes: int, config: BenchConfig,
                       control: ControlPlane, heartbeat: Heartbeat) -> SizeResult:
     """Measures ``allreduce(SUM)`` of ``size_bytes`` on the default group (``backend``)."""
     dtype = torch_dtype(config.dtype)
     count = size_bytes // config.element_bytes
     rank, world_size = control.rank, control.world_size
-    buffer = torch.zeros(count, dtype=dtype)
+    buffer = torch.zeros(count, dtype=dtype, device=rank_device(config.device, rank))
 
     # Adaptive mode needs at least one timed call to estimate from, even with --warmup 0.
     warmup = config.warmup if config.iters is not None else max(1, config.warmup)
@@ -207,7 +223,7 @@ def measure_allreduce(backend: str, size_bytes: int, config: BenchConfig,
     fill_pattern(buffer, rank, modulus)
     heartbeat(2 * timeout_s)
     dist.all_reduce(buffer, op=dist.ReduceOp.SUM)
-    wrong += count_wrong(buffer, world_size, modulus)
+    wrong += count_wrong(buffer.cpu(), world_size, modulus)
     wrong = control.sum(wrong)
 
     time_us = max(rank_times_us)

@@ -63,8 +63,8 @@ def format_table(bench_report: BenchReport) -> str:
 
     lines = [
         f"# {PREFIX}: allreduce, {bench_report.world_size} ranks ({bench_report.launch} launch), "
-        f"{bench_report.dtype} sum, torch {bench_report.torch_version}, "
-        f"host {bench_report.hostname}",
+        f"{bench_report.dtype} sum on {bench_report.config.get('device', 'cpu')} tensors, "
+        f"torch {bench_report.torch_version}, host {bench_report.hostname}",
         "# time: slowest rank's mean per call; busbw = algbw * 2(n-1)/n",
         "#",
         "#" + group_line[1:],

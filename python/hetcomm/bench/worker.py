@@ -187,6 +187,9 @@ def run_rank(config: BenchConfig, launch: str, heartbeat: Heartbeat) -> int:
     if sim_spec is not None:
         launch = "sim"
     store, rank, world_size = rendezvous(timedelta(seconds=config.timeout_s))
+    if config.device == "cuda":
+        from hetcomm.bench.measure import rank_device
+        torch.cuda.set_device(rank_device(config.device, rank))
     control = ControlPlane(store, rank, world_size, timedelta(seconds=config.timeout_s))
     bench_report = new_report(config, launch, world_size)
     if rank == 0 and sim_spec is not None:

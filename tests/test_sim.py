@@ -10,6 +10,7 @@ performance assertions of the product; transfers are a few MB so each run takes 
 """
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import math
@@ -32,6 +33,7 @@ from hetcomm.sim import netns as sim_netns
 from hetcomm.sim import shaping
 from hetcomm.sim.cgroups import find_cpu_hierarchy
 from hetcomm.sim.cluster import REGISTRY_DIR
+from hetcomm.sim.spec import choose_tcp_cc
 
 SIM_TIMEOUT_S = 90  # per sim run: python + `import hetcomm` (torch) per process on 2 busy cores
 
@@ -54,12 +56,38 @@ def test_spec_world_size_and_validation():
         SimSpec(sites=[0, 1])
     with pytest.raises(SimError, match="positive"):
         SimSpec(nic_mbit=[100, 0])
-    assert SimSpec(nprocs=2).tcp_cc == "cubic"
+    assert SimSpec(nprocs=2).tcp_cc == "auto"
     assert SimSpec(nprocs=2, tcp_cc=None).tcp_cc is None
     with pytest.raises(SimError, match="not a TCP congestion control"):
         SimSpec(nprocs=2, tcp_cc="../x")
-    assert sim_main.tcp_cc_arg(None) == "cubic" and sim_main.tcp_cc_arg("host") is None
+    assert sim_main.tcp_cc_arg(None) == "auto" and sim_main.tcp_cc_arg("host") is None
     assert sim_main.tcp_cc_arg("reno") == "reno"
+
+
+@pytest.mark.parametrize("host, available, allowed, expected", [
+    # a kernel that lets namespaces choose cubic (the common case): cubic, written
+    ("bbr", "reno bbr cubic", "reno bbr cubic", ("cubic", True, "")),
+    # the CI kernel: cubic available but not allowed in a namespace: reno, said so
+    ("bbr", "reno bbr cubic", "reno bbr", ("reno", True, "cubic is not allowed")),
+    # the host already uses cubic: every namespace inherits it, nothing to write
+    ("cubic", "reno cubic", "reno", ("cubic", False, "")),
+    # nothing preferred is allowed: the host's own, never an error
+    ("bbr", "bbr", "", ("bbr", False, "none of cubic, reno is allowed")),
+])
+def test_auto_tcp_congestion_control_is_the_best_the_kernel_allows(host, available, allowed,
+                                                                     expected):
+    name, write, note = choose_tcp_cc("auto", host, available.split(), allowed.split())
+    assert (name, write) == expected[:2]
+    assert (expected[2] in note) if expected[2] else note == ""
+    if expected[2]:
+        assert "net.ipv4.tcp_allowed_congestion_control" in note
+
+
+def test_explicit_tcp_congestion_control_is_taken_as_given():
+    # an explicit name is used as is (a kernel that refuses it makes setup fail, see below)
+    assert choose_tcp_cc("cubic", "bbr", ["reno", "bbr", "cubic"], ["reno", "bbr"]) == ("cubic", True, "")
+    assert choose_tcp_cc("bbr", "bbr", ["bbr"], []) == ("bbr", False, "")
+    assert choose_tcp_cc(None, "bbr", ["bbr"], []) == ("bbr", False, "")  # --tcp-cc host
 
 
 def test_parse_matrix_inline_and_file(tmp_path):
@@ -439,12 +467,46 @@ def test_rank_environment():
         assert env["HETCOMM_SIM_LINK_MBIT"] == "0,inf,400;inf,0,400;400,400,0"
         assert env["HETCOMM_SIM_CPU_QUOTA"] == "0.5,0.5,0.5"
         assert env["HETCOMM_SIM_BW_BYTES"].split(";")[0] == "inf,100000000,12500000"
-        assert SimSpec.from_json(env["HETCOMM_SIM_SPEC"]) == spec
+        assert SimSpec.from_json(env["HETCOMM_SIM_SPEC"]) == dataclasses.replace(spec, tcp_cc=auto_cc())
         assert env["HETCOMM_SIM_IFNAME"] == env["GLOO_SOCKET_IFNAME"] == "eth0"
         assert env["PYTHONUNBUFFERED"] == "1"
         assert env["src"] == addrs[k], "a rank reaches MASTER_ADDR from its own address"
         assert env["ifaces"] == ["eth0", "lo"], "a rank sees only its own interfaces"
-        assert env["tcp_cc"] == "cubic", "mainline Linux's default, whatever the host uses"
+        assert env["tcp_cc"] == auto_cc(), "the best the kernel allows, whatever the host uses"
+
+
+def auto_cc() -> str:
+    """What the default ("auto") picks on this machine's kernel."""
+    return choose_tcp_cc("auto", *sim_netns.tcp_congestion_control_state())[0]
+
+
+@needs_netns
+def test_default_tcp_congestion_control_works_on_this_kernel_and_says_which():
+    """Never an error: cubic where namespaces may select it, else reno (the CI kernel allows
+    only reno and bbr in namespaces), else the host's; the ranks run with it, the run summary
+    names it, and the spec the ranks get (which reports record) carries the name, not "auto"."""
+    code = "print(open('/proc/sys/net/ipv4/tcp_congestion_control').read().strip())"
+    proc = run_sim(["--nprocs", "2"], [sys.executable, "-c", code])
+    assert proc.returncode == 0, proc.stderr
+    expected = auto_cc()
+    assert expected in ("cubic", "reno") or expected == sim_netns.tcp_congestion_control_state()[0]
+    assert sorted(proc.stdout.splitlines()) == [f"[rank 0] {expected}", f"[rank 1] {expected}"], proc.stdout
+    assert f"TCP {expected}" in proc.stderr, proc.stderr
+
+
+@needs_netns
+def test_an_algorithm_the_kernel_refuses_in_namespaces_is_a_clear_error():
+    """Asking explicitly for an algorithm this kernel has but does not let a namespace select
+    (cubic on the CI kernel) fails setup, names what is allowed, and leaves nothing behind."""
+    _, available, allowed = sim_netns.tcp_congestion_control_state()
+    refused = [name for name in available if name not in allowed]
+    if not refused:
+        pytest.skip(f"this kernel lets namespaces select every available algorithm ({' '.join(available)}): "
+                    "none to be refused")
+    proc = run_sim(["--nprocs", "1", "--tcp-cc", refused[0]], [sys.executable, "-c", "pass"])
+    assert proc.returncode == 2, (proc.returncode, proc.stderr)
+    assert f"{refused[0]!r}: the kernel refused it in a network namespace" in proc.stderr, proc.stderr
+    assert f"may select only {', '.join(allowed)}" in proc.stderr, proc.stderr
 
 
 @needs_netns

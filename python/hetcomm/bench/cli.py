@@ -165,8 +165,9 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--sim-latency-ms", metavar="MS", type=float, default=None,
                      help="one-way delay added on each rank's egress (netem)")
     sim.add_argument("--sim-tcp-cc", metavar="NAME", default=None,
-                     help="TCP congestion control of the simulated hosts (default cubic, "
-                          "mainline Linux's default; 'host' keeps this machine's)")
+                     help="TCP congestion control of the simulated hosts (default: cubic, mainline "
+                          "Linux's default, or the best this kernel lets a namespace select; "
+                          "'host' keeps this machine's)")
     return parser
 
 

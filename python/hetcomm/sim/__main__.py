@@ -24,8 +24,10 @@ what is shaped where:
                     destination address), each with ceil = min(link, NIC); the receiver's NIC
                     tbf still applies on its ingress.
   A single flow i->j gets min(NIC_i, link_ij, NIC_j); TCP payload ~95.6% of that.
-  --tcp-cc NAME     every namespace's TCP congestion control; cubic, mainline Linux's default,
-                    unless given, so results do not depend on the host's own setting.
+  --tcp-cc NAME     every namespace's TCP congestion control. Unless given: cubic, mainline
+                    Linux's default, so results do not depend on the host's own setting; where
+                    the kernel lets namespaces select only tcp_allowed_congestion_control and
+                    cubic is not in it, reno; else the host's. The run summary says which.
 
 environment of each rank:
   RANK WORLD_SIZE LOCAL_RANK(=RANK) LOCAL_WORLD_SIZE(=WORLD_SIZE) MASTER_ADDR(rank 0) MASTER_PORT
@@ -65,8 +67,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--latency-ms", type=float, default=0.0, help="one-way delay added on each rank's "
                    "egress (needs netem in the kernel)")
     g.add_argument("--tcp-cc", metavar="NAME", default=None,
-                   help=f"TCP congestion control in every namespace (default {DEFAULT_TCP_CC}, "
-                        "mainline Linux's default, whatever the host uses; 'host' keeps the host's)")
+                   help="TCP congestion control in every namespace (default: cubic, mainline Linux's "
+                        "default, whatever the host uses, else the best this kernel lets a namespace "
+                        "select; 'host' keeps the host's)")
     r = p.add_argument_group("run")
     r.add_argument("--master-port", type=int, default=DEFAULT_MASTER_PORT,
                    help=f"MASTER_PORT (default {DEFAULT_MASTER_PORT}; rank 0's namespace is private, "

@@ -18,6 +18,7 @@ run records its resources in ``/run/hetcomm-sim/<id>.json`` and
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import json
 import math
 import os
@@ -37,8 +38,8 @@ from hetcomm.sim.cgroups import CpuCgroups, find_cpu_hierarchy, remove_cgroup_tr
 from hetcomm.sim.launcher import (RankProcess, RunResult, SimInterrupted, binary_writer, start_pump,
                                   stop_ranks, supervise)
 from hetcomm.sim.netns import RANK_IFNAME, Runner, enter_netns
-from hetcomm.sim.spec import (SimError, SimSpec, effective_bandwidth, effective_link_mbit,
-                              format_matrix, format_rate)
+from hetcomm.sim.spec import (AUTO_TCP_CC, SimError, SimSpec, choose_tcp_cc, effective_bandwidth,
+                              effective_link_mbit, format_matrix, format_rate)
 
 REGISTRY_DIR = "/run/hetcomm-sim"
 PREFIX = "hcsim"
@@ -232,14 +233,30 @@ class SimCluster:
             run(["ip", "-n", hub, "link", "set", port, "up"])
             run(["ip", "-n", ns, "addr", "add", f"{self.addresses[k]}/24", "dev", RANK_IFNAME])
             run(["ip", "-n", ns, "link", "set", RANK_IFNAME, "up"])
-        if self.spec.tcp_cc is not None:
-            for name in self.namespaces + [hub]:
-                _netns.set_tcp_congestion_control(name, self.spec.tcp_cc)
+        self._set_tcp_congestion_control()
         for k in range(self.world_size):
             for args in shaping.egress_plan(self.spec, k, RANK_IFNAME, self.addresses):
                 self._tc(self.namespaces[k], args, f"shaping rank {k}'s egress")
             for args in shaping.ingress_plan(self.spec, k, self.hub_ports[k]):
                 self._tc(hub, args, f"shaping rank {k}'s ingress")
+
+    def _set_tcp_congestion_control(self) -> None:
+        """Resolves spec.tcp_cc (auto, host or a name) to the algorithm in use, sets it in every
+        namespace and records it in self.spec, which the ranks, the summary and reports read."""
+        requested = self.spec.tcp_cc
+        host, available, allowed = _netns.tcp_congestion_control_state()
+        name, write, note = choose_tcp_cc(requested, host, available, allowed)
+        if write:
+            try:
+                for ns in self.namespaces + [self.hub_namespace]:
+                    _netns.set_tcp_congestion_control(ns, name)
+            except _netns.SharedTcpCcError as error:
+                if requested != AUTO_TCP_CC:
+                    raise
+                name, note = host, f"TCP {host}, the host's: {error}"
+        if note:
+            self.log(note)
+        self.spec = dataclasses.replace(self.spec, tcp_cc=name or None)
 
     def _tc(self, ns: str, args: list[str], what: str) -> None:
         assert self._run is not None

@@ -173,16 +173,36 @@ def enter_netns(name: str) -> Iterator[None]:
 
 TCP_CC_SYSCTL = "/proc/sys/net/ipv4/tcp_congestion_control"
 TCP_CC_AVAILABLE = "/proc/sys/net/ipv4/tcp_available_congestion_control"
+TCP_CC_ALLOWED = "/proc/sys/net/ipv4/tcp_allowed_congestion_control"
+
+
+class SharedTcpCcError(SimError):
+    """The kernel has one TCP congestion control setting for all namespaces (before 4.15)."""
+
+
+def _read_words(path: str) -> list[str]:
+    try:
+        with open(path) as f:
+            return f.read().split()
+    except OSError:
+        return []
+
+
+def tcp_congestion_control_state() -> tuple[str, list[str], list[str]]:
+    """(the host's default, the available algorithms, those a namespace may select)."""
+    host = _read_words(TCP_CC_SYSCTL)
+    return (host[0] if host else ""), _read_words(TCP_CC_AVAILABLE), _read_words(TCP_CC_ALLOWED)
 
 
 def set_tcp_congestion_control(name: str, algorithm: str) -> None:
     """Makes ``algorithm`` the default TCP congestion control of namespace ``name``.
 
     The sysctl is per namespace since Linux 4.15 (a new namespace starts with the host's
-    value); writing it as root loads the algorithm's module if it is not loaded yet. Raises
-    :class:`SimError` naming the available algorithms when the kernel refuses, and when the
-    write reached this process's own namespace instead (an older kernel with one global
-    setting), after putting the old value back.
+    value); in a namespace other than the host's the kernel accepts only the algorithms of
+    ``tcp_allowed_congestion_control``, root or not. Raises :class:`SimError` naming what this
+    kernel allows when it refuses, and :class:`SharedTcpCcError` when the write reached this
+    process's own namespace instead (an older kernel with one global setting), after putting
+    the old value back.
     """
     with open(TCP_CC_SYSCTL) as f:
         ours = f.read().strip()
@@ -193,14 +213,12 @@ def set_tcp_congestion_control(name: str, algorithm: str) -> None:
             with open(TCP_CC_SYSCTL) as f:
                 now = f.read().strip()
         except OSError as error:
-            try:
-                with open(TCP_CC_AVAILABLE) as f:
-                    available = f.read().split()
-            except OSError:
-                available = []
-            raise SimError(f"TCP congestion control {algorithm!r}: the kernel refused it "
-                           f"({error.strerror}); available here: {', '.join(available) or 'unknown'} "
-                           f"(--tcp-cc host keeps the host's default)") from None
+            _, available, allowed = tcp_congestion_control_state()
+            raise SimError(f"TCP congestion control {algorithm!r}: the kernel refused it in a network "
+                           f"namespace ({error.strerror}); available here: {', '.join(available) or 'unknown'}; "
+                           f"a namespace may select only {', '.join(allowed) or 'none'} "
+                           f"(net.ipv4.tcp_allowed_congestion_control). Leave --tcp-cc unset for the "
+                           f"best of those, or --tcp-cc host to keep the host's default") from None
     if now != algorithm:
         raise SimError(f"TCP congestion control {algorithm!r}: namespace {name} reports {now!r}")
     with open(TCP_CC_SYSCTL) as f:
@@ -208,5 +226,5 @@ def set_tcp_congestion_control(name: str, algorithm: str) -> None:
     if leaked:
         with open(TCP_CC_SYSCTL, "w") as f:
             f.write(ours)
-        raise SimError("this kernel has one TCP congestion control for all namespaces (before "
-                       "Linux 4.15): the simulator will not change the host's; pass --tcp-cc host")
+        raise SharedTcpCcError("this kernel has one TCP congestion control for all namespaces (before "
+                               "Linux 4.15): the simulator will not change the host's; pass --tcp-cc host")

@@ -27,8 +27,14 @@ TCP_GOODPUT_FRACTION = 1448 / 1514
 
 MBIT = 1e6 / 8  # bytes per second in one Mbit/s
 
-#: TCP congestion control of a simulated cluster unless told otherwise (SimSpec.tcp_cc)
-DEFAULT_TCP_CC = "cubic"
+#: SimSpec.tcp_cc unless told otherwise: the best algorithm this kernel lets a namespace use,
+#: chosen when the cluster is built (see choose_tcp_cc)
+AUTO_TCP_CC = "auto"
+DEFAULT_TCP_CC = AUTO_TCP_CC
+#: what "auto" picks, best first: cubic, mainline Linux's default; else reno, the loss-based
+#: algorithm every kernel has built in (bbr, which some kernels allow instead, measured worst:
+#: README, "Simulated heterogeneous cluster"); else the host's own default
+TCP_CC_PREFERENCE = ("cubic", "reno")
 
 _UNSHAPED_WORDS = ("inf", "-", "none", "unlimited", "")
 
@@ -142,14 +148,17 @@ class SimSpec:
     cpu_quota: per-rank CPU quota in cores (1.0 = one core, 0.25 = a quarter); None = no cgroup.
     latency_ms: one-way delay added on each rank's egress (netem; the kernel must have it).
     nprocs: world size when no per-rank list gives it.
-    tcp_cc: TCP congestion control of every namespace of the cluster (``None`` = inherit the
-        host's). The default is ``cubic``, mainline Linux's default, so that results do not depend
-        on how the host was configured: a new namespace inherits the host's choice, and the
-        development VM's kernel defaults to ``bbr``. Under bbr, on 800/800/800/100 Mbit/s, the
-        slow rank's outgoing flow ran at half rate for the first ~0.2 s of every 16 MB allreduce,
-        while the fast ranks' reduce-scatter flooded each other on the shared cores: hetcomm
-        took 1.13-1.16x the bound there and 1.06-1.08x under cubic (README, "Simulated
-        heterogeneous cluster").
+    tcp_cc: TCP congestion control of every namespace of the cluster: a name, ``None`` (inherit
+        the host's), or ``"auto"`` (the default): the first of :data:`TCP_CC_PREFERENCE` that
+        this kernel lets a namespace select, else the host's. Building the cluster replaces
+        ``"auto"`` and ``None`` by the name actually in use, which is what the ranks, the run
+        summary and the benchmark JSON then see. Not inheriting matters: a new namespace takes
+        the host's choice, and the development VM's kernel defaults to ``bbr``. Under bbr, on
+        800/800/800/100 Mbit/s, the slow rank's outgoing flow ran at half rate for the first
+        ~0.2 s of every 16 MB allreduce, while the fast ranks' reduce-scatter flooded each other
+        on the shared cores: hetcomm took 1.13-1.16x the bound there and 1.06-1.08x under cubic
+        (README, "Simulated heterogeneous cluster"). Some kernels let a namespace select only
+        ``net.ipv4.tcp_allowed_congestion_control`` (one seen: reno and bbr), hence "auto".
     """
 
     nic_mbit: Optional[list[Optional[float]]] = None
@@ -290,7 +299,10 @@ class SimSpec:
             parts.append(f"latency {self.latency_ms:g} ms one-way")
         if not self.shaped:
             parts.append("network unshaped")
-        parts.append(f"TCP {self.tcp_cc}" if self.tcp_cc else "TCP: the host's default")
+        if self.tcp_cc == AUTO_TCP_CC:
+            parts.append("TCP: the best this kernel allows (cubic, else reno)")
+        else:
+            parts.append(f"TCP {self.tcp_cc}" if self.tcp_cc else "TCP: the host's default")
         return "; ".join(parts)
 
 
@@ -358,3 +370,30 @@ def ring_allreduce_seconds(bw: Sequence[Sequence[float]], nbytes: float,
         load = (2.0 - shares[a] - shares[b]) * nbytes
         t = max(t, load / bw[a][b] if bw[a][b] > 0 else math.inf)
     return t
+
+
+def choose_tcp_cc(requested: Optional[str], host: str, available: Sequence[str],
+                  allowed: Sequence[str]) -> tuple[str, bool, str]:
+    """The congestion control a simulated cluster uses: ``(name, write, note)``.
+
+    ``requested`` is ``SimSpec.tcp_cc``; ``host`` the host's default (what a new namespace
+    inherits); ``available`` the kernel's ``tcp_available_congestion_control``; ``allowed`` its
+    ``tcp_allowed_congestion_control``, the algorithms a namespace other than the host's may
+    select (Linux refuses the others with EPERM, root or not). ``write`` says whether the
+    namespaces' setting must be written (not when the name is what they inherit anyway); ``note``
+    explains a choice the user did not spell out ("" otherwise). Pure: the kernel is read by the
+    caller. An explicit name is returned as is (the write reports a refusal); ``"auto"`` never
+    fails.
+    """
+    if requested is None:
+        return host, False, ""
+    if requested != AUTO_TCP_CC:
+        return requested, requested != host, ""
+    rule = f"net.ipv4.tcp_allowed_congestion_control = {' '.join(allowed) or '(empty)'}"
+    for rank, name in enumerate(TCP_CC_PREFERENCE):
+        if name == host or name in allowed:  # inherited, or selectable
+            note = "" if rank == 0 else (f"TCP {name}: {', '.join(TCP_CC_PREFERENCE[:rank])} is not "
+                                         f"allowed in network namespaces here ({rule})")
+            return name, name != host, note
+    return host, False, (f"TCP {host}, the host's: none of {', '.join(TCP_CC_PREFERENCE)} is allowed "
+                         f"in network namespaces here ({rule})")

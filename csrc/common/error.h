@@ -33,6 +33,19 @@ class TimeoutError : public CommError {
   explicit TimeoutError(const std::string& what) : CommError(what) {}
 };
 
+// Nothing listens at an address any more (ECONNREFUSED): for an address a peer published, the
+// peer has exited or crashed.
+class ConnectionRefusedError : public CommError {
+ public:
+  explicit ConnectionRefusedError(const std::string& what) : CommError(what) {}
+};
+
+// A wait given up because the group is aborting or shutting down (see Cancelled).
+class CancelledError : public CommError {
+ public:
+  explicit CancelledError(const std::string& what) : CommError(what) {}
+};
+
 namespace detail {
 inline void appendAll(std::ostringstream&) {}
 template <typename T, typename... Rest>

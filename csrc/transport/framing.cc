@@ -41,7 +41,7 @@ std::string Hello::decode(const uint8_t* bytes, Hello& out) {
   out.version = get<uint16_t>(p);
   if (out.version != kWireVersion) return strCat("unsupported wire version ", out.version);
   uint8_t channel = get<uint8_t>(p);
-  if (channel != static_cast<uint8_t>(Channel::kCollective) && channel != static_cast<uint8_t>(Channel::kP2P)) {
+  if (channel < static_cast<uint8_t>(Channel::kCollective) || channel > static_cast<uint8_t>(Channel::kProbe)) {
     return strCat("unknown channel ", static_cast<int>(channel));
   }
   out.channel = static_cast<Channel>(channel);

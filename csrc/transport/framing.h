@@ -18,6 +18,7 @@ constexpr size_t kSecretBytes = 16;
 enum class Channel : uint8_t {
   kCollective = 1,  // one per unordered pair of ranks, opened by the higher rank
   kP2P = 2,         // one per ordered pair, opened by the sender; carries send/recv only
+  kProbe = 3,       // "are you alive?": answered with the ack, then closed (no payload)
 };
 
 struct Hello {

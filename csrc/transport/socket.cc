@@ -156,37 +156,57 @@ HostPort boundAddress(int fd) {
   return hp;
 }
 
-Socket connectTo(const HostPort& addr, Deadline deadline) {
+namespace {
+
+// Waits for `events` on fd; throws on timeout, cancellation or a poll error. Returns false when
+// the deadline passed (the caller words the error), true on readiness (or a socket error, which
+// the following syscall reports).
+bool pollUntil(int fd, short events, Deadline deadline, const Cancelled& cancelled, const std::function<std::string()>& what) {
+  while (true) {
+    if (cancelled && cancelled()) throw CancelledError(strCat("hetcomm: gave up ", what(), ": the process group is shutting down"));
+    const int left = msUntil(deadline);
+    pollfd pfd{fd, events, 0};
+    const int rc = ::poll(&pfd, 1, cancelled ? std::min(left, kCancelPollMs) : left);
+    if (rc > 0) return true;
+    if (rc < 0 && errno != EINTR) throw CommError(strCat("hetcomm: poll failed ", what(), ": ", errnoText(errno)));
+    if (rc == 0 && Clock::now() >= deadline) return false;
+  }
+}
+
+}  // namespace
+
+Socket connectTo(const HostPort& addr, Deadline deadline, bool retryRefused, const Cancelled& cancelled) {
   std::string lastError = "no address";
   auto backoff = std::chrono::milliseconds(5);
+  auto what = [&] { return strCat("connecting to ", addr.str()); };
   while (true) {
     AddrInfo ai;
     resolve(addr.host, addr.port, 0, ai);
+    bool refused = false;
     for (addrinfo* p = ai.head; p != nullptr; p = p->ai_next) {
       Socket s(::socket(p->ai_family, p->ai_socktype | SOCK_CLOEXEC, p->ai_protocol));
       if (!s.valid()) continue;
       tuneSocket(s.fd(), isLoopback(p->ai_addr));
       setNonBlocking(s.fd());
       int rc = ::connect(s.fd(), p->ai_addr, p->ai_addrlen);
-      if (rc != 0 && errno == EINPROGRESS) {
-        pollfd pfd{s.fd(), POLLOUT, 0};
-        rc = ::poll(&pfd, 1, msUntil(deadline));
-        if (rc == 1) {
-          int err = 0;
+      int err = rc == 0 ? 0 : errno;
+      if (rc != 0 && err == EINPROGRESS) {
+        if (pollUntil(s.fd(), POLLOUT, deadline, cancelled, what)) {
           socklen_t len = sizeof(err);
           getsockopt(s.fd(), SOL_SOCKET, SO_ERROR, &err, &len);
-          if (err == 0) return s;
-          lastError = errnoText(err);
         } else {
-          lastError = rc == 0 ? "timed out" : errnoText(errno);
+          err = ETIMEDOUT;
         }
-      } else if (rc == 0) {
-        return s;
-      } else {
-        lastError = errnoText(errno);
       }
+      if (err == 0) return s;
+      refused = refused || err == ECONNREFUSED;
+      lastError = errnoText(err);
+    }
+    if (refused && !retryRefused) {
+      throw ConnectionRefusedError(strCat("hetcomm: ", addr.str(), " refused the connection: nothing listens there any more"));
     }
     if (Clock::now() + backoff >= deadline) break;
+    if (cancelled && cancelled()) throw CancelledError(strCat("hetcomm: gave up ", what(), ": the process group is shutting down"));
     std::this_thread::sleep_for(backoff);
     backoff = std::min(backoff * 2, std::chrono::milliseconds(500));
   }
@@ -195,20 +215,15 @@ Socket connectTo(const HostPort& addr, Deadline deadline) {
 
 namespace {
 
-// Waits for `events` on fd; throws on timeout or socket error.
-void waitFor(int fd, short events, Deadline deadline, const std::function<std::string()>& what) {
-  while (true) {
-    pollfd pfd{fd, events, 0};
-    int rc = ::poll(&pfd, 1, msUntil(deadline));
-    if (rc > 0) return;  // readiness or error: the following syscall reports which
-    if (rc == 0) throw TimeoutError(strCat("hetcomm: timed out ", what()));
-    if (errno != EINTR) throw CommError(strCat("hetcomm: poll failed ", what(), ": ", errnoText(errno)));
-  }
+// Waits for `events` on fd; throws on timeout, cancellation or socket error.
+void waitFor(int fd, short events, Deadline deadline, const std::function<std::string()>& what, const Cancelled& cancelled) {
+  if (!pollUntil(fd, events, deadline, cancelled, what)) throw TimeoutError(strCat("hetcomm: timed out ", what()));
 }
 
 }  // namespace
 
-void sendAll(int fd, const void* data, size_t len, Deadline deadline, const std::function<std::string()>& what) {
+void sendAll(int fd, const void* data, size_t len, Deadline deadline, const std::function<std::string()>& what,
+             const Cancelled& cancelled) {
   const char* p = static_cast<const char*>(data);
   while (len > 0) {
     ssize_t n = ::send(fd, p, len, MSG_NOSIGNAL);
@@ -216,7 +231,7 @@ void sendAll(int fd, const void* data, size_t len, Deadline deadline, const std:
       p += n;
       len -= static_cast<size_t>(n);
     } else if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
-      waitFor(fd, POLLOUT, deadline, what);
+      waitFor(fd, POLLOUT, deadline, what, cancelled);
     } else if (n < 0 && errno == EINTR) {
       continue;
     } else {
@@ -225,7 +240,8 @@ void sendAll(int fd, const void* data, size_t len, Deadline deadline, const std:
   }
 }
 
-void recvAll(int fd, void* data, size_t len, Deadline deadline, const std::function<std::string()>& what) {
+void recvAll(int fd, void* data, size_t len, Deadline deadline, const std::function<std::string()>& what,
+             const Cancelled& cancelled) {
   char* p = static_cast<char*>(data);
   while (len > 0) {
     ssize_t n = ::recv(fd, p, len, 0);
@@ -235,7 +251,7 @@ void recvAll(int fd, void* data, size_t len, Deadline deadline, const std::funct
     } else if (n == 0) {
       throw CommError(strCat("hetcomm: connection closed by peer ", what()));
     } else if (errno == EAGAIN || errno == EWOULDBLOCK) {
-      waitFor(fd, POLLIN, deadline, what);
+      waitFor(fd, POLLIN, deadline, what, cancelled);
     } else if (errno != EINTR) {
       throw CommError(strCat("hetcomm: recv failed ", what(), ": ", errnoText(errno)));
     }

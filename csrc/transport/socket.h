@@ -10,6 +10,10 @@ namespace hetcomm {
 
 using Clock = std::chrono::steady_clock;
 using Deadline = Clock::time_point;
+// Asked while a blocking operation waits (at least every kCancelPollMs): true gives up at once
+// with CancelledError. Lets an abort or a shutdown interrupt connects and handshakes.
+using Cancelled = std::function<bool()>;
+constexpr int kCancelPollMs = 50;
 
 // Milliseconds left until `deadline`, clamped to [0, INT_MAX] for poll().
 int msUntil(Deadline deadline);
@@ -50,9 +54,11 @@ struct HostPort {
 // A non-blocking listening socket bound to ip (port 0 picks one).
 Socket listenOn(const std::string& ip, uint16_t port, int backlog = 128);
 HostPort boundAddress(int fd);
-// Connects, retrying refused connections until the deadline; the result is non-blocking and
-// tuned (TCP_NODELAY, large buffers).
-Socket connectTo(const HostPort& addr, Deadline deadline);
+// Connects; the result is non-blocking and tuned (TCP_NODELAY, large buffers). A refused
+// connection is retried with backoff until the deadline when retryRefused, else it throws
+// ConnectionRefusedError at once: an address a peer published after it started listening that
+// refuses connections means the peer is gone, and waiting for it would only delay the error.
+Socket connectTo(const HostPort& addr, Deadline deadline, bool retryRefused = true, const Cancelled& cancelled = {});
 void setNonBlocking(int fd);
 // TCP_NODELAY and buffer sizes (see HETCOMM_SOCKET_BUFFER_BYTES). On loopback there is no
 // bandwidth-delay product to cover, and small buffers keep the data in cache while it crosses
@@ -63,8 +69,10 @@ void tuneSocket(int fd, bool loopback);
 
 // Blocking-until-deadline transfers on non-blocking sockets. `what` builds the context of the
 // error message lazily ("waiting for rank 3 during handshake").
-void sendAll(int fd, const void* data, size_t len, Deadline deadline, const std::function<std::string()>& what);
-void recvAll(int fd, void* data, size_t len, Deadline deadline, const std::function<std::string()>& what);
+void sendAll(int fd, const void* data, size_t len, Deadline deadline, const std::function<std::string()>& what,
+             const Cancelled& cancelled = {});
+void recvAll(int fd, void* data, size_t len, Deadline deadline, const std::function<std::string()>& what,
+             const Cancelled& cancelled = {});
 
 // The IPv4 address of a network interface, e.g. "eth0" -> "10.0.0.5"; throws if it has none.
 std::string interfaceAddress(const std::string& ifname);

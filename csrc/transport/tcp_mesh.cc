@@ -10,6 +10,7 @@
 #include <unistd.h>
 
 #include <cstring>
+#include <thread>
 
 #include "common/env.h"
 #include "common/logging.h"
@@ -48,26 +49,65 @@ int64_t TcpMesh::rejectedConnections() const {
   return rejected_;
 }
 
-Socket TcpMesh::connectAndGreet(int peer, Channel channel, Deadline deadline) {
-  HostPort addr = lookup_(peer, deadline);
-  Socket s = connectTo(addr, deadline);
+namespace {
+
+// The ack was garbage or came from the wrong rank: another process owns that port now, and
+// trying again would only fail again.
+class HandshakeMismatch : public CommError {
+ public:
+  using CommError::CommError;
+};
+
+}  // namespace
+
+Socket TcpMesh::connectAndGreet(int peer, Channel channel, Deadline deadline, const Cancelled& callerCancelled) {
+  const Cancelled cancelled = [this, &callerCancelled] {
+    return stopConnects_.load() || (callerCancelled && callerCancelled());
+  };
+  const HostPort addr = lookup_(peer, deadline, cancelled);
+  auto what = [&] { return strCat("(rank ", rank_, " connecting to rank ", peer, " at ", addr.str(), ")"); };
   Hello hello;
   hello.channel = channel;
   hello.rank = rank_;
   hello.worldSize = size_;
   hello.secret = secret_;
-  auto what = [&] { return strCat("(rank ", rank_, " connecting to rank ", peer, " at ", addr.str(), ")"); };
-  auto bytes = hello.encode();
-  sendAll(s.fd(), bytes.data(), bytes.size(), deadline, what);
-  std::array<uint8_t, HelloAck::kBytes> ackBytes{};
-  recvAll(s.fd(), ackBytes.data(), ackBytes.size(), deadline, what);
-  HelloAck ack;
-  std::string err = HelloAck::decode(ackBytes.data(), ack);
-  if (!err.empty() || ack.rank != peer) {
-    throw CommError(strCat("hetcomm: handshake with rank ", peer, " at ", addr.str(), " failed: ",
-                           err.empty() ? strCat("it answered as rank ", ack.rank) : err));
+  const auto helloBytes = hello.encode();
+  auto backoff = std::chrono::milliseconds(100);
+  for (int attempt = 1;; ++attempt) {
+    try {
+      Socket s = connectTo(addr, deadline, /*retryRefused=*/false, cancelled);
+      sendAll(s.fd(), helloBytes.data(), helloBytes.size(), deadline, what, cancelled);
+      std::array<uint8_t, HelloAck::kBytes> ackBytes{};
+      recvAll(s.fd(), ackBytes.data(), ackBytes.size(), deadline, what, cancelled);
+      HelloAck ack;
+      std::string err = HelloAck::decode(ackBytes.data(), ack);
+      if (!err.empty() || ack.rank != peer) {
+        throw HandshakeMismatch(strCat("hetcomm: handshake with rank ", peer, " at ", addr.str(), " failed: ",
+                                       err.empty() ? strCat("it answered as rank ", ack.rank) : err));
+      }
+      return s;
+    } catch (const ConnectionRefusedError&) {
+      throw ConnectionRefusedError(strCat("hetcomm: rank ", peer, " at ", addr.str(),
+                                          " refused the connection: it is no longer listening (did it exit or crash?)"));
+    } catch (const HandshakeMismatch&) {
+      throw;
+    } catch (const CancelledError&) {
+      throw;
+    } catch (const CommError& e) {
+      // The acceptor closed before answering (it gave up on our hello: a lossy link delayed it
+      // past HETCOMM_HANDSHAKE_TIMEOUT_MS), the connection was reset, or a timeout: try again
+      // while the deadline allows.
+      if (Clock::now() + backoff >= deadline) throw;
+      HC_LOG(kWarn, "rank ", rank_, ": handshake with rank ", peer, " at ", addr.str(), " failed (attempt ", attempt,
+             "): ", e.what(), "; trying again");
+      const Deadline until = Clock::now() + backoff;
+      while (Clock::now() < until) {
+        if (cancelled()) throw CancelledError(strCat("hetcomm: gave up ", what(), ": the process group is shutting down"));
+        std::this_thread::sleep_for(std::chrono::milliseconds(kCancelPollMs));
+      }
+      backoff = std::min(backoff * 2, std::chrono::milliseconds(1000));
+    }
   }
-  return s;
 }
 
 int TcpMesh::collectiveFd(int peer, Deadline deadline) {
@@ -87,19 +127,32 @@ int TcpMesh::collectiveFd(int peer, Deadline deadline) {
       return collective_[peer].fd();
     }
   }
-  Socket s = connectAndGreet(peer, Channel::kCollective, deadline);
+  Socket s = connectAndGreet(peer, Channel::kCollective, deadline, {});
   std::lock_guard<std::mutex> lock(mu_);
   if (aborted_ || closed_) throw CommError("hetcomm: the group's connections were shut down after an error");
   collective_[peer] = std::move(s);
   return collective_[peer].fd();
 }
 
-Socket TcpMesh::connectP2P(int peer, Deadline deadline) {
+Socket TcpMesh::connectP2P(int peer, Deadline deadline, const Cancelled& cancelled) {
   HC_ENFORCE(peer >= 0 && peer < size_ && peer != rank_);
-  return connectAndGreet(peer, Channel::kP2P, deadline);
+  return connectAndGreet(peer, Channel::kP2P, deadline, cancelled);
+}
+
+bool TcpMesh::peerGone(int peer, Deadline deadline, const Cancelled& cancelled) {
+  HC_ENFORCE(peer >= 0 && peer < size_ && peer != rank_);
+  try {
+    connectAndGreet(peer, Channel::kProbe, deadline, cancelled);
+    return false;
+  } catch (const ConnectionRefusedError&) {
+    return true;
+  } catch (const CommError&) {
+    return false;  // no answer in time, the store is unreachable, ...: cannot tell
+  }
 }
 
 void TcpMesh::abort() {
+  stopConnects_ = true;
   std::lock_guard<std::mutex> lock(mu_);
   aborted_ = true;
   for (Socket& s : collective_) s.shutdownBoth();
@@ -107,6 +160,7 @@ void TcpMesh::abort() {
 }
 
 void TcpMesh::close() {
+  stopConnects_ = true;
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (closed_) return;
@@ -127,21 +181,51 @@ void TcpMesh::close() {
   }
 }
 
+namespace {
+
+// A descriptor held in reserve: when accept() fails for lack of descriptors, closing it makes room
+// to take the connection off the queue and close it. Otherwise the listener would stay readable
+// and its loop would spin until a descriptor frees up.
+Socket openSpareDescriptor() { return Socket(::open("/dev/null", O_RDONLY | O_CLOEXEC)); }
+
+std::string peerHost(const sockaddr_storage& ss) {
+  char host[INET6_ADDRSTRLEN] = "?";
+  if (ss.ss_family == AF_INET) {
+    inet_ntop(AF_INET, &reinterpret_cast<const sockaddr_in*>(&ss)->sin_addr, host, sizeof(host));
+  } else if (ss.ss_family == AF_INET6) {
+    inet_ntop(AF_INET6, &reinterpret_cast<const sockaddr_in6*>(&ss)->sin6_addr, host, sizeof(host));
+  }
+  return host;
+}
+
+}  // namespace
+
 // Handshakes are progressed side by side: a connection that sends nothing (or trickles) holds
-// only its own slot until its deadline, never the peers connecting after it.
+// only its own slot until its deadline, never the peers connecting after it. At most
+// kMaxPendingGreetings are in progress; further connections wait in the kernel's backlog (and a
+// flood of silent connections costs one slot each for HETCOMM_HANDSHAKE_TIMEOUT_MS).
 void TcpMesh::listenLoop() {
   std::vector<Greeting> greetings;
+  Socket spare = openSpareDescriptor();
+  Deadline acceptPausedUntil{};
   while (true) {
-    std::vector<pollfd> fds = {{listener_.fd(), POLLIN, 0}, {wakePipe_[0], POLLIN, 0}};
-    int timeoutMs = -1;
+    const Deadline now = Clock::now();
+    const bool accepting = greetings.size() < kMaxPendingGreetings && now >= acceptPausedUntil;
+    std::vector<pollfd> fds = {{wakePipe_[0], POLLIN, 0}, {listener_.fd(), static_cast<short>(accepting ? POLLIN : 0), 0}};
+    int timeoutMs = now < acceptPausedUntil ? msUntil(acceptPausedUntil) : -1;
     for (const Greeting& g : greetings) {
       fds.push_back({g.socket.fd(), POLLIN, 0});
       const int ms = msUntil(g.deadline);
       timeoutMs = timeoutMs < 0 ? ms : std::min(timeoutMs, ms);
     }
     int rc = ::poll(fds.data(), fds.size(), timeoutMs);
-    if (rc < 0 && errno != EINTR) continue;
-    if (fds[1].revents != 0) return;
+    if (rc < 0 && errno != EINTR) {
+      // Not expected (ENOMEM, ...): do not spin on it.
+      HC_LOG(kError, "rank ", rank_, ": the listener's poll failed: ", std::strerror(errno));
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));
+      continue;
+    }
+    if (rc > 0 && fds[0].revents != 0) return;
     // Progress (or expire) the pending handshakes; fds[2 + k] belongs to greetings[k].
     std::vector<Greeting> still;
     for (size_t k = 0; k < greetings.size(); ++k) {
@@ -155,29 +239,60 @@ void TcpMesh::listenLoop() {
       still.push_back(std::move(g));
     }
     greetings.swap(still);
-    if (rc <= 0 || (fds[0].revents & POLLIN) == 0) continue;
-    sockaddr_storage ss{};
-    socklen_t len = sizeof(ss);
-    int fd = ::accept4(listener_.fd(), reinterpret_cast<sockaddr*>(&ss), &len, SOCK_CLOEXEC | SOCK_NONBLOCK);
-    if (fd < 0) continue;
-    char host[INET6_ADDRSTRLEN] = "?";
-    if (ss.ss_family == AF_INET) {
-      inet_ntop(AF_INET, &reinterpret_cast<sockaddr_in*>(&ss)->sin_addr, host, sizeof(host));
-    }
-    Greeting g;
-    g.socket = Socket(fd);  // inherits the listener's buffer sizes
-    int one = 1;
-    setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
-    g.from = host;
-    g.deadline = Clock::now() + std::chrono::milliseconds(paramHandshakeTimeoutMs());
-    greetings.push_back(std::move(g));
+    if (rc > 0 && accepting && (fds[1].revents & POLLIN) != 0) acceptOne(greetings, spare, acceptPausedUntil);
   }
+}
+
+void TcpMesh::acceptOne(std::vector<Greeting>& greetings, Socket& spare, Deadline& pausedUntil) {
+  sockaddr_storage ss{};
+  socklen_t len = sizeof(ss);
+  int fd = ::accept4(listener_.fd(), reinterpret_cast<sockaddr*>(&ss), &len, SOCK_CLOEXEC | SOCK_NONBLOCK);
+  if (fd < 0) {
+    const int err = errno;
+    if (err == EMFILE || err == ENFILE) {
+      if (spare.valid()) {
+        spare.close();
+        len = sizeof(ss);
+        fd = ::accept4(listener_.fd(), reinterpret_cast<sockaddr*>(&ss), &len, SOCK_CLOEXEC);
+        if (fd >= 0) {
+          ::close(fd);
+          reject(peerHost(ss), "this process is out of file descriptors");
+        }
+        spare = openSpareDescriptor();
+      }
+      if (!spare.valid()) pausedUntil = Clock::now() + std::chrono::milliseconds(100);
+    } else if (err != EAGAIN && err != EWOULDBLOCK && err != EINTR && err != ECONNABORTED) {
+      HC_LOG(kError, "rank ", rank_, ": accept failed: ", std::strerror(err));
+      pausedUntil = Clock::now() + std::chrono::milliseconds(100);
+    }
+    return;
+  }
+  Greeting g;
+  g.socket = Socket(fd);  // inherits the listener's buffer sizes
+  int one = 1;
+  setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+  g.from = peerHost(ss);
+  g.deadline = Clock::now() + std::chrono::milliseconds(paramHandshakeTimeoutMs());
+  greetings.push_back(std::move(g));
 }
 
 void TcpMesh::reject(const std::string& from, const std::string& why) {
   std::lock_guard<std::mutex> lock(mu_);
   ++rejected_;
-  HC_LOG(kWarn, "rank ", rank_, ": rejected a connection from ", from, ": ", why);
+  // A flood of strangers must not flood the log too: one line a second, with a count.
+  const Deadline now = Clock::now();
+  if (now < nextRejectLog_) {
+    ++rejectsNotLogged_;
+    return;
+  }
+  nextRejectLog_ = now + std::chrono::seconds(1);
+  if (rejectsNotLogged_ > 0) {
+    HC_LOG(kWarn, "rank ", rank_, ": rejected a connection from ", from, ": ", why, " (and ", rejectsNotLogged_,
+           " more in the last second)");
+  } else {
+    HC_LOG(kWarn, "rank ", rank_, ": rejected a connection from ", from, ": ", why);
+  }
+  rejectsNotLogged_ = 0;
 }
 
 bool TcpMesh::progressGreeting(Greeting& g) {
@@ -217,6 +332,7 @@ void TcpMesh::acceptGreeting(Greeting& g) {
   sendAll(g.socket.fd(), ackBytes.data(), ackBytes.size(), g.deadline,
           [&] { return strCat("answering rank ", hello.rank); });
 
+  if (hello.channel == Channel::kProbe) return;  // answered: that was all it asked
   std::unique_lock<std::mutex> lock(mu_);
   if (hello.channel == Channel::kCollective) {
     if (collective_[hello.rank].valid()) throw CommError(strCat("duplicate collective connection from rank ", hello.rank));

@@ -8,8 +8,17 @@
 //   point-to-point engine on the receiving side. Keeping them apart from the collective
 //   connections means a send/recv can never interleave with a collective's byte stream.
 // * A listener thread accepts connections and checks a handshake (magic, version, world size,
-//   rank, the group's random secret). Anything else is logged and closed; it disturbs nothing.
+//   rank, the group's random secret). Anything else is logged and closed; it disturbs nothing:
+//   at most kMaxPendingGreetings connections wait for their handshake at once (the rest wait in
+//   the kernel's backlog), and when the process runs out of descriptors the connection is taken
+//   off the queue and closed rather than left to make the listener spin.
+// * A connector whose handshake fails (the acceptor gave up on a hello that two retransmissions
+//   on a lossy link delayed past its timeout) tries again until its deadline. A published address
+//   that refuses connections means the peer is gone: that fails at once.
+// * Everything that blocks (store lookups, connects, handshakes) gives up within kCancelPollMs of
+//   abort() or close(), or of its caller's own Cancelled.
 #include <array>
+#include <atomic>
 #include <condition_variable>
 #include <functional>
 #include <mutex>
@@ -25,8 +34,10 @@ namespace hetcomm {
 class TcpMesh {
  public:
   using Secret = std::array<uint8_t, kSecretBytes>;
-  // Blocking lookup of a peer's published listening address (the store), bounded by a deadline.
-  using PeerLookup = std::function<HostPort(int rank, Deadline deadline)>;
+  // Blocking lookup of a peer's published listening address (the store), bounded by a deadline
+  // and giving up when cancelled() turns true.
+  using PeerLookup = std::function<HostPort(int rank, Deadline deadline, const Cancelled& cancelled)>;
+  static constexpr size_t kMaxPendingGreetings = 64;
   using InboundP2P = std::function<void(int peer, Socket socket)>;
 
   TcpMesh(int rank, int size, const std::string& listenIp, const Secret& secret, PeerLookup lookup);
@@ -39,8 +50,12 @@ class TcpMesh {
 
   // The collective connection to `peer`, established on first use. The fd stays owned by the mesh.
   int collectiveFd(int peer, Deadline deadline);
-  // A new sender-side point-to-point connection to `peer`.
-  Socket connectP2P(int peer, Deadline deadline);
+  // A new sender-side point-to-point connection to `peer`; throws ConnectionRefusedError when
+  // the peer is gone, CancelledError when `cancelled` (or the mesh's abort) ends the wait.
+  Socket connectP2P(int peer, Deadline deadline, const Cancelled& cancelled = {});
+  // True when `peer` has certainly exited: its published address refuses connections. False
+  // when it answers, and when that cannot be told before the deadline.
+  bool peerGone(int peer, Deadline deadline, const Cancelled& cancelled = {});
 
   // Shuts every collective connection down so that peers blocked on us fail fast instead of
   // waiting for their timeout; the mesh is unusable afterwards.
@@ -51,7 +66,7 @@ class TcpMesh {
   int64_t rejectedConnections() const;
 
  private:
-  Socket connectAndGreet(int peer, Channel channel, Deadline deadline);
+  Socket connectAndGreet(int peer, Channel channel, Deadline deadline, const Cancelled& cancelled);
   // A connection that has not finished its handshake yet.
   struct Greeting {
     Socket socket;
@@ -65,6 +80,8 @@ class TcpMesh {
   bool progressGreeting(Greeting& g);
   void acceptGreeting(Greeting& g);
   void reject(const std::string& from, const std::string& why);
+  // Accepts one connection from the listener's queue into `greetings`; never blocks.
+  void acceptOne(std::vector<Greeting>& greetings, Socket& spare, Deadline& pausedUntil);
 
   const int rank_;
   const int size_;
@@ -82,7 +99,10 @@ class TcpMesh {
   std::vector<Socket> collective_;  // by peer rank
   bool aborted_ = false;
   bool closed_ = false;
+  std::atomic<bool> stopConnects_{false};  // abort() or close(): blocked connects give up
   int64_t rejected_ = 0;
+  int64_t rejectsNotLogged_ = 0;  // reject() logs at most one line a second
+  Deadline nextRejectLog_{};
 };
 
 }  // namespace hetcomm

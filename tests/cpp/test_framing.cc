@@ -15,7 +15,7 @@ void putU32(std::array<uint8_t, N>& b, size_t at, uint32_t v) {
 }  // namespace
 
 TEST_CASE(hello_round_trip) {
-  for (Channel ch : {Channel::kCollective, Channel::kP2P}) {
+  for (Channel ch : {Channel::kCollective, Channel::kP2P, Channel::kProbe}) {
     for (int32_t rank : {0, 7, std::numeric_limits<int32_t>::max(), -1}) {
       Hello h;
       h.channel = ch;
@@ -68,7 +68,7 @@ TEST_CASE(hello_rejects_garbage) {
     const std::string err = Hello::decode(b.data(), out);
     CHECK_MSG(err.find("version") != std::string::npos, "version ", version, ": '", err, "'");
   }
-  for (uint8_t channel : {uint8_t(0), uint8_t(3), uint8_t(255)}) {
+  for (uint8_t channel : {uint8_t(0), uint8_t(4), uint8_t(255)}) {
     auto b = h.encode();
     b[6] = channel;
     const std::string err = Hello::decode(b.data(), out);

@@ -1,0 +1,165 @@
+// TcpMesh's connecting side against scripted peers: a handshake the acceptor gave up on is tried
+// again, an address that refuses connections fails at once, a probe tells a gone peer from a live
+// one, and an abort interrupts a connector still waiting for its peer's address.
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <chrono>
+#include <thread>
+
+#include "check.h"
+#include "common/error.h"
+#include "transport/framing.h"
+#include "transport/socket.h"
+#include "transport/tcp_mesh.h"
+
+using namespace hetcomm;
+
+namespace {
+
+TcpMesh::Secret testSecret() {
+  TcpMesh::Secret s{};
+  for (size_t i = 0; i < s.size(); ++i) s[i] = static_cast<uint8_t>(3 * i + 1);
+  return s;
+}
+
+// A blocking listener on loopback that plays rank 1 of a 2-rank group, connection by connection.
+class ScriptedPeer {
+ public:
+  ScriptedPeer() {
+    fd_ = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    sockaddr_in a{};
+    a.sin_family = AF_INET;
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    ::bind(fd_, reinterpret_cast<sockaddr*>(&a), sizeof(a));
+    ::listen(fd_, 8);
+    address_ = boundAddress(fd_);
+  }
+  ~ScriptedPeer() { ::close(fd_); }
+  HostPort address() const { return address_; }
+  int accept() { return ::accept(fd_, nullptr, nullptr); }
+  // Reads a whole hello from `fd`; false if the connection closed first.
+  static bool readHello(int fd, Hello& hello) {
+    std::array<uint8_t, Hello::kBytes> bytes{};
+    size_t got = 0;
+    while (got < bytes.size()) {
+      ssize_t n = ::recv(fd, bytes.data() + got, bytes.size() - got, 0);
+      if (n <= 0) return false;
+      got += static_cast<size_t>(n);
+    }
+    return Hello::decode(bytes.data(), hello).empty();
+  }
+  static void answer(int fd, int32_t rank) {
+    HelloAck ack;
+    ack.rank = rank;
+    const auto bytes = ack.encode();
+    (void)!::send(fd, bytes.data(), bytes.size(), MSG_NOSIGNAL);
+  }
+
+ private:
+  int fd_ = -1;
+  HostPort address_;
+};
+
+// An address nothing listens on (a port bound and released again).
+HostPort deadAddress() {
+  int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a));
+  HostPort hp = boundAddress(fd);
+  ::close(fd);
+  return hp;
+}
+
+TcpMesh::PeerLookup fixedLookup(HostPort address) {
+  return [address](int, Deadline, const Cancelled&) { return address; };
+}
+
+Deadline in(int seconds) { return Clock::now() + std::chrono::seconds(seconds); }
+
+}  // namespace
+
+TEST_CASE(a_handshake_the_acceptor_gave_up_on_is_tried_again) {
+  ScriptedPeer peer;
+  std::atomic<int> connections{0};
+  std::thread script([&] {
+    // First connection: close it unanswered, as an acceptor does when the hello came too late.
+    int first = peer.accept();
+    ++connections;
+    ::close(first);
+    // Second: a proper answer.
+    int second = peer.accept();
+    ++connections;
+    Hello hello;
+    if (ScriptedPeer::readHello(second, hello) && hello.rank == 0 && hello.channel == Channel::kP2P) {
+      ScriptedPeer::answer(second, 1);
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));
+    ::close(second);
+  });
+  TcpMesh mesh(0, 2, "127.0.0.1", testSecret(), fixedLookup(peer.address()));
+  CHECK_NOTHROW(mesh.connectP2P(1, in(20)));
+  script.join();
+  CHECK_EQ(connections.load(), 2);
+}
+
+TEST_CASE(an_address_that_refuses_connections_fails_at_once) {
+  TcpMesh mesh(0, 2, "127.0.0.1", testSecret(), fixedLookup(deadAddress()));
+  // Not retried until the 60 s deadline: the error names the refusal.
+  CHECK_THROWS_AS(mesh.connectP2P(1, in(60)), ConnectionRefusedError);
+  try {
+    mesh.connectP2P(1, in(60));
+  } catch (const ConnectionRefusedError& e) {
+    CHECK_MSG(std::string(e.what()).find("rank 1") != std::string::npos, e.what());
+    CHECK_MSG(std::string(e.what()).find("no longer listening") != std::string::npos, e.what());
+  }
+}
+
+TEST_CASE(a_probe_tells_a_gone_peer_from_a_live_one) {
+  TcpMesh gone(0, 2, "127.0.0.1", testSecret(), fixedLookup(deadAddress()));
+  CHECK(gone.peerGone(1, in(5)));
+
+  ScriptedPeer peer;
+  std::thread script([&] {
+    int fd = peer.accept();
+    Hello hello;
+    if (ScriptedPeer::readHello(fd, hello) && hello.channel == Channel::kProbe) ScriptedPeer::answer(fd, 1);
+    ::close(fd);
+  });
+  TcpMesh alive(0, 2, "127.0.0.1", testSecret(), fixedLookup(peer.address()));
+  CHECK(!alive.peerGone(1, in(5)));
+  script.join();
+}
+
+TEST_CASE(abort_interrupts_a_connector_waiting_for_its_peer_address) {
+  // The peer never publishes its address: the lookup waits until it is told to give up.
+  TcpMesh::PeerLookup waitForever = [](int, Deadline deadline, const Cancelled& cancelled) -> HostPort {
+    while (Clock::now() < deadline) {
+      if (cancelled && cancelled()) throw CancelledError("lookup cancelled");
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    }
+    throw TimeoutError("lookup timed out");
+  };
+  TcpMesh mesh(0, 2, "127.0.0.1", testSecret(), waitForever);
+  std::thread aborter([&] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    mesh.abort();
+  });
+  // With a 60 s deadline, only the abort can end this early, and it ends as cancelled.
+  CHECK_THROWS_AS(mesh.connectP2P(1, in(60)), CancelledError);
+  aborter.join();
+  // A caller's own cancellation works the same way.
+  TcpMesh other(0, 2, "127.0.0.1", testSecret(), waitForever);
+  std::atomic<bool> stop{false};
+  std::thread stopper([&] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    stop = true;
+  });
+  CHECK_THROWS_AS(other.connectP2P(1, in(60), [&] { return stop.load(); }), CancelledError);
+  stopper.join();
+}

@@ -8,13 +8,33 @@
 
 #include <algorithm>
 #include <cstring>
+#include <new>
 
+#include "common/env.h"
 #include "common/error.h"
 #include "common/logging.h"
 
 namespace hetcomm {
+namespace {
 
-P2PEngine::P2PEngine(int rank, int size, TcpMesh* mesh) : rank_(rank), size_(size), mesh_(mesh), peers_(size) {
+// Bytes of unclaimed messages kept per peer (see the header comment).
+HETCOMM_PARAM(paramP2PUnexpectedBytes, "HETCOMM_P2P_UNEXPECTED_BYTES", int64_t{256} << 20)
+
+// A receive from a peer that has not connected probes it after kFirstProbe, then ever less often.
+constexpr std::chrono::milliseconds kFirstProbe{1000};
+constexpr std::chrono::milliseconds kMaxProbeInterval{8000};
+constexpr std::chrono::milliseconds kProbeTimeout{2000};
+
+std::exception_ptr commError(const std::string& what) { return std::make_exception_ptr(CommError(what)); }
+
+}  // namespace
+
+P2PEngine::P2PEngine(int rank, int size, TcpMesh* mesh)
+    : rank_(rank),
+      size_(size),
+      mesh_(mesh),
+      unexpectedBudget_(static_cast<size_t>(std::max<int64_t>(0, paramP2PUnexpectedBytes()))),
+      peers_(size) {
   if (::pipe2(wake_, O_CLOEXEC | O_NONBLOCK) != 0) throw CommError("hetcomm: pipe2 failed");
   thread_ = std::thread([this] { loop(); });
 }
@@ -30,6 +50,19 @@ P2PEngine::~P2PEngine() {
 void P2PEngine::wake() {
   char c = 1;
   (void)!::write(wake_[1], &c, 1);
+}
+
+void P2PEngine::runCallbacks(Finished& finished) {
+  for (Finishing& f : finished) {
+    try {
+      f.done(f.error, f.peer);
+    } catch (const std::exception& e) {
+      HC_LOG(kError, "a point-to-point completion callback threw: ", e.what());
+    } catch (...) {
+      HC_LOG(kError, "a point-to-point completion callback threw a non-standard exception");
+    }
+  }
+  finished.clear();
 }
 
 void P2PEngine::postSend(int peer, int64_t tag, const char* data, size_t bytes, Deadline deadline, int64_t timeoutMs,
@@ -49,9 +82,11 @@ void P2PEngine::postSend(int peer, int64_t tag, const char* data, size_t bytes, 
   if (stopping_ || !peers_[peer].outError.empty()) {
     std::string why = stopping_ ? "the process group is shutting down" : peers_[peer].outError;
     lock.unlock();
-    op.done(std::make_exception_ptr(CommError(strCat("hetcomm send to rank ", peer, ": ", why))));
+    Finished f{{std::move(op.done), commError(strCat("hetcomm send to rank ", peer, ": ", why)), peer}};
+    runCallbacks(f);
     return;
   }
+  op.posted = nextPosted_++;
   peers_[peer].sends.push_back(std::move(op));
   lock.unlock();
   wake();
@@ -66,32 +101,54 @@ void P2PEngine::postRecv(int peer, int64_t tag, char* data, size_t bytes, Deadli
   op.deadline = deadline;
   op.timeoutMs = timeoutMs;
   op.done = std::move(done);
-  std::unique_lock<std::mutex> lock(mu_);
-  Peer& p = peers_[peer];
-  // Messages that already arrived stay claimable after the sender closed its connection.
-  for (auto it = p.unexpected.begin(); it != p.unexpected.end(); ++it) {
-    if (it->first != tag) continue;
-    std::vector<char> payload = std::move(it->second);
-    p.unexpected.erase(it);
-    lock.unlock();
-    if (payload.size() != bytes) {
-      op.done(std::make_exception_ptr(CommError(strCat(
-          "hetcomm recv on rank ", rank_, ": rank ", peer, " sent ", payload.size(), " bytes with tag ", tag,
-          " but this receive expects ", bytes, " bytes"))));
-    } else {
-      if (bytes > 0) std::memcpy(data, payload.data(), bytes);
-      op.done(nullptr);
+  Finished finished;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    // Messages that already arrived stay claimable after the sender closed its connection.
+    for (int from = 0; from < size_; ++from) {
+      if (peer != kAnySource && from != peer) continue;
+      Peer& p = peers_[from];
+      auto it = std::find_if(p.unexpected.begin(), p.unexpected.end(), [&](const auto& m) { return m.first == tag; });
+      if (it == p.unexpected.end()) continue;
+      std::vector<char> payload = std::move(it->second);
+      p.unexpected.erase(it);
+      p.unexpectedBytes -= payload.size();
+      if (payload.size() != bytes) {
+        finished.push_back({std::move(op.done),
+                            commError(strCat("hetcomm recv on rank ", rank_, ": rank ", from, " sent ", payload.size(),
+                                             " bytes with tag ", tag, " but this receive expects ", bytes, " bytes")),
+                            from});
+      } else {
+        if (bytes > 0) std::memcpy(data, payload.data(), bytes);
+        finished.push_back({std::move(op.done), nullptr, from});
+      }
+      break;
     }
+    if (finished.empty()) {
+      const std::string broken = peer == kAnySource ? "" : peers_[peer].inError;
+      if (stopping_ || !broken.empty()) {
+        const std::string why = stopping_ ? "the process group is shutting down" : broken;
+        finished.push_back({std::move(op.done), commError(strCat("hetcomm recv from rank ", peer, ": ", why)), peer});
+      } else {
+        op.posted = nextPosted_++;
+        if (peer == kAnySource) {
+          anyRecvs_.push_back(std::move(op));
+        } else {
+          Peer& p = peers_[peer];
+          if (p.recvs.empty() && !p.in.valid()) {
+            p.probeInterval = kFirstProbe;
+            p.nextProbe = Clock::now() + kFirstProbe;
+          }
+          p.recvs.push_back(std::move(op));
+        }
+      }
+    }
+  }
+  if (!finished.empty()) {
+    runCallbacks(finished);
+    wake();  // a claimed message may have made room for one waiting in the socket
     return;
   }
-  if (stopping_ || !p.inError.empty()) {
-    std::string why = stopping_ ? "the process group is shutting down" : p.inError;
-    lock.unlock();
-    op.done(std::make_exception_ptr(CommError(strCat("hetcomm recv from rank ", peer, ": ", why))));
-    return;
-  }
-  p.recvs.push_back(std::move(op));
-  lock.unlock();
   wake();
 }
 
@@ -104,55 +161,129 @@ void P2PEngine::addInbound(int peer, Socket socket) {
 }
 
 void P2PEngine::stop(const std::string& reason) {
+  const bool onEngineThread = std::this_thread::get_id() == thread_.get_id();
+  std::unique_lock<std::mutex> stopLock(stopMu_, std::defer_lock);
+  if (!onEngineThread) stopLock.lock();  // the engine thread must never wait for a stop() that joins it
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stopping_ = true;
+  }
+  cancelHelpers_ = true;
+  wake();
+  if (onEngineThread || stopped_) return;
+  if (thread_.joinable()) thread_.join();
+  std::vector<Helper> helpers;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    helpers.swap(helpers_);
+  }
+  for (Helper& h : helpers) h.thread.join();  // they give up within kCancelPollMs
   Finished finished;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    if (stopping_ && !thread_.joinable()) return;
-    stopping_ = true;
-  }
-  wake();
-  if (thread_.joinable()) thread_.join();
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    for (Peer& p : peers_) {
-      failAll(p.sends, reason, finished);
-      failAll(p.recvs, reason, finished);
-      if (p.incoming.matched) {
-        finished.emplace_back(std::move(p.incoming.op.done), std::make_exception_ptr(CommError(reason)));
-        p.incoming = Incoming();
-      }
+    for (int peer = 0; peer < size_; ++peer) {
+      Peer& p = peers_[peer];
+      failAll(p.sends, peer, reason, finished);
+      failAll(p.recvs, peer, reason, finished);
+      if (p.incoming.matched) finished.push_back({std::move(p.incoming.op.done), commError(reason), peer});
+      p.incoming = Incoming();
       p.out.close();
       p.in.close();
     }
+    failAll(anyRecvs_, kAnySource, reason, finished);
   }
-  for (auto& f : finished) f.first(f.second);
+  runCallbacks(finished);
+  stopped_ = true;
 }
 
-void P2PEngine::failAll(std::deque<Op>& ops, const std::string& why, Finished& finished) {
-  for (Op& op : ops) finished.emplace_back(std::move(op.done), std::make_exception_ptr(CommError(why)));
+void P2PEngine::failAll(std::deque<Op>& ops, int peer, const std::string& why, Finished& finished) {
+  for (Op& op : ops) finished.push_back({std::move(op.done), commError(why), peer});
   ops.clear();
 }
 
-void P2PEngine::connectPending(Finished& finished) {
-  // Connecting blocks briefly (the peer's listener thread answers the handshake), so it is done
-  // without the lock; only this thread ever touches `out`.
+void P2PEngine::startHelper(std::function<void()> body) {
+  auto finished = std::make_shared<std::atomic<bool>>(false);
+  helpers_.push_back({std::thread([this, body, finished] {
+                        body();
+                        finished->store(true);
+                        wake();
+                      }),
+                      finished});
+}
+
+void P2PEngine::joinFinishedHelpers() {
+  std::vector<Helper> done;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto split = std::partition(helpers_.begin(), helpers_.end(), [](const Helper& h) { return !h.finished->load(); });
+    std::move(split, helpers_.end(), std::back_inserter(done));
+    helpers_.erase(split, helpers_.end());
+  }
+  for (Helper& h : done) h.thread.join();  // finished: returns at once
+}
+
+// Connecting waits for the peer's listener to answer the handshake (and, for a peer that is
+// slow to come up, for its address in the store): on a helper thread, so that no other peer's
+// traffic waits for it.
+void P2PEngine::connectPending() {
   for (int peer = 0; peer < size_; ++peer) {
-    Deadline deadline;
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      Peer& p = peers_[peer];
-      if (p.sends.empty() || p.out.valid() || !p.outError.empty()) continue;
-      deadline = p.sends.front().deadline;
+    Peer& p = peers_[peer];
+    if (p.sends.empty() || p.out.valid() || p.connecting || !p.outError.empty()) continue;
+    p.connecting = true;
+    const Deadline deadline = p.sends.front().deadline;
+    startHelper([this, peer, deadline] {
+      Socket s;
+      std::string error;
+      try {
+        s = mesh_->connectP2P(peer, deadline, [this] { return cancelHelpers_.load(); });
+      } catch (const std::exception& e) {
+        error = e.what();
+      }
+      Finished failed;
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        Peer& p = peers_[peer];
+        p.connecting = false;
+        if (error.empty()) {
+          p.out = std::move(s);
+        } else {
+          p.outError = error;
+          failAll(p.sends, peer, strCat("hetcomm send from rank ", rank_, " to rank ", peer, ": ", error), failed);
+        }
+      }
+      runCallbacks(failed);
+    });
+  }
+}
+
+// A receive waiting on a peer that has not even connected cannot tell a slow sender from a dead
+// one by itself: ask the peer's listener (a refused connection means the peer is gone).
+void P2PEngine::probeSilentPeers(Deadline now, int& pollTimeoutMs) {
+  for (int peer = 0; peer < size_; ++peer) {
+    Peer& p = peers_[peer];
+    if (p.recvs.empty() || p.in.valid() || !p.inError.empty() || p.probing) continue;
+    if (now < p.nextProbe) {
+      const int ms = std::max(1, msUntil(p.nextProbe));
+      pollTimeoutMs = pollTimeoutMs < 0 ? ms : std::min(pollTimeoutMs, ms);
+      continue;
     }
-    try {
-      Socket s = mesh_->connectP2P(peer, deadline);
-      std::lock_guard<std::mutex> lock(mu_);
-      peers_[peer].out = std::move(s);
-    } catch (const std::exception& e) {
-      std::lock_guard<std::mutex> lock(mu_);
-      peers_[peer].outError = e.what();
-      failAll(peers_[peer].sends, strCat("hetcomm send from rank ", rank_, " to rank ", peer, ": ", e.what()), finished);
-    }
+    p.probing = true;
+    startHelper([this, peer] {
+      const bool gone = mesh_->peerGone(peer, Clock::now() + kProbeTimeout, [this] { return cancelHelpers_.load(); });
+      Finished failed;
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        Peer& p = peers_[peer];
+        p.probing = false;
+        p.probeInterval = std::min(kMaxProbeInterval, std::max(kFirstProbe, p.probeInterval * 2));
+        p.nextProbe = Clock::now() + p.probeInterval;
+        if (gone && !p.in.valid() && p.inError.empty()) {
+          p.inError = strCat("rank ", peer, " has exited or crashed: its listening address refuses connections");
+          failAll(p.recvs, peer, strCat("hetcomm recv on rank ", rank_, ": ", p.inError), failed);
+        }
+      }
+      runCallbacks(failed);
+    });
   }
 }
 
@@ -173,7 +304,7 @@ void P2PEngine::progressSends(int peer, Peer& p, Finished& finished) {
     if (n < 0) {
       p.outError = strCat("connection to rank ", peer, " failed: ", std::strerror(errno));
       p.out.close();
-      failAll(p.sends, strCat("hetcomm send from rank ", rank_, ": ", p.outError), finished);
+      failAll(p.sends, peer, strCat("hetcomm send from rank ", rank_, ": ", p.outError), finished);
       return;
     }
     if (op.headerDone < op.header.size()) {
@@ -182,27 +313,95 @@ void P2PEngine::progressSends(int peer, Peer& p, Finished& finished) {
       op.dataDone += static_cast<size_t>(n);
     }
     if (op.headerDone == op.header.size() && op.dataDone == op.bytes) {
-      finished.emplace_back(std::move(op.done), nullptr);
+      finished.push_back({std::move(op.done), nullptr, peer});
       p.sends.pop_front();
     }
   }
+}
+
+bool P2PEngine::claimReceive(int peer, int64_t tag, Op& out) {
+  Peer& p = peers_[peer];
+  auto own = std::find_if(p.recvs.begin(), p.recvs.end(), [&](const Op& op) { return op.tag == tag; });
+  auto any = std::find_if(anyRecvs_.begin(), anyRecvs_.end(), [&](const Op& op) { return op.tag == tag; });
+  const bool haveOwn = own != p.recvs.end(), haveAny = any != anyRecvs_.end();
+  if (!haveOwn && !haveAny) return false;
+  if (haveOwn && (!haveAny || own->posted < any->posted)) {
+    out = std::move(*own);
+    p.recvs.erase(own);
+  } else {
+    out = std::move(*any);
+    anyRecvs_.erase(any);
+  }
+  return true;
 }
 
 void P2PEngine::breakInbound(int peer, Peer& p, const std::string& why, Finished& finished) {
   p.inError = why;
   p.in.close();
   if (p.incoming.matched) {
-    finished.emplace_back(std::move(p.incoming.op.done),
-                          std::make_exception_ptr(CommError(strCat("hetcomm recv on rank ", rank_, ": ", why))));
+    finished.push_back({std::move(p.incoming.op.done), commError(strCat("hetcomm recv on rank ", rank_, ": ", why)), peer});
   }
   p.incoming = Incoming();
-  failAll(p.recvs, strCat("hetcomm recv on rank ", rank_, ": ", why), finished);
+  failAll(p.recvs, peer, strCat("hetcomm recv on rank ", rank_, ": ", why), finished);
+}
+
+void P2PEngine::deliver(int peer, Peer& p, Finished& finished) {
+  Incoming& in = p.incoming;
+  if (in.matched) {
+    finished.push_back({std::move(in.op.done), nullptr, peer});
+    return;
+  }
+  // A receive may have been posted while this message was arriving unclaimed.
+  Op op;
+  if (!claimReceive(peer, in.parsed.tag, op)) {
+    p.unexpectedBytes += in.unexpected.size();
+    p.unexpected.emplace_back(in.parsed.tag, std::move(in.unexpected));
+    return;
+  }
+  if (op.bytes != in.parsed.bytes) {
+    finished.push_back({std::move(op.done),
+                        commError(strCat("hetcomm recv on rank ", rank_, ": rank ", peer, " sent ", in.parsed.bytes,
+                                         " bytes with tag ", in.parsed.tag, " but this receive expects ", op.bytes, " bytes")),
+                        peer});
+  } else {
+    if (op.bytes > 0) std::memcpy(op.data, in.unexpected.data(), op.bytes);
+    finished.push_back({std::move(op.done), nullptr, peer});
+  }
 }
 
 void P2PEngine::progressRecvs(int peer, Peer& p, Finished& finished) {
   while (p.in.valid()) {
     Incoming& in = p.incoming;
     const bool inHeader = in.headerDone < in.header.size();
+    if (!inHeader && !in.matched && in.unexpected.size() != in.parsed.bytes) {
+      // Header read, payload not placed yet: a receive that claims it, or room to keep it.
+      Op op;
+      if (claimReceive(peer, in.parsed.tag, op)) {
+        if (op.bytes != in.parsed.bytes) {
+          finished.push_back({std::move(op.done),
+                              commError(strCat("hetcomm recv on rank ", rank_, ": rank ", peer, " sent ",
+                                               in.parsed.bytes, " bytes with tag ", in.parsed.tag,
+                                               " but this receive expects ", op.bytes, " bytes")),
+                              peer});
+          return breakInbound(peer, p, strCat("message size mismatch with rank ", peer, " (tag ", in.parsed.tag, ")"),
+                              finished);
+        }
+        in.matched = true;
+        in.waitsForRoom = false;
+        in.op = std::move(op);
+      } else if (p.unexpectedBytes + in.parsed.bytes <= unexpectedBudget_ || in.parsed.bytes == 0) {
+        try {
+          in.unexpected.resize(in.parsed.bytes);
+        } catch (const std::bad_alloc&) {
+          return breakInbound(peer, p, strCat("cannot buffer the ", in.parsed.bytes, "-byte message with tag ",
+                                              in.parsed.tag, " from rank ", peer, ": out of memory"), finished);
+        }
+        in.waitsForRoom = false;
+      } else {
+        in.waitsForRoom = true;  // stays in the socket until a receive claims it or room frees up
+        return;
+      }
+    }
     char* ptr;
     size_t left;
     if (inHeader) {
@@ -225,51 +424,23 @@ void P2PEngine::progressRecvs(int peer, Peer& p, Finished& finished) {
         if (in.headerDone < in.header.size()) continue;
         std::string err = P2PHeader::decode(in.header.data(), in.parsed);
         if (!err.empty()) return breakInbound(peer, p, strCat("garbage from rank ", peer, ": ", err), finished);
-        auto match = std::find_if(p.recvs.begin(), p.recvs.end(), [&](const Op& op) { return op.tag == in.parsed.tag; });
-        if (match != p.recvs.end()) {
-          if (match->bytes != in.parsed.bytes) {
-            Op op = std::move(*match);
-            p.recvs.erase(match);
-            finished.emplace_back(std::move(op.done), std::make_exception_ptr(CommError(strCat(
-                "hetcomm recv on rank ", rank_, ": rank ", peer, " sent ", in.parsed.bytes, " bytes with tag ",
-                in.parsed.tag, " but this receive expects ", op.bytes, " bytes"))));
-            return breakInbound(peer, p, strCat("message size mismatch with rank ", peer, " (tag ", in.parsed.tag, ")"),
-                                finished);
-          }
-          in.matched = true;
-          in.op = std::move(*match);
-          p.recvs.erase(match);
-        } else {
-          in.unexpected.resize(in.parsed.bytes);
-        }
-      } else {
-        in.dataDone += static_cast<size_t>(n);
+        continue;  // the payload's destination is chosen at the top of the loop
       }
+      in.dataDone += static_cast<size_t>(n);
     }
     if (in.headerDone == in.header.size() && in.dataDone == in.parsed.bytes) {
-      if (in.matched) {
-        finished.emplace_back(std::move(in.op.done), nullptr);
-      } else {
-        // A receive may have been posted while this message was arriving unclaimed.
-        auto match = std::find_if(p.recvs.begin(), p.recvs.end(), [&](const Op& op) { return op.tag == in.parsed.tag; });
-        if (match == p.recvs.end()) {
-          p.unexpected.emplace_back(in.parsed.tag, std::move(in.unexpected));
-        } else {
-          Op op = std::move(*match);
-          p.recvs.erase(match);
-          if (op.bytes != in.parsed.bytes) {
-            finished.emplace_back(std::move(op.done), std::make_exception_ptr(CommError(strCat(
-                "hetcomm recv on rank ", rank_, ": rank ", peer, " sent ", in.parsed.bytes, " bytes with tag ",
-                in.parsed.tag, " but this receive expects ", op.bytes, " bytes"))));
-          } else {
-            if (op.bytes > 0) std::memcpy(op.data, in.unexpected.data(), op.bytes);
-            finished.emplace_back(std::move(op.done), nullptr);
-          }
-        }
-      }
+      deliver(peer, p, finished);
       in = Incoming();
     }
   }
+}
+
+std::string P2PEngine::whyStuck(const Peer& p) const {
+  const Incoming& in = p.incoming;
+  if (!in.waitsForRoom) return "";
+  return strCat("; it is behind an unclaimed ", in.parsed.bytes, "-byte message with tag ", in.parsed.tag,
+                " that does not fit the ", unexpectedBudget_, " bytes kept for unclaimed messages from one peer "
+                "(HETCOMM_P2P_UNEXPECTED_BYTES): post that receive first, or raise the limit");
 }
 
 void P2PEngine::timeOut(int peer, Peer& p, Deadline now, Finished& finished, int& pollTimeoutMs) {
@@ -289,9 +460,9 @@ void P2PEngine::timeOut(int peer, Peer& p, Deadline now, Finished& finished, int
       if (op.headerDone > 0) {  // half sent: the stream is unusable
         p.outError = w;
         p.out.close();
-        failAll(p.sends, w, finished);
+        failAll(p.sends, peer, w, finished);
       } else {
-        finished.emplace_back(std::move(op.done), std::make_exception_ptr(TimeoutError(w)));
+        finished.push_back({std::move(op.done), std::make_exception_ptr(TimeoutError(w)), peer});
         p.sends.pop_front();
       }
     } else {
@@ -304,7 +475,7 @@ void P2PEngine::timeOut(int peer, Peer& p, Deadline now, Finished& finished, int
   }
   for (auto it = p.recvs.begin(); it != p.recvs.end();) {
     if (it->deadline <= now) {
-      finished.emplace_back(std::move(it->done), std::make_exception_ptr(TimeoutError(why("recv", *it))));
+      finished.push_back({std::move(it->done), std::make_exception_ptr(TimeoutError(why("recv", *it) + whyStuck(p))), peer});
       it = p.recvs.erase(it);
     } else {
       track(it->deadline);
@@ -315,28 +486,50 @@ void P2PEngine::timeOut(int peer, Peer& p, Deadline now, Finished& finished, int
 
 void P2PEngine::loop() {
   while (true) {
+    joinFinishedHelpers();
     Finished finished;
-    connectPending(finished);
     std::vector<pollfd> fds;
     int timeoutMs = -1;
     {
       std::lock_guard<std::mutex> lock(mu_);
       if (stopping_) break;
       const Deadline now = Clock::now();
+      connectPending();
+      probeSilentPeers(now, timeoutMs);
       for (int peer = 0; peer < size_; ++peer) {
         Peer& p = peers_[peer];
         progressSends(peer, p, finished);
         progressRecvs(peer, p, finished);
         timeOut(peer, p, now, finished, timeoutMs);
         if (!p.sends.empty() && p.out.valid()) fds.push_back({p.out.fd(), POLLOUT, 0});
-        // Always read: a message may arrive before the receive that claims it.
-        if (p.in.valid()) fds.push_back({p.in.fd(), POLLIN, 0});
+        // Always read (a message may arrive before the receive that claims it), unless the
+        // message in the socket waits for room.
+        if (p.in.valid() && !p.incoming.waitsForRoom) fds.push_back({p.in.fd(), POLLIN, 0});
+      }
+      for (auto it = anyRecvs_.begin(); it != anyRecvs_.end();) {
+        if (it->deadline <= now) {
+          finished.push_back({std::move(it->done),
+                              std::make_exception_ptr(TimeoutError(strCat(
+                                  "hetcomm recv: rank ", rank_, " timed out after ", it->timeoutMs,
+                                  " ms waiting for a message with tag ", it->tag, " from any rank (", it->bytes, " bytes)"))),
+                              kAnySource});
+          it = anyRecvs_.erase(it);
+        } else {
+          const int ms = msUntil(it->deadline);
+          timeoutMs = timeoutMs < 0 ? ms : std::min(timeoutMs, ms);
+          ++it;
+        }
       }
     }
-    for (auto& f : finished) f.first(f.second);
-    if (!finished.empty()) continue;
+    const bool progressed = !finished.empty();
+    runCallbacks(finished);
+    if (progressed) continue;
     fds.push_back({wake_[0], POLLIN, 0});
     int rc = ::poll(fds.data(), fds.size(), timeoutMs < 0 ? -1 : std::max(timeoutMs, 1));
+    if (rc < 0 && errno != EINTR) {
+      HC_LOG(kError, "rank ", rank_, ": the point-to-point engine's poll failed: ", std::strerror(errno));
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
     if (rc > 0 && fds.back().revents != 0) {
       char buf[64];
       while (::read(wake_[0], buf, sizeof(buf)) > 0) {

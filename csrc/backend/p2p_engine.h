@@ -4,16 +4,29 @@
 // Sends and receives with different peers, and the two directions with one peer, progress
 // independently, so "both ranks isend a large tensor, then irecv" cannot deadlock the way it would
 // if sends blocked the collective worker. A receive matches the earliest message from its peer
-// with its tag (as in Gloo and MPI), whatever the posting order. Incoming data is read eagerly:
-// a message nobody has asked for yet is kept until a receive claims it, so a sender is never
-// stuck behind a tag the receiver posts later. A message whose size differs from the matching
-// receive's fails that receive with a message naming both sides, and the stream from that peer is
-// closed (it can no longer be trusted).
+// (or, for a receive from any source, from any peer) with its tag, whatever the posting order; of
+// several matching receives the one posted first wins (as in Gloo and MPI).
+//
+// Incoming data is read eagerly: a message nobody has asked for yet is kept until a receive
+// claims it, so a sender is never stuck behind a tag the receiver posts later, up to a budget of
+// HETCOMM_P2P_UNEXPECTED_BYTES per peer. A message that does not fit is left in the socket until
+// a receive claims it (the sender then waits, as TCP makes it), and a receive stuck behind it
+// times out with a message that says so.
+//
+// A message whose size differs from the matching receive's fails that receive with a message
+// naming both sides, and the stream from that peer is closed (it can no longer be trusted).
+//
+// Failures come early: connecting happens on helper threads, so a slow or dead peer holds up no
+// other peer; an address that refuses connections fails the sends to it at once; a receive from a
+// peer that never connected probes the peer (once a second at first, backing off) and fails when
+// the peer is gone. Callbacks run on the engine thread and must not throw (a throw is logged).
 #include <array>
+#include <atomic>
 #include <condition_variable>
 #include <deque>
 #include <exception>
 #include <functional>
+#include <memory>
 #include <mutex>
 #include <string>
 #include <thread>
@@ -26,7 +39,10 @@ namespace hetcomm {
 
 class P2PEngine {
  public:
-  using Done = std::function<void(std::exception_ptr)>;
+  // Called once per operation with its error (null on success) and the rank the data came from
+  // (receives) or went to (sends).
+  using Done = std::function<void(std::exception_ptr, int peer)>;
+  static constexpr int kAnySource = -1;
 
   P2PEngine(int rank, int size, TcpMesh* mesh);
   ~P2PEngine();
@@ -34,10 +50,13 @@ class P2PEngine {
   P2PEngine& operator=(const P2PEngine&) = delete;
 
   void postSend(int peer, int64_t tag, const char* data, size_t bytes, Deadline deadline, int64_t timeoutMs, Done done);
+  // peer == kAnySource: the earliest matching message from any peer.
   void postRecv(int peer, int64_t tag, char* data, size_t bytes, Deadline deadline, int64_t timeoutMs, Done done);
   // An accepted sender connection from `peer` (called by the mesh's listener thread).
   void addInbound(int peer, Socket socket);
-  // Fails everything pending and stops the thread (idempotent).
+  // Fails everything pending and stops the threads. Idempotent and safe from any thread: a
+  // second caller waits for the first to finish; called from the engine thread itself (a
+  // callback), it stops the engine without joining that thread.
   void stop(const std::string& reason);
 
  private:
@@ -48,6 +67,7 @@ class P2PEngine {
     Deadline deadline;
     int64_t timeoutMs = 0;
     Done done;
+    uint64_t posted = 0;  // posting order, across peers (receives from any source compete)
     std::array<uint8_t, P2PHeader::kBytes> header{};
     size_t headerDone = 0;
     size_t dataDone = 0;
@@ -59,38 +79,71 @@ class P2PEngine {
     size_t headerDone = 0;
     P2PHeader parsed;
     bool matched = false;
-    Op op;                        // when matched
-    std::vector<char> unexpected; // when not
+    bool waitsForRoom = false;     // unmatched and over the budget: left in the socket for now
+    Op op;                         // when matched
+    std::vector<char> unexpected;  // when not
     size_t dataDone = 0;
   };
   struct Peer {
     Socket out;
     std::string outError;
     std::deque<Op> sends;
+    bool connecting = false;
     Socket in;
     std::string inError;
     std::deque<Op> recvs;  // posted, not yet matched, in posting order
     Incoming incoming;
     std::deque<std::pair<int64_t, std::vector<char>>> unexpected;  // (tag, payload), arrival order
+    size_t unexpectedBytes = 0;
+    bool probing = false;
+    Deadline nextProbe{};
+    std::chrono::milliseconds probeInterval{0};
   };
-  using Finished = std::vector<std::pair<Done, std::exception_ptr>>;
+  struct Finishing {
+    Done done;
+    std::exception_ptr error;
+    int peer;
+  };
+  using Finished = std::vector<Finishing>;
+  // Connector and prober threads; finished ones are joined by the loop, the rest by stop().
+  struct Helper {
+    std::thread thread;
+    std::shared_ptr<std::atomic<bool>> finished;
+  };
 
   void loop();
   void wake();
-  void connectPending(Finished& finished);
+  void startHelper(std::function<void()> body);
+  void joinFinishedHelpers();
+  void connectPending();
+  void probeSilentPeers(Deadline now, int& pollTimeoutMs);
   void progressSends(int peer, Peer& p, Finished& finished);
   void progressRecvs(int peer, Peer& p, Finished& finished);
+  // Finds, removes and returns the earliest-posted receive for a message from `peer` with `tag`
+  // (its own or one from any source); false if none.
+  bool claimReceive(int peer, int64_t tag, Op& out);
+  // The message in `in` has arrived whole: hand it to its receive or keep it as unexpected.
+  void deliver(int peer, Peer& p, Finished& finished);
   void breakInbound(int peer, Peer& p, const std::string& why, Finished& finished);
   void timeOut(int peer, Peer& p, Deadline now, Finished& finished, int& pollTimeoutMs);
-  void failAll(std::deque<Op>& ops, const std::string& why, Finished& finished);
+  void failAll(std::deque<Op>& ops, int peer, const std::string& why, Finished& finished);
+  static void runCallbacks(Finished& finished);
+  std::string whyStuck(const Peer& p) const;
 
   const int rank_;
   const int size_;
   TcpMesh* mesh_;
+  const size_t unexpectedBudget_;
   std::mutex mu_;
   std::vector<Peer> peers_;
+  std::deque<Op> anyRecvs_;  // receives from any source, in posting order
+  uint64_t nextPosted_ = 0;
+  std::vector<Helper> helpers_;
   int wake_[2] = {-1, -1};
   bool stopping_ = false;
+  std::atomic<bool> cancelHelpers_{false};
+  std::mutex stopMu_;  // serialises stop()
+  bool stopped_ = false;
   std::thread thread_;
 };
 

@@ -56,6 +56,9 @@ class ProcessGroupHetcomm : public c10d::Backend {
   c10::intrusive_ptr<c10d::Work> reduce(std::vector<at::Tensor>& tensors, const c10d::ReduceOptions& opts) override;
   c10::intrusive_ptr<c10d::Work> allgather(std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
                                             const c10d::AllgatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allgather_coalesced(std::vector<std::vector<at::Tensor>>& outputLists,
+                                                      std::vector<at::Tensor>& inputs,
+                                                      const c10d::AllgatherOptions& opts) override;
   c10::intrusive_ptr<c10d::Work> _allgather_base(at::Tensor& output, at::Tensor& input,
                                                   const c10d::AllgatherOptions& opts) override;
   c10::intrusive_ptr<c10d::Work> allgather_into_tensor_coalesced(std::vector<at::Tensor>& outputs,
@@ -81,6 +84,7 @@ class ProcessGroupHetcomm : public c10d::Backend {
                                            const c10d::AllToAllOptions& opts) override;
   c10::intrusive_ptr<c10d::Work> send(std::vector<at::Tensor>& tensors, int dstRank, int tag) override;
   c10::intrusive_ptr<c10d::Work> recv(std::vector<at::Tensor>& tensors, int srcRank, int tag) override;
+  c10::intrusive_ptr<c10d::Work> recvAnysource(std::vector<at::Tensor>& tensors, int tag) override;
   c10::intrusive_ptr<c10d::Work> barrier(const c10d::BarrierOptions& opts) override;
 
   void setSequenceNumberForGroup() override {}
@@ -127,6 +131,8 @@ class ProcessGroupHetcomm : public c10d::Backend {
   DeviceOps* deviceOps(const c10::Stream& stream);
   // A CUDA tensor's bytes in pinned host memory, copied after what the caller had queued.
   at::Tensor stageForSend(const at::Tensor& data);
+  // recv and recvAnysource (srcRank == P2PEngine::kAnySource).
+  c10::intrusive_ptr<c10d::Work> postReceive(std::vector<at::Tensor>& tensors, int srcRank, int tag);
   std::chrono::milliseconds effectiveTimeout(std::chrono::milliseconds requested) const;
   void runWorker();
   void failGroup(const std::string& reason);
@@ -152,6 +158,8 @@ class ProcessGroupHetcomm : public c10d::Backend {
   // device, so that machines without a GPU test it.
   std::unique_ptr<DeviceOps> emulatedDevice_;
   std::thread worker_;
+  std::mutex shutdownMu_;  // serialises shutdown(): an abort and the destructor may race
+  bool shutDown_ = false;  // guarded by shutdownMu_
 };
 
 }  // namespace hetcomm

@@ -23,6 +23,12 @@ WorkHetcomm::WorkHetcomm(int rank, c10d::OpType type, const char* profilingTitle
                                                        devicesOf(stream))),
       pool_(std::move(pool)) {}
 
+int WorkHetcomm::sourceRank() const {
+  const int rank = sourceRank_.load();
+  TORCH_CHECK(rank >= 0, "hetcomm: sourceRank() is known only for a receive that has completed");
+  return rank;
+}
+
 bool WorkHetcomm::isCompleted() {
   if (!c10d::Work::isCompleted()) return false;
   return !done_ || done_->query();

@@ -5,6 +5,7 @@
 #include <c10/core/Event.h>
 #include <c10/core/Stream.h>
 
+#include <atomic>
 #include <memory>
 #include <optional>
 
@@ -33,6 +34,10 @@ class WorkHetcomm : public c10d::Work {
   c10::intrusive_ptr<c10::ivalue::Future> getFuture() override { return future_; }
   std::vector<at::Tensor> result() override { return outputs_; }
   uint64_t getSequencenumber() const override { return seq_; }
+  // A receive: the rank the data came from (known once it completed; for a receive from any
+  // source that is what the caller asks).
+  int sourceRank() const override;
+  void setSourceRank(int rank) { sourceRank_.store(rank); }
   bool isCompleted() override;
   void synchronize() override;
 
@@ -44,6 +49,7 @@ class WorkHetcomm : public c10d::Work {
   std::vector<at::Tensor> outputs_;
   const uint64_t seq_;
   const std::optional<c10::Stream> stream_;
+  std::atomic<int> sourceRank_{-1};
   std::optional<c10::Event> done_;  // written by complete() before finish(), read after it
   c10::intrusive_ptr<c10::ivalue::Future> future_;
   std::shared_ptr<CompletionPool> pool_;

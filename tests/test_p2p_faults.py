@@ -1,0 +1,136 @@
+"""Point-to-point against a peer that has exited, against a sender that runs far ahead, and from
+any source.
+
+Elapsed-time assertions are bounds that only waiting for the operation timeout (30 s here) can
+break, never performance claims; benchmarks/fault_latency.py measures the actual latencies.
+"""
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from conftest import hetcomm_only
+from harness import assert_same, default_store, die, pattern, run_ranks
+
+pytestmark = pytest.mark.usefixtures("backend_importable")
+
+PG_TIMEOUT_S = 30.0
+HANG_BOUND_S = 15.0  # well under PG_TIMEOUT_S: only waiting for the timeout can exceed it
+
+
+def _wait_for_key(key: str, limit_s: float = 60.0) -> None:
+    store, deadline = default_store(), time.monotonic() + limit_s
+    while not store.check([key]) and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+def peer_exits_then_p2p(rank: int, world_size: int, op: str) -> dict | None:
+    """Rank 1 exits once the group works; rank 0 then sends to it or receives from it, then
+    destroys the group."""
+    dist.all_reduce(torch.ones(10))  # the group works, and a collective connection exists
+    if rank == 1:
+        default_store().set("exiting", "1")
+        die()
+    _wait_for_key("exiting")
+    time.sleep(0.5)  # the process is gone (killed processes release their sockets at once)
+    t = torch.ones(1000)
+    start = time.monotonic()
+    try:
+        if op == "send":
+            dist.send(t, dst=1)
+        else:
+            dist.recv(t, src=1)
+    except RuntimeError as e:
+        message, raised = str(e), True
+    else:
+        message, raised = "", False
+    op_s = time.monotonic() - start
+    start = time.monotonic()
+    dist.destroy_process_group()
+    return {"raised": raised, "message": message, "op_s": op_s, "destroy_s": time.monotonic() - start}
+
+
+@hetcomm_only("gloo's recv from a dead peer waits for its timeout")
+@pytest.mark.parametrize("op", ["send", "recv"])
+def test_p2p_with_a_peer_that_has_exited_fails_fast(op: str) -> None:
+    res = run_ranks(2, peer_exits_then_p2p, op, expect_dead={1}, pg_timeout=PG_TIMEOUT_S, timeout=120)[0]
+    assert res["raised"], f"{op} to a dead peer succeeded: {res}"
+    assert "rank 1" in res["message"], res
+    assert any(w in res["message"] for w in ("refused", "exited", "closed")), res
+    assert res["op_s"] < HANG_BOUND_S, f"{op} raised only after {res['op_s']:.1f} s: {res}"
+    assert res["destroy_s"] < HANG_BOUND_S, f"destroy_process_group took {res['destroy_s']:.1f} s: {res}"
+
+
+BUDGET = 4 << 20           # HETCOMM_P2P_UNEXPECTED_BYTES for the job
+BIG = 64 << 20             # bytes sent with tag 7 before anything claims them
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096
+
+
+def sender_runs_ahead(rank: int, world_size: int) -> dict | None:
+    big = pattern(BIG // 4, torch.float32, 0)
+    small = pattern(100, torch.float32, 0, salt=5)
+    if rank == 0:
+        _wait_for_key("receiver_ready")
+        # Start late enough that the receiver's stuck receive (posted before "receiver_ready")
+        # times out well before these sends would.
+        time.sleep(2.0)
+        works = [dist.isend(big.clone(), dst=1, tag=7), dist.isend(small.clone(), dst=1, tag=5)]
+        for w in works:
+            w.wait()
+        return None
+    # Receive the small message first. It is sent after the big one, which nothing claims and
+    # which does not fit the budget: the receive cannot complete, and its error says why. (It is
+    # posted before the sender starts, so that it times out before the sender's big send does.)
+    got_small = torch.empty(100)
+    stuck_work = dist.irecv(got_small, src=0, tag=5)
+    before = _rss_bytes()
+    default_store().set("receiver_ready", "1")
+    time.sleep(3.5)  # the sender started 2 s in, and has long put on the wire what it could
+    grew = _rss_bytes() - before
+    try:
+        stuck_work.wait()
+    except RuntimeError as e:
+        stuck = str(e)
+    else:
+        stuck = ""
+    got_big = torch.empty(BIG // 4)
+    dist.recv(got_big, src=0, tag=7)
+    dist.recv(got_small, src=0, tag=5)
+    assert_same(got_big, big, "tag 7")
+    assert_same(got_small, small, "tag 5")
+    return {"rss_growth": grew, "stuck": stuck}
+
+
+@hetcomm_only("HETCOMM_P2P_UNEXPECTED_BYTES is hetcomm's")
+def test_unclaimed_messages_are_buffered_only_up_to_the_budget() -> None:
+    res = run_ranks(2, sender_runs_ahead, pg_timeout=5.0, timeout=120,
+                    env={"HETCOMM_P2P_UNEXPECTED_BYTES": str(BUDGET)})[1]
+    assert res["rss_growth"] < BIG // 2, f"the receiver buffered {res['rss_growth']} bytes of a {BIG}-byte " \
+                                         f"message it had not asked for (budget {BUDGET})"
+    assert "HETCOMM_P2P_UNEXPECTED_BYTES" in res["stuck"] and "tag 7" in res["stuck"], res
+
+
+def any_source(rank: int, world_size: int) -> list | None:
+    if rank == 0:
+        got = []
+        for _ in range(world_size - 1):
+            t = torch.empty(50)
+            work = dist.irecv(t, tag=3)  # from whichever rank sends first
+            work.wait()
+            source = work._source_rank()
+            assert_same(t, pattern(50, torch.float32, source, salt=3), f"from rank {source}")
+            got.append(source)
+        return sorted(got)
+    dist.send(pattern(50, torch.float32, rank, salt=3), dst=0, tag=3)
+    return None
+
+
+def test_receive_from_any_source() -> None:
+    assert run_ranks(3, any_source, timeout=120)[0] == [1, 2]

@@ -12,6 +12,45 @@ namespace py = pybind11;
 
 namespace {
 
+// The holder of the backend's Python object, as torch holds its own backends: when the last
+// reference goes from Python, the backend is destroyed with the GIL released. Its destructor
+// joins threads that may be waiting for the GIL to finish a Python callback (a future's then(),
+// a DDP hook); destroyed with the GIL held, it would wait for them forever. Same layout as
+// c10::intrusive_ptr<T>, which torch's casters rely on when they take the object as a Backend.
+template <typename T>
+class NoGilDestructorPtr {
+ public:
+  NoGilDestructorPtr() = default;
+  NoGilDestructorPtr(const NoGilDestructorPtr&) = default;
+  NoGilDestructorPtr(NoGilDestructorPtr&&) noexcept = default;
+  NoGilDestructorPtr& operator=(const NoGilDestructorPtr&) = default;
+  NoGilDestructorPtr& operator=(NoGilDestructorPtr&&) noexcept = default;
+  // pybind11 builds a holder from a raw pointer only for an object it has just created.
+  explicit NoGilDestructorPtr(T* fresh) : impl_(c10::intrusive_ptr<T>::unsafe_steal_from_new(fresh)) {}
+  explicit NoGilDestructorPtr(c10::intrusive_ptr<T> impl) : impl_(std::move(impl)) {}
+  ~NoGilDestructorPtr() {
+    if (!impl_) return;
+    if (PyGILState_Check()) {
+      py::gil_scoped_release release;
+      impl_.reset();
+    } else {
+      impl_.reset();
+    }
+  }
+  T& operator*() const noexcept { return *impl_; }
+  T* operator->() const noexcept { return impl_.get(); }
+  T* get() const noexcept { return impl_.get(); }
+
+ private:
+  c10::intrusive_ptr<T> impl_;
+};
+
+}  // namespace
+
+PYBIND11_DECLARE_HOLDER_TYPE(T, NoGilDestructorPtr<T>, true);
+
+namespace {
+
 hetcomm::RedOp parseOp(const std::string& name) {
   static const std::pair<const char*, hetcomm::RedOp> kOps[] = {
       {"sum", hetcomm::RedOp::kSum},   {"avg", hetcomm::RedOp::kAvg},   {"product", hetcomm::RedOp::kProduct},
@@ -44,7 +83,7 @@ PYBIND11_MODULE(_C, m) {
   m.doc() = "hetcomm C++ core";
   py::module::import("torch.distributed");
 
-  py::class_<hetcomm::ProcessGroupHetcomm, c10d::Backend, c10::intrusive_ptr<hetcomm::ProcessGroupHetcomm>>(
+  py::class_<hetcomm::ProcessGroupHetcomm, c10d::Backend, NoGilDestructorPtr<hetcomm::ProcessGroupHetcomm>>(
       m, "ProcessGroupHetcomm")
       .def(py::init([](const c10::intrusive_ptr<c10d::Store>& store, int rank, int size, int64_t timeoutMs,
                        const std::string& listenIp) {
@@ -53,7 +92,8 @@ PYBIND11_MODULE(_C, m) {
              options.listenIp = listenIp;
              // Creation waits on the store for the other ranks: let other Python threads run.
              py::gil_scoped_release release;
-             return c10::make_intrusive<hetcomm::ProcessGroupHetcomm>(store, rank, size, options);
+             return NoGilDestructorPtr<hetcomm::ProcessGroupHetcomm>(
+                 c10::make_intrusive<hetcomm::ProcessGroupHetcomm>(store, rank, size, options));
            }),
            py::arg("store"), py::arg("rank"), py::arg("size"), py::arg("timeout_ms"), py::arg("listen_ip") = "")
       .def("listen_address", &hetcomm::ProcessGroupHetcomm::listenAddress,

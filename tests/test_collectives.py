@@ -33,7 +33,8 @@ LARGE = 4 * 1024 * 1024 + 3
 WORLD_SIZES = [1, 2, 3, 4]
 
 FAMILIES = [
-    "all_reduce", "all_reduce_coalesced", "broadcast", "all_gather", "all_gather_into_tensor",
+    "all_reduce", "all_reduce_coalesced", "broadcast", "all_gather", "all_gather_coalesced",
+    "all_gather_into_tensor",
     "reduce_scatter", "reduce_scatter_tensor", "reduce", "gather", "scatter", "all_to_all",
     "all_to_all_single", "all_to_all_single_uneven", "send_recv", "send_recv_tags",
     "isend_irecv_both_ways", "barrier", "async_wait", "future_then", "future_callback_collective",
@@ -96,7 +97,7 @@ def collective_suite(rank: int, world_size: int, device: str = "cpu") -> None:
     else:
         _DEVICE = torch.device(device)
     cases = Cases(rank)
-    for check in (_all_reduce, _all_reduce_coalesced, _broadcast, _all_gather,
+    for check in (_all_reduce, _all_reduce_coalesced, _broadcast, _all_gather, _all_gather_coalesced,
                   _all_gather_into_tensor, _reduce_scatter, _reduce_scatter_tensor, _reduce,
                   _gather, _scatter, _all_to_all, _all_to_all_single, _send_recv,
                   _isend_irecv_both_ways, _barrier, _async, _non_contiguous,
@@ -169,6 +170,21 @@ def _all_gather(cases: Cases, rank: int, ws: int) -> None:
             dist.all_gather(outs, outs[rank])
             for r in range(ws):
                 assert_same(outs[r], expected[r], f"output[{r}]")
+
+
+def _all_gather_coalesced(cases: Cases, rank: int, ws: int) -> None:
+    # output_lists[r][k] is rank r's k-th input; one tensor empty, one 2-d, one of ws + 2.
+    shapes_ = [(0,), (2, 3), (ws + 2,)]
+    for dtype in (torch.float32, torch.int64, torch.float16, torch.bool):
+        with cases.case("all_gather_coalesced", label(dtype, f"shapes {shapes_}")):
+            def mine(r: int) -> list:
+                return [pattern(_numel(sh), dtype, r, salt=k).reshape(sh) for k, sh in enumerate(shapes_)]
+            ins = [dev(t) for t in mine(rank)]
+            outs = [[dev(poison_like(t)) for t in mine(r)] for r in range(ws)]
+            dist.all_gather_coalesced(outs, ins)
+            for r in range(ws):
+                for k, expected in enumerate(mine(r)):
+                    assert_same(outs[r][k], expected, f"output_lists[{r}][{k}]")
 
 
 def _all_gather_into_tensor(cases: Cases, rank: int, ws: int) -> None:

@@ -162,6 +162,41 @@ def test_mismatched_allreduce_errors_without_hang_or_crash(case: str) -> None:
     # Gloo cannot see a dtype difference when the byte counts agree: it reduces garbage.
 
 
+COALESCED_MISMATCHES = {
+    # name: the call, given (rank 0's sizes, rank 1's sizes): equal totals, different splits
+    "allgather_into_tensor_coalesced, inputs 4+6 vs 6+4": ("allgather", ([4, 6], [6, 4]), torch.float32),
+    "allgather_into_tensor_coalesced, float32 vs int32 inputs": ("allgather", ([8], [8]), None),
+    "reduce_scatter_tensor_coalesced, outputs 2+3 vs 3+2": ("reduce_scatter", ([2, 3], [3, 2]), torch.float32),
+}
+
+
+def mismatched_coalesced(rank: int, world_size: int, case: str):
+    kind, sizes, dtype = COALESCED_MISMATCHES[case]
+    if dtype is None:  # same sizes, another dtype of the same width
+        dtype = (torch.float32, torch.int32)[rank]
+    mine = sizes[rank]
+    group = dist.group.WORLD
+    if kind == "allgather":
+        ins = [torch.ones(n, dtype=dtype) for n in mine]
+        outs = [torch.zeros(n * world_size, dtype=dtype) for n in mine]
+        return _attempt(lambda: group.allgather_into_tensor_coalesced(outs, ins).wait())
+    outs = [torch.zeros(n, dtype=dtype) for n in mine]
+    ins = [torch.ones(n * world_size, dtype=dtype) for n in mine]
+    return _attempt(lambda: group.reduce_scatter_tensor_coalesced(outs, ins).wait())
+
+
+@hetcomm_only("gloo has no coalesced allgather/reduce-scatter of tensors")
+@pytest.mark.parametrize("case", list(COALESCED_MISMATCHES))
+def test_coalesced_ops_that_split_their_tensors_differently_are_an_error(case: str) -> None:
+    """Equal total sizes, different splits (or dtypes): the bytes would line up and every rank
+    would get wrong data; the header's layout fingerprint makes it an error on every rank."""
+    results = run_ranks(2, mismatched_coalesced, case, pg_timeout=PG_TIMEOUT_S, timeout=90)
+    for rank, res in enumerate(results):
+        assert res["raised"], f"rank {rank} did not raise:\n{_describe(results)}"
+        assert "disagree about the collective" in res["message"], res["message"][:500]
+        assert res["elapsed"] < HANG_BOUND_S, f"rank {rank} took {res['elapsed']:.1f} s"
+
+
 # ------------------------------------------------------------------------------------ (d) strangers
 
 HELLO = struct.Struct("<IHBBii16s")

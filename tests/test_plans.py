@@ -125,7 +125,7 @@ def test_ranks_with_different_plans_get_an_error_not_wrong_numbers() -> None:
     for o in outcomes:
         assert o.status == "raised", o.describe()
         assert "disagree about the collective" in o.message or "earlier failure" in o.message, o.describe()
-    assert any("root/plan" in o.message for o in outcomes), [o.message for o in outcomes]
+    assert any("ring plan differ" in o.message for o in outcomes), [o.message for o in outcomes]
 
 
 def _root() -> bool:

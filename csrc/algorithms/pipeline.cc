@@ -53,11 +53,15 @@ std::string describeMismatch(const CollectiveHeader& want, const CollectiveHeade
     add(strCat("dtype ", dtypeName(static_cast<DType>(got.dtype)), " vs ", dtypeName(static_cast<DType>(want.dtype))));
   }
   if (got.redop != want.redop) {
-    add(strCat("op ", redOpName(static_cast<RedOp>(got.redop)), " vs ", redOpName(static_cast<RedOp>(want.redop))));
+    auto op = [](uint8_t v) { return v == 0xff ? "none" : redOpName(static_cast<RedOp>(v)); };
+    add(strCat("op ", op(got.redop), " vs ", op(want.redop)));
   }
   if (got.bytes != want.bytes) add(strCat(got.bytes, " bytes vs ", want.bytes, " bytes"));
   if (got.algo != want.algo) add(strCat("algorithm ", int(got.algo), " vs ", int(want.algo), " (message sizes differ)"));
-  if (got.aux != want.aux) add(strCat("root/plan ", got.aux, " vs ", want.aux));
+  if (got.aux != want.aux) {
+    add(strCat("the tensors' sizes or dtypes, the root or the ring plan differ (fingerprint ", got.aux, " vs ",
+               want.aux, ")"));
+  }
   if (got.step != want.step) add(strCat("step ", got.step, " vs ", want.step));
   return d;
 }

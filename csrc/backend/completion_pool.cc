@@ -3,12 +3,35 @@
 #include "common/logging.h"
 
 namespace hetcomm {
+namespace {
+
+void runGuarded(const std::function<void()>& fn) {
+  try {
+    fn();
+  } catch (const std::exception& e) {
+    HC_LOG(kError, "a future callback threw: ", e.what());
+  } catch (...) {
+    HC_LOG(kError, "a future callback threw a non-standard exception");
+  }
+}
+
+}  // namespace
 
 void CompletionPool::post(std::function<void()> fn) {
-  std::lock_guard<std::mutex> lock(mu_);
+  std::unique_lock<std::mutex> lock(mu_);
+  if (stopping_) {
+    // Nothing runs the queue any more (an operation issued after an abort, completed with its
+    // error). Running fn here would run the future's callbacks on the caller's thread, which may
+    // be one of the backend's own: a thread of its own does it, touching nothing of the pool.
+    lock.unlock();
+    std::thread([fn = std::move(fn)] { runGuarded(fn); }).detach();
+    return;
+  }
   queue_.push_back(std::move(fn));
-  if (idle_ < queue_.size() && threads_.size() < maxThreads_ && !stopping_) {
-    threads_.emplace_back([this] { loop(); });
+  if (idle_ < queue_.size() && threads_.size() < maxThreads_) {
+    // The thread keeps the pool alive: stop() called from a pool thread leaves that thread
+    // running until it returns from its callback, and it must not find the pool freed.
+    threads_.emplace_back([self = shared_from_this()] { self->loop(); });
   }
   cv_.notify_one();
 }
@@ -23,7 +46,7 @@ void CompletionPool::stop() {
   }
   for (std::thread& t : threads) {
     if (t.get_id() == std::this_thread::get_id()) {
-      t.detach();  // destroyed from inside a callback: cannot join ourselves
+      t.detach();  // stopped from inside a callback: cannot join ourselves (see post)
     } else if (t.joinable()) {
       t.join();
     }
@@ -40,13 +63,7 @@ void CompletionPool::loop() {
     std::function<void()> fn = std::move(queue_.front());
     queue_.pop_front();
     lock.unlock();
-    try {
-      fn();
-    } catch (const std::exception& e) {
-      HC_LOG(kError, "a future callback threw: ", e.what());
-    } catch (...) {
-      HC_LOG(kError, "a future callback threw a non-standard exception");
-    }
+    runGuarded(fn);
     lock.lock();
   }
 }

@@ -9,21 +9,26 @@
 #include <condition_variable>
 #include <deque>
 #include <functional>
+#include <memory>
 #include <mutex>
 #include <thread>
 #include <vector>
 
 namespace hetcomm {
 
-class CompletionPool {
+// Owned through a shared_ptr (its threads hold one: see post).
+class CompletionPool : public std::enable_shared_from_this<CompletionPool> {
  public:
   explicit CompletionPool(size_t maxThreads = 64) : maxThreads_(maxThreads) {}
   ~CompletionPool() { stop(); }
   CompletionPool(const CompletionPool&) = delete;
   CompletionPool& operator=(const CompletionPool&) = delete;
 
+  // Runs fn on a pool thread; after stop(), on a thread of its own (so that the future of an
+  // operation issued after an abort still completes).
   void post(std::function<void()> fn);
-  // Runs what is queued, then joins every thread (idempotent). Must not be called from a pool thread.
+  // Runs what is queued, then joins every thread (idempotent). From a pool thread (a callback
+  // that destroys the process group) that thread is left to finish on its own.
   void stop();
 
  private:

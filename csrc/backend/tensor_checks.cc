@@ -102,13 +102,4 @@ at::Tensor flattenAll(const std::vector<at::Tensor>& tensors) {
   return at::cat(flat);
 }
 
-uint64_t fingerprintSizes(const std::vector<size_t>& sizes) {
-  uint64_t h = 1469598103934665603ull;
-  for (size_t s : sizes) {
-    h ^= s;
-    h *= 1099511628211ull;
-  }
-  return h;
-}
-
 }  // namespace hetcomm

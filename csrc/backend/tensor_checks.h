@@ -38,7 +38,5 @@ inline void copyBackIfNeeded(const at::Tensor& t, const at::Tensor& result) {
 inline at::Tensor asBytes(const at::Tensor& contiguous) { return contiguous.reshape({-1}).view(at::kByte); }
 // One flat tensor holding the given tensors back to back.
 at::Tensor flattenAll(const std::vector<at::Tensor>& tensors);
-// A 64-bit fingerprint of a vector of sizes (carried in headers to catch disagreements).
-uint64_t fingerprintSizes(const std::vector<size_t>& sizes);
 
 }  // namespace hetcomm

@@ -1,0 +1,139 @@
+"""Abort and teardown: prompt, callable from any thread, and never leaving a future unfinished.
+
+Each job builds hetcomm backends directly (``hetcomm._C.ProcessGroupHetcomm`` on a prefix of the
+job's store), so that a test can set up what a whole group cannot: a peer that never comes, a
+backend whose last reference goes from Python. Elapsed-time assertions are bounds that only a
+hang can break (the operations' own timeout is 60 s); the harness deadline catches the rest.
+"""
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from conftest import hetcomm_only
+from harness import default_store, run_ranks
+
+pytestmark = [pytest.mark.usefixtures("backend_importable"),
+              hetcomm_only("builds hetcomm's C++ backend directly")]
+
+OP_TIMEOUT_MS = 60_000
+HANG_BOUND_S = 15.0
+
+
+def _backend(prefix: str, rank: int, size: int, secret: bytes = b""):
+    from hetcomm import _C
+
+    store = dist.PrefixStore(prefix, default_store())
+    if secret:
+        store.set("hetcomm/secret", secret)  # what rank 0 would have published
+    return _C.ProcessGroupHetcomm(store, rank, size, OP_TIMEOUT_MS)
+
+
+def abort_while_waiting_for_an_address(rank: int, world_size: int) -> dict:
+    # Rank 1 of a pair whose rank 0 never comes: the group secret is there (normally rank 0 puts
+    # it), rank 0's address never is, so the worker waits for it in the store.
+    backend = _backend("abort_waiting/", 1, 2, secret=bytes(16))
+    work = backend.allreduce([torch.ones(100)])
+    time.sleep(0.3)  # let the worker reach the store wait (a sleep only makes the test sharper)
+    start = time.monotonic()
+    backend.abort()
+    abort_s = time.monotonic() - start
+    try:
+        work.wait()
+    except RuntimeError as e:
+        message = str(e)
+    else:
+        raise AssertionError("an allreduce whose peer never came completed")
+    return {"abort_s": abort_s, "total_s": time.monotonic() - start, "message": message}
+
+
+def test_abort_interrupts_a_worker_waiting_for_a_peer_address() -> None:
+    (res,) = run_ranks(1, abort_while_waiting_for_an_address, timeout=60)
+    assert res["abort_s"] < HANG_BOUND_S and res["total_s"] < HANG_BOUND_S, res
+    assert "abort" in res["message"] or "shut" in res["message"], res
+
+
+def many_threads_stop_one_backend(rank: int, world_size: int) -> int:
+    errors = []
+    for round_ in range(20):
+        backend = _backend(f"stop_race_{round_}/", 0, 1)
+        backend.allreduce([torch.ones(10)]).wait()
+        gate = threading.Barrier(6)
+
+        def stop(how: str) -> None:
+            gate.wait()
+            try:
+                getattr(backend, how)()
+            except Exception as e:  # noqa: BLE001 - any error is a failure of the test
+                errors.append(f"{how}: {type(e).__name__}: {e}")
+
+        threads = [threading.Thread(target=stop, args=(how,)) for how in ["abort", "shutdown"] * 3]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        del backend  # and the destructor shuts down once more
+    assert not errors, errors
+    return 20
+
+
+def test_abort_and_shutdown_from_many_threads_at_once() -> None:
+    """A watchdog's abort racing the destructor's shutdown must not join a thread twice
+    (std::terminate) nor raise."""
+    assert run_ranks(1, many_threads_stop_one_backend, timeout=120) == [20]
+
+
+def operation_after_abort(rank: int, world_size: int) -> list:
+    backend = _backend("after_abort/", 0, 1)
+    backend.abort()
+    seen = []
+    work = backend.allreduce([torch.ones(10)])
+    chained = work.get_future().then(lambda f: seen.append("callback ran") or 1)
+    try:
+        work.get_future().wait()
+    except RuntimeError as e:
+        seen.append(f"future raised: {e}")
+    try:
+        chained.wait()
+    except RuntimeError:
+        seen.append("chained raised")
+    try:
+        work.wait()
+    except RuntimeError:
+        seen.append("wait raised")
+    return seen
+
+
+def test_an_operation_issued_after_abort_completes_its_future_with_an_error() -> None:
+    """DDP hooks wait on futures: one that never completes hangs training."""
+    (seen,) = run_ranks(1, operation_after_abort, timeout=60)
+    raised = [s for s in seen if s.startswith("future raised")]
+    assert raised and "shut down" in raised[0], seen
+    assert "callback ran" in seen and "wait raised" in seen, seen
+
+
+def destroy_with_a_callback_running(rank: int, world_size: int) -> str:
+    backend = _backend("gil/", 0, 1)
+    started = threading.Event()
+
+    def slow_callback(fut):
+        started.set()
+        time.sleep(0.5)  # without the GIL; then it needs the GIL back to return
+        return 0
+
+    future = backend.allreduce([torch.ones(10)]).get_future().then(slow_callback)
+    assert started.wait(30), "the callback never started"
+    # The last reference goes from Python, with the GIL held: the destructor joins the thread
+    # running slow_callback, which needs the GIL to finish. Unless the GIL is released for the
+    # destruction, that is a deadlock.
+    del backend
+    return f"destroyed; callback result {future.wait()}"
+
+
+def test_destroying_the_backend_from_python_releases_the_gil() -> None:
+    (res,) = run_ranks(1, destroy_with_a_callback_running, timeout=60)
+    assert res == "destroyed; callback result 0", res

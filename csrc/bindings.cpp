@@ -4,6 +4,7 @@
 #include <torch/python.h>
 
 #include "backend/cuda_device_ops.h"
+#include "common/env.h"
 #include "backend/process_group_hetcomm.h"
 #include "backend/tensor_checks.h"
 #include "kernels/reduce.h"
@@ -123,6 +124,21 @@ PYBIND11_MODULE(_C, m) {
           py::arg("order"), py::arg("shares"), py::arg("min_bytes") = 0, py::arg("segment_bytes") = 0,
           "Sets the ring plan for operations issued from now on; every rank must set the same plan.");
 
+  m.def(
+      "engine_settings",
+      [] {
+        py::dict d;
+        d["small_allreduce_bytes"] = hetcomm::paramSmallAllreduceBytes();
+        d["segment_bytes"] = std::max<int64_t>(0, hetcomm::paramSegmentBytes());
+        d["min_segment_bytes"] = hetcomm::kMinSegmentBytes;
+        d["max_segment_bytes"] = hetcomm::kMaxSegmentBytes;
+        d["default_small_allreduce_bytes"] = hetcomm::kDefaultSmallAllreduceBytes;
+        d["device_host_reduce_bytes"] = hetcomm::paramDeviceHostReduceBytes();
+        return d;
+      },
+      "The engine's settings the cost model needs, as this process's engine uses them "
+      "(HETCOMM_SMALL_ALLREDUCE_BYTES and HETCOMM_SEGMENT_BYTES applied; segment_bytes 0: adaptive, "
+      "a quarter of the largest chunk clamped to [min_segment_bytes, max_segment_bytes]).");
   m.def(
       "built_with_cuda", [] { return hetcomm::kBuiltWithCuda; },
       "True when this build moves CUDA tensors (the backend then registers for 'cuda' too).");

@@ -8,6 +8,7 @@
 #include <cstring>
 
 #include "algorithms/pipeline_io.h"
+#include "common/env.h"
 #include "common/error.h"
 #include "kernels/reduce.h"
 
@@ -37,8 +38,7 @@ size_t CollectiveContext::segmentBytesFor(size_t chunkBytes) const {
   // About 4 segments per chunk keeps every link busy while the pipeline fills and drains; the
   // bounds trade wake-ups per byte (small segments cost a poll() and a context switch each, which
   // hurts most when ranks share cores) against fill latency (large ones).
-  constexpr size_t kMin = 32 * 1024, kMax = 1024 * 1024;
-  return std::min(kMax, std::max(kMin, chunkBytes / 4));
+  return std::min<size_t>(kMaxSegmentBytes, std::max<size_t>(kMinSegmentBytes, chunkBytes / 4));
 }
 
 namespace pipeline_io {

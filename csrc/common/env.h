@@ -26,11 +26,18 @@ inline std::string envStr(const char* name, const std::string& fallback = "") {
     return value;                                    \
   }
 
-// Bytes per pipelined segment of the ring; 0 (default) adapts it to the chunk size.
+// The engine's constants and settings that the planner's cost model needs too: Python reads them
+// from hetcomm._C.engine_settings() (the effective values, overrides included), never a copy.
+//
+// Bytes per pipelined segment of the ring; 0 (default) adapts it to the chunk size, a quarter of
+// the largest chunk clamped to [kMinSegmentBytes, kMaxSegmentBytes].
 HETCOMM_PARAM(paramSegmentBytes, "HETCOMM_SEGMENT_BYTES", 0)
+constexpr int64_t kMinSegmentBytes = 32 * 1024;
+constexpr int64_t kMaxSegmentBytes = 1024 * 1024;
 // Allreduce of at most this many bytes uses recursive doubling (latency-optimal) instead of the
 // ring (bandwidth-optimal).
-HETCOMM_PARAM(paramSmallAllreduceBytes, "HETCOMM_SMALL_ALLREDUCE_BYTES", 32 * 1024)
+constexpr int64_t kDefaultSmallAllreduceBytes = 32 * 1024;
+HETCOMM_PARAM(paramSmallAllreduceBytes, "HETCOMM_SMALL_ALLREDUCE_BYTES", kDefaultSmallAllreduceBytes)
 // Socket send/receive buffer sizes requested from the kernel: -1 (default) = 256 KB on loopback
 // and the kernel's autotuning elsewhere, 0 = always autotune, N = always N bytes.
 HETCOMM_PARAM(paramSocketBufferBytes, "HETCOMM_SOCKET_BUFFER_BYTES", -1)

@@ -3,8 +3,11 @@
 The ring AllReduce of hetcomm takes a *plan*: ``order`` (ring position p holds rank ``order[p]``,
 which sends to ``order[p+1]``, indices mod P) and ``shares`` (``shares[r]`` is the fraction of the
 buffer that rank r owns, i.e. fully reduces during the reduce-scatter). This module chooses the
-plan from a cost model. It is pure (Python, numpy, scipy; no torch, no extension) and
-deterministic, so every rank can compute the same plan from the same inputs.
+plan from a cost model. Its functions are pure (Python, numpy, scipy; no torch) and
+deterministic, so every rank can compute the same plan from the same inputs; the only thing it
+takes from the extension is the engine's settings (message sizes that change the algorithm and
+the segment size), read once from ``hetcomm._C.engine_settings()`` so that the model never
+disagrees with the engine it models.
 
 Cost model
 ==========
@@ -115,14 +118,20 @@ position 0 removes rotations (they are the same ring). For ``P <= MAX_EXHAUSTIVE
 * orders whose ring data (the cyclic sequence of link bandwidths and reducer speeds, up to
   rotation) are identical have the same optimum, so the LP is solved once per distinct sequence
   (uniform links: one LP in all);
-* each order has a lower bound ``max(2(P-1)/sum(ring bw), 1/min(ring bw), (k-1)/sum(R))`` (the
-  last over the k finite reducers); if the identity order comes within ``ORDER_TIE_RTOL`` of the
-  smallest bound, it ties with the best and wins at once (one slow NIC: every order ties);
+* each order has a lower bound (`_RingSearch.lower_bounds`, computed for all orders at once):
+  the sum of all link constraints ``2(P-1)/sum(ring bw)``, the sum of the k finite reducers'
+  ``(k-1)/sum(R)``, and the best *packing* of links that share no rank and reducer constraints
+  on other shares, ``(2 links + reducers - 1) / (their bw + their R)`` (their shares are
+  distinct, so they add up to at most 1); one link gives ``1/bw``, and two disjoint crossings
+  of a slow link give ``3/(b1 + b2)``, which is exactly what two sites joined by a WAN cost;
+  if the identity order comes within ``ORDER_TIE_RTOL`` of the smallest bound, it ties with
+  the best and wins at once (one slow NIC: every order ties);
 * otherwise orders are visited by increasing bound and the search stops once the bound exceeds
   the best T found by more than ``ORDER_TIE_RTOL``.
 
-An LP costs about 2 ms through ``linprog``; at P = 8 symmetric models take tens of ms and
-random link matrices up to about 3 s on a 2-core development machine.
+An LP costs about 1-2 ms through ``linprog``. At P = 8 with noisy measured links
+(``benchmarks/plan_time.py``) choosing a plan takes 0.03-0.2 s on a 2-core development machine;
+without the packing bound two sites needed 4897 LPs of 5040 orders (6 s).
 
 Orders whose T is within a relative ``ORDER_TIE_RTOL`` (1e-6) of the best are ties: the identity
 order wins if it is among them, else the lexicographically smallest. For ``P > 8`` a
@@ -155,6 +164,7 @@ Using a plan::
 """
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from dataclasses import dataclass
@@ -177,10 +187,17 @@ __all__ = [
     "format_plan",
 ]
 
+from hetcomm._C import engine_settings as _engine_settings
+
+# The engine's own settings, as this process's engine uses them (HETCOMM_SMALL_ALLREDUCE_BYTES and
+# HETCOMM_SEGMENT_BYTES applied): models default to them, so predictions and the crossover size
+# follow whatever the engine will do.
+_ENGINE = _engine_settings()
+SMALL_ALLREDUCE_BYTES = int(_ENGINE["small_allreduce_bytes"])
+SEGMENT_BYTES = int(_ENGINE["segment_bytes"])            # 0: adaptive
+MIN_SEGMENT_BYTES = int(_ENGINE["min_segment_bytes"])    # CollectiveContext::segmentBytesFor clamps
+MAX_SEGMENT_BYTES = int(_ENGINE["max_segment_bytes"])
 DEFAULT_ALPHA_SECONDS = 50e-6          # one TCP message on a LAN, order of magnitude
-SMALL_ALLREDUCE_BYTES = 32 * 1024      # engine default of HETCOMM_SMALL_ALLREDUCE_BYTES
-MIN_SEGMENT_BYTES = 32 * 1024          # CollectiveContext::segmentBytesFor clamps
-MAX_SEGMENT_BYTES = 1024 * 1024
 MAX_EXHAUSTIVE_RANKS = 8               # (P-1)! orders: 5040 at P = 8
 SHARE_TIE_RTOL = 1e-10                 # "as good as the optimum" when choosing among shares
 ORDER_TIE_RTOL = 1e-6                  # "as good as the best" when choosing among ring orders
@@ -220,7 +237,7 @@ class LinkModel:
     bw: tuple[tuple[float, ...], ...]
     reduce_bps: Optional[tuple[float, ...]] = None
     alpha: float = DEFAULT_ALPHA_SECONDS
-    segment_bytes: int = 0
+    segment_bytes: int = SEGMENT_BYTES
     small_allreduce_bytes: int = SMALL_ALLREDUCE_BYTES
 
     def __post_init__(self) -> None:
@@ -549,14 +566,59 @@ class _RingSearch:
         return ([self.b[order[p]][order[(p + 1) % P]] for p in range(P)],
                 [self.r[order[p]] for p in range(P)])
 
-    def lower_bound(self, order: Sequence[int]) -> float:
-        """A lower bound of LP 1 for ``order`` (valid, cheap, not tight in general).
+    def lower_bounds(self, orders: Sequence[Sequence[int]]) -> np.ndarray:
+        """A lower bound of LP 1 for each of ``orders`` (valid, cheap, tight for sites joined by
+        slow links, not tight in general), vectorised over the orders.
 
-        Sum of the link constraints: ``2(P-1) <= T sum(b)``. One link: ``o_A + o_B <= 1`` so
-        ``1 <= T b``. Sum of the k finite reducers' constraints: ``k - 1 <= T sum(r)``.
+        Every share is at most their sum, 1. Sum of all link constraints: ``2(P-1) <= T sum(b)``.
+        Sum of the k finite reducers' constraints: ``k - 1 <= T sum(r)``. And a *packing*: take
+        ring links that share no rank, and reducer constraints whose share variable (the
+        predecessor's) is in none of those links and is not used twice; the shares they bound are
+        distinct, so their left-hand sides add up to at most 1::
+
+            sum over the links (2 - T b) + sum over the reducers (1 - T r) <= 1
+            T >= (2 links + reducers - 1) / (sum of their b + sum of their r)
+
+        One link gives ``T >= 1/b``; two disjoint links of a ring that crosses a slow link twice
+        give ``3 / (b1 + b2)``, which LP 1 meets. The best packing comes from a dynamic program
+        over ring positions (the cheapest rate sum for each count, with and without the link
+        that closes the ring).
         """
-        b, _ = self.ring_data(order)
-        return max(2.0 * (self.P - 1) / math.fsum(b), 1.0 / min(b), self._reduce_bound)
+        P = self.P
+        idx = np.asarray(orders, dtype=np.int64)                          # (n, P)
+        b_all = np.asarray(self.b, dtype=np.float64)
+        r_all = np.asarray(self.r, dtype=np.float64)
+        b = b_all[idx, np.roll(idx, -1, axis=1)]                          # link p -> p+1
+        w = r_all[np.roll(idx, -1, axis=1)]                               # share at p bounded by reducer p+1
+        best = np.maximum(2.0 * (P - 1) / b.sum(axis=1), self._reduce_bound)
+        for closing in (False, True):
+            # f[:, k]: the least rate sum of a packing of count k (2 a link, 1 a reducer) within
+            # the positions seen so far; with the closing link P-1 -> 0, positions P-1 and 0 are
+            # taken by it.
+            n, K = idx.shape[0], 2 * P + 1
+            f = np.full((n, K), np.inf)
+            first, last = (1, P - 1) if closing else (0, P)
+            if closing:
+                f[:, 2] = b[:, P - 1]
+            else:
+                f[:, 0] = 0.0
+            rows = {first: f}
+            for v in range(first, last):
+                cur = rows.pop(v)
+                nxt = rows.get(v + 1, np.full((n, K), np.inf))
+                np.minimum(nxt, cur, out=nxt)                             # position v unused
+                np.minimum(nxt[:, 1:], cur[:, :-1] + w[:, v:v + 1], out=nxt[:, 1:])
+                rows[v + 1] = nxt
+                if v + 1 < last:                                          # link v -> v+1
+                    two = rows.get(v + 2, np.full((n, K), np.inf))
+                    np.minimum(two[:, 2:], cur[:, :-2] + b[:, v:v + 1], out=two[:, 2:])
+                    rows[v + 2] = two
+            f = rows[last]
+            counts = np.arange(K, dtype=np.float64)
+            with np.errstate(divide="ignore", invalid="ignore"):
+                ratio = np.where(np.isfinite(f) & (counts >= 2), (counts - 1.0) / f, 0.0)
+            best = np.maximum(best, ratio.max(axis=1))
+        return best
 
     def tau(self, order: Sequence[int]) -> float:
         b, r = self.ring_data(order)
@@ -610,7 +672,7 @@ def _pick_order(candidates: Iterable[tuple[tuple[int, ...], float]], P: int) -> 
 def _exhaustive_order(search: _RingSearch) -> tuple[int, ...]:
     P = search.P
     orders = [(0,) + rest for rest in itertools.permutations(range(1, P))]  # lexicographic
-    bounded = sorted(((search.lower_bound(o), i) for i, o in enumerate(orders)))
+    bounded = sorted(zip(search.lower_bounds(orders).tolist(), range(len(orders))))
     # The best T is at least the smallest bound: if the identity is that close to it, it is tied
     # with the best and wins; this settles symmetric models (one slow NIC: every order ties)
     # without enumerating.
@@ -670,8 +732,14 @@ def _local_search_order(search: _RingSearch) -> tuple[int, ...]:
     return cur
 
 
+@functools.lru_cache(maxsize=32)
 def best_plan(model: LinkModel) -> Plan:
-    """The best ring order and its shares (exhaustive for P <= 8, local search above)."""
+    """The best ring order and its shares (exhaustive for P <= 8, local search above).
+
+    Memoised (models and plans are immutable): choosing a plan asks for the best plan of one
+    model once per candidate message size (`crossover_bytes`), and the search can take a second
+    for 8 ranks whose links are all nearly equal.
+    """
     P = model.world_size
     if P == 1:
         return Plan((0,), (1.0,), 0.0)

@@ -45,10 +45,13 @@ import json
 import math
 from typing import Any, Optional, Sequence
 
+from hetcomm._C import engine_settings as _engine_settings
+
 SIM_ALPHA_S = 1e-4                 # seconds per message on the simulated links (veth, TCP)
 UNSHAPED_BYTES_PER_S = 10e9        # stand-in rate of a link nothing shapes (planner needs finite)
 MAX_CUT_RANKS = 16                 # every cut is tried up to this world size (2^(P-1) - 1 cuts)
-HETCOMM_SMALL_ALLREDUCE_BYTES = 32 * 1024   # engine default (HETCOMM_SMALL_ALLREDUCE_BYTES)
+# The engine's default, for records written before they stored the value the engine used.
+HETCOMM_SMALL_ALLREDUCE_BYTES = int(_engine_settings()["default_small_allreduce_bytes"])
 
 
 def _finite_or_none(value: float) -> Optional[float]:

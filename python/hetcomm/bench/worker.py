@@ -119,7 +119,9 @@ def record_plan(backend: str, world_size: int) -> dict[str, Any]:
         return uniform_record(backend, world_size,
                               f"{backend} does not plan: modelled as a uniform ring")
     import hetcomm
+    from hetcomm._C import engine_settings
     from hetcomm.planner import format_plan
+    engine = engine_settings()
     plan = hetcomm.get_plan()
     model = hetcomm.link_model()
     return {
@@ -127,10 +129,10 @@ def record_plan(backend: str, world_size: int) -> dict[str, Any]:
         "order": list(plan.order), "shares": list(plan.shares), "min_bytes": int(plan.min_bytes),
         "segment_bytes": int(getattr(plan, "segment_bytes", 0)),
         "text": format_plan(plan, model), "model": model_json(model),
-        # engine settings that decide which algorithm and segment size an allreduce gets
-        "env_segment_bytes": int(os.environ.get("HETCOMM_SEGMENT_BYTES", "0") or 0),
-        "small_allreduce_bytes": int(os.environ.get("HETCOMM_SMALL_ALLREDUCE_BYTES", "32768")
-                                     or 32768),
+        # engine settings that decide which algorithm and segment size an allreduce gets, as the
+        # engine itself reads them (hetcomm._C.engine_settings)
+        "env_segment_bytes": int(engine["segment_bytes"]),
+        "small_allreduce_bytes": int(engine["small_allreduce_bytes"]),
     }
 
 

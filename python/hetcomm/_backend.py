@@ -39,7 +39,7 @@ def _create_backend(dist_backend_opts, backend_options) -> _C.ProcessGroupHetcom
         _timeout_ms(getattr(dist_backend_opts, "timeout", None)),
         os.environ.get("HETCOMM_LISTEN_IP", ""),
     )
-    configure_group(backend)
+    configure_group(backend, getattr(dist_backend_opts, "global_ranks_in_group", None))
     return backend
 
 
@@ -94,7 +94,8 @@ def probe(group: Optional[dist.ProcessGroup] = None):
     """
     from hetcomm.topology import probe_backend
 
-    return probe_backend(backend_of(group))
+    pg = group if group is not None else dist.group.WORLD
+    return probe_backend(backend_of(group), dist.get_process_group_ranks(pg))
 
 
 def link_model(group: Optional[dist.ProcessGroup] = None):

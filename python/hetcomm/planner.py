@@ -278,6 +278,16 @@ class LinkModel:
     def world_size(self) -> int:
         return len(self.bw)
 
+    def restricted(self, ranks: Sequence[int]) -> "LinkModel":
+        """The model of the group made of ``ranks`` (indices into this model), in that order:
+        rank k of the result is ``ranks[k]`` here."""
+        ranks = [int(r) for r in ranks]
+        if not ranks or sorted(set(ranks)) != sorted(ranks) or not all(0 <= r < self.world_size for r in ranks):
+            raise ValueError(f"hetcomm planner: {ranks} are not distinct ranks of a {self.world_size}-rank model")
+        return LinkModel(bw=tuple(tuple(self.bw[i][j] for j in ranks) for i in ranks),
+                         reduce_bps=tuple(self.reduce_bps[i] for i in ranks), alpha=self.alpha,
+                         segment_bytes=self.segment_bytes, small_allreduce_bytes=self.small_allreduce_bytes)
+
     @staticmethod
     def from_nics(nic_bps: Sequence[float], reduce_bps: Optional[Sequence[float]] = None,
                   alpha: float = DEFAULT_ALPHA_SECONDS, **engine: int) -> "LinkModel":

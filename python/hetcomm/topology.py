@@ -11,6 +11,13 @@ At group creation (`configure_group`, called by the backend creator), every rank
 
 Users can re-run this (`hetcomm.probe(group)`), read the plan (`get_plan`), or set their own
 (`set_plan`): every rank must then set the same plan at the same point of its program.
+
+Subgroups (``new_group``, DeviceMesh): links are a property of pairs of *global* ranks. Declared
+rates (``HETCOMM_LINK_MBIT``) describe the whole job, indexed by global rank, and a subgroup takes
+its rows and columns. A measured model is kept, by the group's global ranks, and a later group
+whose ranks it covers takes its model from there instead of probing again (0.4-0.5 s a group).
+Whether a group probes is decided the same way on all its ranks: every rank measured the same
+model for the same earlier groups.
 """
 from __future__ import annotations
 
@@ -19,7 +26,7 @@ import math
 import os
 import sys
 import time
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 
@@ -43,12 +50,34 @@ def _log_plan(line: str) -> None:
         print(f"[hetcomm INFO] {line}", file=sys.stderr, flush=True)
 
 
-def declared_model(size: int) -> Optional[planner.LinkModel]:
+def declared_model(ranks: Sequence[int]) -> Optional[planner.LinkModel]:
+    """The declared model (HETCOMM_LINK_MBIT, indexed by global rank) of the group of ``ranks``."""
     text = os.environ.get("HETCOMM_LINK_MBIT", "").strip()
     if not text:
         return None
     nic, matrix = parse_mbit(text)
-    return model_from_declared(size, nic_mbit=nic, link_mbit=matrix)
+    declared = len(nic) if nic is not None else len(matrix)
+    if max(ranks) >= declared:
+        raise ValueError(f"hetcomm: HETCOMM_LINK_MBIT declares {declared} ranks, but this group has global rank "
+                         f"{max(ranks)}: declare the rates of every rank of the job, by global rank")
+    return model_from_declared(declared, nic_mbit=nic, link_mbit=matrix).restricted(ranks)
+
+
+# Measured models by the global ranks of their group, newest last (see the module docstring).
+_measured: dict[tuple[int, ...], planner.LinkModel] = {}
+
+
+def _covering_model(ranks: Sequence[int]) -> Optional[planner.LinkModel]:
+    """A model measured for a group containing all of ``ranks`` (the smallest such, then the
+    newest), restricted to them; None if no group measured so far covers them."""
+    best = None
+    for key, model in _measured.items():
+        if set(ranks) <= set(key) and (best is None or len(key) <= len(best[0])):
+            best = (key, model)
+    if best is None:
+        return None
+    key, model = best
+    return model.restricted([key.index(r) for r in ranks])
 
 
 # A measured model must predict a larger gain than a declared one before hetcomm leaves uniform
@@ -148,13 +177,19 @@ def apply_model(backend, model: planner.LinkModel, min_gain: float = DECLARED_MI
     return plan
 
 
-def probe_backend(backend) -> planner.LinkModel:
-    """Measures (or reads the declared) model of a backend's group and installs its plan."""
+def probe_backend(backend, ranks: Optional[Sequence[int]] = None) -> planner.LinkModel:
+    """Measures (or reads the declared) model of a backend's group and installs its plan.
+
+    ``ranks``: the group's global ranks (default: the group is the world).
+    """
+    ranks = tuple(ranks) if ranks is not None else tuple(range(backend.size()))
     start = time.perf_counter()
-    model = declared_model(backend.size())
+    model = declared_model(ranks)
     source, min_gain = "declared (HETCOMM_LINK_MBIT)", DECLARED_MIN_GAIN
     if model is None:
         model = measure_model(backend)
+        _measured.pop(ranks, None)
+        _measured[ranks] = model
         source, min_gain = "measured", MEASURED_MIN_GAIN
     apply_model(backend, model, min_gain, measured=source == "measured")
     _log_plan(f"hetcomm probe: {source} model in {time.perf_counter() - start:.3f} s")
@@ -171,22 +206,31 @@ def _hosts(backend) -> list[str]:
     return [bytes(t.tolist()).rstrip(b"\0").decode() for t in out]
 
 
-def configure_group(backend) -> None:
+def configure_group(backend, global_ranks: Optional[Sequence[int]] = None) -> None:
     """Called at group creation: the plan from declared or probed links, unless HETCOMM_PROBE=0.
 
+    ``global_ranks``: the group's ranks in the job (torch passes them; default: the world).
     A group whose ranks all listen on one address is on one host: no NIC lies between its ranks,
     and timing "links" there measures how the host schedules processes (4 ranks on 2 cores over
     loopback: identical paths measured 0.3-0.6 GB/s), so it keeps uniform shares unless links
-    are declared.
+    are declared. A group covered by an earlier group's measurement reuses it.
     """
     if backend.size() == 1:
         return
+    ranks = tuple(global_ranks) if global_ranks else tuple(range(backend.size()))
+    if len(ranks) != backend.size():
+        raise ValueError(f"hetcomm: {len(ranks)} global ranks given for a group of {backend.size()}")
     if os.environ.get("HETCOMM_LINK_MBIT"):
-        probe_backend(backend)
+        probe_backend(backend, ranks)
         return
     if os.environ.get("HETCOMM_PROBE", "1").strip() == "0":
+        return
+    covering = _covering_model(ranks)
+    if covering is not None:
+        apply_model(backend, covering, MEASURED_MIN_GAIN, measured=True)
+        _log_plan(f"hetcomm probe: global ranks {list(ranks)} were measured with an earlier group: no probe")
         return
     if len(set(_hosts(backend))) == 1:
         _log_plan("hetcomm probe: every rank is on one host (one listening address): uniform plan, no probe")
         return
-    probe_backend(backend)
+    probe_backend(backend, ranks)

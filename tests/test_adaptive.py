@@ -136,3 +136,42 @@ def test_example_on_the_simulator_shifts_the_partition_away_from_the_throttled_r
     assert got["repartitions"] >= 1, got
     assert got["batch_sizes"][0] > got["batch_sizes"][1], got
     assert sum(got["batch_sizes"]) == 32
+
+
+def last_step_leaves_ranks_empty(rank: int, world_size: int) -> dict:
+    """7 samples, global batch 6 on 3 ranks: the epoch's last step has 1 sample, so two ranks get
+    an empty batch (on purpose: the sampler gives no rank a sample twice). They must still run
+    forward and backward, and the gradient must be the one sample's."""
+    import hetcomm
+
+    g = torch.Generator().manual_seed(11)
+    data = torch.utils.data.TensorDataset(torch.randn(7, 6, generator=g, dtype=torch.float64),
+                                          torch.randn(7, 2, generator=g, dtype=torch.float64))
+    adp = hetcomm.AdaptiveDataParallel(model(), data, 6, partition="equal", shuffle=False)
+    opt = torch.optim.SGD(adp.module.parameters(), lr=LR)
+    batch_sizes = []
+    for x, y in adp.batches(0):
+        batch_sizes.append(len(x))
+        assert x.shape[1:] == (6,) and y.shape[1:] == (2,), (x.shape, y.shape)
+        loss = nn.functional.mse_loss(adp.module(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    return {"batch_sizes": batch_sizes, "params": [p.detach().clone() for p in adp.module.parameters()]}
+
+
+def test_an_epoch_whose_last_step_leaves_ranks_without_samples() -> None:
+    results = run_ranks(3, last_step_leaves_ranks_empty, timeout=120)
+    assert [r["batch_sizes"] for r in results] == [[2, 1], [2, 0], [2, 0]], results
+    # Single-process reference: the same two global batches (samples 0-5, then 6).
+    g = torch.Generator().manual_seed(11)
+    x, y = torch.randn(7, 6, generator=g, dtype=torch.float64), torch.randn(7, 2, generator=g, dtype=torch.float64)
+    net = model()
+    opt = torch.optim.SGD(net.parameters(), lr=LR)
+    for batch in (slice(0, 6), slice(6, 7)):
+        nn.functional.mse_loss(net(x[batch]), y[batch]).backward()
+        opt.step()
+        opt.zero_grad()
+    for r in results:
+        for got, want in zip(r["params"], net.parameters()):
+            assert torch.allclose(got, want.detach(), rtol=1e-10, atol=1e-12), (got - want).abs().max()

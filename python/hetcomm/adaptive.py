@@ -43,6 +43,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
+from torch.utils.data.dataloader import default_collate
 
 from hetcomm import hooks
 from hetcomm.data import HeteroBatchSampler
@@ -156,8 +157,10 @@ class AdaptiveDataParallel:
         self.sampler = HeteroBatchSampler(dataset, self.partitioner, shuffle=shuffle, seed=seed,
                                           drop_last=drop_last)
         self._step_sizes: collections.deque[list[int]] = collections.deque()
+        loader_kwargs = dict(loader_kwargs or {})
+        loader_kwargs["collate_fn"] = EmptyBatchCollate(dataset, loader_kwargs.get("collate_fn"))
         self.loader = DataLoader(dataset, batch_sampler=_RecordingSampler(self.sampler, self._step_sizes),
-                                 **(loader_kwargs or {}))
+                                 **loader_kwargs)
         self.module = DistributedDataParallel(model, process_group=group, **(ddp_kwargs or {}))
         self._clock = _StepClock()
         self.state = _ClockedState(group, self._clock)
@@ -226,6 +229,47 @@ class AdaptiveDataParallel:
         stats["throughput"] = sum(stats["samples"]) / stats["wall_seconds"] if stats["wall_seconds"] > 0 else 0.0
         stats["ideal_throughput"] = sum(stats["samples_per_second"])
         return stats
+
+
+class EmptyBatchCollate:
+    """A collate function that also turns an empty list of samples into an empty batch.
+
+    The sampler gives a rank no indices on purpose (its share is 0, or the epoch's last step has
+    fewer samples than ranks), and DDP still needs that rank's forward and backward. The default
+    collate cannot build a batch from no samples (it looks at the first); this one collates one
+    real sample (``dataset[0]``) and keeps none of its rows: tensors of length 0 in the batch
+    dimension, empty lists, same structure (tuples, named tuples, dicts) as a normal batch.
+    Picklable, so DataLoader workers can use it.
+    """
+
+    def __init__(self, dataset: Any, collate_fn: Optional[Any] = None) -> None:
+        self.dataset = dataset
+        self.collate_fn = collate_fn if collate_fn is not None else default_collate
+        self._empty: Any = None
+
+    def __call__(self, samples: list) -> Any:
+        if len(samples) > 0:
+            return self.collate_fn(samples)
+        if self._empty is None:
+            if len(self.dataset) == 0:
+                raise ValueError("AdaptiveDataParallel: the dataset is empty")
+            self._empty = _no_rows(self.collate_fn([self.dataset[0]]))
+        return self._empty
+
+
+def _no_rows(batch: Any) -> Any:
+    """``batch`` with none of its rows (the leading dimension of every tensor cut to 0)."""
+    if isinstance(batch, torch.Tensor):
+        return batch[:0]
+    if isinstance(batch, dict):
+        return type(batch)({k: _no_rows(v) for k, v in batch.items()})
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # a named tuple
+        return type(batch)(*(_no_rows(v) for v in batch))
+    if isinstance(batch, (tuple, list)):
+        if batch and all(isinstance(v, (str, bytes)) for v in batch):
+            return type(batch)()  # per-sample values (default_collate keeps strings as a list)
+        return type(batch)(_no_rows(v) for v in batch)
+    return batch
 
 
 class _RecordingSampler:

@@ -134,3 +134,30 @@ def any_source(rank: int, world_size: int) -> list | None:
 
 def test_receive_from_any_source() -> None:
     assert run_ranks(3, any_source, timeout=120)[0] == [1, 2]
+
+
+def monitored(rank: int, world_size: int) -> dict:
+    import datetime
+
+    import hetcomm
+
+    timeout = datetime.timedelta(seconds=2)
+    hetcomm.monitored_barrier(timeout=timeout)  # everyone arrives
+    result = {}
+    if rank != world_size - 1:  # the last rank stays away from the second one
+        try:
+            hetcomm.monitored_barrier(timeout=timeout, wait_all_ranks=True)
+        except RuntimeError as e:
+            result["error"] = str(e)
+    default_store().set(f"monitored_done_{rank}", "1")
+    for r in range(world_size):
+        _wait_for_key(f"monitored_done_{r}")
+    return result
+
+
+@hetcomm_only("hetcomm.monitored_barrier")
+def test_monitored_barrier_names_the_rank_that_did_not_arrive() -> None:
+    results = run_ranks(3, monitored, timeout=120)
+    assert "rank 2 failed to pass the barrier" in results[0]["error"], results
+    assert "rank 0 failed to pass the barrier" in results[1]["error"], results  # never released
+    assert results[2] == {}, results

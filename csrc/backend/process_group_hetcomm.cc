@@ -7,6 +7,9 @@
 #include <c10/core/StreamGuard.h>
 #include <c10/util/Exception.h>
 
+#include <array>
+#include <future>
+#include <limits>
 #include <random>
 
 #include "algorithms/emulated_device_ops.h"
@@ -374,6 +377,59 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupHetcomm::send(std::vector<at::Tensor>
                    work->complete(asDistError(e));
                  });
   return work;
+}
+
+void ProcessGroupHetcomm::monitoredBarrier(const c10d::BarrierOptions& opts, bool waitAllRanks) {
+  const auto timeout = effectiveTimeout(opts.timeout);
+  const Deadline deadline = Clock::now() + timeout;
+  // A tag no torch call can use (torch's tags are 32-bit ints).
+  constexpr int64_t kTag = std::numeric_limits<int64_t>::min() + 1;
+  struct Pending {
+    std::array<char, 1> byte{};
+    std::promise<std::exception_ptr> done;
+  };
+  auto post = [&](bool send, int peer) {
+    auto op = std::make_shared<Pending>();
+    auto result = op->done.get_future();
+    auto finish = [op](std::exception_ptr e, int) { op->done.set_value(e); };
+    if (send) {
+      p2p_->postSend(peer, kTag, op->byte.data(), 1, deadline, timeout.count(), finish);
+    } else {
+      p2p_->postRecv(peer, kTag, op->byte.data(), 1, deadline, timeout.count(), finish);
+    }
+    return result;
+  };
+  // The engine fails every operation by its deadline; the slack only covers its wake-up.
+  auto failed = [&](std::future<std::exception_ptr>& f) {
+    if (f.wait_until(deadline + std::chrono::seconds(5)) != std::future_status::ready) return true;
+    return f.get() != nullptr;
+  };
+  auto failure = [&](const std::vector<int>& ranks) {
+    std::string who;
+    for (int r : ranks) who += strCat(who.empty() ? "" : ", ", r);
+    return strCat("hetcomm monitored barrier: ", ranks.size() == 1 ? "rank " : "ranks ", who,
+                  " failed to pass the barrier in ", timeout.count(), " ms (rank ", rank_, " waited for them)");
+  };
+  if (size_ == 1) return;
+  if (rank_ != 0) {
+    auto checkIn = post(true, 0);
+    auto release = post(false, 0);
+    if (failed(checkIn) || failed(release)) C10_THROW_ERROR(DistBackendError, failure({0}));
+    return;
+  }
+  std::vector<std::future<std::exception_ptr>> arrivals;
+  for (int r = 1; r < size_; ++r) arrivals.push_back(post(false, r));
+  std::vector<int> missing;
+  for (int r = 1; r < size_; ++r) {
+    if (failed(arrivals[r - 1])) {
+      missing.push_back(r);
+      if (!waitAllRanks) break;
+    }
+  }
+  if (!missing.empty()) C10_THROW_ERROR(DistBackendError, failure(missing));
+  std::vector<std::future<std::exception_ptr>> releases;
+  for (int r = 1; r < size_; ++r) releases.push_back(post(true, r));
+  for (auto& f : releases) failed(f);  // a rank that left after checking in fails on its own side
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupHetcomm::recv(std::vector<at::Tensor>& tensors, int srcRank, int tag) {

@@ -86,6 +86,9 @@ class ProcessGroupHetcomm : public c10d::Backend {
   c10::intrusive_ptr<c10d::Work> recv(std::vector<at::Tensor>& tensors, int srcRank, int tag) override;
   c10::intrusive_ptr<c10d::Work> recvAnysource(std::vector<at::Tensor>& tensors, int tag) override;
   c10::intrusive_ptr<c10d::Work> barrier(const c10d::BarrierOptions& opts) override;
+  // A barrier that names the ranks that did not arrive in time (as gloo's): rank 0 collects a
+  // check-in from every rank, then releases them. Blocking, on point-to-point connections.
+  void monitoredBarrier(const c10d::BarrierOptions& opts, bool waitAllRanks) override;
 
   void setSequenceNumberForGroup() override {}
   uint64_t getSequenceNumberForGroup() override;

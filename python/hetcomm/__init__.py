@@ -9,14 +9,14 @@ For unequal ranks in data-parallel training: `hetcomm.AdaptiveDataParallel` (per
 proportional to measured speed, sample-weighted gradients), built from `hetcomm.partition`,
 `hetcomm.data` and `hetcomm.hooks`.
 """
-from hetcomm._backend import (backend_of, get_plan, link_model, listen_address, probe, register_backend,
-                              set_plan, supported_devices)
+from hetcomm._backend import (backend_of, get_plan, link_model, listen_address, monitored_barrier, probe,
+                              register_backend, set_plan, supported_devices)
 from hetcomm import data, hooks, partition  # noqa: E402  (public submodules)
 from hetcomm.adaptive import AdaptiveDataParallel
 
 __version__ = "0.1.0"
 __all__ = ["register_backend", "backend_of", "get_plan", "set_plan", "probe", "link_model", "listen_address",
-           "supported_devices",
+           "supported_devices", "monitored_barrier",
            "AdaptiveDataParallel", "data", "hooks", "partition", "__version__"]
 
 register_backend()

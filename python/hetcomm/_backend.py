@@ -105,6 +105,24 @@ def link_model(group: Optional[dist.ProcessGroup] = None):
     return model_of(backend_of(group))
 
 
+def monitored_barrier(group: Optional[dist.ProcessGroup] = None, timeout: Optional[datetime.timedelta] = None,
+                      wait_all_ranks: bool = False) -> None:
+    """``torch.distributed.monitored_barrier`` for a hetcomm group (torch's own function refuses every
+    backend but gloo; the group's ``monitored_barrier`` method reaches hetcomm's implementation).
+
+    Rank 0 waits up to ``timeout`` (default: the group's timeout) for every other
+    rank; a rank that does not arrive is named in rank 0's error (``wait_all_ranks``: all of them,
+    else the first), and the others fail when rank 0 does not release them.
+    """
+    pg = group if group is not None else dist.group.WORLD
+    if pg is None:
+        raise RuntimeError("hetcomm: no default process group; call dist.init_process_group('hetcomm') first")
+    if timeout is None:  # torch's binding then passes "unset", and the group's timeout applies
+        pg.monitored_barrier(wait_all_ranks=wait_all_ranks)
+    else:
+        pg.monitored_barrier(timeout=timeout, wait_all_ranks=wait_all_ranks)
+
+
 def listen_address(group: Optional[dist.ProcessGroup] = None) -> str:
     """This rank's listening address (``ip:port``) in ``group``."""
     return backend_of(group).listen_address()

@@ -122,7 +122,24 @@ PYBIND11_MODULE(_C, m) {
             pg.setPlan(std::move(p));
           },
           py::arg("order"), py::arg("shares"), py::arg("min_bytes") = 0, py::arg("segment_bytes") = 0,
-          "Sets the ring plan for operations issued from now on; every rank must set the same plan.");
+          "Sets the ring plan for operations issued from now on; every rank must set the same plan.")
+      .def(
+          "traffic",
+          [](const hetcomm::ProcessGroupHetcomm& pg) {
+            // A few relaxed atomic loads: no need to release the GIL.
+            const hetcomm::TrafficSnapshot t = pg.traffic();
+            py::dict d;
+            d["bytes_sent"] = t.bytesSent;
+            d["bytes_received"] = t.bytesReceived;
+            d["collectives"] = t.collectives;
+            d["collective_seconds"] = static_cast<double>(t.collectiveNanos) * 1e-9;
+            d["p2p_sent_messages"] = t.p2pSentMessages;
+            d["p2p_received_messages"] = t.p2pReceivedMessages;
+            return d;
+          },
+          "Cumulative traffic since the group was created: bytes_sent and bytes_received (lists indexed "
+          "by the peer's group rank; headers included, connection handshakes not), collectives run, "
+          "collective_seconds spent running them, p2p_sent_messages and p2p_received_messages.");
 
   m.def(
       "engine_settings",

@@ -6,6 +6,7 @@
 #include <functional>
 #include <string>
 
+#include "common/traffic.h"
 #include "transport/framing.h"
 #include "transport/socket.h"
 
@@ -39,6 +40,8 @@ struct CollectiveContext {
   // Null: the buffers are host memory. Else they are device memory, reached only through this
   // (see device_ops.h).
   DeviceOps* device = nullptr;
+  // Where the bytes this collective moves are counted (per peer); null: nowhere.
+  TrafficCounters* traffic = nullptr;
 
   // "hetcomm allreduce #42: rank 2"
   std::string prefix() const;

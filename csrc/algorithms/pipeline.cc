@@ -104,7 +104,10 @@ void checkHeader(const CollectiveContext& ctx, const PipelineSpec& spec, const u
 size_t sendSome(const CollectiveContext& ctx, int fd, int peer, const char* data, size_t len) {
   while (true) {
     ssize_t n = ::send(fd, data, len, MSG_NOSIGNAL);
-    if (n > 0) return static_cast<size_t>(n);
+    if (n > 0) {
+      if (ctx.traffic != nullptr) ctx.traffic->addSent(peer, static_cast<uint64_t>(n));
+      return static_cast<size_t>(n);
+    }
     if (n < 0 && errno == EINTR) continue;
     if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return 0;
     throwIo(ctx, peer, "sending", n < 0 ? errno : 0);
@@ -114,7 +117,10 @@ size_t sendSome(const CollectiveContext& ctx, int fd, int peer, const char* data
 size_t recvSome(const CollectiveContext& ctx, int fd, int peer, char* data, size_t len) {
   while (true) {
     ssize_t n = ::recv(fd, data, len, 0);
-    if (n > 0) return static_cast<size_t>(n);
+    if (n > 0) {
+      if (ctx.traffic != nullptr) ctx.traffic->addReceived(peer, static_cast<uint64_t>(n));
+      return static_cast<size_t>(n);
+    }
     if (n == 0) throwIo(ctx, peer, "receiving", 0);
     if (errno == EINTR) continue;
     if (errno == EAGAIN || errno == EWOULDBLOCK) return 0;

@@ -22,7 +22,8 @@ void checkHeader(const CollectiveContext& ctx, const PipelineSpec& spec, const u
                  const CollectiveHeader& want);
 
 // One non-blocking send()/recv(): the bytes moved, 0 when the socket would block (EINTR is
-// retried). A closed connection or a socket error throws PeerClosedError naming the peer.
+// retried). A closed connection or a socket error throws PeerClosedError naming the peer. The
+// bytes moved are added to ctx.traffic: every collective byte on the wire passes through here.
 size_t sendSome(const CollectiveContext& ctx, int fd, int peer, const char* data, size_t len);
 size_t recvSome(const CollectiveContext& ctx, int fd, int peer, char* data, size_t len);
 

@@ -29,10 +29,11 @@ std::exception_ptr commError(const std::string& what) { return std::make_excepti
 
 }  // namespace
 
-P2PEngine::P2PEngine(int rank, int size, TcpMesh* mesh)
+P2PEngine::P2PEngine(int rank, int size, TcpMesh* mesh, TrafficCounters* traffic)
     : rank_(rank),
       size_(size),
       mesh_(mesh),
+      traffic_(traffic),
       unexpectedBudget_(static_cast<size_t>(std::max<int64_t>(0, paramP2PUnexpectedBytes()))),
       peers_(size) {
   if (::pipe2(wake_, O_CLOEXEC | O_NONBLOCK) != 0) throw CommError("hetcomm: pipe2 failed");
@@ -307,12 +308,14 @@ void P2PEngine::progressSends(int peer, Peer& p, Finished& finished) {
       failAll(p.sends, peer, strCat("hetcomm send from rank ", rank_, ": ", p.outError), finished);
       return;
     }
+    if (traffic_ != nullptr) traffic_->addSent(peer, static_cast<uint64_t>(n));
     if (op.headerDone < op.header.size()) {
       op.headerDone += static_cast<size_t>(n);
     } else {
       op.dataDone += static_cast<size_t>(n);
     }
     if (op.headerDone == op.header.size() && op.dataDone == op.bytes) {
+      if (traffic_ != nullptr) traffic_->addP2PSent();
       finished.push_back({std::move(op.done), nullptr, peer});
       p.sends.pop_front();
     }
@@ -419,6 +422,7 @@ void P2PEngine::progressRecvs(int peer, Peer& p, Finished& finished) {
         return breakInbound(peer, p, strCat("rank ", peer, " closed the connection (did it fail or exit?)"), finished);
       }
       if (n < 0) return breakInbound(peer, p, strCat("connection from rank ", peer, " failed: ", std::strerror(errno)), finished);
+      if (traffic_ != nullptr) traffic_->addReceived(peer, static_cast<uint64_t>(n));
       if (inHeader) {
         in.headerDone += static_cast<size_t>(n);
         if (in.headerDone < in.header.size()) continue;
@@ -429,6 +433,7 @@ void P2PEngine::progressRecvs(int peer, Peer& p, Finished& finished) {
       in.dataDone += static_cast<size_t>(n);
     }
     if (in.headerDone == in.header.size() && in.dataDone == in.parsed.bytes) {
+      if (traffic_ != nullptr) traffic_->addP2PReceived();
       deliver(peer, p, finished);
       in = Incoming();
     }

@@ -32,6 +32,7 @@
 #include <thread>
 #include <vector>
 
+#include "common/traffic.h"
 #include "transport/framing.h"
 #include "transport/tcp_mesh.h"
 
@@ -44,7 +45,9 @@ class P2PEngine {
   using Done = std::function<void(std::exception_ptr, int peer)>;
   static constexpr int kAnySource = -1;
 
-  P2PEngine(int rank, int size, TcpMesh* mesh);
+  // traffic (may be null) counts the bytes of every message written or read, headers included,
+  // and the messages wholly sent and received; it must outlive the engine.
+  P2PEngine(int rank, int size, TcpMesh* mesh, TrafficCounters* traffic = nullptr);
   ~P2PEngine();
   P2PEngine(const P2PEngine&) = delete;
   P2PEngine& operator=(const P2PEngine&) = delete;
@@ -133,6 +136,7 @@ class P2PEngine {
   const int rank_;
   const int size_;
   TcpMesh* mesh_;
+  TrafficCounters* const traffic_;
   const size_t unexpectedBudget_;
   std::mutex mu_;
   std::vector<Peer> peers_;

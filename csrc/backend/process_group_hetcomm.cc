@@ -77,6 +77,7 @@ ProcessGroupHetcomm::ProcessGroupHetcomm(const c10::intrusive_ptr<c10d::Store>& 
       store_(store),
       options_(std::move(options)),
       completions_(std::make_shared<CompletionPool>()),
+      traffic_(std::make_shared<TrafficCounters>(size)),
       plan_(RingPlan::uniform(size)) {
   if (envInt("HETCOMM_DEBUG_EMULATE_DEVICE", 0) != 0) {
     emulatedDevice_ = std::make_unique<EmulatedDeviceOps>(kEmulatedSlotBytes, kEmulatedSlots, kEmulatedJitterUs);
@@ -113,7 +114,7 @@ ProcessGroupHetcomm::ProcessGroupHetcomm(const c10::intrusive_ptr<c10d::Store>& 
       return HostPort::parse(std::string(v.begin(), v.end()));
     };
     mesh_ = std::make_unique<TcpMesh>(rank, size, ip, secret, lookup);
-    p2p_ = std::make_unique<P2PEngine>(rank, size, mesh_.get());
+    p2p_ = std::make_unique<P2PEngine>(rank, size, mesh_.get(), traffic_.get());
     mesh_->setInboundP2PHandler([this](int peer, Socket s) { p2p_->addInbound(peer, std::move(s)); });
     const std::string addr = mesh_->listenAddress().str();
     store_->set(addressKey(rank), std::vector<uint8_t>(addr.begin(), addr.end()));
@@ -235,6 +236,7 @@ void ProcessGroupHetcomm::runWorker() {
       ctx.deadline = Clock::now() + op.timeout;
       ctx.segmentBytes = static_cast<size_t>(std::max<int64_t>(0, paramSegmentBytes()));
       ctx.fdOf = [this, &ctx](int peer) { return mesh_->collectiveFd(peer, ctx.deadline); };
+      ctx.traffic = traffic_.get();
       try {
         // A CUDA operation: every device-side step, the body's tensor operations included, goes on
         // the group's stream, after what the caller had queued when it issued the operation.
@@ -248,6 +250,16 @@ void ProcessGroupHetcomm::runWorker() {
         } else {
           ctx.device = emulatedDevice_.get();
         }
+        // Counts the collective and its time when the body returns or throws (before the
+        // handlers below, which may wait for a peer's reason).
+        struct TimeCollective {
+          TrafficCounters& traffic;
+          const Clock::time_point start = Clock::now();
+          ~TimeCollective() {
+            const auto ns = std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - start).count();
+            traffic.addCollective(static_cast<uint64_t>(std::max<int64_t>(0, ns)));
+          }
+        } timeCollective{*traffic_};
         op.body(ctx);
       } catch (const PeerClosedError& e) {
         std::string msg = e.what();

@@ -32,6 +32,7 @@
 #include "backend/completion_pool.h"
 #include "backend/p2p_engine.h"
 #include "backend/work.h"
+#include "common/traffic.h"
 #include "transport/tcp_mesh.h"
 
 namespace hetcomm {
@@ -99,6 +100,9 @@ class ProcessGroupHetcomm : public c10d::Backend {
   std::string listenAddress() const { return mesh_->listenAddress().str(); }
   int64_t rejectedConnections() const { return mesh_->rejectedConnections(); }
   RingPlan plan() const;
+  // Bytes this rank moved to and from each peer, collectives run and their time, point-to-point
+  // messages: cumulative since the group was created (what is counted: common/traffic.h).
+  TrafficSnapshot traffic() const { return traffic_->snapshot(); }
   // Takes effect for operations issued after the call; every rank must set the same plan at the
   // same point of its program (a mismatch is detected and reported by the next allreduce).
   void setPlan(RingPlan plan);
@@ -146,6 +150,8 @@ class ProcessGroupHetcomm : public c10d::Backend {
   c10::intrusive_ptr<c10d::Store> store_;
   Options options_;
   std::shared_ptr<CompletionPool> completions_;
+  // Declared before the engine and the worker that write to it, so that it outlives them.
+  std::shared_ptr<TrafficCounters> traffic_;
   std::unique_ptr<TcpMesh> mesh_;
   std::unique_ptr<P2PEngine> p2p_;
 

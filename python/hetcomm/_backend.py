@@ -63,15 +63,63 @@ def register_backend() -> None:
                                   devices=supported_devices())
 
 
-def backend_of(group: Optional[dist.ProcessGroup] = None) -> _C.ProcessGroupHetcomm:
-    """The hetcomm backend object behind ``group`` (default: the world group)."""
+def _hetcomm_backend(group: Optional[dist.ProcessGroup], caller: str) -> _C.ProcessGroupHetcomm:
+    """``group``'s hetcomm backend object, or a RuntimeError that starts with ``caller``."""
     pg = group if group is not None else dist.group.WORLD
     if pg is None:
-        raise RuntimeError("hetcomm: no default process group; call dist.init_process_group('hetcomm') first")
-    backend = pg._get_backend(torch.device("cpu"))
+        raise RuntimeError(f"{caller}: no default process group; call dist.init_process_group('hetcomm') first")
+    try:
+        backend = pg._get_backend(torch.device("cpu"))
+    except RuntimeError as e:  # a group with no CPU backend (NCCL only)
+        raise RuntimeError(f"{caller}: the group has no CPU backend, so no hetcomm one "
+                           f"(its backend is {dist.get_backend(pg)})") from e
     if not isinstance(backend, _C.ProcessGroupHetcomm):
-        raise RuntimeError(f"hetcomm: the group's CPU backend is {type(backend).__name__}, not hetcomm")
+        name = backend.name() if hasattr(backend, "name") else type(backend).__name__
+        raise RuntimeError(f"{caller}: the group's backend is {name}, not hetcomm")
     return backend
+
+
+def backend_of(group: Optional[dist.ProcessGroup] = None) -> _C.ProcessGroupHetcomm:
+    """The hetcomm backend object behind ``group`` (default: the world group)."""
+    return _hetcomm_backend(group, "hetcomm")
+
+
+def stats(group: Optional[dist.ProcessGroup] = None) -> dict:
+    """This rank's traffic in ``group`` (default: the world group), cumulative since the group was
+    created. Not a collective: each rank reads its own counters. To measure an interval, subtract
+    two snapshots (every field only grows).
+
+    Keys:
+
+    * ``rank``, ``world_size``: this rank's group rank and the group's size.
+    * ``peers``: ``peers[i]`` is the global rank of group rank ``i``.
+    * ``bytes_sent``, ``bytes_received``: lists indexed by the peer's group rank (this rank's own
+      entry stays 0): every byte of hetcomm's messages that this rank wrote to or read from its
+      sockets to that peer, collective and point-to-point alike, message headers included (a
+      40-byte header on each message a collective step sends on a link, e.g. one per link for a
+      ring allreduce; 24 bytes per point-to-point message). Not counted: the
+      connection handshakes (a Hello and its acknowledgement once per connection), the liveness
+      probes of point-to-point receives, and TCP/IP overhead. So, once both ranks have finished
+      the operations, ``bytes_sent[b]`` on rank ``a`` equals ``bytes_received[a]`` on rank ``b``.
+    * ``collectives``: collectives this rank ran (those that failed included; those refused because
+      the group had already failed not), and ``collective_seconds``: the wall time spent running
+      them on the group's worker thread (queueing excluded).
+    * ``p2p_sent_messages``, ``p2p_received_messages``: point-to-point messages wholly written and
+      wholly read (``send``/``recv``, and the messages of ``monitored_barrier``). A message that
+      arrives before its receive is posted counts when it arrives (its bytes too): the engine reads
+      messages eagerly, so an interval can include point-to-point traffic from a peer that has
+      run ahead of this rank. Collective bytes are read only while this rank runs the collective.
+
+    The group's creation may already have moved bytes (``hetcomm.probe`` measuring links, for one).
+    A snapshot taken while operations run may hold part of their bytes and not yet their counts.
+    """
+    backend = _hetcomm_backend(group, "hetcomm.stats")
+    pg = group if group is not None else dist.group.WORLD
+    size = backend.size()
+    out = {"rank": backend.rank(), "world_size": size,
+           "peers": [dist.get_global_rank(pg, i) for i in range(size)]}
+    out.update(backend.traffic())
+    return out
 
 
 def get_plan(group: Optional[dist.ProcessGroup] = None):

@@ -1,0 +1,717 @@
+"""Compressed weighted allreduce: quantise once, sum in fp32 at the chunk owner, quantise once more.
+
+DiLoCo synchronises pseudo-gradients ``Δ_r`` (one flat fp32 CPU tensor per rank) as a weighted sum
+``Σ_r w_r Δ_r`` with weights every rank agreed on beforehand. `weighted_allreduce` computes that sum
+and moves it in one of four formats (`CODECS`)::
+
+    reduced = weighted_allreduce(delta, weights, codec="int8", group=group, feedback=ErrorFeedback())
+
+The result is bit-identical on every rank and within `reduced_error_bound` of the exact sum.
+
+Codecs (`get_codec`)
+====================
+``fp32`` sends ``x`` unchanged (4 bytes per element); ``bf16`` and ``fp16`` cast with
+round-to-nearest-even (2 bytes); ``int8`` is symmetric with one fp32 scale per block of ``block``
+elements (default 2048): ``scale_b = max_b|x| / 127``, ``q = round(x / scale_b)``, decoded as
+``q * scale_b``; a buffer of n elements is ``4 ceil(n/block)`` bytes of scales followed by n bytes
+of q, ``n + 4 ceil(n/block)`` bytes in all (3.99x fewer than fp32 at block 2048).
+
+Round-trip error of one element x, ``e(x) = |decode(encode(x)) - x|`` (`Codec.error_bound`):
+
+* fp32: 0.
+* bf16 (8 significand bits, smallest normal 2^-126, largest finite ``M = (2 - 2^-7) 2^127``). For
+  ``2^k <= |x| < 2^(k+1)``, ``k >= -126``, neighbouring bf16 numbers are ``2^(k-7)`` apart, so
+  rounding to the nearest moves x by at most ``2^(k-8) <= 2^-8 |x|``. Below 2^-126 (subnormals) the
+  spacing is 2^-133, so the error is at most 2^-134. Values beyond M would round to infinity; the
+  encoder clamps them to ±M instead, an error of ``|x| - M``. Together::
+
+      e(x) <= max(2^-8 |x| + 2^-134, |x| - M)
+
+* fp16 (11 significand bits, smallest normal 2^-14, ``M = 65504``), by the same argument::
+
+      e(x) <= max(2^-11 |x| + 2^-25, |x| - 65504)
+
+  fp16 is a relative format only below 65504; larger values saturate (1e5 comes back as 65504),
+  and the bound says so. Use bf16 for data that may be large.
+* int8, block b with ``m = max_b |x|``, in fp32 arithmetic (u = 2^-24, each operation rounds
+  once with relative error at most u; the division is allowed 2u): ``s = fl(m/127) <=
+  (m/127)(1 + u)``; ``t = fl(x/s)`` is within ``|x/s| 2u <= 127 (1 + 2^-22) 2u`` of ``x/s``, and
+  ``|t| < 127.5``, so ``q = round(t)`` needs no clamping and ``|q - x/s| <= 1/2 + 254.1 u``; the
+  decode ``fl(q s)`` adds ``|q| s u <= 127 s u``. So ``|q s - x| <= s (1/2 + 382 u) <=
+  s (1/2 + 2^-15)``, and with the bound on s::
+
+      e(x) <= (m / 254) (1 + 2^-13) + 2^-136
+
+  The absolute term covers blocks whose scale is subnormal or zero (``m < 127 * 2^-126``): then s
+  is within 2^-150 of m/127, t may exceed 127.5 and is clamped (error at most 127 * 2^-150), and
+  the other roundings add at most 2^-149. An all-zero block has scale 0 and decodes to exact zeros. (Assumes torch does not
+  flush subnormals to zero, its default.)
+
+The reduction
+=============
+torchft's scheme (design.md §7), so that the error does not grow with the number of ranks P:
+
+1. The flat vector is split into P contiguous chunks, chunk c owned by rank c (`chunk_counts`):
+   on a hetcomm group sized by the group's plan shares (``Plan.counts``, shares indexed by rank;
+   chunks laid out in rank order), elsewhere equal (the first ``n % P`` ranks get one more).
+   int8 blocks start at each chunk's first element, so every chunk encodes on its own.
+2. Every rank encodes each chunk of its *unweighted* x once; one ``all_to_all_single`` of bytes
+   sends chunk c to rank c (its own included).
+3. The owner decodes every rank's contribution ``d_r`` and sums ``s = Σ_r fl32(w_r) d_r`` in fp32,
+   in rank order 0..P-1 (deterministic).
+4. The owner encodes s once; an all-gather (hetcomm: unequal sizes, along the plan's ring order;
+   other backends: padded to the largest chunk) gives every rank every owner's bytes, and every
+   rank, the owner included, decodes them. All ranks therefore hold the same bytes and run the
+   same decode; decode is one correctly rounded fp32 operation per element (bf16/fp16 to fp32 is
+   exact, int8 is ``q * s``), so the results are bit-identical even across different machines.
+
+``fp32`` skips all this: every rank multiplies x by fl32(w_rank) and calls the group's own
+``all_reduce(SUM)`` (on a hetcomm group the weighted ring of its plan).
+
+Traffic. With B the encoded bytes of the whole vector and o_r rank r's share, the all-to-all has
+rank r send ``(1 - o_r) B`` and receive ``(P - 1) o_r B``; the all-gather along the ring has it
+receive ``(1 - o_r) B`` and send ``(1 - o_next) B``. The plan's shares were chosen for the ring
+AllReduce, where owning a large share costs a rank no extra ingress; here a share o costs its
+owner ``(P - 1) o B`` of ingress. A plan that gives a slow rank the whole buffer (planner.py's
+worked example, o = 0, 0, 0, 1) is therefore the worst layout for this exchange: that rank
+receives 3B in the all-to-all where the ring sent it B. Shares near zero for slow ranks suit both.
+
+Error of the reduced result (`reduced_error_bound`, one call without feedback). Let ``e1_r`` be
+the round-trip bound of rank r's input (its blocks laid out in the chunks), ``v_r = fl32(w_r)``,
+and ``γ_P = P u / (1 - P u)``. Each term ``v_r d_r`` goes through at most P roundings (its product
+and at most P-1 additions, in any summation tree), so, per element::
+
+    |s - Σ_r w_r x_r| <= Σ_r |w_r - v_r| (|x_r| + e1_r)      weights rounded to fp32
+                       + Σ_r |v_r| e1_r                       first quantisation
+                       + γ_P Σ_r |v_r| (|x_r| + e1_r)         fp32 products and sums
+                       + P 2^-149                             underflow (subnormal results)
+
+and ``|s| <= A = (1 + γ_P) Σ_r |v_r| (|x_r| + e1_r) + P 2^-149``. Every round-trip bound above is
+non-decreasing in |x| (int8: in the block maximum), so the second quantisation adds at most
+``e2 = error_bound(A)``, evaluated on A with the same chunk and block layout. The bound on
+``|result - Σ_r w_r x_r|`` is the sum of the four lines and e2. For int8 and ``m_r = max_b|x_r|``
+that is about ``Σ_r |w_r| m_r / 254 + Σ_r |w_r| m_r / 254``: it depends on Σ|w_r|, not on P (only
+the fp32 term ``γ_P ≈ P 2^-24`` grows with P). Re-quantising the partial sum at every ring hop
+instead adds one quantisation per hop, P-1 of them, each as large as the partial sum's block
+maximum: an error that grows linearly with P. The fp32 codec obeys the same bound with
+``e1 = e2 = 0``.
+
+Error feedback (`ErrorFeedback`)
+================================
+Quantisation is deterministic, so sending the same x every round repeats the same error, and the
+sum over T rounds is off by T times the one-round error. Error feedback carries the residual into
+the next round instead (Seide et al. 2014; Karimireddy et al. 2019):
+
+* sender (every rank, whole vector): ``x' = x + e``; send ``Q(x')``; ``e <- x' - deQ(Q(x'))``;
+* owner (its chunk of the weighted sum): ``s' = s + f``; send ``Q(s')``; ``f <- s' - deQ(Q(s'))``.
+
+Then ``Σ_{t<=T} deQ(Q(x'_t)) = T x - e_T`` (the residuals telescope, e_0 = 0) and likewise for
+the owner, so with the same inputs every round::
+
+    |Σ_{t<=T} result_t - T Σ_r w_r x_r| <= Σ_r |w_r| |e_T,r| + |f_T| + T (fp32 rounding terms)
+
+The quantisation part is one round's worth, whatever T: the mean of the results converges to
+the exact weighted sum as 1/T. The residuals are bounded by the round-trip bounds of x' and s'
+(slightly larger than x and s, since they include the previous residual). The sender residual is
+kept per element of the whole vector and reset only when its length changes; it stays meaningful
+when chunks move. The owner residual belongs to one chunk and is dropped (reset to zero) when the
+chunk's offset or size, the vector's length, the rank or the world size changes (a new plan),
+which loses at most one round's second-quantisation error. The weights are applied at the owner,
+so a sender residual is re-weighted by the next round's weight. With the fp32 codec any residual
+left from earlier rounds is folded into the call (sender: into x, owner: into its chunk) and the
+state becomes zero. A feedback object belongs to one call site: one vector, one group.
+
+Checks
+======
+Unless ``finite_checked=True``, a call starts with one small all_reduce (MAX) of a 3 x P int64
+table in which each rank fills its own column: a status (ok, non-finite input, invalid
+arguments), its element count, and a fingerprint of its weights and codec. Every rank then raises
+the same ValueError, naming the offending ranks, for non-finite inputs, invalid arguments on some
+rank, unequal lengths or disagreeing weights or codecs, before any data is sent; no rank is left
+waiting. With ``finite_checked=True`` (the caller has already agreed that every input is finite,
+e.g. DiLoCo's exchange of measurements) the table is skipped, and so are these checks: invalid
+local arguments still raise, on that rank only.
+"""
+from __future__ import annotations
+
+import hashlib
+import math
+import struct
+from typing import Optional, Sequence, Union
+
+import torch
+import torch.distributed as dist
+
+__all__ = [
+    "CODECS",
+    "Codec",
+    "get_codec",
+    "ErrorFeedback",
+    "weighted_allreduce",
+    "chunk_counts",
+    "reduced_error_bound",
+]
+
+CODECS = ("fp32", "bf16", "fp16", "int8")
+DEFAULT_BLOCK = 2048
+_PREFIX = "hetcomm.compress"
+_FP32_U = 2.0 ** -24                  # unit roundoff of fp32
+_FP32_MAX = float(torch.finfo(torch.float32).max)
+_UNDERFLOW = 2.0 ** -149              # per-operation absolute slack where results are subnormal
+_INT8_REL = 1.0 + 2.0 ** -13          # fp32 slack of the int8 bound (module docstring)
+_INT8_ABS = 2.0 ** -136               # subnormal or zero scales
+
+
+# --------------------------------------------------------------------------------------------
+# Codecs
+# --------------------------------------------------------------------------------------------
+
+def _flat_fp32(x: torch.Tensor, what: str) -> torch.Tensor:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{_PREFIX}: {what} takes a torch.Tensor, got {type(x).__name__}")
+    if x.dtype != torch.float32:
+        raise TypeError(f"{_PREFIX}: {what} takes float32, got {x.dtype}")
+    if x.device.type != "cpu":
+        raise ValueError(f"{_PREFIX}: {what} takes a CPU tensor, got one on {x.device}")
+    return x.detach().reshape(-1).contiguous()
+
+
+def _bytes_as(buf: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``buf`` (uint8) reinterpreted as ``dtype``; copied first if its offset is misaligned."""
+    size = torch.empty((), dtype=dtype).element_size()
+    if buf.storage_offset() % size:
+        buf = buf.clone()
+    return buf.view(dtype)
+
+
+class Codec:
+    """One wire format: ``encode`` fp32 -> bytes, ``decode`` bytes -> fp32, and the error bound.
+
+    ``encode`` reads any fp32 CPU tensor in row-major order as a flat vector; ``decode(buf, n)``
+    returns a new 1-D fp32 tensor of n elements from ``encoded_bytes(n)`` bytes. Instances are
+    immutable and compare equal by ``(name, block)``. Non-finite inputs are not checked here:
+    they encode to meaningless bytes (`weighted_allreduce` checks them).
+    """
+
+    name: str = ""
+    block: int = 0       # elements per int8 scale; 0 for the other formats
+
+    def encoded_bytes(self, n: int) -> int:
+        raise NotImplementedError
+
+    def encode(self, x: torch.Tensor) -> torch.Tensor:
+        x = _flat_fp32(x, f"{self.name} encode")
+        out = torch.empty(self.encoded_bytes(x.numel()), dtype=torch.uint8)
+        self._encode_into(x, out)
+        return out
+
+    def decode(self, buf: torch.Tensor, n: int) -> torch.Tensor:
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise ValueError(f"{_PREFIX}: {self.name} decode: n must be a non-negative int, got {n!r}")
+        if not isinstance(buf, torch.Tensor) or buf.dtype != torch.uint8 or buf.dim() != 1 \
+                or buf.device.type != "cpu":
+            raise TypeError(f"{_PREFIX}: {self.name} decode takes a 1-D uint8 CPU tensor")
+        if buf.numel() != self.encoded_bytes(n):
+            raise ValueError(f"{_PREFIX}: {self.name} decode: {n} elements take {self.encoded_bytes(n)} "
+                             f"bytes, got {buf.numel()}")
+        out = torch.empty(n, dtype=torch.float32)
+        self._decode_into(buf.contiguous(), out)
+        return out
+
+    def error_bound(self, x: torch.Tensor) -> torch.Tensor:
+        """Per-element bound (float64, flat) on ``|decode(encode(x)) - x|`` (module docstring).
+
+        ``x`` may be any floating tensor: for float64 it is read as magnitudes and the bound of
+        any fp32 vector with ``|y| <= |x|`` element-wise (int8: with block maxima at most x's)
+        is returned, which is how `reduced_error_bound` bounds the second quantisation.
+        """
+        if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+            raise TypeError(f"{_PREFIX}: error_bound takes a floating-point tensor")
+        return self._bound(x.detach().reshape(-1).to(device="cpu", dtype=torch.float64).abs())
+
+    # Subclasses: write encoded bytes into / decode from slices of larger buffers.
+    def _encode_into(self, x: torch.Tensor, out: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def _decode_into(self, buf: torch.Tensor, out: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def _bound(self, a: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Codec) and (self.name, self.block) == (other.name, other.block)
+
+    def __hash__(self) -> int:
+        return hash((self.name, self.block))
+
+    def __repr__(self) -> str:
+        return f"get_codec({self.name!r}" + (f", block={self.block})" if self.block else ")")
+
+
+class _Fp32Codec(Codec):
+    name = "fp32"
+
+    def encoded_bytes(self, n: int) -> int:
+        return 4 * n
+
+    def _encode_into(self, x: torch.Tensor, out: torch.Tensor) -> None:
+        out.copy_(x.view(torch.uint8))
+
+    def _decode_into(self, buf: torch.Tensor, out: torch.Tensor) -> None:
+        out.view(torch.uint8).copy_(buf)
+
+    def _bound(self, a: torch.Tensor) -> torch.Tensor:
+        return torch.zeros_like(a)
+
+
+class _CastCodec(Codec):
+    """bf16 / fp16: clamp to the largest finite value, then round to nearest even."""
+
+    def __init__(self, name: str, dtype: torch.dtype, unit_roundoff: float, subnormal_half_gap: float):
+        self.name = name
+        self.dtype = dtype
+        self.max_finite = float(torch.finfo(dtype).max)
+        self.unit_roundoff = unit_roundoff
+        self.subnormal_half_gap = subnormal_half_gap
+
+    def encoded_bytes(self, n: int) -> int:
+        return 2 * n
+
+    def _encode_into(self, x: torch.Tensor, out: torch.Tensor) -> None:
+        m = self.max_finite
+        out.copy_(x.clamp(-m, m).to(self.dtype).view(torch.uint8))
+
+    def _decode_into(self, buf: torch.Tensor, out: torch.Tensor) -> None:
+        out.copy_(_bytes_as(buf, self.dtype))
+
+    def _bound(self, a: torch.Tensor) -> torch.Tensor:
+        return torch.maximum(a * self.unit_roundoff + self.subnormal_half_gap, a - self.max_finite)
+
+
+class _Int8Codec(Codec):
+    """Symmetric int8, one fp32 scale per block; layout ``[scales: 4 nb bytes][q: n bytes]``."""
+
+    name = "int8"
+
+    def __init__(self, block: int):
+        self.block = block
+
+    def _blocks(self, n: int) -> int:
+        return -(-n // self.block)
+
+    def encoded_bytes(self, n: int) -> int:
+        return n + 4 * self._blocks(n)
+
+    def _encode_into(self, x: torch.Tensor, out: torch.Tensor) -> None:
+        n, L = x.numel(), self.block
+        nb = self._blocks(n)
+        if n == 0:
+            return
+        scales = torch.empty(nb, dtype=torch.float32)
+        q = out[4 * nb:].view(torch.int8)
+        full = n // L
+        if full:
+            self._quantise(x[:full * L].view(full, L), scales[:full], q[:full * L].view(full, L))
+        if full * L < n:
+            self._quantise(x[full * L:].view(1, -1), scales[full:], q[full * L:].view(1, -1))
+        out[:4 * nb].copy_(scales.view(torch.uint8))
+
+    @staticmethod
+    def _quantise(xb: torch.Tensor, scales: torch.Tensor, q: torch.Tensor) -> None:
+        lo, hi = torch.aminmax(xb, dim=1)
+        torch.div(torch.maximum(hi, lo.neg()), 127.0, out=scales)
+        # A zero scale (all-zero block, or a maximum so small that m/127 underflows) divides by
+        # 1 instead: q rounds to 0 and the block decodes to zeros.
+        divisor = torch.where(scales > 0, scales, torch.ones_like(scales))
+        t = xb / divisor.unsqueeze(1)
+        # Clamping matters only for subnormal scales (module docstring).
+        q.copy_(t.round_().clamp_(-127.0, 127.0))
+
+    def _decode_into(self, buf: torch.Tensor, out: torch.Tensor) -> None:
+        n, L = out.numel(), self.block
+        nb = self._blocks(n)
+        if n == 0:
+            return
+        scales = torch.empty(nb, dtype=torch.float32)
+        scales.view(torch.uint8).copy_(buf[:4 * nb])
+        q = buf[4 * nb:].view(torch.int8)
+        full = n // L
+        if full:
+            torch.mul(q[:full * L].view(full, L), scales[:full].unsqueeze(1), out=out[:full * L].view(full, L))
+        if full * L < n:
+            torch.mul(q[full * L:], scales[full], out=out[full * L:])
+
+    def _bound(self, a: torch.Tensor) -> torch.Tensor:
+        n, L = a.numel(), self.block
+        nb = self._blocks(n)
+        if n == 0:
+            return a.clone()
+        padded = torch.zeros(nb * L, dtype=torch.float64)
+        padded[:n] = a
+        per_block = padded.view(nb, L).amax(dim=1) / 254.0 * _INT8_REL + _INT8_ABS
+        return per_block.repeat_interleave(L)[:n]
+
+
+_CODEC_FACTORIES = {
+    "fp32": lambda block: _Fp32Codec(),
+    "bf16": lambda block: _CastCodec("bf16", torch.bfloat16, 2.0 ** -8, 2.0 ** -134),
+    "fp16": lambda block: _CastCodec("fp16", torch.float16, 2.0 ** -11, 2.0 ** -25),
+    "int8": lambda block: _Int8Codec(block),
+}
+
+
+def get_codec(name: str, block: int = DEFAULT_BLOCK) -> Codec:
+    """The codec called ``name`` (one of `CODECS`); ``block``: elements per int8 scale."""
+    if name not in _CODEC_FACTORIES:
+        raise ValueError(f"{_PREFIX}: unknown codec {name!r}; expected one of {CODECS}")
+    if isinstance(block, bool) or not isinstance(block, int) or block < 1:
+        raise ValueError(f"{_PREFIX}: block must be a positive int, got {block!r}")
+    return _CODEC_FACTORIES[name](block)
+
+
+def _as_codec(codec: Union[str, Codec]) -> Codec:
+    if isinstance(codec, Codec):
+        return codec
+    if isinstance(codec, str):
+        return get_codec(codec)
+    raise TypeError(f"{_PREFIX}: codec must be a name in {CODECS} or a Codec, got {type(codec).__name__}")
+
+
+# --------------------------------------------------------------------------------------------
+# Chunk layout
+# --------------------------------------------------------------------------------------------
+
+def _hetcomm_backend(group: Optional[dist.ProcessGroup]):
+    """The group's hetcomm backend object, or None when its CPU backend is something else."""
+    from hetcomm import _C
+
+    pg = group if group is not None else dist.group.WORLD
+    try:
+        backend = pg._get_backend(torch.device("cpu"))
+    except Exception:  # noqa: BLE001 - a group without a CPU backend is simply not hetcomm
+        return None
+    return backend if isinstance(backend, _C.ProcessGroupHetcomm) else None
+
+
+def _equal_counts(n: int, world_size: int) -> list[int]:
+    # What the planner's shares_to_counts gives for equal shares: the remainder to the lowest ranks.
+    base, extra = divmod(n, world_size)
+    return [base + (1 if r < extra else 0) for r in range(world_size)]
+
+
+def chunk_counts(n: int, group: Optional[dist.ProcessGroup] = None) -> list[int]:
+    """Elements of an n-element vector owned by each rank of ``group`` (indexed by group rank).
+
+    On a hetcomm group: ``hetcomm.get_plan(group).counts(n)``, the plan's shares (indexed by rank)
+    apportioned exactly as the engine does; elsewhere equal chunks. Chunks are contiguous and laid
+    out in rank order. The plan's ``min_bytes`` (below which the engine's ring falls back to
+    uniform shares) does not apply here. Not a collective; every rank computes the same list.
+    """
+    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+        raise ValueError(f"{_PREFIX}: n must be a non-negative int, got {n!r}")
+    world_size = dist.get_world_size(group)
+    if _hetcomm_backend(group) is not None:
+        from hetcomm._backend import get_plan
+
+        plan = get_plan(group)
+        if plan.world_size != world_size:
+            raise RuntimeError(f"{_PREFIX}: the group's plan is for {plan.world_size} ranks, the group "
+                               f"has {world_size}")
+        return plan.counts(n)
+    return _equal_counts(n, world_size)
+
+
+def _offsets(counts: Sequence[int]) -> list[int]:
+    out, total = [], 0
+    for c in counts:
+        out.append(total)
+        total += c
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# Error feedback
+# --------------------------------------------------------------------------------------------
+
+class ErrorFeedback:
+    """Quantisation residuals carried from one `weighted_allreduce` call to the next.
+
+    ``sender_residual``: this rank's residual for its whole input (fp32, None until the first
+    call). ``owner_residual``: the residual of the reduced chunk this rank owns. See "Error
+    feedback" in the module docstring for the update rules and when each is reset. One object per
+    call site (one vector, one group); `reset` forgets both.
+    """
+
+    def __init__(self) -> None:
+        self.sender_residual: Optional[torch.Tensor] = None
+        self.owner_residual: Optional[torch.Tensor] = None
+        self._owner_key: Optional[tuple] = None
+
+    def reset(self) -> None:
+        self.sender_residual = None
+        self.owner_residual = None
+        self._owner_key = None
+
+    def _sender_input(self, x: torch.Tensor) -> torch.Tensor:
+        """``x + e`` as a new tensor the caller may overwrite (e dropped if its length differs)."""
+        e = self.sender_residual
+        if e is None or e.numel() != x.numel():
+            return x.clone()
+        return x + e
+
+    def _owner_residual_for(self, key: tuple) -> Optional[torch.Tensor]:
+        if self._owner_key != key:
+            self.owner_residual, self._owner_key = None, key
+        return self.owner_residual
+
+    def __repr__(self) -> str:
+        def norm(t: Optional[torch.Tensor]) -> str:
+            if t is None:
+                return "None"
+            largest = float(t.abs().max()) if t.numel() else 0.0
+            return f"{t.numel()} elements, max |e| {largest:.3g}"
+        return f"ErrorFeedback(sender: {norm(self.sender_residual)}; owner: {norm(self.owner_residual)})"
+
+
+# --------------------------------------------------------------------------------------------
+# The collective
+# --------------------------------------------------------------------------------------------
+
+_OK, _NON_FINITE, _INVALID = 0, 1, 2
+
+
+def _fp32_value(w: float) -> float:
+    return struct.unpack("<f", struct.pack("<f", w))[0]
+
+
+def _check_weights(weights: Sequence[float], world_size: int) -> list[float]:
+    try:
+        ws = [float(w) for w in weights]
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"weights must be a sequence of numbers ({e})") from None
+    if len(ws) != world_size:
+        raise ValueError(f"{len(ws)} weights for a group of {world_size} ranks")
+    for r, w in enumerate(ws):
+        if not math.isfinite(w) or abs(w) > _FP32_MAX:
+            raise ValueError(f"the weight of rank {r} is {w!r}; weights must be finite float32 values")
+    return ws
+
+
+def _fingerprint(weights: list[float], codec: Codec) -> int:
+    """A positive 56-bit digest of the settings every rank must share (0 is 'unknown')."""
+    h = hashlib.blake2b(digest_size=7)
+    h.update(struct.pack(f"<{len(weights)}d", *weights))
+    h.update(f"{codec.name}/{codec.block}".encode())
+    return int.from_bytes(h.digest(), "little") + 1
+
+
+def _agree(status: int, numel: int, fingerprint: int, problem: Optional[str], rank: int, world_size: int,
+           group: Optional[dist.ProcessGroup]) -> None:
+    """One all_reduce(MAX) of a 3 x P table, each rank filling its own column; raises the same
+    ValueError on every rank when some rank's input is non-finite or invalid or the ranks differ."""
+    table = torch.zeros(3, world_size, dtype=torch.int64)
+    table[0, rank] = status
+    table[1, rank] = numel + 1          # 0: unknown (invalid input)
+    table[2, rank] = fingerprint        # 0: unknown
+    dist.all_reduce(table, op=dist.ReduceOp.MAX, group=group)
+    statuses, numels, prints = table.tolist()
+    invalid = [r for r in range(world_size) if statuses[r] == _INVALID]
+    if invalid:
+        if problem is not None:
+            raise ValueError(f"{_PREFIX}.weighted_allreduce on rank {rank}: {problem} (ranks {invalid} of "
+                             f"{world_size} passed invalid arguments; nothing was sent)")
+        raise ValueError(f"{_PREFIX}.weighted_allreduce: rank(s) {invalid} of {world_size} passed invalid "
+                         "arguments (their error says which); nothing was sent")
+    bad = [r for r in range(world_size) if statuses[r] == _NON_FINITE]
+    if bad:
+        raise ValueError(f"{_PREFIX}.weighted_allreduce: the input of rank(s) {bad} of {world_size} contains "
+                         "non-finite values (NaN or Inf); nothing was sent")
+    if len(set(numels)) != 1:
+        sizes = ", ".join(f"rank {r}: {numels[r] - 1}" for r in range(world_size))
+        raise ValueError(f"{_PREFIX}.weighted_allreduce: the ranks' inputs differ in length ({sizes}); "
+                         "nothing was sent")
+    if len(set(prints)) != 1:
+        groups: dict[int, list[int]] = {}
+        for r, p in enumerate(prints):
+            groups.setdefault(p, []).append(r)
+        parts = " vs ".join(str(ranks) for ranks in groups.values())
+        raise ValueError(f"{_PREFIX}.weighted_allreduce: the ranks disagree on the weights or the codec "
+                         f"(ranks that agree: {parts}); nothing was sent")
+
+
+def _all_to_all_bytes(send: torch.Tensor, send_sizes: list[int], recv_each: int, world_size: int,
+                      group: Optional[dist.ProcessGroup]) -> torch.Tensor:
+    if world_size == 1:
+        return send
+    recv = torch.empty(recv_each * world_size, dtype=torch.uint8)
+    dist.all_to_all_single(recv, send, [recv_each] * world_size, send_sizes, group=group)
+    return recv
+
+
+def _all_gather_bytes(mine: torch.Tensor, sizes: list[int], rank: int, hetcomm_group: bool,
+                      group: Optional[dist.ProcessGroup]) -> list[torch.Tensor]:
+    world_size = len(sizes)
+    if world_size == 1:
+        return [mine]
+    if hetcomm_group:  # unequal blocks, along the plan's ring
+        outs = [torch.empty(s, dtype=torch.uint8) for s in sizes]
+        dist.all_gather(outs, mine, group=group)
+        return outs
+    # gloo (and torch's other backends) insist on equal sizes: pad to the largest chunk.
+    width = max(sizes)
+    if width == 0:
+        return [mine.new_empty(0) for _ in sizes]
+    padded = torch.zeros(width, dtype=torch.uint8)
+    padded[:mine.numel()] = mine
+    outs = [torch.empty(width, dtype=torch.uint8) for _ in sizes]
+    dist.all_gather(outs, padded, group=group)
+    return [o[:s] for o, s in zip(outs, sizes)]
+
+
+def weighted_allreduce(x: torch.Tensor, weights: Sequence[float], *, codec: Union[str, Codec] = "int8",
+                       group: Optional[dist.ProcessGroup] = None, feedback: Optional[ErrorFeedback] = None,
+                       finite_checked: bool = False) -> torch.Tensor:
+    """``Σ_r weights[r] * x_r`` over the ranks of ``group``, moved in ``codec``'s format.
+
+    A collective: every rank calls it with its own x (fp32, CPU, any shape, the same number of
+    elements on every rank) and the same ``weights`` (one per group rank) and codec. Returns a
+    new fp32 tensor of x's shape, bit-identical on every rank, within `reduced_error_bound` of
+    the exact sum (without ``feedback``). x is not modified. ``feedback``: carry quantisation
+    residuals between calls (`ErrorFeedback`). ``finite_checked``: skip the agreement step
+    (the caller guarantees finite inputs and equal lengths, weights and codecs on every rank).
+    Raises ValueError (on every rank, unless ``finite_checked``) for non-finite or invalid
+    inputs; see the module docstring for the algorithm and its error bounds.
+    """
+    codec = _as_codec(codec)
+    if feedback is not None and not isinstance(feedback, ErrorFeedback):
+        raise TypeError(f"{_PREFIX}: feedback must be an ErrorFeedback or None, got {type(feedback).__name__}")
+    rank, world_size = dist.get_rank(group), dist.get_world_size(group)
+    if rank < 0:
+        raise ValueError(f"{_PREFIX}.weighted_allreduce: this process is not a member of the group")
+
+    problem, flat, ws = None, None, None
+    status, fingerprint = _INVALID, 0
+    try:
+        flat = _flat_fp32(x, "weighted_allreduce")
+        ws = _check_weights(weights, world_size)
+    except (TypeError, ValueError) as e:
+        problem = str(e).removeprefix(f"{_PREFIX}: ")
+        if finite_checked:
+            raise ValueError(f"{_PREFIX}.weighted_allreduce on rank {rank}: {problem}") from None
+    else:
+        status = _OK if finite_checked or bool(torch.isfinite(flat).all()) else _NON_FINITE
+        fingerprint = _fingerprint(ws, codec)
+    if not finite_checked:
+        _agree(status, -1 if flat is None else flat.numel(), fingerprint, problem, rank, world_size, group)
+    assert flat is not None and ws is not None
+
+    n = flat.numel()
+    shape = x.shape
+    if n == 0:
+        return torch.zeros(shape, dtype=torch.float32)
+    v = [_fp32_value(w) for w in ws]
+    counts = chunk_counts(n, group)
+    offsets = _offsets(counts)
+    mine, my_offset = counts[rank], offsets[rank]
+    owner_key = (n, world_size, rank, my_offset, mine)
+
+    if codec.name == "fp32":
+        # Native weighted sum: nothing is quantised. Residuals left from earlier calls with
+        # another codec are folded in, so that feedback still telescopes across the switch.
+        y = flat * v[rank] if feedback is None else feedback._sender_input(flat).mul_(v[rank])
+        if feedback is not None:
+            f = feedback._owner_residual_for(owner_key)
+            if f is not None:
+                y[my_offset:my_offset + mine] += f
+            feedback.sender_residual = None
+            feedback.owner_residual = None
+        if world_size > 1:
+            dist.all_reduce(y, op=dist.ReduceOp.SUM, group=group)
+        return y.view(shape)
+
+    # 1-2. Encode each chunk of (x + sender residual) once; chunk c goes to rank c.
+    x_send = flat if feedback is None else feedback._sender_input(flat)
+    send_sizes = [codec.encoded_bytes(c) for c in counts]
+    send = torch.empty(sum(send_sizes), dtype=torch.uint8)
+    byte_offsets = _offsets(send_sizes)
+    for c in range(world_size):
+        codec._encode_into(x_send[offsets[c]:offsets[c] + counts[c]],
+                           send[byte_offsets[c]:byte_offsets[c] + send_sizes[c]])
+    if feedback is not None:
+        decoded = torch.empty(n, dtype=torch.float32)
+        for c in range(world_size):
+            codec._decode_into(send[byte_offsets[c]:byte_offsets[c] + send_sizes[c]],
+                               decoded[offsets[c]:offsets[c] + counts[c]])
+        feedback.sender_residual = x_send.sub_(decoded)      # x_send is our own copy
+    recv_each = send_sizes[rank]
+    recv = _all_to_all_bytes(send, send_sizes, recv_each, world_size, group)
+
+    # 3. The owner sums the weighted contributions in fp32, in rank order.
+    s = torch.zeros(mine, dtype=torch.float32)
+    part = torch.empty(mine, dtype=torch.float32)
+    for r in range(world_size):
+        if v[r] == 0.0:
+            continue  # adds exact zeros (inputs are finite)
+        codec._decode_into(recv[r * recv_each:(r + 1) * recv_each], part)
+        s.add_(part, alpha=v[r])
+
+    # 4. Encode the reduced chunk once (plus the owner residual), all-gather, everyone decodes.
+    if feedback is not None:
+        f = feedback._owner_residual_for(owner_key)
+        if f is not None:
+            s += f
+    reduced = torch.empty(recv_each, dtype=torch.uint8)
+    codec._encode_into(s, reduced)
+    if feedback is not None:
+        codec._decode_into(reduced, part)
+        feedback.owner_residual = s.sub_(part)
+    chunks = _all_gather_bytes(reduced, send_sizes, rank, _hetcomm_backend(group) is not None, group)
+    out = torch.empty(n, dtype=torch.float32)
+    for c in range(world_size):
+        codec._decode_into(chunks[c], out[offsets[c]:offsets[c] + counts[c]])
+    return out.view(shape)
+
+
+def reduced_error_bound(inputs: Sequence[torch.Tensor], weights: Sequence[float],
+                        codec: Union[str, Codec] = "int8", *,
+                        counts: Optional[Sequence[int]] = None) -> torch.Tensor:
+    """Per-element bound (float64, flat) on ``|weighted_allreduce(x_r) - Σ_r weights[r] x_r|``.
+
+    ``inputs[r]``: rank r's input; ``counts``: the chunk sizes the call used (`chunk_counts` on
+    the group; default equal chunks). For one call without error feedback; the derivation is in
+    the module docstring. Pure: no communication.
+    """
+    codec = _as_codec(codec)
+    P = len(inputs)
+    if P == 0:
+        raise ValueError(f"{_PREFIX}: reduced_error_bound needs at least one input")
+    ws = _check_weights(weights, P)
+    xs = [x.detach().reshape(-1).to(device="cpu", dtype=torch.float64).abs() for x in inputs]
+    n = xs[0].numel()
+    if any(a.numel() != n for a in xs):
+        raise ValueError(f"{_PREFIX}: reduced_error_bound: inputs differ in length")
+    counts = _equal_counts(n, P) if counts is None else [int(c) for c in counts]
+    if len(counts) != P or sum(counts) != n or min(counts) < 0:
+        raise ValueError(f"{_PREFIX}: reduced_error_bound: counts {counts} do not split {n} elements "
+                         f"among {P} ranks")
+    offsets = _offsets(counts)
+
+    def chunked_bound(a: torch.Tensor) -> torch.Tensor:
+        if codec.name == "fp32" or n == 0:
+            return torch.zeros_like(a)
+        return torch.cat([codec.error_bound(a[o:o + c]) for o, c in zip(offsets, counts)])
+
+    gamma = P * _FP32_U / (1.0 - P * _FP32_U)
+    underflow = P * _UNDERFLOW
+    bound = torch.zeros(n, dtype=torch.float64)
+    magnitude = torch.zeros(n, dtype=torch.float64)    # Σ_r |v_r| (|x_r| + e1_r)
+    for a, w in zip(xs, ws):
+        e1 = chunked_bound(a)
+        v = _fp32_value(w)
+        bound += abs(w - v) * (a + e1) + abs(v) * e1
+        magnitude += abs(v) * (a + e1)
+    bound += gamma * magnitude + underflow
+    if codec.name != "fp32":
+        bound += chunked_bound((1.0 + gamma) * magnitude + underflow)
+    return bound

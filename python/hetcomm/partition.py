@@ -43,7 +43,7 @@ from fractions import Fraction
 import torch
 import torch.distributed as dist
 
-__all__ = ["split_batch", "probe_max_batch", "profile_speed", "predicted_step_seconds",
+__all__ = ["split_batch", "exchange_columns", "probe_max_batch", "profile_speed", "predicted_step_seconds",
            "rebalanced_sizes", "Partitioner"]
 
 _PREFIX = "hetcomm partition"
@@ -528,7 +528,19 @@ class Partitioner:
         """``rows[i][r]`` = ``values[i]`` of rank r, identical on every rank (see class doc)."""
         if not self._distributed:
             return [[float(v)] for v in values]
-        table = torch.zeros(len(values), self._world_size, dtype=torch.float64)
-        table[:, self._rank] = torch.tensor([float(v) for v in values], dtype=torch.float64)
-        dist.all_reduce(table, op=dist.ReduceOp.SUM, group=self._group)
-        return table.tolist()
+        return exchange_columns(values, group=self._group)
+
+
+def exchange_columns(values: Sequence[float], *, group: dist.ProcessGroup | None = None) -> list[list[float]]:
+    """Every rank's ``values``, agreed bit for bit: ``rows[i][r]`` is ``values[i]`` of rank r.
+
+    A collective (every rank of ``group`` calls it with the same number of values): one SUM
+    all-reduce of a float64 CPU table in which each rank fills only its own column. Each element
+    is one value plus zeros, so the sum is exact and identical on every rank whatever the
+    reduction order or algorithm, which is what lets every rank take the same decisions from it.
+    """
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    table = torch.zeros(len(values), world, dtype=torch.float64)
+    table[:, rank] = torch.tensor([float(v) for v in values], dtype=torch.float64)
+    dist.all_reduce(table, op=dist.ReduceOp.SUM, group=group)
+    return table.tolist()

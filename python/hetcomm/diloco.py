@@ -1,0 +1,483 @@
+"""DiLoCo / local SGD for unequal workers: local steps set by measured speed, sample-weighted outer update.
+
+::
+
+    import hetcomm, torch.distributed as dist
+    dist.init_process_group("hetcomm")                       # or "gloo"
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)     # the inner optimizer
+    diloco = hetcomm.DiLoCo(model, opt, local_steps="time", steps=50)
+    for x, y in loader:
+        loss = loss_fn(model(x), y); loss.backward(); opt.step(); opt.zero_grad()
+        diloco.step(samples=len(x), loss=loss.item())        # synchronises when the round is over
+    diloco.finish()                                          # last partial round; drains overlap
+
+The algorithm (Douillard et al., 2023). Every rank keeps the global parameters θ and an outer
+optimizer (default SGD, lr 0.7, momentum 0.9, Nesterov) on the CPU, in fp32 (fp64 for fp64
+models). A round: each rank r starts from θ, runs τ_r inner steps with its own inner optimizer
+(whose state persists across rounds) over n_r samples and ends at θ_r. Then, on every rank alike:
+Δ = Σ_r w_r (θ − θ_r) (the pseudo-gradient), θ ← OuterOpt(θ, Δ), and every replica restarts
+from the new θ. Only parameters are synchronised (buffers such as BatchNorm statistics stay
+local). At construction the parameters of group rank 0 are broadcast, so all ranks start alike.
+
+**How many steps** (``local_steps``, see `hetcomm.local_steps`): ``fixed`` (H on every rank,
+the published recipes), ``speed`` (H_r ∝ measured speed, the slowest does H) or ``time`` (every
+rank steps until an agreed deadline). Decisions come from per-rank measurements exchanged at
+every synchronisation, so every rank takes the same ones.
+
+**Why the weighting matters when τ_r differ** (``weighting``). To first order in the inner
+learning rate η, θ − θ_r ≈ η Σ_{i<τ_r} g_{r,i}: a rank's pseudo-gradient grows with its step
+count, and Δ ≈ η Σ_r w_r τ_r ḡ_r (ḡ_r the mean gradient along rank r's trajectory). FedNova
+(Wang et al., NeurIPS 2020) shows that the outer iteration then optimises Σ_r w_r τ_r F_r (F_r
+the loss on rank r's data), normalised, and makes *progress* τ_eff = Σ_r w_r τ_r inner steps'
+worth per round.
+
+* ``uniform`` (w_r = 1/P, the anchors' mean): every *step* counts alike, τ_eff is the mean of
+  τ_r. With unequal τ_r the replicas that did few steps pull the average back towards the start:
+  the fast ranks' extra steps are diluted by the number of ranks, and a rank that did 1 step has
+  the same say as one that did 40.
+* ``samples`` (w_r = n_r / Σ n, the default): every replica counts in proportion to the data it
+  consumed, so the replicas that learned the most weigh most; τ_eff = Σ n_r τ_r / Σ n lies between
+  the mean and the largest τ_r (for τ = (8, 4, 2, 2) and equal batches: 5.5 against the mean's 4).
+  This is the average of the replicas' end points weighted by their share of the round's data:
+  with equal H_r and batches it is the plain mean, so it is a strict generalisation of DiLoCo.
+* ``normalized`` (FedNova): w_r = p_r τ_eff / τ_r with p_r = n_r / Σ n and τ_eff = Σ p_r τ_r:
+  each rank contributes its *mean step* (θ − θ_r) / τ_r weighted by its data share, rescaled to
+  τ_eff steps. The objective stays Σ p_r F_r even when ranks' data differ (non-IID shards), at
+  the price of the direction being an average of per-step directions.
+
+When the ranks' data are identically distributed all three optimise the same objective and differ
+in progress per round and in noise; `benchmarks/diloco_sim.py` measures the loss of each.
+
+**Compression** (``compress``): the pseudo-gradient travels as fp32, bf16, fp16 or int8 with one
+scale per block (`hetcomm.compress`): each rank quantises once, the owner of each chunk sums the
+dequantised contributions in fp32 and quantises the sum once, so the error does not grow with the
+number of ranks; on a hetcomm group chunk sizes and the all-gather's ring follow the group's plan.
+``error_feedback=True`` carries the quantisation residual to the next round.
+
+**Overlap** (``overlap=True``): the synchronisation of round k (the exchange of measurements, the
+compressed reduction and the outer step) runs on a background thread, over a process group of its
+own, while round k+1's inner steps run; at the end of round k+1 the rank waits for it (the only
+time it can be idle). Meanwhile a replica continues from its own end point of round k, and when
+round k's result θ^k arrives it moves onto θ^k plus its own progress since (a replica that
+restarted from θ^{k-1} instead would redo round k's progress, which round k's update then counts
+twice). Exactly, with x_r^k where rank r starts round k (x_r^1 = θ^0) and Δ_r^k = x_r^k − θ_r^k
+its pseudo-gradient: x_r^{k+1} = θ^{k-1} − Δ_r^k (θ^{k-1}: the newest global parameters when
+round k ends; θ^0 when k = 1), and θ^k = OuterOpt(θ^{k-1}, Σ_r w_r Δ_r^k), applied at the end of
+round k+1: one round late, computed from replicas that knew the latest update only through
+their own share of it (the one-step delay of Streaming DiLoCo and DiLoCoX). The step policy's
+decisions lag one more round. `finish` waits for the last synchronisation and applies it, so the
+final θ includes every round.
+
+**Measurements** (per rank, agreed at every synchronisation, see `stats` and `history`):
+*compute* is the time between the rank's calls to `step` (the user's forward, backward, optimizer
+and data loading), *idle* the time blocked waiting for other ranks (in the exchange of
+measurements, or with overlap in waiting for the previous synchronisation), *sync* the rest of a
+synchronisation that the rank waits for (reduction and outer step; zero with overlap unless the
+sync outlasts a round). `timeline` lists this rank's intervals of each kind in wall-clock time.
+
+Every rank of the group must construct the object with the same arguments, call `step` after
+every inner step, and call `finish` at the same point. A rank whose pseudo-gradient is not finite
+makes every rank raise ValueError naming it at that synchronisation, instead of spreading NaN.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import math
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from hetcomm import compress as _compress
+from hetcomm.local_steps import LocalStepPolicy, StepTimes, make_policy
+from hetcomm.partition import exchange_columns
+
+__all__ = ["DiLoCo", "WEIGHTINGS", "outer_weights", "default_outer_optimizer"]
+
+_PREFIX = "hetcomm DiLoCo"
+WEIGHTINGS = ("samples", "uniform", "normalized")
+
+# Rows of the table exchanged at every synchronisation (one column per rank, exact and identical
+# on every rank: `hetcomm.partition.exchange_columns`).
+_STEPS, _SAMPLES, _COMPUTE, _LOSS_SUM, _LOSS_N, _FINITE, _TOT_IDLE, _TOT_SYNC, _TOT_BYTES = range(9)
+_ROWS = 9
+
+
+def default_outer_optimizer(params: Sequence[torch.Tensor]) -> torch.optim.Optimizer:
+    """DiLoCo's outer optimizer: SGD, lr 0.7, momentum 0.9, Nesterov."""
+    return torch.optim.SGD(params, lr=0.7, momentum=0.9, nesterov=True)
+
+
+def outer_weights(weighting: str, samples: Sequence[float], steps: Sequence[float]) -> list[float]:
+    """The weights w_r of the outer update Δ = Σ_r w_r Δ_r (see the module doc).
+
+    ``samples`` and ``steps`` are the agreed per-rank counts of the round. Ranks without steps
+    contribute nothing (their Δ_r is 0) under ``samples`` and ``normalized``; if no rank processed
+    a sample, ``samples`` falls back to weighting by steps.
+    """
+    P = len(samples)
+    if weighting == "uniform":
+        return [1.0 / P] * P
+    n = [float(s) for s in samples]
+    if sum(n) <= 0:
+        n = [float(t) for t in steps]
+    total = sum(n)
+    if total <= 0:
+        return [0.0] * P
+    p = [s / total for s in n]
+    if weighting == "samples":
+        return p
+    if weighting == "normalized":
+        tau_eff = sum(pr * t for pr, t in zip(p, steps))
+        return [pr * tau_eff / t if t > 0 else 0.0 for pr, t in zip(p, steps)]
+    raise ValueError(f"{_PREFIX}: unknown weighting {weighting!r}; expected one of {', '.join(WEIGHTINGS)}")
+
+
+def _known(values: Sequence[float]) -> list[float | None]:
+    """NaN (not measured: a non-hetcomm group) as None, so that agreed records compare equal."""
+    return [None if math.isnan(v) else v for v in values]
+
+
+def _hetcomm_bytes_sent(group: dist.ProcessGroup | None) -> float:
+    """This rank's bytes sent on ``group`` so far, or NaN when the group is not hetcomm."""
+    try:
+        if dist.get_backend(group) != "hetcomm":
+            return math.nan
+        from hetcomm._backend import stats
+        return float(sum(stats(group)["bytes_sent"]))
+    except (RuntimeError, ValueError, ImportError, AttributeError):
+        return math.nan
+
+
+class DiLoCo:
+    """DiLoCo over ``group`` (default: the world) for ``model`` trained by ``inner_optimizer``.
+
+    Args:
+        model: the replica this rank trains; its floating-point parameters are synchronised.
+        inner_optimizer: the optimizer the training loop steps (its parameters must be the
+            model's); DiLoCo never steps it, it keeps its state across rounds.
+        group: the process group (any backend with CPU tensors: hetcomm, gloo).
+        outer_optimizer: ``callable(params) -> Optimizer`` over the global parameters (CPU);
+            default `default_outer_optimizer`.
+        local_steps: ``"fixed"``, ``"speed"``, ``"time"`` or a `hetcomm.local_steps.LocalStepPolicy`.
+        steps: H: the steps per round of ``fixed``, the slowest rank's for ``speed`` and the
+            length of a ``time`` round in the slowest rank's steps.
+        round_seconds: ``time`` only: a fixed round length instead of H · t_slowest.
+        weighting: ``"samples"``, ``"uniform"`` or ``"normalized"`` (see the module doc).
+        compress: ``"fp32"``, ``"bf16"``, ``"fp16"`` or ``"int8"`` (`hetcomm.compress`).
+        block: elements per int8 scale.
+        error_feedback: carry the quantisation residual to the next round.
+        overlap: synchronise in the background, one round late (see the module doc).
+        ema: weight of the newest measurement in the agreed step times.
+        threshold: ``speed`` hysteresis: the predicted idle fraction must fall by this much.
+    """
+
+    def __init__(self, model: torch.nn.Module, inner_optimizer: torch.optim.Optimizer | None = None, *,
+                 group: dist.ProcessGroup | None = None,
+                 outer_optimizer: Callable[[Sequence[torch.Tensor]], torch.optim.Optimizer] | None = None,
+                 local_steps: str | LocalStepPolicy = "fixed", steps: int = 50,
+                 round_seconds: float | None = None, weighting: str = "samples", compress: str = "fp32",
+                 block: int = 2048, error_feedback: bool = False, overlap: bool = False,
+                 ema: float = 0.3, threshold: float = 0.05) -> None:
+        if not (dist.is_available() and dist.is_initialized()):
+            raise RuntimeError(f"{_PREFIX}: torch.distributed is not initialised "
+                               "(call dist.init_process_group first)")
+        self._group = group
+        self._rank = dist.get_rank(group)
+        if self._rank < 0:
+            raise ValueError(f"{_PREFIX}: this process is not a member of the group")
+        self._world = dist.get_world_size(group)
+        if weighting not in WEIGHTINGS:
+            raise ValueError(f"{_PREFIX}: unknown weighting {weighting!r}; expected one of {', '.join(WEIGHTINGS)}")
+        self.weighting = weighting
+        self._codec = _compress.get_codec(compress, block=block)
+        self._feedback = _compress.ErrorFeedback() if error_feedback else None
+        self._policy = make_policy(local_steps, steps, round_seconds=round_seconds, threshold=threshold)
+        self._policy.bind(self._rank, self._world)
+        self._times = StepTimes(self._world, ema=ema)
+
+        self.model = model
+        self._params = [p for p in model.parameters() if p.is_floating_point()]
+        if not self._params:
+            raise ValueError(f"{_PREFIX}: the model has no floating-point parameters")
+        if inner_optimizer is not None:
+            mine = {id(p) for p in model.parameters()}
+            stray = sum(1 for g in inner_optimizer.param_groups for p in g["params"] if id(p) not in mine)
+            if stray:
+                raise ValueError(f"{_PREFIX}: the inner optimizer steps {stray} tensors that are not parameters "
+                                 "of the model (pass the optimizer of this model)")
+        self.inner_optimizer = inner_optimizer
+
+        # All replicas start from group rank 0's parameters, held in fp32 (fp64 for fp64 models).
+        master = torch.float64 if any(p.dtype == torch.float64 for p in self._params) else torch.float32
+        self._master = master
+        flat = self._flatten_model()
+        src = 0 if group is None else dist.get_global_rank(group, 0)
+        dist.broadcast(flat, src=src, group=group)
+        self._global = [torch.nn.Parameter(piece.view(p.shape).to(master).clone())
+                        for piece, p in zip(self._split(flat), self._params)]
+        factory = outer_optimizer or default_outer_optimizer
+        if isinstance(factory, torch.optim.Optimizer) or not callable(factory):
+            raise TypeError(f"{_PREFIX}: outer_optimizer must be a callable params -> Optimizer "
+                            "(the global parameters live inside DiLoCo), e.g. "
+                            "lambda ps: torch.optim.SGD(ps, lr=0.7, momentum=0.9, nesterov=True)")
+        self.outer_optimizer = factory(self._global)
+        self._load_global()
+        self._base = self._flatten_global()
+
+        self.overlap = bool(overlap)
+        self._sync_group = group
+        self._executor: concurrent.futures.ThreadPoolExecutor | None = None
+        self._pending: concurrent.futures.Future | None = None
+        if self.overlap:
+            ranks = dist.get_process_group_ranks(group) if group is not None else list(range(self._world))
+            backend = dist.get_backend(group)
+            self._sync_group = dist.new_group(ranks, backend=backend, use_local_synchronization=True)
+            self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="hetcomm-diloco")
+
+        # Round 1 starts together everywhere: a rank still receiving the broadcast (or still
+        # starting up) must not count as a slow rank that the others idle for.
+        dist.barrier(group=group)
+        self._clock = time.perf_counter
+        self._wall_offset = time.time() - self._clock()
+        self._reset_round()
+        self._own_step: float | None = None
+        self._totals = {"idle": 0.0, "sync": 0.0}
+        self._bytes0 = _hetcomm_bytes_sent(self._sync_group)
+        self._agreed_totals: dict[str, list[float]] = {}
+        self._history: list[dict] = []
+        self._settled = 0
+        self._timeline: list[tuple[str, float, float]] = []
+        self._finished = False
+        self._policy.start_round(self._clock())
+        self._mark = self._clock()
+
+    # ---- the training loop's side ------------------------------------------------------------
+
+    @property
+    def policy(self) -> LocalStepPolicy:
+        return self._policy
+
+    @property
+    def rounds(self) -> int:
+        """Rounds whose outer update this rank has applied (with overlap: waited for); every rank
+        has the same count after the same number of synchronising `step` calls."""
+        return self._settled
+
+    @property
+    def history(self) -> list[dict]:
+        """One agreed record per settled round (identical on every rank): the policy's plan, each
+        rank's steps, samples, compute seconds and mean loss, the outer weights, and the per-rank
+        totals of idle and sync seconds and bytes sent (hetcomm groups) as of that round's exchange."""
+        return self._history[:self._settled]
+
+    def step(self, samples: int | None = None, loss: float | None = None) -> bool:
+        """Call after every inner step; synchronises when the round is over (returns True then).
+
+        Args:
+            samples: samples in the step's batch (default: 1, i.e. weighting by steps).
+            loss: the step's mean loss, averaged per round into `history` (optional).
+        """
+        if self._finished:
+            raise RuntimeError(f"{_PREFIX}: step() after finish()")
+        now = self._clock()
+        dt = now - self._mark
+        n = 1 if samples is None else int(samples)
+        if n < 0:
+            raise ValueError(f"{_PREFIX}: samples must be >= 0, got {samples!r}")
+        self._r_steps += 1
+        self._r_samples += n
+        self._r_compute += dt
+        if loss is not None and n > 0:
+            self._r_loss += float(loss) * n
+            self._r_loss_n += n
+        self._own_step = dt if self._own_step is None else 0.7 * self._own_step + 0.3 * dt
+        self._timeline.append(("compute", self._mark, now))
+        synced = self._policy.round_over(self._r_steps, now, self._own_step)
+        if synced:
+            self._synchronise()
+        self._mark = self._clock()
+        return synced
+
+    def finish(self) -> None:
+        """Synchronises the last (possibly partial) round and waits for any background one.
+
+        A collective: every rank calls it once, at the end. Afterwards the model holds the global
+        parameters and `stats` covers the whole run.
+        """
+        if self._finished:
+            return
+        self._r_compute += self._clock() - self._mark
+        if self._pending is not None:
+            self._wait_pending()
+        # The partial round (if any rank has one) runs synchronously, then the totals are final.
+        self._synchronise(final=True)
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+            self._executor = None
+        self._finished = True
+
+    # ---- results -----------------------------------------------------------------------------
+
+    def global_parameters(self) -> list[torch.Tensor]:
+        """The global parameters (CPU, identical on every rank after each synchronisation)."""
+        return [g.detach() for g in self._global]
+
+    def stats(self) -> dict:
+        """Per-rank totals agreed at the last synchronisation (identical on every rank)."""
+        t = self._agreed_totals
+        if not t:
+            return {}
+        wall = [c + i + s for c, i, s in zip(t["compute"], t["idle"], t["sync"])]
+        return {
+            "rounds": self._settled,
+            "steps": [round(x) for x in t["steps"]],
+            "samples": [round(x) for x in t["samples"]],
+            "compute_seconds": t["compute"],
+            "idle_seconds": t["idle"],
+            "sync_seconds": t["sync"],
+            "bytes_sent": t["bytes"],
+            "compute_fraction": [c / w if w > 0 else 0.0 for c, w in zip(t["compute"], wall)],
+        }
+
+    def timeline(self) -> list[tuple[str, float, float]]:
+        """This rank's (kind, start, end) intervals in wall-clock seconds (time.time()):
+        ``compute``, ``idle`` and ``sync`` (on the background thread with overlap)."""
+        return [(k, a + self._wall_offset, b + self._wall_offset) for k, a, b in self._timeline]
+
+    # ---- synchronisation ---------------------------------------------------------------------
+
+    def _reset_round(self) -> None:
+        self._r_steps = 0
+        self._r_samples = 0
+        self._r_compute = 0.0
+        self._r_loss = 0.0
+        self._r_loss_n = 0
+
+    def _column(self, delta: torch.Tensor) -> list[float]:
+        finite = 1.0 if bool(torch.isfinite(delta).all()) else 0.0
+        col = [0.0] * _ROWS
+        col[_STEPS], col[_SAMPLES], col[_COMPUTE] = self._r_steps, self._r_samples, self._r_compute
+        col[_LOSS_SUM], col[_LOSS_N], col[_FINITE] = self._r_loss, self._r_loss_n, finite
+        col[_TOT_IDLE], col[_TOT_SYNC] = self._totals["idle"], self._totals["sync"]
+        sent = _hetcomm_bytes_sent(self._sync_group)
+        col[_TOT_BYTES] = sent - self._bytes0
+        return col
+
+    def _synchronise(self, final: bool = False) -> None:
+        progress = self._base - self._flatten_model()        # Δ_r in the master precision
+        delta = progress.float()                             # what travels
+        plan = self._policy.plan()
+        if self._pending is not None:          # overlap: the previous round's synchronisation
+            self._wait_pending()
+        column = self._column(delta)
+        if not self.overlap or final:
+            table = self._exchange_and_reduce(column, delta, timed=True, plan=plan, final=final)
+            self._after_agreement(table)
+            self._load_global()
+            self._base = self._flatten_global()
+            self._policy.start_round(self._clock())
+        else:
+            # The replica keeps its own progress of this round on top of the newest global
+            # parameters; that progress reaches the global ones when this sync completes.
+            self._base = self._flatten_global() - progress
+            self._load_flat(self._base)
+            self._pending = self._executor.submit(self._exchange_and_reduce, column, delta, timed=False,
+                                                  plan=plan, final=False)
+            now = self._clock()
+            # Deadlines chain: time a rank left unused before the last deadline is not lost.
+            previous = getattr(self._policy, "deadline", None)
+            self._policy.start_round(now, start=None if previous is None else max(previous, now))
+        self._reset_round()
+
+    def _wait_pending(self) -> None:
+        start = self._clock()
+        future, self._pending = self._pending, None
+        try:
+            table = future.result()
+        finally:
+            end = self._clock()
+            self._totals["idle"] += end - start
+            self._timeline.append(("idle", start, end))
+        self._after_agreement(table)
+
+    def _exchange_and_reduce(self, column: list[float], delta: torch.Tensor, *, timed: bool, plan: dict,
+                             final: bool) -> list[list[float]]:
+        group = self._sync_group
+        start = self._clock()
+        table = exchange_columns(column, group=group)
+        agreed = self._clock()
+        if timed:
+            self._totals["idle"] += agreed - start
+            self._timeline.append(("idle", start, agreed))
+        round_index = len(self._history) + 1
+        bad = [r for r in range(self._world) if table[_FINITE][r] == 0.0]
+        if bad:
+            raise ValueError(f"{_PREFIX}: round {round_index}: the pseudo-gradient of rank(s) {bad} is not finite "
+                             "(NaN or Inf in their parameters); no outer update was applied")
+        any_steps = any(s > 0 for s in table[_STEPS])
+        weights = outer_weights(self.weighting, table[_SAMPLES], table[_STEPS])
+        if any_steps and any(w != 0.0 for w in weights):
+            reduced = _compress.weighted_allreduce(delta, weights, codec=self._codec, group=group,
+                                                   feedback=self._feedback, finite_checked=True)
+            for g, piece in zip(self._global, self._split(reduced)):
+                g.grad = piece.view(g.shape).to(g.dtype)
+            self.outer_optimizer.step()
+            self.outer_optimizer.zero_grad(set_to_none=True)
+        end = self._clock()
+        self._timeline.append(("sync", agreed, end))
+        if timed:
+            self._totals["sync"] += end - agreed
+        if any_steps or not final:
+            self._record(table, weights, round_index, plan)
+        return table
+
+    def _after_agreement(self, table: list[list[float]]) -> None:
+        self._times.update(table[_COMPUTE], table[_STEPS])
+        self._policy.agreed(self._times)
+        self._agreed_totals = {
+            "compute": [0.0] * self._world, "idle": table[_TOT_IDLE], "sync": table[_TOT_SYNC],
+            "bytes": _known(table[_TOT_BYTES]), "samples": [0.0] * self._world, "steps": [0.0] * self._world,
+        }
+        self._settled = len(self._history)
+        for rec in self._history:
+            for key, row in (("compute", "compute_seconds"), ("samples", "samples"), ("steps", "steps")):
+                self._agreed_totals[key] = [a + b for a, b in zip(self._agreed_totals[key], rec[row])]
+
+    def _record(self, table: list[list[float]], weights: list[float], round_index: int, plan: dict) -> None:
+        self._history.append({
+            "round": round_index,
+            "plan": plan,
+            "steps": [round(s) for s in table[_STEPS]],
+            "samples": [round(s) for s in table[_SAMPLES]],
+            "compute_seconds": table[_COMPUTE],
+            "loss": [s / n if n > 0 else None for s, n in zip(table[_LOSS_SUM], table[_LOSS_N])],
+            "weights": weights,
+            "idle_seconds_total": table[_TOT_IDLE],
+            "sync_seconds_total": table[_TOT_SYNC],
+            "bytes_sent_total": _known(table[_TOT_BYTES]),
+        })
+
+    # ---- parameters --------------------------------------------------------------------------
+
+    def _split(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        return list(flat.split([p.numel() for p in self._params]))
+
+    @torch.no_grad()
+    def _flatten_model(self) -> torch.Tensor:
+        return torch.cat([p.detach().reshape(-1).to("cpu", self._master) for p in self._params])
+
+    @torch.no_grad()
+    def _flatten_global(self) -> torch.Tensor:
+        return torch.cat([g.detach().reshape(-1) for g in self._global])
+
+    @torch.no_grad()
+    def _load_global(self) -> None:
+        for p, g in zip(self._params, self._global):
+            p.copy_(g.detach())
+
+    @torch.no_grad()
+    def _load_flat(self, flat: torch.Tensor) -> None:
+        for p, piece in zip(self._params, self._split(flat)):
+            p.copy_(piece.view(p.shape))

@@ -1,0 +1,208 @@
+"""How many inner steps each rank runs in a DiLoCo round: the ``fixed``, ``speed`` and ``time`` policies.
+
+A policy answers one question after every inner step of this rank: *is the round over for me?*
+(`LocalStepPolicy.round_over`). Its inputs are this rank's own clock and step count, and
+per-rank step times that every rank holds bit for bit identically (`StepTimes`, updated from the
+table exchanged at every synchronisation, see `hetcomm.partition.exchange_columns`). Every
+decision that involves other ranks (``speed``'s step counts, ``time``'s round length) is a pure
+function of those agreed values, so all ranks decide the same without further communication.
+
+* ``fixed``: H steps on every rank (what OpenDiLoCo, prime and torchft do). Fast ranks idle at
+  every synchronisation until the slowest has done its H steps.
+* ``speed``: H_r = max(1, round(H · t_slowest / t_r)) with t_r the agreed EMA of rank r's
+  seconds per inner step: the slowest rank does H steps and the others as many as fit in the same
+  time. Hysteresis as the Partitioner's: the step counts change only when the predicted idle
+  fraction, Σ_r (max_j H_j t_j − H_r t_r) / (P · max_j H_j t_j), falls by more than ``threshold``.
+  Rounding leaves each rank at most half a step of idle per round, plus whatever the speeds drift
+  between agreements.
+* ``time``: every rank steps until a deadline T seconds after the round started, T agreed
+  (``round_seconds``, or H · t_slowest from the agreed step times). A rank starts a step only
+  if its own estimate of the step's duration says it ends by the deadline (at least one step per
+  round), so it stops at most one step's time early and, unless a step runs longer than its
+  estimate, never late: nobody waits by construction beyond the last partial step. Until step
+  times are agreed (the first round, or the first two with ``overlap``) its rounds are one step
+  long on every rank: short measurement rounds in which the fast ranks wait for one slow step
+  rather than for H of them (unless ``round_seconds`` is given, which needs no measurement).
+
+Per-rank batch sizes (for example capped by memory with `hetcomm.partition.probe_max_batch`)
+combine with any policy: the policies count steps and time, whatever a step's batch.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+__all__ = ["StepTimes", "LocalStepPolicy", "FixedSteps", "SpeedSteps", "TimeSteps", "make_policy", "POLICIES"]
+
+_PREFIX = "hetcomm local steps"
+POLICIES = ("fixed", "speed", "time")
+
+
+def _positive_int(value: int, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{_PREFIX}: {what} must be an integer >= 1, got {value!r}")
+    return value
+
+
+class StepTimes:
+    """Agreed EMA of every rank's seconds per inner step, updated identically on every rank.
+
+    `update` takes one agreed window per rank (seconds computing, steps); a rank without steps in
+    the window keeps its previous estimate. `estimates` fills ranks never measured with the
+    slowest measured one (None before any measurement).
+    """
+
+    def __init__(self, world_size: int, ema: float = 0.3) -> None:
+        if not 0 < ema <= 1:
+            raise ValueError(f"{_PREFIX}: ema must be in (0, 1], got {ema!r}")
+        self.world_size, self.ema = world_size, float(ema)
+        self._t: list[float | None] = [None] * world_size
+
+    def update(self, seconds: Sequence[float], steps: Sequence[float]) -> None:
+        if len(seconds) != self.world_size or len(steps) != self.world_size:
+            raise ValueError(f"{_PREFIX}: expected {self.world_size} values per row")
+        for r, (s, n) in enumerate(zip(seconds, steps)):
+            if n <= 0 or not math.isfinite(s) or s < 0:
+                continue
+            t = s / n
+            old = self._t[r]
+            self._t[r] = t if old is None else (1.0 - self.ema) * old + self.ema * t
+
+    def estimates(self) -> list[float] | None:
+        known = [t for t in self._t if t is not None]
+        if not known:
+            return None
+        slowest = max(known)
+        # A rank whose steps take no measurable time still gets a positive estimate (no 1/0).
+        floor = max(slowest * 1e-6, 1e-9)
+        return [max(floor, slowest if t is None else t) for t in self._t]
+
+
+class LocalStepPolicy:
+    """Base class. DiLoCo calls `start_round` when a round begins and `round_over` after each step."""
+
+    name = "base"
+
+    def __init__(self, steps: int) -> None:
+        self.steps = _positive_int(steps, "steps")
+        self.world_size = 1
+        self.rank = 0
+
+    def bind(self, rank: int, world_size: int) -> None:
+        self.rank, self.world_size = rank, world_size
+
+    def agreed(self, times: StepTimes) -> None:
+        """New agreed step times (identical on every rank): re-plan."""
+
+    def start_round(self, now: float, start: float | None = None) -> None:
+        """A round begins at ``now``; ``start`` is when it is deemed to start (``time`` chains deadlines)."""
+
+    def round_over(self, steps_done: int, now: float, step_estimate: float) -> bool:
+        raise NotImplementedError
+
+    def plan(self) -> dict:
+        """What this policy decided for the round: identical on every rank."""
+        return {"policy": self.name}
+
+
+class FixedSteps(LocalStepPolicy):
+    name = "fixed"
+
+    def round_over(self, steps_done: int, now: float, step_estimate: float) -> bool:
+        return steps_done >= self.steps
+
+    def plan(self) -> dict:
+        return {"policy": self.name, "steps": [self.steps] * self.world_size}
+
+
+class SpeedSteps(LocalStepPolicy):
+    name = "speed"
+
+    def __init__(self, steps: int, threshold: float = 0.05) -> None:
+        super().__init__(steps)
+        if not threshold >= 0:
+            raise ValueError(f"{_PREFIX}: threshold must be >= 0, got {threshold!r}")
+        self.threshold = float(threshold)
+        self._counts: list[int] | None = None
+        self.changes = 0
+
+    def bind(self, rank: int, world_size: int) -> None:
+        super().bind(rank, world_size)
+        self._counts = [self.steps] * world_size
+
+    @staticmethod
+    def idle_fraction(counts: Sequence[int], times: Sequence[float]) -> float:
+        busy = [h * t for h, t in zip(counts, times)]
+        longest = max(busy)
+        return sum(longest - b for b in busy) / (len(busy) * longest) if longest > 0 else 0.0
+
+    def proposal(self, times: Sequence[float]) -> list[int]:
+        slowest = max(times)
+        return [max(1, round(self.steps * slowest / t)) for t in times]
+
+    def agreed(self, times: StepTimes) -> None:
+        t = times.estimates()
+        if t is None:
+            return
+        new = self.proposal(t)
+        if new != self._counts and (self.idle_fraction(self._counts, t) - self.idle_fraction(new, t)
+                                    > self.threshold):
+            self._counts = new
+            self.changes += 1
+
+    @property
+    def counts(self) -> list[int]:
+        return list(self._counts)
+
+    def round_over(self, steps_done: int, now: float, step_estimate: float) -> bool:
+        return steps_done >= self._counts[self.rank]
+
+    def plan(self) -> dict:
+        return {"policy": self.name, "steps": self.counts}
+
+
+class TimeSteps(LocalStepPolicy):
+    name = "time"
+
+    def __init__(self, steps: int, round_seconds: float | None = None) -> None:
+        super().__init__(steps)
+        if round_seconds is not None and not (round_seconds > 0 and math.isfinite(round_seconds)):
+            raise ValueError(f"{_PREFIX}: round_seconds must be finite and > 0, got {round_seconds!r}")
+        self._fixed_seconds = round_seconds
+        self.round_seconds: float | None = round_seconds
+        self.deadline: float | None = None
+
+    def agreed(self, times: StepTimes) -> None:
+        if self._fixed_seconds is not None:
+            return
+        t = times.estimates()
+        if t is not None:
+            self.round_seconds = self.steps * max(t)
+
+    def start_round(self, now: float, start: float | None = None) -> None:
+        if self.round_seconds is None:
+            self.deadline = None
+        else:
+            self.deadline = (now if start is None else start) + self.round_seconds
+
+    def round_over(self, steps_done: int, now: float, step_estimate: float) -> bool:
+        if self.deadline is None:                        # no agreed round length yet: measure
+            return steps_done >= 1
+        return steps_done >= 1 and now + step_estimate > self.deadline
+
+    def plan(self) -> dict:
+        return {"policy": self.name, "round_seconds": self.round_seconds}
+
+
+def make_policy(policy: str | LocalStepPolicy, steps: int, *, round_seconds: float | None = None,
+                threshold: float = 0.05) -> LocalStepPolicy:
+    if isinstance(policy, LocalStepPolicy):
+        return policy
+    if policy == "fixed":
+        return FixedSteps(steps)
+    if policy == "speed":
+        return SpeedSteps(steps, threshold=threshold)
+    if policy == "time":
+        return TimeSteps(steps, round_seconds=round_seconds)
+    raise ValueError(f"{_PREFIX}: unknown policy {policy!r}; expected one of {', '.join(POLICIES)} "
+                     "or a LocalStepPolicy")

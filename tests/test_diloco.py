@@ -1,0 +1,334 @@
+"""hetcomm.DiLoCo and its local-step policies.
+
+* Exactness: 3 ranks with unequal step counts per round (a scripted policy) and unequal batch
+  sizes train a float64 model; after every round the global parameters equal a single-process
+  float64 reference of the same algorithm (inner SGD per rank, weights recomputed here from their
+  definitions, outer Nesterov SGD), for each weighting, on the backend under test and on gloo,
+  and are bit-identical on every rank. With ``overlap=True`` the reference applies each outer
+  update one round late.
+* Policies: ``speed`` and ``time`` decide identically on every rank (the agreed history is equal
+  everywhere) and give a rank that sleeps in every step fewer steps; ``time`` never starts a step
+  after the deadline.
+* Errors: a non-finite pseudo-gradient on one rank raises on every rank, naming it.
+* On the simulated cluster (root): the example with one throttled rank gives it fewer steps.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from harness import BACKEND, run_ranks
+
+pytestmark = pytest.mark.usefixtures("backend_importable")
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+INNER_LR = 0.05
+# Steps per round, per rank (round k uses row k % len): unequal, and once a rank with a single step.
+SCRIPT = [[3, 1, 2], [2, 4, 1], [1, 1, 5]]
+BATCH = [4, 2, 3]                 # per-rank batch sizes: unequal
+ROUNDS = 4
+
+
+def make_model() -> nn.Module:
+    torch.manual_seed(11)
+    return nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 2)).double()
+
+
+def batch(rank: int, round_k: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 * rank + 100 * round_k + step)
+    n = BATCH[rank]
+    return (torch.randn(n, 4, generator=g, dtype=torch.float64),
+            torch.randn(n, 2, generator=g, dtype=torch.float64))
+
+
+def scripted_policy():
+    from hetcomm.local_steps import LocalStepPolicy
+
+    class Scripted(LocalStepPolicy):
+        """Round k: SCRIPT[k % 3][rank] steps (the same script on every rank)."""
+        name = "scripted"
+
+        def __init__(self) -> None:
+            super().__init__(1)
+            self.round = 0
+
+        def start_round(self, now, start=None):
+            self.round += 1
+
+        def round_over(self, steps_done, now, step_estimate):
+            return steps_done >= SCRIPT[(self.round - 1) % len(SCRIPT)][self.rank]
+
+    return Scripted()
+
+
+def inner_steps(net: nn.Module, opt, rank: int, round_k: int, steps: int) -> None:
+    for i in range(steps):
+        x, y = batch(rank, round_k, i)
+        nn.functional.mse_loss(net(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def reference_weights(weighting: str, n: list[int], tau: list[int]) -> list[float]:
+    if weighting == "uniform":
+        return [1.0 / len(n)] * len(n)
+    p = [x / sum(n) for x in n]
+    if weighting == "samples":
+        return p
+    tau_eff = sum(pi * t for pi, t in zip(p, tau))
+    return [pi * tau_eff / t for pi, t in zip(p, tau)]            # normalized (FedNova)
+
+
+def reference(weighting: str, world: int, overlap: bool) -> list[list[torch.Tensor]]:
+    """Global parameters after each applied outer update, float64, one process.
+
+    With overlap (see DiLoCo's doc): round k's update is applied at the end of round k+1, and a
+    replica starts round k+1 from the newest global parameters minus its own pseudo-gradient."""
+    theta = [p.detach().clone() for p in make_model().parameters()]
+    glob = [nn.Parameter(t.clone()) for t in theta]
+    outer = torch.optim.SGD(glob, lr=0.7, momentum=0.9, nesterov=True)
+    replicas = [make_model() for _ in range(world)]
+    inner = [torch.optim.SGD(m.parameters(), lr=INNER_LR) for m in replicas]
+    starts = [[t.clone() for t in theta] for _ in range(world)]   # where each replica starts a round
+    history, pending = [], None
+
+    def apply(deltas, w):
+        for i, g in enumerate(glob):
+            g.grad = sum(w[r] * deltas[r][i] for r in range(world))
+        outer.step()
+        outer.zero_grad()
+        history.append([g.detach().clone() for g in glob])
+
+    for k in range(ROUNDS):
+        tau = [SCRIPT[k % len(SCRIPT)][r] for r in range(world)]
+        n = [tau[r] * BATCH[r] for r in range(world)]
+        deltas = []
+        for r in range(world):
+            with torch.no_grad():
+                for p, s in zip(replicas[r].parameters(), starts[r]):
+                    p.copy_(s)
+            inner_steps(replicas[r], inner[r], r, k, tau[r])
+            deltas.append([s - p.detach() for s, p in zip(starts[r], replicas[r].parameters())])
+        w = reference_weights(weighting, n, tau)
+        if overlap:
+            if pending is not None:
+                apply(*pending)
+            starts = [[g.detach() - d for g, d in zip(glob, deltas[r])] for r in range(world)]
+            pending = (deltas, w)
+        else:
+            apply(deltas, w)
+            starts = [[g.detach().clone() for g in glob] for _ in range(world)]
+    if pending is not None:
+        apply(*pending)
+    return history
+
+
+def train_scripted(rank: int, world: int, weighting: str, overlap: bool) -> dict:
+    import hetcomm
+
+    out = {}
+    groups = [("default", None)] + ([("gloo", dist.new_group(backend="gloo"))] if BACKEND != "gloo" else [])
+    for name, group in groups:
+        net = make_model()
+        if rank != 0:                               # DiLoCo must broadcast rank 0's parameters
+            with torch.no_grad():
+                for p in net.parameters():
+                    p.add_(1.0)
+        opt = torch.optim.SGD(net.parameters(), lr=INNER_LR)
+        diloco = hetcomm.DiLoCo(net, opt, group=group, local_steps=scripted_policy(), weighting=weighting,
+                                overlap=overlap)
+        snapshots = []
+        for k in range(ROUNDS):
+            tau = SCRIPT[k % len(SCRIPT)][rank]
+            for i in range(tau):
+                x, y = batch(rank, k, i)
+                nn.functional.mse_loss(net(x), y).backward()
+                opt.step()
+                opt.zero_grad()
+                synced = diloco.step(samples=len(x))
+                assert synced == (i == tau - 1), (k, i, synced)
+            if not overlap:
+                snapshots.append([g.clone() for g in diloco.global_parameters()])
+        diloco.finish()
+        snapshots.append([g.clone() for g in diloco.global_parameters()])
+        out[name] = {"snapshots": snapshots, "history": diloco.history, "stats": diloco.stats(),
+                     "model": [p.detach().clone() for p in net.parameters()]}
+    return out
+
+
+@pytest.mark.parametrize("weighting,overlap", [("samples", False), ("uniform", False), ("normalized", False),
+                                               ("samples", True)])
+def test_outer_update_equals_the_float64_reference(weighting, overlap):
+    world = 3
+    want = reference(weighting, world, overlap)
+    per_rank = run_ranks(world, train_scripted, weighting, overlap)
+    for name in per_rank[0]:
+        results = [r[name] for r in per_rank]
+        for rank, res in enumerate(results):
+            got = res["snapshots"]
+            expect = want if not overlap else want[-1:]
+            assert len(got) == len(expect) + (0 if overlap else 1)
+            for k, (g_round, w_round) in enumerate(zip(got, expect)):
+                for g, w in zip(g_round, w_round):
+                    # Pseudo-gradients travel in fp32: relative error ~1e-7 of the update.
+                    torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-7,
+                                               msg=lambda m: f"{name}, rank {rank}, round {k + 1}: {m}")
+            for g, p in zip(res["snapshots"][-1], res["model"]):
+                assert torch.equal(g, p), "after finish() the model holds the global parameters"
+            for g0, g in zip(results[0]["snapshots"][-1], res["snapshots"][-1]):
+                assert torch.equal(g0, g), f"{name}: rank {rank}'s global parameters differ from rank 0's"
+            assert res["history"] == results[0]["history"], "the agreed history differs across ranks"
+        hist = results[0]["history"]
+        assert [h["steps"] for h in hist] == [[SCRIPT[k % 3][r] for r in range(world)] for k in range(ROUNDS)]
+        assert [h["samples"] for h in hist] == [[SCRIPT[k % 3][r] * BATCH[r] for r in range(world)]
+                                                for k in range(ROUNDS)]
+        stats = results[0]["stats"]
+        assert stats["rounds"] == ROUNDS
+        assert stats["steps"] == [sum(SCRIPT[k % 3][r] for k in range(ROUNDS)) for r in range(world)]
+
+
+# ---- policies --------------------------------------------------------------------------------
+
+SLEEP_S = [0.004, 0.016]          # rank 1 is 4x slower per step
+
+
+def train_policy(rank: int, world: int, policy: str, overlap: bool) -> dict:
+    import hetcomm
+
+    torch.manual_seed(0)
+    net = nn.Linear(8, 1)
+    opt = torch.optim.SGD(net.parameters(), lr=0.01)
+    diloco = hetcomm.DiLoCo(net, opt, local_steps=policy, steps=4, overlap=overlap, compress="bf16")
+    starts = []                   # (step start, step end, deadline in force) for the time policy
+    syncs = 0
+    while syncs < 6:              # every rank synchronises exactly 6 times, then finishes
+        begin = time.perf_counter()
+        deadline = getattr(diloco.policy, "deadline", None)
+        x = torch.randn(16, 8)
+        net(x).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+        time.sleep(SLEEP_S[rank])
+        end = time.perf_counter()
+        syncs += diloco.step(samples=16)
+        starts.append((begin, end, deadline))
+    diloco.finish()
+    return {"history": diloco.history, "starts": starts, "stats": diloco.stats()}
+
+
+@pytest.mark.parametrize("policy", ["speed", "time"])
+def test_policies_agree_and_give_the_slow_rank_fewer_steps(policy):
+    per_rank = run_ranks(2, train_policy, policy, False)
+    history = per_rank[0]["history"]
+    assert per_rank[1]["history"] == history, "ranks disagreed on the agreed history (decisions)"
+    late = history[2:]                      # after the first agreement
+    assert late, history
+    for h in late:
+        assert h["steps"][1] < h["steps"][0], f"{policy}: the slow rank was not given fewer steps: {h}"
+    if policy == "speed":
+        plans = [h["plan"]["steps"] for h in late]
+        assert all(p[1] < p[0] for p in plans), plans
+    else:
+        assert all(h["plan"]["round_seconds"] > 0 for h in late)
+        for rank, res in enumerate(per_rank):
+            for begin, end, deadline in res["starts"]:
+                if deadline is not None:
+                    assert begin <= deadline, (f"rank {rank} started a step {begin - deadline:.4f} s after "
+                                               "the deadline")
+
+
+def test_time_policy_with_overlap_runs_and_agrees():
+    per_rank = run_ranks(2, train_policy, "time", True)
+    assert per_rank[0]["history"] == per_rank[1]["history"]
+    assert any(h["steps"][1] < h["steps"][0] for h in per_rank[0]["history"][3:]), per_rank[0]["history"]
+
+
+def nonfinite(rank: int, world: int) -> str:
+    import hetcomm
+
+    net = nn.Linear(3, 1)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    diloco = hetcomm.DiLoCo(net, opt, local_steps="fixed", steps=1)
+    if rank == 1:
+        with torch.no_grad():
+            net.weight[0, 0] = float("nan")
+    try:
+        diloco.step()
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+def test_a_nan_pseudo_gradient_raises_on_every_rank():
+    for message in run_ranks(2, nonfinite):
+        assert "rank(s) [1]" in message and "not finite" in message, message
+
+
+def test_bad_arguments():
+    import hetcomm
+    from hetcomm.local_steps import make_policy
+
+    with pytest.raises(ValueError, match="unknown policy"):
+        make_policy("fastest", 4)
+    with pytest.raises(ValueError, match="steps must be an integer"):
+        make_policy("fixed", 0)
+    with pytest.raises(ValueError, match="round_seconds"):
+        make_policy("time", 4, round_seconds=-1.0)
+    if not dist.is_initialized():
+        with pytest.raises(RuntimeError, match="init_process_group"):
+            hetcomm.DiLoCo(nn.Linear(2, 2), None)
+
+
+def test_policy_arithmetic():
+    from hetcomm.local_steps import SpeedSteps, StepTimes, TimeSteps
+
+    times = StepTimes(3, ema=1.0)
+    times.update([1.0, 2.0, 4.0], [10, 10, 10])          # 0.1, 0.2, 0.4 s per step
+    speed = SpeedSteps(5, threshold=0.05)
+    speed.bind(0, 3)
+    speed.agreed(times)
+    assert speed.counts == [20, 10, 5]
+    # Within the hysteresis band the counts stay.
+    times.update([1.0, 2.1, 4.0], [10, 10, 10])
+    speed.agreed(times)
+    assert speed.counts == [20, 10, 5]
+    timed = TimeSteps(5)
+    timed.agreed(times)
+    assert timed.round_seconds == pytest.approx(2.0)
+    timed.start_round(100.0)
+    assert not timed.round_over(1, 101.0, 0.5)
+    assert timed.round_over(1, 101.6, 0.5)               # 101.6 + 0.5 > 102
+    assert not timed.round_over(0, 105.0, 0.5)           # at least one step
+
+
+# ---- the simulated cluster -------------------------------------------------------------------
+
+def _root_reason() -> str | None:
+    if os.geteuid() != 0:
+        return "needs root: hetcomm.sim creates network namespaces and cgroups"
+    if BACKEND != "hetcomm":
+        return "simulator run uses the hetcomm backend"
+    return None
+
+
+@pytest.mark.skipif(_root_reason() is not None, reason=_root_reason() or "")
+def test_throttled_rank_gets_fewer_local_steps_on_the_simulator(tmp_path):
+    summary = tmp_path / "diloco.json"
+    cmd = [sys.executable, "-m", "hetcomm.sim", "--nprocs", "2", "--cpu-quota", "1.0,0.25", "-q", "--",
+           sys.executable, os.path.join(ROOT, "examples", "train_diloco.py"), "--local-steps", "speed",
+           "--steps", "4", "--rounds", "5", "--d-model", "32", "--layers", "1", "--block", "64",
+           "--batch", "8", "--json", str(summary)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads(summary.read_text())
+    late = result["history"][2:]
+    assert late, result["history"]
+    assert all(h["steps"][1] < h["steps"][0] for h in late), result["history"]

@@ -80,6 +80,9 @@ def inner_steps(net: nn.Module, opt, rank: int, round_k: int, steps: int) -> Non
 def reference_weights(weighting: str, n: list[int], tau: list[int]) -> list[float]:
     if weighting == "uniform":
         return [1.0 / len(n)] * len(n)
+    if weighting == "batch":                                    # ∝ mean batch n_r / τ_r
+        b = [x / t for x, t in zip(n, tau)]
+        return [x / sum(b) for x in b]
     p = [x / sum(n) for x in n]
     if weighting == "samples":
         return p
@@ -164,8 +167,8 @@ def train_scripted(rank: int, world: int, weighting: str, overlap: bool) -> dict
     return out
 
 
-@pytest.mark.parametrize("weighting,overlap", [("samples", False), ("uniform", False), ("normalized", False),
-                                               ("samples", True)])
+@pytest.mark.parametrize("weighting,overlap", [("batch", False), ("samples", False), ("uniform", False),
+                                               ("normalized", False), ("batch", True)])
 def test_outer_update_equals_the_float64_reference(weighting, overlap):
     world = 3
     want = reference(weighting, world, overlap)
@@ -292,8 +295,9 @@ def test_policy_arithmetic():
 
     times = StepTimes(3, ema=1.0)
     times.update([1.0, 2.0, 4.0], [10, 10, 10])          # 0.1, 0.2, 0.4 s per step
-    speed = SpeedSteps(5, threshold=0.05)
+    speed = SpeedSteps(5, threshold=0.05)                # a wide band, to test it
     speed.bind(0, 3)
+    assert speed.counts == [2, 2, 2]                      # a measurement round first
     speed.agreed(times)
     assert speed.counts == [20, 10, 5]
     # Within the hysteresis band the counts stay.

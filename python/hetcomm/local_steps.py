@@ -14,15 +14,17 @@ function of those agreed values, so all ranks decide the same without further co
   time. Hysteresis as the Partitioner's: the step counts change only when the predicted idle
   fraction, Σ_r (max_j H_j t_j − H_r t_r) / (P · max_j H_j t_j), falls by more than ``threshold``.
   Rounding leaves each rank at most half a step of idle per round, plus whatever the speeds drift
-  between agreements.
+  between agreements. Until the first agreement (the first round, or two with ``overlap``) its
+  rounds are `MEASUREMENT_STEPS` long on every rank: measurement rounds, as ``time``'s. Changing
+  H_r costs nothing, so the hysteresis is small (``threshold`` 0.01: one percent of the round).
 * ``time``: every rank steps until a deadline T seconds after the round started, T agreed
   (``round_seconds``, or H · t_slowest from the agreed step times). A rank starts a step only
   if its own estimate of the step's duration says it ends by the deadline (at least one step per
   round), so it stops at most one step's time early and, unless a step runs longer than its
   estimate, never late: nobody waits by construction beyond the last partial step. Until step
-  times are agreed (the first round, or the first two with ``overlap``) its rounds are one step
-  long on every rank: short measurement rounds in which the fast ranks wait for one slow step
-  rather than for H of them (unless ``round_seconds`` is given, which needs no measurement).
+  times are agreed (the first round, or the first two with ``overlap``) its rounds are
+  `MEASUREMENT_STEPS` long on every rank: short measurement rounds in which the fast ranks wait
+  for two slow steps rather than for H of them (unless ``round_seconds`` is given).
 
 Per-rank batch sizes (for example capped by memory with `hetcomm.partition.probe_max_batch`)
 combine with any policy: the policies count steps and time, whatever a step's batch.
@@ -31,6 +33,10 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+
+# Steps per rank in a round before step times are agreed: the first step of a run is not timed
+# (allocations, caches), so two give one timed step.
+MEASUREMENT_STEPS = 2
 
 __all__ = ["StepTimes", "LocalStepPolicy", "FixedSteps", "SpeedSteps", "TimeSteps", "make_policy", "POLICIES"]
 
@@ -45,7 +51,8 @@ def _positive_int(value: int, what: str) -> int:
 
 
 class StepTimes:
-    """Agreed EMA of every rank's seconds per inner step, updated identically on every rank.
+    """Agreed EMA of every rank's seconds per inner step, updated identically on every rank
+    (DiLoCo leaves the run's first step out: it pays for allocations and caches).
 
     `update` takes one agreed window per rank (seconds computing, steps); a rank without steps in
     the window keeps its previous estimate. `estimates` fills ranks never measured with the
@@ -118,7 +125,7 @@ class FixedSteps(LocalStepPolicy):
 class SpeedSteps(LocalStepPolicy):
     name = "speed"
 
-    def __init__(self, steps: int, threshold: float = 0.05) -> None:
+    def __init__(self, steps: int, threshold: float = 0.01) -> None:
         super().__init__(steps)
         if not threshold >= 0:
             raise ValueError(f"{_PREFIX}: threshold must be >= 0, got {threshold!r}")
@@ -128,7 +135,7 @@ class SpeedSteps(LocalStepPolicy):
 
     def bind(self, rank: int, world_size: int) -> None:
         super().bind(rank, world_size)
-        self._counts = [self.steps] * world_size
+        self._counts = None                      # until the first agreement: measurement rounds
 
     @staticmethod
     def idle_fraction(counts: Sequence[int], times: Sequence[float]) -> float:
@@ -145,17 +152,17 @@ class SpeedSteps(LocalStepPolicy):
         if t is None:
             return
         new = self.proposal(t)
-        if new != self._counts and (self.idle_fraction(self._counts, t) - self.idle_fraction(new, t)
-                                    > self.threshold):
+        if self._counts is None or (new != self._counts and (self.idle_fraction(self._counts, t)
+                                                             - self.idle_fraction(new, t) > self.threshold)):
             self._counts = new
             self.changes += 1
 
     @property
     def counts(self) -> list[int]:
-        return list(self._counts)
+        return [MEASUREMENT_STEPS] * self.world_size if self._counts is None else list(self._counts)
 
     def round_over(self, steps_done: int, now: float, step_estimate: float) -> bool:
-        return steps_done >= self._counts[self.rank]
+        return steps_done >= self.counts[self.rank]
 
     def plan(self) -> dict:
         return {"policy": self.name, "steps": self.counts}
@@ -187,7 +194,7 @@ class TimeSteps(LocalStepPolicy):
 
     def round_over(self, steps_done: int, now: float, step_estimate: float) -> bool:
         if self.deadline is None:                        # no agreed round length yet: measure
-            return steps_done >= 1
+            return steps_done >= MEASUREMENT_STEPS
         return steps_done >= 1 and now + step_estimate > self.deadline
 
     def plan(self) -> dict:
@@ -195,7 +202,7 @@ class TimeSteps(LocalStepPolicy):
 
 
 def make_policy(policy: str | LocalStepPolicy, steps: int, *, round_seconds: float | None = None,
-                threshold: float = 0.05) -> LocalStepPolicy:
+                threshold: float = 0.01) -> LocalStepPolicy:
     if isinstance(policy, LocalStepPolicy):
         return policy
     if policy == "fixed":

@@ -1,0 +1,192 @@
+"""DiLoCo on unequal ranks, policy against policy, on the simulated cluster (needs root).
+
+Runs ``examples/train_diloco.py`` under ``python -m hetcomm.sim`` (4 ranks, CPU quotas
+0.8,0.4,0.2,0.2, NICs 100 Mbit/s by default) once per configuration and repeat, configurations
+interleaved so that machine noise hits all alike, every run with the same sample budget; repeat i
+uses seed i (model, corpus, data order) in every configuration, so configurations compare paired::
+
+    python benchmarks/diloco_sim.py --json benchmarks/results/diloco_sim.json \\
+        --plot benchmarks/results/diloco_timeline.png
+
+Configurations (example flags; the default weighting ``batch`` unless named): ``fixed`` (H steps
+everywhere, fp32: the published recipes), ``speed``, ``time``, ``time-int8-overlap``,
+``fixed-int8`` (bytes against ``fixed``), and ``speed-samples`` / ``time-samples`` (the outer
+update weighted by samples processed); ``--configs`` also knows ``*-uniform`` and ``*-normalized``. Reported per
+configuration (medians over repeats): samples/s, total idle seconds at synchronisation, compute
+utilisation (compute seconds / (ranks x wall seconds)), final held-out loss, bytes sent per round,
+and for runs without overlap the fraction of a round spent synchronising. Ratios: idle reduction
+of ``speed`` and ``time`` against ``fixed``, samples/s against ``fixed``, fp32/int8 bytes per round.
+The PNG shows one timeline per configuration: a row per rank, compute / idle / sync per round.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+EXAMPLE = os.path.join(ROOT, "examples", "train_diloco.py")
+
+CONFIGS = {
+    "fixed": ["--local-steps", "fixed"],
+    "speed": ["--local-steps", "speed"],
+    "time": ["--local-steps", "time"],
+    "time-int8-overlap": ["--local-steps", "time", "--compress", "int8", "--overlap"],
+    "fixed-int8": ["--local-steps", "fixed", "--compress", "int8"],
+    "speed-samples": ["--local-steps", "speed", "--weighting", "samples"],
+    "time-samples": ["--local-steps", "time", "--weighting", "samples"],
+    "speed-uniform": ["--local-steps", "speed", "--weighting", "uniform"],
+    "speed-normalized": ["--local-steps", "speed", "--weighting", "normalized"],
+    "time-uniform": ["--local-steps", "time", "--weighting", "uniform"],
+    "time-normalized": ["--local-steps", "time", "--weighting", "normalized"],
+}
+DEFAULT_CONFIGS = ["fixed", "speed", "time", "time-int8-overlap", "fixed-int8", "speed-samples", "time-samples"]
+PLOTTED = ["fixed", "speed", "time", "time-int8-overlap"]
+
+
+def run_once(name: str, args: argparse.Namespace, example_args: list[str], seed: int) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "summary.json")
+        nprocs = len(args.cpu_quota.split(","))
+        cmd = [sys.executable, "-m", "hetcomm.sim", "--nprocs", str(nprocs), "--cpu-quota", args.cpu_quota,
+               "--nic-mbit", args.nic_mbit, "-q", "--", sys.executable, EXAMPLE, "--json", path,
+               "--seed", str(seed), *CONFIGS[name], *example_args]
+        started = time.perf_counter()
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, cwd=ROOT)
+        if proc.returncode != 0:
+            raise SystemExit(f"diloco_sim: {name} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n"
+                             f"{proc.stderr[-4000:]}")
+        for line in proc.stdout.splitlines():
+            if line.startswith("[rank 0]") and ("done:" in line or "train_diloco:" in line):
+                print(f"  {name:18s} {line}", flush=True)
+        with open(path) as f:
+            summary = json.load(f)
+    summary["run_seconds"] = time.perf_counter() - started
+    summary["command"] = " ".join(cmd[:cmd.index("--json")] + cmd[cmd.index("--json") + 2:])
+    return summary
+
+
+def derived(run: dict) -> dict:
+    """Per-run figures the issue asks for."""
+    rounds = max(1, run["rounds"])
+    wall_per_round = run["wall_seconds"] / rounds
+    sent = [b for b in run["bytes_sent"] if b is not None]
+    return {
+        "samples_per_second": run["samples_per_second"],
+        "idle_seconds": sum(run["idle_seconds"]),
+        "compute_utilisation": run["compute_utilisation"],
+        "final_loss": run["final_loss"],
+        "samples": run["samples"],
+        "rounds": run["rounds"],
+        "bytes_sent_per_round": sum(sent) / rounds if sent else None,
+        # Without overlap: the mean (over ranks) of sync seconds per round over a round's length.
+        "sync_fraction_of_round": (statistics.mean(run["sync_seconds"]) / rounds / wall_per_round
+                                   if not run["overlap"] else None),
+        "steps_per_round": [s / rounds for s in run["steps_per_rank"]],
+    }
+
+
+def plot(runs: dict[str, list[dict]], path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    names = [n for n in PLOTTED if runs.get(n)]
+    fig, axes = plt.subplots(len(names), 1, figsize=(12, 1.0 + 1.4 * len(names)), squeeze=False)
+    colours = {"compute": "#4c9a2a", "idle": "#d62728", "sync": "#1f77b4"}
+    for ax, name in zip(axes[:, 0], names):
+        run = runs[name][0]
+        t0 = min(a for tl in run["timelines"] for _, a, _ in tl)
+        horizon = 0.0
+        for rank, tl in enumerate(run["timelines"]):
+            for kind, a, b in tl:
+                # With overlap the sync runs on a background thread: a thin bar under the row.
+                if kind == "sync" and run["overlap"]:
+                    ax.broken_barh([(a - t0, b - a)], (rank - 0.42, 0.18), color=colours[kind])
+                else:
+                    ax.broken_barh([(a - t0, b - a)], (rank - 0.2, 0.4), color=colours[kind])
+                horizon = max(horizon, b - t0)
+        d = derived(run)
+        ax.set_title(f"{name}: {d['samples_per_second']:.1f} samples/s, idle {d['idle_seconds']:.1f} s, "
+                     f"compute utilisation {d['compute_utilisation']:.0%}, loss {d['final_loss']:.3f}", fontsize=9)
+        ax.set_yticks(range(len(run["timelines"])))
+        ax.set_yticklabels([f"rank {r}" for r in range(len(run["timelines"]))], fontsize=8)
+        ax.set_xlim(0, horizon)
+        ax.invert_yaxis()
+    axes[-1, 0].set_xlabel("seconds")
+    fig.legend(handles=[Patch(color=c, label=k) for k, c in colours.items()], loc="upper right", ncol=3)
+    quota = runs[names[0]][0].get("sim_spec") or {}
+    fig.suptitle(f"DiLoCo on the simulated cluster {json.dumps(quota.get('cpu_quota', ''))} cores", fontsize=10,
+                 x=0.3)
+    fig.tight_layout(rect=(0, 0, 1, 0.96))
+    fig.savefig(path, dpi=110)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--cpu-quota", default="0.8,0.4,0.2,0.2", help="per-rank CPU quota (cores)")
+    p.add_argument("--nic-mbit", default="100", help="per-rank NIC rate (Mbit/s), one value or one per rank")
+    p.add_argument("--configs", default=",".join(DEFAULT_CONFIGS),
+                   help=f"comma-separated subset of {', '.join(CONFIGS)} (default {','.join(DEFAULT_CONFIGS)})")
+    p.add_argument("--repeats", type=int, default=2, help="runs per configuration (interleaved)")
+    p.add_argument("--timeout", type=float, default=900, help="seconds per run")
+    p.add_argument("--json", metavar="PATH", help="write all runs and the ratios here")
+    p.add_argument("--plot", metavar="PNG", help="draw the timelines of the first repeat here")
+    args, example_args = p.parse_known_args(argv)
+    if os.geteuid() != 0:
+        print("diloco_sim: needs root (hetcomm.sim creates network namespaces and cgroups)", file=sys.stderr)
+        return 2
+    names = args.configs.split(",")
+    unknown = [n for n in names if n not in CONFIGS]
+    if unknown:
+        p.error(f"unknown configuration(s) {unknown}; known: {', '.join(CONFIGS)}")
+    runs: dict[str, list[dict]] = {n: [] for n in names}
+    for repeat in range(args.repeats):
+        for name in names:
+            print(f"diloco_sim: repeat {repeat + 1}/{args.repeats}, {name}", flush=True)
+            runs[name].append(run_once(name, args, example_args, seed=repeat))
+
+    figures = {n: {k: (statistics.median(derived(r)[k] for r in runs[n])
+                       if isinstance(derived(runs[n][0])[k], (int, float)) else derived(runs[n][0])[k])
+                   for k in derived(runs[n][0])} for n in names}
+    for n in names:
+        figures[n]["final_loss_each"] = [r["final_loss"] for r in runs[n]]
+        figures[n]["samples_per_second_each"] = [r["samples_per_second"] for r in runs[n]]
+    ratios = {}
+    if "fixed" in figures:
+        base = figures["fixed"]
+        for n in CONFIGS:
+            if n in figures and n not in ("fixed", "fixed-int8"):
+                ratios[f"idle_reduction_{n}_vs_fixed"] = 1.0 - figures[n]["idle_seconds"] / base["idle_seconds"]
+                ratios[f"samples_per_second_{n}_over_fixed"] = (figures[n]["samples_per_second"]
+                                                               / base["samples_per_second"])
+        if "fixed-int8" in figures and base["bytes_sent_per_round"] and figures["fixed-int8"]["bytes_sent_per_round"]:
+            ratios["bytes_per_round_fp32_over_int8"] = (base["bytes_sent_per_round"]
+                                                        / figures["fixed-int8"]["bytes_sent_per_round"])
+    for n in names:
+        f = figures[n]
+        sync = "" if f["sync_fraction_of_round"] is None else f", sync {f['sync_fraction_of_round']:.0%} of a round"
+        print(f"diloco_sim: {n:18s} {f['samples_per_second']:6.1f} samples/s, idle {f['idle_seconds']:6.1f} s, "
+              f"utilisation {f['compute_utilisation']:.0%}, loss {f['final_loss']:.3f} "
+              f"({', '.join(f'{x:.3f}' for x in f['final_loss_each'])}){sync}", flush=True)
+    for k, v in ratios.items():
+        print(f"diloco_sim: {k} = {v:.3f}", flush=True)
+    if args.plot:
+        plot(runs, args.plot)
+        print(f"diloco_sim: timeline written to {args.plot}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"command": " ".join([sys.executable, *sys.argv]), "cpu_quota": args.cpu_quota,
+                       "nic_mbit": args.nic_mbit, "example_args": example_args, "figures": figures,
+                       "ratios": ratios, "runs": runs}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

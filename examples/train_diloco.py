@@ -1,0 +1,136 @@
+"""Train the small character-level GPT with DiLoCo on unequal ranks.
+
+Run under torchrun, or on the simulated cluster with unequal CPU shares and slow NICs (root)::
+
+    python -m hetcomm.sim --nprocs 4 --cpu-quota 0.8,0.4,0.2,0.2 --nic-mbit 100 -- \\
+        python examples/train_diloco.py --local-steps time --compress int8 --overlap --json run.json
+    torchrun --nproc-per-node 2 examples/train_diloco.py --local-steps speed
+
+Every rank trains its replica with AdamW on its own random windows of the corpus and
+synchronises every round through `hetcomm.DiLoCo`: ``--local-steps fixed`` (H steps each, the
+published recipes), ``speed`` (H_r by measured speed) or ``time`` (an agreed deadline);
+``--weighting``, ``--compress`` and ``--overlap`` choose the outer update's weights, the
+pseudo-gradient's format and background synchronisation. Training stops at the first round after
+which the ranks have processed ``--samples`` samples in all (or after ``--rounds`` rounds). Rank 0
+prints per round each rank's steps, compute and idle seconds, megabytes sent and loss; ``--json``
+writes the summary, the agreed per-round history and every rank's timeline (for
+``benchmarks/diloco_sim.py``'s plot).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+import hetcomm
+from char_gpt import add_model_arguments, build, evaluate, mean_loss
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--local-steps", choices=["fixed", "speed", "time"], default="time")
+    p.add_argument("--steps", type=int, default=8, help="H: steps per round (the slowest rank's)")
+    p.add_argument("--weighting", choices=["batch", "samples", "uniform", "normalized"], default="batch")
+    p.add_argument("--compress", choices=["fp32", "bf16", "fp16", "int8"], default="fp32")
+    p.add_argument("--error-feedback", action="store_true")
+    p.add_argument("--overlap", action="store_true", help="synchronise in the background, one round late")
+    add_model_arguments(p, block=16, d_model=256, layers=3)
+    p.add_argument("--samples", type=int, default=6144, help="stop once this many samples were processed")
+    p.add_argument("--rounds", type=int, default=0, help="stop after this many rounds (0: by --samples)")
+    p.add_argument("--batch", default="8", help="samples per step: one value, or one per rank (a,b,...)")
+    p.add_argument("--lr", type=float, default=3e-3, help="inner AdamW learning rate")
+    p.add_argument("--outer-lr", type=float, default=0.7)
+    p.add_argument("--json", metavar="PATH", help="write the summary here (rank 0)")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    dist.init_process_group(args.backend)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    say = (lambda *a: print(*a, flush=True)) if rank == 0 else (lambda *a: None)
+    batches = [int(b) for b in args.batch.split(",")]
+    if len(batches) == 1:
+        batches *= world
+    if len(batches) != world:
+        raise SystemExit(f"train_diloco: --batch has {len(batches)} values for {world} ranks")
+    batch = batches[rank]
+
+    train, held_out, model = build(args.corpus_chars, args.seed, args.block, args.d_model, args.layers, args.heads)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    diloco = hetcomm.DiLoCo(
+        model, opt, local_steps=args.local_steps, steps=args.steps, weighting=args.weighting,
+        compress=args.compress, error_feedback=args.error_feedback, overlap=args.overlap,
+        outer_optimizer=lambda ps: torch.optim.SGD(ps, lr=args.outer_lr, momentum=0.9, nesterov=True))
+    params = sum(p.numel() for p in model.parameters())
+    say(f"train_diloco: {world} ranks on {args.backend}, {params} parameters ({4 * params / 1e6:.1f} MB fp32), "
+        f"local steps {args.local_steps} (H={args.steps}), weighting {args.weighting}, {args.compress}"
+        f"{', overlap' if args.overlap else ''}, batches {batches}")
+
+    rng = torch.Generator().manual_seed(args.seed * 1000 + rank + 1)    # this rank's own windows
+    started = time.perf_counter()
+    printed = 0
+    while True:
+        idx = torch.randint(len(train), (batch,), generator=rng).tolist()
+        x = torch.stack([train[i][0] for i in idx])
+        y = torch.stack([train[i][1] for i in idx])
+        loss = mean_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if not diloco.step(samples=len(x), loss=loss.item()):
+            continue
+        history = diloco.history                   # settled rounds: the same on every rank
+        for h in history[printed:]:
+            losses = [round(v, 3) if v is not None else None for v in h["loss"]]
+            sent = h["bytes_sent_total"]
+            say(f"round {h['round']:3d} | steps {h['steps']} | compute s {[round(c, 2) for c in h['compute_seconds']]} "
+                f"| idle s (total) {[round(i, 2) for i in h['idle_seconds_total']]} | MB sent (total) "
+                f"{[None if b is None else round(b / 1e6, 2) for b in sent]} | loss {losses}")
+        printed = len(history)
+        done = sum(sum(h["samples"]) for h in history)
+        if (args.rounds and diloco.rounds >= args.rounds) or (not args.rounds and done >= args.samples):
+            break
+    diloco.finish()
+    wall = time.perf_counter() - started
+    stats = diloco.stats()
+    timelines = [None] * world
+    dist.all_gather_object(timelines, diloco.timeline())
+    final_loss = evaluate(model, held_out, min(len(held_out), 256))
+    samples = sum(stats["samples"])
+    compute = sum(stats["compute_seconds"])
+    summary = {
+        "local_steps": args.local_steps, "steps": args.steps, "weighting": args.weighting,
+        "compress": args.compress, "error_feedback": args.error_feedback, "overlap": args.overlap,
+        "backend": args.backend, "world_size": world, "parameters": params, "batches": batches,
+        "rounds": stats["rounds"], "samples": samples, "wall_seconds": wall,
+        "samples_per_second": samples / wall,
+        "compute_seconds": stats["compute_seconds"], "idle_seconds": stats["idle_seconds"],
+        "sync_seconds": stats["sync_seconds"], "bytes_sent": stats["bytes_sent"],
+        "steps_per_rank": stats["steps"], "samples_per_rank": stats["samples"],
+        "compute_utilisation": compute / (world * wall),
+        "final_loss": final_loss,
+        "history": diloco.history,
+        "timelines": timelines,
+        "argv": sys.argv,
+        # The simulated cluster this ran on, when it ran under `python -m hetcomm.sim`.
+        "sim_spec": json.loads(os.environ["HETCOMM_SIM_SPEC"]) if os.environ.get("HETCOMM_SIM_SPEC") else None,
+    }
+    say(f"done: {stats['rounds']} rounds, {samples} samples in {wall:.1f} s ({samples / wall:.1f} samples/s), "
+        f"idle {sum(stats['idle_seconds']):.1f} s in all, compute utilisation {summary['compute_utilisation']:.1%}, "
+        f"held-out loss {final_loss:.3f}")
+    if args.json and rank == 0:
+        with open(args.json, "w") as f:
+            json.dump(summary, f, indent=2)
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -293,15 +293,18 @@ def test_bad_arguments():
 def test_policy_arithmetic():
     from hetcomm.local_steps import SpeedSteps, StepTimes, TimeSteps
 
-    times = StepTimes(3, ema=1.0)
+    times = StepTimes(3, ema=0.5)
+    times.update([9.0, 9.0, 9.0], [1, 1, 1])             # the first (warm-up) window: replaced
     times.update([1.0, 2.0, 4.0], [10, 10, 10])          # 0.1, 0.2, 0.4 s per step
+    assert times.estimates() == pytest.approx([0.1, 0.2, 0.4])
     speed = SpeedSteps(5, threshold=0.05)                # a wide band, to test it
     speed.bind(0, 3)
-    assert speed.counts == [2, 2, 2]                      # a measurement round first
+    assert speed.counts == [1, 1, 1]                      # a measurement round first
     speed.agreed(times)
     assert speed.counts == [20, 10, 5]
-    # Within the hysteresis band the counts stay.
-    times.update([1.0, 2.1, 4.0], [10, 10, 10])
+    # Within the hysteresis band the counts stay (from the third window on, an EMA).
+    times.update([1.0, 2.2, 4.0], [10, 10, 10])
+    assert times.estimates() == pytest.approx([0.1, 0.21, 0.4])
     speed.agreed(times)
     assert speed.counts == [20, 10, 5]
     timed = TimeSteps(5)

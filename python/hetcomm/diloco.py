@@ -103,9 +103,8 @@ WEIGHTINGS = ("batch", "samples", "uniform", "normalized")
 
 # Rows of the table exchanged at every synchronisation (one column per rank, exact and identical
 # on every rank: `hetcomm.partition.exchange_columns`).
-(_STEPS, _SAMPLES, _COMPUTE, _LOSS_SUM, _LOSS_N, _FINITE, _TOT_IDLE, _TOT_SYNC, _TOT_BYTES,
- _TIMED_SECONDS, _TIMED_STEPS) = range(11)
-_ROWS = 11
+_STEPS, _SAMPLES, _COMPUTE, _LOSS_SUM, _LOSS_N, _FINITE, _TOT_IDLE, _TOT_SYNC, _TOT_BYTES = range(9)
+_ROWS = 9
 
 
 def default_outer_optimizer(params: Sequence[torch.Tensor]) -> torch.optim.Optimizer:
@@ -252,7 +251,6 @@ class DiLoCo:
         self._wall_offset = time.time() - self._clock()
         self._reset_round()
         self._own_step: float | None = None
-        self._warm = False
         self._totals = {"idle": 0.0, "sync": 0.0}
         self._bytes0 = _hetcomm_bytes_sent(self._sync_group)
         self._agreed_totals: dict[str, list[float]] = {}
@@ -302,10 +300,6 @@ class DiLoCo:
         if loss is not None and n > 0:
             self._r_loss += float(loss) * n
             self._r_loss_n += n
-        if self._warm:                    # the run's first step (allocations, caches) is not timed
-            self._r_timed += dt
-            self._r_timed_steps += 1
-        self._warm = True
         self._own_step = dt if self._own_step is None else 0.7 * self._own_step + 0.3 * dt
         self._timeline.append(("compute", self._mark, now))
         synced = self._policy.round_over(self._r_steps, now, self._own_step)
@@ -368,15 +362,12 @@ class DiLoCo:
         self._r_compute = 0.0
         self._r_loss = 0.0
         self._r_loss_n = 0
-        self._r_timed = 0.0
-        self._r_timed_steps = 0
 
     def _column(self, delta: torch.Tensor) -> list[float]:
         finite = 1.0 if bool(torch.isfinite(delta).all()) else 0.0
         col = [0.0] * _ROWS
         col[_STEPS], col[_SAMPLES], col[_COMPUTE] = self._r_steps, self._r_samples, self._r_compute
         col[_LOSS_SUM], col[_LOSS_N], col[_FINITE] = self._r_loss, self._r_loss_n, finite
-        col[_TIMED_SECONDS], col[_TIMED_STEPS] = self._r_timed, self._r_timed_steps
         col[_TOT_IDLE], col[_TOT_SYNC] = self._totals["idle"], self._totals["sync"]
         sent = _hetcomm_bytes_sent(self._sync_group)
         col[_TOT_BYTES] = sent - self._bytes0
@@ -451,7 +442,7 @@ class DiLoCo:
         return table
 
     def _after_agreement(self, table: list[list[float]]) -> None:
-        self._times.update(table[_TIMED_SECONDS], table[_TIMED_STEPS])
+        self._times.update(table[_COMPUTE], table[_STEPS])
         self._policy.agreed(self._times)
         self._agreed_totals = {
             "compute": [0.0] * self._world, "idle": table[_TOT_IDLE], "sync": table[_TOT_SYNC],

@@ -24,7 +24,7 @@ function of those agreed values, so all ranks decide the same without further co
   estimate, never late: nobody waits by construction beyond the last partial step. Until step
   times are agreed (the first round, or the first two with ``overlap``) its rounds are
   `MEASUREMENT_STEPS` long on every rank: short measurement rounds in which the fast ranks wait
-  for two slow steps rather than for H of them (unless ``round_seconds`` is given).
+  for one slow step rather than for H of them (unless ``round_seconds`` is given).
 
 Per-rank batch sizes (for example capped by memory with `hetcomm.partition.probe_max_batch`)
 combine with any policy: the policies count steps and time, whatever a step's batch.
@@ -34,9 +34,8 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-# Steps per rank in a round before step times are agreed: the first step of a run is not timed
-# (allocations, caches), so two give one timed step.
-MEASUREMENT_STEPS = 2
+# Steps per rank in a round before step times are agreed.
+MEASUREMENT_STEPS = 1
 
 __all__ = ["StepTimes", "LocalStepPolicy", "FixedSteps", "SpeedSteps", "TimeSteps", "make_policy", "POLICIES"]
 
@@ -51,12 +50,13 @@ def _positive_int(value: int, what: str) -> int:
 
 
 class StepTimes:
-    """Agreed EMA of every rank's seconds per inner step, updated identically on every rank
-    (DiLoCo leaves the run's first step out: it pays for allocations and caches).
+    """Agreed EMA of every rank's seconds per inner step, updated identically on every rank.
 
     `update` takes one agreed window per rank (seconds computing, steps); a rank without steps in
-    the window keeps its previous estimate. `estimates` fills ranks never measured with the
-    slowest measured one (None before any measurement).
+    the window keeps its previous estimate. A rank's first two windows replace the estimate
+    instead of blending into it: the first holds the run's first step, which pays for allocations
+    and caches, and must not linger in the average. `estimates` fills ranks never measured with
+    the slowest measured one (None before any measurement).
     """
 
     def __init__(self, world_size: int, ema: float = 0.3) -> None:
@@ -64,6 +64,7 @@ class StepTimes:
             raise ValueError(f"{_PREFIX}: ema must be in (0, 1], got {ema!r}")
         self.world_size, self.ema = world_size, float(ema)
         self._t: list[float | None] = [None] * world_size
+        self._windows = [0] * world_size
 
     def update(self, seconds: Sequence[float], steps: Sequence[float]) -> None:
         if len(seconds) != self.world_size or len(steps) != self.world_size:
@@ -73,7 +74,8 @@ class StepTimes:
                 continue
             t = s / n
             old = self._t[r]
-            self._t[r] = t if old is None else (1.0 - self.ema) * old + self.ema * t
+            self._t[r] = t if self._windows[r] < 2 else (1.0 - self.ema) * old + self.ema * t
+            self._windows[r] += 1
 
     def estimates(self) -> list[float] | None:
         known = [t for t in self._t if t is not None]

@@ -294,12 +294,14 @@ def test_policy_arithmetic():
     from hetcomm.local_steps import SpeedSteps, StepTimes, TimeSteps
 
     times = StepTimes(3, ema=0.5)
-    times.update([9.0, 9.0, 9.0], [1, 1, 1])             # the first (warm-up) window: replaced
-    times.update([1.0, 2.0, 4.0], [10, 10, 10])          # 0.1, 0.2, 0.4 s per step
-    assert times.estimates() == pytest.approx([0.1, 0.2, 0.4])
     speed = SpeedSteps(5, threshold=0.05)                # a wide band, to test it
     speed.bind(0, 3)
-    assert speed.counts == [1, 1, 1]                      # a measurement round first
+    assert speed.counts == [1, 1, 1]                      # measurement rounds first
+    times.update([9.0, 9.0, 1.0], [1, 1, 1])             # the first (warm-up) window: replaced
+    speed.agreed(times)
+    assert speed.counts == [1, 1, 1], "counts set from the warm-up step alone"
+    times.update([1.0, 2.0, 4.0], [10, 10, 10])          # 0.1, 0.2, 0.4 s per step
+    assert times.estimates() == pytest.approx([0.1, 0.2, 0.4])
     speed.agreed(times)
     assert speed.counts == [20, 10, 5]
     # Within the hysteresis band the counts stay (from the third window on, an EMA).
@@ -331,11 +333,13 @@ def test_throttled_rank_gets_fewer_local_steps_on_the_simulator(tmp_path):
     summary = tmp_path / "diloco.json"
     cmd = [sys.executable, "-m", "hetcomm.sim", "--nprocs", "2", "--cpu-quota", "1.0,0.25", "-q", "--",
            sys.executable, os.path.join(ROOT, "examples", "train_diloco.py"), "--local-steps", "speed",
-           "--steps", "4", "--rounds", "5", "--d-model", "32", "--layers", "1", "--block", "64",
-           "--batch", "8", "--json", str(summary)]
+           "--steps", "4", "--rounds", "6", "--d-model", "64", "--layers", "2", "--block", "64",
+           # Steps long enough (~25 ms of a core) that the 0.25 quota throttles every one of them,
+           # not only the ones that outlast the cgroup's burst.
+           "--batch", "16", "--json", str(summary)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads(summary.read_text())
-    late = result["history"][2:]
+    late = result["history"][2:]            # after two measurement rounds
     assert late, result["history"]
-    assert all(h["steps"][1] < h["steps"][0] for h in late), result["history"]
+    assert all(h["steps"][1] < h["steps"][0] for h in late), [h["steps"] for h in result["history"]]

@@ -316,7 +316,6 @@ class DiLoCo:
         """
         if self._finished:
             return
-        self._r_compute += self._clock() - self._mark
         if self._pending is not None:
             self._wait_pending()
         # The partial round (if any rank has one) runs synchronously, then the totals are final.

@@ -14,8 +14,9 @@ function of those agreed values, so all ranks decide the same without further co
   time. Hysteresis as the Partitioner's: the step counts change only when the predicted idle
   fraction, Σ_r (max_j H_j t_j − H_r t_r) / (P · max_j H_j t_j), falls by more than ``threshold``.
   Rounding leaves each rank at most half a step of idle per round, plus whatever the speeds drift
-  between agreements. Until the first agreement (the first round, or two with ``overlap``) its
-  rounds are `MEASUREMENT_STEPS` long on every rank: measurement rounds, as ``time``'s. Changing
+  between agreements. Until every rank has two measured rounds (the first holds the run's
+  warm-up step, whose time would skew the ratios) its rounds are `MEASUREMENT_STEPS` long on
+  every rank: measurement rounds, as ``time``'s. Changing
   H_r costs nothing, so the hysteresis is small (``threshold`` 0.01: one percent of the round).
 * ``time``: every rank steps until a deadline T seconds after the round started, T agreed
   (``round_seconds``, or H · t_slowest from the agreed step times). A rank starts a step only
@@ -76,6 +77,11 @@ class StepTimes:
             old = self._t[r]
             self._t[r] = t if self._windows[r] < 2 else (1.0 - self.ema) * old + self.ema * t
             self._windows[r] += 1
+
+    @property
+    def windows(self) -> list[int]:
+        """How many windows with steps each rank has had agreed."""
+        return list(self._windows)
 
     def estimates(self) -> list[float] | None:
         known = [t for t in self._t if t is not None]
@@ -151,7 +157,7 @@ class SpeedSteps(LocalStepPolicy):
 
     def agreed(self, times: StepTimes) -> None:
         t = times.estimates()
-        if t is None:
+        if t is None or min(times.windows) < 2:   # only the warm-up step measured so far
             return
         new = self.proposal(t)
         if self._counts is None or (new != self._counts and (self.idle_fraction(self._counts, t)

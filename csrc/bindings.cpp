@@ -124,6 +124,38 @@ PYBIND11_MODULE(_C, m) {
           py::arg("order"), py::arg("shares"), py::arg("min_bytes") = 0, py::arg("segment_bytes") = 0,
           "Sets the ring plan for operations issued from now on; every rank must set the same plan.")
       .def(
+          "get_site_plan",
+          [](const hetcomm::ProcessGroupHetcomm& pg) -> py::object {
+            hetcomm::RingPlan p = pg.plan();
+            if (!p.sites) return py::none();
+            const hetcomm::SitePlan& s = *p.sites;
+            return py::make_tuple(s.sites, s.blockOwners, s.blockShares, s.siteShares, s.minBytes, s.segmentBytes);
+          },
+          "The site-aware schedule as (sites, block_owners, block_shares, site_shares, min_bytes, segment_bytes), "
+          "or None when every allreduce uses the ring (see set_site_plan).")
+      .def(
+          "set_site_plan",
+          [](hetcomm::ProcessGroupHetcomm& pg, std::vector<std::vector<int>> sites,
+             std::vector<std::vector<int>> blockOwners, std::vector<double> blockShares, std::vector<double> siteShares,
+             uint64_t minBytes, uint64_t segmentBytes) {
+            auto s = std::make_shared<hetcomm::SitePlan>();
+            s->sites = std::move(sites);
+            s->blockOwners = std::move(blockOwners);
+            s->blockShares = std::move(blockShares);
+            s->siteShares = std::move(siteShares);
+            s->minBytes = minBytes;
+            s->segmentBytes = segmentBytes;
+            hetcomm::RingPlan p = pg.plan();
+            p.sites = std::move(s);
+            pg.setPlan(std::move(p));
+          },
+          py::arg("sites"), py::arg("block_owners"), py::arg("block_shares"), py::arg("site_shares"),
+          py::arg("min_bytes") = 0, py::arg("segment_bytes") = 0,
+          "Adds the site-aware (hierarchical) schedule to the plan: allreduces of at least min_bytes use it. "
+          "sites: each site's ranks in ring order; block_owners[b][s]: block b's owner in site s; block_shares: "
+          "each block's fraction of the buffer; site_shares: the fraction of every block each site's owner "
+          "reduces. Every rank must set the same plan. set_plan() removes it again.")
+      .def(
           "traffic",
           [](const hetcomm::ProcessGroupHetcomm& pg) {
             // A few relaxed atomic loads: no need to release the GIL.

@@ -9,6 +9,7 @@
 #include "algorithms/ring_schedule.h"
 #include "common/env.h"
 #include "common/error.h"
+#include "common/fingerprint.h"
 #include "kernels/reduce.h"
 
 namespace hetcomm {
@@ -37,29 +38,24 @@ void RingPlan::validate(int size) const {
     sum += s;
   }
   if (!(sum > 0)) throw CommError("hetcomm: plan shares must not all be zero");
+  if (sites) sites->validate(size);
 }
 
 RingPlan RingPlan::forBytes(size_t bytes) const {
-  return bytes >= minBytes ? *this : uniform(static_cast<int>(order.size()));
+  if (sites && bytes >= sites->minBytes) return *this;
+  RingPlan ring = bytes >= minBytes ? *this : uniform(static_cast<int>(order.size()));
+  ring.sites = nullptr;
+  return ring;
 }
 
 uint64_t RingPlan::fingerprint() const {
-  uint64_t h = 1469598103934665603ull;  // FNV-1a over the order and the shares' bits
-  auto mix = [&](uint64_t v) {
-    for (int i = 0; i < 8; ++i) {
-      h ^= (v >> (8 * i)) & 0xff;
-      h *= 1099511628211ull;
-    }
-  };
-  for (int r : order) mix(static_cast<uint64_t>(r));
-  mix(minBytes);
-  mix(segmentBytes);
-  for (double s : shares) {
-    uint64_t bits;
-    std::memcpy(&bits, &s, sizeof(bits));
-    mix(bits);
-  }
-  return h;
+  Fingerprint f;  // over the order, the settings and the shares' bits
+  for (int r : order) f.mix(static_cast<uint64_t>(r));
+  f.mix(minBytes);
+  f.mix(segmentBytes);
+  for (double s : shares) f.mixDouble(s);
+  if (sites) f.mix(sites->fingerprint());
+  return f.value();
 }
 
 AllreduceAlgo chooseAllreduceAlgo(size_t bytes, int size) {
@@ -116,6 +112,10 @@ void runRing(CollectiveContext& ctx, char* buf, const RingPlan& plan, const std:
 }
 
 void allreduceRing(CollectiveContext& ctx, char* buf, size_t count, DType dtype, RedOp op, const RingPlan& plan) {
+  if (plan.sites) {
+    allreduceHierarchical(ctx, buf, count, dtype, op, *plan.sites);
+    return;
+  }
   const int P = ctx.size;
   // Shares are per rank; chunks are laid out in ring-position order.
   std::vector<double> sharesByPos(P);
@@ -198,8 +198,10 @@ void allreduce(CollectiveContext& ctx, char* buf, size_t count, DType dtype, Red
   SettleOnExit settle(ctx.device);
   if (ctx.size > 1) {
     const bool ring = static_cast<AllreduceAlgo>(ctx.header.algo) == AllreduceAlgo::kRing;
+    // The hierarchical schedule moves host memory: device buffers are staged whole.
     if (ctx.device != nullptr &&
-        (!ring || count * elementSize(dtype) <= static_cast<size_t>(std::max<int64_t>(0, paramDeviceHostReduceBytes())))) {
+        (!ring || plan.sites ||
+         count * elementSize(dtype) <= static_cast<size_t>(std::max<int64_t>(0, paramDeviceHostReduceBytes())))) {
       allreduceStagedWhole(ctx, buf, count, dtype, op, plan);
       return;  // divided on the host already
     }

@@ -2,9 +2,11 @@
 // Collective algorithms on raw host buffers. Each runs on the group's worker thread, in the same
 // order on every rank, and either completes or throws CommError/TimeoutError.
 #include <cstdint>
+#include <memory>
 #include <vector>
 
 #include "algorithms/context.h"
+#include "algorithms/hierarchical.h"
 #include "kernels/dtype.h"
 
 namespace hetcomm {
@@ -20,11 +22,15 @@ struct RingPlan {
   // Pipeline segment size for this plan's allreduces (0: adaptive). The planner sets it from the
   // slowest ring link: a segment crossing a slow link is pipeline fill that nothing overlaps.
   uint64_t segmentBytes = 0;
+  // The site-aware schedule (hierarchical.h) for allreduces of at least sites->minBytes bytes;
+  // null: the ring always.
+  std::shared_ptr<const SitePlan> sites;
 
   static RingPlan uniform(int size);
   // Throws CommError unless order is a permutation of 0..size-1 and shares are valid.
   void validate(int size) const;
-  // The plan an allreduce of `bytes` uses: this one, or uniform below minBytes.
+  // The plan an allreduce of `bytes` uses: this one with its site plan at or above
+  // sites->minBytes; else without it, and uniform below minBytes.
   RingPlan forBytes(size_t bytes) const;
   // A fingerprint carried in the headers so that ranks holding different plans fail loudly.
   uint64_t fingerprint() const;

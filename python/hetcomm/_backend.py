@@ -123,16 +123,30 @@ def stats(group: Optional[dist.ProcessGroup] = None) -> dict:
 
 
 def get_plan(group: Optional[dist.ProcessGroup] = None):
-    """The ring plan the group's allreduces use (a `hetcomm.planner.Plan`)."""
+    """The plan the group's allreduces use (a `hetcomm.planner.Plan`): the ring, the site-aware
+    schedule if any (``plan.sites``, a `hetcomm.site_planner.SitePlan`, used from
+    ``plan.sites.min_bytes`` on) and the topology it was made for (``plan.topology``)."""
     from hetcomm.planner import Plan
+    from hetcomm.site_planner import SitePlan
+    from hetcomm.topology import topology_of
 
-    order, shares, min_bytes, segment_bytes = backend_of(group).get_plan()
-    return Plan(tuple(order), tuple(shares), min_bytes=min_bytes, segment_bytes=segment_bytes)
+    backend = backend_of(group)
+    order, shares, min_bytes, segment_bytes = backend.get_plan()
+    site = backend.get_site_plan()
+    if site is not None:
+        groups, owners, block_shares, site_shares, site_min, site_seg = site
+        site = SitePlan(tuple(map(tuple, groups)), tuple(map(tuple, owners)), tuple(block_shares), tuple(site_shares),
+                        min_bytes=site_min, segment_bytes=site_seg)
+    return Plan(tuple(order), tuple(shares), min_bytes=min_bytes, segment_bytes=segment_bytes, sites=site,
+                topology=topology_of(backend))
 
 
 def set_plan(plan, group: Optional[dist.ProcessGroup] = None) -> None:
-    """Installs a plan (a `hetcomm.planner.Plan`); every rank must set the same plan at the same point."""
-    backend_of(group).set_plan(list(plan.order), list(plan.shares), int(plan.min_bytes), int(plan.segment_bytes))
+    """Installs a plan (a `hetcomm.planner.Plan`, with its site plan if it has one); every rank must
+    set the same plan at the same point."""
+    from hetcomm.topology import install_plan
+
+    install_plan(backend_of(group), plan)
 
 
 def probe(group: Optional[dist.ProcessGroup] = None):

@@ -167,6 +167,7 @@ from __future__ import annotations
 import functools
 import itertools
 import math
+import dataclasses
 from dataclasses import dataclass
 from typing import Iterable, Optional, Sequence
 
@@ -228,7 +229,11 @@ class LinkModel:
     ``bw[i][j]``: bandwidth of the directed link i -> j; every off-diagonal entry must be finite
     and positive (the diagonal is ignored and stored as 0). ``reduce_bps[i]``: how fast rank i
     adds received data into its buffer (``inf``: never the bottleneck; default all ``inf``).
-    ``alpha``: seconds per message (one ring step). ``segment_bytes``: the engine's
+    ``alpha``: seconds per message (one ring step). ``uplinks``: links that several ranks share,
+    as ``(ranks, out_bps, in_bps)`` triples: all traffic from a rank of ``ranks`` to a rank
+    outside them shares ``out_bps``, all traffic into them from outside shares ``in_bps`` (``inf``:
+    unshared in that direction); a site behind one WAN uplink is the example. Groups must be
+    disjoint. ``segment_bytes``: the engine's
     ``HETCOMM_SEGMENT_BYTES`` (0: adaptive, as the engine). ``small_allreduce_bytes``: the
     engine's ``HETCOMM_SMALL_ALLREDUCE_BYTES``. Invalid values raise ValueError naming them.
     Stored as tuples, so a model is immutable, hashable and compares by value.
@@ -239,6 +244,7 @@ class LinkModel:
     alpha: float = DEFAULT_ALPHA_SECONDS
     segment_bytes: int = SEGMENT_BYTES
     small_allreduce_bytes: int = SMALL_ALLREDUCE_BYTES
+    uplinks: tuple[tuple[tuple[int, ...], float, float], ...] = ()
 
     def __post_init__(self) -> None:
         rows = [list(row) for row in self.bw]
@@ -268,6 +274,20 @@ class LinkModel:
             value = getattr(self, name)
             if int(value) != value or value < 0:
                 raise ValueError(f"hetcomm planner: {name} must be a non-negative integer, got {value!r}")
+        uplinks, seen = [], set()
+        for k, entry in enumerate(self.uplinks):
+            try:
+                ranks, out_bps, in_bps = entry
+                ranks = tuple(sorted(int(r) for r in ranks))
+            except (TypeError, ValueError):
+                raise ValueError(f"hetcomm planner: uplink {k} must be (ranks, out_bps, in_bps), got {entry!r}") from None
+            if not ranks or len(set(ranks)) != len(ranks) or not all(0 <= r < P for r in ranks) or seen & set(ranks):
+                raise ValueError(f"hetcomm planner: uplink {k} ranks {ranks} must be distinct ranks of 0..{P - 1}, "
+                                 "in no other uplink")
+            seen |= set(ranks)
+            uplinks.append((ranks, _check_rate(out_bps, f"uplink {k} out rate", allow_inf=True),
+                            _check_rate(in_bps, f"uplink {k} in rate", allow_inf=True)))
+        object.__setattr__(self, "uplinks", tuple(uplinks))
         object.__setattr__(self, "bw", bw)
         object.__setattr__(self, "reduce_bps", reduce_bps)
         object.__setattr__(self, "alpha", alpha)
@@ -284,9 +304,13 @@ class LinkModel:
         ranks = [int(r) for r in ranks]
         if not ranks or sorted(set(ranks)) != sorted(ranks) or not all(0 <= r < self.world_size for r in ranks):
             raise ValueError(f"hetcomm planner: {ranks} are not distinct ranks of a {self.world_size}-rank model")
+        index = {r: k for k, r in enumerate(ranks)}
+        uplinks = tuple((tuple(index[r] for r in group if r in index), out_bps, in_bps)
+                        for group, out_bps, in_bps in self.uplinks if any(r in index for r in group))
         return LinkModel(bw=tuple(tuple(self.bw[i][j] for j in ranks) for i in ranks),
                          reduce_bps=tuple(self.reduce_bps[i] for i in ranks), alpha=self.alpha,
-                         segment_bytes=self.segment_bytes, small_allreduce_bytes=self.small_allreduce_bytes)
+                         segment_bytes=self.segment_bytes, small_allreduce_bytes=self.small_allreduce_bytes,
+                         uplinks=uplinks)
 
     @staticmethod
     def from_nics(nic_bps: Sequence[float], reduce_bps: Optional[Sequence[float]] = None,
@@ -294,13 +318,27 @@ class LinkModel:
         """One full-duplex NIC per rank: ``bw[i][j] = min(nic[i], nic[j])``.
 
         In a ring every rank sends to one peer and receives from one, so a transfer i -> j is
-        limited by i's egress and j's ingress and by nothing else. ``engine``: ``segment_bytes``,
-        ``small_allreduce_bytes``.
+        limited by i's egress and j's ingress and by nothing else. A schedule that talks to
+        several peers at once (the hierarchical one) shares the NIC among them: each NIC is also
+        an uplink of its rank. ``engine``: ``segment_bytes``, ``small_allreduce_bytes``.
         """
         nics = [_check_rate(v, f"NIC bandwidth of rank {i}", allow_inf=False) for i, v in enumerate(nic_bps)]
         P = len(nics)
         bw = tuple(tuple(0.0 if i == j else min(nics[i], nics[j]) for j in range(P)) for i in range(P))
-        return LinkModel(bw=bw, reduce_bps=None if reduce_bps is None else tuple(reduce_bps), alpha=alpha, **engine)
+        return LinkModel(bw=bw, reduce_bps=None if reduce_bps is None else tuple(reduce_bps), alpha=alpha,
+                         uplinks=tuple(((i,), nics[i], nics[i]) for i in range(P)), **engine)
+
+    def with_rank_uplinks(self) -> "LinkModel":
+        """This model with each rank's traffic capped by its fastest link in each direction, for
+        models measured one pair at a time (which cannot show what concurrent flows share): a
+        rank talking to several peers at once is assumed to get no more than its best single
+        link. Unchanged if it already has uplinks."""
+        if self.uplinks:
+            return self
+        P = self.world_size
+        ups = tuple(((i,), max(self.bw[i][j] for j in range(P) if j != i),
+                     max(self.bw[j][i] for j in range(P) if j != i)) for i in range(P)) if P > 1 else ()
+        return dataclasses.replace(self, uplinks=ups)
 
 
 @dataclass(frozen=True)
@@ -322,6 +360,10 @@ class Plan:
     min_bytes: int = 0
     # The engine's pipeline segment size for this plan (0: its adaptive default).
     segment_bytes: int = 0
+    # The site-aware schedule for allreduces of at least sites.min_bytes (site_planner.SitePlan),
+    # and the topology it was made for (sites.Topology); None: the ring at every size.
+    sites: Optional["SitePlan"] = None
+    topology: Optional["Topology"] = None
 
     def __post_init__(self) -> None:
         order = tuple(int(r) for r in self.order)
@@ -346,7 +388,8 @@ class Plan:
     @property
     def is_uniform(self) -> bool:
         """True for the engine's default plan: identity order, equal shares."""
-        return self.order == tuple(range(self.world_size)) and len(set(self.shares)) == 1
+        return (self.order == tuple(range(self.world_size)) and len(set(self.shares)) == 1
+                and self.sites is None)
 
     def predict_seconds(self, nbytes: int, model: LinkModel) -> float:
         """`predict_allreduce_seconds` of this plan."""
@@ -432,11 +475,26 @@ def ring_seconds_per_byte(order: Sequence[int], shares: Sequence[float], model: 
         raise ValueError("hetcomm planner: shares sum to zero")
     o = [s / total for s in shares]
     worst = 0.0
+    loads = {}
     for p in range(P):
         a, b = order[p], order[(p + 1) % P]
-        worst = max(worst, (2.0 - o[a] - o[b]) / model.bw[a][b])
+        loads[(a, b)] = 2.0 - o[a] - o[b]
+        worst = max(worst, loads[(a, b)] / model.bw[a][b])
         if math.isfinite(model.reduce_bps[b]):
             worst = max(worst, (1.0 - o[a]) / model.reduce_bps[b])  # b reduces all but a's chunk
+    return max(worst, uplink_seconds_per_byte(loads, model))
+
+
+def uplink_seconds_per_byte(loads: dict, model: LinkModel) -> float:
+    """The busiest shared uplink's time per byte of buffer: over ``model.uplinks``, the summed
+    loads (bytes per byte, by directed link ``(a, b)``) of the links leaving (entering) the group,
+    over its out (in) rate; 0 without uplinks."""
+    worst = 0.0
+    for group, out_bps, in_bps in model.uplinks:
+        members = set(group)
+        out = math.fsum(v for (a, b), v in loads.items() if a in members and b not in members)
+        into = math.fsum(v for (a, b), v in loads.items() if b in members and a not in members)
+        worst = max(worst, out / out_bps, into / in_bps)
     return worst
 
 
@@ -474,6 +532,9 @@ def predict_allreduce_seconds(plan: Plan, model: LinkModel, nbytes: int) -> floa
     if nbytes <= model.small_allreduce_bytes:
         per_step = model.alpha + nbytes / min(off_diagonal) + nbytes / min(model.reduce_bps)
         return _recursive_doubling_steps(P) * per_step
+    if plan.sites is not None and nbytes >= plan.sites.min_bytes:
+        from hetcomm.site_planner import predict_site_plan_seconds
+        return predict_site_plan_seconds(plan.sites, model, nbytes)
     per_byte = ring_seconds_per_byte(plan.order, plan.shares, model)
     largest_chunk = nbytes * max(plan.shares) / math.fsum(plan.shares)
     mean_hop_seconds_per_byte = math.fsum(1.0 / model.bw[plan.order[p]][plan.order[(p + 1) % P]]
@@ -824,4 +885,16 @@ def format_plan(plan: Plan, model: Optional[LinkModel] = None) -> str:
                  f" (uniform ring {1e-9 / uniform:.4g} GB/s)")
     elif plan.predicted_bw_seconds_per_byte:
         line += f" | predicted {1e-9 / plan.predicted_bw_seconds_per_byte:.4g} GB/s algbw"
+    if plan.sites is not None:
+        sp = plan.sites
+        total = math.fsum(sp.block_shares)
+        blocks = " ".join(f"({','.join(map(str, b))})={100.0 * x / total:.1f}%" for b, x in zip(sp.blocks, sp.block_shares))
+        line += (f"\nhetcomm plan: hierarchical for allreduces >= {sp.min_bytes} B | sites "
+                 + " ".join("{" + ">".join(map(str, s)) + "}" for s in sp.sites)
+                 + f" | blocks {blocks} | site shares " + " ".join(f"{100.0 * w:.1f}%" for w in sp.site_shares))
+        if sp.segment_bytes:
+            line += f" | segments {sp.segment_bytes // 1024} KB"
+        if model is not None:
+            from hetcomm.site_planner import site_plan_seconds_per_byte
+            line += f" | predicted {1e-9 / site_plan_seconds_per_byte(sp, model):.4g} GB/s algbw"
     return line

@@ -21,6 +21,7 @@ model for the same earlier groups.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import os
@@ -30,7 +31,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from hetcomm import planner
+from hetcomm import planner, site_planner, sites
 from hetcomm.measure import measure_model, model_from_declared, parse_mbit
 
 log = logging.getLogger("hetcomm")
@@ -38,10 +39,15 @@ log = logging.getLogger("hetcomm")
 # The model behind each live backend's plan, by the backend's listening address (unique in the
 # process). Python attributes cannot live on the backend: torch hands out fresh wrappers of it.
 _models: dict[str, planner.LinkModel] = {}
+_topologies: dict[str, sites.Topology] = {}
 
 
 def model_of(backend) -> Optional[planner.LinkModel]:
     return _models.get(backend.listen_address())
+
+
+def topology_of(backend) -> Optional[sites.Topology]:
+    return _topologies.get(backend.listen_address())
 
 
 def _log_plan(line: str) -> None:
@@ -102,7 +108,10 @@ def segment_bytes_for(plan: planner.Plan, model: planner.LinkModel) -> int:
     and rounding down gave 32 KB, twice the wake-ups per byte of the 64 KB that measured best.
     """
     P = len(plan.order)
-    slowest = min(model.bw[plan.order[p]][plan.order[(p + 1) % P]] for p in range(P))
+    return _segment_for_rate(min(model.bw[plan.order[p]][plan.order[(p + 1) % P]] for p in range(P)))
+
+
+def _segment_for_rate(slowest: float) -> int:
     target = slowest * SEGMENT_SECONDS_ON_SLOWEST_LINK
     seg = 32 << 10
     while seg < (1 << 20) and seg * math.sqrt(2) < target:
@@ -131,48 +140,132 @@ def snap_measured(model: planner.LinkModel, tolerance: float = MEASURED_RATE_TOL
                 snapped[i][j] = median
             group = []
         group.append(entry)
-    return planner.LinkModel(bw=tuple(tuple(row) for row in snapped), reduce_bps=model.reduce_bps, alpha=model.alpha,
-                             segment_bytes=model.segment_bytes, small_allreduce_bytes=model.small_allreduce_bytes)
+    return dataclasses.replace(model, bw=tuple(tuple(row) for row in snapped))
 
 
-def choose_plan(model: planner.LinkModel, min_gain: float = DECLARED_MIN_GAIN) -> planner.Plan:
-    """The large-message plan, with min_bytes set to the crossover (uniform if weighting gains nothing)."""
+def choose_plan(model: planner.LinkModel, min_gain: float = DECLARED_MIN_GAIN,
+                site_labels: Optional[Sequence[int]] = None) -> planner.Plan:
+    """The large-message ring plan, with min_bytes set to the crossover (uniform if weighting gains
+    nothing), and with ``site_labels`` (one site per rank; several sites) the site-aware schedule
+    from the message size on where its predicted time beats the ring's by ``min_gain``."""
     best = planner.make_plan(model, None, min_gain)
-    if best.is_uniform:
+    if not best.is_uniform:
+        crossover = planner.crossover_bytes(model, min_gain)
+        best = planner.Plan(best.order, best.shares, best.predicted_bw_seconds_per_byte,
+                            min_bytes=crossover if crossover is not None else 0,
+                            segment_bytes=segment_bytes_for(best, model))
+    if site_labels is None or not hierarchical_enabled():
         return best
-    crossover = planner.crossover_bytes(model, min_gain)
-    return planner.Plan(best.order, best.shares, best.predicted_bw_seconds_per_byte,
-                        min_bytes=crossover if crossover is not None else 0,
-                        segment_bytes=segment_bytes_for(best, model))
+    site = site_planner.best_site_plan(model, site_labels)
+    if site is None:
+        return best
+    site = dataclasses.replace(site, segment_bytes=_segment_for_rate(min(model.bw[a][b] for a, b in site.link_loads())))
+    # The site plan serves every size from min_bytes up, so min_bytes is the smallest power of two
+    # from which it is predicted faster at every larger size (up to 1 TiB).
+    uniform = planner.uniform_plan(model.world_size)
+    start = max(1, model.small_allreduce_bytes + 1).bit_length()
+    min_bytes = None
+    for k in range(40, start - 1, -1):
+        n = 1 << k
+        ring = best if n >= best.min_bytes else uniform
+        if not (site_planner.predict_site_plan_seconds(site, model, n)
+                < planner.predict_allreduce_seconds(ring, model, n) * (1.0 - min_gain)):
+            break
+        min_bytes = n
+    if min_bytes is None:
+        return best
+    return dataclasses.replace(best, sites=dataclasses.replace(site, min_bytes=min_bytes))
 
 
-def _broadcast_plan(backend, plan: Optional[planner.Plan], size: int) -> planner.Plan:
-    """Rank 0's plan, on every rank: [min_bytes, segment_bytes, order..., shares...] as float64."""
-    buf = torch.zeros(2 + 2 * size, dtype=torch.float64)
-    if backend.rank() == 0:
-        buf[0] = float(plan.min_bytes)
-        buf[1] = float(plan.segment_bytes)
-        buf[2:2 + size] = torch.tensor(plan.order, dtype=torch.float64)
-        buf[2 + size:] = torch.tensor(plan.shares, dtype=torch.float64)
+def hierarchical_enabled() -> bool:
+    """False when HETCOMM_HIERARCHICAL=0: the ring at every size, whatever the sites."""
+    return os.environ.get("HETCOMM_HIERARCHICAL", "1").strip() != "0"
+
+
+def _broadcast_floats(backend, values: Optional[list[float]]) -> list[float]:
+    """Rank 0's list of floats on every rank (its length first, then the values)."""
     opts = torch.distributed.BroadcastOptions()
     opts.rootRank = 0
+    n = torch.tensor([float(len(values)) if backend.rank() == 0 else 0.0], dtype=torch.float64)
+    backend.broadcast([n], opts).wait()
+    buf = torch.zeros(int(n.item()), dtype=torch.float64)
+    if backend.rank() == 0:
+        buf[:] = torch.tensor(values, dtype=torch.float64)
     backend.broadcast([buf], opts).wait()
-    values = buf.tolist()
-    return planner.Plan(tuple(int(v) for v in values[2:2 + size]), tuple(values[2 + size:]),
-                        plan.predicted_bw_seconds_per_byte if plan is not None else None,
-                        min_bytes=int(values[0]), segment_bytes=int(values[1]))
+    return buf.tolist()
+
+
+def _encode_plan(plan: planner.Plan) -> list[float]:
+    """[min_bytes, segment_bytes, order..., shares..., has_sites, (site plan)]; exact in float64."""
+    out = [float(plan.min_bytes), float(plan.segment_bytes), *map(float, plan.order), *plan.shares]
+    sp = plan.sites
+    if sp is None:
+        return out + [0.0]
+    out += [1.0, float(len(sp.sites)), *(float(len(s)) for s in sp.sites), *(float(r) for s in sp.sites for r in s),
+            float(len(sp.blocks)), *(float(r) for b in sp.blocks for r in b), *sp.block_shares, *sp.site_shares,
+            float(sp.min_bytes), float(sp.segment_bytes)]
+    return out
+
+
+def _decode_plan(values: list[float], size: int, topology: Optional[sites.Topology]) -> planner.Plan:
+    it = iter(values)
+
+    def take(n: int) -> list[float]:
+        return [next(it) for _ in range(n)]
+
+    min_bytes, segment_bytes = (int(v) for v in take(2))
+    order, shares = tuple(int(v) for v in take(size)), tuple(take(size))
+    site = None
+    if next(it):
+        S = int(next(it))
+        lengths = [int(v) for v in take(S)]
+        members = iter(int(v) for v in take(sum(lengths)))
+        groups = tuple(tuple(next(members) for _ in range(n)) for n in lengths)
+        B = int(next(it))
+        owners = [int(v) for v in take(B * S)]
+        blocks = tuple(tuple(owners[b * S:(b + 1) * S]) for b in range(B))
+        block_shares, site_shares = tuple(take(B)), tuple(take(S))
+        site = site_planner.SitePlan(groups, blocks, block_shares, site_shares, min_bytes=int(next(it)),
+                                     segment_bytes=int(next(it)))
+    return planner.Plan(order, shares, None, min_bytes=min_bytes, segment_bytes=segment_bytes, sites=site,
+                        topology=topology)
+
+
+def install_plan(backend, plan: planner.Plan) -> None:
+    """Sets ``plan`` (the ring and, if any, the site plan) on this rank's backend."""
+    backend.set_plan(list(plan.order), list(plan.shares), int(plan.min_bytes), int(plan.segment_bytes))
+    sp = plan.sites
+    if sp is not None:
+        backend.set_site_plan([list(s) for s in sp.sites], [list(b) for b in sp.blocks], list(sp.block_shares),
+                              list(sp.site_shares), int(sp.min_bytes), int(sp.segment_bytes))
+
+
+def group_topology(backend, model: planner.LinkModel) -> sites.Topology:
+    """Sites (HETCOMM_SITES, else detected from the model's rates) and hosts (listening addresses).
+    A collective: every rank of the group calls it.
+
+    A group whose ranks all listen on one address is a one-box setup whose links were declared
+    (configure_group does not probe it): its declaration describes the cluster being modelled, so
+    the address does not tie its ranks into one site."""
+    hosts = _hosts(backend)
+    if len(set(hosts)) == 1:
+        hosts = None
+    return sites.topology_from(rates=model.bw, declared=os.environ.get("HETCOMM_SITES"), addresses=hosts)
 
 
 def apply_model(backend, model: planner.LinkModel, min_gain: float = DECLARED_MIN_GAIN,
                 measured: bool = False) -> planner.Plan:
     """Chooses (rank 0), agrees on and installs the plan for `model`; returns it."""
-    size = backend.size()
-    plan = None
+    topology = group_topology(backend, model)
+    values = None
     if backend.rank() == 0:
-        plan = choose_plan(snap_measured(model) if measured else model, min_gain)
-    plan = _broadcast_plan(backend, plan, size)
-    backend.set_plan(list(plan.order), list(plan.shares), plan.min_bytes, plan.segment_bytes)
+        planning = snap_measured(model).with_rank_uplinks() if measured else model
+        values = _encode_plan(choose_plan(planning, min_gain, topology.sites))
+    plan = _decode_plan(_broadcast_floats(backend, values), backend.size(), topology)
+    install_plan(backend, plan)
     _models[backend.listen_address()] = model
+    _topologies[backend.listen_address()] = topology
+    _log_plan(f"hetcomm topology: {topology.describe()}")
     _log_plan(planner.format_plan(plan, model))
     return plan
 

@@ -1,0 +1,198 @@
+"""The site-aware (hierarchical) AllReduce of csrc/algorithms/hierarchical.h.
+
+Correctness: every dtype and op, sizes from empty to 16 MiB, on site plans with equal sites,
+unequal sites (3 + 1, 2 + 1 + 1), three sites, blocks with zero shares and a site that reduces
+nothing; results must equal the exact expected values and be bit-identical on every rank.
+Traffic: the per-peer byte counters (hetcomm.stats) equal what the cost model of
+hetcomm.site_planner says each link carries, computed here from the plan by hand.
+Errors: ranks holding different site plans fail with a clear error, and a bad plan is refused.
+
+HETCOMM_SMALL_ALLREDUCE_BYTES=0 so that even one-element allreduces take the site plan (the engine
+otherwise sends messages up to 32 KiB through recursive doubling, which ignores plans).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from harness import (Cases, assert_close_avg, assert_same, expected_reduce, inputs_for, ops_for,
+                     reduce_op_names, run_ranks, run_suite)
+
+pytestmark = pytest.mark.usefixtures("backend_importable")
+
+R = dist.ReduceOp
+DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.uint8,
+          torch.int32, torch.int64, torch.bool]
+LARGE = 4 * 1024 * 1024 + 3     # 16 MiB of float32 and then some
+ENV = {"HETCOMM_SMALL_ALLREDUCE_BYTES": "0", "HETCOMM_PROBE": "0"}
+HEADER_BYTES = 40               # one collective header per message a link carries (hetcomm.stats)
+
+# (world size, sites, blocks, block shares, site shares): the engine's set_site_plan arguments.
+PLANS = {
+    "two_sites_interleaved": (4, [[0, 2], [1, 3]], [[0, 1], [0, 3], [2, 1], [2, 3]], [1, 1, 1, 1], [1, 1]),
+    "three_plus_one": (4, [[0, 1, 2], [3]], [[0, 3], [1, 3], [2, 3]], [0.2, 0.3, 0.5], [0.5, 0.5]),
+    "two_one_one": (4, [[0, 1], [2], [3]], [[0, 2, 3], [1, 2, 3]], [0.6, 0.4], [0.2, 0.3, 0.5]),
+    "zero_shares": (4, [[1, 0], [3, 2]], [[0, 2], [1, 3], [0, 3], [1, 2]], [0.5, 0.0, 0.5, 0.0], [1.0, 0.0]),
+    "three_sites": (3, [[0], [1], [2]], [[0, 1, 2]], [1.0], [0.25, 0.25, 0.5]),
+    "one_site": (3, [[2, 0, 1]], [[0], [1], [2]], [0.0, 1.0, 2.0], [1.0]),
+}
+
+
+def _sizes(ws: int) -> list[int]:
+    return [0, 1, ws - 1, 5 * ws + 1, 1031, 100_003]
+
+
+def hierarchical_suite(rank: int, ws: int, plan: tuple) -> None:
+    _, sites, blocks, block_shares, site_shares = plan
+    import hetcomm
+    hetcomm.backend_of().set_site_plan(sites, blocks, block_shares, site_shares, 0, 0)
+    cases = Cases(rank)
+    for dtype in DTYPES:
+        for op in ops_for(dtype):
+            for n in _sizes(ws) + ([LARGE] if dtype == torch.float32 and op == R.SUM else []):
+                with cases.case("all_reduce", f"{reduce_op_names().get(op, op)} {dtype} n={n}"):
+                    inputs = [inputs_for(op, n, dtype, r) for r in range(ws)]
+                    t = inputs[rank].clone()
+                    dist.all_reduce(t, op=op)
+                    if op == R.AVG:
+                        assert_close_avg(t, expected_reduce(inputs, R.SUM), ws)
+                    else:
+                        assert_same(t, expected_reduce(inputs, op))
+    with cases.case("identical", "float32 sums are the same bits on every rank"):
+        t = torch.randn(300_001, generator=torch.Generator().manual_seed(rank))
+        dist.all_reduce(t)
+        gathered = [torch.empty_like(t) for _ in range(ws)]
+        dist.all_gather(gathered, t)
+        for r, g in enumerate(gathered):
+            assert torch.equal(g, t), f"rank {r}'s result differs from rank {rank}'s"
+    with cases.case("coalesced", "all_reduce_coalesced and reduce take the site plan too"):
+        a, b = torch.full((1000,), float(rank)), torch.full((77,), 2.0 * rank)
+        dist.all_reduce_coalesced([a, b])
+        total = float(sum(range(ws)))
+        assert torch.equal(a, torch.full((1000,), total)) and torch.equal(b, torch.full((77,), 2 * total))
+        c = torch.full((5000,), float(rank + 1))
+        dist.reduce(c, dst=ws - 1)
+        if rank == ws - 1:
+            assert torch.equal(c, torch.full((5000,), float(sum(range(1, ws + 1)))))
+
+
+@pytest.mark.parametrize("name", sorted(PLANS))
+def test_hierarchical_allreduce(name: str) -> None:
+    plan = PLANS[name]
+    report = run_suite(plan[0], hierarchical_suite, plan, families=["all_reduce", "identical", "coalesced"],
+                       env=ENV, timeout=240)
+    for family in ("all_reduce", "identical", "coalesced"):
+        report.assert_family(family)
+
+
+# ----------------------------------------------------------------------------------------------
+# Traffic: bytes per link as the model says
+# ----------------------------------------------------------------------------------------------
+
+def _traffic(rank: int, ws: int, plan: tuple, numel: int):
+    _, sites, blocks, block_shares, site_shares = plan
+    import hetcomm
+    hetcomm.backend_of().set_site_plan(sites, blocks, block_shares, site_shares, 0, 0)
+    before = hetcomm.stats()["bytes_sent"]
+    t = torch.ones(numel)
+    dist.all_reduce(t)
+    after = hetcomm.stats()["bytes_sent"]
+    assert torch.equal(t, torch.full((numel,), float(ws)))
+    return [after[p] - before[p] for p in range(ws)]
+
+
+def _expected_bytes(plan: tuple, numel: int, es: int = 4) -> dict[tuple[int, int], int]:
+    """Payload bytes per directed link, from the layout of hierarchical.h, computed independently."""
+    from hetcomm.planner import shares_to_counts
+    ws, sites, blocks, block_shares, site_shares = plan
+    S = len(sites)
+    block_counts = shares_to_counts(numel, block_shares)
+    piece = [shares_to_counts(c, site_shares) for c in block_counts]
+    chunk = {r: 0 for r in range(ws)}            # elements each rank owns in its site ring
+    for owners, c in zip(blocks, block_counts):
+        for r in owners:
+            chunk[r] += c
+    out: dict[tuple[int, int], int] = {}
+    for site in sites:
+        m = len(site)
+        for p in range(m if m > 1 else 0):
+            a, b = site[p], site[(p + 1) % m]
+            # reduce-scatter: every chunk but a's; all-gather: every chunk but b's
+            out[(a, b)] = out.get((a, b), 0) + (2 * numel - chunk[a] - chunk[b]) * es
+    for owners, counts in zip(blocks, piece):
+        for s in range(S):
+            for t in range(S):
+                if s != t:
+                    # s's owner sends t's piece (reduce-scatter) and its own piece (all-gather)
+                    key = (owners[s], owners[t])
+                    out[key] = out.get(key, 0) + (counts[t] + counts[s]) * es
+    return out
+
+
+@pytest.mark.parametrize("name", ["two_sites_interleaved", "three_plus_one", "two_one_one", "zero_shares"])
+def test_link_bytes_match_the_model(name: str) -> None:
+    plan = PLANS[name]
+    numel = 1_000_003
+    results = run_ranks(plan[0], _traffic, plan, numel, env=ENV)
+    expected = _expected_bytes(plan, numel)
+    for rank, sent in enumerate(results):
+        for peer in range(plan[0]):
+            want = expected.get((rank, peer), 0)
+            # plus one header (HEADER_BYTES) on each link that carries anything
+            want += HEADER_BYTES if want else 0
+            assert sent[peer] == want, f"rank {rank} -> {peer}: sent {sent[peer]} bytes, the model says {want}"
+
+
+def test_site_traffic_is_n_per_direction_for_two_sites() -> None:
+    """Two sites: each site sends exactly N bytes of payload across (design.md §8)."""
+    plan = PLANS["two_sites_interleaved"]
+    numel = 1_000_003
+    expected = _expected_bytes(plan, numel)
+    sites = plan[1]
+    out_of_site0 = sum(v for (a, b), v in expected.items() if a in sites[0] and b not in sites[0])
+    assert out_of_site0 == numel * 4
+
+
+# ----------------------------------------------------------------------------------------------
+# Errors
+# ----------------------------------------------------------------------------------------------
+
+def _mismatched(rank: int, ws: int) -> str:
+    import hetcomm
+    shares = [1, 1, 1, 1] if rank != 1 else [1, 2, 1, 1]
+    hetcomm.backend_of().set_site_plan([[0, 2], [1, 3]], [[0, 1], [0, 3], [2, 1], [2, 3]], shares, [1, 1], 0, 0)
+    t = torch.ones(100_000)
+    try:
+        dist.all_reduce(t)
+    except Exception as e:  # noqa: BLE001
+        return str(e)
+    return "no error"
+
+
+def test_ranks_with_different_site_plans_fail_clearly() -> None:
+    messages = run_ranks(4, _mismatched, env=ENV, pg_timeout=20)
+    assert any("disagree" in m for m in messages), messages
+    assert all(m != "no error" for m in messages[:2]), messages
+
+
+def _bad_plans(rank: int, ws: int) -> list[str]:
+    import hetcomm
+    b = hetcomm.backend_of()
+    errors = []
+    for args in [([[0], [0]], [[0, 0]], [1], [1, 1]),            # rank 0 in two sites, rank 1 in none
+                 ([[0], [1]], [[1, 0]], [1], [1, 1]),            # owners not in their sites
+                 ([[0], [1]], [[0, 1]], [-1], [1, 1]),           # negative share
+                 ([[0], [1]], [[0, 1]], [1], [1]),               # a site share missing
+                 ([[0], [1]], [[0, 1]], [0.0], [1, 1])]:         # all block shares zero
+        try:
+            b.set_site_plan(*args, 0, 0)
+            errors.append("accepted")
+        except ValueError as e:
+            errors.append(str(e))
+    return errors
+
+
+def test_bad_site_plans_are_refused() -> None:
+    for errors in run_ranks(2, _bad_plans, env=ENV):
+        assert all(e != "accepted" and "site" in e for e in errors), errors

@@ -11,7 +11,8 @@ failure rules.
 Command line::
 
     python -m hetcomm.sim --nic-mbit 800,800,800,100 [--cpu-quota 1,1,0.5,0.25] -- CMD ARGS...
-    python -m hetcomm.sim --sites 0,0,1,1 --intra-mbit 1000 --inter-mbit 100 -- CMD ...
+    python -m hetcomm.sim --sites 0,0,1,1 --intra-mbit 1000 --inter-mbit 100 -- CMD ...   # per pair
+    python -m hetcomm.sim --sites 0,0,1,1 --intra-mbit 1000 --wan-mbit 100 -- CMD ...     # shared uplinks
     python -m hetcomm.sim --link-mbit "0,800,100;800,0,100;100,100,0" -- CMD ...
 
 Python::
@@ -26,7 +27,7 @@ Pure parts (:mod:`hetcomm.sim.spec`, :mod:`hetcomm.sim.shaping`) import without 
 building a cluster needs root, ``ip`` and ``tc``.
 """
 from hetcomm.sim.spec import (MBIT, TCP_GOODPUT_FRACTION, SimError, SimSpec, effective_bandwidth,
-                              effective_link_mbit, mbit_to_bytes_per_s, parse_matrix,
+                              effective_link_mbit, effective_uplinks, mbit_to_bytes_per_s, parse_matrix,
                               parse_rate_list, ring_allreduce_seconds)
 from hetcomm.sim.launcher import RankProcess, RunResult, SimInterrupted
 from hetcomm.sim.cluster import SimCluster, cleanup_stale
@@ -34,7 +35,8 @@ from hetcomm.sim.netns import check_prerequisites
 
 __all__ = [
     "SimSpec", "SimCluster", "SimError", "SimInterrupted", "RankProcess", "RunResult",
-    "effective_bandwidth", "effective_link_mbit", "ring_allreduce_seconds", "mbit_to_bytes_per_s",
+    "effective_bandwidth", "effective_link_mbit", "effective_uplinks", "ring_allreduce_seconds",
+    "mbit_to_bytes_per_s",
     "parse_matrix", "parse_rate_list", "check_prerequisites", "cleanup_stale",
     "TCP_GOODPUT_FRACTION", "MBIT",
 ]

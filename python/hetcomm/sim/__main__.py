@@ -23,7 +23,14 @@ what is shaped where:
                     per directed link, at the sender: the same HTB classes (u32 on the
                     destination address), each with ceil = min(link, NIC); the receiver's NIC
                     tbf still applies on its ingress.
-  A single flow i->j gets min(NIC_i, link_ij, NIC_j); TCP payload ~95.6% of that.
+  --wan-mbit R      the other site model: each site (--sites) reaches the other sites through
+                    one shared WAN uplink, R Mbit/s out and R in; all of its cross-site flows
+                    share it. A bridge per site in the hub namespace, joined to a core bridge by
+                    a veth pair shaped (HTB) on both ends. Combines with --intra-mbit (within a
+                    site) and --inter-mbit (each cross-site pair, on top); --inter-mbit alone
+                    gives every cross-site pair its own link instead.
+  A single flow i->j gets min(NIC_i, link_ij, NIC_j, and R between sites); TCP payload ~95.6%
+  of that.
   --tcp-cc NAME     every namespace's TCP congestion control. Unless given: cubic, mainline
                     Linux's default, so results do not depend on the host's own setting; where
                     the kernel lets namespaces select only tcp_allowed_congestion_control and
@@ -33,6 +40,7 @@ environment of each rank:
   RANK WORLD_SIZE LOCAL_RANK(=RANK) LOCAL_WORLD_SIZE(=WORLD_SIZE) MASTER_ADDR(rank 0) MASTER_PORT
   HETCOMM_SIM=1 HETCOMM_SIM_NIC_MBIT HETCOMM_SIM_LINK_MBIT HETCOMM_SIM_EFFECTIVE_MBIT
   HETCOMM_SIM_BW_BYTES HETCOMM_SIM_CPU_QUOTA HETCOMM_SIM_LATENCY_MS HETCOMM_SIM_SITES
+  HETCOMM_SIM_WAN_MBIT
   HETCOMM_SIM_ADDRS HETCOMM_SIM_HUB_ADDR HETCOMM_SIM_IFNAME(eth0) HETCOMM_SIM_SPEC(json)
   HETCOMM_SIM_ID; unless already set: PYTHONUNBUFFERED=1, GLOO_SOCKET_IFNAME=eth0 and, with
   --cpu-quota, OMP_NUM_THREADS=ceil(quota).
@@ -59,7 +67,11 @@ def build_parser() -> argparse.ArgumentParser:
                    "separated by ';' (row = sender), e.g. '0,800,100;800,0,100;100,100,0', or a file")
     g.add_argument("--sites", metavar="LIST", help="site of each rank, e.g. 0,0,1,1")
     g.add_argument("--intra-mbit", metavar="R", help="rate between ranks of the same site")
-    g.add_argument("--inter-mbit", metavar="R", help="rate between ranks of different sites")
+    g.add_argument("--inter-mbit", metavar="R", help="rate between ranks of different sites, each "
+                   "pair on its own link")
+    g.add_argument("--wan-mbit", metavar="R", help="one shared WAN uplink per site, R Mbit/s in each "
+                   "direction, that all of the site's cross-site traffic crosses (needs --sites "
+                   "with at least two sites)")
     g.add_argument("--cpu-quota", metavar="LIST", help="per-rank CPU quota in cores, e.g. 1,1,0.5,0.25 "
                    "(cgroup cpu controller); must sum to at most the number of cores")
     g.add_argument("--allow-oversubscribe", action="store_true",
@@ -112,12 +124,14 @@ def spec_from_args(args: argparse.Namespace) -> SimSpec:
 
     nic = bcast(parse_rate_list(args.nic_mbit, "--nic-mbit")) if args.nic_mbit else None
     quota = bcast(parse_float_list(args.cpu_quota, "--cpu-quota")) if args.cpu_quota else None
+    wan = getattr(args, "wan_mbit", None)  # hetcomm.bench's namespace may not carry it
     return SimSpec(
         nic_mbit=nic,
         link_mbit=parse_matrix(args.link_mbit) if args.link_mbit else None,
         sites=_labels(args.sites) if args.sites else None,
         intra_mbit=_parse_rate(args.intra_mbit, "--intra-mbit") if args.intra_mbit else None,
         inter_mbit=_parse_rate(args.inter_mbit, "--inter-mbit") if args.inter_mbit else None,
+        wan_mbit=_parse_rate(wan, "--wan-mbit") if wan else None,
         cpu_quota=quota,
         latency_ms=args.latency_ms,
         nprocs=n,

@@ -30,7 +30,7 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Callable, Mapping, Optional, Sequence, Union
+from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
 from hetcomm.sim import netns as _netns
 from hetcomm.sim import shaping
@@ -70,7 +70,9 @@ class SimCluster:
 
     Attributes after :meth:`setup`: ``run_id``, ``subnet``, ``addresses`` (rank k's IPv4),
     ``hub_address`` (the bridge in the hub namespace), ``namespaces`` (per rank),
-    ``hub_namespace``, ``master_addr``/``master_port``.
+    ``hub_namespace``, ``master_addr``/``master_port``; with shared uplinks (``spec.wan_mbit``)
+    also ``site_bridges``, ``uplink_out_ports`` and ``uplink_in_ports`` (per site, in the order
+    of ``spec.site_groups()``; :mod:`hetcomm.sim.netns` has the layout).
     """
 
     def __init__(self, spec: SimSpec, *, run_id: Optional[str] = None,
@@ -114,6 +116,10 @@ class SimCluster:
         self.namespaces = [f"{PREFIX}-{run_id}-r{k}" for k in range(self.world_size)]
         self.bridge = f"hc{run_id}br"
         self.hub_ports = [f"hc{run_id}p{k}" for k in range(self.world_size)]
+        sites = range(len(self.spec.site_groups())) if self.spec.wan_mbit is not None else range(0)
+        self.site_bridges = [f"hc{run_id}s{n}" for n in sites]
+        self.uplink_out_ports = [f"hc{run_id}o{n}" for n in sites]
+        self.uplink_in_ports = [f"hc{run_id}i{n}" for n in sites]
         v = int(run_id, 36) if run_id else 0
         a, b = 16 + (v >> 8) % 224, v % 256  # 10.16.0.0 - 10.239.255.0: any /24, it is private
         self.subnet = f"10.{a}.{b}.0/24"
@@ -218,18 +224,34 @@ class SimCluster:
             run(["ip", "netns", "add", name], what="creating a network namespace")
             run(["ip", "-n", name, "link", "set", "lo", "up"])
 
+        def add_bridge(name: str, what: str) -> None:
+            run(["ip", "-n", hub, "link", "add", name, "type", "bridge", "forward_delay", "0",
+                 "stp_state", "0"], what=f"creating {what}")
+            run(["ip", "-n", hub, "link", "set", name, "up"])
+
         add_ns(hub)
-        run(["ip", "-n", hub, "link", "add", self.bridge, "type", "bridge", "forward_delay", "0",
-             "stp_state", "0"], what="creating the hub bridge")
+        add_bridge(self.bridge, "the hub bridge")
         run(["ip", "-n", hub, "addr", "add", f"{self.hub_address}/24", "dev", self.bridge])
-        run(["ip", "-n", hub, "link", "set", self.bridge, "up"])
+        # Shared uplinks: a bridge per site, joined to the hub (core) bridge by a veth pair
+        # whose two ends stay in the hub; all of the site's cross-site frames cross that pair.
+        rank_bridge = [self.bridge] * self.world_size
+        for n, (label, ranks, out_port, in_port) in enumerate(self._uplinks()):
+            add_bridge(self.site_bridges[n], f"site {label}'s bridge")
+            run(["ip", "-n", hub, "link", "add", out_port, "type", "veth", "peer", "name", in_port],
+                what=f"creating site {label}'s uplink")
+            run(["ip", "-n", hub, "link", "set", out_port, "master", self.site_bridges[n]])
+            run(["ip", "-n", hub, "link", "set", in_port, "master", self.bridge])
+            for port in (out_port, in_port):
+                run(["ip", "-n", hub, "link", "set", port, "up"])
+            for k in ranks:
+                rank_bridge[k] = self.site_bridges[n]
         for k in range(self.world_size):
             ns = self.namespaces[k]
             add_ns(ns)
             port = self.hub_ports[k]
             run(["ip", "-n", hub, "link", "add", port, "type", "veth", "peer", "name", RANK_IFNAME,
                  "netns", ns], what=f"creating rank {k}'s veth pair")
-            run(["ip", "-n", hub, "link", "set", port, "master", self.bridge])
+            run(["ip", "-n", hub, "link", "set", port, "master", rank_bridge[k]])
             run(["ip", "-n", hub, "link", "set", port, "up"])
             run(["ip", "-n", ns, "addr", "add", f"{self.addresses[k]}/24", "dev", RANK_IFNAME])
             run(["ip", "-n", ns, "link", "set", RANK_IFNAME, "up"])
@@ -239,6 +261,10 @@ class SimCluster:
                 self._tc(self.namespaces[k], args, f"shaping rank {k}'s egress")
             for args in shaping.ingress_plan(self.spec, k, self.hub_ports[k]):
                 self._tc(hub, args, f"shaping rank {k}'s ingress")
+        for n, (label, _, out_port, in_port) in enumerate(self._uplinks()):
+            for direction, dev in (("out", out_port), ("in", in_port)):
+                for args in shaping.uplink_plan(self.spec, n, direction, dev, self.addresses):
+                    self._tc(hub, args, f"shaping site {label}'s uplink ({direction})")
 
     def _set_tcp_congestion_control(self) -> None:
         """Resolves spec.tcp_cc (auto, host or a name) to the algorithm in use, sets it in every
@@ -344,7 +370,8 @@ class SimCluster:
                 problems += [f"cgroup {d}" for d in self._cgroups.teardown()]
             except Exception as e:  # noqa: BLE001
                 problems.append(f"cgroups: {e}")
-        # rank namespaces first (their eth0 dies with them, and with it the hub-side peer)
+        # rank namespaces first (their eth0 dies with them, and with it the hub-side peer); the
+        # hub's own bridges and uplink veth pairs (both ends in the hub) die with the hub
         for name in [n for n in names if n != getattr(self, "hub_namespace", None)] + \
                     [n for n in names if n == getattr(self, "hub_namespace", None)]:
             try:
@@ -372,10 +399,12 @@ class SimCluster:
         Matrices are rows joined by ``;`` (row = sender). ``HETCOMM_SIM_NIC_MBIT``: per-rank NIC
         Mbit/s (``inf`` = unshaped); ``HETCOMM_SIM_LINK_MBIT``: the configured per-link matrix
         (from ``--sites`` or ``--link-mbit``; empty without; diagonal 0);
-        ``HETCOMM_SIM_EFFECTIVE_MBIT``: min(NIC_i, link_ij, NIC_j) (diagonal 0);
+        ``HETCOMM_SIM_EFFECTIVE_MBIT``: min(NIC_i, link_ij, NIC_j), and the uplink rate between
+        sites with shared uplinks (what one flow alone gets; diagonal 0);
         ``HETCOMM_SIM_BW_BYTES``: the same in bytes/s as :func:`effective_bandwidth` gives it
-        (diagonal ``inf``); ``HETCOMM_SIM_SPEC``: the whole :class:`SimSpec` as JSON
-        (``SimSpec.from_env()``).
+        (diagonal ``inf``); ``HETCOMM_SIM_WAN_MBIT``: the rate of every site's shared uplink
+        in each direction (empty without); ``HETCOMM_SIM_SPEC``: the whole :class:`SimSpec` as
+        JSON (``SimSpec.from_env()``).
         """
         self._require_up()
         p = self.world_size
@@ -393,6 +422,7 @@ class SimCluster:
             "HETCOMM_SIM_NIC_MBIT": ",".join(format_rate(spec.nic(k)) for k in range(p)),
             "HETCOMM_SIM_LINK_MBIT": format_matrix(links) if links is not None else "",
             "HETCOMM_SIM_SITES": ",".join(map(str, spec.sites)) if spec.sites is not None else "",
+            "HETCOMM_SIM_WAN_MBIT": format_rate(spec.wan_mbit) if spec.wan_mbit is not None else "",
             "HETCOMM_SIM_EFFECTIVE_MBIT": format_matrix(effective_link_mbit(spec)),
             "HETCOMM_SIM_BW_BYTES": ";".join(",".join("inf" if v == float("inf") else f"{v:.0f}"
                                                       for v in row) for row in bw),
@@ -514,7 +544,47 @@ class SimCluster:
             if p.stdout.strip():
                 parts.append(f"## rank {k} ingress ({self.hub_namespace} {self.hub_ports[k]})\n"
                              f"{p.stdout.rstrip()}")
+        for label, _, out_port, in_port in self._uplinks():
+            for direction, dev in (("out", out_port), ("in", in_port)):
+                p = self._run(["tc", "-n", self.hub_namespace, "-s", "class", "show", "dev", dev],
+                              check=False)
+                parts.append(f"## site {label} uplink {direction} ({self.hub_namespace} {dev})\n"
+                             f"{p.stdout.rstrip()}")
         return "\n".join(parts)
+
+    def uplink_bytes(self) -> dict[Any, dict[str, int]]:
+        """Bytes each site's shared uplink has sent so far: ``{site label: {"out": n, "in": n}}``.
+
+        ``out``: everything the site sent to other sites, ``in``: everything other sites sent to
+        it; read from the uplink qdiscs (``tc -s -j qdisc show``, the root HTB's ``bytes``).
+        These are frames as the kernel queues them: TCP payload plus TCP/IP/Ethernet headers
+        (about 1514 bytes per 1448 of payload, ``TCP_GOODPUT_FRACTION``), ACKs and ARP. Sites
+        in the order of ``spec.site_groups()``; ``{}`` without shared uplinks.
+        """
+        self._require_up()
+        assert self._run is not None
+        out: dict[Any, dict[str, int]] = {}
+        for label, _, out_port, in_port in self._uplinks():
+            out[label] = {"out": self._root_qdisc_bytes(out_port), "in": self._root_qdisc_bytes(in_port)}
+        return out
+
+    def _uplinks(self) -> list[tuple[Any, tuple[int, ...], str, str]]:
+        """``[(site label, its ranks, out device, in device), ...]``; [] without shared uplinks."""
+        if not self.site_bridges:
+            return []
+        return [(label, ranks, self.uplink_out_ports[n], self.uplink_in_ports[n])
+                for n, (label, ranks) in enumerate(self.spec.site_groups())]
+
+    def _root_qdisc_bytes(self, dev: str) -> int:
+        assert self._run is not None
+        argv = ["tc", "-n", self.hub_namespace, "-s", "-j", "qdisc", "show", "dev", dev]
+        proc = self._run(argv, what=f"reading the counters of {dev}")
+        try:
+            qdiscs = json.loads(proc.stdout)
+            return next(int(q["bytes"]) for q in qdiscs if q.get("root"))
+        except (ValueError, KeyError, TypeError, StopIteration):
+            raise SimError(f"`tc {' '.join(argv[1:])}` printed no root qdisc with a byte count: "
+                           f"{proc.stdout.strip()[:200]!r}") from None
 
     def describe(self) -> str:
         self._require_up()
@@ -524,6 +594,10 @@ class SimCluster:
         if self.spec.shaped:
             eff = effective_link_mbit(self.spec)
             lines.append("effective link Mbit/s (row sends to column): " + format_matrix(eff))
+        if self.site_bridges:
+            lines.append(f"shared uplinks, {format_rate(self.spec.wan_mbit)} Mbit/s each way: " + "; ".join(
+                f"site {label} (ranks {','.join(map(str, ranks))}) out {out_port} in {in_port}"
+                for label, ranks, out_port, in_port in self._uplinks()))
         return "\n".join(lines)
 
     def _require_up(self) -> None:

@@ -7,6 +7,13 @@ Names (``<id>`` = 6 hex digits chosen per run, so that concurrent runs never col
   the hub-side veth ends ``hc<id>p<k>``, one per rank, enslaved to the bridge.
 * ``hcsim-<id>-r<k>``: rank k's namespace; holds ``lo`` (up) and ``eth0`` (address ``.k+1``).
 
+With shared WAN uplinks (``wan_mbit``) the hub holds one bridge per site, ``hc<id>s<n>`` (n = the
+site's index in ``SimSpec.site_groups()``), whose ports are the site's ranks' ``hc<id>p<k>``;
+``hc<id>br`` (still the hub address's) becomes the core bridge, and each site bridge joins it
+through a veth pair with both ends in the hub: ``hc<id>o<n>`` on the site bridge (its egress is
+the site's traffic out) and ``hc<id>i<n>`` on the core bridge (its egress is the traffic into
+the site). One L2 subnet throughout, so nothing is routed; the names fit IFNAMSIZ (15).
+
 The veth pairs are created inside the hub with their peer created directly in the rank's
 namespace, so no interface ever exists in the root namespace, and the root namespace's
 interfaces, routes and addresses are never touched.

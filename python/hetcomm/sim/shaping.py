@@ -22,6 +22,14 @@ Egress, ``eth0`` in rank i's namespace (with a NIC rate, per-link rates, or both
 
 Ingress, ``hc<id>p<j>`` in the hub: ``tbf rate NIC_j`` -> all flows into j at most NIC_j.
 
+Shared WAN uplinks (``--wan-mbit``; :mod:`hetcomm.sim.netns` has the layout): a packet between
+sites also leaves its site's bridge through the site-side end of the site's uplink veth,
+``hc<id>o<s>`` (egress: the site's *out* direction), and enters the destination site from the
+core bridge through the core-side end ``hc<id>i<t>`` (egress: site t's *in* direction). Each end
+gets the HTB of a NIC at ``wan_mbit`` (a leaf per destination rank under a parent at the uplink
+rate, :func:`uplink_plan`), so all of a site's cross-site flows share one rate per direction.
+Per-pair rates (``--inter-mbit``) still apply at the sender's ``eth0``, on top.
+
 Why a queue per destination even for a NIC-only cluster: a host's NIC queue is not one FIFO
 (Linux's default qdisc, fq_codel, keeps a queue per flow). With one FIFO, a rank that sends and
 receives at full rate at once -- the slow rank of a weighted ring does exactly that -- has the
@@ -106,6 +114,16 @@ def leaf_classid(dest: int) -> str:
     return f"1:{10 + dest:x}"
 
 
+def destination_leaf(dev: str, parent: str, dest: int, addr: str, rate_mbit: float,
+                     ceil_mbit: float) -> list[Cmd]:
+    """The HTB leaf ``1:<10+dest>`` under ``parent`` and the u32 filter sending ``addr`` to it."""
+    cid = leaf_classid(dest)
+    return [["class", "add", "dev", dev, "parent", parent, "classid", cid]
+            + htb_class_args(rate_mbit, ceil_mbit),
+            ["filter", "add", "dev", dev, "parent", "1:", "protocol", "ip", "prio", "1",
+             "u32", "match", "ip", "dst", f"{addr}/32", "flowid", cid]]
+
+
 def egress_plan(spec: SimSpec, rank: int, dev: str, addrs: Sequence[str]) -> list[Cmd]:
     """``tc`` argument lists (without ``tc -n NS``) for rank ``rank``'s egress on ``dev``."""
     nic = spec.nic(rank)
@@ -135,11 +153,8 @@ def egress_plan(spec: SimSpec, rank: int, dev: str, addrs: Sequence[str]) -> lis
             continue  # unshaped: HTB without a default class sends unclassified packets directly
         ceil = link if nic is None else (nic if link is None else min(link, nic))
         rate = ceil if nic is None else min(ceil, nic / p)
-        cid = leaf_classid(j)
-        cmds.append(["class", "add", "dev", dev, "parent", top, "classid", cid] + htb_class_args(rate, ceil))
-        cmds.append(["filter", "add", "dev", dev, "parent", "1:", "protocol", "ip", "prio", "1",
-                     "u32", "match", "ip", "dst", f"{addrs[j]}/32", "flowid", cid])
-        leaves.append((cid, j))
+        cmds += destination_leaf(dev, top, j, addrs[j], rate, ceil)
+        leaves.append((leaf_classid(j), j))
     if lat:
         for cid, _ in leaves:
             minor = int(cid.split(":")[1], 16)
@@ -154,3 +169,31 @@ def ingress_plan(spec: SimSpec, rank: int, hub_dev: str) -> list[Cmd]:
     if nic is None:
         return []
     return [["qdisc", "add", "dev", hub_dev, "root", "handle", "1:"] + tbf_args(nic)]
+
+
+def uplink_plan(spec: SimSpec, site: int, direction: str, dev: str, addrs: Sequence[str]) -> list[Cmd]:
+    """``tc`` argument lists shaping one direction of site ``site``'s shared WAN uplink on ``dev``.
+
+    ``site`` indexes :meth:`SimSpec.site_groups`; ``direction`` is ``"out"`` (``dev`` is the
+    site-side end of the uplink veth: everything the site sends to other sites) or ``"in"``
+    (the core-side end: everything other sites send to it). The same HTB as a NIC: a parent at
+    ``wan_mbit``, a leaf per destination rank (out: every rank of the other sites; in: the site's
+    own ranks) and a default leaf, so that the ACKs a site returns for what it receives do not
+    queue behind what it sends (see the module docstring).
+    """
+    wan = spec.wan_mbit
+    if wan is None:
+        return []
+    if direction not in ("out", "in"):
+        raise ValueError(f"uplink direction must be 'out' or 'in', got {direction!r}")
+    inside = set(spec.site_groups()[site][1])
+    dests = [j for j in range(spec.world_size) if (j in inside) == (direction == "in")]
+    guarantee = wan / (len(dests) + 1)
+    cmds: list[Cmd] = [
+        ["qdisc", "add", "dev", dev, "root", "handle", "1:", "htb", "default", "2"],
+        ["class", "add", "dev", dev, "parent", "1:", "classid", "1:1"] + htb_class_args(wan, wan),
+        ["class", "add", "dev", dev, "parent", "1:1", "classid", "1:2"] + htb_class_args(guarantee, wan),
+    ]
+    for j in dests:
+        cmds += destination_leaf(dev, "1:1", j, addrs[j], guarantee, wan)
+    return cmds

@@ -20,7 +20,7 @@ import json
 import math
 import os
 import re
-from typing import Mapping, Optional, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 #: payload bytes per shaped byte for a bulk TCP stream over the simulated (MTU 1500) links
 TCP_GOODPUT_FRACTION = 1448 / 1514
@@ -144,7 +144,13 @@ class SimSpec:
         diagonal ignored; None = only the NICs limit that link).
     sites, intra_mbit, inter_mbit: a shorthand for ``link_mbit``: ranks on the same site talk at
         ``intra_mbit``, across sites at ``inter_mbit`` (None = unshaped). Mutually exclusive with
-        an explicit ``link_mbit``.
+        an explicit ``link_mbit``. ``inter_mbit`` shapes every cross-site *pair* on its own (the
+        per-pair site model).
+    wan_mbit: the shared-uplink site model: each site reaches the other sites through one WAN
+        uplink of ``wan_mbit`` in each direction, which all of the site's cross-site flows share
+        (out of the site, and into it). Needs ``sites`` with at least two sites; combines with
+        ``intra_mbit`` (within a site) and ``inter_mbit`` (each cross-site pair, on top of the
+        uplinks). None: no shared uplink (every cross-site pair on its own links).
     cpu_quota: per-rank CPU quota in cores (1.0 = one core, 0.25 = a quarter); None = no cgroup.
     latency_ms: one-way delay added on each rank's egress (netem; the kernel must have it).
     nprocs: world size when no per-rank list gives it.
@@ -166,6 +172,7 @@ class SimSpec:
     sites: Optional[list[int]] = None
     intra_mbit: Optional[float] = None
     inter_mbit: Optional[float] = None
+    wan_mbit: Optional[float] = None
     cpu_quota: Optional[list[float]] = None
     latency_ms: float = 0.0
     nprocs: Optional[int] = None
@@ -211,8 +218,16 @@ class SimSpec:
             raise SimError("give either link_mbit (--link-mbit) or sites (--sites), not both")
         if self.sites is None and (self.intra_mbit is not None or self.inter_mbit is not None):
             raise SimError("intra_mbit/inter_mbit (--intra-mbit/--inter-mbit) need sites (--sites)")
-        if self.sites is not None and self.intra_mbit is None and self.inter_mbit is None:
-            raise SimError("sites (--sites) needs --intra-mbit and/or --inter-mbit")
+        if self.wan_mbit is not None:
+            if self.sites is None:
+                raise SimError("wan_mbit (--wan-mbit) gives each site a shared uplink: it needs sites "
+                               "(--sites), e.g. --sites 0,0,1,1")
+            if len(self.site_groups()) < 2:
+                raise SimError(f"wan_mbit (--wan-mbit) needs at least two sites: sites (--sites) "
+                               f"{','.join(map(str, self.sites))} is one site")
+        if (self.sites is not None and self.intra_mbit is None and self.inter_mbit is None
+                and self.wan_mbit is None):
+            raise SimError("sites (--sites) needs --intra-mbit, --inter-mbit and/or --wan-mbit")
         if self.link_mbit is not None:
             for i, row in enumerate(self.link_mbit):
                 if len(row) != p:
@@ -220,7 +235,7 @@ class SimSpec:
                 for j, v in enumerate(row):
                     if i != j and v is not None and not v > 0:
                         raise SimError(f"link_mbit[{i}][{j}] = {v}: must be positive (None = unshaped)")
-        for name in ("intra_mbit", "inter_mbit"):
+        for name in ("intra_mbit", "inter_mbit", "wan_mbit"):
             v = getattr(self, name)
             if v is not None and not v > 0:
                 raise SimError(f"{name} = {v}: must be positive (None = unshaped)")
@@ -243,10 +258,22 @@ class SimSpec:
     def nic(self, rank: int) -> Optional[float]:
         return None if self.nic_mbit is None else self.nic_mbit[rank]
 
+    def site_groups(self) -> list[tuple[Any, tuple[int, ...]]]:
+        """``[(site label, its ranks), ...]``, sites in order of first appearance; [] without sites.
+
+        A site's position in this list is its index in the names of its bridge and uplink
+        (:mod:`hetcomm.sim.netns`).
+        """
+        groups: dict[Any, list[int]] = {}
+        for rank, label in enumerate(self.sites or ()):
+            groups.setdefault(label, []).append(rank)
+        return [(label, tuple(ranks)) for label, ranks in groups.items()]
+
     def links(self) -> Optional[list[list[Optional[float]]]]:
         """The configured directed link matrix in Mbit/s (from link_mbit or sites), or None.
 
-        Diagonal entries are None. Without per-link shaping, None.
+        Diagonal entries are None. Without per-link shaping, None. The shared uplinks of
+        ``wan_mbit`` are not links of a pair: see :func:`effective_uplinks`.
         """
         p = self.world_size
         if self.link_mbit is not None:
@@ -265,7 +292,8 @@ class SimSpec:
 
     @property
     def shaped(self) -> bool:
-        return self.per_link or (self.nic_mbit is not None and any(v is not None for v in self.nic_mbit))
+        return (self.per_link or self.wan_mbit is not None
+                or (self.nic_mbit is not None and any(v is not None for v in self.nic_mbit)))
 
     # -- environment ------------------------------------------------------------------------
     def to_json(self) -> str:
@@ -291,6 +319,9 @@ class SimSpec:
         if self.sites is not None:
             parts.append(f"sites {','.join(map(str, self.sites))} intra {format_rate(self.intra_mbit)} "
                          f"inter {format_rate(self.inter_mbit)} Mbit/s")
+            if self.wan_mbit is not None:
+                parts.append(f"one shared WAN uplink per site, {format_rate(self.wan_mbit)} Mbit/s "
+                             "each way")
         elif self.link_mbit is not None:
             parts.append("links Mbit/s " + format_matrix(self.links() or []))
         if self.cpu_quota is not None:
@@ -309,9 +340,11 @@ class SimSpec:
 def effective_link_mbit(spec: SimSpec) -> list[list[Optional[float]]]:
     """Directed rate of a single flow i -> j in Mbit/s: min(NIC_i, NIC_j, link_ij); None = unshaped.
 
+    With shared uplinks (``wan_mbit``) a flow between sites is also at most ``wan_mbit``.
     This is what one TCP connection between i and j alone can get (times TCP_GOODPUT_FRACTION).
     Several concurrent flows also share NIC_i (all of i's outgoing flows) and NIC_j (all of j's
-    incoming flows). The diagonal is None.
+    incoming flows), and, between sites, the uplinks (:func:`effective_uplinks`). The diagonal
+    is None.
     """
     p = spec.world_size
     links = spec.links()
@@ -323,6 +356,8 @@ def effective_link_mbit(spec: SimSpec) -> list[list[Optional[float]]]:
                 row.append(None)
                 continue
             cands = [spec.nic(i), spec.nic(j), links[i][j] if links is not None else None]
+            if spec.wan_mbit is not None and spec.sites is not None and spec.sites[i] != spec.sites[j]:
+                cands.append(spec.wan_mbit)
             vals = [v for v in cands if v is not None]
             row.append(min(vals) if vals else None)
         out.append(row)
@@ -336,6 +371,21 @@ def effective_bandwidth(spec: SimSpec) -> list[list[float]]:
     on the diagonal. This is the wire rate; TCP payload gets about ``TCP_GOODPUT_FRACTION`` of it.
     """
     return [[mbit_to_bytes_per_s(v) for v in row] for row in effective_link_mbit(spec)]
+
+
+def effective_uplinks(spec: SimSpec) -> list[tuple[tuple[int, ...], float, float]]:
+    """The shared uplinks of ``spec`` in **bytes/s**: ``[(ranks of site s, out_bps, in_bps), ...]``.
+
+    All traffic from the ranks of a site to ranks of other sites shares ``out_bps``; all traffic
+    into them from other sites shares ``in_bps`` (``hetcomm.planner.LinkModel.uplinks``). Sites
+    in the order of :meth:`SimSpec.site_groups`; ``[]`` without ``wan_mbit``. Like
+    :func:`effective_bandwidth` these are shaped wire rates: TCP payload gets about
+    ``TCP_GOODPUT_FRACTION`` of them.
+    """
+    if spec.wan_mbit is None:
+        return []
+    rate = mbit_to_bytes_per_s(spec.wan_mbit)
+    return [(ranks, rate, rate) for _, ranks in spec.site_groups()]
 
 
 def ring_allreduce_seconds(bw: Sequence[Sequence[float]], nbytes: float,

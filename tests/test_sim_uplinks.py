@@ -133,10 +133,13 @@ def test_bound_of_two_sites_is_n_over_one_uplink():
 
 def test_bound_of_three_sites():
     """Three sites of one rank, 100 Mbit/s uplinks: a site alone against the other two sends
-    through its one uplink (12.5 MB/s) although two uplinks could receive; the bound is N over
-    one uplink. With a slow link inside site 0 the cut {0}|{1,2,3} adds that link to the uplink."""
+    through its one uplink (12.5 MB/s) although two uplinks could receive: N over one uplink.
+    Tighter still, with sites as nodes, 2(S-1) N = 4 N leave the sites through 3 uplinks: N over
+    9.375 MB/s, the bound shown. With a slow link inside site 0 the cut {0}|{1,2,3} adds that
+    link to the uplink."""
     sim = physical_model(SimSpec(sites=[0, 1, 2], wan_mbit=100))
-    assert sim["bound_bytes_per_s"] == 12.5e6 and "uplink of site 0 (out)" in sim["bound_text"]
+    assert sim["bound_bytes_per_s"] == pytest.approx(12.5e6 * 3 / 4) and "sites as nodes" in sim["bound_text"]
+    assert sim["bound_kind"] == "sites"
     inf = math.inf
     nic = [inf] * 4
     bw = [[inf if i == j else (8e6 if {i, j} == {0, 1} else 100e6) for j in range(4)] for i in range(4)]

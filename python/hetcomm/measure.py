@@ -27,6 +27,7 @@ because of floating-point differences.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from typing import Optional, Sequence
@@ -105,6 +106,72 @@ def measure_links(backend, rank: int, size: int, *, min_bytes: int = 64 << 10, m
         times = sorted([elapsed, transfer(dst, src, nbytes), transfer(dst, src, nbytes)])
         incoming[src] = nbytes / times[1]
     return incoming
+
+
+def measure_site_uplinks(backend, model: LinkModel, site_labels: Sequence[int], *, min_bytes: int = 64 << 10,
+                         max_bytes: int = 4 << 20, target_seconds: float = 0.05) -> LinkModel:
+    """``model`` with each site's cut measured as an uplink: what all of its ranks together can send
+    to (and receive from) the rest at once.
+
+    Links timed one pair at a time cannot tell a site behind one shared uplink (every pair then
+    gets the whole uplink, but together they share it) from sites joined by independent links,
+    nor a rank with one slow NIC from a rank with several slow links. Both matter as soon as a
+    schedule talks to several peers at once (the hierarchical allreduce). So for every site, in
+    turn, every rank of the site sends ``nbytes`` to every rank outside it at once ("out"), then
+    the reverse ("in"); the receivers time from the last start message to the last byte, and
+    the site's rate is all the bytes over the slowest receiver's time (sizes doubling as in
+    `measure_links`, median of three at the final size). Identical on every rank: the times are
+    agreed by an allreduce. A collective over the group; one site: ``model`` unchanged.
+    """
+    rank, size = backend.rank(), backend.size()
+    labels = list(site_labels)
+    sites = sorted(set(labels), key=labels.index)
+    if len(sites) < 2:
+        return model
+    send_buf = torch.zeros(max_bytes, dtype=torch.uint8)
+    recv_bufs = {src: torch.empty(max_bytes, dtype=torch.uint8) for src in range(size) if src != rank}
+    start_out = torch.zeros(1, dtype=torch.uint8)
+    starts_in = {src: torch.empty(1, dtype=torch.uint8) for src in range(size) if src != rank}
+
+    def round_seconds(senders: list[int], receivers: list[int], nbytes: int) -> float:
+        elapsed = 0.0
+        works = []
+        if rank in receivers:
+            starts = [backend.recv([starts_in[src]], src, _TAG + 1) for src in senders]
+            payloads = [backend.recv([recv_bufs[src][:nbytes]], src, _TAG + 1) for src in senders]
+        if rank in senders:
+            for dst in receivers:
+                works.append(backend.send([start_out], dst, _TAG + 1))
+                works.append(backend.send([send_buf[:nbytes]], dst, _TAG + 1))
+        if rank in receivers:
+            for w in starts:
+                _wait(w)
+            t0 = time.perf_counter()
+            for w in payloads:
+                _wait(w)
+            elapsed = time.perf_counter() - t0
+        for w in works:
+            _wait(w)
+        return _allreduce(backend, torch.tensor([elapsed], dtype=torch.float64),
+                          torch.distributed.ReduceOp.MAX).item()
+
+    uplinks = []
+    for site in sites:
+        members = [r for r in range(size) if labels[r] == site]
+        others = [r for r in range(size) if labels[r] != site]
+        rates = []
+        for senders, receivers in ((members, others), (others, members)):
+            nbytes = min_bytes
+            while True:
+                longest = round_seconds(senders, receivers, nbytes)
+                if longest >= target_seconds or nbytes >= max_bytes:
+                    break
+                nbytes = min(max_bytes, nbytes * 2)
+            times = sorted([longest, round_seconds(senders, receivers, nbytes),
+                            round_seconds(senders, receivers, nbytes)])
+            rates.append(nbytes * len(senders) * len(receivers) / max(times[1], 1e-9))
+        uplinks.append((tuple(members), rates[0], rates[1]))
+    return dataclasses.replace(model, uplinks=tuple(uplinks))
 
 
 def measure_alpha(backend, repeats: int = 5) -> float:

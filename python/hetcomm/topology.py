@@ -32,7 +32,7 @@ from typing import Optional, Sequence
 import torch
 
 from hetcomm import planner, site_planner, sites
-from hetcomm.measure import measure_model, model_from_declared, parse_mbit
+from hetcomm.measure import measure_model, measure_site_uplinks, model_from_declared, parse_mbit
 
 log = logging.getLogger("hetcomm")
 
@@ -281,6 +281,8 @@ def probe_backend(backend, ranks: Optional[Sequence[int]] = None) -> planner.Lin
     source, min_gain = "declared (HETCOMM_LINK_MBIT)", DECLARED_MIN_GAIN
     if model is None:
         model = measure_model(backend)
+        # Sites seen in the pair rates get their cuts measured with all their flows at once.
+        model = measure_site_uplinks(backend, model, group_topology(backend, model).sites)
         _measured.pop(ranks, None)
         _measured[ranks] = model
         source, min_gain = "measured", MEASURED_MIN_GAIN

@@ -7,28 +7,40 @@ No torch; :mod:`hetcomm.planner` and :mod:`hetcomm.sim.spec` are imported when f
 
 Physical model
 --------------
-``bw[i][j] = effective_bandwidth(spec)[i][j]`` (bytes/s): ``min(NIC_i, link_ij, NIC_j)``, the
-shaped *wire* rate. TCP payload gets about ``TCP_GOODPUT_FRACTION`` (95.6%) of it, so even a
-perfect implementation measures ``time_over_bound`` and ``pred_ratio`` of about 1.05. A link
-that nothing shapes gets ``UNSHAPED_BYTES_PER_S`` (a stand-in for a veth between namespaces),
-since the planner's model needs finite rates. ``alpha`` is ``SIM_ALPHA_S`` per message.
+``bw[i][j] = effective_bandwidth(spec)[i][j]`` (bytes/s): ``min(NIC_i, link_ij, NIC_j)`` (and
+the uplink rate between sites that share uplinks), the shaped *wire* rate. TCP payload gets
+about ``TCP_GOODPUT_FRACTION`` (95.6%) of it, so even a perfect implementation measures
+``time_over_bound`` and ``pred_ratio`` of about 1.05. A link that nothing shapes gets
+``UNSHAPED_BYTES_PER_S`` (a stand-in for a veth between namespaces), since the planner's model
+needs finite rates. ``alpha`` is ``SIM_ALPHA_S`` per message. Shared WAN uplinks
+(``--sim-wan-mbit``) are ``uplinks`` of the model (``effective_uplinks(spec)``, wire rates too):
+all traffic out of a site to other sites shares its out-uplink, all traffic into it its
+in-uplink (``hetcomm.planner.LinkModel.uplinks``).
 
 Physical bound
 --------------
 In any AllReduce algorithm (without in-network reduction), for every element each side of a cut
 of the ranks into S and its complement must receive information from the other side: at least N
 bytes cross the cut in each direction. A cut's capacity in one direction is at most the sum of
-the senders' NICs, the sum of the receivers' NICs and the sum of the crossing links, so
+the senders' NICs, the sum of the receivers' NICs and the sum of the crossing links; with shared
+uplinks, the crossing links between sites together carry at most the out-uplinks of the sites
+with a sender and at most the in-uplinks of the sites with a receiver (the crossing links
+within a site add to that), so
 
     time >= max over cuts, both directions, of N / capacity
+
+Two sites behind 100 Mbit/s uplinks: N over the 100 Mbit/s uplink of a site (N / 12.5 MB/s),
+whatever the links inside the sites; with independent per-pair links (``--sim-inter-mbit``) the
+site cut has the sum of its crossing links instead.
 
 When only NICs are shaped the tightest cut is the slowest rank alone: ``N / slowest NIC`` (the
 slow rank must receive and send N bytes at least once; design.md section 2). That is the bound
 the table shows. When NICs are alike the classic total-traffic bound is tighter (every element
 needs P-1 combining and P-1 spreading transfers: ``2(P-1) N / sum of NICs``, i.e. the uniform
 ring's ``2(P-1)/P N / NIC``); the report then says so in a note instead of changing the bound. With shaped links
-(``--sim-sites``, ``--sim-link-mbit``) every cut is tried (up to ``MAX_CUT_RANKS`` ranks; above,
-single ranks and sites only, which keeps the bound valid but maybe looser).
+(``--sim-sites``, ``--sim-link-mbit``, ``--sim-wan-mbit``) every cut is tried (up to
+``MAX_CUT_RANKS`` ranks; above, single ranks and sites only, which keeps the bound valid but
+maybe looser).
 
 Predictions
 -----------
@@ -62,27 +74,73 @@ def _fmt_rate(bytes_per_s: float) -> str:
     return f"{bytes_per_s * 8 / 1e6:g} Mbit/s = {bytes_per_s / 1e6:.4g} MB/s"
 
 
+Uplinks = Sequence[tuple[Sequence[int], float, float]]
+
+
+def one_way_capacity(src: Sequence[int], dst: Sequence[int], nic_bps: Sequence[float],
+                     eff_bw: Sequence[Sequence[float]], uplinks: Uplinks = ()
+                     ) -> tuple[float, str, tuple[int, ...]]:
+    """An upper bound on the bytes/s that ranks ``src`` can send to ranks ``dst`` altogether.
+
+    Returns ``(capacity, what limits it, uplinks)``: ``what`` is ``"sender NICs"``,
+    ``"receiver NICs"``, ``"links"``, ``"out-uplinks"`` or ``"in-uplinks"``, and ``uplinks`` the
+    indices (into ``uplinks``) of the uplinks that make that limit (empty otherwise).
+
+    ``uplinks``: ``(ranks, out_bps, in_bps)`` as ``LinkModel.uplinks``. A pair i -> j whose
+    ranks are in different uplink groups (or one in none) crosses i's out-uplink and j's
+    in-uplink, those it has. Such pairs together carry at most their links, at most the
+    out-uplinks of the groups they leave plus what leaves ranks of no group, and at most the
+    in-uplinks of the groups they enter plus what enters ranks of no group; the other pairs
+    (within a group, or between ranks of no group) add their links.
+    """
+    group = {r: g for g, (ranks, _, _) in enumerate(uplinks) for r in ranks}
+    free, shared, free_out, free_in = [], [], [], []
+    leaving, entering = set(), set()
+    for i in src:
+        for j in dst:
+            gi, gj = group.get(i), group.get(j)
+            if gi == gj:
+                free.append(eff_bw[i][j])
+                continue
+            shared.append(eff_bw[i][j])
+            if gi is None:
+                free_out.append(eff_bw[i][j])
+            else:
+                leaving.add(gi)
+            if gj is None:
+                free_in.append(eff_bw[i][j])
+            else:
+                entering.add(gj)
+    out_cap = math.fsum(uplinks[g][1] for g in leaving) + math.fsum(free_out)
+    in_cap = math.fsum(uplinks[g][2] for g in entering) + math.fsum(free_in)
+    limits = [(math.fsum(nic_bps[i] for i in src), "sender NICs", ()),
+              (math.fsum(nic_bps[j] for j in dst), "receiver NICs", ()),
+              (math.fsum(free + shared), "links", ()),   # to the last bit the value without uplinks
+              (math.fsum(free + [out_cap]), "out-uplinks", tuple(sorted(leaving))),
+              (math.fsum(free + [in_cap]), "in-uplinks", tuple(sorted(entering)))]
+    return min(limits, key=lambda limit: limit[0])  # the first of equals: NICs, then links
+
+
 def cut_bound(nic_bps: Sequence[float], eff_bw: Sequence[Sequence[float]],
-              sites: Optional[Sequence[Any]] = None) -> tuple[float, tuple[int, ...]]:
+              sites: Optional[Sequence[Any]] = None,
+              uplinks: Uplinks = ()) -> tuple[float, tuple[int, ...]]:
     """The narrowest cut: (capacity in bytes/s, the ranks on one side). ``inf`` if unshaped.
 
     ``nic_bps``: per-rank NIC rate (``inf`` = unshaped); ``eff_bw``: directed effective link
-    rates (``inf`` = unshaped, diagonal ignored). Capacity of S -> T is bounded by the sum of S's
-    NICs, the sum of T's NICs and the sum of the links from S to T; the cut's capacity is the
-    smaller direction.
+    rates (``inf`` = unshaped, diagonal ignored); ``uplinks``: shared uplinks, as
+    ``LinkModel.uplinks``. Capacity of S -> T is :func:`one_way_capacity`: bounded by the sum of
+    S's NICs, the sum of T's NICs and the sum of the links from S to T, of which the part
+    between uplink groups is bounded by the uplinks it crosses; the cut's capacity is the smaller
+    direction. Uplinks only add limits, so they never raise a capacity.
     """
     P = len(nic_bps)
     if P < 2:
         return math.inf, ()
 
     def capacity(side: tuple[int, ...]) -> float:
-        inside = set(side)
-        rest = [j for j in range(P) if j not in inside]
-
-        def one_way(src: Sequence[int], dst: Sequence[int]) -> float:
-            return min(math.fsum(nic_bps[i] for i in src), math.fsum(nic_bps[j] for j in dst),
-                       math.fsum(eff_bw[i][j] for i in src for j in dst))
-        return min(one_way(side, rest), one_way(rest, side))
+        rest = tuple(j for j in range(P) if j not in side)
+        return min(one_way_capacity(side, rest, nic_bps, eff_bw, uplinks)[0],
+                   one_way_capacity(rest, side, nic_bps, eff_bw, uplinks)[0])
 
     if P <= MAX_CUT_RANKS:
         # Sides containing rank 0 enumerate every cut once.
@@ -103,26 +161,56 @@ def cut_bound(nic_bps: Sequence[float], eff_bw: Sequence[Sequence[float]],
     return best_cap, best_side
 
 
+def _cut_limit_text(limit: tuple[float, str, tuple[int, ...]], uplinks: Uplinks,
+                    site_labels: Sequence[Any]) -> str:
+    """What limits a cut, in words, to follow its name: ``: N over the 100 Mbit/s uplink of
+    site 0 (out)``, `` (at most 400 Mbit/s = 50 MB/s each way over all its links)``."""
+    capacity, what, used = limit
+    if what in ("out-uplinks", "in-uplinks") and used:
+        rates = [uplinks[g][1 if what == "out-uplinks" else 2] for g in used]
+        direction = "out" if what == "out-uplinks" else "in"
+        names = ",".join(str(site_labels[g]) for g in used)
+        if len(used) == 1 and rates[0] == capacity:
+            return f": N over the {rates[0] * 8 / 1e6:g} Mbit/s uplink of site {names} ({direction})"
+        return (f": N over the uplinks of sites {names} ({direction}) and the links within sites, "
+                f"{_fmt_rate(capacity)} together")
+    how = {"sender NICs": "through its senders' NICs",
+           "receiver NICs": "through its receivers' NICs"}.get(what, "over all its links")
+    return f" (at most {_fmt_rate(capacity)} each way {how})"
+
+
 def physical_model(spec) -> dict[str, Any]:
     """The ``sim`` section of the report: spec, physical bandwidths, the bound and how it is made.
 
     JSON-ready: unshaped rates are ``None``.
     """
-    from hetcomm.sim.spec import effective_bandwidth, mbit_to_bytes_per_s
+    from hetcomm.sim.spec import effective_bandwidth, effective_uplinks, mbit_to_bytes_per_s
 
     P = spec.world_size
     bw = effective_bandwidth(spec)
     nic_bps = [mbit_to_bytes_per_s(spec.nic(k)) for k in range(P)]
-    if spec.per_link:
-        capacity, side = cut_bound(nic_bps, bw, spec.sites)
+    uplinks = effective_uplinks(spec)
+    site_labels = [label for label, _ in spec.site_groups()]
+    if spec.per_link or uplinks:
+        capacity, side = cut_bound(nic_bps, bw, spec.sites, uplinks)
         if math.isinf(capacity):
             text = "none: nothing is shaped"
         else:
             other = tuple(k for k in range(P) if k not in side)
+            limit = min(one_way_capacity(side, other, nic_bps, bw, uplinks),
+                        one_way_capacity(other, side, nic_bps, bw, uplinks), key=lambda v: v[0])
             text = (f"N bytes each way across the narrowest cut {{{','.join(map(str, side))}}}|"
-                    f"{{{','.join(map(str, other))}}} (at most {_fmt_rate(capacity)} each way "
-                    f"over all its links): bound = N / {capacity / 1e6:.4g} MB/s")
+                    f"{{{','.join(map(str, other))}}}"
+                    f"{_cut_limit_text(limit, uplinks, site_labels)}: "
+                    f"bound = N / {capacity / 1e6:.4g} MB/s")
         kind = "cut"
+        if spec.sites is not None and len(set(spec.sites)) > 2:
+            sites_rate = _sites_as_nodes_rate(spec, bw, uplinks)
+            if sites_rate < capacity * (1 - 1e-9):
+                capacity, kind = sites_rate, "sites"
+                S = len(set(spec.sites))
+                text = (f"sites as nodes: 2(S-1) N = {2 * (S - 1)} N bytes leave the {S} sites in all, through "
+                        f"the sum of their cuts: bound = N / {capacity / 1e6:.4g} MB/s")
     else:
         capacity = min(nic_bps) if nic_bps else math.inf
         if math.isinf(capacity):
@@ -150,6 +238,9 @@ def physical_model(spec) -> dict[str, Any]:
         "world_size": P,
         "bw_bytes_per_s": [[None if i == j else _finite_or_none(v) for j, v in enumerate(row)]
                            for i, row in enumerate(bw)],
+        "uplinks": [{"site": label, "ranks": list(ranks), "out_bytes_per_s": out_bps,
+                     "in_bytes_per_s": in_bps}
+                    for label, (ranks, out_bps, in_bps) in zip(site_labels, uplinks)],
         "unshaped_bytes_per_s": UNSHAPED_BYTES_PER_S,
         "alpha_s": SIM_ALPHA_S,
         "bound_kind": kind,
@@ -159,6 +250,19 @@ def physical_model(spec) -> dict[str, Any]:
         "aggregate_bound_text": aggregate_text,
         "wire_rate_note": "rates are shaped wire rates; TCP payload gets about 95.6% of them",
     }
+
+
+def _sites_as_nodes_rate(spec, bw, uplinks) -> float:
+    """Bytes of N per second that the classic bound with S >= 3 sites as nodes allows
+    (`hetcomm.site_planner.cut_bound_seconds`): every site's cut, NICs ignored (the cut bound
+    above keeps them)."""
+    from hetcomm.planner import LinkModel
+    from hetcomm.site_planner import cut_bound_seconds
+
+    P = spec.world_size
+    model = LinkModel(bw=[[0.0 if i == j else (bw[i][j] if math.isfinite(bw[i][j]) else UNSHAPED_BYTES_PER_S)
+                           for j in range(P)] for i in range(P)], uplinks=tuple(uplinks))
+    return 1.0 / cut_bound_seconds(model, 1, [spec.sites[r] for r in range(P)])
 
 
 def bound_seconds(sim: dict[str, Any], nbytes: int) -> Optional[float]:
@@ -174,15 +278,25 @@ def _planner_model(sim: dict[str, Any], segment_bytes: int = 0, small_allreduce_
     rows = sim["bw_bytes_per_s"]
     bw = [[0.0 if i == j else (rows[i][j] if rows[i][j] is not None else stand_in)
            for j in range(P)] for i in range(P)]
+    uplinks = tuple((tuple(u["ranks"]), u["out_bytes_per_s"], u["in_bytes_per_s"])
+                    for u in sim.get("uplinks") or ())
     return LinkModel(bw=bw, alpha=sim.get("alpha_s", SIM_ALPHA_S), segment_bytes=segment_bytes,
-                     small_allreduce_bytes=small_allreduce_bytes)
+                     small_allreduce_bytes=small_allreduce_bytes,
+                     **({"uplinks": uplinks} if uplinks else {}))
 
 
 def effective_plan(record: dict[str, Any], nbytes: int, world_size: int):
     """The (planner) Plan the engine runs for an allreduce of ``nbytes``, and its segment size."""
     from hetcomm.planner import Plan, uniform_plan
 
-    if record.get("kind") != "hetcomm" or nbytes < int(record.get("min_bytes") or 0):
+    if record.get("kind") != "hetcomm":
+        return uniform_plan(world_size), 0
+    sites = record.get("sites")
+    if sites and nbytes >= int(sites.get("min_bytes") or 0):
+        from hetcomm.site_planner import SitePlan
+        site = SitePlan(**sites)
+        return Plan(tuple(record["order"]), tuple(record["shares"]), sites=site), int(site.segment_bytes)
+    if nbytes < int(record.get("min_bytes") or 0):
         return uniform_plan(world_size), 0
     plan = Plan(tuple(record["order"]), tuple(record["shares"]))
     return plan, int(record.get("segment_bytes") or 0)
@@ -215,10 +329,12 @@ def plan_line(sim: Optional[dict[str, Any]], record: dict[str, Any]) -> str:
     """``format_plan`` of a record, evaluated on the physical model when there is one."""
     from hetcomm.planner import Plan, format_plan
 
+    from hetcomm.site_planner import SitePlan
+
+    sites = record.get("sites")
     plan = Plan(tuple(record["order"]), tuple(record["shares"]),
-                min_bytes=int(record.get("min_bytes") or 0),
-                **({"segment_bytes": int(record.get("segment_bytes") or 0)}
-                   if "segment_bytes" in Plan.__dataclass_fields__ else {}))
+                min_bytes=int(record.get("min_bytes") or 0), segment_bytes=int(record.get("segment_bytes") or 0),
+                sites=SitePlan(**sites) if sites else None)
     model = _planner_model(sim) if sim is not None else None
     line = format_plan(plan, model)
     if record.get("kind") != "hetcomm":

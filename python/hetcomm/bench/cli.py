@@ -21,7 +21,7 @@ import sys
 from typing import Optional, Sequence
 
 from hetcomm.bench.config import (BACKEND_VARIANTS, DEFAULT_BACKENDS, DTYPE_BYTES,
-                                  SIM_DEFAULT_BACKENDS, SIM_DEFAULT_MIN_ITERS,
+                                  SIM_DEFAULT_BACKENDS, SIM_DEFAULT_MIN_ITERS, SIM_SITES_DEFAULT_BACKENDS,
                                   SIM_DEFAULT_SECONDS_PER_SIZE, SIM_DEFAULT_SIZES,
                                   SIM_DEFAULT_WARMUP, SIM_MIN_TIMEOUT_S, BenchConfig,
                                   canonical_dtype, declared_link_mbit, geometric_sizes, parse_size,
@@ -40,7 +40,7 @@ DEFAULT_TIMEOUT_S = 120.0
 SIM_TIMEOUT_FACTOR = 10.0
 
 # The --sim-* options, as the names of hetcomm.sim's own options (its spec_from_args reads them).
-SIM_OPTIONS = ("nic_mbit", "link_mbit", "sites", "intra_mbit", "inter_mbit", "cpu_quota",
+SIM_OPTIONS = ("nic_mbit", "link_mbit", "sites", "intra_mbit", "inter_mbit", "wan_mbit", "cpu_quota",
                "latency_ms", "tcp_cc")
 # Those that describe the cluster: any of them turns the simulation on.
 SIM_CLUSTER_OPTIONS = SIM_OPTIONS[:-1]
@@ -93,8 +93,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--backends", type=_backend_list_arg, default=None,
                         help="comma-separated backends, run in this order in one run "
                              f"(default {','.join(DEFAULT_BACKENDS)}; with --sim-*: "
-                             f"{','.join(SIM_DEFAULT_BACKENDS)}). Besides torch's backends: "
-                             "hetcomm-uniform (hetcomm with HETCOMM_PROBE=0: uniform plan) and "
+                             f"{','.join(SIM_DEFAULT_BACKENDS)}; with --sim-sites: "
+                             f"{','.join(SIM_SITES_DEFAULT_BACKENDS)}). Besides torch's backends: "
+                             "hetcomm-uniform (hetcomm with HETCOMM_PROBE=0: uniform plan), "
+                             "hetcomm-flat (hetcomm without the site-aware schedule: the ring at every "
+                             "size) and "
                              "hetcomm-declared (hetcomm planning from the simulated cluster's "
                              "declared rates, HETCOMM_LINK_MBIT)")
     parser.add_argument("--nprocs", type=int, default=None,
@@ -156,7 +159,10 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--sim-intra-mbit", metavar="R", default=None,
                      help="rate between ranks of the same site, Mbit/s")
     sim.add_argument("--sim-inter-mbit", metavar="R", default=None,
-                     help="rate between ranks of different sites, Mbit/s")
+                     help="rate between ranks of different sites, Mbit/s (each pair its own link)")
+    sim.add_argument("--sim-wan-mbit", metavar="R", default=None,
+                     help="each site's shared WAN uplink, Mbit/s each way: all of a site's cross-site "
+                          "traffic passes one link (with --sim-sites)")
     sim.add_argument("--sim-link-mbit", metavar="MATRIX", default=None,
                      help="directed PxP link rates in Mbit/s, rows separated by ';' (row = "
                           "sender), e.g. '0,800,100;800,0,100;100,100,0', or a file")
@@ -282,7 +288,8 @@ def config_from_args(args: argparse.Namespace, argv: Sequence[str], spec=None) -
         nprocs = args.nprocs if args.nprocs is not None else DEFAULT_NPROCS
     if nprocs < 1:
         raise ValueError(f"--nprocs must be at least 1, got {nprocs}")
-    backends = tuple(_default(args.backends, DEFAULT_BACKENDS, SIM_DEFAULT_BACKENDS, in_sim))
+    sim_backends = SIM_SITES_DEFAULT_BACKENDS if in_sim and spec.sites is not None else SIM_DEFAULT_BACKENDS
+    backends = tuple(_default(args.backends, DEFAULT_BACKENDS, sim_backends, in_sim))
     warmup = _default(args.warmup, DEFAULT_WARMUP, SIM_DEFAULT_WARMUP, in_sim)
     min_iters = _default(args.min_iters, DEFAULT_MIN_ITERS, SIM_DEFAULT_MIN_ITERS, in_sim)
     seconds_per_size = _default(args.seconds_per_size, DEFAULT_SECONDS_PER_SIZE,

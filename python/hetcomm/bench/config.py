@@ -46,16 +46,22 @@ DEFAULT_BACKENDS: tuple[str, ...] = ("hetcomm", "gloo")
 #                     links not probed -- what hetcomm does without its planner;
 #   hetcomm-declared  HETCOMM_LINK_MBIT = the simulated cluster's rates (HETCOMM_SIM_NIC_MBIT, or
 #                     the effective link matrix when links are shaped): the plan comes from
-#                     declared bandwidths instead of a probe.
-# Plain "hetcomm" is the product default (links probed at group creation, weighted plan).
+#                     declared bandwidths instead of a probe;
+#   hetcomm-flat      HETCOMM_HIERARCHICAL=0: links probed and planned as by plain "hetcomm", but
+#                     the (weighted) flat ring at every size, never the site-aware schedule.
+# Plain "hetcomm" is the product default (links probed at group creation, weighted plan, the
+# site-aware schedule where the planner predicts it faster).
 BACKEND_VARIANTS: dict[str, str] = {
     "hetcomm-uniform": "hetcomm",
     "hetcomm-declared": "hetcomm",
+    "hetcomm-flat": "hetcomm",
 }
 
 # Defaults of a run on a simulated cluster (--sim-*): the target sizes, few iterations
 # (a 64 MB allreduce through a 100 Mbit/s NIC takes 6-9 s), a timeout that slow links survive.
 SIM_DEFAULT_BACKENDS: tuple[str, ...] = ("hetcomm", "hetcomm-uniform", "gloo")
+# With --sim-sites: the chosen plan, the flat ring it was chosen over, and gloo.
+SIM_SITES_DEFAULT_BACKENDS: tuple[str, ...] = ("hetcomm", "hetcomm-flat", "gloo")
 SIM_DEFAULT_SIZES = "16M,64M"
 SIM_DEFAULT_WARMUP = 1
 SIM_DEFAULT_SECONDS_PER_SIZE = 0.5
@@ -108,6 +114,8 @@ def variant_environment(name: str, environ: Mapping[str, str]) -> dict[str, Opti
         return {"HETCOMM_PROBE": "0", "HETCOMM_LINK_MBIT": None}
     if name == "hetcomm-declared":
         return {"HETCOMM_LINK_MBIT": declared_link_mbit(environ)}
+    if name == "hetcomm-flat":
+        return {"HETCOMM_HIERARCHICAL": "0"}
     return {}
 
 

@@ -14,7 +14,7 @@ from typing import Any, Optional, Sequence
 RATIO_NUMERATOR = "hetcomm"
 RATIO_DENOMINATOR = "gloo"
 # Speedups of hetcomm (time ratio other/hetcomm) reported when these ran beside it.
-SPEEDUP_BASELINES = ("gloo", "hetcomm-uniform")
+SPEEDUP_BASELINES = ("gloo", "hetcomm-uniform", "hetcomm-flat")
 
 
 def allreduce_bus_factor(world_size: int) -> float:

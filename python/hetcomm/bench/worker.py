@@ -30,6 +30,7 @@ except that a plot rank 0 could not write fails rank 0.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime
 import importlib
 import json
@@ -128,6 +129,8 @@ def record_plan(backend: str, world_size: int) -> dict[str, Any]:
         "backend": backend, "kind": "hetcomm", "source": plan_source(world_size),
         "order": list(plan.order), "shares": list(plan.shares), "min_bytes": int(plan.min_bytes),
         "segment_bytes": int(getattr(plan, "segment_bytes", 0)),
+        "sites": None if plan.sites is None else dataclasses.asdict(plan.sites),
+        "topology": None if plan.topology is None else plan.topology.describe(),
         "text": format_plan(plan, model), "model": model_json(model),
         # engine settings that decide which algorithm and segment size an allreduce gets, as the
         # engine itself reads them (hetcomm._C.engine_settings)

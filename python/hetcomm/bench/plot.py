@@ -62,6 +62,10 @@ def plan_label(record: Optional[dict[str, Any]]) -> str:
         text = f"ring {ring}, shares " + "/".join(f"{100.0 * s / total:.0f}" for s in shares) + "%"
     if record.get("min_bytes"):
         text += f" from {size_label(record['min_bytes'])}"
+    sites = record.get("sites")
+    if sites:
+        groups = " ".join("{" + ",".join(map(str, site)) + "}" for site in sites["sites"])
+        text = f"site plan {groups} from {size_label(int(sites.get('min_bytes') or 0))}; below: {text}"
     return text
 
 

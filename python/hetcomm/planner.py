@@ -169,7 +169,7 @@ import itertools
 import math
 import dataclasses
 from dataclasses import dataclass
-from typing import Iterable, Optional, Sequence
+from typing import TYPE_CHECKING, Iterable, Optional, Sequence
 
 import numpy as np
 from scipy.optimize import linprog
@@ -189,6 +189,10 @@ __all__ = [
 ]
 
 from hetcomm._C import engine_settings as _engine_settings
+
+if TYPE_CHECKING:  # the site plan and topology only annotate Plan here; site_planner imports this module
+    from hetcomm.site_planner import SitePlan
+    from hetcomm.sites import Topology
 
 # The engine's own settings, as this process's engine uses them (HETCOMM_SMALL_ALLREDUCE_BYTES and
 # HETCOMM_SEGMENT_BYTES applied): models default to them, so predictions and the crossover size

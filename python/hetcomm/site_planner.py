@@ -98,7 +98,7 @@ from typing import Optional, Sequence
 import numpy as np
 
 from hetcomm import planner
-from hetcomm.planner import LinkModel, PlanningError
+from hetcomm.planner import LinkModel
 
 MAX_BLOCKS = 64          # every owner combination up to this many blocks
 MAX_CUT_RANKS = 14       # cut_bound_seconds enumerates every cut up to this world size
@@ -202,22 +202,6 @@ def seconds_per_byte(loads: dict[tuple[int, int], float], reduce_loads: Sequence
         if math.isfinite(model.reduce_bps[r]):
             worst = max(worst, v / model.reduce_bps[r])
     return worst
-
-
-def ring_loads(order: Sequence[int], shares: Sequence[float]) -> tuple[dict[tuple[int, int], float], list[float]]:
-    """The flat ring's per-link and per-rank reduce loads (planner.py's model)."""
-    P = len(order)
-    total = math.fsum(shares)
-    o = [s / total for s in shares]
-    loads: dict[tuple[int, int], float] = {}
-    reduce = [0.0] * P
-    if P == 1:
-        return loads, reduce
-    for p in range(P):
-        a, b = order[p], order[(p + 1) % P]
-        loads[(a, b)] = loads.get((a, b), 0.0) + 2.0 - o[a] - o[b]
-        reduce[b] = 1.0 - o[a]
-    return loads, reduce
 
 
 def site_plan_seconds_per_byte(plan: SitePlan, model: LinkModel) -> float:
@@ -398,13 +382,6 @@ def best_site_plan(model: LinkModel, site_labels: Sequence[int]) -> Optional[Sit
     x = planner._snap_shares(_solve_blocks(model, sites, blocks, w))
     kept = [(b, xb) for b, xb in zip(blocks, x) if xb > 0]
     return SitePlan(tuple(sites), tuple(b for b, _ in kept), tuple(xb for _, xb in kept), w)
-
-
-def flat_ring_seconds_per_byte(plan: "planner.Plan", model: LinkModel) -> float:
-    """The flat ring's ``T_bw / N`` with shared uplinks counted (`planner.ring_seconds_per_byte` and
-    the uplink groups' summed loads)."""
-    loads, reduce = ring_loads(plan.order, plan.shares)
-    return seconds_per_byte(loads, reduce, model)
 
 
 # --------------------------------------------------------------------------------------------

@@ -68,6 +68,16 @@ def test_three_sites_move_four_thirds_n_per_site():
     assert site_planner.cut_bound_seconds(model, N, (0, 0, 1, 1, 2, 2)) == pytest.approx(N * (4 / 3) / (100 * MB))
 
 
+def test_sites_as_nodes_bound_sums_each_direction():
+    # Three lone ranks whose uplinks are (out, in) = (1, 10), (10, 1), (1, 10) units: 4 N must
+    # leave the sites through out-cuts summing to 12 and arrive through in-cuts summing to 21,
+    # so N / 3 units; summing each site's slower direction (1 + 1 + 1) would claim 4 N / 3.
+    unit = 100 * MB
+    bw = [[0 if i == j else 1e12 for j in range(3)] for i in range(3)]
+    model = LinkModel(bw=bw, uplinks=(((0,), unit, 10 * unit), ((1,), 10 * unit, unit), ((2,), unit, 10 * unit)))
+    assert site_planner.cut_bound_seconds(model, N, (0, 1, 2)) == pytest.approx(max(4 * N / (12 * unit), N / unit))
+
+
 def test_site_shares_follow_cut_capacity():
     # three single-rank sites behind uplinks of 300, 300 and 400: (1 + w_s) / C_s equal at
     # w = (0.2, 0.2, 0.6)

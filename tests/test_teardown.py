@@ -137,3 +137,36 @@ def destroy_with_a_callback_running(rank: int, world_size: int) -> str:
 def test_destroying_the_backend_from_python_releases_the_gil() -> None:
     (res,) = run_ranks(1, destroy_with_a_callback_running, timeout=60)
     assert res == "destroyed; callback result 0", res
+
+
+_LATE_RANK = r'''
+import sys, time, datetime
+import torch.distributed as dist
+import hetcomm  # noqa: F401  (registers the backend)
+rank, port, delay = int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3])
+time.sleep(delay)
+store = dist.TCPStore("127.0.0.1", port, 2, False, timeout=datetime.timedelta(seconds=20))
+dist.init_process_group("hetcomm", store=store, rank=rank, world_size=2, timeout=datetime.timedelta(seconds=15))
+dist.destroy_process_group()
+print("ok", flush=True)
+'''
+
+
+@hetcomm_only("the group's store keys")
+def test_rank_that_joins_after_rank_0_left_still_joins(tmp_path):
+    """Rank 0 creates and destroys a group that runs nothing before rank 1 has even started: rank 0
+    must not remove the group's keys (the secret) that rank 1 still has to read, or rank 1 waits
+    for them until its timeout (seen as a DistStoreError in tests on a busy machine)."""
+    import subprocess
+    import sys
+
+    store = dist.TCPStore("127.0.0.1", 0, 2, True, wait_for_workers=False)
+    script = tmp_path / "late.py"
+    script.write_text(_LATE_RANK)
+    env = {**__import__("os").environ, "HETCOMM_PROBE": "0"}
+    first = subprocess.run([sys.executable, str(script), "0", str(store.port), "0"], capture_output=True, text=True,
+                           timeout=120, env=env)
+    assert first.returncode == 0 and "ok" in first.stdout, first.stderr[-2000:]
+    late = subprocess.run([sys.executable, str(script), "1", str(store.port), "0"], capture_output=True, text=True,
+                          timeout=120, env=env)
+    assert late.returncode == 0 and "ok" in late.stdout, late.stderr[-2000:]

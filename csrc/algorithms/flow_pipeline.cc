@@ -14,6 +14,7 @@
 namespace hetcomm {
 
 uint32_t FlowGraph::add(char* ptr, size_t bytes, bool reduce, std::vector<uint32_t> deps) {
+  HC_ENFORCE(items.size() < UINT32_MAX, "too many pipeline items for one collective");
   items.push_back({ptr, bytes, reduce, std::move(deps)});
   return static_cast<uint32_t>(items.size() - 1);
 }
@@ -72,6 +73,7 @@ void runFlows(const CollectiveContext& ctx, const FlowGraph& graph) {
     }
     s.spec.dtype = graph.dtype;
     s.spec.op = graph.op;
+    s.spec.step = graph.step;
     if (f.send) {
       s.spec.sendPeer = f.peer;
       s.spec.sendBytesField = total;

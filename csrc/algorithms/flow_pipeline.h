@@ -46,6 +46,9 @@ struct FlowGraph {
   std::vector<Flow> flows;         // at most one send and one receive flow per peer
   DType dtype = DType::kUInt8;
   RedOp op = RedOp::kSum;
+  // Carried in every flow's header and checked: whatever, besides the flows' totals, both sides
+  // must agree on for their sequences to match (the hierarchical schedule: its segment size).
+  uint32_t step = 0;
 
   // Adds an item and returns its index.
   uint32_t add(char* ptr, size_t bytes, bool reduce, std::vector<uint32_t> deps);

@@ -140,6 +140,9 @@ void allreduceHierarchical(CollectiveContext& ctx, char* buf, size_t count, DTyp
   FlowGraph g;
   g.dtype = dtype;
   g.op = op;
+  // The interleaved chunk order below depends on the segment size: ranks must agree on it (a rank
+  // with another HETCOMM_SEGMENT_BYTES would otherwise add misaligned bytes silently).
+  g.step = static_cast<uint32_t>(std::min<size_t>(segmentBytes, UINT32_MAX));
   auto atomPtr = [&](const ByteRange& r) { return buf + r.offset; };
   // Per atom (by id): the item after which this rank's copy holds the site's partial sum (own
   // chunk), the final value, and the ring's receive items.

@@ -62,7 +62,9 @@ std::string describeMismatch(const CollectiveHeader& want, const CollectiveHeade
     add(strCat("the tensors' sizes or dtypes, the root or the ring plan differ (fingerprint ", got.aux, " vs ",
                want.aux, ")"));
   }
-  if (got.step != want.step) add(strCat("step ", got.step, " vs ", want.step));
+  if (got.step != want.step) {
+    add(strCat("step ", got.step, " vs ", want.step, " (the site plan's: segment sizes, HETCOMM_SEGMENT_BYTES)"));
+  }
   return d;
 }
 

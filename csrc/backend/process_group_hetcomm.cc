@@ -23,6 +23,8 @@ namespace hetcomm {
 namespace {
 
 constexpr const char* kSecretKey = "hetcomm/secret";
+// How many ranks have read the secret: rank 0 removes the group's keys only once all have.
+constexpr const char* kJoinedKey = "hetcomm/joined";
 std::string addressKey(int rank) { return strCat("hetcomm/addr/", rank); }
 // Where a rank leaves the reason it gave up, for the peers that only see its connection close.
 std::string abortKey(int rank) { return strCat("hetcomm/abort/", rank); }
@@ -95,6 +97,7 @@ ProcessGroupHetcomm::ProcessGroupHetcomm(const c10::intrusive_ptr<c10d::Store>& 
       TORCH_CHECK(got.size() == secret.size(), "hetcomm: malformed group secret in the store");
       std::copy(got.begin(), got.end(), secret.begin());
     }
+    store_->add(kJoinedKey, 1);
     auto store = store_;
     // Polled rather than one long store wait, so that an abort or a shutdown interrupts it.
     auto lookup = [store, rank](int peer, Deadline deadline, const Cancelled& cancelled) {
@@ -336,14 +339,19 @@ void ProcessGroupHetcomm::shutdown() {
   if (mesh_) mesh_->close();
   completions_->stop();
   // Rank 0 cleans the group's keys: it usually hosts the store, which is then alive during its own
-  // shutdown, while other ranks may outlive it.
+  // shutdown, while other ranks may outlive it. Not before every rank has read the secret: a rank
+  // still starting (rank 0 may create and destroy a group that ran no collective before another
+  // rank got there) would otherwise wait for a key that is gone until its timeout.
   if (rank_ == 0) {
     try {
-      for (int r = 0; r < size_; ++r) {
-        store_->deleteKey(addressKey(r));
-        store_->deleteKey(abortKey(r));
+      if (store_->add(kJoinedKey, 0) >= size_) {
+        for (int r = 0; r < size_; ++r) {
+          store_->deleteKey(addressKey(r));
+          store_->deleteKey(abortKey(r));
+        }
+        store_->deleteKey(kSecretKey);
+        store_->deleteKey(kJoinedKey);
       }
-      store_->deleteKey(kSecretKey);
     } catch (const std::exception&) {
       // The store's host already exited; the keys went with it.
     }

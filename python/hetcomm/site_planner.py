@@ -85,7 +85,8 @@ the in-uplinks on the receiving side. ``max over cuts of N / capacity`` is a low
 AllReduce; cuts are enumerated for P <= `MAX_CUT_RANKS`, else single ranks, sites and groups.
 With S >= 3 sites the classic bound with sites as nodes is tighter: S site partials of an element
 need S - 1 cross-site transfers to be combined and S - 1 to spread the result (for algorithms
-that send values, not codes), so ``2 (S - 1) N / sum over sites of their cut capacity``; three
+that send values, not codes), so ``2 (S - 1) N / min(sum of the sites' out-cuts, sum of their
+in-cuts)``; three
 equal sites: 4/3 N through each site's cut, which the hierarchical schedule moves.
 """
 from __future__ import annotations
@@ -452,10 +453,13 @@ def cut_bound_seconds(model: LinkModel, nbytes: int, site_labels: Optional[Seque
         # Sites as the nodes of the classic bound: combining S site partials of an element takes at
         # least S - 1 cross-site transfers and spreading the result S - 1 more, so 2 (S - 1) N
         # bytes leave sites in all, through the sum of the sites' cut capacities.
+        # The sum runs over each direction on its own (bytes leave sites through their out-cuts and
+        # arrive through their in-cuts); summing each site's slower direction would not be a bound.
         labels = sorted(set(site_labels))
-        total = 0.0
+        out_total = in_total = 0.0
         for s in labels:
             side = tuple(site_labels[r] == s for r in range(P))
-            total += min(cut_capacity(model, side), cut_capacity(model, tuple(not v for v in side)))
-        worst = max(worst, 2 * (len(labels) - 1) * nbytes / total)
+            out_total += cut_capacity(model, side)
+            in_total += cut_capacity(model, tuple(not v for v in side))
+        worst = max(worst, 2 * (len(labels) - 1) * nbytes / min(out_total, in_total))
     return worst

@@ -111,3 +111,17 @@ TEST_CASE(peers_with_different_schedules_disagree_loudly) {
   for (const std::string& e : errors) anyDisagree |= e.find("disagree") != std::string::npos;
   CHECK_MSG(anyDisagree, errors[0] + " | " + errors[1]);
 }
+
+TEST_CASE(peers_with_different_steps_disagree_loudly) {
+  // The hierarchical schedule puts its segment size in the step: same totals, other segments.
+  std::vector<char> buf0(1000), buf1(1000);
+  auto errors = runTwo([&](int rank, FlowGraph& g) {
+    char* p = rank == 0 ? buf0.data() : buf1.data();
+    g.step = rank == 0 ? 65536 : 32768;
+    const uint32_t send = g.add(p, 1000, false, {});
+    const uint32_t recv = g.add(p, 1000, false, {});
+    g.flow(1 - rank, true).items = {send};
+    g.flow(1 - rank, false).items = {recv};
+  });
+  for (const std::string& e : errors) CHECK_MSG(e.find("segment sizes") != std::string::npos, e);
+}

@@ -129,15 +129,17 @@ PYBIND11_MODULE(_C, m) {
             hetcomm::RingPlan p = pg.plan();
             if (!p.sites) return py::none();
             const hetcomm::SitePlan& s = *p.sites;
-            return py::make_tuple(s.sites, s.blockOwners, s.blockShares, s.siteShares, s.minBytes, s.segmentBytes);
+            return py::make_tuple(s.sites, s.blockOwners, s.blockShares, s.siteShares, s.minBytes, s.segmentBytes,
+                                  s.localInner);
           },
-          "The site-aware schedule as (sites, block_owners, block_shares, site_shares, min_bytes, segment_bytes), "
+          "The site-aware schedule as (sites, block_owners, block_shares, site_shares, min_bytes, segment_bytes, "
+          "local_inner), "
           "or None when every allreduce uses the ring (see set_site_plan).")
       .def(
           "set_site_plan",
           [](hetcomm::ProcessGroupHetcomm& pg, std::vector<std::vector<int>> sites,
              std::vector<std::vector<int>> blockOwners, std::vector<double> blockShares, std::vector<double> siteShares,
-             uint64_t minBytes, uint64_t segmentBytes) {
+             uint64_t minBytes, uint64_t segmentBytes, bool localInner) {
             auto s = std::make_shared<hetcomm::SitePlan>();
             s->sites = std::move(sites);
             s->blockOwners = std::move(blockOwners);
@@ -145,16 +147,36 @@ PYBIND11_MODULE(_C, m) {
             s->siteShares = std::move(siteShares);
             s->minBytes = minBytes;
             s->segmentBytes = segmentBytes;
+            s->localInner = localInner;
             hetcomm::RingPlan p = pg.plan();
             p.sites = std::move(s);
             pg.setPlan(std::move(p));
           },
           py::arg("sites"), py::arg("block_owners"), py::arg("block_shares"), py::arg("site_shares"),
-          py::arg("min_bytes") = 0, py::arg("segment_bytes") = 0,
+          py::arg("min_bytes") = 0, py::arg("segment_bytes") = 0, py::arg("local_inner") = false,
           "Adds the site-aware (hierarchical) schedule to the plan: allreduces of at least min_bytes use it. "
           "sites: each site's ranks in ring order; block_owners[b][s]: block b's owner in site s; block_shares: "
           "each block's fraction of the buffer; site_shares: the fraction of every block each site's owner "
-          "reduces. Every rank must set the same plan. set_plan() removes it again.")
+          "reduces. local_inner: the sites are the group's hosts, whose ranks share memory, and the steps inside "
+          "a host run through it (each host's ranks ascending, each rank's blocks contiguous). Every rank must set "
+          "the same plan. set_plan() removes it again.")
+      .def(
+          "attach_local",
+          [](hetcomm::ProcessGroupHetcomm& pg, std::vector<int64_t> hostOf, int64_t maxSegmentBytes, int64_t slotBytes) {
+            py::gil_scoped_release release;  // waits on the store for the host's other ranks
+            return pg.attachLocal(hostOf, maxSegmentBytes, slotBytes);
+          },
+          py::arg("host_of"), py::arg("max_segment_bytes"), py::arg("slot_bytes"),
+          "Shared memory among the ranks of this rank's host (host_of: a host label per group rank). "
+          "Collective over each host's ranks; returns '' on success (or when this rank is alone on its "
+          "host), else why it cannot be used.")
+      .def("enable_local", &hetcomm::ProcessGroupHetcomm::enableLocal, py::arg("use"),
+           "Use (True) or drop (False) the shared memory attach_local prepared; every rank of the group, "
+           "at the same point, once all know whether every host succeeded.")
+      .def("detach_local", &hetcomm::ProcessGroupHetcomm::detachLocal,
+           "Stop using shared memory (every rank of the group, at the same point).")
+      .def("local_ranks", &hetcomm::ProcessGroupHetcomm::localRanks,
+           "The group ranks this rank shares memory with (itself included); [] when none.")
       .def(
           "traffic",
           [](const hetcomm::ProcessGroupHetcomm& pg) {
@@ -167,6 +189,12 @@ PYBIND11_MODULE(_C, m) {
             d["collective_seconds"] = static_cast<double>(t.collectiveNanos) * 1e-9;
             d["p2p_sent_messages"] = t.p2pSentMessages;
             d["p2p_received_messages"] = t.p2pReceivedMessages;
+            py::dict paths;
+            for (size_t i = 0; i < t.collectivesByPath.size(); ++i) {
+              paths[hetcomm::collectivePathName(static_cast<hetcomm::CollectivePath>(i))] = t.collectivesByPath[i];
+            }
+            d["collectives_by_path"] = paths;
+            d["shared_memory_bytes"] = t.sharedMemoryBytes;
             return d;
           },
           "Cumulative traffic since the group was created: bytes_sent and bytes_received (lists indexed "

@@ -25,7 +25,9 @@ R = dist.ReduceOp
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.uint8,
           torch.int32, torch.int64, torch.bool]
 LARGE = 4 * 1024 * 1024 + 3     # 16 MiB of float32 and then some
-ENV = {"HETCOMM_SMALL_ALLREDUCE_BYTES": "0", "HETCOMM_PROBE": "0"}
+# HETCOMM_SHM=0: the test's ranks share one machine, whose collectives would otherwise all go
+# through shared memory; the site schedule under test runs over TCP between hosts.
+ENV = {"HETCOMM_SMALL_ALLREDUCE_BYTES": "0", "HETCOMM_PROBE": "0", "HETCOMM_SHM": "0"}
 HEADER_BYTES = 40               # one collective header per message a link carries (hetcomm.stats)
 
 # (world size, sites, blocks, block shares, site shares): the engine's set_site_plan arguments.

@@ -34,7 +34,7 @@ P2P_HEADER_BYTES = 24
 NUMEL = 120_000
 LATE_S = 0.3
 KEYS = {"rank", "world_size", "peers", "bytes_sent", "bytes_received", "collectives", "collective_seconds",
-        "p2p_sent_messages", "p2p_received_messages"}
+        "p2p_sent_messages", "p2p_received_messages", "collectives_by_path", "shared_memory_bytes"}
 
 
 def shares_to_counts(total: int, shares: list[float]) -> list[int]:
@@ -222,7 +222,9 @@ def test_counts_match_the_algorithms(world_size: int, emulate_device: bool) -> N
     plans = [None]
     if world_size == 3:
         plans.append(([2, 0, 1], [0.5, 0.3, 0.2]))  # another order, unequal shares
-    env = {"HETCOMM_DEBUG_EMULATE_DEVICE": "1"} if emulate_device else None
+    # The algorithms over TCP: these ranks share one machine, whose collectives would otherwise go
+    # through shared memory (test_shm.py checks that no socket byte moves then).
+    env = {"HETCOMM_SHM": "0", **({"HETCOMM_DEBUG_EMULATE_DEVICE": "1"} if emulate_device else {})}
     extras = world_size == 3
     results = run_ranks(world_size, _traffic, plans, extras, env=env, timeout=90)
     check_job(results, world_size)

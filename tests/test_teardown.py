@@ -154,9 +154,11 @@ print("ok", flush=True)
 
 @hetcomm_only("the group's store keys")
 def test_rank_that_joins_after_rank_0_left_still_joins(tmp_path):
-    """Rank 0 creates and destroys a group that runs nothing before rank 1 has even started: rank 0
-    must not remove the group's keys (the secret) that rank 1 still has to read, or rank 1 waits
-    for them until its timeout (seen as a DistStoreError in tests on a busy machine)."""
+    """Rank 1 starts seconds after rank 0: rank 0 must not remove the group's keys (the secret)
+    that rank 1 still has to read, or rank 1 waits for them until its timeout (seen as a
+    DistStoreError in tests on a busy machine). Group creation gathers every rank's host identity
+    (hetcomm.hosts), so rank 0 now waits for rank 1 there before it can destroy the group; once,
+    with HETCOMM_PROBE=0, it could create and destroy it alone."""
     import subprocess
     import sys
 
@@ -164,9 +166,10 @@ def test_rank_that_joins_after_rank_0_left_still_joins(tmp_path):
     script = tmp_path / "late.py"
     script.write_text(_LATE_RANK)
     env = {**__import__("os").environ, "HETCOMM_PROBE": "0"}
-    first = subprocess.run([sys.executable, str(script), "0", str(store.port), "0"], capture_output=True, text=True,
-                           timeout=120, env=env)
-    assert first.returncode == 0 and "ok" in first.stdout, first.stderr[-2000:]
-    late = subprocess.run([sys.executable, str(script), "1", str(store.port), "0"], capture_output=True, text=True,
+    first = subprocess.Popen([sys.executable, str(script), "0", str(store.port), "0"], stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True, env=env)
+    late = subprocess.run([sys.executable, str(script), "1", str(store.port), "2"], capture_output=True, text=True,
                           timeout=120, env=env)
+    out, err = first.communicate(timeout=120)
+    assert first.returncode == 0 and "ok" in out, err[-2000:]
     assert late.returncode == 0 and "ok" in late.stdout, late.stderr[-2000:]

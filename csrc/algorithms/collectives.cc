@@ -5,6 +5,8 @@
 #include <numeric>
 
 #include "algorithms/device_ops.h"
+#include "algorithms/local_collectives.h"
+#include "algorithms/local_group.h"
 #include "algorithms/pipeline.h"
 #include "algorithms/ring_schedule.h"
 #include "common/env.h"
@@ -66,6 +68,13 @@ AllreduceAlgo chooseAllreduceAlgo(size_t bytes, int size) {
 }
 
 namespace {
+
+// Every rank of the group is on this host, with shared memory: every collective goes through it.
+bool allLocal(CollectiveContext& ctx) {
+  if (ctx.local == nullptr || ctx.size <= 1 || !ctx.local->coversGroup(ctx.size)) return false;
+  ctx.path = CollectivePath::kSharedMemory;
+  return true;
+}
 
 // dst <- src within this rank's own buffers, host or device memory.
 void copyLocal(CollectiveContext& ctx, char* dst, const char* src, size_t bytes) {
@@ -196,6 +205,11 @@ void allreduceStagedWhole(CollectiveContext& ctx, char* buf, size_t count, DType
 
 void allreduce(CollectiveContext& ctx, char* buf, size_t count, DType dtype, RedOp op, const RingPlan& plan) {
   SettleOnExit settle(ctx.device);
+  if (allLocal(ctx)) {
+    // An AVG over the whole group is divided inside the reduction, before rounding.
+    local::allreduce(ctx, buf, count, dtype, op, op == RedOp::kAvg ? ctx.size : 0.0);
+    return;
+  }
   if (ctx.size > 1) {
     const bool ring = static_cast<AllreduceAlgo>(ctx.header.algo) == AllreduceAlgo::kRing;
     // The hierarchical schedule moves host memory: device buffers are staged whole.
@@ -218,6 +232,7 @@ void broadcast(CollectiveContext& ctx, char* buf, size_t bytes, int root) {
   SettleOnExit settle(ctx.device);
   const int P = ctx.size;
   if (P == 1) return;
+  if (allLocal(ctx)) return local::broadcast(ctx, buf, bytes, root);
   const int pos = (ctx.rank - root + P) % P;
   RingSchedule sched = buildChainSchedule(pos, P, bytes, ctx.segmentBytesFor(bytes));
   PipelineSpec spec;
@@ -233,6 +248,7 @@ void allgatherv(CollectiveContext& ctx, char* out, const std::vector<size_t>& bl
   SettleOnExit settle(ctx.device);
   const int P = ctx.size;
   if (P == 1) return;
+  if (allLocal(ctx)) return local::allgatherv(ctx, out, blockBytes);
   std::vector<size_t> offsets = prefixOffsets(blockBytes);
   std::vector<size_t> countsByPos(P), offsetsByPos(P);
   for (int pos = 0; pos < P; ++pos) {
@@ -246,6 +262,7 @@ void reduceScatterv(CollectiveContext& ctx, char* work, const std::vector<size_t
                     const RingPlan& plan) {
   SettleOnExit settle(ctx.device);
   const int P = ctx.size;
+  if (allLocal(ctx)) return local::reduceScatterv(ctx, work, counts, dtype, op, op == RedOp::kAvg ? P : 0.0);
   std::vector<size_t> offsets = prefixOffsets(counts);
   if (P > 1) {
     std::vector<size_t> countsByPos(P), offsetsByPos(P);
@@ -262,6 +279,7 @@ void reduceScatterv(CollectiveContext& ctx, char* work, const std::vector<size_t
 
 void gather(CollectiveContext& ctx, const char* in, char* out, size_t blockBytes, int root) {
   SettleOnExit settle(ctx.device);
+  if (allLocal(ctx)) return local::gather(ctx, in, out, blockBytes, root);
   if (ctx.rank != root) {
     exchange(ctx, root, in, blockBytes, -1, nullptr, 0, 0);
     return;
@@ -274,6 +292,7 @@ void gather(CollectiveContext& ctx, const char* in, char* out, size_t blockBytes
 
 void scatter(CollectiveContext& ctx, const char* in, char* out, size_t blockBytes, int root) {
   SettleOnExit settle(ctx.device);
+  if (allLocal(ctx)) return local::scatter(ctx, in, out, blockBytes, root);
   if (ctx.rank != root) {
     exchange(ctx, -1, nullptr, 0, root, out, blockBytes, 0);
     return;
@@ -288,6 +307,7 @@ void alltoallv(CollectiveContext& ctx, const char* in, const std::vector<size_t>
                const std::vector<size_t>& sendBytes, char* out, const std::vector<size_t>& recvOffsets,
                const std::vector<size_t>& recvBytes) {
   SettleOnExit settle(ctx.device);
+  if (allLocal(ctx)) return local::alltoallv(ctx, in, sendOffsets, sendBytes, out, recvOffsets, recvBytes);
   const int P = ctx.size, r = ctx.rank;
   if (recvBytes[r] != sendBytes[r]) {
     throw CommError(strCat(ctx.prefix(), ": sends ", sendBytes[r], " bytes to itself but expects ", recvBytes[r]));
@@ -302,6 +322,7 @@ void alltoallv(CollectiveContext& ctx, const char* in, const std::vector<size_t>
 }
 
 void barrier(CollectiveContext& ctx) {
+  if (allLocal(ctx)) return local::barrier(ctx);
   uint8_t token = 0;  // host memory, whatever the group's tensors are
   CollectiveContext onHost = ctx;
   onHost.device = nullptr;

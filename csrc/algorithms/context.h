@@ -13,6 +13,7 @@
 namespace hetcomm {
 
 class DeviceOps;
+struct LocalGroup;
 
 enum class CollectiveKind : uint8_t {
   kAllreduce = 1,
@@ -42,6 +43,11 @@ struct CollectiveContext {
   DeviceOps* device = nullptr;
   // Where the bytes this collective moves are counted (per peer); null: nowhere.
   TrafficCounters* traffic = nullptr;
+  // The ranks of this rank's host and their shared memory (algorithms/local_group.h); null when
+  // the group moves everything over TCP.
+  LocalGroup* local = nullptr;
+  // Set by the algorithm to the path it took (counted by the backend once the body returns).
+  CollectivePath path = CollectivePath::kTcp;
 
   // "hetcomm allreduce #42: rank 2"
   std::string prefix() const;

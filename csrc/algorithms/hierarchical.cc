@@ -4,6 +4,8 @@
 #include <cmath>
 
 #include "algorithms/flow_pipeline.h"
+#include "algorithms/local_collectives.h"
+#include "algorithms/local_group.h"
 #include "algorithms/ring_schedule.h"
 #include "common/error.h"
 #include "common/fingerprint.h"
@@ -61,6 +63,20 @@ void SitePlan::validate(int size) const {
   }
   checkShares(blockShares, "block shares");
   checkShares(siteShares, "site shares");
+  if (localInner) {
+    for (size_t s = 0; s < sites.size(); ++s) {
+      if (!std::is_sorted(sites[s].begin(), sites[s].end())) {
+        throw CommError(strCat("hetcomm: a host plan lists each host's ranks ascending (host ", s, " does not)"));
+      }
+      // The owners of consecutive blocks never go back to an earlier rank of the host.
+      for (size_t b = 1; b < blockOwners.size(); ++b) {
+        if (blockOwners[b][s] < blockOwners[b - 1][s]) {
+          throw CommError(strCat("hetcomm: in a host plan each rank's blocks are contiguous and in rank order (block ",
+                                 b, " goes back to rank ", blockOwners[b][s], " in host ", s, ")"));
+        }
+      }
+    }
+  }
 }
 
 uint64_t SitePlan::fingerprint() const {
@@ -77,6 +93,7 @@ uint64_t SitePlan::fingerprint() const {
   for (double s : siteShares) f.mixDouble(s);
   f.mix(minBytes);
   f.mix(segmentBytes);
+  f.mix(localInner ? 1 : 0);
   return f.value();
 }
 
@@ -137,6 +154,24 @@ void allreduceHierarchical(CollectiveContext& ctx, char* buf, size_t count, DTyp
   const Layout L = layoutOf(plan, count, es, segmentBytes);
   const size_t B = plan.blockOwners.size();
 
+  // Hosts as the inner level: the host's reduce-scatter through shared memory first, so that
+  // this rank's chunk (its blocks, one range) holds the host's sum before the flows below start.
+  const bool inner = plan.localInner;
+  std::vector<size_t> localCounts;
+  if (inner) {
+    if (m > 1 && (ctx.local == nullptr || ctx.local->ranks != site)) {
+      throw CommError(strCat(ctx.prefix(), ": the host plan's host of this rank (", site.size(),
+                             " ranks) is not the set of ranks it shares memory with"));
+    }
+    const std::vector<size_t> blockCounts = sharesToCounts(count, plan.blockShares);
+    localCounts.assign(m, 0);
+    for (size_t b = 0; b < B; ++b) {
+      const int owner = plan.blockOwners[b][s];
+      localCounts[std::find(site.begin(), site.end(), owner) - site.begin()] += blockCounts[b];
+    }
+    if (m > 1) local::reduceScatterv(ctx, buf, localCounts, dtype, op, 0.0);
+  }
+
   FlowGraph g;
   g.dtype = dtype;
   g.op = op;
@@ -174,7 +209,7 @@ void allreduceHierarchical(CollectiveContext& ctx, char* buf, size_t count, DTyp
   };
 
   // 1. Site reduce-scatter (ring_schedule.h's sequences over chunks of several ranges).
-  if (m > 1) {
+  if (m > 1 && !inner) {
     const int succ = site[(p + 1) % m], pred = site[(p + m - 1) % m];
     for (int k = 2; k <= m; ++k) {
       for (const auto& [id, r] : chunk(p - k)) rsRecv[id] = g.add(atomPtr(r), r.bytes, true, {});
@@ -244,7 +279,7 @@ void allreduceHierarchical(CollectiveContext& ctx, char* buf, size_t count, DTyp
   }
 
   // 4. Site all-gather: this rank's chunk once final, then forwarding what arrives.
-  if (m > 1) {
+  if (m > 1 && !inner) {
     const int succ = site[(p + 1) % m], pred = site[(p + m - 1) % m];
     for (int k = 1; k <= m - 1; ++k) {
       for (const auto& [id, r] : chunk(p - k)) agRecv[id] = g.add(atomPtr(r), r.bytes, false, {});
@@ -267,6 +302,12 @@ void allreduceHierarchical(CollectiveContext& ctx, char* buf, size_t count, DTyp
   g.flows.erase(std::remove_if(g.flows.begin(), g.flows.end(), [](const Flow& f) { return f.items.empty(); }),
                 g.flows.end());
   runFlows(ctx, g);
+  if (inner && m > 1) {
+    std::vector<size_t> blockBytes(localCounts);
+    for (size_t& n : blockBytes) n *= es;
+    local::allgatherv(ctx, buf, blockBytes);
+  }
+  if (inner) ctx.path = CollectivePath::kHierarchical;
 }
 
 }  // namespace hetcomm

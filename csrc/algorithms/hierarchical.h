@@ -46,6 +46,11 @@ struct SitePlan {
   // Allreduces of at least this many bytes use this schedule; smaller ones the ring plan.
   uint64_t minBytes = 0;
   uint64_t segmentBytes = 0;                  // 0: adaptive
+  // Sites are the group's hosts, and their ranks share memory (ctx.local): the steps inside a
+  // site run through shared memory instead of the TCP ring, one after the other (see
+  // allreduceHierarchical). Then each site lists its host's ranks ascending, and every rank's
+  // blocks are contiguous, in the order of the site's ranks, so that a rank's chunk is one range.
+  bool localInner = false;
 
   // Throws CommError unless the sites partition 0..size-1, every block names one rank of each
   // site, and the shares are finite, non-negative and not all zero.
@@ -54,6 +59,11 @@ struct SitePlan {
 };
 
 // In place: buf holds count elements in, the reduction out (AVG not divided here). Host memory.
+//
+// With plan.localInner (hosts as the inner level): a reduce-scatter over the host's shared memory
+// leaves each rank its chunk (its blocks) summed over the host; then steps 2-3 above between the
+// blocks' owners over TCP; then an all-gather over shared memory. Each host's NIC carries
+// (1 + (H - 2) w_h) N out and in, N for two hosts, whatever the number of ranks per host: no root.
 void allreduceHierarchical(CollectiveContext& ctx, char* buf, size_t count, DType dtype, RedOp op,
                            const SitePlan& plan);
 

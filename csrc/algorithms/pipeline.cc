@@ -42,7 +42,6 @@ size_t CollectiveContext::segmentBytesFor(size_t chunkBytes) const {
 }
 
 namespace pipeline_io {
-namespace {
 
 std::string describeMismatch(const CollectiveHeader& want, const CollectiveHeader& got) {
   std::string d;
@@ -67,6 +66,8 @@ std::string describeMismatch(const CollectiveHeader& want, const CollectiveHeade
   }
   return d;
 }
+
+namespace {
 
 [[noreturn]] void throwIo(const CollectiveContext& ctx, int peer, const char* doing, int err) {
   throw PeerClosedError(strCat(ctx.prefix(), " lost its connection to rank ", peer, " while ", doing, ": ",

@@ -6,6 +6,7 @@
 #include <array>
 #include <cstddef>
 #include <cstdint>
+#include <string>
 
 #include "algorithms/pipeline.h"
 
@@ -17,6 +18,9 @@ constexpr size_t kHeaderBytes = CollectiveHeader::kBytes;
 // The header this rank sends on spec's send link, and the one it expects on its receive link.
 CollectiveHeader outgoingHeader(const CollectiveContext& ctx, const PipelineSpec& spec);
 CollectiveHeader expectedHeader(const CollectiveContext& ctx, const PipelineSpec& spec);
+// What differs between two headers of one collective, for error messages ("dtype float16 vs
+// float32, 64 bytes vs 128 bytes").
+std::string describeMismatch(const CollectiveHeader& want, const CollectiveHeader& got);
 // Throws CommError if the received header is garbage or describes another collective.
 void checkHeader(const CollectiveContext& ctx, const PipelineSpec& spec, const uint8_t* bytes,
                  const CollectiveHeader& want);

@@ -219,6 +219,7 @@ void ProcessGroupHetcomm::runWorker() {
   while (true) {
     Pending op;
     std::string broken;
+    std::shared_ptr<LocalGroup> local;
     {
       std::unique_lock<std::mutex> lock(mu_);
       cv_.wait(lock, [&] { return stopping_ || !queue_.empty(); });
@@ -226,6 +227,7 @@ void ProcessGroupHetcomm::runWorker() {
       op = std::move(queue_.front());
       queue_.pop_front();
       broken = brokenReason_;
+      local = local_;
     }
     std::exception_ptr error;
     CollectiveContext ctx;
@@ -240,6 +242,7 @@ void ProcessGroupHetcomm::runWorker() {
       ctx.segmentBytes = static_cast<size_t>(std::max<int64_t>(0, paramSegmentBytes()));
       ctx.fdOf = [this, &ctx](int peer) { return mesh_->collectiveFd(peer, ctx.deadline); };
       ctx.traffic = traffic_.get();
+      ctx.local = local.get();
       try {
         // A CUDA operation: every device-side step, the body's tensor operations included, goes on
         // the group's stream, after what the caller had queued when it issued the operation.
@@ -264,6 +267,7 @@ void ProcessGroupHetcomm::runWorker() {
           }
         } timeCollective{*traffic_};
         op.body(ctx);
+        traffic_->addPath(ctx.path);
       } catch (const PeerClosedError& e) {
         std::string msg = e.what();
         const std::string why = peerAbortReason(e.peer());
@@ -298,12 +302,16 @@ std::string ProcessGroupHetcomm::peerAbortReason(int peer) {
 }
 
 void ProcessGroupHetcomm::failGroup(const std::string& reason) {
+  std::shared_ptr<LocalGroup> local;
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (!brokenReason_.empty()) return;
     brokenReason_ = reason;
+    local = local_;
   }
   HC_LOG(kError, reason);
+  // The ranks of this host waiting on us in shared memory fail now too.
+  if (local) local->channel->abort(local->localRank());
   // Leave the reason for the peers before they see our connections close. Detached: a store
   // whose host died must not delay the abort; the store outlives the thread's short work.
   auto store = store_;
@@ -337,6 +345,11 @@ void ProcessGroupHetcomm::shutdown() {
   if (worker_.joinable() && worker_.get_id() != std::this_thread::get_id()) worker_.join();
   if (p2p_) p2p_->stop("the process group was shut down");
   if (mesh_) mesh_->close();
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    local_.reset();  // unmaps this rank's view of the host's segment
+    pendingLocal_.reset();
+  }
   completions_->stop();
   // Rank 0 cleans the group's keys: it usually hosts the store, which is then alive during its own
   // shutdown, while other ranks may outlive it. Not before every rank has read the secret: a rank

@@ -29,6 +29,7 @@
 
 #include "algorithms/collectives.h"
 #include "algorithms/device_ops.h"
+#include "algorithms/local_group.h"
 #include "backend/completion_pool.h"
 #include "backend/p2p_engine.h"
 #include "backend/work.h"
@@ -107,6 +108,21 @@ class ProcessGroupHetcomm : public c10d::Backend {
   // same point of its program (a mismatch is detected and reported by the next allreduce).
   void setPlan(RingPlan plan);
 
+  // Shared memory among the ranks of this rank's host (hostOf[r]: a host label per group rank;
+  // local_setup.cc). The host's first rank creates a segment of at most maxSegmentBytes with
+  // slots of at most slotBytes, publishes its name in the store, the others open it, and it is
+  // unlinked once all have mapped it. A collective over each host's ranks: call it on every rank
+  // of the group, with no collective in flight (at group creation). Returns "" when this host's
+  // ranks share memory now (or this rank is alone on its host), else why they cannot.
+  std::string attachLocal(const std::vector<int64_t>& hostOf, int64_t maxSegmentBytes, int64_t slotBytes);
+  // The shared memory attachLocal prepared takes effect (use) or is dropped (!use), on every rank
+  // of the group at the same point, once all know whether every host succeeded; detachLocal
+  // drops it again (back to TCP between the ranks of every host).
+  void enableLocal(bool use);
+  void detachLocal();
+  // The group ranks this rank shares memory with (itself included), or empty.
+  std::vector<int> localRanks() const;
+
  private:
   using Body = std::function<void(CollectiveContext&)>;
   struct Pending {
@@ -154,6 +170,10 @@ class ProcessGroupHetcomm : public c10d::Backend {
   std::shared_ptr<TrafficCounters> traffic_;
   std::unique_ptr<TcpMesh> mesh_;
   std::unique_ptr<P2PEngine> p2p_;
+  // This host's ranks and their shared memory (null: TCP only); replaced only by attachLocal and
+  // detachLocal, while no collective runs. Guarded by mu_; the worker holds a copy per operation.
+  std::shared_ptr<LocalGroup> local_;
+  std::shared_ptr<LocalGroup> pendingLocal_;  // attached, not yet enabled
 
   mutable std::mutex mu_;
   std::condition_variable cv_;

@@ -19,6 +19,11 @@
 
 namespace hetcomm {
 
+// How a collective moved its data: over TCP only, through the shared memory of one host only,
+// through shared memory inside each host and TCP between hosts, or through NCCL.
+enum class CollectivePath : uint8_t { kTcp = 0, kSharedMemory, kHierarchical, kNccl, kCount };
+const char* collectivePathName(CollectivePath path);
+
 struct TrafficSnapshot {
   std::vector<uint64_t> bytesSent;      // [peer]: bytes this rank wrote to peer's sockets
   std::vector<uint64_t> bytesReceived;  // [peer]: bytes this rank read from peer's sockets
@@ -26,6 +31,8 @@ struct TrafficSnapshot {
   uint64_t collectiveNanos = 0;         // wall time spent running them
   uint64_t p2pSentMessages = 0;         // point-to-point messages wholly written
   uint64_t p2pReceivedMessages = 0;     // point-to-point messages wholly read (claimed or not)
+  std::vector<uint64_t> collectivesByPath;  // [CollectivePath]: collectives that took each path
+  uint64_t sharedMemoryBytes = 0;       // bytes this rank copied into its shared-memory slots
 };
 
 class TrafficCounters {
@@ -49,6 +56,8 @@ class TrafficCounters {
     collectives_.fetch_add(1, std::memory_order_relaxed);
     collectiveNanos_.fetch_add(nanos, std::memory_order_relaxed);
   }
+  void addPath(CollectivePath path) { byPath_[static_cast<int>(path)].fetch_add(1, std::memory_order_relaxed); }
+  void addSharedMemory(uint64_t bytes) { shmBytes_.fetch_add(bytes, std::memory_order_relaxed); }
   void addP2PSent() { p2pSent_.fetch_add(1, std::memory_order_relaxed); }
   void addP2PReceived() { p2pReceived_.fetch_add(1, std::memory_order_relaxed); }
 
@@ -64,6 +73,8 @@ class TrafficCounters {
     s.collectiveNanos = collectiveNanos_.load(std::memory_order_relaxed);
     s.p2pSentMessages = p2pSent_.load(std::memory_order_relaxed);
     s.p2pReceivedMessages = p2pReceived_.load(std::memory_order_relaxed);
+    for (const auto& n : byPath_) s.collectivesByPath.push_back(n.load(std::memory_order_relaxed));
+    s.sharedMemoryBytes = shmBytes_.load(std::memory_order_relaxed);
     return s;
   }
 
@@ -77,6 +88,18 @@ class TrafficCounters {
   std::atomic<uint64_t> collectiveNanos_{0};
   std::atomic<uint64_t> p2pSent_{0};
   std::atomic<uint64_t> p2pReceived_{0};
+  std::atomic<uint64_t> byPath_[static_cast<int>(CollectivePath::kCount)] = {};
+  std::atomic<uint64_t> shmBytes_{0};
 };
+
+inline const char* collectivePathName(CollectivePath path) {
+  switch (path) {
+    case CollectivePath::kTcp: return "tcp";
+    case CollectivePath::kSharedMemory: return "shm";
+    case CollectivePath::kHierarchical: return "hierarchical";
+    case CollectivePath::kNccl: return "nccl";
+    default: return "?";
+  }
+}
 
 }  // namespace hetcomm

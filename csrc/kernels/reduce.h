@@ -16,4 +16,13 @@ void reduceInto(void* dst, const void* src, size_t count, DType dtype, RedOp op)
 // x[i] /= divisor, for AVG on floating types.
 void divideInPlace(void* data, size_t count, DType dtype, double divisor);
 
+// dst[i] = op(srcs[0][i], srcs[1][i], ..., srcs[n-1][i]), combined in that order, for i < count;
+// then, when divisor > 0 (AVG over a whole group), divided by it before the result is stored.
+// fp16/bf16 accumulate in fp32 across all sources and round once at the end (so an AVG of
+// large fp16 values does not overflow on the way). dst may alias any source: each block of
+// elements is read from every source before it is written. Every caller that combines the same
+// sources in the same order gets the same bits (reduceInto's bitwise symmetry is not needed here).
+void reduceMany(void* dst, const void* const* srcs, int nsrcs, size_t count, DType dtype, RedOp op,
+                double divisor = 0.0);
+
 }  // namespace hetcomm

@@ -109,6 +109,11 @@ def stats(group: Optional[dist.ProcessGroup] = None) -> dict:
       arrives before its receive is posted counts when it arrives (its bytes too): the engine reads
       messages eagerly, so an interval can include point-to-point traffic from a peer that has
       run ahead of this rank. Collective bytes are read only while this rank runs the collective.
+    * ``collectives_by_path``: how many collectives took each path: ``tcp`` (sockets only),
+      ``shm`` (every rank of the group on this host: shared memory only), ``hierarchical``
+      (allreduces with hosts as the inner level: shared memory inside each host, TCP between
+      hosts), ``nccl`` (reserved for NCCL inside a host; not used yet). ``shared_memory_bytes``:
+      bytes this rank copied into its shared-memory slots (these never appear in ``bytes_sent``).
 
     The group's creation may already have moved bytes (``hetcomm.probe`` measuring links, for one).
     A snapshot taken while operations run may hold part of their bytes and not yet their counts.
@@ -134,9 +139,9 @@ def get_plan(group: Optional[dist.ProcessGroup] = None):
     order, shares, min_bytes, segment_bytes = backend.get_plan()
     site = backend.get_site_plan()
     if site is not None:
-        groups, owners, block_shares, site_shares, site_min, site_seg = site
+        groups, owners, block_shares, site_shares, site_min, site_seg, local_inner = site
         site = SitePlan(tuple(map(tuple, groups)), tuple(map(tuple, owners)), tuple(block_shares), tuple(site_shares),
-                        min_bytes=site_min, segment_bytes=site_seg)
+                        min_bytes=site_min, segment_bytes=site_seg, local_inner=local_inner)
     return Plan(tuple(order), tuple(shares), min_bytes=min_bytes, segment_bytes=segment_bytes, sites=site,
                 topology=topology_of(backend))
 

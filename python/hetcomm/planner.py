@@ -893,9 +893,11 @@ def format_plan(plan: Plan, model: Optional[LinkModel] = None) -> str:
         sp = plan.sites
         total = math.fsum(sp.block_shares)
         blocks = " ".join(f"({','.join(map(str, b))})={100.0 * x / total:.1f}%" for b, x in zip(sp.blocks, sp.block_shares))
-        line += (f"\nhetcomm plan: hierarchical for allreduces >= {sp.min_bytes} B | sites "
+        level = "hosts (shared memory inside)" if sp.local_inner else "sites"
+        line += (f"\nhetcomm plan: hierarchical for allreduces >= {sp.min_bytes} B | {level} "
                  + " ".join("{" + ">".join(map(str, s)) + "}" for s in sp.sites)
-                 + f" | blocks {blocks} | site shares " + " ".join(f"{100.0 * w:.1f}%" for w in sp.site_shares))
+                 + f" | blocks {blocks} | {level.split()[0][:-1]} shares "
+                 + " ".join(f"{100.0 * w:.1f}%" for w in sp.site_shares))
         if sp.segment_bytes:
             line += f" | segments {sp.segment_bytes // 1024} KB"
         if model is not None:

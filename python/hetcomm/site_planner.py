@@ -94,6 +94,7 @@ from __future__ import annotations
 import itertools
 import math
 from dataclasses import dataclass
+from fractions import Fraction
 from typing import Optional, Sequence
 
 import numpy as np
@@ -116,6 +117,9 @@ class SitePlan:
     site_shares: tuple[float, ...]
     min_bytes: int = 0
     segment_bytes: int = 0
+    #: the sites are the group's hosts and the steps inside each run through shared memory
+    #: (`host_plan`); the intra-host links then carry nothing
+    local_inner: bool = False
 
     def __post_init__(self) -> None:
         sites = tuple(tuple(int(r) for r in site) for site in self.sites)
@@ -170,7 +174,7 @@ class SitePlan:
         loads: dict[tuple[int, int], float] = {}
         for site in self.sites:
             m = len(site)
-            for p in range(m if m > 1 else 0):
+            for p in range(m if m > 1 and not self.local_inner else 0):
                 a, b = site[p], site[(p + 1) % m]
                 loads[(a, b)] = loads.get((a, b), 0.0) + 2.0 - o[a] - o[b]
         for owners, xb in zip(self.blocks, x):
@@ -188,7 +192,9 @@ class SitePlan:
         for k, site in enumerate(self.sites):
             m = len(site)
             for p, r in enumerate(site):
-                ring = 1.0 - o[site[(p - 1) % m]] if m > 1 else 0.0
+                # (With local_inner the host's reduce-scatter adds (m - 1) o_r in shared memory,
+                # at memory speed, which no link rate describes: left out like its copies.)
+                ring = 1.0 - o[site[(p - 1) % m]] if m > 1 and not self.local_inner else 0.0
                 out[r] = ring + (S - 1) * self.site_shares[k] / wt * o[r]
         return out
 
@@ -383,6 +389,39 @@ def best_site_plan(model: LinkModel, site_labels: Sequence[int]) -> Optional[Sit
     x = planner._snap_shares(_solve_blocks(model, sites, blocks, w))
     kept = [(b, xb) for b, xb in zip(blocks, x) if xb > 0]
     return SitePlan(tuple(sites), tuple(b for b, _ in kept), tuple(xb for _, xb in kept), w)
+
+
+def host_plan(host_labels: Sequence[int], model: Optional[LinkModel] = None) -> Optional[SitePlan]:
+    """Hosts as the inner level of the schedule: a `SitePlan` with ``local_inner`` whose sites are
+    the hosts (``host_labels``: one per rank), or None unless there are several hosts and one of
+    them holds several ranks.
+
+    Each host's ranks split the buffer equally (the host's rank count sizes its ranks' chunks: a
+    rank's chunk is the part it reduces in shared memory and carries across the NIC); the blocks
+    are the intersections of the hosts' partitions, so every rank's blocks are one contiguous
+    range in every host, as the engine needs, and a block pairs the ranks of the hosts whose
+    chunks overlap on it: hosts of 3 and 1 ranks make three blocks, each with the lone rank as its
+    second owner (no root). Host ``h`` reduces the piece ``w_h`` of every block; with a model the
+    pieces equalise the hosts' NIC times (`site_shares_for`, from each host's cut: its NIC, as
+    measured with all its flows at once), without one they are equal. Each host's NIC then
+    carries ``(1 + (H - 2) w_h) N`` out and in: N for two hosts, ``2 (H - 1) / H N`` for equal
+    shares, the least any schedule moves through it (design.md §9).
+    """
+    groups: dict[int, list[int]] = {}
+    for r, label in enumerate(host_labels):
+        groups.setdefault(label, []).append(r)
+    hosts = sorted(groups.values())
+    if len(hosts) < 2 or max(len(h) for h in hosts) < 2:
+        return None
+    if model is not None and model.world_size != len(host_labels):
+        raise ValueError(f"hetcomm host plan: {len(host_labels)} host labels for a model of {model.world_size} ranks")
+    w = site_shares_for(model, hosts) if model is not None else (1.0 / len(hosts),) * len(hosts)
+    cuts = sorted({Fraction(k, len(h)) for h in hosts for k in range(len(h) + 1)})
+    blocks, shares = [], []
+    for lo, hi in zip(cuts, cuts[1:]):
+        blocks.append(tuple(h[int(lo * len(h))] for h in hosts))
+        shares.append(float(hi - lo))
+    return SitePlan(tuple(tuple(h) for h in hosts), tuple(blocks), tuple(shares), tuple(w), local_inner=True)
 
 
 # --------------------------------------------------------------------------------------------

@@ -13,7 +13,7 @@ Pure and deterministic: no torch, no processes, no environment. The caller passe
   diagonal is ignored. An off-diagonal ``None``, NaN or 0 means *unknown* (not measured, or no
   link): see `detect_sites` for what that does. A negative or infinite rate is a ValueError.
 * ``declared``: the text of ``HETCOMM_SITES`` (``"0,0,1,1"``), which wins over any measurement.
-* ``addresses``: every rank's listening host (what `topology._hosts` all-gathers).
+* ``addresses``: a host label for every rank (what `hetcomm.hosts.host_labels` finds).
 
 Numbering, for sites and hosts alike: by lowest rank. Rank 0 is in site 0, and site a < site b
 iff a's lowest rank is lower than b's. Labels in a declaration are renumbered so.

@@ -31,7 +31,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from hetcomm import planner, site_planner, sites
+from hetcomm import hosts, planner, site_planner, sites
 from hetcomm.measure import measure_model, measure_site_uplinks, model_from_declared, parse_mbit
 
 log = logging.getLogger("hetcomm")
@@ -40,6 +40,9 @@ log = logging.getLogger("hetcomm")
 # process). Python attributes cannot live on the backend: torch hands out fresh wrappers of it.
 _models: dict[str, planner.LinkModel] = {}
 _topologies: dict[str, sites.Topology] = {}
+_host_labels: dict[str, tuple[int, ...]] = {}
+# Whether the group's hosts share memory (the same answer on every rank; `hosts.setup_shared_memory`).
+_shared_memory: dict[str, bool] = {}
 
 
 def model_of(backend) -> Optional[planner.LinkModel]:
@@ -143,18 +146,46 @@ def snap_measured(model: planner.LinkModel, tolerance: float = MEASURED_RATE_TOL
     return dataclasses.replace(model, bw=tuple(tuple(row) for row in snapped))
 
 
+def _same_partition(a: Sequence[int], b: Sequence[int]) -> bool:
+    return sites._renumber(a) == sites._renumber(b)
+
+
+def with_host_plan(ring: planner.Plan, host_labels: Sequence[int],
+                   model: Optional[planner.LinkModel] = None) -> planner.Plan:
+    """``ring`` plus the host-level schedule (`site_planner.host_plan`) for every allreduce that
+    takes the ring's path (those above HETCOMM_SMALL_ALLREDUCE_BYTES), when there is one."""
+    hp = site_planner.host_plan(host_labels, model) if hierarchical_enabled() else None
+    if hp is None:
+        return ring
+    if model is not None:
+        hp = dataclasses.replace(hp, segment_bytes=_segment_for_rate(min(model.bw[a][b] for a, b in hp.link_loads())))
+    return dataclasses.replace(ring, sites=hp)
+
+
 def choose_plan(model: planner.LinkModel, min_gain: float = DECLARED_MIN_GAIN,
-                site_labels: Optional[Sequence[int]] = None) -> planner.Plan:
+                site_labels: Optional[Sequence[int]] = None,
+                host_labels: Optional[Sequence[int]] = None) -> planner.Plan:
     """The large-message ring plan, with min_bytes set to the crossover (uniform if weighting gains
     nothing), and with ``site_labels`` (one site per rank; several sites) the site-aware schedule
-    from the message size on where its predicted time beats the ring's by ``min_gain``."""
+    from the message size on where its predicted time beats the ring's by ``min_gain``.
+
+    ``host_labels`` (one host per rank, given when the hosts' ranks share memory): with several
+    hosts and no sites other than the hosts themselves, the host-level schedule (`with_host_plan`).
+    Sites made of several hosts keep the site schedule, whose steps inside a site run over TCP."""
     best = planner.make_plan(model, None, min_gain)
     if not best.is_uniform:
         crossover = planner.crossover_bytes(model, min_gain)
         best = planner.Plan(best.order, best.shares, best.predicted_bw_seconds_per_byte,
                             min_bytes=crossover if crossover is not None else 0,
                             segment_bytes=segment_bytes_for(best, model))
-    if site_labels is None or not hierarchical_enabled():
+    if not hierarchical_enabled():
+        return best
+    if host_labels is not None and (site_labels is None or len(set(site_labels)) == 1
+                                    or _same_partition(site_labels, host_labels)):
+        hosted = with_host_plan(best, host_labels, model)
+        if hosted.sites is not None:
+            return hosted
+    if site_labels is None:
         return best
     site = site_planner.best_site_plan(model, site_labels)
     if site is None:
@@ -203,7 +234,7 @@ def _encode_plan(plan: planner.Plan) -> list[float]:
         return out + [0.0]
     out += [1.0, float(len(sp.sites)), *(float(len(s)) for s in sp.sites), *(float(r) for s in sp.sites for r in s),
             float(len(sp.blocks)), *(float(r) for b in sp.blocks for r in b), *sp.block_shares, *sp.site_shares,
-            float(sp.min_bytes), float(sp.segment_bytes)]
+            float(sp.min_bytes), float(sp.segment_bytes), float(sp.local_inner)]
     return out
 
 
@@ -226,7 +257,7 @@ def _decode_plan(values: list[float], size: int, topology: Optional[sites.Topolo
         blocks = tuple(tuple(owners[b * S:(b + 1) * S]) for b in range(B))
         block_shares, site_shares = tuple(take(B)), tuple(take(S))
         site = site_planner.SitePlan(groups, blocks, block_shares, site_shares, min_bytes=int(next(it)),
-                                     segment_bytes=int(next(it)))
+                                     segment_bytes=int(next(it)), local_inner=bool(next(it)))
     return planner.Plan(order, shares, None, min_bytes=min_bytes, segment_bytes=segment_bytes, sites=site,
                         topology=topology)
 
@@ -237,7 +268,7 @@ def install_plan(backend, plan: planner.Plan) -> None:
     sp = plan.sites
     if sp is not None:
         backend.set_site_plan([list(s) for s in sp.sites], [list(b) for b in sp.blocks], list(sp.block_shares),
-                              list(sp.site_shares), int(sp.min_bytes), int(sp.segment_bytes))
+                              list(sp.site_shares), int(sp.min_bytes), int(sp.segment_bytes), bool(sp.local_inner))
 
 
 def group_topology(backend, model: planner.LinkModel) -> sites.Topology:
@@ -247,10 +278,9 @@ def group_topology(backend, model: planner.LinkModel) -> sites.Topology:
     A group whose ranks all listen on one address is a one-box setup whose links were declared
     (configure_group does not probe it): its declaration describes the cluster being modelled, so
     the address does not tie its ranks into one site."""
-    hosts = _hosts(backend)
-    if len(set(hosts)) == 1:
-        hosts = None
-    return sites.topology_from(rates=model.bw, declared=os.environ.get("HETCOMM_SITES"), addresses=hosts)
+    labels = host_labels_of(backend)
+    addresses = None if labels is None or len(set(labels)) == 1 else [str(h) for h in labels]
+    return sites.topology_from(rates=model.bw, declared=os.environ.get("HETCOMM_SITES"), addresses=addresses)
 
 
 def apply_model(backend, model: planner.LinkModel, min_gain: float = DECLARED_MIN_GAIN,
@@ -260,7 +290,7 @@ def apply_model(backend, model: planner.LinkModel, min_gain: float = DECLARED_MI
     values = None
     if backend.rank() == 0:
         planning = snap_measured(model).with_rank_uplinks() if measured else model
-        values = _encode_plan(choose_plan(planning, min_gain, topology.sites))
+        values = _encode_plan(choose_plan(planning, min_gain, topology.sites, shared_host_labels(backend)))
     plan = _decode_plan(_broadcast_floats(backend, values), backend.size(), topology)
     install_plan(backend, plan)
     _models[backend.listen_address()] = model
@@ -291,14 +321,15 @@ def probe_backend(backend, ranks: Optional[Sequence[int]] = None) -> planner.Lin
     return model
 
 
-def _hosts(backend) -> list[str]:
-    """Every rank's listening host (IP), all-gathered through the backend."""
-    host = backend.listen_address().rsplit(":", 1)[0].encode()[:63]
-    row = torch.zeros(64, dtype=torch.uint8)
-    row[:len(host)] = torch.tensor(list(host), dtype=torch.uint8)
-    out = [torch.empty_like(row) for _ in range(backend.size())]
-    backend.allgather([out], [row]).wait()
-    return [bytes(t.tolist()).rstrip(b"\0").decode() for t in out]
+def host_labels_of(backend) -> Optional[tuple[int, ...]]:
+    """The host of every rank of the backend's group (`hetcomm.hosts`), as found at its creation."""
+    return _host_labels.get(backend.listen_address())
+
+
+def shared_host_labels(backend) -> Optional[tuple[int, ...]]:
+    """The group's host labels when its hosts' ranks share memory (the host level can run), else None."""
+    key = backend.listen_address()
+    return _host_labels.get(key) if _shared_memory.get(key) else None
 
 
 def configure_group(backend, global_ranks: Optional[Sequence[int]] = None) -> None:
@@ -315,17 +346,29 @@ def configure_group(backend, global_ranks: Optional[Sequence[int]] = None) -> No
     ranks = tuple(global_ranks) if global_ranks else tuple(range(backend.size()))
     if len(ranks) != backend.size():
         raise ValueError(f"hetcomm: {len(ranks)} global ranks given for a group of {backend.size()}")
+    labels = hosts.host_labels(backend, ranks)
+    hosts.check_agreement(backend, hosts.settings(labels))
+    _host_labels[backend.listen_address()] = labels
+    _shared_memory[backend.listen_address()] = hosts.setup_shared_memory(backend, labels)
     if os.environ.get("HETCOMM_LINK_MBIT"):
         probe_backend(backend, ranks)
         return
     if os.environ.get("HETCOMM_PROBE", "1").strip() == "0":
+        # No rates, but the hosts are known: the host level with equal pieces (every rank computes
+        # the same plan from the same labels; the engine checks that they agree).
+        shared = shared_host_labels(backend)
+        if shared is not None:
+            plan = with_host_plan(planner.uniform_plan(backend.size()), shared)
+            if plan.sites is not None:
+                install_plan(backend, plan)
+                _log_plan(planner.format_plan(plan))
         return
     covering = _covering_model(ranks)
     if covering is not None:
         apply_model(backend, covering, MEASURED_MIN_GAIN, measured=True)
         _log_plan(f"hetcomm probe: global ranks {list(ranks)} were measured with an earlier group: no probe")
         return
-    if len(set(_hosts(backend))) == 1:
-        _log_plan("hetcomm probe: every rank is on one host (one listening address): uniform plan, no probe")
+    if len(set(labels)) == 1:
+        _log_plan("hetcomm probe: every rank is on one host: uniform plan, no probe")
         return
     probe_backend(backend, ranks)

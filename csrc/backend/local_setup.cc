@@ -1,0 +1,175 @@
+// Shared memory among the ranks of one host (ProcessGroupHetcomm::attachLocal / detachLocal).
+//
+// The host's first rank (lowest group rank) creates the segment under a name nobody else can
+// guess or collide with (a random 64-bit tag: two groups, and two jobs on one machine, never
+// meet), publishes the name in the group's store (keys are prefixed per group), and waits until
+// every rank of the host has tried to open it; then it unlinks the name, so that from then on only
+// the mappings hold the memory and no exit, clean or not, leaves anything in /dev/shm.
+//
+// Liveness: a rank waiting for a peer in shared memory asks every 100 ms whether the peer's
+// process is still there. The answer comes from the collective TCP connection to that peer, opened
+// here for this purpose: when a process dies the kernel closes its sockets, and when a rank gives
+// up (failGroup) it shuts its connections down, so the peer's end reports a hang-up either way. It
+// works across PID namespaces, where a pid would not.
+#include <poll.h>
+#include <sys/socket.h>
+
+#include <algorithm>
+#include <random>
+
+#include "backend/process_group_hetcomm.h"
+#include "common/logging.h"
+#include "transport/shm/channel.h"
+#include "transport/shm/segment.h"
+
+namespace hetcomm {
+namespace {
+
+constexpr int kDepth = 2;  // slot buffers per rank: one being filled while the other is read
+constexpr size_t kMinSlotBytes = 4096;
+
+std::string shmKey(int leader, const char* what) { return strCat("hetcomm/shm/", leader, "/", what); }
+
+std::string randomSegmentName() {
+  std::random_device rd;
+  const uint64_t tag = (static_cast<uint64_t>(rd()) << 32) ^ rd();
+  char buf[40];
+  std::snprintf(buf, sizeof(buf), "/hetcomm-%016llx", static_cast<unsigned long long>(tag));
+  return buf;
+}
+
+// False once the connection to the peer reports that the peer hung up.
+bool socketAlive(int fd) {
+  pollfd p{fd, static_cast<short>(POLLIN | POLLRDHUP), 0};
+  if (::poll(&p, 1, 0) <= 0) return true;
+  if (p.revents & (POLLHUP | POLLERR | POLLRDHUP | POLLNVAL)) return false;
+  if (p.revents & POLLIN) {
+    char c;
+    if (::recv(fd, &c, 1, MSG_PEEK | MSG_DONTWAIT) == 0) return false;
+  }
+  return true;
+}
+
+}  // namespace
+
+std::string ProcessGroupHetcomm::attachLocal(const std::vector<int64_t>& hostOf, int64_t maxSegmentBytes,
+                                             int64_t slotBytes) {
+  TORCH_CHECK_VALUE(static_cast<int>(hostOf.size()) == size_, "hetcomm: ", hostOf.size(), " host labels for a group of ",
+                    size_);
+  std::vector<int> ranks;
+  for (int r = 0; r < size_; ++r) {
+    if (hostOf[r] == hostOf[rank_]) ranks.push_back(r);
+  }
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    TORCH_CHECK(local_ == nullptr && pendingLocal_ == nullptr,
+                "hetcomm: this group already shares memory within its hosts");
+  }
+  const int L = static_cast<int>(ranks.size());
+  if (L < 2) return "";
+  const int me = static_cast<int>(std::find(ranks.begin(), ranks.end(), rank_) - ranks.begin());
+  const int leader = ranks[0];
+  const Deadline deadline = Clock::now() + options_.timeout;
+
+  // The largest slot (a multiple of 4 KB) that keeps the segment within maxSegmentBytes.
+  const size_t fixed = ShmChannel::segmentBytes(L, 0, kDepth);
+  size_t slot = static_cast<size_t>(std::max<int64_t>(0, slotBytes)) / kMinSlotBytes * kMinSlotBytes;
+  if (maxSegmentBytes > 0 && static_cast<size_t>(maxSegmentBytes) > fixed) {
+    const size_t fit = (static_cast<size_t>(maxSegmentBytes) - fixed) / (static_cast<size_t>(L) * kDepth);
+    slot = std::min(slot, fit / kMinSlotBytes * kMinSlotBytes);
+  } else {
+    slot = 0;
+  }
+  const size_t needSlot = std::max<size_t>(kMinSlotBytes, ShmChannel::kAlignBytes * 2 * L);
+  std::string error;
+  if (slot < needSlot) {
+    error = strCat("HETCOMM_SHM_BYTES=", maxSegmentBytes, " leaves no room for slots of at least ", needSlot,
+                   " bytes for the ", L, " ranks of this host (with HETCOMM_SHM_SLOT_BYTES=", slotBytes, ")");
+  }
+  const size_t bytes = ShmChannel::segmentBytes(L, slot, kDepth);
+  std::unique_ptr<ShmChannel> channel;
+  try {
+    if (me == 0) {
+      std::string published;
+      if (error.empty()) {
+        const std::string name = randomSegmentName();
+        try {
+          channel = std::make_unique<ShmChannel>(ShmSegment::create(name, bytes), 0, L, slot, kDepth, true);
+          published = name;
+        } catch (const CommError& e) {
+          error = e.what();
+        }
+      }
+      if (!error.empty()) published = "!" + error;
+      store_->set(shmKey(leader, "name"), std::vector<uint8_t>(published.begin(), published.end()));
+      store_->add(shmKey(leader, "done"), 1);
+      // Unlink once everyone has tried to open it, so that nothing outlives the ranks.
+      while (store_->add(shmKey(leader, "done"), 0) < L && Clock::now() < deadline) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(1));
+      }
+      if (!published.empty() && published[0] == '/') ShmSegment::unlink(published);
+      if (Clock::now() >= deadline && error.empty()) {
+        error = strCat("the other ranks of this host did not open the shared memory segment within ",
+                       options_.timeout.count(), " ms");
+      }
+      store_->deleteKey(shmKey(leader, "name"));
+      store_->deleteKey(shmKey(leader, "done"));
+    } else {
+      store_->wait({shmKey(leader, "name")}, options_.timeout);
+      const std::vector<uint8_t> v = store_->get(shmKey(leader, "name"));
+      const std::string published(v.begin(), v.end());
+      if (!published.empty() && published[0] == '!') {
+        error = strCat("rank ", leader, " could not create it: ", published.substr(1));
+      } else if (error.empty()) {
+        try {
+          channel = std::make_unique<ShmChannel>(ShmSegment::open(published, bytes), me, L, slot, kDepth, false);
+        } catch (const CommError& e) {
+          error = e.what();
+        }
+      }
+      store_->add(shmKey(leader, "done"), 1);
+    }
+  } catch (const std::exception& e) {
+    // The store failed: that is not a reason to fall back, it is a broken group.
+    TORCH_CHECK(false, "hetcomm: rank ", rank_, " could not set up shared memory with its host: ", e.what());
+  }
+  if (!error.empty()) return error;
+
+  // The connections that tell whether a local peer is alive (see the top of this file).
+  auto fds = std::make_shared<std::vector<int>>(L, -1);
+  try {
+    for (int l = 0; l < L; ++l) {
+      if (l != me) (*fds)[l] = mesh_->collectiveFd(ranks[l], deadline);
+    }
+  } catch (const CommError& e) {
+    TORCH_CHECK(false, "hetcomm: rank ", rank_, " could not connect to the ranks of its host: ", e.what());
+  }
+  auto group = std::make_shared<LocalGroup>();
+  group->channel = std::move(channel);
+  group->ranks = ranks;
+  group->peerAlive = [fds](int l) { return socketAlive((*fds)[l]); };
+  std::lock_guard<std::mutex> lock(mu_);
+  pendingLocal_ = std::move(group);
+  HC_LOG(kInfo, "rank ", rank_, ": shared memory with the ", L, " ranks of its host (", slot, "-byte slots, ", bytes,
+         " bytes)");
+  return "";
+}
+
+void ProcessGroupHetcomm::enableLocal(bool use) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (use) local_ = std::move(pendingLocal_);
+  pendingLocal_.reset();
+}
+
+void ProcessGroupHetcomm::detachLocal() {
+  std::lock_guard<std::mutex> lock(mu_);
+  local_.reset();
+  pendingLocal_.reset();
+}
+
+std::vector<int> ProcessGroupHetcomm::localRanks() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return local_ ? local_->ranks : std::vector<int>{};
+}
+
+}  // namespace hetcomm

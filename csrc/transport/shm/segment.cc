@@ -1,0 +1,101 @@
+#include "transport/shm/segment.h"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+
+namespace hetcomm {
+namespace {
+
+ShmUnavailableError failure(const std::string& what, const std::string& name, int err) {
+  return ShmUnavailableError(strCat("hetcomm: shared memory segment ", name, ": ", what, ": ", std::strerror(err)));
+}
+
+char* mapShared(int fd, size_t bytes, const std::string& name) {
+  void* p = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  if (p == MAP_FAILED) throw failure("mmap", name, errno);
+  return static_cast<char*>(p);
+}
+
+}  // namespace
+
+ShmSegment::~ShmSegment() {
+  if (data_ != nullptr) ::munmap(data_, size_);
+}
+
+ShmSegment::ShmSegment(ShmSegment&& other) noexcept : data_(other.data_), size_(other.size_) {
+  other.data_ = nullptr;
+  other.size_ = 0;
+}
+
+ShmSegment& ShmSegment::operator=(ShmSegment&& other) noexcept {
+  if (this != &other) {
+    if (data_ != nullptr) ::munmap(data_, size_);
+    data_ = other.data_;
+    size_ = other.size_;
+    other.data_ = nullptr;
+    other.size_ = 0;
+  }
+  return *this;
+}
+
+ShmSegment ShmSegment::create(const std::string& name, size_t bytes) {
+  const int fd = ::shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR | O_CLOEXEC, 0600);
+  if (fd < 0) throw failure("shm_open (create)", name, errno);
+  try {
+    if (::ftruncate(fd, static_cast<off_t>(bytes)) != 0) throw failure("ftruncate", name, errno);
+    // Reserve every page now: tmpfs otherwise hands them out at first touch, and a full /dev/shm
+    // then raises SIGBUS in whichever rank writes first.
+    const int err = ::posix_fallocate(fd, 0, static_cast<off_t>(bytes));
+    if (err != 0) {
+      throw ShmUnavailableError(strCat("hetcomm: shared memory segment ", name, ": cannot reserve ", bytes,
+                                       " bytes in /dev/shm (", std::strerror(err),
+                                       "); give the container a larger /dev/shm or set HETCOMM_SHM_BYTES lower"));
+    }
+    char* data = mapShared(fd, bytes, name);
+    ::close(fd);
+    return ShmSegment(data, bytes);
+  } catch (...) {
+    ::close(fd);
+    ::shm_unlink(name.c_str());
+    throw;
+  }
+}
+
+ShmSegment ShmSegment::open(const std::string& name, size_t bytes) {
+  const int fd = ::shm_open(name.c_str(), O_RDWR | O_CLOEXEC, 0);
+  if (fd < 0) {
+    if (errno == ENOENT) {
+      throw ShmUnavailableError(strCat("hetcomm: shared memory segment ", name, " made by this host's first rank is "
+                                       "not visible here (do the ranks of this host share /dev/shm?)"));
+    }
+    throw failure("shm_open", name, errno);
+  }
+  struct stat st {};
+  if (::fstat(fd, &st) != 0) {
+    const int err = errno;
+    ::close(fd);
+    throw failure("fstat", name, err);
+  }
+  if (static_cast<size_t>(st.st_size) != bytes) {
+    ::close(fd);
+    throw ShmUnavailableError(strCat("hetcomm: shared memory segment ", name, " has ", st.st_size, " bytes, expected ",
+                                     bytes, " (do the ranks of this host run different settings?)"));
+  }
+  try {
+    char* data = mapShared(fd, bytes, name);
+    ::close(fd);
+    return ShmSegment(data, bytes);
+  } catch (...) {
+    ::close(fd);
+    throw;
+  }
+}
+
+void ShmSegment::unlink(const std::string& name) noexcept { ::shm_unlink(name.c_str()); }
+
+}  // namespace hetcomm

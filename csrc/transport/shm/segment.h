@@ -1,0 +1,49 @@
+#pragma once
+// A POSIX shared-memory segment, shared by the ranks of one host (design.md §9).
+//
+// Life cycle: one rank creates it (shm_open with O_EXCL, ftruncate, then posix_fallocate, so that
+// a /dev/shm too small for it fails here with a clear error instead of killing a rank with SIGBUS
+// at its first write into a page tmpfs cannot supply), the others open it by name, everyone maps
+// it, and the creator unlinks the name as soon as every rank has mapped it. From then on the
+// memory lives only in the mappings: the kernel frees it when the last rank unmaps it, however
+// the ranks exit (a crash or a kill -9 included), so nothing is left in /dev/shm.
+#include <cstddef>
+#include <string>
+
+#include "common/error.h"
+
+namespace hetcomm {
+
+// The segment cannot be made or reached (no /dev/shm, too small, not shared with the peers):
+// the group falls back to TCP between the ranks of a host.
+class ShmUnavailableError : public CommError {
+ public:
+  explicit ShmUnavailableError(const std::string& what) : CommError(what) {}
+};
+
+class ShmSegment {
+ public:
+  ShmSegment() = default;
+  ~ShmSegment();
+  ShmSegment(ShmSegment&& other) noexcept;
+  ShmSegment& operator=(ShmSegment&& other) noexcept;
+  ShmSegment(const ShmSegment&) = delete;
+  ShmSegment& operator=(const ShmSegment&) = delete;
+
+  // name: "/name" as shm_open takes it. Throws ShmUnavailableError.
+  static ShmSegment create(const std::string& name, size_t bytes);
+  static ShmSegment open(const std::string& name, size_t bytes);
+  // Removes the name (the mappings stay valid); a missing name is not an error.
+  static void unlink(const std::string& name) noexcept;
+
+  char* data() const { return data_; }
+  size_t size() const { return size_; }
+  explicit operator bool() const { return data_ != nullptr; }
+
+ private:
+  ShmSegment(char* data, size_t size) : data_(data), size_(size) {}
+  char* data_ = nullptr;
+  size_t size_ = 0;
+};
+
+}  // namespace hetcomm

@@ -1,0 +1,215 @@
+"""Hosts: which ranks of a group share a machine, and the shared memory between them.
+
+At group creation (`hetcomm.topology.configure_group`) every rank of the group:
+
+1. publishes its *host identity* (`host_identity`): the kernel's boot id plus the inode of its
+   network namespace, so that two containers, or two simulated hosts (`python -m hetcomm.sim
+   --hosts`), on one machine are two hosts; ``HETCOMM_HOST_ID`` overrides it, either as one
+   label for this process (containers, tests) or as a comma-separated label per *global* rank
+   (``HETCOMM_HOST_ID=0,0,1,1``, like ``HETCOMM_SITES``). Ranks with the same identity form a host
+   (`host_labels`); hosts are numbered by lowest rank. Subgroups take their ranks' identities from
+   an earlier group that contained all of them, as measured links are (`hetcomm.topology`), else
+   gather them again;
+2. checks that every rank agrees on the hosts and on the settings that shape the schedule
+   (`check_agreement`): a rank launched with another ``HETCOMM_SHM`` or ``HETCOMM_LINK_MBIT``
+   fails group creation on every rank, naming the setting and the ranks, instead of failing in
+   the first collective with an error that names neither;
+3. sets up shared memory among the ranks of each host (`setup_shared_memory`): one segment per
+   host and group, fixed-size slots (``HETCOMM_SHM_BYTES`` per host, 64 MB by default;
+   ``HETCOMM_SHM_SLOT_BYTES`` per slot), unlinked once every rank of the host mapped it. If any
+   host cannot (``HETCOMM_SHM=0``, ``HETCOMM_LOCAL=tcp``, /dev/shm too small or not shared), the
+   whole group stays on TCP and rank 0 says why, once per process.
+
+Collectives of a group whose ranks all share one host then go through shared memory; a group
+spread over several hosts runs its allreduce hierarchically (reduce-scatter in each host's shared
+memory, the weighted schedule between hosts, all-gather in shared memory).
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import sys
+from typing import Optional, Sequence
+
+import torch
+
+log = logging.getLogger("hetcomm")
+
+DEFAULT_SHM_BYTES = 64 << 20
+DEFAULT_SLOT_BYTES = 256 << 10
+_IDENTITY_BYTES = 32
+_SETTING_BYTES = 96
+
+# Identities by the global ranks of the groups that gathered them (see `host_labels`).
+_gathered: dict[tuple[int, ...], tuple[str, ...]] = {}
+_fallback_said = False
+
+
+def host_identity() -> str:
+    """This process's host: ``HETCOMM_HOST_ID`` (one label), else boot id + network namespace."""
+    declared = os.environ.get("HETCOMM_HOST_ID", "").strip()
+    if declared and "," not in declared:
+        return "declared:" + declared
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = "unknown-boot"
+    try:
+        netns = str(os.stat("/proc/self/ns/net").st_ino)
+    except OSError:
+        netns = "unknown-netns"
+    return f"{boot}/{netns}"
+
+
+def _renumber(labels: Sequence) -> tuple[int, ...]:
+    index: dict = {}
+    return tuple(index.setdefault(label, len(index)) for label in labels)
+
+
+def declared_labels(global_ranks: Sequence[int]) -> Optional[tuple[str, ...]]:
+    """The per-global-rank form of ``HETCOMM_HOST_ID`` (``"0,0,1,1"``) for these ranks, else None."""
+    text = os.environ.get("HETCOMM_HOST_ID", "").strip()
+    if "," not in text:
+        return None
+    items = [item.strip() for item in text.split(",")]
+    if any(not item for item in items):
+        raise ValueError(f"hetcomm: HETCOMM_HOST_ID={text!r} has an empty label: give one host label per global "
+                         f"rank, e.g. 0,0,1,1")
+    if max(global_ranks) >= len(items):
+        raise ValueError(f"hetcomm: HETCOMM_HOST_ID={text!r} labels {len(items)} ranks, but this group has global "
+                         f"rank {max(global_ranks)}: give one host label per global rank of the job")
+    return tuple("declared:" + items[r] for r in global_ranks)
+
+
+def _allgather_rows(backend, row: torch.Tensor) -> list[torch.Tensor]:
+    out = [torch.empty_like(row) for _ in range(backend.size())]
+    backend.allgather([out], [row]).wait()
+    return out
+
+
+def _encode(text: str, nbytes: int) -> torch.Tensor:
+    data = text.encode()[:nbytes]
+    row = torch.zeros(nbytes, dtype=torch.uint8)
+    if data:
+        row[:len(data)] = torch.tensor(list(data), dtype=torch.uint8)
+    return row
+
+
+def _decode(row: torch.Tensor) -> str:
+    return bytes(row.tolist()).rstrip(b"\0").decode(errors="replace")
+
+
+def _gather_identities(backend, global_ranks: tuple[int, ...]) -> tuple[str, ...]:
+    for key, identities in _gathered.items():
+        if set(global_ranks) <= set(key):
+            where = {r: i for i, r in enumerate(key)}
+            return tuple(identities[where[r]] for r in global_ranks)
+    digest = hashlib.sha256(host_identity().encode()).hexdigest()[:_IDENTITY_BYTES]
+    identities = tuple(_decode(row) for row in _allgather_rows(backend, _encode(digest, _IDENTITY_BYTES)))
+    _gathered[global_ranks] = identities
+    return identities
+
+
+def host_labels(backend, global_ranks: Sequence[int]) -> tuple[int, ...]:
+    """The host of every rank of the backend's group, numbered by lowest rank. A collective.
+
+    A group covered by an earlier group's identities reuses them (every rank of the group was in
+    that earlier group, so all make the same choice); `check_agreement` then verifies the result.
+    """
+    global_ranks = tuple(int(r) for r in global_ranks)
+    # Gathered even when declared: every rank must run the same collectives here, and a rank
+    # started without the declaration (or with another) must reach `check_agreement`.
+    identities = _gather_identities(backend, global_ranks)
+    declared = declared_labels(global_ranks)
+    return _renumber(declared if declared is not None else identities)
+
+
+def settings(labels: Sequence[int]) -> dict[str, str]:
+    """What every rank of a group must agree on: the hosts it computed, and the settings that
+    change the schedule or the layout of shared memory."""
+    out = {"hosts": ",".join(map(str, labels))}
+    for name in ("HETCOMM_SHM", "HETCOMM_LOCAL", "HETCOMM_SHM_BYTES", "HETCOMM_SHM_SLOT_BYTES",
+                 "HETCOMM_SHM_SMALL_ALLREDUCE_BYTES", "HETCOMM_LINK_MBIT", "HETCOMM_SITES", "HETCOMM_PROBE",
+                 "HETCOMM_HIERARCHICAL", "HETCOMM_SEGMENT_BYTES", "HETCOMM_SMALL_ALLREDUCE_BYTES"):
+        out[name] = os.environ.get(name, "").strip()
+    return out
+
+
+def check_agreement(backend, values: dict[str, str]) -> None:
+    """Raises ValueError on every rank unless every rank of the group passed the same ``values``
+    (names and order must be the same everywhere; each value is compared in its first 96 bytes,
+    or by a digest when longer). A collective."""
+    def fit(v: str) -> str:
+        return v if len(v.encode()) <= _SETTING_BYTES else "sha256:" + hashlib.sha256(v.encode()).hexdigest()[:64]
+
+    names = list(values)
+    row = torch.cat([_encode(fit(values[n]), _SETTING_BYTES) for n in names])
+    table = [[_decode(r[k * _SETTING_BYTES:(k + 1) * _SETTING_BYTES]) for k in range(len(names))]
+             for r in _allgather_rows(backend, row)]
+    problems = []
+    for k, name in enumerate(names):
+        seen: dict[str, list[int]] = {}
+        for rank, entries in enumerate(table):
+            seen.setdefault(entries[k], []).append(rank)
+        if len(seen) > 1:
+            parts = [f"rank{'s' if len(r) > 1 else ''} {','.join(map(str, r))}: {v or '(unset)'!r}"
+                     for v, r in seen.items()]
+            what = "the hosts they computed" if name == "hosts" else name
+            problems.append(f"{what} ({'; '.join(parts)})")
+    if problems:
+        raise ValueError("hetcomm: the ranks of this group disagree about " + ", and about ".join(problems) +
+                         ": every rank of a job must be started with the same hetcomm settings")
+
+
+def _int_env(name: str, default: int) -> int:
+    text = os.environ.get(name, "").strip()
+    if not text:
+        return default
+    try:
+        value = int(text)
+    except ValueError:
+        raise ValueError(f"hetcomm: {name}={text!r} is not a whole number of bytes") from None
+    if value < 0:
+        raise ValueError(f"hetcomm: {name}={text!r} must not be negative")
+    return value
+
+
+def shared_memory_wanted() -> Optional[str]:
+    """None when shared memory may be used, else why not (the settings that turn it off)."""
+    if os.environ.get("HETCOMM_SHM", "1").strip() == "0":
+        return "HETCOMM_SHM=0"
+    local = os.environ.get("HETCOMM_LOCAL", "").strip().lower()
+    if local not in ("", "shm", "nccl", "tcp"):
+        raise ValueError(f"hetcomm: HETCOMM_LOCAL={local!r}: choose nccl, shm or tcp")
+    if local == "tcp":
+        return "HETCOMM_LOCAL=tcp"
+    return None
+
+
+def setup_shared_memory(backend, labels: Sequence[int]) -> bool:
+    """Shared memory among the ranks of each host; True when the group uses it. A collective.
+
+    Every host tries; all ranks then learn every host's outcome, so that either all use shared
+    memory or none does (a host falling back alone would meet its peers on another path).
+    """
+    global _fallback_said
+    counts: dict[int, int] = {}
+    for label in labels:
+        counts[label] = counts.get(label, 0) + 1
+    if max(counts.values()) < 2:
+        return False
+    if shared_memory_wanted() is not None:
+        return False
+    error = backend.attach_local(list(labels), _int_env("HETCOMM_SHM_BYTES", DEFAULT_SHM_BYTES),
+                                 _int_env("HETCOMM_SHM_SLOT_BYTES", DEFAULT_SLOT_BYTES))
+    reasons = [_decode(r) for r in _allgather_rows(backend, _encode(error, 256))]
+    failed = [(rank, why) for rank, why in enumerate(reasons) if why]
+    backend.enable_local(not failed)
+    if failed and backend.rank() == 0 and not _fallback_said:
+        _fallback_said = True
+        rank, why = failed[0]
+        print(f"[hetcomm WARN] shared memory between the ranks of a host cannot be used (rank {rank}: {why}); "
+              f"they talk over TCP instead", file=sys.stderr, flush=True)
+    return not failed

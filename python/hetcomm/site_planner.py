@@ -391,6 +391,32 @@ def best_site_plan(model: LinkModel, site_labels: Sequence[int]) -> Optional[Sit
     return SitePlan(tuple(sites), tuple(b for b, _ in kept), tuple(xb for _, xb in kept), w)
 
 
+def _host_capacity(model: LinkModel, members: Sequence[int]) -> float:
+    """A host's NIC, each way: its uplink when the model has one (a cut measured with all its flows
+    at once), else the fastest single flow out of (into) it. Not the sum of its links: every
+    rank of the host goes through the one NIC, and each pair was measured alone, at its full rate."""
+    inside = set(members)
+    for group, out_bps, in_bps in model.uplinks:
+        if inside <= set(group):
+            return min(out_bps, in_bps)
+    P = model.world_size
+    out = max(model.bw[a][b] for a in inside for b in range(P) if b not in inside)
+    into = max(model.bw[b][a] for a in inside for b in range(P) if b not in inside)
+    return min(out, into)
+
+
+def _host_shares(model: LinkModel, hosts: Sequence[Sequence[int]]) -> tuple[float, ...]:
+    """Pieces that equalise the hosts' NIC times: `site_shares_for`'s formula over host NICs."""
+    H = len(hosts)
+    if H <= 2:
+        return (1.0 / H,) * H
+    P = model.world_size
+    nic = [_host_capacity(model, h) for h in hosts]
+    # The same equalisation as for sites, on a model whose only limits are the host NICs.
+    as_uplinks = LinkModel(tuple((1e30,) * P for _ in range(P)), uplinks=tuple((tuple(h), c, c) for h, c in zip(hosts, nic)))
+    return site_shares_for(as_uplinks, hosts)
+
+
 def host_plan(host_labels: Sequence[int], model: Optional[LinkModel] = None) -> Optional[SitePlan]:
     """Hosts as the inner level of the schedule: a `SitePlan` with ``local_inner`` whose sites are
     the hosts (``host_labels``: one per rank), or None unless there are several hosts and one of
@@ -415,7 +441,7 @@ def host_plan(host_labels: Sequence[int], model: Optional[LinkModel] = None) -> 
         return None
     if model is not None and model.world_size != len(host_labels):
         raise ValueError(f"hetcomm host plan: {len(host_labels)} host labels for a model of {model.world_size} ranks")
-    w = site_shares_for(model, hosts) if model is not None else (1.0 / len(hosts),) * len(hosts)
+    w = _host_shares(model, hosts) if model is not None else (1.0 / len(hosts),) * len(hosts)
     cuts = sorted({Fraction(k, len(h)) for h in hosts for k in range(len(h) + 1)})
     blocks, shares = [], []
     for lo, hi in zip(cuts, cuts[1:]):

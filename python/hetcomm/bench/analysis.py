@@ -42,6 +42,28 @@ ring's ``2(P-1)/P N / NIC``); the report then says so in a note instead of chang
 ``MAX_CUT_RANKS`` ranks; above, single ranks and sites only, which keeps the bound valid but
 maybe looser).
 
+Hosts
+-----
+With ``--sim-hosts`` several ranks share a host: one namespace, one NIC, loopback between them.
+Loopback is not shaped, so a cut that splits a host crosses unlimited links and never binds:
+the bound is that of the hosts as nodes, computed on ``spec.network_spec()`` (a node per host,
+its NIC, its site) exactly as above, cut by cut, and then also (H hosts, host h able to send
+``out_h`` and receive ``in_h``, its NIC unless the others' NICs or its site's uplink are
+narrower; :func:`hetcomm.sim.spec.hosts_allreduce_bound_seconds` derives it)::
+
+    time >= max( max_h N / out_h, max_h N / in_h, 2(H-1) N / sum out_h, 2(H-1) N / sum in_h )
+
+Each host sends and receives N at least (its cut), and 2(H-1) N bytes leave and enter hosts in
+all (merging an element's H host partials and spreading the sum takes 2(H-1) one-way messages).
+Two hosts: ``N / slowest NIC``; H equal NICs: ``2(H-1)/H N / NIC``, shown as bound kind
+``hosts`` when tighter than the cuts (unlike the ranks' note above, since with hosts the
+design's host cut bound is this). For the planner's predictions each host's NIC is an uplink of
+its ranks (``uplinks`` with a ``host`` key; see :func:`_model_uplinks` for hosts with sites).
+It was also possible to ask :func:`hetcomm.site_planner.cut_bound_seconds` with the host NICs
+as uplinks and hosts as its "sites"; for NICs alone it gives the same number (tests check it),
+but the planner's uplink groups must be disjoint, which hosts inside sites behind WAN uplinks
+are not, so the bound is computed on the host-level network instead.
+
 Predictions
 -----------
 ``predict_allreduce_seconds(plan, model, N)`` of :mod:`hetcomm.planner` on the physical model,
@@ -182,11 +204,53 @@ def _cut_limit_text(limit: tuple[float, str, tuple[int, ...]], uplinks: Uplinks,
 def physical_model(spec) -> dict[str, Any]:
     """The ``sim`` section of the report: spec, physical bandwidths, the bound and how it is made.
 
-    JSON-ready: unshaped rates are ``None``.
+    JSON-ready: unshaped rates are ``None``. The bound is that of the network's nodes
+    (``spec.network_spec()``): the ranks, or with ``spec.hosts`` the hosts (see the module
+    docstring, "Hosts"); ``bw_bytes_per_s`` and ``uplinks`` are per rank, for the planner.
     """
+    from hetcomm.sim.spec import effective_bandwidth
+
+    P = spec.world_size
+    bw = effective_bandwidth(spec)
+    net = spec.network_spec()
+    node = "rank" if spec.hosts is None else "host"
+    capacity, kind, text, aggregate, aggregate_text = _node_bound(net, node)
+    if spec.hosts is not None and net.world_size > 1:
+        rate, how = _hosts_as_nodes_rate(net)
+        if rate < capacity * (1 - 1e-9):
+            H = net.world_size
+            capacity, kind = rate, "hosts"
+            text = (f"hosts as nodes: 2(H-1) N = {2 * (H - 1)} N bytes leave the {H} hosts in all, "
+                    f"through {how}: bound = N / {capacity / 1e6:.4g} MB/s")
+        if aggregate_text is not None and aggregate >= capacity * (1 - 1e-9):
+            aggregate_text = None    # the note's total-traffic bound is the one shown now
+    return {
+        "spec": json.loads(spec.to_json()),
+        "description": spec.describe(),
+        "world_size": P,
+        "bw_bytes_per_s": [[None if i == j else _finite_or_none(v) for j, v in enumerate(row)]
+                           for i, row in enumerate(bw)],
+        "uplinks": _model_uplinks(spec),
+        "unshaped_bytes_per_s": UNSHAPED_BYTES_PER_S,
+        "alpha_s": SIM_ALPHA_S,
+        "bound_kind": kind,
+        "bound_bytes_per_s": _finite_or_none(capacity),
+        "bound_text": text,
+        "aggregate_bound_bytes_per_s": _finite_or_none(aggregate),
+        "aggregate_bound_text": aggregate_text,
+        "wire_rate_note": "rates are shaped wire rates; TCP payload gets about 95.6% of them",
+    }
+
+
+def _node_bound(spec, node: str = "rank") -> tuple[float, str, str, float, Optional[str]]:
+    """``(rate, kind, text, aggregate rate, aggregate note)`` of a network whose nodes are the
+    "ranks" of ``spec`` (ranks, or hosts: ``SimSpec.network_spec()``); rates in bytes/s."""
     from hetcomm.sim.spec import effective_bandwidth, effective_uplinks, mbit_to_bytes_per_s
 
     P = spec.world_size
+    if P < 2:
+        what = "one rank" if node == "rank" else "every rank on one host (loopback, unshaped)"
+        return math.inf, "nic", f"none: {what}", math.inf, None
     bw = effective_bandwidth(spec)
     nic_bps = [mbit_to_bytes_per_s(spec.nic(k)) for k in range(P)]
     uplinks = effective_uplinks(spec)
@@ -199,7 +263,8 @@ def physical_model(spec) -> dict[str, Any]:
             other = tuple(k for k in range(P) if k not in side)
             limit = min(one_way_capacity(side, other, nic_bps, bw, uplinks),
                         one_way_capacity(other, side, nic_bps, bw, uplinks), key=lambda v: v[0])
-            text = (f"N bytes each way across the narrowest cut {{{','.join(map(str, side))}}}|"
+            hosts = "hosts " if node == "host" else ""
+            text = (f"N bytes each way across the narrowest cut {hosts}{{{','.join(map(str, side))}}}|"
                     f"{{{','.join(map(str, other))}}}"
                     f"{_cut_limit_text(limit, uplinks, site_labels)}: "
                     f"bound = N / {capacity / 1e6:.4g} MB/s")
@@ -217,39 +282,75 @@ def physical_model(spec) -> dict[str, Any]:
             text = "none: nothing is shaped"
         else:
             slow = [k for k, v in enumerate(nic_bps) if v == capacity]
-            who = ("every rank" if len(slow) == P else
-                   f"rank{'s' if len(slow) > 1 else ''} {','.join(map(str, slow))}")
+            who = (f"every {node}" if len(slow) == P else
+                   f"{node}{'s' if len(slow) > 1 else ''} {','.join(map(str, slow))}")
             text = (f"N bytes through the slowest NIC ({who}, {_fmt_rate(capacity)}): "
                     f"bound = N / {capacity / 1e6:.4g} MB/s")
         kind = "nic"
     # Every element needs P-1 combining transfers and P-1 to spread the result: 2(P-1) N bytes
     # leave (and enter) NICs in all; a classic bound, tighter than the slowest NIC when NICs are
-    # alike. Shown as a note; the table's bound stays the one above.
+    # alike. Shown as a note for ranks; the table's bound stays the one above.
     total_nic = math.fsum(nic_bps)
-    aggregate = total_nic / (2 * (P - 1)) if P > 1 and math.isfinite(total_nic) else math.inf
+    aggregate = total_nic / (2 * (P - 1)) if math.isfinite(total_nic) else math.inf
     aggregate_text = None
     if aggregate < capacity * (1 - 1e-9):
         aggregate_text = (f"the total-traffic bound 2(P-1) N / sum of NICs = N / "
                           f"{aggregate / 1e6:.4g} MB/s is tighter here: a perfect run shows "
                           f"meas/bound {capacity / aggregate:.2f}")
-    return {
-        "spec": json.loads(spec.to_json()),
-        "description": spec.describe(),
-        "world_size": P,
-        "bw_bytes_per_s": [[None if i == j else _finite_or_none(v) for j, v in enumerate(row)]
-                           for i, row in enumerate(bw)],
-        "uplinks": [{"site": label, "ranks": list(ranks), "out_bytes_per_s": out_bps,
-                     "in_bytes_per_s": in_bps}
-                    for label, (ranks, out_bps, in_bps) in zip(site_labels, uplinks)],
-        "unshaped_bytes_per_s": UNSHAPED_BYTES_PER_S,
-        "alpha_s": SIM_ALPHA_S,
-        "bound_kind": kind,
-        "bound_bytes_per_s": _finite_or_none(capacity),
-        "bound_text": text,
-        "aggregate_bound_bytes_per_s": _finite_or_none(aggregate),
-        "aggregate_bound_text": aggregate_text,
-        "wire_rate_note": "rates are shaped wire rates; TCP payload gets about 95.6% of them",
-    }
+    return capacity, kind, text, aggregate, aggregate_text
+
+
+def _hosts_as_nodes_rate(net) -> tuple[float, str]:
+    """Bytes of N per second that the hosts' bound allows, and through what, in words.
+
+    ``net`` is ``SimSpec.network_spec()`` (a node per host). Host h sends at most
+    ``out_h = one_way_capacity({h}, others)`` (its NIC, unless the others' NICs or its site's
+    uplink are narrower) and receives at most ``in_h``; with those,
+    :func:`hetcomm.sim.spec.hosts_allreduce_bound_seconds` (2(H-1) N bytes leave hosts and as
+    many enter hosts in all; N leave and enter each host)."""
+    from hetcomm.sim.spec import (effective_bandwidth, effective_uplinks, hosts_allreduce_bound_seconds,
+                                  mbit_to_bytes_per_s)
+
+    H = net.world_size
+    bw = effective_bandwidth(net)
+    nic_bps = [mbit_to_bytes_per_s(net.nic(h)) for h in range(H)]
+    uplinks = effective_uplinks(net)
+    out_bps, in_bps = [], []
+    for h in range(H):
+        rest = tuple(g for g in range(H) if g != h)
+        out_bps.append(one_way_capacity((h,), rest, nic_bps, bw, uplinks)[0])
+        in_bps.append(one_way_capacity(rest, (h,), nic_bps, bw, uplinks)[0])
+    seconds = hosts_allreduce_bound_seconds(out_bps, 1.0, in_bps)
+    how = ("the sum of their NICs" if out_bps == nic_bps == in_bps else
+           "what each host can send to (receive from) the others, summed")
+    return (1.0 / seconds if seconds > 0 else math.inf), how
+
+
+def _model_uplinks(spec) -> list[dict[str, Any]]:
+    """The shared links of the planner's model (``LinkModel.uplinks``), JSON-ready.
+
+    Sites' WAN uplinks (``wan_mbit``): ``{"site", "ranks", "out_bytes_per_s", "in_bytes_per_s"}``.
+    Hosts (``spec.hosts``): each shaped host NIC as an uplink of the host's ranks, ``{"host",
+    ...}``. The planner's groups must be disjoint, so with hosts *and* WAN uplinks a site of one
+    host gets one uplink at the narrower of the two rates, and otherwise the site uplinks win and
+    the host NICs stay only as the per-pair rates of ``bw_bytes_per_s`` (the bound keeps both).
+    """
+    from hetcomm.sim.spec import effective_host_nics, effective_uplinks
+
+    sites = [{"site": label, "ranks": list(ranks), "out_bytes_per_s": out_bps, "in_bytes_per_s": in_bps}
+             for (label, _), (ranks, out_bps, in_bps) in zip(spec.site_groups(), effective_uplinks(spec))]
+    hosts = [{"host": h, "ranks": list(ranks), "out_bytes_per_s": out_bps, "in_bytes_per_s": in_bps}
+             for h, (ranks, out_bps, in_bps) in enumerate(effective_host_nics(spec))
+             if math.isfinite(out_bps)]
+    if not sites:
+        return hosts
+    by_ranks = {tuple(u["ranks"]): u for u in hosts}
+    for u in sites:
+        nic = by_ranks.get(tuple(u["ranks"]))
+        if nic is not None:   # a site of one host: its NIC and the WAN uplink, the narrower
+            u["out_bytes_per_s"] = min(u["out_bytes_per_s"], nic["out_bytes_per_s"])
+            u["in_bytes_per_s"] = min(u["in_bytes_per_s"], nic["in_bytes_per_s"])
+    return sites
 
 
 def _sites_as_nodes_rate(spec, bw, uplinks) -> float:

@@ -41,7 +41,7 @@ SIM_TIMEOUT_FACTOR = 10.0
 
 # The --sim-* options, as the names of hetcomm.sim's own options (its spec_from_args reads them).
 SIM_OPTIONS = ("nic_mbit", "link_mbit", "sites", "intra_mbit", "inter_mbit", "wan_mbit", "cpu_quota",
-               "latency_ms", "tcp_cc")
+               "latency_ms", "hosts", "tcp_cc")
 # Those that describe the cluster: any of them turns the simulation on.
 SIM_CLUSTER_OPTIONS = SIM_OPTIONS[:-1]
 
@@ -153,6 +153,11 @@ def build_parser() -> argparse.ArgumentParser:
         "planner's prediction for the plan the group used and the physical bound.")
     sim.add_argument("--sim-nic-mbit", metavar="LIST", default=None,
                      help="per-rank NIC rate in Mbit/s, e.g. 800,800,800,100 ('inf' = unshaped)")
+    sim.add_argument("--sim-hosts", metavar="LIST", default=None,
+                     help="host of each rank, e.g. 0,0,1,1: a host's ranks share one network namespace "
+                          "and one NIC (--sim-nic-mbit then gives one rate per host, e.g. 1000,100, or "
+                          "one per rank, equal within a host) and talk over loopback; combines with "
+                          "--sim-cpu-quota and --sim-sites with --sim-wan-mbit")
     sim.add_argument("--sim-sites", metavar="LIST", default=None,
                      help="site of each rank, e.g. 0,0,1,1 (with --sim-intra-mbit and/or "
                           "--sim-inter-mbit)")
@@ -342,7 +347,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             parser.error(str(error))
     elif args.sim_tcp_cc is not None:
         parser.error("--sim-tcp-cc sets the TCP of a simulated cluster: give the cluster too "
-                     "(--sim-nic-mbit, --sim-sites or --sim-link-mbit)")
+                     "(--sim-nic-mbit, --sim-hosts, --sim-sites or --sim-link-mbit)")
     try:
         config = config_from_args(args, argv, spec)
     except ValueError as error:

@@ -88,12 +88,15 @@ def declared_link_mbit(environ: Mapping[str, str]) -> str:
     """``HETCOMM_LINK_MBIT`` for ``hetcomm-declared``: the simulated cluster's rates.
 
     In a simulated cluster (``HETCOMM_SIM=1``): the NIC rates ``HETCOMM_SIM_NIC_MBIT``, or, when
-    links are shaped too, the effective matrix ``HETCOMM_SIM_EFFECTIVE_MBIT`` (min of NICs and
-    link); unshaped entries become ``UNSHAPED_DECLARED_MBIT``. Outside a simulation the user's own
+    links are shaped too or ranks share hosts (``HETCOMM_SIM_HOSTS``: per-rank NICs would
+    declare the loopback between a host's ranks as slow as its NIC), the effective matrix
+    ``HETCOMM_SIM_EFFECTIVE_MBIT`` (min of NICs and link); unshaped entries become
+    ``UNSHAPED_DECLARED_MBIT``. Outside a simulation the user's own
     ``HETCOMM_LINK_MBIT``. Raises ValueError when there is nothing to declare.
     """
     if environ.get("HETCOMM_SIM") == "1":
-        if environ.get("HETCOMM_SIM_LINK_MBIT", "").strip():
+        if (environ.get("HETCOMM_SIM_LINK_MBIT", "").strip()
+                or environ.get("HETCOMM_SIM_HOSTS", "").strip()):
             text = environ.get("HETCOMM_SIM_EFFECTIVE_MBIT", "")
         else:
             text = environ.get("HETCOMM_SIM_NIC_MBIT", "")

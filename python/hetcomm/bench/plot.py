@@ -137,9 +137,12 @@ def write_plot(document: dict[str, Any], path: str) -> None:
         # bound_s = N / rate, so the bound is one busbw for every size: a horizontal line.
         bound = max(y for _, y in data["bound"]) * scale
         sim = document.get("sim") or {}
-        which = ("slowest NIC" if sim.get("bound_kind") == "nic" else "narrowest cut")
+        which = {"nic": "N through the slowest NIC",
+                 "hosts": "2(H-1) N through the hosts' NICs",
+                 "sites": "2(S-1) N through the sites' cuts"}.get(sim.get("bound_kind"),
+                                                                 "N through the narrowest cut")
         ax.axhline(bound, linestyle="--", color="black", linewidth=1.5,
-                   label=f"physical bound: N through the {which} ({bound:.3g} {unit} busbw)")
+                   label=f"physical bound: {which} ({bound:.3g} {unit} busbw)")
 
     ax.set_xscale("log", base=2)
     ordered = sorted(sizes)

@@ -29,19 +29,28 @@ what is shaped where:
                     a veth pair shaped (HTB) on both ends. Combines with --intra-mbit (within a
                     site) and --inter-mbit (each cross-site pair, on top); --inter-mbit alone
                     gives every cross-site pair its own link instead.
+  --hosts LIST      several ranks per host: the ranks of a host share one namespace, address
+                    and veth pair, so --nic-mbit (one rate per host, or per rank equal within a
+                    host) shapes the host's NIC for all of them, both directions; they talk over
+                    the namespace's loopback, unshaped. Combines with --cpu-quota (per rank),
+                    --latency-ms and --sites + --wan-mbit (each host in one site); not with
+                    --link-mbit, --intra-mbit or --inter-mbit. hetcomm finds the hosts itself
+                    (boot id + network namespace); HETCOMM_HOST_ID is not set.
   A single flow i->j gets min(NIC_i, link_ij, NIC_j, and R between sites); TCP payload ~95.6%
-  of that.
+  of that (ranks of one host: loopback, unshaped).
   --tcp-cc NAME     every namespace's TCP congestion control. Unless given: cubic, mainline
                     Linux's default, so results do not depend on the host's own setting; where
                     the kernel lets namespaces select only tcp_allowed_congestion_control and
                     cubic is not in it, reno; else the host's. The run summary says which.
 
 environment of each rank:
-  RANK WORLD_SIZE LOCAL_RANK(=RANK) LOCAL_WORLD_SIZE(=WORLD_SIZE) MASTER_ADDR(rank 0) MASTER_PORT
+  RANK WORLD_SIZE LOCAL_RANK(=RANK) LOCAL_WORLD_SIZE(=WORLD_SIZE) GROUP_RANK(=0)
+  (with --hosts: the rank's place in its host, the host's size, the host) MASTER_ADDR(rank 0's
+  address) MASTER_PORT
   HETCOMM_SIM=1 HETCOMM_SIM_NIC_MBIT HETCOMM_SIM_LINK_MBIT HETCOMM_SIM_EFFECTIVE_MBIT
   HETCOMM_SIM_BW_BYTES HETCOMM_SIM_CPU_QUOTA HETCOMM_SIM_LATENCY_MS HETCOMM_SIM_SITES
-  HETCOMM_SIM_WAN_MBIT
-  HETCOMM_SIM_ADDRS HETCOMM_SIM_HUB_ADDR HETCOMM_SIM_IFNAME(eth0) HETCOMM_SIM_SPEC(json)
+  HETCOMM_SIM_WAN_MBIT HETCOMM_SIM_HOSTS
+  HETCOMM_SIM_ADDRS(per rank; ranks of a host share one) HETCOMM_SIM_HUB_ADDR HETCOMM_SIM_IFNAME(eth0) HETCOMM_SIM_SPEC(json)
   HETCOMM_SIM_ID; unless already set: PYTHONUNBUFFERED=1, GLOO_SOCKET_IFNAME=eth0 and, with
   --cpu-quota, OMP_NUM_THREADS=ceil(quota).
 
@@ -60,7 +69,9 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     g = p.add_argument_group("cluster")
     g.add_argument("--nic-mbit", metavar="LIST", help="per-rank NIC rate in Mbit/s, e.g. 800,800,800,100 "
-                   "('inf' = unshaped); sets the world size")
+                   "('inf' = unshaped); sets the world size (with --hosts: one per host, or per rank)")
+    g.add_argument("--hosts", metavar="LIST", help="host of each rank, e.g. 0,0,1,1: the ranks of a host "
+                   "share one network namespace and NIC and talk over loopback; sets the world size")
     g.add_argument("--nprocs", type=int, help="world size (when no list gives it; a one-item list is "
                    "then used for every rank)")
     g.add_argument("--link-mbit", metavar="MATRIX", help="directed PxP link rates in Mbit/s, rows "
@@ -105,11 +116,11 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _labels(text: str) -> list:
+def _labels(text: str, what: str = "--sites") -> list:
     out = []
     for s in text.replace(" ", "").split(","):
         if s == "":
-            raise SimError("--sites: empty item")
+            raise SimError(f"{what}: empty item")
         out.append(int(s) if s.lstrip("-").isdigit() else s)
     return out
 
@@ -125,6 +136,7 @@ def spec_from_args(args: argparse.Namespace) -> SimSpec:
     nic = bcast(parse_rate_list(args.nic_mbit, "--nic-mbit")) if args.nic_mbit else None
     quota = bcast(parse_float_list(args.cpu_quota, "--cpu-quota")) if args.cpu_quota else None
     wan = getattr(args, "wan_mbit", None)  # hetcomm.bench's namespace may not carry it
+    hosts = getattr(args, "hosts", None)
     return SimSpec(
         nic_mbit=nic,
         link_mbit=parse_matrix(args.link_mbit) if args.link_mbit else None,
@@ -136,6 +148,7 @@ def spec_from_args(args: argparse.Namespace) -> SimSpec:
         latency_ms=args.latency_ms,
         nprocs=n,
         tcp_cc=tcp_cc_arg(getattr(args, "tcp_cc", None)),
+        hosts=_labels(hosts, "--hosts") if hosts else None,
     )
 
 

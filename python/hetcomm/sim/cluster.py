@@ -73,6 +73,12 @@ class SimCluster:
     ``hub_namespace``, ``master_addr``/``master_port``; with shared uplinks (``spec.wan_mbit``)
     also ``site_bridges``, ``uplink_out_ports`` and ``uplink_in_ports`` (per site, in the order
     of ``spec.site_groups()``; :mod:`hetcomm.sim.netns` has the layout).
+
+    Hosts (``spec.hosts``): the network built is ``spec.network_spec()``, one *node* per host:
+    ``node_namespaces``, ``node_addresses`` and ``hub_ports`` are per host, and a rank's
+    ``namespaces[k]``/``addresses[k]`` are its host's, shared with the host's other ranks (they
+    reach each other over the namespace's loopback, unshaped; they reach other hosts through
+    the host's one shaped veth pair). Without hosts every rank is its own node, as before.
     """
 
     def __init__(self, spec: SimSpec, *, run_id: Optional[str] = None,
@@ -82,6 +88,9 @@ class SimCluster:
         spec.validate()
         self.spec = spec
         self.world_size = spec.world_size
+        # the network as built: one node (namespace, veth pair, address) per host
+        self.net = spec.network_spec()
+        self.node_of = [spec.host_of(k) for k in range(self.world_size)]
         self.master_port = int(master_port)
         self.allow_oversubscribe = allow_oversubscribe
         self.handle_signals = handle_signals
@@ -113,17 +122,21 @@ class SimCluster:
     def _names(self, run_id: str) -> None:
         self.run_id = run_id
         self.hub_namespace = f"{PREFIX}-{run_id}-hub"
-        self.namespaces = [f"{PREFIX}-{run_id}-r{k}" for k in range(self.world_size)]
+        nodes = self.net.world_size
+        kind = "r" if self.spec.hosts is None else "h"   # rank k's, or host k's, namespace
+        self.node_namespaces = [f"{PREFIX}-{run_id}-{kind}{n}" for n in range(nodes)]
+        self.namespaces = [self.node_namespaces[n] for n in self.node_of]
         self.bridge = f"hc{run_id}br"
-        self.hub_ports = [f"hc{run_id}p{k}" for k in range(self.world_size)]
-        sites = range(len(self.spec.site_groups())) if self.spec.wan_mbit is not None else range(0)
+        self.hub_ports = [f"hc{run_id}p{n}" for n in range(nodes)]
+        sites = range(len(self.net.site_groups())) if self.net.wan_mbit is not None else range(0)
         self.site_bridges = [f"hc{run_id}s{n}" for n in sites]
         self.uplink_out_ports = [f"hc{run_id}o{n}" for n in sites]
         self.uplink_in_ports = [f"hc{run_id}i{n}" for n in sites]
         v = int(run_id, 36) if run_id else 0
         a, b = 16 + (v >> 8) % 224, v % 256  # 10.16.0.0 - 10.239.255.0: any /24, it is private
         self.subnet = f"10.{a}.{b}.0/24"
-        self.addresses = [f"10.{a}.{b}.{k + 1}" for k in range(self.world_size)]
+        self.node_addresses = [f"10.{a}.{b}.{n + 1}" for n in range(nodes)]
+        self.addresses = [self.node_addresses[n] for n in self.node_of]
         self.hub_address = f"10.{a}.{b}.254"
         self.master_addr = self.addresses[0]
         self.cgroup_name = f"{PREFIX}-{run_id}"
@@ -196,7 +209,7 @@ class SimCluster:
             root, _ = find_cpu_hierarchy()
             cg_paths = [os.path.join(root, self.cgroup_name)]
         record = {"pid": os.getpid(), "started": time.time(), "run_id": self.run_id,
-                  "namespaces": self.namespaces + [self.hub_namespace], "cgroups": cg_paths,
+                  "namespaces": self.node_namespaces + [self.hub_namespace], "cgroups": cg_paths,
                   "spec": json.loads(self.spec.to_json())}
         for attempt in range(5):
             os.makedirs(REGISTRY_DIR, exist_ok=True)
@@ -234,8 +247,9 @@ class SimCluster:
         run(["ip", "-n", hub, "addr", "add", f"{self.hub_address}/24", "dev", self.bridge])
         # Shared uplinks: a bridge per site, joined to the hub (core) bridge by a veth pair
         # whose two ends stay in the hub; all of the site's cross-site frames cross that pair.
-        rank_bridge = [self.bridge] * self.world_size
-        for n, (label, ranks, out_port, in_port) in enumerate(self._uplinks()):
+        net = self.net
+        node_bridge = [self.bridge] * net.world_size
+        for n, (label, nodes, out_port, in_port) in enumerate(self._uplinks()):
             add_bridge(self.site_bridges[n], f"site {label}'s bridge")
             run(["ip", "-n", hub, "link", "add", out_port, "type", "veth", "peer", "name", in_port],
                 what=f"creating site {label}'s uplink")
@@ -243,28 +257,37 @@ class SimCluster:
             run(["ip", "-n", hub, "link", "set", in_port, "master", self.bridge])
             for port in (out_port, in_port):
                 run(["ip", "-n", hub, "link", "set", port, "up"])
-            for k in ranks:
-                rank_bridge[k] = self.site_bridges[n]
-        for k in range(self.world_size):
-            ns = self.namespaces[k]
+            for k in nodes:
+                node_bridge[k] = self.site_bridges[n]
+        # One namespace and veth pair per node: a rank, or a host whose ranks all live in it.
+        for k in range(net.world_size):
+            ns = self.node_namespaces[k]
             add_ns(ns)
             port = self.hub_ports[k]
             run(["ip", "-n", hub, "link", "add", port, "type", "veth", "peer", "name", RANK_IFNAME,
-                 "netns", ns], what=f"creating rank {k}'s veth pair")
-            run(["ip", "-n", hub, "link", "set", port, "master", rank_bridge[k]])
+                 "netns", ns], what=f"creating {self._node_name(k)}'s veth pair")
+            run(["ip", "-n", hub, "link", "set", port, "master", node_bridge[k]])
             run(["ip", "-n", hub, "link", "set", port, "up"])
-            run(["ip", "-n", ns, "addr", "add", f"{self.addresses[k]}/24", "dev", RANK_IFNAME])
+            run(["ip", "-n", ns, "addr", "add", f"{self.node_addresses[k]}/24", "dev", RANK_IFNAME])
             run(["ip", "-n", ns, "link", "set", RANK_IFNAME, "up"])
         self._set_tcp_congestion_control()
-        for k in range(self.world_size):
-            for args in shaping.egress_plan(self.spec, k, RANK_IFNAME, self.addresses):
-                self._tc(self.namespaces[k], args, f"shaping rank {k}'s egress")
-            for args in shaping.ingress_plan(self.spec, k, self.hub_ports[k]):
-                self._tc(hub, args, f"shaping rank {k}'s ingress")
+        # The shaping plans see the nodes as their ranks (net is the spec itself without hosts).
+        for k in range(net.world_size):
+            for args in shaping.egress_plan(net, k, RANK_IFNAME, self.node_addresses):
+                self._tc(self.node_namespaces[k], args, f"shaping {self._node_name(k)}'s egress")
+            for args in shaping.ingress_plan(net, k, self.hub_ports[k]):
+                self._tc(hub, args, f"shaping {self._node_name(k)}'s ingress")
         for n, (label, _, out_port, in_port) in enumerate(self._uplinks()):
             for direction, dev in (("out", out_port), ("in", in_port)):
-                for args in shaping.uplink_plan(self.spec, n, direction, dev, self.addresses):
+                for args in shaping.uplink_plan(net, n, direction, dev, self.node_addresses):
                     self._tc(hub, args, f"shaping site {label}'s uplink ({direction})")
+
+    def _node_name(self, node: int) -> str:
+        """``rank k``, or ``host h (ranks 0,1)`` with hosts: a namespace's name in messages."""
+        if self.spec.hosts is None:
+            return f"rank {node}"
+        ranks = [k for k, n in enumerate(self.node_of) if n == node]
+        return f"host {node} (rank{'s' if len(ranks) > 1 else ''} {','.join(map(str, ranks))})"
 
     def _set_tcp_congestion_control(self) -> None:
         """Resolves spec.tcp_cc (auto, host or a name) to the algorithm in use, sets it in every
@@ -274,7 +297,7 @@ class SimCluster:
         name, write, note = choose_tcp_cc(requested, host, available, allowed)
         if write:
             try:
-                for ns in self.namespaces + [self.hub_namespace]:
+                for ns in self.node_namespaces + [self.hub_namespace]:
                     _netns.set_tcp_congestion_control(ns, name)
             except _netns.SharedTcpCcError as error:
                 if requested != AUTO_TCP_CC:
@@ -283,6 +306,7 @@ class SimCluster:
         if note:
             self.log(note)
         self.spec = dataclasses.replace(self.spec, tcp_cc=name or None)
+        self.net = self.spec.network_spec()
 
     def _tc(self, ns: str, args: list[str], what: str) -> None:
         assert self._run is not None
@@ -405,16 +429,31 @@ class SimCluster:
         (diagonal ``inf``); ``HETCOMM_SIM_WAN_MBIT``: the rate of every site's shared uplink
         in each direction (empty without); ``HETCOMM_SIM_SPEC``: the whole :class:`SimSpec` as
         JSON (``SimSpec.from_env()``).
+
+        With hosts (``spec.hosts``): ``HETCOMM_SIM_HOSTS`` (the host of every rank, renumbered;
+        empty without), ``LOCAL_RANK``/``LOCAL_WORLD_SIZE`` the rank's place in its host and the
+        host's size, ``GROUP_RANK`` the host, as torchrun sets them; ``HETCOMM_SIM_ADDRS`` gives
+        each rank its host's address (shared by the host's ranks: listen on port 0, or on ports
+        that differ per rank) and ``HETCOMM_SIM_NIC_MBIT`` its host's NIC. Without hosts
+        ``LOCAL_RANK`` = ``RANK``, ``LOCAL_WORLD_SIZE`` = ``WORLD_SIZE``, ``GROUP_RANK`` = 0.
+        ``HETCOMM_HOST_ID`` is never set: hetcomm finds the hosts itself (boot id and network
+        namespace, ``hetcomm.hosts.host_identity``).
         """
         self._require_up()
         p = self.world_size
         spec = self.spec
         links = spec.links()
         bw = effective_bandwidth(spec)
+        if spec.hosts is None:
+            local_rank, local_size, group_rank = rank, p, 0
+        else:
+            group_rank = spec.hosts[rank]
+            mates = [k for k in range(p) if spec.hosts[k] == group_rank]
+            local_rank, local_size = mates.index(rank), len(mates)
         return {
             "RANK": str(rank), "WORLD_SIZE": str(p),
-            "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(p),
-            "GROUP_RANK": "0",
+            "LOCAL_RANK": str(local_rank), "LOCAL_WORLD_SIZE": str(local_size),
+            "GROUP_RANK": str(group_rank),
             "MASTER_ADDR": self.master_addr, "MASTER_PORT": str(self.master_port),
             "HETCOMM_SIM": "1",
             "HETCOMM_SIM_ID": self.run_id or "",
@@ -433,6 +472,7 @@ class SimCluster:
             "HETCOMM_SIM_HUB_ADDR": self.hub_address,
             "HETCOMM_SIM_IFNAME": RANK_IFNAME,
             "HETCOMM_SIM_NETNS": self.namespaces[rank],
+            "HETCOMM_SIM_HOSTS": ",".join(map(str, spec.hosts)) if spec.hosts is not None else "",
         }
 
     def command_for(self, rank: int, cmd: Sequence[str]) -> list[str]:
@@ -534,15 +574,16 @@ class SimCluster:
         self._require_up()
         assert self._run is not None
         parts = []
-        for k, ns in enumerate(self.namespaces):
+        for k, ns in enumerate(self.node_namespaces):
+            name = self._node_name(k)
             for what in ("qdisc", "class"):
                 p = self._run(["tc", "-n", ns, "-s", what, "show", "dev", RANK_IFNAME], check=False)
                 if p.stdout.strip():
-                    parts.append(f"## rank {k} egress ({ns} {RANK_IFNAME}) {what}\n{p.stdout.rstrip()}")
+                    parts.append(f"## {name} egress ({ns} {RANK_IFNAME}) {what}\n{p.stdout.rstrip()}")
             p = self._run(["tc", "-n", self.hub_namespace, "-s", "qdisc", "show", "dev",
                            self.hub_ports[k]], check=False)
             if p.stdout.strip():
-                parts.append(f"## rank {k} ingress ({self.hub_namespace} {self.hub_ports[k]})\n"
+                parts.append(f"## {name} ingress ({self.hub_namespace} {self.hub_ports[k]})\n"
                              f"{p.stdout.rstrip()}")
         for label, _, out_port, in_port in self._uplinks():
             for direction, dev in (("out", out_port), ("in", in_port)):
@@ -569,11 +610,14 @@ class SimCluster:
         return out
 
     def _uplinks(self) -> list[tuple[Any, tuple[int, ...], str, str]]:
-        """``[(site label, its ranks, out device, in device), ...]``; [] without shared uplinks."""
+        """``[(site label, its nodes, out device, in device), ...]``; [] without shared uplinks.
+
+        Nodes are ranks, or hosts with ``spec.hosts`` (the sites in the same order either way:
+        by lowest rank)."""
         if not self.site_bridges:
             return []
-        return [(label, ranks, self.uplink_out_ports[n], self.uplink_in_ports[n])
-                for n, (label, ranks) in enumerate(self.spec.site_groups())]
+        return [(label, nodes, self.uplink_out_ports[n], self.uplink_in_ports[n])
+                for n, (label, nodes) in enumerate(self.net.site_groups())]
 
     def _root_qdisc_bytes(self, dev: str) -> int:
         assert self._run is not None
@@ -588,8 +632,12 @@ class SimCluster:
 
     def describe(self) -> str:
         self._require_up()
+        if self.spec.hosts is None:
+            where = ", ".join(f"rank {k} {a}" for k, a in enumerate(self.addresses))
+        else:
+            where = ", ".join(f"{self._node_name(n)} {a}" for n, a in enumerate(self.node_addresses))
         lines = [f"run {self.run_id}: {self.spec.describe()}",
-                 f"subnet {self.subnet}: " + ", ".join(f"rank {k} {a}" for k, a in enumerate(self.addresses))
+                 f"subnet {self.subnet}: {where}"
                  + f"; hub {self.hub_address}; MASTER_ADDR={self.master_addr} MASTER_PORT={self.master_port}"]
         if self.spec.shaped:
             eff = effective_link_mbit(self.spec)
@@ -597,7 +645,8 @@ class SimCluster:
         if self.site_bridges:
             lines.append(f"shared uplinks, {format_rate(self.spec.wan_mbit)} Mbit/s each way: " + "; ".join(
                 f"site {label} (ranks {','.join(map(str, ranks))}) out {out_port} in {in_port}"
-                for label, ranks, out_port, in_port in self._uplinks()))
+                for (label, ranks), (_, _, out_port, in_port) in zip(self.spec.site_groups(),
+                                                                     self._uplinks())))
         return "\n".join(lines)
 
     def _require_up(self) -> None:

@@ -6,6 +6,9 @@ Names (``<id>`` = 6 hex digits chosen per run, so that concurrent runs never col
   the run's /24, so a launcher thread can host a store there, see :func:`enter_netns`) and
   the hub-side veth ends ``hc<id>p<k>``, one per rank, enslaved to the bridge.
 * ``hcsim-<id>-r<k>``: rank k's namespace; holds ``lo`` (up) and ``eth0`` (address ``.k+1``).
+* with hosts (``SimSpec.hosts``), ``hcsim-<id>-h<n>`` instead: host n's namespace, which all of
+  the host's ranks share (one ``eth0``, address ``.n+1``, and one hub-side ``hc<id>p<n>``); they
+  reach each other over its ``lo``. Everything below then holds with "host" for "rank".
 
 With shared WAN uplinks (``wan_mbit``) the hub holds one bridge per site, ``hc<id>s<n>`` (n = the
 site's index in ``SimSpec.site_groups()``), whose ports are the site's ranks' ``hc<id>p<k>``;

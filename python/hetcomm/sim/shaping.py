@@ -39,6 +39,11 @@ last byte was sent. Measured on 800/800/800/100 Mbit/s, 4 ranks, 16 MB: hetcomm 
 1.19x the bound in two runs with one egress FIFO (tbf), 1.07x and 1.13x with a leaf per
 destination (this kernel has no fq_codel); gloo stayed 1.45-1.5x slower than hetcomm.
 
+Hosts (``SimSpec.hosts``): the cluster shapes ``spec.network_spec()``, whose ranks are the
+hosts, with these same plans: host h's ``eth0`` (egress, a leaf per destination host) and its
+hub-side port (ingress) carry the NIC of all of h's ranks together; traffic between ranks of
+one host stays on the namespace's loopback and is never shaped.
+
 The link rate is enforced at the sender only; a flow i->j therefore gets
 ``min(NIC_i, link_ij, NIC_j)`` (:func:`hetcomm.sim.spec.effective_bandwidth`).
 

@@ -151,6 +151,17 @@ class SimSpec:
         (out of the site, and into it). Needs ``sites`` with at least two sites; combines with
         ``intra_mbit`` (within a site) and ``inter_mbit`` (each cross-site pair, on top of the
         uplinks). None: no shared uplink (every cross-site pair on its own links).
+    hosts: a host label per rank (e.g. ``[0, 0, 1, 1]``): the ranks of a host share one network
+        namespace, one address and one NIC (one veth pair to the bridge, shaped in both
+        directions), and talk to each other over the namespace's loopback, unshaped. Labels are
+        renumbered 0, 1, ... in order of each host's lowest rank. With hosts, ``nic_mbit`` is
+        either one rate per host (a list as long as the number of hosts) or one per rank whose
+        ranks of a host agree; it is stored per rank. Hosts combine with ``nic_mbit``,
+        ``cpu_quota`` (still per rank), ``latency_ms`` (on each host's egress) and ``sites`` +
+        ``wan_mbit`` (each host wholly in one site; the site's uplink joins its hosts). Per-pair
+        rates (``link_mbit``, ``intra_mbit``, ``inter_mbit``) are not supported with hosts: the
+        simulated network of a hosts cluster is :meth:`network_spec`, one node per host.
+        None: every rank is its own host (its own namespace and NIC).
     cpu_quota: per-rank CPU quota in cores (1.0 = one core, 0.25 = a quarter); None = no cgroup.
     latency_ms: one-way delay added on each rank's egress (netem; the kernel must have it).
     nprocs: world size when no per-rank list gives it.
@@ -177,9 +188,35 @@ class SimSpec:
     latency_ms: float = 0.0
     nprocs: Optional[int] = None
     tcp_cc: Optional[str] = DEFAULT_TCP_CC
+    hosts: Optional[list[int]] = None
 
     def __post_init__(self) -> None:
+        if self.hosts is not None:
+            self.hosts = _renumber(self.hosts)
+            self.nic_mbit = self._per_rank_nics()
         self.validate()
+
+    def _per_rank_nics(self) -> Optional[list[Optional[float]]]:
+        """``nic_mbit`` given per host or per rank, as one rate per rank (hosts given)."""
+        assert self.hosts is not None
+        if self.nic_mbit is None:
+            return None
+        nics = list(self.nic_mbit)
+        p, h = len(self.hosts), max(self.hosts, default=-1) + 1
+        if len(nics) == p:
+            for host, ranks in self.host_groups():
+                rates = {nics[k] for k in ranks}
+                if len(rates) > 1:
+                    raise SimError(
+                        f"nic_mbit (--nic-mbit) gives the ranks {','.join(map(str, ranks))} of host {host} "
+                        f"different rates ({', '.join(format_rate(nics[k]) for k in ranks)}): the ranks of "
+                        f"a host share one NIC; give one rate per host ({h} rates) or equal rates per host")
+            return nics
+        if len(nics) == h:
+            return [nics[host] for host in self.hosts]
+        raise SimError(f"nic_mbit (--nic-mbit) has {len(nics)} rates, but hosts (--hosts) "
+                       f"{','.join(map(str, self.hosts))} has {h} host{'s' if h != 1 else ''} and {p} ranks: "
+                       f"give one rate per host ({h}) or one per rank ({p})")
 
     # -- size and validation ----------------------------------------------------------------
     @property
@@ -199,6 +236,8 @@ class SimSpec:
             sizes["sites"] = len(self.sites)
         if self.cpu_quota is not None:
             sizes["cpu_quota"] = len(self.cpu_quota)
+        if self.hosts is not None:
+            sizes["hosts"] = len(self.hosts)
         return sizes
 
     def validate(self) -> None:
@@ -216,6 +255,8 @@ class SimSpec:
             raise SimError(f"at most 250 ranks can be simulated (one /24), got {p}")
         if self.link_mbit is not None and self.sites is not None:
             raise SimError("give either link_mbit (--link-mbit) or sites (--sites), not both")
+        if self.hosts is not None:
+            self._validate_hosts()
         if self.sites is None and (self.intra_mbit is not None or self.inter_mbit is not None):
             raise SimError("intra_mbit/inter_mbit (--intra-mbit/--inter-mbit) need sites (--sites)")
         if self.wan_mbit is not None:
@@ -254,9 +295,66 @@ class SimSpec:
                            f"(e.g. cubic, reno, bbr; see /proc/sys/net/ipv4/"
                            f"tcp_available_congestion_control)")
 
+    def _validate_hosts(self) -> None:
+        assert self.hosts is not None
+        unsupported = [opt for opt, value in (("link_mbit (--link-mbit)", self.link_mbit),
+                                              ("intra_mbit (--intra-mbit)", self.intra_mbit),
+                                              ("inter_mbit (--inter-mbit)", self.inter_mbit))
+                       if value is not None]
+        if unsupported:
+            raise SimError(f"hosts (--hosts) cannot be combined with {' or '.join(unsupported)}: per-pair "
+                           "rates are not supported with hosts. Hosts combine with --nic-mbit (one NIC per "
+                           "host), --cpu-quota (per rank), --latency-ms and --sites with --wan-mbit (a "
+                           "shared uplink per site)")
+        if self.sites is not None:
+            if self.wan_mbit is None:
+                raise SimError("hosts (--hosts) with sites (--sites) need --wan-mbit (a shared uplink "
+                               "per site); per-pair site rates are not supported with hosts")
+            for host, ranks in self.host_groups():
+                labels = list(dict.fromkeys(self.sites[k] for k in ranks))
+                if len(labels) > 1:
+                    raise SimError(f"host {host} (ranks {','.join(map(str, ranks))}) is in sites "
+                                   f"{', '.join(map(str, labels))}: each host must be wholly in one site")
+
     # -- derived quantities -----------------------------------------------------------------
     def nic(self, rank: int) -> Optional[float]:
+        """Rank ``rank``'s NIC rate in Mbit/s (with hosts: its host's, shared with its host)."""
         return None if self.nic_mbit is None else self.nic_mbit[rank]
+
+    def host_of(self, rank: int) -> int:
+        """Rank ``rank``'s host (its own index without hosts)."""
+        return rank if self.hosts is None else self.hosts[rank]
+
+    @property
+    def num_hosts(self) -> int:
+        return self.world_size if self.hosts is None else max(self.hosts) + 1
+
+    def host_groups(self) -> list[tuple[int, tuple[int, ...]]]:
+        """``[(host, its ranks), ...]`` in host order (by lowest rank); one rank per host without hosts."""
+        if self.hosts is None:
+            return [(k, (k,)) for k in range(self.world_size)]
+        groups: dict[int, list[int]] = {}
+        for rank, host in enumerate(self.hosts):
+            groups.setdefault(host, []).append(rank)
+        return [(host, tuple(ranks)) for host, ranks in sorted(groups.items())]
+
+    def network_spec(self) -> "SimSpec":
+        """The network as built: one node (namespace, address, NIC) per host.
+
+        Without hosts, ``self``. With hosts, a spec whose "ranks" are the hosts: host h's NIC,
+        its site, the same ``wan_mbit``, ``latency_ms`` and ``tcp_cc``, no CPU quotas (those stay
+        per rank). :mod:`hetcomm.sim.cluster` builds and shapes this spec's network and places
+        each rank in its host's namespace, so every ``tc`` plan of :mod:`hetcomm.sim.shaping`
+        applies unchanged; the physical bound of the benchmark is that of this spec's nodes
+        (ranks of one host exchange data over loopback, which no cut bound can charge).
+        """
+        if self.hosts is None:
+            return self
+        first = [ranks[0] for _, ranks in self.host_groups()]
+        return SimSpec(nic_mbit=None if self.nic_mbit is None else [self.nic_mbit[k] for k in first],
+                       sites=None if self.sites is None else [self.sites[k] for k in first],
+                       wan_mbit=self.wan_mbit, latency_ms=self.latency_ms, nprocs=len(first),
+                       tcp_cc=self.tcp_cc)
 
     def site_groups(self) -> list[tuple[Any, tuple[int, ...]]]:
         """``[(site label, its ranks), ...]``, sites in order of first appearance; [] without sites.
@@ -314,9 +412,18 @@ class SimSpec:
     def describe(self) -> str:
         p = self.world_size
         parts = [f"{p} rank{'s' if p != 1 else ''}"]
-        if self.nic_mbit is not None:
+        if self.hosts is not None:
+            h = self.num_hosts
+            parts.append(f"{h} host{'s' if h != 1 else ''} " + ",".join(map(str, self.hosts))
+                         + " (one namespace and NIC per host)")
+            if self.nic_mbit is not None:
+                parts.append("NIC Mbit/s per host " + ",".join(
+                    format_rate(self.nic_mbit[ranks[0]]) for _, ranks in self.host_groups()))
+        elif self.nic_mbit is not None:
             parts.append("NIC Mbit/s " + ",".join(format_rate(v) for v in self.nic_mbit))
-        if self.sites is not None:
+        if self.sites is not None and self.hosts is not None:
+            parts.append(f"sites {','.join(map(str, self.sites))}")
+        elif self.sites is not None:
             parts.append(f"sites {','.join(map(str, self.sites))} intra {format_rate(self.intra_mbit)} "
                          f"inter {format_rate(self.inter_mbit)} Mbit/s")
             if self.wan_mbit is not None:
@@ -340,6 +447,8 @@ class SimSpec:
 def effective_link_mbit(spec: SimSpec) -> list[list[Optional[float]]]:
     """Directed rate of a single flow i -> j in Mbit/s: min(NIC_i, NIC_j, link_ij); None = unshaped.
 
+    Ranks of one host (``spec.hosts``) talk over loopback: None (unshaped) between them; between
+    hosts NIC_i and NIC_j are the hosts' NICs, which all ranks of a host share.
     With shared uplinks (``wan_mbit``) a flow between sites is also at most ``wan_mbit``.
     This is what one TCP connection between i and j alone can get (times TCP_GOODPUT_FRACTION).
     Several concurrent flows also share NIC_i (all of i's outgoing flows) and NIC_j (all of j's
@@ -352,7 +461,7 @@ def effective_link_mbit(spec: SimSpec) -> list[list[Optional[float]]]:
     for i in range(p):
         row: list[Optional[float]] = []
         for j in range(p):
-            if i == j:
+            if i == j or spec.host_of(i) == spec.host_of(j):
                 row.append(None)
                 continue
             cands = [spec.nic(i), spec.nic(j), links[i][j] if links is not None else None]
@@ -386,6 +495,63 @@ def effective_uplinks(spec: SimSpec) -> list[tuple[tuple[int, ...], float, float
         return []
     rate = mbit_to_bytes_per_s(spec.wan_mbit)
     return [(ranks, rate, rate) for _, ranks in spec.site_groups()]
+
+
+def effective_host_nics(spec: SimSpec) -> list[tuple[tuple[int, ...], float, float]]:
+    """Each host's NIC as a shared uplink of its ranks, in **bytes/s**: ``[(ranks, out, in), ...]``.
+
+    All traffic from a host's ranks to other hosts shares its NIC's egress, all traffic into them
+    its ingress (``hetcomm.planner.LinkModel.uplinks``); unshaped NICs are ``math.inf``. Hosts in
+    host order; ``[]`` without ``spec.hosts``. Wire rates, as :func:`effective_uplinks`.
+    """
+    if spec.hosts is None:
+        return []
+    return [(ranks, mbit_to_bytes_per_s(spec.nic(ranks[0])), mbit_to_bytes_per_s(spec.nic(ranks[0])))
+            for _, ranks in spec.host_groups()]
+
+
+def hosts_allreduce_bound_seconds(out_bps: Sequence[float], nbytes: float,
+                                  in_bps: Optional[Sequence[float]] = None) -> float:
+    """Lower bound on the time of any AllReduce of ``nbytes`` over hosts with these NICs.
+
+    ``out_bps[h]``/``in_bps[h]``: what host h can send to / receive from the other hosts, in
+    bytes/s (its NIC; ``in_bps`` defaults to ``out_bps``, ``inf`` = unshaped). Ranks of a host
+    combine their data over loopback for free, so only the H hosts count, and
+
+        T >= max( max_h N / out_h,  max_h N / in_h,
+                  2 (H - 1) N / sum_h out_h,  2 (H - 1) N / sum_h in_h )
+
+    * the cut {h} | the other hosts: the other hosts' result depends on every element of h's
+      data, and h's on theirs, so at least N bytes leave h and N enter it (without compression
+      or in-network reduction);
+    * hosts as nodes: every element has H partial sums (one per host); merging them takes at
+      least H - 1 inter-host messages and spreading the sum to every host H - 1 more (one-way
+      gossip needs 2(H - 1) messages), so 2 (H - 1) N bytes leave hosts in all, each through
+      one host's egress, and enter hosts through their ingresses.
+
+    H = 2: ``2 N / (out_0 + out_1) <= N / min(out)``, the bound is ``N / slowest NIC``. Equal
+    NICs ``nic``: ``max(1, 2 (H - 1) / H) N / nic = 2 (H - 1) / H * N / nic``, the uniform ring
+    (design.md section 9). E.g. 3 hosts at 100 Mbit/s (12.5e6 B/s), 12 MB: 4/3 * 0.96 s =
+    1.28 s; 1000,1000,100 Mbit/s: max(12e6 / 12.5e6, 4 * 12e6 / 262.5e6) = max(0.96, 0.18) = 0.96 s,
+    the slow host's cut. One host: 0.
+    Pass payload rates (``* TCP_GOODPUT_FRACTION``) for a bound on measured TCP times.
+    """
+    out_bps = list(out_bps)
+    in_bps = list(out_bps if in_bps is None else in_bps)
+    h = len(out_bps)
+    if len(in_bps) != h:
+        raise ValueError(f"out_bps has {h} hosts, in_bps {len(in_bps)}")
+    if h <= 1 or nbytes <= 0:
+        return 0.0
+    rate = min(min(out_bps), min(in_bps), math.fsum(out_bps) / (2 * (h - 1)),
+               math.fsum(in_bps) / (2 * (h - 1)))
+    return 0.0 if math.isinf(rate) else nbytes / rate
+
+
+def _renumber(labels: Sequence[Any]) -> list[int]:
+    """Labels -> 0, 1, ... in order of first appearance (``["b", "a", "b"]`` -> ``[0, 1, 0]``)."""
+    index: dict[Any, int] = {}
+    return [index.setdefault(label, len(index)) for label in labels]
 
 
 def ring_allreduce_seconds(bw: Sequence[Sequence[float]], nbytes: float,

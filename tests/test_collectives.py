@@ -523,15 +523,20 @@ def _non_contiguous(cases: Cases, rank: int, ws: int) -> None:
 # The tests: one job per world size, one test per (world size, family)
 # --------------------------------------------------------------------------------------------
 
-_REPORTS: dict[int, object] = {}
+_REPORTS: dict[tuple, object] = {}
+# The ranks of these jobs share one machine, so hetcomm runs their collectives through shared
+# memory (test_shm.py); these world sizes run the suite once more over TCP (HETCOMM_SHM=0), the
+# ring and recursive doubling that groups spread over hosts use.
+TCP_WORLD_SIZES = [3, 4]
 
 
-def _report(world_size: int):
-    if world_size not in _REPORTS:
+def _report(world_size: int, tcp: bool = False):
+    if (world_size, tcp) not in _REPORTS:
         families = [f for f in FAMILIES if world_size > 1 or f not in NEEDS_PEER]
-        _REPORTS[world_size] = run_suite(world_size, collective_suite, families=families,
-                                         timeout=300, pg_timeout=60)
-    return _REPORTS[world_size]
+        _REPORTS[(world_size, tcp)] = run_suite(world_size, collective_suite, families=families,
+                                                timeout=300, pg_timeout=60,
+                                                env={"HETCOMM_SHM": "0"} if tcp else None)
+    return _REPORTS[(world_size, tcp)]
 
 
 def family_params(world_sizes) -> list:
@@ -545,3 +550,8 @@ def family_params(world_sizes) -> list:
 def test_collective(world_size: int, family: str) -> None:
     _report(world_size).assert_family(family)
 
+
+@pytest.mark.skipif(not is_hetcomm(), reason="HETCOMM_SHM is hetcomm's; gloo has no shared-memory path")
+@pytest.mark.parametrize("world_size,family", family_params(TCP_WORLD_SIZES))
+def test_collective_over_tcp(world_size: int, family: str) -> None:
+    _report(world_size, tcp=True).assert_family(family)

@@ -18,7 +18,6 @@ from __future__ import annotations
 import concurrent.futures
 import glob
 import os
-import re
 import resource
 import threading
 import time
@@ -29,6 +28,7 @@ import torch.distributed as dist
 
 from conftest import hetcomm_only
 from harness import RankFailure, assert_same, expected_reduce, pattern, run_ranks, run_suite
+from harness import free_port as free_port_
 import test_collectives
 
 pytestmark = [pytest.mark.usefixtures("backend_importable"), hetcomm_only("shared-memory transport")]
@@ -59,6 +59,9 @@ def _socket_bytes(group=None) -> int:
 SMALL_SLOTS = {
     "3ranks_16k_slots": (3, {"HETCOMM_SHM_SLOT_BYTES": str(16 << 10)}),
     "4ranks_4k_slots": (4, {"HETCOMM_SHM_SLOT_BYTES": "4096", "HETCOMM_SHM_SMALL_ALLREDUCE_BYTES": "0"}),
+    # Device buffers (an emulated device: copies queued and run late, test_staged.py) through
+    # the slots, as CUDA tensors on one host take them.
+    "3ranks_emulated_device": (3, {"HETCOMM_DEBUG_EMULATE_DEVICE": "1", "HETCOMM_SHM_SLOT_BYTES": str(32 << 10)}),
 }
 _SUITES: dict = {}
 
@@ -186,11 +189,17 @@ def _setting_disagreement(rank: int, ws: int, port: int) -> str:
     return _init_with(rank, ws, port, {"HETCOMM_SHM_SLOT_BYTES": "8192" if rank == 1 else "65536"})
 
 
+def _bad_host_id_on_one_rank(rank: int, ws: int, port: int) -> str:
+    # One label short on the last rank only: it cannot use its setting, and says so everywhere.
+    return _init_with(rank, ws, port, {"HETCOMM_HOST_ID": "0,0" if rank == ws - 1 else "0,0,1"})
+
+
 def test_ranks_that_disagree_about_hosts_or_settings_fail_at_creation() -> None:
-    from harness import free_port
-    for msg in run_ranks(3, _host_disagreement, free_port(), init=None):
+    for msg in run_ranks(3, _bad_host_id_on_one_rank, free_port_(), init=None):
+        assert "HETCOMM_HOST_ID" in msg and "rank 2" in msg, msg
+    for msg in run_ranks(3, _host_disagreement, free_port_(), init=None):
         assert "disagree" in msg and "hosts" in msg, msg
-    for msg in run_ranks(3, _setting_disagreement, free_port(), init=None):
+    for msg in run_ranks(3, _setting_disagreement, free_port_(), init=None):
         assert "HETCOMM_SHM_SLOT_BYTES" in msg and "rank 1" in msg, msg
 
 
@@ -242,7 +251,7 @@ def _differential(rank: int, ws: int) -> None:
             dist.all_reduce(a)
             dist.all_reduce(b, group=gloo)
             assert_same(a, b, f"sum {dtype} n={n}")
-            ra, rb = torch.empty(n, dtype=dtype), torch.empty(n, dtype=dtype)
+            ra = torch.empty(n, dtype=dtype)
             big = torch.cat([x] * ws)
             dist.reduce_scatter_tensor(ra, big)
             dist.all_reduce(big, group=gloo)
@@ -272,7 +281,7 @@ def _mismatch(rank: int, ws: int, what: str) -> str:
 
 @pytest.mark.parametrize("what", ["shape", "dtype"])
 def test_mismatched_calls_raise_on_every_rank(what: str) -> None:
-    for msg in run_ranks(3, _mismatch, what, destroy=False):
+    for msg in run_ranks(3, _mismatch, what):
         assert "disagree" in msg, msg
 
 
@@ -293,7 +302,7 @@ def _killed_mid_collective(rank: int, ws: int) -> dict:
 
 def test_rank_killed_mid_collective_is_named_and_leaks_nothing() -> None:
     before = set(glob.glob(SEGMENTS))
-    results = run_ranks(3, _killed_mid_collective, expect_dead=[1], pg_timeout=20, destroy=False)
+    results = run_ranks(3, _killed_mid_collective, expect_dead=[1], pg_timeout=20)
     for rank in (0, 2):
         res = results[rank]
         assert "rank 1" in res["message"], res
@@ -334,3 +343,17 @@ def test_no_segment_left_after_exit_or_exception() -> None:
     with pytest.raises(RankFailure, match="boom"):
         run_ranks(2, _segment_error)
     assert set(glob.glob(SEGMENTS)) <= before
+
+
+def test_local_setting_values(monkeypatch) -> None:
+    from hetcomm import hosts
+    monkeypatch.setenv("HETCOMM_LOCAL", "nccl")
+    with pytest.raises(ValueError, match="not available"):
+        hosts.shared_memory_wanted()
+    monkeypatch.setenv("HETCOMM_LOCAL", "infiniband")
+    with pytest.raises(ValueError, match="choose shm or tcp"):
+        hosts.shared_memory_wanted()
+    monkeypatch.setenv("HETCOMM_LOCAL", "tcp")
+    assert hosts.shared_memory_wanted() == "HETCOMM_LOCAL=tcp"
+    monkeypatch.setenv("HETCOMM_LOCAL", "shm")
+    assert hosts.shared_memory_wanted() is None

@@ -28,7 +28,10 @@ pytestmark = [pytest.mark.usefixtures("backend_importable"),
               hetcomm_only("HETCOMM_DEBUG_EMULATE_DEVICE is hetcomm's")]
 
 R = dist.ReduceOp
-EMULATED = {"HETCOMM_DEBUG_EMULATE_DEVICE": "1"}
+# HETCOMM_SHM=0: these ranks share one machine, where every collective would otherwise go through
+# shared memory; the staged TCP pipeline under test runs between hosts. (test_shm.py runs the
+# suite on an emulated device through shared memory.)
+EMULATED = {"HETCOMM_DEBUG_EMULATE_DEVICE": "1", "HETCOMM_SHM": "0"}
 ALL_STAGED = {**EMULATED, "HETCOMM_DEVICE_HOST_REDUCE_BYTES": "0"}
 WORLD_SIZES = [2, 3]
 

@@ -179,15 +179,28 @@ void allreduce(const CollectiveContext& ctx, char* buf, size_t count, DType dtyp
   const int L = ch.localSize(), me = ch.localRank();
   const size_t es = elementSize(dtype);
   std::vector<const void*> srcs(L);
-  if (ctx.device == nullptr && count * es <= std::min(smallAllreduceBytes(), ch.slotBytes())) {
-    // Small: every rank reduces the whole message from every slot, in local-rank order.
+  if (count * es <= std::min(smallAllreduceBytes(), ch.slotBytes())) {
+    // Small: every rank reduces the whole message from every slot, in local-rank order. Chosen
+    // by size alone, so that ranks with host and device tensors take the same path (the chunk
+    // headers of the two paths look alike). Device buffers: reduced in host memory, copied back.
     Chunk c(ctx, 0, 1);
     c.acquire();
     copyIn(ctx, c.mine(), buf, count * es);
+    settle(ctx);
     c.post();
     c.awaitPosted();
     for (int l = 0; l < L; ++l) srcs[l] = c.slotOf(l);
-    if (count > 0) reduceMany(buf, srcs.data(), L, count, dtype, op, divisor);
+    if (count > 0) {
+      if (ctx.device == nullptr) {
+        reduceMany(buf, srcs.data(), L, count, dtype, op, divisor);
+      } else {
+        thread_local std::vector<char> host;
+        host.resize(count * es);
+        reduceMany(host.data(), srcs.data(), L, count, dtype, op, divisor);
+        copyOut(ctx, buf, host.data(), count * es);
+        settle(ctx);
+      }
+    }
     c.finish();
     return;
   }

@@ -24,8 +24,9 @@
 // small enough (HETCOMM_SHM_SLOT_BYTES).
 //
 // With ctx.device set the buffers are device memory: copies in and out go through the DeviceOps
-// queue (for CUDA: straight between the device and the slots, which the backend registers as
-// pinned memory) and reductions run on the host, in the slots.
+// queue (for CUDA: straight between the device and the slots; the segment is not registered as
+// pinned memory yet, so these copies are synchronous) and reductions run on the host, in the
+// slots. Host and device ranks take the same steps, so a group may mix them.
 //
 // Local ranks are numbered by group rank; the functions take local indices for roots and blocks.
 #include <cstddef>
@@ -58,8 +59,8 @@ void alltoallv(const CollectiveContext& ctx, const char* in, const std::vector<s
                const std::vector<size_t>& recvBytes);
 void barrier(const CollectiveContext& ctx);
 
-// Allreduces of at most this many bytes (and host memory) are reduced whole by every rank, which
-// saves one of the three waits per chunk.
+// Allreduces of at most this many bytes are reduced whole by every rank, which saves one of the
+// three waits per chunk.
 size_t smallAllreduceBytes();
 
 }  // namespace local

@@ -208,7 +208,7 @@ c10::intrusive_ptr<WorkHetcomm> ProcessGroupHetcomm::enqueue(c10d::OpType type, 
     work->complete(distError(strCat("hetcomm ", collectiveName(header.opcode), ": the process group is shut down")));
     return work;
   }
-  queue_.push_back(Pending{work, header, timeout, std::move(body), stream, std::move(inputsReady)});
+  queue_.push_back(Pending{work, header, timeout, std::move(body), stream, std::move(inputsReady), local_});
   cv_.notify_one();
   return work;
 }
@@ -227,7 +227,7 @@ void ProcessGroupHetcomm::runWorker() {
       op = std::move(queue_.front());
       queue_.pop_front();
       broken = brokenReason_;
-      local = local_;
+      local = op.local;
     }
     std::exception_ptr error;
     CollectiveContext ctx;

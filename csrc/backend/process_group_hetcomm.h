@@ -134,6 +134,9 @@ class ProcessGroupHetcomm : public c10d::Backend {
     // current stream had reached when it issued the operation.
     std::optional<c10::Stream> stream;
     std::optional<c10::Event> inputsReady;
+    // The host's shared memory as it was when the operation was issued (every rank issues its
+    // operations in the same order relative to attach/detach, so all take the same path).
+    std::shared_ptr<LocalGroup> local;
   };
   // Per CUDA device: the streams the group works on and, created by the worker on first use, the
   // staging machinery of its collectives.

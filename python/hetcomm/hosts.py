@@ -6,10 +6,12 @@ At group creation (`hetcomm.topology.configure_group`) every rank of the group:
    network namespace, so that two containers, or two simulated hosts (`python -m hetcomm.sim
    --hosts`), on one machine are two hosts; ``HETCOMM_HOST_ID`` overrides it, either as one
    label for this process (containers, tests) or as a comma-separated label per *global* rank
-   (``HETCOMM_HOST_ID=0,0,1,1``, like ``HETCOMM_SITES``). Ranks with the same identity form a host
-   (`host_labels`); hosts are numbered by lowest rank. Subgroups take their ranks' identities from
-   an earlier group that contained all of them, as measured links are (`hetcomm.topology`), else
-   gather them again;
+   (``HETCOMM_HOST_ID=0,0,1,1``, like ``HETCOMM_SITES``). The identity also holds the device and
+   inode of ``/dev/shm``: containers that share the network namespace (host networking) but not
+   ``/dev/shm`` are different hosts, since they cannot share memory. Ranks with the same identity
+   form a host (`host_labels`); hosts are numbered by lowest rank. Every group gathers its ranks'
+   identities afresh (32 bytes a rank), so a rank that re-joins in the same process, or a
+   subgroup, never works from stale ones;
 2. checks that every rank agrees on the hosts and on the settings that shape the schedule
    (`check_agreement`): a rank launched with another ``HETCOMM_SHM`` or ``HETCOMM_LINK_MBIT``
    fails group creation on every rank, naming the setting and the ranks, instead of failing in
@@ -18,7 +20,8 @@ At group creation (`hetcomm.topology.configure_group`) every rank of the group:
    host and group, fixed-size slots (``HETCOMM_SHM_BYTES`` per host, 64 MB by default;
    ``HETCOMM_SHM_SLOT_BYTES`` per slot), unlinked once every rank of the host mapped it. If any
    host cannot (``HETCOMM_SHM=0``, ``HETCOMM_LOCAL=tcp``, /dev/shm too small or not shared), the
-   whole group stays on TCP and rank 0 says why, once per process.
+   whole group stays on TCP; when that is not the user's own setting, rank 0 says why, once per
+   process.
 
 Collectives of a group whose ranks all share one host then go through shared memory; a group
 spread over several hosts runs its allreduce hierarchically (reduce-scatter in each host's shared
@@ -41,8 +44,6 @@ DEFAULT_SLOT_BYTES = 256 << 10
 _IDENTITY_BYTES = 32
 _SETTING_BYTES = 96
 
-# Identities by the global ranks of the groups that gathered them (see `host_labels`).
-_gathered: dict[tuple[int, ...], tuple[str, ...]] = {}
 _fallback_said = False
 
 
@@ -60,7 +61,12 @@ def host_identity() -> str:
         netns = str(os.stat("/proc/self/ns/net").st_ino)
     except OSError:
         netns = "unknown-netns"
-    return f"{boot}/{netns}"
+    try:
+        st = os.stat("/dev/shm")
+        shm = f"{st.st_dev}:{st.st_ino}"
+    except OSError:
+        shm = "no-dev-shm"
+    return f"{boot}/{netns}/{shm}"
 
 
 def _renumber(labels: Sequence) -> tuple[int, ...]:
@@ -101,35 +107,31 @@ def _decode(row: torch.Tensor) -> str:
     return bytes(row.tolist()).rstrip(b"\0").decode(errors="replace")
 
 
-def _gather_identities(backend, global_ranks: tuple[int, ...]) -> tuple[str, ...]:
-    for key, identities in _gathered.items():
-        if set(global_ranks) <= set(key):
-            where = {r: i for i, r in enumerate(key)}
-            return tuple(identities[where[r]] for r in global_ranks)
+def _gather_identities(backend) -> tuple[str, ...]:
     digest = hashlib.sha256(host_identity().encode()).hexdigest()[:_IDENTITY_BYTES]
-    identities = tuple(_decode(row) for row in _allgather_rows(backend, _encode(digest, _IDENTITY_BYTES)))
-    _gathered[global_ranks] = identities
-    return identities
+    return tuple(_decode(row) for row in _allgather_rows(backend, _encode(digest, _IDENTITY_BYTES)))
 
 
-def host_labels(backend, global_ranks: Sequence[int]) -> tuple[int, ...]:
-    """The host of every rank of the backend's group, numbered by lowest rank. A collective.
-
-    A group covered by an earlier group's identities reuses them (every rank of the group was in
-    that earlier group, so all make the same choice); `check_agreement` then verifies the result.
-    """
+def host_labels(backend, global_ranks: Sequence[int]) -> tuple[tuple[int, ...], str]:
+    """The host of every rank of the backend's group, numbered by lowest rank, and "" or why this
+    rank's ``HETCOMM_HOST_ID`` is unusable (then the labels are the gathered identities'). A
+    collective; the caller passes the error to `check_agreement` before raising it, so that a
+    rank with a bad setting fails group creation on every rank, not alone."""
     global_ranks = tuple(int(r) for r in global_ranks)
     # Gathered even when declared: every rank must run the same collectives here, and a rank
     # started without the declaration (or with another) must reach `check_agreement`.
-    identities = _gather_identities(backend, global_ranks)
-    declared = declared_labels(global_ranks)
-    return _renumber(declared if declared is not None else identities)
+    identities = _gather_identities(backend)
+    try:
+        declared = declared_labels(global_ranks)
+    except ValueError as e:
+        return _renumber(identities), str(e)
+    return _renumber(declared if declared is not None else identities), ""
 
 
-def settings(labels: Sequence[int]) -> dict[str, str]:
-    """What every rank of a group must agree on: the hosts it computed, and the settings that
-    change the schedule or the layout of shared memory."""
-    out = {"hosts": ",".join(map(str, labels))}
+def settings(labels: Sequence[int], error: str = "") -> dict[str, str]:
+    """What every rank of a group must agree on: the hosts it computed (and whether its host
+    setting was usable), and the settings that change the schedule or the layout of shared memory."""
+    out = {"hosts": ",".join(map(str, labels)), "HETCOMM_HOST_ID is usable": "no: " + error if error else "yes"}
     for name in ("HETCOMM_SHM", "HETCOMM_LOCAL", "HETCOMM_SHM_BYTES", "HETCOMM_SHM_SLOT_BYTES",
                  "HETCOMM_SHM_SMALL_ALLREDUCE_BYTES", "HETCOMM_LINK_MBIT", "HETCOMM_SITES", "HETCOMM_PROBE",
                  "HETCOMM_HIERARCHICAL", "HETCOMM_SEGMENT_BYTES", "HETCOMM_SMALL_ALLREDUCE_BYTES"):
@@ -181,8 +183,12 @@ def shared_memory_wanted() -> Optional[str]:
     if os.environ.get("HETCOMM_SHM", "1").strip() == "0":
         return "HETCOMM_SHM=0"
     local = os.environ.get("HETCOMM_LOCAL", "").strip().lower()
-    if local not in ("", "shm", "nccl", "tcp"):
-        raise ValueError(f"hetcomm: HETCOMM_LOCAL={local!r}: choose nccl, shm or tcp")
+    if local == "nccl":
+        raise ValueError("hetcomm: HETCOMM_LOCAL=nccl: NCCL between the GPUs of a host is not available in this "
+                         "version; the ranks of a host use shared memory (HETCOMM_LOCAL=shm, the default) or TCP "
+                         "(HETCOMM_LOCAL=tcp)")
+    if local not in ("", "shm", "tcp"):
+        raise ValueError(f"hetcomm: HETCOMM_LOCAL={local!r}: choose shm or tcp")
     if local == "tcp":
         return "HETCOMM_LOCAL=tcp"
     return None

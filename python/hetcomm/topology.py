@@ -346,8 +346,10 @@ def configure_group(backend, global_ranks: Optional[Sequence[int]] = None) -> No
     ranks = tuple(global_ranks) if global_ranks else tuple(range(backend.size()))
     if len(ranks) != backend.size():
         raise ValueError(f"hetcomm: {len(ranks)} global ranks given for a group of {backend.size()}")
-    labels = hosts.host_labels(backend, ranks)
-    hosts.check_agreement(backend, hosts.settings(labels))
+    labels, host_error = hosts.host_labels(backend, ranks)
+    hosts.check_agreement(backend, hosts.settings(labels, host_error))
+    if host_error:
+        raise ValueError(host_error)  # every rank has the same error (checked just above)
     _host_labels[backend.listen_address()] = labels
     _shared_memory[backend.listen_address()] = hosts.setup_shared_memory(backend, labels)
     if os.environ.get("HETCOMM_LINK_MBIT"):
@@ -357,6 +359,16 @@ def configure_group(backend, global_ranks: Optional[Sequence[int]] = None) -> No
         # No rates, but the hosts are known: the host level with equal pieces (every rank computes
         # the same plan from the same labels; the engine checks that they agree).
         shared = shared_host_labels(backend)
+        declared_sites = os.environ.get("HETCOMM_SITES", "").strip()
+        if declared_sites and shared is not None:
+            # Sites made of several hosts keep the ring here (no rates to plan a site schedule).
+            try:
+                site_labels = sites.topology_from(declared=declared_sites,
+                                                  addresses=[str(h) for h in shared]).sites
+            except ValueError:  # a declaration for the whole job, not this subgroup: no host level
+                site_labels = None
+            if site_labels is None or not _same_partition(site_labels, shared):
+                shared = None
         if shared is not None:
             plan = with_host_plan(planner.uniform_plan(backend.size()), shared)
             if plan.sites is not None:

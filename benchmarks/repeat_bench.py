@@ -1,0 +1,67 @@
+"""Runs one `python -m hetcomm.bench` command several times and reports medians and spreads.
+
+Single runs on these shared 2-core machines spread widely, so a figure worth quoting is the
+median of several runs, with min–max beside it. Every argument after ``--`` goes to the
+benchmark CLI unchanged (each run gets its own ``--json``); per size this writes the runs' time of
+every backend, hetcomm's speedup over gloo (time ratio) and hetcomm's time over the physical bound
+(simulated clusters), with medians.
+
+Usage::
+
+    python benchmarks/repeat_bench.py --runs 5 --json benchmarks/results/hosts_0011_nic1000_x5.json -- \\
+        --sim-hosts 0,0,1,1 --sim-nic-mbit 1000,1000 --backends hetcomm,gloo
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+
+
+def summarise(values: list[float]) -> dict:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values), "runs": values}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--runs", type=int, default=5)
+    ap.add_argument("--json", required=True)
+    ap.add_argument("bench_args", nargs=argparse.REMAINDER, help="-- then the arguments of python -m hetcomm.bench")
+    args = ap.parse_args()
+    bench_args = args.bench_args[1:] if args.bench_args[:1] == ["--"] else args.bench_args
+    per_size: dict[int, dict[str, list[float]]] = {}
+    plans = None
+    for run in range(args.runs):
+        with tempfile.NamedTemporaryFile(suffix=".json") as f:
+            cmd = [sys.executable, "-m", "hetcomm.bench", *bench_args, "--json", f.name]
+            print(f"[repeat_bench] run {run + 1}/{args.runs}: {' '.join(cmd[1:])}", flush=True)
+            subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+            data = json.load(open(f.name))
+        plans = data.get("plans")
+        for row in data["rows"]:
+            d = per_size.setdefault(row["size_bytes"], {})
+            for name, b in row["backends"].items():
+                d.setdefault(f"{name}_s", []).append(b["time_us"] * 1e-6)
+            h = row["backends"].get("hetcomm")
+            if h is not None and "gloo" in row["backends"]:
+                d.setdefault("speedup_over_gloo", []).append(row["backends"]["gloo"]["time_us"] / h["time_us"])
+            if h is not None and h.get("time_over_bound"):
+                d.setdefault("hetcomm_over_bound", []).append(h["time_over_bound"])
+    out = {"command": " ".join([sys.executable] + sys.argv), "bench_args": bench_args, "runs": args.runs,
+           "sizes": {str(n): {k: summarise(v) for k, v in d.items()} for n, d in sorted(per_size.items())},
+           "plans_last_run": plans}
+    for n, d in sorted(per_size.items()):
+        parts = [f"{k} {statistics.median(v):.3f} ({min(v):.3f}-{max(v):.3f})"
+                 for k, v in d.items() if k in ("speedup_over_gloo", "hetcomm_over_bound")]
+        print(f"[repeat_bench] {n:>10} B: " + ", ".join(parts), flush=True)
+    os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+    with open(args.json, "w") as f:
+        json.dump(out, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

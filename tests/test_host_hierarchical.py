@@ -182,3 +182,31 @@ def _unordered(rank: int, ws: int) -> str:
 def test_host_plan_with_blocks_out_of_order_is_refused() -> None:
     for msg in run_ranks(4, _unordered, env=_env("0,0,1,1")):
         assert "contiguous" in msg, msg
+
+
+def _killed_mid_allreduce(rank: int, ws: int) -> dict:
+    import os
+    import threading
+    import time
+    x = torch.ones(1 << 20)
+    dist.all_reduce(x)
+    if rank == 1:
+        threading.Timer(0.3, lambda: os.kill(os.getpid(), 9)).start()
+    start = time.monotonic()
+    try:
+        for _ in range(100_000):
+            dist.all_reduce(x)
+    except Exception as e:  # noqa: BLE001
+        return {"message": str(e), "elapsed": time.monotonic() - start}
+    return {"message": "no error", "elapsed": time.monotonic() - start}
+
+
+def test_rank_killed_mid_host_level_allreduce_fails_every_rank() -> None:
+    # Rank 1 dies: rank 0 sees it in shared memory, rank 3 (its partner across hosts) on its
+    # socket, rank 2 through rank 3 giving up. Nobody waits for the 20 s timeout.
+    results = run_ranks(4, _killed_mid_allreduce, expect_dead=[1], pg_timeout=20, env=_env("0,0,1,1"))
+    for rank in (0, 2, 3):
+        res = results[rank]
+        assert res["message"] != "no error" and res["elapsed"] < 12, (rank, res)
+        assert "rank 1" in res["message"] or "rank 3" in res["message"], (rank, res)
+

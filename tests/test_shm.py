@@ -285,8 +285,7 @@ def test_mismatched_calls_raise_on_every_rank(what: str) -> None:
         assert "disagree" in msg, msg
 
 
-def _killed_mid_collective(rank: int, ws: int) -> dict:
-    victim = 1
+def _killed_mid_collective(rank: int, ws: int, victim: int = 1) -> dict:
     x = torch.ones(4 << 20)
     dist.all_reduce(x)  # everyone is connected and in step
     if rank == victim:
@@ -300,12 +299,13 @@ def _killed_mid_collective(rank: int, ws: int) -> dict:
     return {"message": "no error", "elapsed": time.monotonic() - start}
 
 
-def test_rank_killed_mid_collective_is_named_and_leaks_nothing() -> None:
+@pytest.mark.parametrize("victim", [0, 1, 2])
+def test_rank_killed_mid_collective_is_named_and_leaks_nothing(victim: int) -> None:
     before = set(glob.glob(SEGMENTS))
-    results = run_ranks(3, _killed_mid_collective, expect_dead=[1], pg_timeout=20)
-    for rank in (0, 2):
+    results = run_ranks(3, _killed_mid_collective, victim, expect_dead=[victim], pg_timeout=20)
+    for rank in {0, 1, 2} - {victim}:
         res = results[rank]
-        assert "rank 1" in res["message"], res
+        assert f"rank {victim}" in res["message"], res
         assert res["elapsed"] < 10, res  # the liveness check, not the 20 s timeout
     assert set(glob.glob(SEGMENTS)) <= before
 

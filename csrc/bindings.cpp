@@ -211,6 +211,7 @@ PYBIND11_MODULE(_C, m) {
         d["max_segment_bytes"] = hetcomm::kMaxSegmentBytes;
         d["default_small_allreduce_bytes"] = hetcomm::kDefaultSmallAllreduceBytes;
         d["device_host_reduce_bytes"] = hetcomm::paramDeviceHostReduceBytes();
+        d["site_piece_bytes"] = hetcomm::paramSitePieceBytes();
         return d;
       },
       "The engine's settings the cost model needs, as this process's engine uses them "

@@ -70,10 +70,20 @@ def host_suite(rank: int, ws: int) -> dict:
     return {"sites": plan.sites.sites}
 
 
-@pytest.mark.parametrize("hosts", ["0,0,1,1", "0,0,0,1", "0,0,1,2", "0,1,1,1"])
-def test_host_level_allreduce(hosts: str) -> None:
+# Pieces (HETCOMM_SITE_PIECE_BYTES) of 64 KB cut the large allreduces into many consecutive ones;
+# with an emulated device, buffers are staged to host memory one piece at a time.
+PIECES = {"HETCOMM_SITE_PIECE_BYTES": str(64 << 10)}
+EMULATED = {"HETCOMM_DEBUG_EMULATE_DEVICE": "1", **PIECES}
+
+
+@pytest.mark.parametrize("hosts,extra", [
+    pytest.param("0,0,1,1", {}, id="0,0,1,1"), pytest.param("0,0,0,1", {}, id="0,0,0,1"),
+    pytest.param("0,0,1,2", {}, id="0,0,1,2"), pytest.param("0,1,1,1", {}, id="0,1,1,1"),
+    pytest.param("0,0,1,1", PIECES, id="0,0,1,1-pieces"),
+    pytest.param("0,0,0,1", EMULATED, id="0,0,0,1-emulated-device-pieces")])
+def test_host_level_allreduce(hosts: str, extra: dict) -> None:
     report = run_suite(4, host_suite, families=["all_reduce", "identical", "path"],
-                       env=_env(hosts, **SLOT_ENV), timeout=300)
+                       env=_env(hosts, **SLOT_ENV, **extra), timeout=300)
     for family in ("all_reduce", "identical", "path"):
         report.assert_family(family)
 
@@ -202,11 +212,13 @@ def _killed_mid_allreduce(rank: int, ws: int) -> dict:
 
 
 def test_rank_killed_mid_host_level_allreduce_fails_every_rank() -> None:
-    # Rank 1 dies: rank 0 sees it in shared memory, rank 3 (its partner across hosts) on its
-    # socket, rank 2 through rank 3 giving up. Nobody waits for the 20 s timeout.
+    # Rank 1 dies: rank 0 can see it in shared memory and rank 3 (its partner across hosts,
+    # blocks (0,2) and (1,3)) on its socket; the others learn it from a rank that gave up (which
+    # one first, and whether its reason is in the store yet, depends on timing). Every survivor
+    # raises long before the 20 s timeout, and the first to know names rank 1.
     results = run_ranks(4, _killed_mid_allreduce, expect_dead=[1], pg_timeout=20, env=_env("0,0,1,1"))
     for rank in (0, 2, 3):
         res = results[rank]
         assert res["message"] != "no error" and res["elapsed"] < 12, (rank, res)
-        assert "rank 1" in res["message"] or "rank 3" in res["message"], (rank, res)
+    assert any("rank 1" in results[r]["message"] for r in (0, 3)), results
 

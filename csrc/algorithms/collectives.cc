@@ -120,9 +120,23 @@ void runRing(CollectiveContext& ctx, char* buf, const RingPlan& plan, const std:
   runPipeline(ctx, spec);
 }
 
+// Elements per piece of a site/host-plan allreduce (paramSitePieceBytes), a whole number of cache
+// lines, at least one.
+size_t sitePieceCount(DType dtype) {
+  const size_t es = elementSize(dtype);
+  const size_t bytes = static_cast<size_t>(std::max<int64_t>(4096, paramSitePieceBytes()));
+  return std::max<size_t>(1, bytes / 64 * 64 / es);
+}
+
 void allreduceRing(CollectiveContext& ctx, char* buf, size_t count, DType dtype, RedOp op, const RingPlan& plan) {
   if (plan.sites) {
-    allreduceHierarchical(ctx, buf, count, dtype, op, *plan.sites);
+    const size_t per = sitePieceCount(dtype), es = elementSize(dtype);
+    size_t first = 0;
+    do {
+      const size_t n = std::min(per, count - first);
+      allreduceHierarchical(ctx, buf + first * es, n, dtype, op, *plan.sites);
+      first += n;
+    } while (first < count);
     return;
   }
   const int P = ctx.size;
@@ -181,24 +195,35 @@ void allreduceRecursiveDoubling(CollectiveContext& ctx, char* buf, size_t count,
 // are the same either way), and copied back. For small and medium messages this beats the staged
 // pipeline: one copy each way instead of a few device operations per segment, and the CPU adds a
 // few megabytes faster than the device round trips take (paramDeviceHostReduceBytes).
+//
+// With a site or host plan the message goes piece by piece (sitePieceCount, as allreduceRing cuts
+// it for host memory), so the pinned staging buffer never exceeds a piece: the queue runs in
+// order, so the next piece's copy into the buffer comes after the last piece's copy out of it.
 void allreduceStagedWhole(CollectiveContext& ctx, char* buf, size_t count, DType dtype, RedOp op,
                           const RingPlan& plan) {
   DeviceOps& dev = *ctx.device;
-  const size_t bytes = count * elementSize(dtype);
-  if (bytes == 0) return;
-  char* host = dev.hostBuffer(bytes);
-  dev.copyToHost(host, buf, bytes);
-  dev.waitFor(dev.mark());
+  const size_t es = elementSize(dtype);
+  if (count == 0) return;
+  const bool ring = static_cast<AllreduceAlgo>(ctx.header.algo) == AllreduceAlgo::kRing;
+  const size_t per = ring && plan.sites ? sitePieceCount(dtype) : count;
+  char* host = dev.hostBuffer(std::min(count, per) * es);
   CollectiveContext onHost = ctx;
   onHost.device = nullptr;
-  if (static_cast<AllreduceAlgo>(ctx.header.algo) == AllreduceAlgo::kRing) {
-    allreduceRing(onHost, host, count, dtype, op, plan);
-  } else {
-    allreduceRecursiveDoubling(onHost, host, count, dtype, op);
+  for (size_t first = 0; first < count; first += per) {
+    const size_t n = std::min(per, count - first);
+    char* piece = buf + first * es;
+    dev.copyToHost(host, piece, n * es);
+    dev.waitFor(dev.mark());
+    if (ring) {
+      allreduceRing(onHost, host, n, dtype, op, plan);
+    } else {
+      allreduceRecursiveDoubling(onHost, host, n, dtype, op);
+    }
+    if (op == RedOp::kAvg) divideInPlace(host, n, dtype, ctx.size);
+    dev.testDelay();
+    dev.copyToDevice(piece, host, n * es);
   }
-  if (op == RedOp::kAvg) divideInPlace(host, count, dtype, ctx.size);
-  dev.testDelay();
-  dev.copyToDevice(buf, host, bytes);
+  ctx.path = onHost.path;  // the host algorithm's path (the host level, say) is this collective's
 }
 
 }  // namespace

@@ -54,6 +54,11 @@ HETCOMM_PARAM(paramSocketBufferBytes, "HETCOMM_SOCKET_BUFFER_BYTES", -1)
 HETCOMM_PARAM(paramDeviceHostReduceBytes, "HETCOMM_DEVICE_HOST_REDUCE_BYTES", 2 * 1024 * 1024)
 HETCOMM_PARAM(paramDeviceSlotBytes, "HETCOMM_DEVICE_SLOT_BYTES", 1 << 20)
 HETCOMM_PARAM(paramDevicePollUs, "HETCOMM_DEVICE_POLL_US", 20)
+// Allreduces that take a site or host plan run as consecutive allreduces of pieces of at most
+// this many bytes, on every rank alike: a device rank stages one piece at a time through pinned
+// memory (bounded by the piece, not by the message), and host ranks cut the same pieces, so the
+// two still meet on the wire. Every rank must use the same value.
+HETCOMM_PARAM(paramSitePieceBytes, "HETCOMM_SITE_PIECE_BYTES", 32 << 20)
 // Log level: 0 errors, 1 warnings (default), 2 info, 3 debug.
 HETCOMM_PARAM(paramLogLevel, "HETCOMM_LOG_LEVEL", 1)
 

@@ -134,7 +134,8 @@ def settings(labels: Sequence[int], error: str = "") -> dict[str, str]:
     out = {"hosts": ",".join(map(str, labels)), "HETCOMM_HOST_ID is usable": "no: " + error if error else "yes"}
     for name in ("HETCOMM_SHM", "HETCOMM_LOCAL", "HETCOMM_SHM_BYTES", "HETCOMM_SHM_SLOT_BYTES",
                  "HETCOMM_SHM_SMALL_ALLREDUCE_BYTES", "HETCOMM_LINK_MBIT", "HETCOMM_SITES", "HETCOMM_PROBE",
-                 "HETCOMM_HIERARCHICAL", "HETCOMM_SEGMENT_BYTES", "HETCOMM_SMALL_ALLREDUCE_BYTES"):
+                 "HETCOMM_HIERARCHICAL", "HETCOMM_SEGMENT_BYTES", "HETCOMM_SMALL_ALLREDUCE_BYTES",
+                 "HETCOMM_SITE_PIECE_BYTES"):
         out[name] = os.environ.get(name, "").strip()
     return out
 

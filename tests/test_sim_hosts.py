@@ -283,3 +283,45 @@ def test_a_hosts_nic_caps_and_is_shared_by_its_ranks(tmp_path):
             # queue's business: the ingress tbf is one FIFO, not fair per flow.)
             assert max(r["t0"] for r in both) < min(r["t1"] for r in both) - 0.1, both
     assert_clean(rid)
+
+
+# hetcomm itself on simulated hosts: it must find the hosts by itself (namespace + boot id +
+# /dev/shm, no HETCOMM_HOST_ID), share memory inside each, and run its allreduce at the host level,
+# so that each host's NIC carries N bytes of the allreduce (its ranks' socket bytes to the other
+# host), not the 1.5 N of a flat ring.
+HETCOMM_HOSTS = r'''
+import json, os
+import torch, torch.distributed as dist
+import hetcomm
+rank = int(os.environ["RANK"])
+dist.init_process_group("hetcomm")
+n = 1 << 20
+before = hetcomm.stats()
+x = torch.full((n,), float(rank + 1)); dist.all_reduce(x)
+after = hetcomm.stats()
+plan = hetcomm.get_plan()
+print(json.dumps({"ok": bool((x == 10.0).all()), "local": hetcomm.backend_of().local_ranks(),
+                  "local_inner": bool(plan.sites is not None and plan.sites.local_inner),
+                  "hier": after["collectives_by_path"]["hierarchical"] - before["collectives_by_path"]["hierarchical"],
+                  "sent": [a - b for a, b in zip(after["bytes_sent"], before["bytes_sent"])]}))
+dist.destroy_process_group()
+'''
+
+
+@needs_netns
+def test_hetcomm_finds_simulated_hosts_and_runs_the_host_level(tmp_path):
+    script = tmp_path / "hetcomm_hosts.py"
+    script.write_text(HETCOMM_HOSTS)
+    proc = run_sim(["--hosts", "0,0,1,1", "--nic-mbit", "1000,1000"], [sys.executable, str(script)])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = {k: v[0] for k, v in rank_json(proc.stdout).items()}
+    assert sorted(got) == [0, 1, 2, 3], proc.stdout + proc.stderr[-3000:]
+    for rank, r in got.items():
+        assert r["ok"] and r["local_inner"] and r["hier"] == 1, (rank, r)
+        assert r["local"] == ([0, 1] if rank < 2 else [2, 3]), (rank, r)
+    n_bytes = 4 << 20
+    for host in (0, 1):
+        ranks = (0, 1) if host == 0 else (2, 3)
+        across = sum(got[a]["sent"][b] for a in ranks for b in range(4) if b not in ranks)
+        within = sum(got[a]["sent"][b] for a in ranks for b in ranks if a != b)
+        assert n_bytes <= across <= n_bytes + 4096 and within == 0, (host, across, within)

@@ -1,6 +1,7 @@
 """Registration of the ``"hetcomm"`` torch.distributed backend and access to its C++ object."""
 from __future__ import annotations
 
+import atexit
 import datetime
 import os
 from typing import Optional
@@ -22,6 +23,31 @@ def _timeout_ms(timeout: Optional[datetime.timedelta]) -> int:
     if ms <= 0:
         raise ValueError(f"hetcomm: the process group timeout must be positive, got {timeout}")
     return ms
+
+
+@atexit.register
+def _shut_down_all() -> None:
+    """Shuts down the hetcomm groups the program did not destroy, while the interpreter still runs.
+
+    Otherwise their threads are still there when Python finalizes: a completion thread that drops
+    the last reference to a tensor then needs the GIL, which a finalizing interpreter no longer
+    hands out (the thread is made to exit, unwinding through a destructor: std::terminate, seen as
+    SIGABRT at exit after a failed collective). shutdown() releases the GIL and joins them; it
+    lets the operations already issued finish, each within its timeout, as destroy_process_group
+    would. The groups are found where torch keeps them (the Python wrappers of backends are
+    fresh objects each time, so they cannot be tracked by reference here).
+    """
+    try:
+        groups = list(dist.distributed_c10d._world.pg_map.keys())
+    except Exception:  # noqa: BLE001 - torch's private registry moved: nothing to do
+        return
+    for pg in groups:
+        try:
+            backend = pg._get_backend(torch.device("cpu"))
+            if isinstance(backend, _C.ProcessGroupHetcomm):
+                backend.shutdown()
+        except Exception:  # noqa: BLE001 - exiting anyway; the group is gone either way
+            pass
 
 
 def _create_backend(dist_backend_opts, backend_options) -> _C.ProcessGroupHetcomm:

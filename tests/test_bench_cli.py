@@ -405,3 +405,12 @@ def test_end_to_end_sim(tmp_path):
         # TCP cannot beat the shaped wire rate by much (token-bucket bursts: a little)
         assert result["time_over_bound"] > 0.8, name
     assert "meas/pred" in proc.stdout and "slowest NIC" in proc.stdout
+
+
+def test_path_taken_is_the_path_that_grew():
+    from hetcomm.bench.measure import _path_taken
+    before = {"tcp": 5, "shm": 0, "hierarchical": 2, "nccl": 0}
+    assert _path_taken(before, {"tcp": 5, "shm": 0, "hierarchical": 12, "nccl": 0}) == "hierarchical"
+    assert _path_taken(before, {"tcp": 9, "shm": 0, "hierarchical": 2, "nccl": 0}) == "tcp"
+    assert _path_taken(before, dict(before)) == ""          # nothing ran
+    assert _path_taken(None, None) == ""                      # not hetcomm

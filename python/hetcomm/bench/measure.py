@@ -48,7 +48,7 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-from hetcomm.bench.config import BenchConfig
+from hetcomm.bench.config import BenchConfig, torch_backend
 from hetcomm.bench.results import SizeResult, allreduce_bus_factor
 
 # Largest integer N such that every integer in [0, N] is exactly representable in the dtype.
@@ -185,6 +185,23 @@ def rank_device(device: str, rank: int) -> torch.device:
     return torch.device("cuda", local_rank % torch.cuda.device_count())
 
 
+def _paths(backend: str) -> Optional[dict]:
+    """hetcomm's count of collectives per path on this rank (hetcomm.stats), None for others."""
+    if torch_backend(backend) != "hetcomm":
+        return None
+    import hetcomm
+    return dict(hetcomm.stats()["collectives_by_path"])
+
+
+def _path_taken(before: Optional[dict], after: Optional[dict]) -> str:
+    """The path most of the collectives between two `_paths` snapshots took ("" when unknown)."""
+    if before is None or after is None:
+        return ""
+    grown = {k: after[k] - before.get(k, 0) for k in after}
+    name, n = max(grown.items(), key=lambda kv: kv[1])
+    return name if n > 0 else ""
+
+
 def measure_allreduce(backend: str, size_bytes: int, config: BenchConfig,
                       control: ControlPlane, heartbeat: Heartbeat) -> SizeResult:
     """Measures ``allreduce(SUM)`` of ``size_bytes`` on the default group (``backend``)."""
@@ -214,7 +231,9 @@ def measure_allreduce(backend: str, size_bytes: int, config: BenchConfig,
     else:
         heartbeat(timeout_s + _HANG_SLOWDOWN * iters * agreed_seconds)
     control.barrier()
+    paths_before = _paths(backend)
     rank_seconds = _timed_allreduces(buffer, iters) / iters
+    path = _path_taken(paths_before, _paths(backend))
     rank_times_us = [t * 1e6 for t in control.gather_all(rank_seconds)]
 
     # Zeros must have stayed zeros through every timed call.
@@ -232,4 +251,4 @@ def measure_allreduce(backend: str, size_bytes: int, config: BenchConfig,
         backend=backend, size_bytes=size_bytes, count=count, dtype=config.dtype, redop="sum",
         warmup=warmup, iters=iters, time_us=time_us, algbw_gbps=algbw_gbps,
         busbw_gbps=algbw_gbps * allreduce_bus_factor(world_size), wrong=wrong,
-        rank_time_us=tuple(rank_times_us))
+        rank_time_us=tuple(rank_times_us), path=path)

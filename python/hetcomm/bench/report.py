@@ -25,7 +25,7 @@ def print_progress(result: SizeResult, stream: TextIO = sys.stderr) -> None:
     """One line per finished (backend, size), so that long runs are not silent."""
     print(f"{PREFIX}: {result.backend:>8} {result.size_bytes:>11} B  {result.iters:>4} iters  "
           f"{result.time_us:>11.1f} us  busbw {result.busbw_gbps:7.3f} GB/s  "
-          f"#wrong {result.wrong}", file=stream, flush=True)
+          f"#wrong {result.wrong}" + (f"  path {result.path}" if result.path else ""), file=stream, flush=True)
 
 
 def print_plan(record: dict, stream: TextIO = sys.stderr) -> None:

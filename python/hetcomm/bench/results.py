@@ -38,6 +38,9 @@ class SizeResult:
     busbw_gbps: float
     wrong: int                      # wrong elements summed over ranks
     rank_time_us: tuple[float, ...] # every rank's mean time, by rank (heterogeneity shows here)
+    # hetcomm: how rank 0's timed allreduces moved their data (hetcomm.stats' collectives_by_path:
+    # "tcp", "shm" for one host's shared memory, "hierarchical" for the host level); "" otherwise
+    path: str = ""
 
 
 @dataclass

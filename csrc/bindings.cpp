@@ -175,6 +175,9 @@ PYBIND11_MODULE(_C, m) {
            "at the same point, once all know whether every host succeeded.")
       .def("detach_local", &hetcomm::ProcessGroupHetcomm::detachLocal,
            "Stop using shared memory (every rank of the group, at the same point).")
+      .def("shutdown_at_exit", &hetcomm::ProcessGroupHetcomm::shutdownAtExit,
+           py::call_guard<py::gil_scoped_release>(),
+           "Shut the group down at interpreter exit: gracefully when idle, else as abort() does.")
       .def("local_ranks", &hetcomm::ProcessGroupHetcomm::localRanks,
            "The group ranks this rank shares memory with (itself included); [] when none.")
       .def(

@@ -200,3 +200,37 @@ def test_exit_without_destroy_after_a_failure_does_not_abort() -> None:
     for _ in range(3):
         results = run_ranks(3, _fail_then_exit_without_destroy, expect_dead=[1], pg_timeout=20, destroy=False)
         assert all("rank 1" in results[r] for r in (0, 2)), results
+
+
+def _leave_an_operation_hanging(rank: int, world_size: int) -> str:
+    import os
+    store = default_store()
+    if rank == 0:
+        store.set("teardown/pid0", str(os.getpid()))
+        # Never completes: rank 1 is alive and connected but never joins. Not waited for, and the
+        # group is not destroyed: rank 0 then exits.
+        dist.all_reduce(torch.ones(1000), async_op=True)
+        return "left"
+    # Rank 1 stays (its connections open) until rank 0's process is gone, at most 90 s.
+    pid = int(store.get("teardown/pid0"))
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{pid}/status") as f:
+                if any(line.startswith("State:") and "Z" in line for line in f):
+                    break
+        except OSError:
+            break
+        time.sleep(0.05)
+    return "left"
+
+
+@hetcomm_only("hetcomm's own threads at interpreter exit")
+def test_exit_with_an_operation_in_flight_does_not_wait_for_its_timeout() -> None:
+    """At exit, a group with an operation still queued or running is aborted, not shut down
+    gracefully, which would wait for the operation while its peer lives: up to the 60 s timeout
+    here (rank 1 waits for rank 0's process to end)."""
+    start = time.monotonic()
+    results = run_ranks(2, _leave_an_operation_hanging, pg_timeout=60, destroy=False, timeout=150)
+    assert results == ["left", "left"]
+    assert time.monotonic() - start < 45, "the exit waited for the operation's timeout"

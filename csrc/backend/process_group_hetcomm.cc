@@ -223,9 +223,11 @@ void ProcessGroupHetcomm::runWorker() {
     {
       std::unique_lock<std::mutex> lock(mu_);
       cv_.wait(lock, [&] { return stopping_ || !queue_.empty(); });
+      running_ = false;
       if (queue_.empty()) return;
       op = std::move(queue_.front());
       queue_.pop_front();
+      running_ = true;
       broken = brokenReason_;
       local = op.local;
     }
@@ -329,6 +331,20 @@ void ProcessGroupHetcomm::failGroup(const std::string& reason) {
 void ProcessGroupHetcomm::abort() {
   failGroup("the process group was aborted");
   shutdown();
+}
+
+void ProcessGroupHetcomm::shutdownAtExit() {
+  bool idle;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    idle = queue_.empty() && !running_;
+  }
+  if (idle) {
+    shutdown();
+  } else {
+    failGroup("the process is exiting with operations of this group still queued or running");
+    shutdown();
+  }
 }
 
 void ProcessGroupHetcomm::shutdown() {

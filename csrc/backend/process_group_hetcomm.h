@@ -96,6 +96,10 @@ class ProcessGroupHetcomm : public c10d::Backend {
   uint64_t getSequenceNumberForGroup() override;
   void abort() override;
   void shutdown() override;
+  // At interpreter exit, for a group the program did not destroy: shutdown() when nothing is
+  // queued or running, else abort() (operations issued and never waited for would otherwise hold
+  // the exit for up to their timeout).
+  void shutdownAtExit();
 
   // hetcomm's own API (bound in Python).
   std::string listenAddress() const { return mesh_->listenAddress().str(); }
@@ -183,6 +187,7 @@ class ProcessGroupHetcomm : public c10d::Backend {
   std::deque<Pending> queue_;
   uint64_t nextSeq_ = 0;
   bool stopping_ = false;
+  bool running_ = false;  // the worker is inside an operation (guarded by mu_)
   std::string brokenReason_;  // set once the group failed; every later operation fails with it
   RingPlan plan_;
   std::map<c10::DeviceIndex, DeviceState> devices_;  // guarded by mu_; ops touched by the worker only

@@ -25,6 +25,11 @@ def _timeout_ms(timeout: Optional[datetime.timedelta]) -> int:
     return ms
 
 
+# The process that created hetcomm groups: a child forked from it inherits copies of them whose
+# threads it does not have, and must leave them alone at its exit.
+_creator_pid: Optional[int] = None
+
+
 @atexit.register
 def _shut_down_all() -> None:
     """Shuts down the hetcomm groups the program did not destroy, while the interpreter still runs.
@@ -32,22 +37,31 @@ def _shut_down_all() -> None:
     Otherwise their threads are still there when Python finalizes: a completion thread that drops
     the last reference to a tensor then needs the GIL, which a finalizing interpreter no longer
     hands out (the thread is made to exit, unwinding through a destructor: std::terminate, seen as
-    SIGABRT at exit after a failed collective). shutdown() releases the GIL and joins them; it
-    lets the operations already issued finish, each within its timeout, as destroy_process_group
-    would. The groups are found where torch keeps them (the Python wrappers of backends are
-    fresh objects each time, so they cannot be tracked by reference here).
+    SIGABRT at exit after a failed collective). An idle group is shut down as
+    destroy_process_group would; one with operations still queued or running is aborted, so that
+    the exit never waits for their timeouts. The groups are found where torch keeps them (the
+    Python wrappers of backends are fresh objects each time, so they cannot be tracked here).
     """
+    if _creator_pid != os.getpid():
+        return
     try:
         groups = list(dist.distributed_c10d._world.pg_map.keys())
     except Exception:  # noqa: BLE001 - torch's private registry moved: nothing to do
         return
+    seen = set()
     for pg in groups:
-        try:
-            backend = pg._get_backend(torch.device("cpu"))
-            if isinstance(backend, _C.ProcessGroupHetcomm):
-                backend.shutdown()
-        except Exception:  # noqa: BLE001 - exiting anyway; the group is gone either way
-            pass
+        for device in ("cpu", "cuda"):
+            try:
+                backend = pg._get_backend(torch.device(device))
+            except Exception:  # noqa: BLE001 - no backend for that device
+                continue
+            backend = getattr(backend, "wrapped_pg", backend)  # TORCH_DISTRIBUTED_DEBUG=DETAIL
+            if isinstance(backend, _C.ProcessGroupHetcomm) and backend.listen_address() not in seen:
+                seen.add(backend.listen_address())
+                try:
+                    backend.shutdown_at_exit()
+                except Exception:  # noqa: BLE001 - exiting anyway; the group is gone either way
+                    pass
 
 
 def _create_backend(dist_backend_opts, backend_options) -> _C.ProcessGroupHetcomm:
@@ -65,6 +79,8 @@ def _create_backend(dist_backend_opts, backend_options) -> _C.ProcessGroupHetcom
         _timeout_ms(getattr(dist_backend_opts, "timeout", None)),
         os.environ.get("HETCOMM_LISTEN_IP", ""),
     )
+    global _creator_pid
+    _creator_pid = os.getpid()
     configure_group(backend, getattr(dist_backend_opts, "global_ranks_in_group", None))
     return backend
 

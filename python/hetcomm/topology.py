@@ -272,10 +272,10 @@ def install_plan(backend, plan: planner.Plan) -> None:
 
 
 def group_topology(backend, model: planner.LinkModel) -> sites.Topology:
-    """Sites (HETCOMM_SITES, else detected from the model's rates) and hosts (listening addresses).
+    """Sites (HETCOMM_SITES, else detected from the model's rates) and hosts (`hetcomm.hosts`).
     A collective: every rank of the group calls it.
 
-    A group whose ranks all listen on one address is a one-box setup whose links were declared
+    A group whose ranks are all on one host is a one-box setup whose links were declared
     (configure_group does not probe it): its declaration describes the cluster being modelled, so
     the address does not tie its ranks into one site."""
     labels = host_labels_of(backend)
@@ -336,7 +336,7 @@ def configure_group(backend, global_ranks: Optional[Sequence[int]] = None) -> No
     """Called at group creation: the plan from declared or probed links, unless HETCOMM_PROBE=0.
 
     ``global_ranks``: the group's ranks in the job (torch passes them; default: the world).
-    A group whose ranks all listen on one address is on one host: no NIC lies between its ranks,
+    A group whose ranks are all on one host (`hetcomm.hosts`): no NIC lies between its ranks,
     and timing "links" there measures how the host schedules processes (4 ranks on 2 cores over
     loopback: identical paths measured 0.3-0.6 GB/s), so it keeps uniform shares unless links
     are declared. A group covered by an earlier group's measurement reuses it.

@@ -1,4 +1,4 @@
-"""HeteroBatchSampler (python/hetcomm/data.py), every rank simulated in this one process.
+"""HeteroBatchSampler (python/hetcomm/train/data.py), every rank simulated in this one process.
 
 One sampler per rank over a shared partition object; `lockstep` advances them one global step
 at a time, so a test can change the partition between steps exactly as a Partitioner would on
@@ -13,8 +13,8 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from hetcomm.data import HeteroBatchSampler, StaticPartition
-from hetcomm.partition import Partitioner
+from hetcomm.train.data import HeteroBatchSampler, StaticPartition
+from hetcomm.train.partition import Partitioner
 
 
 def samplers(length: int, partition, **kwargs) -> list[HeteroBatchSampler]:

@@ -24,7 +24,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_
 from torch.distributed.algorithms.join import Join
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from hetcomm import hooks as weighted_hooks
+from hetcomm.train import hooks as weighted_hooks
 
 from conftest import hetcomm_only
 from harness import Cases, run_ranks, run_ranks_outcomes, run_suite

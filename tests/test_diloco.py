@@ -50,7 +50,7 @@ def batch(rank: int, round_k: int, step: int) -> tuple[torch.Tensor, torch.Tenso
 
 
 def scripted_policy():
-    from hetcomm.local_steps import LocalStepPolicy
+    from hetcomm.train.local_steps import LocalStepPolicy
 
     class Scripted(LocalStepPolicy):
         """Round k: SCRIPT[k % 3][rank] steps (the same script on every rank)."""
@@ -277,7 +277,7 @@ def test_a_nan_pseudo_gradient_raises_on_every_rank():
 
 def test_bad_arguments():
     import hetcomm
-    from hetcomm.local_steps import make_policy
+    from hetcomm.train.local_steps import make_policy
 
     with pytest.raises(ValueError, match="unknown policy"):
         make_policy("fastest", 4)
@@ -291,7 +291,7 @@ def test_bad_arguments():
 
 
 def test_policy_arithmetic():
-    from hetcomm.local_steps import SpeedSteps, StepTimes, TimeSteps
+    from hetcomm.train.local_steps import SpeedSteps, StepTimes, TimeSteps
 
     times = StepTimes(3, ema=0.5)
     speed = SpeedSteps(5, threshold=0.05)                # a wide band, to test it

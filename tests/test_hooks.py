@@ -25,7 +25,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from hetcomm import hooks
+from hetcomm.train import hooks
 from harness import Cases, SuiteReport, job_backend, run_suite
 
 pytestmark = pytest.mark.usefixtures("backend_importable")

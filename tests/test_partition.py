@@ -1,4 +1,4 @@
-"""Adaptive batch partitioning (python/hetcomm/partition.py).
+"""Adaptive batch partitioning (python/hetcomm/train/partition.py).
 
 Pure parts (split_batch, probe_max_batch, profile_speed, the decision rule, a Partitioner without
 torch.distributed) run in this process. One 3-rank job on the backend under test drives
@@ -20,8 +20,8 @@ import pytest
 import torch
 
 from harness import run_ranks
-from hetcomm import partition
-from hetcomm.data import HeteroBatchSampler
+from hetcomm.train import partition
+from hetcomm.train.data import HeteroBatchSampler
 
 split_batch = partition.split_batch
 

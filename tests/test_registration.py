@@ -46,6 +46,36 @@ def test_import_registers_the_backend() -> None:
     assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr[-3000:]
 
 
+@hetcomm_only("checks hetcomm's module names")
+def test_training_modules_keep_their_old_names() -> None:
+    """The training modules live in hetcomm.train; users' `import hetcomm.hooks`,
+    `from hetcomm.diloco import DiLoCo` and pickles naming the old modules must keep working, in a
+    fresh interpreter where they are the first import, and give the same module objects."""
+    script = textwrap.dedent("""
+        import pickle
+        cls = pickle.loads(b"chetcomm.hooks\\nSampleWeightState\\n.")   # a pickle from before the move
+        import hetcomm.hooks, hetcomm.diloco
+        from hetcomm.partition import *
+        from hetcomm.adaptive import AdaptiveDataParallel
+        from hetcomm.data import HeteroBatchSampler
+        from hetcomm.local_steps import make_policy
+        import hetcomm
+        for name in ("hooks", "partition", "data", "adaptive", "diloco", "local_steps"):
+            old, new = getattr(hetcomm, name), getattr(hetcomm.train, name)
+            assert old is new and new.__name__ == "hetcomm.train." + name, (name, old, new)
+        assert hetcomm.hooks is hetcomm.train.hooks
+        assert cls is hetcomm.train.hooks.SampleWeightState
+        assert split_batch is hetcomm.train.partition.split_batch
+        assert AdaptiveDataParallel is hetcomm.AdaptiveDataParallel is hetcomm.train.adaptive.AdaptiveDataParallel
+        assert hetcomm.diloco.DiLoCo is hetcomm.DiLoCo
+        assert pickle.loads(pickle.dumps(HeteroBatchSampler)) is HeteroBatchSampler
+        print("ok")
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr[-3000:]
+
+
 @hetcomm_only("checks hetcomm's registration")
 def test_backend_registers_cuda_only_when_built_with_cuda() -> None:
     import hetcomm

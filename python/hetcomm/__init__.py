@@ -11,11 +11,21 @@ proportional to measured speed, sample-weighted gradients), built from `hetcomm.
 by measured speed, sample-weighted outer update, compressed and overlapped synchronisation), built
 from `hetcomm.local_steps` and `hetcomm.compress`; `hetcomm.stats` shows what crossed each link.
 """
+import sys as _sys
+
 from hetcomm._backend import (backend_of, get_plan, link_model, listen_address, monitored_barrier, probe,
                               register_backend, set_plan, stats, supported_devices)
-from hetcomm import compress, data, hooks, local_steps, partition  # noqa: E402  (public submodules)
-from hetcomm.adaptive import AdaptiveDataParallel
-from hetcomm.diloco import DiLoCo
+from hetcomm import compress  # noqa: E402  (public submodule)
+from hetcomm.train import adaptive, data, diloco, hooks, local_steps, partition
+from hetcomm.train.adaptive import AdaptiveDataParallel
+from hetcomm.train.diloco import DiLoCo
+
+# The training modules live in hetcomm.train and keep their old names: hetcomm.hooks is
+# hetcomm.train.hooks (likewise partition, data, adaptive, diloco, local_steps), so
+# `import hetcomm.hooks`, `from hetcomm.diloco import DiLoCo` and pickles naming them still work.
+for _m in (adaptive, data, diloco, hooks, local_steps, partition):
+    _sys.modules["hetcomm." + _m.__name__.rpartition(".")[2]] = _m
+del _m
 
 __version__ = "0.1.0"
 __all__ = ["register_backend", "backend_of", "get_plan", "set_plan", "probe", "link_model", "listen_address",

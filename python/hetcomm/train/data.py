@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import Sampler
 
-from .partition import split_batch
+from hetcomm.train.partition import split_batch
 
 __all__ = ["HeteroBatchSampler", "StaticPartition", "PartitionLike"]
 

@@ -45,9 +45,9 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 from torch.utils.data.dataloader import default_collate
 
-from hetcomm import hooks
-from hetcomm.data import HeteroBatchSampler
-from hetcomm.partition import Partitioner
+from hetcomm.train import hooks
+from hetcomm.train.data import HeteroBatchSampler
+from hetcomm.train.partition import Partitioner
 
 __all__ = ["AdaptiveDataParallel"]
 

@@ -93,8 +93,8 @@ import torch
 import torch.distributed as dist
 
 from hetcomm import compress as _compress
-from hetcomm.local_steps import LocalStepPolicy, StepTimes, make_policy
-from hetcomm.partition import exchange_columns
+from hetcomm.train.local_steps import LocalStepPolicy, StepTimes, make_policy
+from hetcomm.train.partition import exchange_columns
 
 __all__ = ["DiLoCo", "WEIGHTINGS", "outer_weights", "default_outer_optimizer"]
 

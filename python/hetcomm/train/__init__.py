@@ -1,0 +1,17 @@
+"""Training on unequal ranks, built on the collectives of the rest of hetcomm.
+
+* `hooks`: DDP communication hooks that weight each rank's gradient by the samples it processed.
+* `partition`: splits a global batch in proportion to measured speeds (`split_batch`), and agrees
+  on re-partitions online (`Partitioner`).
+* `data`: `HeteroBatchSampler`, the per-rank slices of each global batch for a partition.
+* `adaptive`: `AdaptiveDataParallel` = DDP + `hooks` + `partition` + `data`, re-partitioned from
+  timed steps.
+* `local_steps`: how many local steps each rank takes per DiLoCo round (fixed, by speed, by time).
+* `diloco`: `DiLoCo` = `local_steps` + the compressed all-reduce of `hetcomm.compress` (a
+  collective, kept at the top level) for the outer synchronisation.
+
+The public names are at the top level (`hetcomm.AdaptiveDataParallel`, `hetcomm.DiLoCo`) and the
+modules keep their old names as well: ``hetcomm.hooks is hetcomm.train.hooks`` (see
+``hetcomm/__init__.py``). Dependencies go one way: data -> partition; adaptive -> hooks, data,
+partition; diloco -> local_steps, partition, hetcomm.compress.
+"""

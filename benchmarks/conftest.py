@@ -3,15 +3,46 @@
     python -m pytest benchmarks --benchmark-only --benchmark-json benchmarks/results/reduce_kernels.json
 
 A plain ``pytest`` (or ``pytest tests``) does not collect anything here.
+
+pytest-benchmark writes ``--benchmark-json`` as one pretty-printed document; at the end of the
+session this file is rewritten as records, one per line (hetcomm.bench.records), each with the
+pytest command: a ``run`` header (``machine_info``, ``commit_info``, ``datetime``, ``version``),
+then one ``result`` per benchmark (every timing under ``stats.data``). For ``pytest-benchmark
+compare``, turn it back into one document: ``python -m hetcomm.bench.records FILE
+benchmarks=result > DOC.json``.
 """
+import shlex
+import sys
+
 import pytest
+
+BENCHMARKS = {"benchmarks": "result"}   # pytest-benchmark's list, one record per benchmark
+
+
+def _option(config, name: str):
+    try:
+        return config.getoption(name)
+    except ValueError:  # pytest-benchmark is not installed
+        return None
 
 
 def _benchmarks_requested(config) -> bool:
+    return bool(_option(config, "benchmark_only") or _option(config, "benchmark_enable"))
+
+
+def pytest_sessionfinish(session):
+    """Rewrites pytest-benchmark's ``--benchmark-json`` file as records. pytest-benchmark writes it
+    from a hook wrapper, which has finished before this hook runs."""
+    handle = _option(session.config, "benchmark_json")
+    if handle is None:
+        return
+    from hetcomm.bench.records import read_records, write_document
     try:
-        return bool(config.getoption("benchmark_only") or config.getoption("benchmark_enable"))
-    except ValueError:  # pytest-benchmark is not installed
-        return False
+        [document] = read_records(handle.name)
+    except ValueError:  # empty: no benchmark ran, nothing was saved
+        return
+    command = shlex.join([sys.executable, "-m", "pytest", *session.config.invocation_params.args])
+    write_document(handle.name, document, command, BENCHMARKS)
 
 
 def pytest_ignore_collect(collection_path, config):

@@ -15,6 +15,10 @@ gloo / hetcomm (above 1: hetcomm is faster).
 The two runs start from the same parameters and see the same batches, so their final parameters
 must agree; the script checks that and fails otherwise (a benchmark of wrong numbers is no
 benchmark).
+
+The JSON file holds one record per line (hetcomm.bench.records), each with the command: a ``run``
+header (machine, model, medians, ratio, parameter check), then one ``result`` per backend and
+round (``backend``, ``round``, ``step_seconds``).
 """
 from __future__ import annotations
 
@@ -33,6 +37,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
+
+from hetcomm.bench.records import command_line, write_document
 
 WIDTH = 2048
 
@@ -99,7 +105,6 @@ def rank_main(rank: int, world_size: int, port: int, args: argparse.Namespace, q
     if rank == 0:
         params = sum(p.numel() for p in finals["hetcomm"])
         result = {
-            "command": " ".join([sys.executable, *sys.argv]),
             "world_size": world_size,
             "gpus": torch.cuda.device_count(),
             "gpu_name": torch.cuda.get_device_name(device),
@@ -118,6 +123,13 @@ def rank_main(rank: int, world_size: int, port: int, args: argparse.Namespace, q
         result["speedup_gloo_over_hetcomm"] = result["step_seconds"]["gloo"] / result["step_seconds"]["hetcomm"]
         queue.put(result)
     dist.destroy_process_group()
+
+
+def ddp_document(result: dict) -> dict:
+    """``result`` with ``round_step_seconds`` as rows: one per backend and round."""
+    rows = [{"backend": name, "round": i, "step_seconds": seconds}
+            for name, each in result["round_step_seconds"].items() for i, seconds in enumerate(each)]
+    return {**{k: v for k, v in result.items() if k != "round_step_seconds"}, "rows": rows}
 
 
 def main() -> int:
@@ -156,11 +168,11 @@ def main() -> int:
     if result is None:
         print("ddp_step_cuda: a rank failed (see above)", file=sys.stderr)
         return 2
+    result = {"command": command_line(), **result}
     text = json.dumps(result, indent=2)
     print(text)
     if args.json:
-        with open(args.json, "w") as f:
-            f.write(text + "\n")
+        write_document(args.json, ddp_document(result), result["command"])
     ok = result["final_params_max_abs_diff"] <= 1e-4
     if not ok:
         print(f"ddp_step_cuda: hetcomm and gloo ended with different parameters "

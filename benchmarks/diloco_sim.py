@@ -17,6 +17,12 @@ utilisation (compute seconds / (ranks x wall seconds)), final held-out loss, byt
 and for runs without overlap the fraction of a round spent synchronising. Ratios: idle reduction
 of ``speed`` and ``time`` against ``fixed``, samples/s against ``fixed``, fp32/int8 bytes per round.
 The PNG shows one timeline per configuration: a row per rank, compute / idle / sync per round.
+
+The JSON file holds one record per line (hetcomm.bench.records), each with the command: a ``run``
+header (``cpu_quota``, ``nic_mbit``, ``example_args``, ``ratios``), one ``figures`` per
+configuration (``config``, the medians), then per run (``config``, ``repeat``) one ``result`` (the
+example's summary and ``example_command``), one ``round`` per round of its history and one
+``timeline`` per rank (``rank``, ``segments``: [phase, start, end] in seconds).
 """
 from __future__ import annotations
 
@@ -28,6 +34,8 @@ import subprocess
 import sys
 import tempfile
 import time
+
+from hetcomm.bench.records import RESULT, RUN, command_line, read_records, record, write_records
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLE = os.path.join(ROOT, "examples", "train_diloco.py")
@@ -64,11 +72,27 @@ def run_once(name: str, args: argparse.Namespace, example_args: list[str], seed:
         for line in proc.stdout.splitlines():
             if line.startswith("[rank 0]") and ("done:" in line or "train_diloco:" in line):
                 print(f"  {name:18s} {line}", flush=True)
-        with open(path) as f:
-            summary = json.load(f)
+        [summary] = read_records(path)
     summary["run_seconds"] = time.perf_counter() - started
     summary["command"] = " ".join(cmd[:cmd.index("--json")] + cmd[cmd.index("--json") + 2:])
     return summary
+
+
+def diloco_records(document: dict) -> list[dict]:
+    """The records of the whole benchmark (``figures`` and ``runs`` by configuration, as main()
+    gathers them); a run's own ``command`` (the example's) becomes ``example_command``."""
+    head = {k: v for k, v in document.items() if k not in ("command", "figures", "runs")}
+    out = [record(RUN, head)]
+    out += [record("figures", {"config": name}, **figures) for name, figures in document["figures"].items()]
+    for name, runs in document["runs"].items():
+        for repeat, run in enumerate(runs):
+            which = {"config": name, "repeat": repeat}
+            summary = {k: v for k, v in run.items() if k not in ("command", "history", "timelines")}
+            out.append(record(RESULT, which, **summary, example_command=run.get("command")))
+            out += [record("round", which, **h) for h in run["history"]]
+            out += [record("timeline", which, rank=rank, segments=segments)
+                    for rank, segments in enumerate(run["timelines"])]
+    return out
 
 
 def derived(run: dict) -> dict:
@@ -181,10 +205,9 @@ def main(argv=None) -> int:
         plot(runs, args.plot)
         print(f"diloco_sim: timeline written to {args.plot}")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"command": " ".join([sys.executable, *sys.argv]), "cpu_quota": args.cpu_quota,
-                       "nic_mbit": args.nic_mbit, "example_args": example_args, "figures": figures,
-                       "ratios": ratios, "runs": runs}, f, indent=1)
+        write_records(args.json, diloco_records({"cpu_quota": args.cpu_quota, "nic_mbit": args.nic_mbit,
+                                                 "example_args": example_args, "ratios": ratios,
+                                                 "figures": figures, "runs": runs}), command_line())
     return 0
 
 

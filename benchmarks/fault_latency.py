@@ -2,6 +2,9 @@
 
     python benchmarks/fault_latency.py [--repeats 3] [--json benchmarks/results/fault_latency.json]
 
+The JSON file holds one record per line (hetcomm.bench.records), each with the command: a ``run``
+header (``group_timeout_s``), then one ``result`` per scenario, backend and operation.
+
 Two scenarios, 2 ranks on loopback, hetcomm and gloo side by side in the same run:
 
 * ``dead_peer``: once the group works, rank 1 is killed (SIGKILL); rank 0 then sends to it (or
@@ -17,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import multiprocessing as mp
 import os
 import resource
@@ -26,6 +28,8 @@ import socket
 import statistics
 import sys
 import time
+
+from hetcomm.bench.records import command_line, write_document
 
 GROUP_TIMEOUT_S = 10.0
 FLOOD = 1500
@@ -173,9 +177,7 @@ def main() -> int:
         print(f"flood      hetcomm: {flood['cpu_per_idle_s']:.4f} s CPU per idle s, exact={flood['exact']}, "
               f"fd limit {FD_LIMIT}, {flood['rejected_connections']} connections turned away", flush=True)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"command": " ".join(["python", *sys.argv]), "group_timeout_s": GROUP_TIMEOUT_S,
-                       "rows": rows}, f, indent=2)
+        write_document(args.json, {"group_timeout_s": GROUP_TIMEOUT_S, "rows": rows}, command_line())
     return 0
 
 

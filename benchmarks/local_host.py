@@ -16,18 +16,23 @@ perfect; the algorithm also synchronises per chunk and, for L > cores, shares th
 Usage::
 
     python benchmarks/local_host.py --json benchmarks/results/local_host.json
+
+The JSON file holds one record per line (hetcomm.bench.records), each with the command: a ``run``
+header (``runs``), then one ``result`` per world size and size (``world_size``, ``size_bytes``,
+medians, spread, copy bound, and every run's figures under ``runs``).
 """
 from __future__ import annotations
 
 import argparse
-import json
 import multiprocessing as mp
-import os
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+
+from hetcomm.bench.records import command_line, write_document
+from hetcomm.bench.report import read_report
 
 SIZES = "8,1K,32K,256K,1M,4M,16M,64M,256M"
 
@@ -74,7 +79,7 @@ def main() -> None:
     ap.add_argument("--json", required=True)
     args = ap.parse_args()
     sizes = [parse_size(s) for s in args.sizes.split(",")]
-    out = {"command": " ".join([sys.executable] + sys.argv), "runs": args.runs, "world_sizes": {}}
+    out = {"runs": args.runs, "rows": []}
     for L in (int(x) for x in args.nprocs.split(",")):
         per_size: dict[int, dict[str, list[float]]] = {n: {"ratio": [], "hetcomm_us": [], "gloo_us": []} for n in sizes}
         for run in range(args.runs):
@@ -83,16 +88,15 @@ def main() -> None:
                        "--seconds-per-size", "0.3", "--json", f.name]
                 print(f"[local_host] {L} ranks, run {run + 1}/{args.runs}: {' '.join(cmd[1:])}", flush=True)
                 subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
-                rows = json.load(open(f.name))["rows"]
+                rows = read_report(f.name)["rows"]
             for row in rows:
                 d = per_size[row["size_bytes"]]
                 d["ratio"].append(row["busbw_ratio_hetcomm_gloo"])
                 d["hetcomm_us"].append(row["backends"]["hetcomm"]["time_us"])
                 d["gloo_us"].append(row["backends"]["gloo"]["time_us"])
-        table = []
         for n in sizes:
             d = per_size[n]
-            entry = {"size_bytes": n,
+            entry = {"world_size": L, "size_bytes": n,
                      "ratio_median": statistics.median(d["ratio"]), "ratio_min": min(d["ratio"]),
                      "ratio_max": max(d["ratio"]),
                      "hetcomm_us_median": statistics.median(d["hetcomm_us"]),
@@ -101,15 +105,12 @@ def main() -> None:
                 bound = copy_bound_seconds(n, L) * 1e6
                 entry["copy_bound_us"] = bound
                 entry["bound_ratio"] = entry["hetcomm_us_median"] / bound
-            table.append(entry)
+            out["rows"].append(entry)
             print(f"[local_host] {L} ranks {n:>10} B: hetcomm/gloo busbw median {entry['ratio_median']:.2f}x "
                   f"({entry['ratio_min']:.2f}-{entry['ratio_max']:.2f})"
                   + (f", {entry['bound_ratio']:.2f}x the copy bound ({entry['copy_bound_us']:.0f} us)"
                      if "bound_ratio" in entry else ""), flush=True)
-        out["world_sizes"][str(L)] = table
-    os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-    with open(args.json, "w") as f:
-        json.dump(out, f, indent=1)
+    write_document(args.json, out, command_line())
 
 
 if __name__ == "__main__":

@@ -10,16 +10,21 @@ Usage::
 
     python benchmarks/repeat_bench.py --runs 5 --json benchmarks/results/hosts_0011_nic1000_x5.json -- \\
         --sim-hosts 0,0,1,1 --sim-nic-mbit 1000,1000 --backends hetcomm,gloo
+
+The JSON file holds one record per line (hetcomm.bench.records), each with the command: a ``run``
+header (``bench_args``, ``runs``, ``plans_last_run``), then one ``result`` per size
+(``size_bytes``; per figure ``median``, ``min``, ``max`` and every run's value).
 """
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
 import subprocess
 import sys
 import tempfile
+
+from hetcomm.bench.records import command_line, write_document
+from hetcomm.bench.report import read_report
 
 
 def summarise(values: list[float]) -> dict:
@@ -40,7 +45,7 @@ def main() -> None:
             cmd = [sys.executable, "-m", "hetcomm.bench", *bench_args, "--json", f.name]
             print(f"[repeat_bench] run {run + 1}/{args.runs}: {' '.join(cmd[1:])}", flush=True)
             subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
-            data = json.load(open(f.name))
+            data = read_report(f.name)
         plans = data.get("plans")
         for row in data["rows"]:
             d = per_size.setdefault(row["size_bytes"], {})
@@ -51,16 +56,13 @@ def main() -> None:
                 d.setdefault("speedup_over_gloo", []).append(row["backends"]["gloo"]["time_us"] / h["time_us"])
             if h is not None and h.get("time_over_bound"):
                 d.setdefault("hetcomm_over_bound", []).append(h["time_over_bound"])
-    out = {"command": " ".join([sys.executable] + sys.argv), "bench_args": bench_args, "runs": args.runs,
-           "sizes": {str(n): {k: summarise(v) for k, v in d.items()} for n, d in sorted(per_size.items())},
-           "plans_last_run": plans}
+    out = {"bench_args": bench_args, "runs": args.runs, "plans_last_run": plans,
+           "rows": [{"size_bytes": n, **{k: summarise(v) for k, v in d.items()}} for n, d in sorted(per_size.items())]}
     for n, d in sorted(per_size.items()):
         parts = [f"{k} {statistics.median(v):.3f} ({min(v):.3f}-{max(v):.3f})"
                  for k, v in d.items() if k in ("speedup_over_gloo", "hetcomm_over_bound")]
         print(f"[repeat_bench] {n:>10} B: " + ", ".join(parts), flush=True)
-    os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-    with open(args.json, "w") as f:
-        json.dump(out, f, indent=1)
+    write_document(args.json, out, command_line())
 
 
 if __name__ == "__main__":

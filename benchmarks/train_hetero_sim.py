@@ -6,6 +6,10 @@ writes every run's summary plus the ratios the issue asks for::
 
     python benchmarks/train_hetero_sim.py --json benchmarks/results/train_hetero_sim.json
 
+The JSON file holds one record per line (hetcomm.bench.records), each with the command: a ``run``
+header (``cpu_quota``, ``example_args``, ``ratios``, the medians), then one ``result`` per run
+(``mode``, ``repeat``, the example's summary).
+
 Ratios (medians over repeats): adaptive samples/s over equal samples/s; adaptive samples/s over
 its ideal (the sum of the ranks' measured compute speeds in the same run); total idle seconds at
 synchronisation, adaptive over equal; final held-out loss of each mode.
@@ -13,14 +17,14 @@ synchronisation, adaptive over equal; final held-out loss of each mode.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import shlex
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+
+from hetcomm.bench.records import command_line, read_records, write_document
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLE = os.path.join(ROOT, "examples", "train_hetero.py")
@@ -40,10 +44,15 @@ def run_once(mode: str, quotas: str, example_args: list[str], timeout: float) ->
         for line in proc.stdout.splitlines():
             if line.startswith("[rank 0]") and ("done:" in line or "step" in line):
                 print(f"  {mode:8s} {line}", flush=True)
-        with open(path) as f:
-            summary = json.load(f)
+        [summary] = read_records(path)
         summary["run_seconds"] = time.perf_counter() - started
         return summary
+
+
+def run_rows(runs: dict[str, list[dict]]) -> list[dict]:
+    """One row per run: its mode, its repeat (0, 1, ...) and the example's summary."""
+    return [{"mode": mode, "repeat": repeat, **summary} for mode, each in runs.items()
+            for repeat, summary in enumerate(each)]
 
 
 def main(argv=None) -> int:
@@ -83,11 +92,9 @@ def main(argv=None) -> int:
           f"{idle['adaptive']:.1f} ({ratios['idle_reduction']:.0%} lower); final loss equal {losses['equal']}, "
           f"adaptive {losses['adaptive']}")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"command": " ".join(shlex.quote(a) for a in [sys.executable] + sys.argv),
-                       "cpu_quota": args.cpu_quota, "example_args": example_args, "ratios": ratios,
-                       "median_samples_per_second": throughput, "median_idle_seconds": idle,
-                       "runs": runs}, f, indent=2)
+        write_document(args.json, {"cpu_quota": args.cpu_quota, "example_args": example_args, "ratios": ratios,
+                                   "median_samples_per_second": throughput, "median_idle_seconds": idle,
+                                   "rows": run_rows(runs)}, command_line())
     return 0
 
 

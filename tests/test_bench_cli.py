@@ -18,7 +18,9 @@ from hetcomm.bench.analysis import (annotate, cut_bound, effective_plan, physica
                                     predict_seconds, uniform_record)
 from hetcomm.bench.config import (SIM_DEFAULT_BACKENDS, declared_link_mbit, parse_size_list,
                                   torch_backend, variant_environment, worker_argv)
-from hetcomm.bench.report import format_sim_table, format_table
+from hetcomm.bench.records import read_records
+from hetcomm.bench.report import (format_sim_table, format_table, read_report, report_document,
+                                  write_json)
 from hetcomm.bench.results import BenchReport, SizeResult, allreduce_bus_factor
 from hetcomm.sim.spec import SimSpec
 
@@ -316,6 +318,37 @@ def test_sim_json_records_spec_plans_predictions():
     assert row["speedup_hetcomm_over_uniform"] == pytest.approx(2.1 / 1.4)
 
 
+@pytest.mark.parametrize("sim", [True, False])
+def test_json_file_is_one_record_per_measurement_and_reads_back(tmp_path, capsys, sim):
+    report = synthetic_report(sim=sim)
+    path = tmp_path / "r.json"
+    write_json(report, str(path))
+    assert "wrote" in capsys.readouterr().err
+    lines = path.read_text().splitlines()
+    records = [json.loads(line) for line in lines]
+    assert all(rec["command"] == "python -m hetcomm.bench" for rec in records)
+    kinds = [rec["kind"] for rec in records]
+    assert kinds[0] == "run" and kinds.count("run") == 1
+    # one result per (size, backend), each naming both
+    results = [rec for rec in records if rec["kind"] == "result"]
+    assert [(r["size_bytes"], r["backend"]) for r in results] == \
+        [(r.size_bytes, r.backend) for r in report.results]
+    assert kinds.count("plan") == (3 if sim else 0)
+    assert kinds.count("size") == 2     # the busbw ratio (and bound, speedups) per size
+    assert "rows" not in records[0] and "plans" not in records[0]
+    # the document comes back, as the plot and the scripts read it
+    expected = json.loads(json.dumps(report.to_json()))
+    assert read_report(str(path)) == expected
+    assert report_document(read_records(str(path))) == expected
+
+
+def test_read_report_reads_the_old_single_document(tmp_path):
+    document = json.loads(json.dumps(synthetic_report().to_json()))
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps(document, indent=2))
+    assert read_report(str(path)) == document
+
+
 def test_local_table_keeps_its_layout():
     report = synthetic_report(sim=False)
     text = format_table(report)
@@ -345,10 +378,15 @@ def test_plot_series_and_png(tmp_path):
     local = tmp_path / "local.png"
     plot.write_plot(synthetic_report(sim=False).to_json(), str(local))
     assert local.stat().st_size > 10_000
-    # the standalone form: python -m hetcomm.bench.plot RESULT.json OUT.png
+    # the standalone form: python -m hetcomm.bench.plot RESULT.json OUT.png, on a file of
+    # records (as --json writes it) and on an old single-document file
     saved = tmp_path / "r.json"
-    saved.write_text(json.dumps(document))
+    write_json(synthetic_report(), str(saved))
     assert plot.main([str(saved), str(tmp_path / "again.png")]) == 0
+    assert (tmp_path / "again.png").stat().st_size > 10_000
+    old = tmp_path / "old.json"
+    old.write_text(json.dumps(document, indent=2))
+    assert plot.main([str(old), str(tmp_path / "old.png")]) == 0
 
 
 # ============================================================================================
@@ -365,7 +403,10 @@ def test_end_to_end_local(tmp_path):
     proc = _bench(["--nprocs", "2", "--sizes", "8,64K", "--backends", "hetcomm,gloo",
                    "--json", str(out)], E2E_TIMEOUT_S)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    document = json.loads(out.read_text())
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert {rec["kind"] for rec in records} == {"run", "plan", "result", "size"}
+    assert len({rec["command"] for rec in records}) == 1 and "--json" in records[0]["command"]
+    document = read_report(str(out))
     assert document["nprocs"] == 2 and document["backends"] == ["hetcomm", "gloo"]
     assert document["launch"] == "local" and document["total_wrong"] == 0
     assert [row["size_bytes"] for row in document["rows"]] == [8, 64 * 1024]
@@ -390,7 +431,7 @@ def test_end_to_end_sim(tmp_path):
     proc = _bench(["--sim-nic-mbit", "400,100", "--sizes", "1M", "--json", str(out)],
                   SIM_TIMEOUT_S)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    document = json.loads(out.read_text())
+    document = read_report(str(out))
     assert document["launch"] == "sim" and document["nprocs"] == 2
     assert document["argv"][1:] == ["--sim-nic-mbit", "400,100", "--sizes", "1M", "--json",
                                     str(out)]

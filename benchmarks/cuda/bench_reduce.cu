@@ -7,7 +7,8 @@
 // Bytes counted as in benchmarks/test_reduce_kernels.py: a reduce reads dst and src and writes
 // dst, 3 x the buffer; a copy reads one buffer and writes the other, 2 x. GB/s = bytes / median
 // time of `iters` launches, each timed with its own pair of cudaEvents after `kWarmup` untimed ones.
-// Prints one JSON object on stdout.
+// Prints compact JSON Lines on stdout (the records of hetcomm.bench.records): a "run" header (device,
+// compute capability, buffer size, iterations), then one "result" per kernel, each with the command.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -64,7 +65,7 @@ Timing timeOnStream(cudaStream_t stream, int iters, const std::function<void()>&
 std::string resultJson(const std::string& name, const std::string& extra, double bytesMoved, Timing t) {
   char buf[512];
   std::snprintf(buf, sizeof(buf),
-                "{\"name\": \"%s\", %s\"bytes_moved\": %.0f, \"median_ms\": %.4f, \"min_ms\": %.4f, \"GB/s\": %.1f}",
+                "{\"name\":\"%s\",%s\"bytes_moved\":%.0f,\"median_ms\":%.4f,\"min_ms\":%.4f,\"GB/s\":%.1f}",
                 name.c_str(), extra.c_str(), bytesMoved, t.medianMs, t.minMs, bytesMoved / (t.medianMs * 1e-3) / 1e9);
   return buf;
 }
@@ -129,20 +130,21 @@ int main(int argc, char** argv) {
     }
     const double gbs = 3.0 * nbytes / (t.medianMs * 1e-3) / 1e9;
     char extra[160];
-    std::snprintf(extra, sizeof(extra), "\"dtype\": \"%s\", \"op\": \"%s\", \"fraction_of_memcpy\": %.3f, ",
+    std::snprintf(extra, sizeof(extra), "\"dtype\":\"%s\",\"op\":\"%s\",\"fraction_of_memcpy\":%.3f,",
                   dtypeName(c.dtype), redOpName(c.op), gbs / copyGBs);
     results.push_back(resultJson(std::string("reduceIntoCuda ") + dtypeName(c.dtype) + " " + redOpName(c.op), extra,
                                  3.0 * nbytes, t));
   }
   cudaCheck(cudaStreamSynchronize(stream), "cudaStreamSynchronize");
 
-  std::printf("{\n  \"device\": \"%s\",\n  \"compute_capability\": \"%d.%d\",\n  \"bytes_per_buffer\": %zu,\n"
-              "  \"iters\": %d,\n  \"command\": \"bench_reduce --mb %zu --iters %d\",\n  \"results\": [\n",
-              prop.name, prop.major, prop.minor, nbytes, iters, mb, iters);
-  for (size_t i = 0; i < results.size(); ++i) {
-    std::printf("    %s%s\n", results[i].c_str(), i + 1 < results.size() ? "," : "");
+  char command[96];
+  std::snprintf(command, sizeof(command), "bench_reduce --mb %zu --iters %d", mb, iters);
+  std::printf("{\"kind\":\"run\",\"command\":\"%s\",\"device\":\"%s\",\"compute_capability\":\"%d.%d\","
+              "\"bytes_per_buffer\":%zu,\"iters\":%d}\n",
+              command, prop.name, prop.major, prop.minor, nbytes, iters);
+  for (const std::string& result : results) {  // each is "{...}": the record's fields follow its stamp
+    std::printf("{\"kind\":\"result\",\"command\":\"%s\",%s\n", command, result.c_str() + 1);
   }
-  std::printf("  ]\n}\n");
   cudaStreamDestroy(stream);
   cudaFree(dst);
   cudaFree(src);

@@ -9,12 +9,13 @@ features gloo has (``DistTestCases.backend_feature``: ddp, subgroup, plugin) bef
 suite, as design.md section 5 describes, and runs it with unittest on CPU tensors. Tests the
 suite itself skips (GPU-only, NCCL-only, "small world size", ...) count as skipped.
 
-Exit status: 0 when nothing failed. ``--json`` writes the outcome of every test.
+Exit status: 0 when nothing failed. ``--json`` writes the outcome of every test: one record per
+line (hetcomm.bench.records), each with the command, a ``run`` header (``world_size``, ``torch``,
+``counts``) then one ``result`` per test (``test``, ``outcome``, ``seconds``, ``detail``).
 """
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import tempfile
@@ -27,6 +28,7 @@ os.environ.setdefault("TEMP_DIR", tempfile.mkdtemp(prefix="hetcomm-torch-suite-"
 
 import hetcomm  # noqa: E402,F401  (registers the backend, also in the suite's spawned ranks)
 import torch  # noqa: E402
+from hetcomm.bench.records import write_document  # noqa: E402
 from torch.testing._internal import common_distributed  # noqa: E402
 
 for feature in ("ddp", "subgroup", "plugin"):
@@ -71,6 +73,11 @@ class _Recorder(unittest.TextTestResult):
         self._note(test, "skipped", reason)
 
 
+def outcome_rows(outcomes: dict) -> list[dict]:
+    """One row per test: its name and outcome."""
+    return [{"test": name, **outcome} for name, outcome in outcomes.items()]
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("-k", dest="pattern", action="append", default=None,
@@ -89,10 +96,9 @@ def main() -> int:
     print(f"hetcomm on DistributedTest ({os.environ['WORLD_SIZE']} ranks): {counts} in "
           f"{time.monotonic() - start:.0f} s", flush=True)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"command": " ".join([f"WORLD_SIZE={os.environ['WORLD_SIZE']}", "python", *sys.argv]),
-                       "world_size": int(os.environ["WORLD_SIZE"]), "torch": torch.__version__,
-                       "counts": counts, "tests": result.outcomes}, f, indent=1)
+        write_document(args.json, {"world_size": int(os.environ["WORLD_SIZE"]), "torch": torch.__version__,
+                                   "counts": counts, "rows": outcome_rows(result.outcomes)},
+                       " ".join([f"WORLD_SIZE={os.environ['WORLD_SIZE']}", "python", *sys.argv]))
     return 0 if result.wasSuccessful() else 1
 
 

@@ -18,7 +18,8 @@ new reporter, not a change to the measurement):
 ``worker``   what every rank does: control plane, one process group per backend, in turn
 ``measure``  one (backend, size) measurement: warm-up, agreed iteration count, timing, check
 ``results``  plain result records and the JSON document (no torch)
-``report``   the table, the progress lines and the JSON file (no torch)
+``report``   the table, the progress lines and the JSON file: its records and back (no torch)
+``records``  result files as JSON Lines, one record per line with its command (no torch)
 ``sim_launch`` ``--sim-*``: a simulated heterogeneous cluster (hetcomm.sim, root) whose ranks each
              run this CLI as one env-mode rank
 ``analysis`` on a simulated cluster: physical link model, physical bound, the planner's

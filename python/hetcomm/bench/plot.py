@@ -1,7 +1,9 @@
 """``--plot PATH.png``: bus bandwidth against message size, one line per backend.
 
 Drawn from the JSON document of a run (:meth:`hetcomm.bench.results.BenchReport.to_json`), so a
-saved result can be plotted again later: ``python -m hetcomm.bench.plot RESULT.json OUT.png``.
+saved result can be plotted again later: ``python -m hetcomm.bench.plot RESULT.json OUT.png``
+(the document is rebuilt from the file's records, :func:`hetcomm.bench.report.read_report`; an
+older single-document file works too).
 
 * measured busbw: a solid line with markers per backend, labelled with the plan its group used;
 * the planner's prediction (simulated clusters): the same colour, dotted;
@@ -14,11 +16,11 @@ matplotlib is optional (only ``--plot`` needs it) and runs with the Agg backend 
 """
 from __future__ import annotations
 
-import json
 import sys
 import textwrap
 from typing import Any, Optional, Sequence
 
+from hetcomm.bench.report import read_report
 from hetcomm.bench.results import allreduce_bus_factor
 
 INSTALL_HINT = "pip install matplotlib"
@@ -178,9 +180,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print("usage: python -m hetcomm.bench.plot RESULT.json OUT.png", file=sys.stderr)
         return 2
     try:
-        with open(argv[0]) as handle:
-            document = json.load(handle)
-        write_plot(document, argv[1])
+        write_plot(read_report(argv[0]), argv[1])
     except (OSError, ValueError, KeyError, PlotError) as error:
         print(f"hetcomm.bench.plot: {error}", file=sys.stderr)
         return 2

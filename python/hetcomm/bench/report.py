@@ -2,14 +2,22 @@
 
 Only rank 0 calls these. No torch import: a later ``--plot`` (or a tool comparing two JSON files)
 reuses this module and :mod:`hetcomm.bench.results` without the distributed machinery.
+
+The JSON file (``--json``) holds records, one per line (:mod:`hetcomm.bench.records`), each with
+the run's command: a ``run`` header (configuration, machine, ``sim``), one ``plan`` per backend
+(``backend``, ``plan``), then per size one ``result`` per backend (``size_bytes``, ``count``,
+``type``, ``redop``, ``backend``, the times) and one ``size`` record of the figures across
+backends (busbw ratio, bound, speedups). :func:`read_report` gives back the document of
+:meth:`~hetcomm.bench.results.BenchReport.to_json`, from such a file or from an older
+single-document one.
 """
 from __future__ import annotations
 
-import json
-import os
 import sys
-from typing import Optional, TextIO
+from typing import Any, Optional, Sequence, TextIO
 
+from hetcomm.bench.records import (RESULT, RUN, fields, header, is_legacy, read_records, record,
+                                   write_records)
 from hetcomm.bench.results import (RATIO_DENOMINATOR, RATIO_NUMERATOR, BenchReport, SizeResult,
                                    average_busbw, busbw_ratio, speedup)
 
@@ -224,11 +232,63 @@ def print_table(bench_report: BenchReport, stream: TextIO = sys.stdout) -> None:
     print(format_table(bench_report), file=stream, flush=True)
 
 
+# The document's per-size keys that every backend shares; the rest of a row is its backends and
+# the figures across backends.
+_SIZE_KEYS = ("size_bytes", "count", "type", "redop")
+_PLAN, _SIZE = "plan", "size"
+RATIO_KEY = f"busbw_ratio_{RATIO_NUMERATOR}_{RATIO_DENOMINATOR}"     # as BenchReport.to_json names it
+
+
+def report_records(document: dict[str, Any]) -> list[dict[str, Any]]:
+    """The records of a run's document (:meth:`BenchReport.to_json`), command left out."""
+    head = {key: value for key, value in document.items()
+            if key not in ("command", "rows", "ratios", "plans")}
+    out = [record(RUN, head)]
+    out += [record(_PLAN, backend=name, plan=plan)
+            for name, plan in (document.get("plans") or {}).items()]
+    for row in document["rows"]:
+        shared = {key: row[key] for key in _SIZE_KEYS}
+        out += [record(RESULT, shared, backend=name, **result)
+                for name, result in row["backends"].items()]
+        across = {key: value for key, value in row.items()
+                  if key not in _SIZE_KEYS and key != "backends"}
+        if across:
+            out.append(record(_SIZE, size_bytes=row["size_bytes"], **across))
+    return out
+
+
+def report_document(records: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """The document :func:`report_records` came from (an old file's document as it is)."""
+    if is_legacy(records):
+        return dict(records[0])
+    document = header(records)
+    rows: dict[int, dict[str, Any]] = {}
+    plans = {}
+    for rec in records:
+        data = fields(rec)
+        if rec.get("kind") == RESULT:
+            shared = {key: data.pop(key) for key in _SIZE_KEYS}
+            row = rows.setdefault(shared["size_bytes"], {**shared, "backends": {}})
+            row["backends"][data.pop("backend")] = data
+        elif rec.get("kind") == _SIZE:
+            rows[data.pop("size_bytes")].update(data)
+        elif rec.get("kind") == _PLAN:
+            plans[data["backend"]] = data["plan"]
+    document["rows"] = list(rows.values())
+    document["ratios"] = [{"size_bytes": row["size_bytes"], RATIO_KEY: row[RATIO_KEY]}
+                          for row in document["rows"] if RATIO_KEY in row]
+    if plans:
+        document["plans"] = plans
+    return document
+
+
+def read_report(path: str) -> dict[str, Any]:
+    """The document of a run saved by ``--json`` (either format)."""
+    return report_document(read_records(path))
+
+
 def write_json(bench_report: BenchReport, path: str) -> None:
-    """Writes the report atomically, so a reader never sees a half-written file."""
-    temporary = f"{path}.tmp.{os.getpid()}"
-    with open(temporary, "w") as handle:
-        json.dump(bench_report.to_json(), handle, indent=2)
-        handle.write("\n")
-    os.replace(temporary, path)
+    """Writes the report's records atomically, so a reader never sees a half-written file."""
+    document = bench_report.to_json()
+    write_records(path, report_records(document), document["command"])
     print(f"{PREFIX}: wrote {path}", file=sys.stderr, flush=True)

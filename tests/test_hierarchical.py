@@ -4,7 +4,7 @@ Correctness: every dtype and op, sizes from empty to 16 MiB, on site plans with 
 unequal sites (3 + 1, 2 + 1 + 1), three sites, blocks with zero shares and a site that reduces
 nothing; results must equal the exact expected values and be bit-identical on every rank.
 Traffic: the per-peer byte counters (hetcomm.stats) equal what the cost model of
-hetcomm.site_planner says each link carries, computed here from the plan by hand.
+hetcomm.plan.hierarchy says each link carries, computed here from the plan by hand.
 Errors: ranks holding different site plans fail with a clear error, and a bad plan is refused.
 
 HETCOMM_SMALL_ALLREDUCE_BYTES=0 so that even one-element allreduces take the site plan (the engine

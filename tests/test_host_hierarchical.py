@@ -1,4 +1,4 @@
-"""Hosts as the inner level of the allreduce (site_planner.host_plan, hierarchical.h with local_inner).
+"""Hosts as the inner level of the allreduce (hetcomm.plan.hierarchy.host_plan, hierarchical.h with local_inner).
 
 Hosts are declared with HETCOMM_HOST_ID (one label per global rank) on this one machine, so the
 ranks of a "host" share memory and the ranks of different hosts talk over TCP. Checks:
@@ -119,7 +119,7 @@ def test_each_host_sends_n_bytes_across(hosts: str) -> None:
 # ------------------------------------------------------------------------------ the plan (pure)
 
 def test_host_plan_blocks_are_contiguous_and_rootless() -> None:
-    from hetcomm.site_planner import host_plan
+    from hetcomm.plan import host_plan
     assert host_plan([0, 1, 2]) is None          # no host holds two ranks: nothing to share
     assert host_plan([0, 0, 0]) is None          # one host: shared memory alone
     p = host_plan([0, 0, 1, 1, 1])
@@ -143,7 +143,7 @@ def test_host_plan_blocks_are_contiguous_and_rootless() -> None:
 
 def test_host_plan_pieces_follow_the_nics() -> None:
     from hetcomm.planner import LinkModel
-    from hetcomm.site_planner import host_plan
+    from hetcomm.plan import host_plan
     mb = 125e6
     for slow, w_slow in ((0.8, 0.2 / 1.4), (0.5, 0.0)):
         # Three hosts of two ranks, host 2's NIC slower: it reduces a smaller piece, so that each

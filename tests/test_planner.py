@@ -1,4 +1,4 @@
-"""Tests of the ring planner (python/hetcomm/planner.py): pure, exact, no processes.
+"""Tests of the ring planner (python/hetcomm/plan/: cost, shares, order): pure, exact, no processes.
 
 Units: bandwidths in bytes/s, ``mbit(x) = x * 1e6 / 8``; "MB" in design.md §2 is 10**6 bytes
 (24 MB / 12.5 MB/s = 1.92 s only works out that way), so the worked example uses N = 16e6 bytes.
@@ -7,7 +7,6 @@ moves a load by less than 2e-9 of N.
 """
 from __future__ import annotations
 
-import importlib.util
 import itertools
 import math
 import os
@@ -16,14 +15,9 @@ import sys
 import numpy as np
 import pytest
 
-try:
-    from hetcomm import planner
-except ImportError:  # the extension is not built: the planner needs none of it
-    _path = os.path.join(os.path.dirname(__file__), os.pardir, "python", "hetcomm", "planner.py")
-    _spec = importlib.util.spec_from_file_location("hetcomm_planner_standalone", _path)
-    planner = importlib.util.module_from_spec(_spec)
-    sys.modules[_spec.name] = planner
-    _spec.loader.exec_module(planner)
+from hetcomm import planner
+from hetcomm.plan import order as plan_order
+from hetcomm.plan import shares as plan_shares
 
 from_nics = planner.LinkModel.from_nics
 LinkModel = planner.LinkModel
@@ -98,12 +92,12 @@ def test_worked_example_predicted_seconds_with_latency_terms():
     # Fill: (P-1) segments * mean over ring links of 1/bw = 3 * 1e6 * (2/12.5e6 + 2/100e6) / 4.
     fill = 3 * 1e6 * (2 / 12.5e6 + 2 / 100e6) / 4
     assert fill == pytest.approx(0.135)
-    assert plan.predict_seconds(N_WORKED, model) == pytest.approx(1.28 + fill, rel=1e-12)
+    assert planner.predict_allreduce_seconds(plan, model, N_WORKED) == pytest.approx(1.28 + fill, rel=1e-12)
     uniform = planner.uniform_plan(4)
     assert planner.predict_allreduce_seconds(uniform, model, N_WORKED) == pytest.approx(1.92 + fill, rel=1e-12)
     # Latency: 2(P-1) ring steps of alpha each.
     with_alpha = from_nics([mbit(800)] * 3 + [mbit(100)], alpha=1e-3, segment_bytes=1_000_000)
-    assert plan.predict_seconds(N_WORKED, with_alpha) == pytest.approx(1.28 + fill + 6e-3, rel=1e-12)
+    assert planner.predict_allreduce_seconds(plan, with_alpha, N_WORKED) == pytest.approx(1.28 + fill + 6e-3, rel=1e-12)
 
 
 def test_adaptive_segment_size_follows_the_engine():
@@ -342,13 +336,13 @@ def test_order_search_bound_is_valid_and_the_search_is_exact(P, kind):
     rng = np.random.default_rng(P * 100 + len(kind))
     for _ in range(3):
         model = _random_model(rng, P, kind)
-        search = planner._RingSearch(model)
+        search = plan_order.RingSearch(model)
         orders = list(orders_rank0_first(P))
         taus = [search.tau(o) for o in orders]
         bounds = search.lower_bounds(orders)
         assert all(lb <= t * (1 + 1e-9) for lb, t in zip(bounds, taus))
         planner.best_plan.cache_clear()
-        assert planner.best_plan(model).order == planner._pick_order(list(zip(orders, taus)), P)
+        assert planner.best_plan(model).order == plan_order._pick_order(list(zip(orders, taus)), P)
 
 
 def test_two_sites_of_four_ranks_solve_few_lps(monkeypatch):
@@ -356,8 +350,8 @@ def test_two_sites_of_four_ranks_solve_few_lps(monkeypatch):
     bound of two disjoint crossings (3 / (b1 + b2)) is what LP 1 reaches, so only the rings
     through the best pair of crossings need an LP (without it: 4897 LPs of 5040, seconds)."""
     calls = []
-    real = planner._min_tau
-    monkeypatch.setattr(planner, "_min_tau", lambda b, r: calls.append(1) or real(b, r))
+    real = plan_order.min_tau
+    monkeypatch.setattr(plan_order, "min_tau", lambda b, r: calls.append(1) or real(b, r))
     rng = np.random.default_rng(3)
     site = [0, 1, 0, 1, 0, 1, 0, 1]   # interleaved: the identity ring crosses eight times
     bw = [[0.0 if i == j else (1e8 if site[i] == site[j] else 1e7) * rng.uniform(0.9, 1.1) for j in range(8)]
@@ -529,7 +523,7 @@ def test_solver_failure_raises_and_never_falls_back(monkeypatch):
     class Failed:
         status, message, x = 2, "The problem is infeasible.", None
 
-    monkeypatch.setattr(planner, "linprog", lambda *a, **k: Failed())
+    monkeypatch.setattr(plan_shares, "linprog", lambda *a, **k: Failed())
     planner.best_plan.cache_clear()  # best plans are memoised: an earlier test may have made this one
     with pytest.raises(planner.PlanningError, match="HiGHS failed on the minimum-time LP.*infeasible"):
         planner.best_plan(WORKED)

@@ -137,7 +137,7 @@ PROBE_SCRIPT = textwrap.dedent("""
     dist.init_process_group("hetcomm")
     m = hetcomm.link_model()
     if dist.get_rank() == 0:
-        print("MODEL", json.dumps({"bw": m.bw, "plan": hetcomm.get_plan().shares}), flush=True)
+        print("MODEL", json.dumps({"bw": m.bw.tolist(), "plan": hetcomm.get_plan().shares}), flush=True)
     dist.destroy_process_group()
 """)
 

@@ -246,7 +246,7 @@ DECLARED_SITES = {"HETCOMM_SITES": "0,0,1,1",
 def test_uplinks_carry_what_the_model_says(tmp_path, backend, per_allreduce, env):
     """gloo's ring 0>1>2>3>0 on sites 0,0,1,1 crosses the WAN on 1->2 and 3->0, each carrying
     2N(P-1)/P = 1.5N per allreduce: so does each site's out and in uplink (plus headers).
-    hetcomm's site plan (hetcomm.site_planner: (1 + (S - 2) w) N out of each site) moves N."""
+    hetcomm's site plan (hetcomm.plan.hierarchy: (1 + (S - 2) w) N out of each site) moves N."""
     iters, count = 3, 1 << 20                      # 4 MiB of fp32
     spec = SimSpec(sites=[0, 0, 1, 1], intra_mbit=1000, wan_mbit=WAN_MBIT)
     script = tmp_path / "ring.py"

@@ -34,7 +34,7 @@ def test_a_declared_model_is_restricted_to_the_group_by_global_rank(monkeypatch)
     assert world.bw[0][3] == 100 * MBIT and world.bw[0][1] == 800 * MBIT
     sub = topology.declared_model([1, 3])
     assert sub.world_size == 2 and sub.bw[0][1] == sub.bw[1][0] == 100 * MBIT
-    assert topology.declared_model([2, 0]).bw == ((0.0, 800 * MBIT), (800 * MBIT, 0.0))
+    assert topology.declared_model([2, 0]).bw.tolist() == [[0.0, 800 * MBIT], [800 * MBIT, 0.0]]
     with pytest.raises(ValueError, match="declares 4 ranks, but this group has global rank 5"):
         topology.declared_model([0, 5])
 
@@ -44,7 +44,7 @@ def test_restricted_model_keeps_rates_reduce_and_engine_settings() -> None:
     model = planner.LinkModel(bw=tuple(tuple(r) for r in bw), reduce_bps=(7e9, 8e9, 9e9), alpha=1e-4,
                               segment_bytes=1 << 16)
     sub = model.restricted([2, 0])
-    assert sub.bw == ((0.0, 5e8), (2e8, 0.0)) and sub.reduce_bps == (9e9, 7e9)
+    assert sub.bw.tolist() == [[0.0, 5e8], [2e8, 0.0]] and sub.reduce_bps == (9e9, 7e9)
     assert (sub.alpha, sub.segment_bytes) == (1e-4, 1 << 16)
     with pytest.raises(ValueError):
         model.restricted([0, 0])
@@ -71,7 +71,7 @@ def subgroups_with_declared_links(rank: int, world_size: int) -> dict:
         if rank not in ranks:
             continue
         model = hetcomm.link_model(group)
-        out[tuple(ranks)] = {"bw": model.bw, "shares": hetcomm.get_plan(group).shares}
+        out[tuple(ranks)] = {"bw": model.bw.tolist(), "shares": hetcomm.get_plan(group).shares}
         mine = ranks.index(rank)
         inputs = [pattern(100_000, torch.float32, r) for r in range(len(ranks))]
         t = inputs[mine].clone()
@@ -86,7 +86,7 @@ def test_subgroups_with_declared_links_are_created_and_planned() -> None:
     declared = planner.LinkModel.from_nics([800 * MBIT, 800 * MBIT, 800 * MBIT, 100 * MBIT])
     for rank, got in enumerate(results):
         for ranks, entry in got.items():
-            assert entry["bw"] == declared.restricted(list(ranks)).bw, (rank, ranks, entry)
+            assert entry["bw"] == declared.restricted(list(ranks)).bw.tolist(), (rank, ranks, entry)
     # Ranks 0, 1, 2 have equal NICs: a uniform plan. Every group holds the same plan on every rank.
     assert results[0][(0, 1, 2)]["shares"] == pytest.approx((1 / 3,) * 3)
     assert results[1][(1, 3)] == results[3][(1, 3)]

@@ -171,10 +171,10 @@ def stats(group: Optional[dist.ProcessGroup] = None) -> dict:
 
 def get_plan(group: Optional[dist.ProcessGroup] = None):
     """The plan the group's allreduces use (a `hetcomm.planner.Plan`): the ring, the site-aware
-    schedule if any (``plan.sites``, a `hetcomm.site_planner.SitePlan`, used from
+    schedule if any (``plan.sites``, a `hetcomm.plan.SitePlan`, used from
     ``plan.sites.min_bytes`` on) and the topology it was made for (``plan.topology``)."""
     from hetcomm.planner import Plan
-    from hetcomm.site_planner import SitePlan
+    from hetcomm.plan import SitePlan
     from hetcomm.topology import topology_of
 
     backend = backend_of(group)

@@ -31,8 +31,13 @@ from typing import Optional, Sequence
 
 import torch
 
-from hetcomm import hosts, planner, site_planner, sites
+from hetcomm import hosts
+from hetcomm import plan as planner
 from hetcomm.measure import measure_model, measure_site_uplinks, model_from_declared, parse_mbit
+from hetcomm.plan import levels as sites
+from hetcomm.plan.choose import (DECLARED_MIN_GAIN, MEASURED_MIN_GAIN, _same_partition, choose_plan,  # noqa: F401
+                                 hierarchical_enabled, segment_bytes_for, snap_measured, with_host_plan)
+from hetcomm.plan.schedules import SitePlan
 
 log = logging.getLogger("hetcomm")
 
@@ -89,130 +94,6 @@ def _covering_model(ranks: Sequence[int]) -> Optional[planner.LinkModel]:
     return model.restricted([key.index(r) for r in ranks])
 
 
-# A measured model must predict a larger gain than a declared one before hetcomm leaves uniform
-# shares: timing links between processes that share cores varies by ~10-20% (seen on 4 ranks on
-# 2 cores over loopback, where identical links measured 0.3-0.6 GB/s), and a plan fitted to noise
-# costs more than it saves (a two-site plan fitted to one mismeasured link ran 0.77x uniform).
-MEASURED_MIN_GAIN = 0.20
-DECLARED_MIN_GAIN = planner.DEFAULT_MIN_GAIN
-
-
-# A segment should cross the slowest ring link in about this long: a segment in flight on a slow
-# link is pipeline fill and drain that nothing overlaps (1 MB on a 100 Mbit/s link is 80 ms; 64 KB
-# measured 5-8% faster end to end on the simulated 800/800/800/100 cluster).
-SEGMENT_SECONDS_ON_SLOWEST_LINK = 0.005
-
-
-def segment_bytes_for(plan: planner.Plan, model: planner.LinkModel) -> int:
-    """The power of two in [32 KB, 1 MB] nearest (on a log scale) to SEGMENT_SECONDS_ON_SLOWEST_LINK
-    worth of the slowest ring link.
-
-    Nearest rather than the next one down: a 100 Mbit/s link measures ~11.7 MB/s, 58 KB in 5 ms,
-    and rounding down gave 32 KB, twice the wake-ups per byte of the 64 KB that measured best.
-    """
-    P = len(plan.order)
-    return _segment_for_rate(min(model.bw[plan.order[p]][plan.order[(p + 1) % P]] for p in range(P)))
-
-
-def _segment_for_rate(slowest: float) -> int:
-    target = slowest * SEGMENT_SECONDS_ON_SLOWEST_LINK
-    seg = 32 << 10
-    while seg < (1 << 20) and seg * math.sqrt(2) < target:
-        seg *= 2
-    return seg
-
-
-# Measured link rates within this factor of each other are taken as one rate (their group's
-# median) before planning: the probe's error is of that order, and a plan fitted to it hands
-# small shares around for nothing (800/800/800/100 measured as 101-138/11.4-12 MB/s gave rank 1
-# 5% and ran at 1.12x the bound; the same links declared gave 0/0/0/100% and 1.065x).
-MEASURED_RATE_TOLERANCE = 1.25
-
-
-def snap_measured(model: planner.LinkModel, tolerance: float = MEASURED_RATE_TOLERANCE) -> planner.LinkModel:
-    """`model` with its link rates grouped: sorted descending, a rate joins the current group while
-    it is within `tolerance` of the group's fastest, and every rate becomes its group's median."""
-    P = model.world_size
-    links = sorted(((model.bw[i][j], i, j) for i in range(P) for j in range(P) if i != j), reverse=True)
-    snapped = [list(row) for row in model.bw]
-    group: list[tuple[float, int, int]] = []
-    for entry in links + [(0.0, -1, -1)]:
-        if group and not (entry[0] > 0 and entry[0] * tolerance >= group[0][0]):
-            median = group[len(group) // 2][0]
-            for _, i, j in group:
-                snapped[i][j] = median
-            group = []
-        group.append(entry)
-    return dataclasses.replace(model, bw=tuple(tuple(row) for row in snapped))
-
-
-def _same_partition(a: Sequence[int], b: Sequence[int]) -> bool:
-    return sites._renumber(a) == sites._renumber(b)
-
-
-def with_host_plan(ring: planner.Plan, host_labels: Sequence[int],
-                   model: Optional[planner.LinkModel] = None) -> planner.Plan:
-    """``ring`` plus the host-level schedule (`site_planner.host_plan`) for every allreduce that
-    takes the ring's path (those above HETCOMM_SMALL_ALLREDUCE_BYTES), when there is one."""
-    hp = site_planner.host_plan(host_labels, model) if hierarchical_enabled() else None
-    if hp is None:
-        return ring
-    if model is not None:
-        hp = dataclasses.replace(hp, segment_bytes=_segment_for_rate(min(model.bw[a][b] for a, b in hp.link_loads())))
-    return dataclasses.replace(ring, sites=hp)
-
-
-def choose_plan(model: planner.LinkModel, min_gain: float = DECLARED_MIN_GAIN,
-                site_labels: Optional[Sequence[int]] = None,
-                host_labels: Optional[Sequence[int]] = None) -> planner.Plan:
-    """The large-message ring plan, with min_bytes set to the crossover (uniform if weighting gains
-    nothing), and with ``site_labels`` (one site per rank; several sites) the site-aware schedule
-    from the message size on where its predicted time beats the ring's by ``min_gain``.
-
-    ``host_labels`` (one host per rank, given when the hosts' ranks share memory): with several
-    hosts and no sites other than the hosts themselves, the host-level schedule (`with_host_plan`).
-    Sites made of several hosts keep the site schedule, whose steps inside a site run over TCP."""
-    best = planner.make_plan(model, None, min_gain)
-    if not best.is_uniform:
-        crossover = planner.crossover_bytes(model, min_gain)
-        best = planner.Plan(best.order, best.shares, best.predicted_bw_seconds_per_byte,
-                            min_bytes=crossover if crossover is not None else 0,
-                            segment_bytes=segment_bytes_for(best, model))
-    if not hierarchical_enabled():
-        return best
-    if host_labels is not None and (site_labels is None or len(set(site_labels)) == 1
-                                    or _same_partition(site_labels, host_labels)):
-        hosted = with_host_plan(best, host_labels, model)
-        if hosted.sites is not None:
-            return hosted
-    if site_labels is None:
-        return best
-    site = site_planner.best_site_plan(model, site_labels)
-    if site is None:
-        return best
-    site = dataclasses.replace(site, segment_bytes=_segment_for_rate(min(model.bw[a][b] for a, b in site.link_loads())))
-    # The site plan serves every size from min_bytes up, so min_bytes is the smallest power of two
-    # from which it is predicted faster at every larger size (up to 1 TiB).
-    uniform = planner.uniform_plan(model.world_size)
-    start = max(1, model.small_allreduce_bytes + 1).bit_length()
-    min_bytes = None
-    for k in range(40, start - 1, -1):
-        n = 1 << k
-        ring = best if n >= best.min_bytes else uniform
-        if not (site_planner.predict_site_plan_seconds(site, model, n)
-                < planner.predict_allreduce_seconds(ring, model, n) * (1.0 - min_gain)):
-            break
-        min_bytes = n
-    if min_bytes is None:
-        return best
-    return dataclasses.replace(best, sites=dataclasses.replace(site, min_bytes=min_bytes))
-
-
-def hierarchical_enabled() -> bool:
-    """False when HETCOMM_HIERARCHICAL=0: the ring at every size, whatever the sites."""
-    return os.environ.get("HETCOMM_HIERARCHICAL", "1").strip() != "0"
-
-
 def _broadcast_floats(backend, values: Optional[list[float]]) -> list[float]:
     """Rank 0's list of floats on every rank (its length first, then the values)."""
     opts = torch.distributed.BroadcastOptions()
@@ -256,7 +137,7 @@ def _decode_plan(values: list[float], size: int, topology: Optional[sites.Topolo
         owners = [int(v) for v in take(B * S)]
         blocks = tuple(tuple(owners[b * S:(b + 1) * S]) for b in range(B))
         block_shares, site_shares = tuple(take(B)), tuple(take(S))
-        site = site_planner.SitePlan(groups, blocks, block_shares, site_shares, min_bytes=int(next(it)),
+        site = SitePlan(groups, blocks, block_shares, site_shares, min_bytes=int(next(it)),
                                      segment_bytes=int(next(it)), local_inner=bool(next(it)))
     return planner.Plan(order, shares, None, min_bytes=min_bytes, segment_bytes=segment_bytes, sites=site,
                         topology=topology)
@@ -290,7 +171,8 @@ def apply_model(backend, model: planner.LinkModel, min_gain: float = DECLARED_MI
     values = None
     if backend.rank() == 0:
         planning = snap_measured(model).with_rank_uplinks() if measured else model
-        values = _encode_plan(choose_plan(planning, min_gain, topology.sites, shared_host_labels(backend)))
+        values = _encode_plan(choose_plan(planning, min_gain, topology.sites, shared_host_labels(backend),
+                                                topology=topology))
     plan = _decode_plan(_broadcast_floats(backend, values), backend.size(), topology)
     install_plan(backend, plan)
     _models[backend.listen_address()] = model

@@ -59,7 +59,7 @@ Two hosts: ``N / slowest NIC``; H equal NICs: ``2(H-1)/H N / NIC``, shown as bou
 ``hosts`` when tighter than the cuts (unlike the ranks' note above, since with hosts the
 design's host cut bound is this). For the planner's predictions each host's NIC is an uplink of
 its ranks (``uplinks`` with a ``host`` key; see :func:`_model_uplinks` for hosts with sites).
-It was also possible to ask :func:`hetcomm.site_planner.cut_bound_seconds` with the host NICs
+It was also possible to ask :func:`hetcomm.plan.cut_bound_seconds` with the host NICs
 as uplinks and hosts as its "sites"; for NICs alone it gives the same number (tests check it),
 but the planner's uplink groups must be disjoint, which hosts inside sites behind WAN uplinks
 are not, so the bound is computed on the host-level network instead.
@@ -355,10 +355,10 @@ def _model_uplinks(spec) -> list[dict[str, Any]]:
 
 def _sites_as_nodes_rate(spec, bw, uplinks) -> float:
     """Bytes of N per second that the classic bound with S >= 3 sites as nodes allows
-    (`hetcomm.site_planner.cut_bound_seconds`): every site's cut, NICs ignored (the cut bound
+    (`hetcomm.plan.cut_bound_seconds`): every site's cut, NICs ignored (the cut bound
     above keeps them)."""
     from hetcomm.planner import LinkModel
-    from hetcomm.site_planner import cut_bound_seconds
+    from hetcomm.plan import cut_bound_seconds
 
     P = spec.world_size
     model = LinkModel(bw=[[0.0 if i == j else (bw[i][j] if math.isfinite(bw[i][j]) else UNSHAPED_BYTES_PER_S)
@@ -394,7 +394,7 @@ def effective_plan(record: dict[str, Any], nbytes: int, world_size: int):
         return uniform_plan(world_size), 0
     sites = record.get("sites")
     if sites and nbytes >= int(sites.get("min_bytes") or 0):
-        from hetcomm.site_planner import SitePlan
+        from hetcomm.plan import SitePlan
         site = SitePlan(**sites)
         return Plan(tuple(record["order"]), tuple(record["shares"]), sites=site), int(site.segment_bytes)
     if nbytes < int(record.get("min_bytes") or 0):
@@ -430,7 +430,7 @@ def plan_line(sim: Optional[dict[str, Any]], record: dict[str, Any]) -> str:
     """``format_plan`` of a record, evaluated on the physical model when there is one."""
     from hetcomm.planner import Plan, format_plan
 
-    from hetcomm.site_planner import SitePlan
+    from hetcomm.plan import SitePlan
 
     sites = record.get("sites")
     plan = Plan(tuple(record["order"]), tuple(record["shares"]),

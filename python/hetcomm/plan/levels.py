@@ -1,17 +1,21 @@
-"""Sites and hosts: which ranks share fast links, from measured rates or a declaration.
+"""Levels: the host and the site of every rank, from measured rates or a declaration.
 
-A *site* is a cluster of ranks joined by fast links (a data centre, a lab); sites are joined by
-links ten to a hundred times slower (design.md §8). A *host* is the ranks listening on one address;
-the ranks of one host are always in one site. The hierarchical allreduce reduces inside each site
-and crosses between sites once, so its cost is set by the cut around each site (`cut_capacity`).
+A *host* is the ranks of one machine (`hetcomm.hosts` finds them; they share memory and one NIC).
+A *site* is a cluster of hosts joined by fast links (a data centre, a lab); sites are joined by
+links ten to a hundred times slower (design.md §8). The ranks of one host are always in one site.
+Levels are what the planner searches over (`hetcomm.plan.order`, `hetcomm.plan.hierarchy`): the
+ranks of a host stay together in a ring, the hosts of a site too, and the hierarchical allreduce
+reduces inside each level and crosses between them once (its cost is set by the cut around each
+site, `hetcomm.plan.cost.cut_capacity`).
 
-Pure and deterministic: no torch, no processes, no environment. The caller passes what it has:
+Pure and deterministic: numpy, no torch, no processes, no environment. The caller passes what
+it has:
 
 * ``rates``: a P x P matrix of directed link rates, ``rates[i][j]`` for i -> j, in any one unit
-  (a `planner.LinkModel`'s ``bw`` in bytes/s, or Mbit/s as declared in ``HETCOMM_LINK_MBIT``):
-  detection only compares ratios, and `cut_capacity` answers in the unit it was given. The
-  diagonal is ignored. An off-diagonal ``None``, NaN or 0 means *unknown* (not measured, or no
-  link): see `detect_sites` for what that does. A negative or infinite rate is a ValueError.
+  (a `LinkModel`'s ``bw`` in bytes/s, or Mbit/s as declared in ``HETCOMM_LINK_MBIT``):
+  detection only compares ratios. The diagonal is ignored. An off-diagonal ``None``, NaN or 0
+  means *unknown* (not measured, or no link): see `detect_sites` for what that does. A negative
+  or infinite rate is a ValueError.
 * ``declared``: the text of ``HETCOMM_SITES`` (``"0,0,1,1"``), which wins over any measurement.
 * ``addresses``: a host label for every rank (what `hetcomm.hosts.host_labels` finds).
 
@@ -24,6 +28,10 @@ import math
 import re
 from dataclasses import dataclass
 from typing import Hashable, Optional, Sequence
+
+import numpy as np
+import scipy.sparse as sparse
+from scipy.sparse.csgraph import connected_components
 
 # Two links whose rates are within this factor are "equally fast". 3 is about the geometric middle
 # of 1x (one site) and the 10x at which sites start to matter (design.md §8: WAN links 10-100x
@@ -40,63 +48,50 @@ def _renumber(labels: Sequence[Hashable]) -> tuple[int, ...]:
     return tuple(index.setdefault(label, len(index)) for label in labels)
 
 
-def _directed_rates(rates: Matrix) -> list[list[float]]:
+def _directed_rates(rates: Matrix) -> np.ndarray:
     """``rates`` as floats, validated: diagonal and unknown entries (None, NaN, 0) become 0.0."""
-    rows = [list(row) for row in rates]
-    P = len(rows)
-    if P < 1:
-        raise ValueError("hetcomm sites: the rate matrix is empty")
-    out = [[0.0] * P for _ in range(P)]
-    for i, row in enumerate(rows):
-        if len(row) != P:
-            raise ValueError(f"hetcomm sites: the rate matrix must be {P}x{P}; row {i} has {len(row)} entries")
-        for j, value in enumerate(row):
-            if i == j or value is None:
-                continue
-            try:
-                rate = float(value)
-            except (TypeError, ValueError):
-                raise ValueError(f"hetcomm sites: rate of link {i} -> {j} is not a number: {value!r}") from None
-            if math.isnan(rate):
-                continue
-            if rate < 0 or math.isinf(rate):
-                raise ValueError(f"hetcomm sites: rate of link {i} -> {j} must be finite and >= 0 "
-                                 f"(0, None or NaN: unknown), got {value!r}")
-            out[i][j] = rate
+    if isinstance(rates, np.ndarray):
+        out = np.array(rates, dtype=np.float64)
+    else:
+        rows = [list(row) for row in rates]
+        P = len(rows)
+        if P < 1:
+            raise ValueError("hetcomm sites: the rate matrix is empty")
+        for i, row in enumerate(rows):
+            if len(row) != P:
+                raise ValueError(f"hetcomm sites: the rate matrix must be {P}x{P}; row {i} has {len(row)} entries")
+        try:
+            out = np.array(rows, dtype=np.float64)
+        except (TypeError, ValueError):
+            for i, row in enumerate(rows):
+                for j, value in enumerate(row):
+                    try:
+                        float(value if value is not None else 0.0)
+                    except (TypeError, ValueError):
+                        raise ValueError(f"hetcomm sites: rate of link {i} -> {j} is not a number: {value!r}") from None
+            raise
+    if out.ndim != 2 or out.shape[0] != out.shape[1] or out.shape[0] < 1:
+        raise ValueError(f"hetcomm sites: the rate matrix must be square, got shape {out.shape}")
+    np.fill_diagonal(out, 0.0)
+    out[np.isnan(out)] = 0.0
+    bad = (out < 0) | np.isinf(out)
+    if bad.any():
+        i, j = (int(v) for v in np.argwhere(bad)[0])
+        raise ValueError(f"hetcomm sites: rate of link {i} -> {j} must be finite and >= 0 "
+                         f"(0, None or NaN: unknown), got {rates[i][j]!r}")
     return out
 
 
-def _pair_rates(directed: list[list[float]]) -> list[list[float]]:
+def _pair_rates(directed: np.ndarray) -> np.ndarray:
     """The symmetric rate of each pair: the slower known direction; 0.0 when neither is known.
 
     An allreduce sends both ways, so a pair is as fast as its slower direction. A direction that
     is unknown borrows the other's rate, so that a probe which timed each pair once (one triangle
     of the matrix) is enough.
     """
-    P = len(directed)
-    pair = [[0.0] * P for _ in range(P)]
-    for i in range(P):
-        for j in range(P):
-            if i != j:
-                known = [r for r in (directed[i][j], directed[j][i]) if r > 0]
-                pair[i][j] = min(known) if known else 0.0
-    return pair
-
-
-class _UnionFind:
-    def __init__(self, n: int) -> None:
-        self.parent = list(range(n))
-
-    def find(self, x: int) -> int:
-        while self.parent[x] != x:
-            self.parent[x] = self.parent[self.parent[x]]
-            x = self.parent[x]
-        return x
-
-    def union(self, a: int, b: int) -> None:
-        ra, rb = self.find(a), self.find(b)
-        if ra != rb:
-            self.parent[max(ra, rb)] = min(ra, rb)
+    t = directed.T
+    known_both = (directed > 0) & (t > 0)
+    return np.where(known_both, np.minimum(directed, t), np.maximum(directed, t))
 
 
 def _check_ratio(ratio: float) -> float:
@@ -159,18 +154,14 @@ def detect_sites(rates: Matrix, *, hosts: Optional[Sequence[Hashable]] = None,
     ratio = _check_ratio(ratio)
     pair = _pair_rates(_directed_rates(rates))
     P = len(pair)
-    host_of = _renumber(hosts) if hosts is not None else tuple(range(P))
+    host_of = np.asarray(_renumber(hosts) if hosts is not None else tuple(range(P)))
     if len(host_of) != P:
         raise ValueError(f"hetcomm sites: {len(host_of)} hosts given for {P} ranks")
-    best = [max((pair[i][j] for j in range(P) if host_of[j] != host_of[i]), default=0.0) for i in range(P)]
-    components = _UnionFind(P)
-    for i in range(P):
-        for j in range(i + 1, P):
-            if host_of[i] == host_of[j]:
-                components.union(i, j)
-            elif pair[i][j] > 0 and pair[i][j] * ratio >= max(best[i], best[j]):
-                components.union(i, j)
-    return _renumber([components.find(i) for i in range(P)])
+    same_host = host_of[:, None] == host_of[None, :]
+    best = np.where(same_host, 0.0, pair).max(axis=1)
+    intra = same_host | ((pair > 0) & (pair * ratio >= np.maximum(best[:, None], best[None, :])))
+    _, components = connected_components(sparse.csr_matrix(intra), directed=False)
+    return _renumber(components.tolist())
 
 
 _INTEGER = re.compile(r"[+-]?\d+")
@@ -305,68 +296,16 @@ def topology_from(rates: Optional[Matrix] = None, *, declared: Optional[str] = N
         if rates is not None:
             _directed_rates(rates)  # still a valid matrix, though the declaration decides
         if hosts is not None:
-            for i in range(world_size):
-                for j in range(i + 1, world_size):
-                    if hosts[i] == hosts[j] and sites[i] != sites[j]:
-                        raise ValueError(f"hetcomm: HETCOMM_SITES={declared!r} puts ranks {i} and {j} in different "
-                                         f"sites, but both are on host {addresses[i].strip()}: ranks on one host "
-                                         f"are always in one site")
+            # The first rank of each host must share its site with every other rank of the host.
+            first_of_host: dict[int, int] = {}
+            for j in range(world_size):
+                i = first_of_host.setdefault(hosts[j], j)
+                if sites[i] != sites[j]:
+                    raise ValueError(f"hetcomm: HETCOMM_SITES={declared!r} puts ranks {i} and {j} in different "
+                                     f"sites, but both are on host {addresses[i].strip()}: ranks on one host "
+                                     f"are always in one site")
     elif rates is not None:
         sites = detect_sites(rates, hosts=hosts, ratio=ratio)
     else:
         sites = (0,) * world_size
     return Topology(sites=sites, hosts=hosts)
-
-
-@dataclass(frozen=True)
-class CutCapacity:
-    """Per site (indexed by site number), the summed rates of the links leaving it (``outgoing``)
-    and entering it (``incoming``), in the unit of the rates."""
-
-    outgoing: tuple[float, ...]
-    incoming: tuple[float, ...]
-
-    @property
-    def per_site(self) -> tuple[float, ...]:
-        """Each site's cut in its slower direction: a site must both send and receive."""
-        return tuple(min(o, i) for o, i in zip(self.outgoing, self.incoming))
-
-    @property
-    def minimum(self) -> float:
-        """The slowest cut over all sites and both directions."""
-        return min(self.per_site)
-
-
-def cut_capacity(rates: Matrix, sites: Sequence[Hashable]) -> CutCapacity:
-    """The capacity of the cut between each site and the rest of the cluster.
-
-    ``outgoing[s] = sum of rates[i][j]`` over i in s, j not in s; ``incoming[s]`` the same with
-    ``rates[j][i]``. Sites are renumbered by lowest rank first (`Topology.sites` already is).
-    Unknown entries (None, NaN, 0) carry nothing.
-
-    Use (design.md §8): moving B bytes out of *and* into every site at once takes at least
-    ``B / minimum`` seconds; with two sites, the hierarchical allreduce moves N bytes each way.
-    With one site nothing has to cross: every value is ``inf``, so ``B / minimum`` is 0.
-
-    The sum assumes independent pair links (the simulator's default, one shaped link per pair).
-    Rates timed one pair at a time cannot show a shared uplink: each pair then measures the whole
-    uplink, and the sum overstates the cut by the number of cross-site pairs that share it. For
-    sites behind one uplink, the uplink's rate is the cut; it must be declared or measured with
-    every cross-site pair loaded at once.
-    """
-    directed = _directed_rates(rates)
-    P = len(directed)
-    labels = _renumber(sites)
-    if len(labels) != P:
-        raise ValueError(f"hetcomm sites: {len(labels)} site labels for a {P}x{P} rate matrix")
-    S = max(labels) + 1
-    if S == 1:
-        return CutCapacity(outgoing=(math.inf,), incoming=(math.inf,))
-    outgoing = [0.0] * S
-    incoming = [0.0] * S
-    for i in range(P):
-        for j in range(P):
-            if labels[i] != labels[j]:
-                outgoing[labels[i]] += directed[i][j]
-                incoming[labels[j]] += directed[i][j]
-    return CutCapacity(outgoing=tuple(outgoing), incoming=tuple(incoming))

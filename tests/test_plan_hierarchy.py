@@ -1,4 +1,4 @@
-"""hetcomm.site_planner: the site plan's cost model against hand-derived values, the choice
+"""hetcomm.plan.hierarchy: the site plan's cost model against hand-derived values, the choice
 between the flat ring and the site plan, and the cut bound. Pure: no processes."""
 from __future__ import annotations
 
@@ -6,9 +6,9 @@ import math
 
 import pytest
 
-from hetcomm import planner, site_planner, topology
-from hetcomm.planner import LinkModel
-from hetcomm.site_planner import SitePlan
+from hetcomm import plan as site_planner
+from hetcomm import planner, topology
+from hetcomm.plan import LinkModel, SitePlan
 
 MB = 1e6 / 8          # bytes/s in one Mbit/s
 N = 16 << 20

@@ -1,7 +1,6 @@
-"""Tests of site and host detection (python/hetcomm/sites.py): pure, exact, no processes.
+"""Tests of site and host detection (python/hetcomm/plan/levels.py): pure, exact, no processes.
 
-Rates are in Mbit/s here: detection only compares ratios, and cut capacities come back in the unit
-they were given. Noise is multiplicative, every directed entry drawn independently from
+Rates are in Mbit/s here: detection only compares ratios. Noise is multiplicative, every directed entry drawn independently from
 [0.8, 1.2] times its true value (±20%), from seeded generators.
 """
 from __future__ import annotations
@@ -15,9 +14,9 @@ import sys
 
 import pytest
 
-# sites.py needs neither torch nor the extension; loading it by path keeps this file well under a
+# levels.py needs neither torch nor the extension; loading it by path keeps this file well under a
 # second (``import hetcomm`` imports torch: 2-3 s).
-_path = os.path.join(os.path.dirname(__file__), os.pardir, "python", "hetcomm", "sites.py")
+_path = os.path.join(os.path.dirname(__file__), os.pardir, "python", "hetcomm", "plan", "levels.py")
 _spec = importlib.util.spec_from_file_location("hetcomm_sites_standalone", _path)
 sites = importlib.util.module_from_spec(_spec)
 sys.modules[_spec.name] = sites
@@ -27,7 +26,6 @@ Topology = sites.Topology
 detect_sites = sites.detect_sites
 parse_sites = sites.parse_sites
 topology_from = sites.topology_from
-cut_capacity = sites.cut_capacity
 
 SEEDS = range(200)
 
@@ -320,57 +318,3 @@ def test_topology_helpers_and_describe():
         topo.site_members(3)
     with pytest.raises(ValueError, match="3 sites but 2 hosts"):
         Topology(sites=(0, 0, 1), hosts=(0, 1))
-
-
-# --- cut_capacity -----------------------------------------------------------------------------
-
-def test_cut_capacity_two_sites():
-    # 0,0,1,1: four cross pairs of 100 each way.
-    cut = cut_capacity(layout_matrix([0, 0, 1, 1]), (0, 0, 1, 1))
-    assert cut.outgoing == cut.incoming == (400.0, 400.0)
-    assert cut.minimum == 400.0
-    # Asymmetric: site 0 -> site 1 at 100 per pair, back at 50 per pair.
-    m = layout_matrix([0, 1, 0, 1])
-    for i in (0, 2):
-        for j in (1, 3):
-            m[j][i] = 50.0
-    cut = cut_capacity(m, (0, 1, 0, 1))
-    assert cut.outgoing == (400.0, 200.0)
-    assert cut.incoming == (200.0, 400.0)
-    assert cut.per_site == (200.0, 200.0)
-    assert cut.minimum == 200.0
-
-
-def test_cut_capacity_unequal_sites_by_hand():
-    # Sites {0,1,2} and {3}; rank 3 sends 10/20/30 to ranks 0/1/2 and receives 1/2/4 from them.
-    m = layout_matrix([0, 0, 0, 1], intra=1000.0)
-    m[3][0], m[3][1], m[3][2] = 10.0, 20.0, 30.0
-    m[0][3], m[1][3], m[2][3] = 1.0, 2.0, 4.0
-    cut = cut_capacity(m, ["big", "big", "big", "small"])
-    assert cut.outgoing == (7.0, 60.0)
-    assert cut.incoming == (60.0, 7.0)
-    assert cut.minimum == 7.0
-
-
-def test_cut_capacity_three_sites_by_hand():
-    # Sites {0}, {1}, {2,3}: rates[i][j] = 10 * i + j + 1 off the diagonal, one unknown (None).
-    m = [[0.0 if i == j else 10.0 * i + j + 1 for j in range(4)] for i in range(4)]
-    m[0][2] = None
-    cut = cut_capacity(m, (0, 1, 2, 2))
-    # out of {0}: m01 + m02 + m03 = 2 + 0 + 4; out of {1}: 11 + 13 + 14; out of {2,3}: 21 + 22 + 31 + 32.
-    assert cut.outgoing == (6.0, 38.0, 106.0)
-    # into {0}: m10 + m20 + m30 = 11 + 21 + 31; into {1}: 2 + 22 + 32; into {2,3}: 0 + 4 + 13 + 14.
-    assert cut.incoming == (63.0, 56.0, 31.0)
-    assert cut.per_site == (6.0, 38.0, 31.0)
-    assert cut.minimum == 6.0
-
-
-def test_cut_capacity_of_one_site_is_unlimited():
-    cut = cut_capacity(layout_matrix([0, 0, 0]), (0, 0, 0))
-    assert cut.minimum == math.inf
-    assert 16e6 / cut.minimum == 0.0
-
-
-def test_cut_capacity_errors():
-    with pytest.raises(ValueError, match="3 site labels for a 4x4 rate matrix"):
-        cut_capacity(layout_matrix([0, 0, 1, 1]), (0, 0, 1))

@@ -1,0 +1,41 @@
+"""hetcomm's planner: which schedule an AllReduce runs, from what is known about the links.
+
+Data flows one way, probe -> model -> plan -> backend, and nothing here imports torch. One room
+per idea, each importing only the rooms above it:
+
+* `model` — `LinkModel`: link rates, reducers, and shared links by level (host NIC, site uplink);
+* `levels` — `Topology`: the host and site of every rank, declared or detected from the rates;
+* `schedules` — `Plan` (ring order and shares) and `SitePlan` (hierarchical), and their loads;
+* `cost` — predicted times of those schedules, and the cut bound that no schedule beats;
+* `shares` — the best shares for one ring order (two small LPs, HiGHS);
+* `order` — the ring order: every order up to 8 ranks, orders drawn from the levels above;
+* `hierarchy` — site and host schedules (blocks, their shares, the pieces each level reduces);
+* `choose` — the plan a group installs: ring, host level or site level, per message size.
+
+Each module's docstring derives its part of the model. `hetcomm.planner` keeps the public names
+of the earlier single-module planner.
+"""
+from hetcomm.plan.choose import (DECLARED_MIN_GAIN, MEASURED_MIN_GAIN, choose_plan, format_plan,
+                                 hierarchical_enabled, segment_bytes_for, snap_measured, with_host_plan)
+from hetcomm.plan.cost import (cut_bound_seconds, cut_capacity, predict_allreduce_seconds, predict_site_plan_seconds,
+                               ring_seconds_per_byte, site_cuts, site_plan_seconds_per_byte, uplink_seconds_per_byte)
+from hetcomm.plan.hierarchy import best_site_plan, host_plan, site_shares_for
+from hetcomm.plan.levels import Topology, detect_sites, parse_sites, topology_from
+from hetcomm.plan.model import (DEFAULT_ALPHA_SECONDS, MAX_SEGMENT_BYTES, MIN_SEGMENT_BYTES, SEGMENT_BYTES,
+                                SMALL_ALLREDUCE_BYTES, LinkModel)
+from hetcomm.plan.order import (DEFAULT_MIN_GAIN, MAX_EXHAUSTIVE_RANKS, ORDER_TIE_RTOL, best_plan, crossover_bytes,
+                                make_plan, uniform_plan)
+from hetcomm.plan.schedules import Plan, SitePlan, shares_to_counts
+from hetcomm.plan.shares import SHARE_QUANTUM, SHARE_TIE_RTOL, PlanningError, solve_shares
+
+__all__ = [
+    "LinkModel", "Topology", "Plan", "SitePlan", "PlanningError",
+    "solve_shares", "best_plan", "uniform_plan", "make_plan", "crossover_bytes", "choose_plan",
+    "best_site_plan", "host_plan", "site_shares_for", "with_host_plan", "snap_measured",
+    "predict_allreduce_seconds", "predict_site_plan_seconds", "ring_seconds_per_byte", "site_plan_seconds_per_byte",
+    "uplink_seconds_per_byte", "cut_capacity", "cut_bound_seconds", "site_cuts",
+    "detect_sites", "parse_sites", "topology_from", "shares_to_counts", "format_plan", "segment_bytes_for",
+    "hierarchical_enabled", "SMALL_ALLREDUCE_BYTES", "SEGMENT_BYTES", "MIN_SEGMENT_BYTES", "MAX_SEGMENT_BYTES",
+    "DEFAULT_ALPHA_SECONDS", "DEFAULT_MIN_GAIN", "DECLARED_MIN_GAIN", "MEASURED_MIN_GAIN", "MAX_EXHAUSTIVE_RANKS",
+    "ORDER_TIE_RTOL", "SHARE_TIE_RTOL", "SHARE_QUANTUM",
+]

@@ -1,0 +1,233 @@
+"""Choosing among the schedules: the plan a group installs (`choose_plan`), and how it reads.
+
+Per message size, the predicted times decide (`hetcomm.plan.cost`):
+
+* the weighted ring (`order.make_plan`) from its crossover size on, uniform shares below it;
+* the host-level schedule (`hierarchy.host_plan`) for every allreduce above the small-message
+  size when the group's hosts share memory and there are no sites other than the hosts;
+* else the site schedule (`hierarchy.best_site_plan`) from the smallest power of two at which it
+  is predicted faster than the ring by ``min_gain`` (``SitePlan.min_bytes``), never by a fixed
+  rule; one site: the ring.
+
+Measured models are first snapped (`snap_measured`): rates within the probe's error of each
+other become one rate, so a plan is not fitted to noise.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from typing import Optional, Sequence
+
+import numpy as np
+
+from hetcomm.plan.cost import predict_allreduce_seconds, predict_site_plan_seconds, ring_seconds_per_byte, \
+    site_plan_seconds_per_byte
+from hetcomm.plan.hierarchy import best_site_plan, host_plan
+from hetcomm.plan.levels import Topology, _renumber
+from hetcomm.plan.model import LinkModel
+from hetcomm.plan.order import DEFAULT_MIN_GAIN, crossover_bytes, make_plan, uniform_plan
+from hetcomm.plan.schedules import Plan
+
+# A measured model must predict a larger gain than a declared one before hetcomm leaves uniform
+# shares: timing links between processes that share cores varies by ~10-20% (seen on 4 ranks on
+# 2 cores over loopback, where identical links measured 0.3-0.6 GB/s), and a plan fitted to noise
+# costs more than it saves (a two-site plan fitted to one mismeasured link ran 0.77x uniform).
+MEASURED_MIN_GAIN = 0.20
+DECLARED_MIN_GAIN = DEFAULT_MIN_GAIN
+
+# A segment should cross the slowest ring link in about this long: a segment in flight on a slow
+# link is pipeline fill and drain that nothing overlaps (1 MB on a 100 Mbit/s link is 80 ms; 64 KB
+# measured 5-8% faster end to end on the simulated 800/800/800/100 cluster).
+SEGMENT_SECONDS_ON_SLOWEST_LINK = 0.005
+
+# Measured link rates within this factor of each other are taken as one rate (their group's
+# median) before planning: the probe's error is of that order, and a plan fitted to it hands
+# small shares around for nothing (800/800/800/100 measured as 101-138/11.4-12 MB/s gave rank 1
+# 5% and ran at 1.12x the bound; the same links declared gave 0/0/0/100% and 1.065x).
+MEASURED_RATE_TOLERANCE = 1.25
+
+
+def hierarchical_enabled() -> bool:
+    """False when HETCOMM_HIERARCHICAL=0: the ring at every size, whatever the sites."""
+    return os.environ.get("HETCOMM_HIERARCHICAL", "1").strip() != "0"
+
+
+def segment_for_rate(slowest: float) -> int:
+    """The power of two in [32 KB, 1 MB] nearest (on a log scale) to SEGMENT_SECONDS_ON_SLOWEST_LINK
+    worth of ``slowest`` bytes/s.
+
+    Nearest rather than the next one down: a 100 Mbit/s link measures ~11.7 MB/s, 58 KB in 5 ms,
+    and rounding down gave 32 KB, twice the wake-ups per byte of the 64 KB that measured best.
+    """
+    target = slowest * SEGMENT_SECONDS_ON_SLOWEST_LINK
+    seg = 32 << 10
+    while seg < (1 << 20) and seg * math.sqrt(2) < target:
+        seg *= 2
+    return seg
+
+
+def segment_bytes_for(plan: Plan, model: LinkModel) -> int:
+    """`segment_for_rate` of the slowest link of ``plan``'s ring."""
+    order = np.asarray(plan.order)
+    return segment_for_rate(float(model.bw[order, np.roll(order, -1)].min()))
+
+
+def _slowest_used(site, model: LinkModel) -> float:
+    src, dst, _ = site.load_arrays()
+    return float(model.bw[src, dst].min())
+
+
+def snap_measured(model: LinkModel, tolerance: float = MEASURED_RATE_TOLERANCE) -> LinkModel:
+    """`model` with its link rates grouped: sorted descending, a rate joins the current group while
+    it is within `tolerance` of the group's fastest, and every rate becomes its group's median."""
+    P = model.world_size
+    if P < 2:
+        return model
+    off = ~np.eye(P, dtype=bool)
+    ascending = np.sort(model.bw[off])
+    values = ascending[::-1]                                  # descending
+    widened = ascending * tolerance
+    snapped = model.bw.copy()
+    start = 0
+    while start < len(values):
+        # The group runs while value * tolerance >= its fastest.
+        fastest = values[start]
+        end = max(len(values) - int(np.searchsorted(widened, fastest, side="left")), start + 1)
+        median = values[start + (end - start) // 2]
+        in_group = off & (model.bw <= fastest) & (model.bw >= values[end - 1])
+        snapped[in_group] = median
+        start = end
+    return dataclasses.replace(model, bw=snapped)
+
+
+def _same_partition(a: Sequence[int], b: Sequence[int]) -> bool:
+    return _renumber(a) == _renumber(b)
+
+
+def with_host_plan(ring: Plan, host_labels: Sequence[int], model: Optional[LinkModel] = None) -> Plan:
+    """``ring`` plus the host-level schedule (`hierarchy.host_plan`) for every allreduce that
+    takes the ring's path (those above HETCOMM_SMALL_ALLREDUCE_BYTES), when there is one."""
+    hp = host_plan(host_labels, model) if hierarchical_enabled() else None
+    if hp is None:
+        return ring
+    if model is not None:
+        hp = dataclasses.replace(hp, segment_bytes=segment_for_rate(_slowest_used(hp, model)))
+    return dataclasses.replace(ring, sites=hp)
+
+
+def choose_plan(model: LinkModel, min_gain: float = DECLARED_MIN_GAIN,
+                site_labels: Optional[Sequence[int]] = None,
+                host_labels: Optional[Sequence[int]] = None,
+                topology: Optional[Topology] = None) -> Plan:
+    """The large-message ring plan, with min_bytes set to the crossover (uniform if weighting gains
+    nothing), and with ``site_labels`` (one site per rank; several sites) the site-aware schedule
+    from the message size on where its predicted time beats the ring's by ``min_gain``.
+
+    ``host_labels`` (one host per rank, given when the hosts' ranks share memory): with several
+    hosts and no sites other than the hosts themselves, the host-level schedule (`with_host_plan`).
+    Sites made of several hosts keep the site schedule, whose steps inside a site run over TCP.
+    ``topology``: the group's levels (sites and hosts), which the ring search keeps together;
+    by default the sites are ``site_labels`` and the hosts ``host_labels``.
+    """
+    if topology is None and (site_labels is not None or host_labels is not None):
+        P = model.world_size
+        sites = site_labels if site_labels is not None else (0,) * P
+        hosts = host_labels if host_labels is not None and _nested(host_labels, sites) else None
+        topology = Topology(sites=tuple(sites), hosts=None if hosts is None else tuple(hosts))
+    best = make_plan(model, None, min_gain, topology)
+    if not best.is_uniform:
+        crossover = crossover_bytes(model, min_gain, topology=topology)
+        best = Plan(best.order, best.shares, best.predicted_bw_seconds_per_byte,
+                    min_bytes=crossover if crossover is not None else 0,
+                    segment_bytes=segment_bytes_for(best, model))
+    if not hierarchical_enabled():
+        return best
+    if host_labels is not None and (site_labels is None or len(set(site_labels)) == 1
+                                    or _same_partition(site_labels, host_labels)):
+        hosted = with_host_plan(best, host_labels, model)
+        if hosted.sites is not None:
+            return hosted
+    if site_labels is None:
+        return best
+    site = best_site_plan(model, site_labels, None if topology is None else topology.hosts)
+    if site is None:
+        return best
+    site = dataclasses.replace(site, segment_bytes=segment_for_rate(_slowest_used(site, model)))
+    # The site plan serves every size from min_bytes up, so min_bytes is the smallest power of two
+    # from which it is predicted faster at every larger size (up to 1 TiB).
+    uniform = uniform_plan(model.world_size)
+    start = max(1, model.small_allreduce_bytes + 1).bit_length()
+    min_bytes = None
+    for k in range(40, start - 1, -1):
+        n = 1 << k
+        ring = best if n >= best.min_bytes else uniform
+        if not (predict_site_plan_seconds(site, model, n)
+                < predict_allreduce_seconds(ring, model, n) * (1.0 - min_gain)):
+            break
+        min_bytes = n
+    if min_bytes is None:
+        return best
+    return dataclasses.replace(best, sites=dataclasses.replace(site, min_bytes=min_bytes))
+
+
+def _nested(hosts: Sequence[int], sites: Sequence[int]) -> bool:
+    """True when every host lies in one site."""
+    site_of_host: dict[int, int] = {}
+    return all(site_of_host.setdefault(h, s) == s for h, s in zip(hosts, sites))
+
+
+def _ranks_text(ranks: Sequence[int], limit: int = 16) -> str:
+    if len(ranks) <= limit:
+        return ">".join(str(r) for r in ranks)
+    return ">".join(str(r) for r in ranks[:limit // 2]) + f">...({len(ranks) - limit} more)..." + \
+        ">".join(str(r) for r in ranks[-limit // 2:])
+
+
+def _shares_text(shares: Sequence[float], limit: int = 16) -> str:
+    total = math.fsum(shares)
+    if len(shares) <= limit:
+        return " ".join(f"r{r}={100.0 * s / total:.1f}%" for r, s in enumerate(shares))
+    values = np.asarray(shares) / total
+    common = float(np.median(values))
+    odd = [r for r in range(len(values)) if abs(values[r] - common) > 1e-9]
+    shown = " ".join(f"r{r}={100.0 * values[r]:.1f}%" for r in odd[:limit])
+    more = f" (+{len(odd) - limit} more)" if len(odd) > limit else ""
+    return f"{100.0 * common:.3g}% each" + (f", except {shown}{more}" if odd else "")
+
+
+def format_plan(plan: Plan, model: Optional[LinkModel] = None) -> str:
+    """One line for a debug log: ring order, shares in %, predicted large-message algbw (a second
+    line for the hierarchical schedule); long rings are abbreviated."""
+    line = f"hetcomm plan: ring {_ranks_text(plan.order)} | shares {_shares_text(plan.shares)}"
+    if plan.min_bytes:
+        line += f" | for allreduces >= {plan.min_bytes} B"
+    if plan.segment_bytes:
+        line += f" | segments {plan.segment_bytes // 1024} KB"
+    if model is not None and model.world_size > 1:
+        per_byte = ring_seconds_per_byte(plan.order, plan.shares, model)
+        uniform = ring_seconds_per_byte(tuple(range(model.world_size)), (1.0,) * model.world_size, model)
+        line += (f" | predicted {1e-9 / per_byte:.4g} GB/s algbw"
+                 f" (uniform ring {1e-9 / uniform:.4g} GB/s)")
+    elif plan.predicted_bw_seconds_per_byte:
+        line += f" | predicted {1e-9 / plan.predicted_bw_seconds_per_byte:.4g} GB/s algbw"
+    if plan.sites is not None:
+        sp = plan.sites
+        total = math.fsum(sp.block_shares)
+        blocks = " ".join(f"({','.join(map(str, b))})={100.0 * x / total:.1f}%"
+                          for b, x in list(zip(sp.blocks, sp.block_shares))[:16])
+        if len(sp.blocks) > 16:
+            blocks += f" (+{len(sp.blocks) - 16} more)"
+        level = "hosts (shared memory inside)" if sp.local_inner else "sites"
+        groups = " ".join("{" + _ranks_text(s, 8) + "}" for s in sp.sites[:16])
+        if len(sp.sites) > 16:
+            groups += f" (+{len(sp.sites) - 16} more)"
+        line += (f"\nhetcomm plan: hierarchical for allreduces >= {sp.min_bytes} B | {level} {groups}"
+                 f" | blocks {blocks} | {level.split()[0][:-1]} shares "
+                 + " ".join(f"{100.0 * w:.1f}%" for w in sp.site_shares[:16])
+                 + (f" (+{len(sp.site_shares) - 16} more)" if len(sp.site_shares) > 16 else ""))
+        if sp.segment_bytes:
+            line += f" | segments {sp.segment_bytes // 1024} KB"
+        if model is not None:
+            line += f" | predicted {1e-9 / site_plan_seconds_per_byte(sp, model):.4g} GB/s algbw"
+    return line

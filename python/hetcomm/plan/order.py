@@ -1,0 +1,411 @@
+"""Ring order: which rank follows which, and the best ring plan (`best_plan`, `make_plan`).
+
+Links are directed, so a ring and its reverse are different candidates. Fixing rank 0 at
+position 0 removes rotations (they are the same ring). Every candidate order is scored by LP 1 of
+`hetcomm.plan.shares` (its least time T with the best shares).
+
+Up to ``MAX_EXHAUSTIVE_RANKS`` (8) ranks: every order
+====================================================
+All (P-1)! orders are candidates; three cheap devices keep this fast without changing the answer:
+
+* orders whose ring data (the cyclic sequence of link bandwidths and reducer speeds, up to
+  rotation) are identical have the same optimum, so the LP is solved once per distinct sequence
+  (uniform links: one LP in all);
+* each order has a lower bound (`RingSearch.lower_bounds`, computed for all orders at once): the
+  sum of all link constraints ``2(P-1)/sum(ring bw)``, the sum of the k finite reducers'
+  ``(k-1)/sum(R)``, and the best *packing* of links that share no rank and reducer constraints on
+  other shares, ``(2 links + reducers - 1) / (their bw + their R)`` (their shares are distinct,
+  so they add up to at most 1); one link gives ``1/bw``, and two disjoint crossings of a slow
+  link give ``3/(b1 + b2)``, which is exactly what two sites joined by a WAN cost; if the identity
+  order comes within ``ORDER_TIE_RTOL`` of the smallest bound, it ties with the best and wins at
+  once (one slow NIC: every order ties);
+* otherwise orders are visited by increasing bound and the search stops once the bound exceeds
+  the best T found by more than ``ORDER_TIE_RTOL``.
+
+An LP costs about 1-3 ms. At P = 8 with noisy measured links choosing a plan takes 0.03-0.2 s on
+a 2-core development machine; without the packing bound two sites needed 4897 LPs of 5040 orders.
+
+More ranks: orders drawn from the structure (`structured_orders`)
+=================================================================
+Trying every 2-opt move costs O(P^2) LPs a pass (over 100 s at 128 ranks). The orders worth
+trying follow from the levels of the cluster (`hetcomm.plan.levels`): the ranks of a host stay
+together (its links are the fastest), the hosts of a site too, and a ring that crosses between
+sites as few times as possible: once into and once out of each site. So the candidates are
+
+* the identity, and the greedy tour that always takes the widest link to a rank not yet visited;
+* *level orders*: ranks grouped by host, hosts by site; every cyclic order of the sites (up to
+  ``MAX_SITE_PERMUTATIONS`` of them; beyond, the sites by lowest rank and by a greedy tour over
+  the sites' mean links), with the hosts of each site in rank order or in a greedy tour over the
+  hosts' mean links; the ranks of a host in rank order (their order is fixed by the level);
+
+where the sites are the topology's, or else clusters of similar links (`levels.detect_sites`).
+Each costs one LP. The best then gets a short, bounded refinement: at the ring link that binds
+(the largest load over bandwidth at LP 1's optimum), move its head next to the ranks it has the
+widest links with, or reverse the segment up to them (``REFINE_TRIES`` tries, first improvement
+kept). The search is deterministic, takes a number of LPs that does not grow with P, and is
+checked against the exhaustive search on every topology up to 8 ranks (tests/test_plan_scale.py).
+
+Orders whose T is within a relative ``ORDER_TIE_RTOL`` (1e-6) of the best are ties: the identity
+order wins if it is among them, else the lexicographically smallest.
+
+Keep uniform where weighting gains nothing (`make_plan`)
+========================================================
+A weighted plan costs nothing at run time but is one more thing that can differ between ranks
+and surprise a reader. `make_plan` returns the identity order with uniform shares unless the best
+plan's predicted time for the given message size beats the uniform plan's by more than
+``min_gain`` (default 3%); messages of at most ``small_allreduce_bytes`` always get the uniform
+plan, since recursive doubling ignores the plan anyway.
+
+Determinism across ranks
+========================
+No randomness, no iteration over unordered containers, fixed scan orders, and ties broken by
+explicit rules. HiGHS is deterministic for identical inputs, so ranks that run the same code
+(same numpy/scipy) on identical ``LinkModel`` values get bit-identical plans; snapping removes
+LP noise below ~1e-9. Inputs measured independently on each rank are *not* identical: agree on
+the model first (hetcomm's probe all-gathers every measurement, and rank 0 plans and broadcasts
+the plan). As a last line of defence the engine puts a fingerprint of the plan in every ring
+header, so ranks holding different plans fail loudly instead of computing garbage.
+"""
+from __future__ import annotations
+
+import functools
+import itertools
+import math
+from typing import Iterable, Optional, Sequence
+
+import numpy as np
+
+from hetcomm.plan import levels as levels_mod
+from hetcomm.plan.cost import predict_allreduce_seconds, ring_seconds_per_byte
+from hetcomm.plan.levels import Topology
+from hetcomm.plan.model import LinkModel
+from hetcomm.plan.schedules import Plan
+from hetcomm.plan.shares import min_tau, ring_data, solve_shares, validate_order
+
+MAX_EXHAUSTIVE_RANKS = 8               # (P-1)! orders: 5040 at P = 8
+ORDER_TIE_RTOL = 1e-6                  # "as good as the best" when choosing among ring orders
+DEFAULT_MIN_GAIN = 0.03                # make_plan keeps uniform unless it saves more than this
+MAX_SITE_PERMUTATIONS = 24             # every cyclic order of up to 5 sites
+REFINE_TRIES = 12                      # LPs spent refining the best structured order
+_CANONICAL_ROTATION_RANKS = 16         # up to here the LP cache keys rings up to rotation
+
+
+class RingSearch:
+    """Normalised model data and a cache of LP-1 optima keyed by the ring's data."""
+
+    def __init__(self, model: LinkModel) -> None:
+        self.model = model
+        self.P = model.world_size
+        self.ref = model.max_link
+        self.b = model.bw / self.ref
+        self.r = model.reduce_array / self.ref
+        finite_r = self.r[np.isfinite(self.r)]
+        self._reduce_bound = (len(finite_r) - 1) / math.fsum(finite_r) if len(finite_r) > 1 else 0.0
+        self._cache: dict[tuple, float] = {}
+        self.lps = 0
+
+    def lower_bounds(self, orders: Sequence[Sequence[int]]) -> np.ndarray:
+        """A lower bound of LP 1 for each of ``orders`` (valid, cheap, tight for sites joined by
+        slow links, not tight in general), vectorised over the orders.
+
+        Every share is at most their sum, 1. Sum of all link constraints: ``2(P-1) <= T sum(b)``.
+        Sum of the k finite reducers' constraints: ``k - 1 <= T sum(r)``. And a *packing*: take
+        ring links that share no rank, and reducer constraints whose share variable (the
+        predecessor's) is in none of those links and is not used twice; the shares they bound are
+        distinct, so their left-hand sides add up to at most 1::
+
+            sum over the links (2 - T b) + sum over the reducers (1 - T r) <= 1
+            T >= (2 links + reducers - 1) / (sum of their b + sum of their r)
+
+        One link gives ``T >= 1/b``; two disjoint links of a ring that crosses a slow link twice
+        give ``3 / (b1 + b2)``, which LP 1 meets. The best packing comes from a dynamic program
+        over ring positions (the cheapest rate sum for each count, with and without the link
+        that closes the ring).
+        """
+        P = self.P
+        idx = np.asarray(orders, dtype=np.int64)                          # (n, P)
+        b = self.b[idx, np.roll(idx, -1, axis=1)]                         # link p -> p+1
+        w = self.r[np.roll(idx, -1, axis=1)]                              # share at p bounded by reducer p+1
+        best = np.maximum(2.0 * (P - 1) / b.sum(axis=1), self._reduce_bound)
+        for closing in (False, True):
+            # f[:, k]: the least rate sum of a packing of count k (2 a link, 1 a reducer) within
+            # the positions seen so far; with the closing link P-1 -> 0, positions P-1 and 0 are
+            # taken by it.
+            n, K = idx.shape[0], 2 * P + 1
+            f = np.full((n, K), np.inf)
+            first, last = (1, P - 1) if closing else (0, P)
+            if closing:
+                f[:, 2] = b[:, P - 1]
+            else:
+                f[:, 0] = 0.0
+            rows = {first: f}
+            for v in range(first, last):
+                cur = rows.pop(v)
+                nxt = rows.get(v + 1, np.full((n, K), np.inf))
+                np.minimum(nxt, cur, out=nxt)                             # position v unused
+                np.minimum(nxt[:, 1:], cur[:, :-1] + w[:, v:v + 1], out=nxt[:, 1:])
+                rows[v + 1] = nxt
+                if v + 1 < last:                                          # link v -> v+1
+                    two = rows.get(v + 2, np.full((n, K), np.inf))
+                    np.minimum(two[:, 2:], cur[:, :-2] + b[:, v:v + 1], out=two[:, 2:])
+                    rows[v + 2] = two
+            f = rows[last]
+            counts = np.arange(K, dtype=np.float64)
+            with np.errstate(divide="ignore", invalid="ignore"):
+                ratio = np.where(np.isfinite(f) & (counts >= 2), (counts - 1.0) / f, 0.0)
+            best = np.maximum(best, ratio.max(axis=1))
+        return best
+
+    def tau(self, order: Sequence[int]) -> float:
+        b, r = ring_data(self.model, order, self.ref)
+        if self.P <= _CANONICAL_ROTATION_RANKS:
+            seq = list(zip(b.tolist(), r.tolist()))
+            key = min(tuple(seq[k:] + seq[:k]) for k in range(self.P))
+        else:
+            start = list(order).index(0)
+            key = (tuple(np.roll(b, -start).tolist()), tuple(np.roll(r, -start).tolist()))
+        if key not in self._cache:
+            self.lps += 1
+            self._cache[key] = min_tau(b, r)
+        return self._cache[key]
+
+
+def _pick_order(candidates: Iterable[tuple[tuple[int, ...], float]], P: int) -> tuple[int, ...]:
+    """Among (order, tau) pairs: ties within ORDER_TIE_RTOL of the best; identity first, then lex."""
+    cands = list(candidates)
+    best = min(t for _, t in cands)
+    tied = [o for o, t in cands if t <= best * (1.0 + ORDER_TIE_RTOL)]
+    identity = tuple(range(P))
+    return identity if identity in tied else min(tied)
+
+
+def exhaustive_order(search: RingSearch) -> tuple[int, ...]:
+    P = search.P
+    orders = [(0,) + rest for rest in itertools.permutations(range(1, P))]  # lexicographic
+    bounded = sorted(zip(search.lower_bounds(orders).tolist(), range(len(orders))))
+    # The best T is at least the smallest bound: if the identity is that close to it, it is tied
+    # with the best and wins; this settles symmetric models (one slow NIC: every order ties)
+    # without enumerating.
+    identity = orders[0]
+    if search.tau(identity) <= bounded[0][0] * (1.0 + ORDER_TIE_RTOL):
+        return identity
+    evaluated: list[tuple[tuple[int, ...], float]] = []
+    best = math.inf
+    for lb, i in bounded:
+        # The bound is a valid lower bound of T, so no later order can tie with the best.
+        if lb > best * (1.0 + ORDER_TIE_RTOL):
+            break
+        t = search.tau(orders[i])
+        evaluated.append((orders[i], t))
+        best = min(best, t)
+    return _pick_order(evaluated, P)
+
+
+def _greedy_tour(rates: np.ndarray, start: int = 0) -> list[int]:
+    """From ``start``, always to the unvisited node with the widest link from here (ties: lowest)."""
+    n = rates.shape[0]
+    order = [start]
+    left = np.ones(n, dtype=bool)
+    left[start] = False
+    for _ in range(n - 1):
+        row = np.where(left, rates[order[-1]], -np.inf)
+        nxt = int(np.argmax(row))                  # first maximum: the lowest index
+        order.append(nxt)
+        left[nxt] = False
+    return order
+
+
+def _groups(labels: Sequence[int]) -> list[list[int]]:
+    """Members of each label, labels by lowest member, members ascending."""
+    out: dict[int, list[int]] = {}
+    for r, label in enumerate(labels):
+        out.setdefault(label, []).append(r)
+    return list(out.values())
+
+
+def _mean_rates(bw: np.ndarray, groups: list[list[int]]) -> np.ndarray:
+    """The mean link rate from each group to each other group (diagonal 0)."""
+    n = len(groups)
+    P = bw.shape[0]
+    onehot = np.zeros((n, P))
+    for k, g in enumerate(groups):
+        onehot[k, g] = 1.0 / len(g)
+    out = onehot @ bw @ onehot.T
+    np.fill_diagonal(out, 0.0)
+    return out
+
+
+def _rotate_to_zero(order: Sequence[int]) -> tuple[int, ...]:
+    k = list(order).index(0)
+    return tuple(order[k:]) + tuple(order[:k])
+
+
+def structured_orders(model: LinkModel, topology: Optional[Topology] = None) -> list[tuple[int, ...]]:
+    """The candidate orders of the module docstring, rank 0 first, without repeats."""
+    P = model.world_size
+    if topology is not None and topology.world_size != P:
+        raise ValueError(f"hetcomm planner: topology of {topology.world_size} ranks for a model of {P}")
+    site_labels = topology.sites if topology is not None else levels_mod.detect_sites(model.bw)
+    host_labels = topology.hosts if topology is not None else tuple(range(P))
+    candidates = [tuple(range(P)), tuple(_greedy_tour(model.bw))]
+    sites = _groups(site_labels)
+    hosts_of_site = [_groups([host_labels[r] for r in site]) for site in sites]
+    # hosts_of_site[s]: lists of indices into sites[s]; turn them into ranks.
+    hosts_of_site = [[[site[i] for i in host] for host in hosts] for site, hosts in zip(sites, hosts_of_site)]
+    S = len(sites)
+    if math.factorial(max(S - 1, 0)) <= MAX_SITE_PERMUTATIONS:
+        site_orders = [(0,) + rest for rest in itertools.permutations(range(1, S))]
+    else:
+        site_orders = [tuple(range(S)), tuple(_greedy_tour(_mean_rates(model.bw, sites)))]
+    host_variants = [hosts_of_site]
+    greedy_hosts = []
+    for hosts in hosts_of_site:
+        if len(hosts) > 2:
+            tour = _greedy_tour(_mean_rates(model.bw, hosts))
+            greedy_hosts.append([hosts[i] for i in tour])
+        else:
+            greedy_hosts.append(hosts)
+    if greedy_hosts != hosts_of_site:
+        host_variants.append(greedy_hosts)
+    for site_order in site_orders:
+        for variant in host_variants:
+            candidates.append(tuple(r for s in site_order for host in variant[s] for r in host))
+    return list(dict.fromkeys(_rotate_to_zero(c) for c in candidates))
+
+
+def _refine(search: RingSearch, order: tuple[int, ...], tau: float) -> tuple[tuple[int, ...], float]:
+    """Bounded improvement of ``order`` at its binding link (module docstring)."""
+    P = search.P
+    if P < 4:
+        return order, tau
+    tries = 0
+    while tries < REFINE_TRIES:
+        b, _ = ring_data(search.model, order, search.ref)
+        # At LP 1's optimum the binding link has the largest (2 - y_p - y_{p+1}) / b_p; the shares
+        # are those LP 2 would pick, but any optimal shares show the same bottleneck links, and the
+        # narrowest ring link is the usual culprit: try it first.
+        p = int(np.argmin(b))
+        head = order[(p + 1) % P]
+        tail = order[p]
+        # The ranks the head (and the tail) have the widest links with, widest first.
+        partners = [int(q) for q in np.argsort(-search.b[head], kind="stable") if q != head][:3]
+        improved = False
+        for q in partners:
+            if tries >= REFINE_TRIES:
+                break
+            rest = [r for r in order if r != head]
+            at = rest.index(q)
+            moves = [rest[:at + 1] + [head] + rest[at + 1:], rest[:at] + [head] + rest[at:]]
+            i, j = sorted((order.index(tail) + 1, order.index(q)))
+            if j - i >= 1:
+                moves.append(list(order[:i]) + list(order[i:j + 1])[::-1] + list(order[j + 1:]))
+            for move in moves:
+                cand = _rotate_to_zero(move)
+                if cand == order:
+                    continue
+                tries += 1
+                t = search.tau(cand)
+                if t < tau * (1.0 - ORDER_TIE_RTOL):
+                    order, tau, improved = cand, t, True
+                    break
+            if improved:
+                break
+        if not improved:
+            break
+    return order, tau
+
+
+def structured_order(search: RingSearch, topology: Optional[Topology] = None) -> tuple[int, ...]:
+    """The best of `structured_orders` after `_refine`; LPs bounded whatever P."""
+    candidates = structured_orders(search.model, topology)
+    bounds = search.lower_bounds(candidates) if search.P <= 64 else None
+    scored: list[tuple[tuple[int, ...], float]] = []
+    best = math.inf
+    for k, cand in enumerate(candidates):
+        if bounds is not None and bounds[k] > best * (1.0 + ORDER_TIE_RTOL):
+            continue
+        t = search.tau(cand)
+        scored.append((cand, t))
+        best = min(best, t)
+    order = _pick_order(scored, search.P)
+    refined, t = _refine(search, order, dict(scored)[order])
+    return refined if t < dict(scored)[order] * (1.0 - ORDER_TIE_RTOL) else order
+
+
+@functools.lru_cache(maxsize=32)
+def best_plan(model: LinkModel, topology: Optional[Topology] = None, exhaustive: Optional[bool] = None) -> Plan:
+    """The best ring order and its shares: every order for P <= 8, else `structured_order`
+    (``exhaustive`` forces either; ``topology`` gives the levels, else they are detected).
+
+    Memoised (models and plans are immutable): choosing a plan asks for the best plan of one
+    model once per candidate message size (`crossover_bytes`).
+    """
+    P = model.world_size
+    if P == 1:
+        return Plan((0,), (1.0,), 0.0)
+    search = RingSearch(model)
+    if exhaustive is None:
+        exhaustive = P <= MAX_EXHAUSTIVE_RANKS
+    order = exhaustive_order(search) if exhaustive else structured_order(search, topology)
+    shares, per_byte = solve_shares(order, model, tau_star=search.tau(order))
+    return Plan(order, shares, per_byte)
+
+
+def uniform_plan(world_size: int, model: Optional[LinkModel] = None) -> Plan:
+    """The engine's default plan: identity order, shares exactly 1/P (evaluated if a model is given)."""
+    if int(world_size) != world_size or world_size < 1:
+        raise ValueError(f"hetcomm planner: world size must be a positive integer, got {world_size!r}")
+    P = int(world_size)
+    order, shares = tuple(range(P)), (1.0 / P,) * P
+    if model is None:
+        return Plan(order, shares, None)
+    if model.world_size != P:
+        raise ValueError(f"hetcomm planner: model has {model.world_size} ranks, plan {P}")
+    return Plan(order, shares, ring_seconds_per_byte(order, shares, model))
+
+
+def make_plan(model: LinkModel, nbytes: Optional[int] = None, min_gain: float = DEFAULT_MIN_GAIN,
+              topology: Optional[Topology] = None) -> Plan:
+    """The plan to use: the best plan if it beats uniform by more than ``min_gain``, else uniform.
+
+    ``nbytes``: the message size to judge by (``None``: the large-message limit, i.e. bandwidth
+    time only). Messages of at most ``small_allreduce_bytes`` always get the uniform plan.
+    """
+    if not (math.isfinite(min_gain) and 0 <= min_gain < 1):
+        raise ValueError(f"hetcomm planner: min_gain must be in [0, 1), got {min_gain!r}")
+    P = model.world_size
+    uniform = _uniform_evaluated(model)
+    if P == 1 or (nbytes is not None and nbytes <= model.small_allreduce_bytes):
+        return uniform
+    best = best_plan(model, topology)
+    if nbytes is None:
+        t_best, t_uniform = best.predicted_bw_seconds_per_byte, uniform.predicted_bw_seconds_per_byte
+    else:
+        t_best = predict_allreduce_seconds(best, model, nbytes)
+        t_uniform = predict_allreduce_seconds(uniform, model, nbytes)
+    return best if t_best < t_uniform * (1.0 - min_gain) else uniform
+
+
+@functools.lru_cache(maxsize=32)
+def _uniform_evaluated(model: LinkModel) -> Plan:
+    return uniform_plan(model.world_size, model)
+
+
+def crossover_bytes(model: LinkModel, min_gain: float = DEFAULT_MIN_GAIN, max_log2: int = 40,
+                    topology: Optional[Topology] = None) -> Optional[int]:
+    """The smallest power-of-two message size at which `make_plan` picks the weighted plan.
+
+    ``None`` when it never does (uniform links, or no gain beyond ``min_gain``).
+    """
+    if make_plan(model, None, min_gain, topology).is_uniform:
+        return None
+    start = max(1, model.small_allreduce_bytes + 1).bit_length()
+    for k in range(start, max_log2 + 1):
+        if not make_plan(model, 1 << k, min_gain, topology).is_uniform:
+            return 1 << k
+    return None
+
+
+__all__ = ["RingSearch", "exhaustive_order", "structured_orders", "structured_order", "best_plan", "uniform_plan",
+           "make_plan", "crossover_bytes", "validate_order", "MAX_EXHAUSTIVE_RANKS", "ORDER_TIE_RTOL",
+           "DEFAULT_MIN_GAIN"]

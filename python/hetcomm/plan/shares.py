@@ -1,0 +1,181 @@
+"""Best shares for a given ring order: two small linear programs, and snapping their noise away.
+
+Normalise N = 1 (the optimum is a fraction vector independent of N); in ring-position space
+(``y_p`` is the share of rank ``order[p]``, ``b_p`` the bandwidth of link p -> p+1, ``r_p`` the
+reduce throughput of the rank at p) LP 1 is::
+
+    minimise    T
+    subject to  y_p + y_{p+1} + T b_p >= 2       for each ring link p -> p+1
+                y_{p-1} + T r_p >= 1             for each position p with finite r_p
+                sum(y) = 1,  0 <= y <= 1
+
+(the cost model of `hetcomm.plan.cost`). Bandwidths are divided by the largest one before solving,
+so coefficients are O(1) and T is in units of (1 / largest bandwidth) per byte. The constraint
+matrix is sparse (two or three entries a row), so a ring of a thousand ranks solves in
+milliseconds. The LP is solved with HiGHS' dual simplex (``scipy.optimize.linprog(method=
+"highs-ds")``): a vertex solution, deterministic for identical inputs. Any solver status other
+than success raises `PlanningError`; there is no fallback.
+
+The optimum is often not unique (uniform links and an even P admit alternating shares). Among
+plans whose T is within a relative ``SHARE_TIE_RTOL`` (1e-10) of the optimum T*, LP 2 picks the
+one closest to uniform::
+
+    minimise    sum |y_i - 1/P|        (linearised with d_i >= +-(y_i - 1/P))
+    subject to  the constraints above with T fixed at T* (1 + SHARE_TIE_RTOL)
+
+so uniform links give exactly uniform shares, and weighting appears only where it buys time.
+Where the optimum is unique, the slack lets LP 2 move shares by about SHARE_TIE_RTOL towards
+uniform, which the snapping below removes again; so the tolerance is kept tiny. It is still well
+above the solver's error on O(1)-scaled data (dual simplex solves its final basis to machine
+precision, and LP 1's solution is feasible for LP 2 under the same feasibility tolerance), and
+far below anything measurable. Where the L1 objective itself ties (e.g. moving share between two
+ranks that are both below 1/P), HiGHS returns one vertex, deterministically.
+
+Shares are then snapped so that LP noise cannot leak into the plan: if every share is within
+``SHARE_QUANTUM`` of 1/P, all become exactly ``1/P`` (the engine's uniform plan); otherwise they
+are apportioned on the grid ``SHARE_QUANTUM = 2**-30`` (~9.3e-10) with the engine's own largest-
+remainder rule, so they are dyadic, exactly representable, and sum to exactly 1.0 in floating
+point. The rounding moves a load by at most 2**-29 of N: relative to a link load (always >= N)
+below 2e-9; relative to a binding reduce load ``(1 - o_pred) N``, which is at least
+``reduce_bps / bw`` of N, below ``2e-9 * bw / reduce_bps``. The returned time is recomputed from
+the returned shares, never taken from the LP.
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import numpy as np
+import scipy.sparse as sparse
+from scipy.optimize import linprog
+
+from hetcomm.plan.cost import ring_seconds_per_byte
+from hetcomm.plan.model import LinkModel
+from hetcomm.plan.schedules import shares_to_counts
+
+SHARE_TIE_RTOL = 1e-10                 # "as good as the optimum" when choosing among shares
+SHARE_QUANTUM = 2.0 ** -30             # shares are snapped to this grid (dyadic, exact sums)
+
+
+class PlanningError(RuntimeError):
+    """The LP solver did not return an optimal solution (never silently replaced by a guess)."""
+
+
+def run_lp(c: np.ndarray, a_ub, b_ub: np.ndarray, a_eq, b_eq: np.ndarray,
+           bounds: list[tuple[float, Optional[float]]], what: str):
+    """HiGHS dual simplex (a vertex solution, deterministic for identical inputs); raises
+    `PlanningError` unless it solved the LP."""
+    res = linprog(c, A_ub=a_ub, b_ub=b_ub, A_eq=a_eq, b_eq=b_eq, bounds=bounds, method="highs-ds")
+    if res.status != 0 or res.x is None or not np.all(np.isfinite(res.x)):
+        raise PlanningError(f"hetcomm planner: HiGHS failed on {what}: status {res.status}, {res.message}")
+    return res
+
+
+def ring_data(model: LinkModel, order: Sequence[int], scale: Optional[float] = None) -> tuple[np.ndarray, np.ndarray]:
+    """``(b, r)`` by ring position, divided by ``scale`` (default: the model's fastest link)."""
+    ref = model.max_link if scale is None else scale
+    idx = np.asarray(order, dtype=np.int64)
+    return model.bw[idx, np.roll(idx, -1)] / ref, model.reduce_array[idx] / ref
+
+
+def _ring_rows(b: np.ndarray, r: np.ndarray, width: int):
+    """LP 1's rows ``-y_p - y_{p+1} - b_p T <= -2`` (every link), then ``-y_{p-1} - r_p T <= -1``
+    (finite r_p), as a sparse matrix of ``width`` columns, T in column P."""
+    P = len(b)
+    pos = np.arange(P)
+    finite = np.flatnonzero(np.isfinite(r))
+    rows = [pos, pos, P + np.arange(len(finite))]
+    cols = [pos, (pos + 1) % P, (finite - 1) % P]
+    vals = [-np.ones(P), -np.ones(P), -np.ones(len(finite))]
+    rhs = np.concatenate([np.full(P, -2.0), np.full(len(finite), -1.0)])
+    rows += [pos, P + np.arange(len(finite))]
+    cols += [np.full(P, P), np.full(len(finite), P)]
+    vals += [-b, -r[finite]]
+    matrix = sparse.csr_matrix((np.concatenate(vals), (np.concatenate(rows), np.concatenate(cols))),
+                               shape=(P + len(finite), width))
+    return matrix, rhs
+
+
+def min_tau(b: Sequence[float], r: Sequence[float]) -> float:
+    """LP 1: the least normalised T for ring data b (link p -> p+1) and r (reducer at p)."""
+    b, r = np.asarray(b, dtype=np.float64), np.asarray(r, dtype=np.float64)
+    P = len(b)
+    a_ub, b_ub = _ring_rows(b, r, P + 1)
+    c = np.zeros(P + 1)
+    c[P] = 1.0
+    a_eq = sparse.csr_matrix(np.append(np.ones(P), 0.0)[None, :])
+    res = run_lp(c, a_ub, b_ub, a_eq, np.array([1.0]), [(0.0, 1.0)] * P + [(0.0, None)], "the minimum-time LP")
+    return float(res.x[P])
+
+
+def closest_to_uniform(b: Sequence[float], r: Sequence[float], tau_cap: float) -> list[float]:
+    """LP 2: shares (by position) minimising sum |y - 1/P| among those with T <= tau_cap.
+
+    Rows in the order a dense build would give them (per position its link, then its reducer;
+    per share its two deviation rows), so that HiGHS walks to the same vertex where the L1
+    objective ties."""
+    b, r = np.asarray(b, dtype=np.float64), np.asarray(r, dtype=np.float64)
+    P = len(b)
+    u = 1.0 / P
+    pos = np.arange(P)
+    finite = np.isfinite(r)
+    # Row of position p's link constraint, and of its reducer constraint (if finite).
+    link_row = pos + np.concatenate([[0], np.cumsum(finite)[:-1]])
+    reduce_row = (link_row + 1)[finite]
+    n_ring = P + int(finite.sum())
+    dev_row = n_ring + 2 * pos
+    rows = np.concatenate([link_row, link_row, reduce_row, dev_row, dev_row, dev_row + 1, dev_row + 1])
+    cols = np.concatenate([pos, (pos + 1) % P, (pos[finite] - 1) % P, pos, P + pos, pos, P + pos])
+    vals = np.concatenate([-np.ones(2 * P), -np.ones(int(finite.sum())), np.ones(P), -np.ones(P),
+                           -np.ones(P), -np.ones(P)])
+    a_ub = sparse.csr_matrix((vals, (rows, cols)), shape=(n_ring + 2 * P, 2 * P))
+    b_ub = np.empty(n_ring + 2 * P)
+    b_ub[link_row] = -(2.0 - tau_cap * b)
+    b_ub[reduce_row] = -(1.0 - tau_cap * r[finite])
+    b_ub[dev_row] = u                 # d_i >= y_i - 1/P
+    b_ub[dev_row + 1] = -u            # d_i >= 1/P - y_i
+    c = np.concatenate([np.zeros(P), np.ones(P)])
+    a_eq = sparse.csr_matrix(np.concatenate([np.ones(P), np.zeros(P)])[None, :])
+    res = run_lp(c, a_ub, b_ub, a_eq, np.array([1.0]), [(0.0, 1.0)] * P + [(0.0, None)] * P,
+                 "the closest-to-uniform LP")
+    return [float(v) for v in res.x[:P]]
+
+
+def snap_shares(raw: Sequence[float]) -> tuple[float, ...]:
+    """Removes solver noise: exactly 1/P when (nearly) uniform, else the 2**-30 grid, sum exactly 1."""
+    P = len(raw)
+    clipped = [max(0.0, float(v)) for v in raw]
+    if max(abs(v - 1.0 / P) for v in clipped) <= SHARE_QUANTUM:
+        return (1.0 / P,) * P
+    units = shares_to_counts(int(1 / SHARE_QUANTUM), clipped)
+    return tuple(k * SHARE_QUANTUM for k in units)
+
+
+def validate_order(order: Sequence[int], P: int) -> tuple[int, ...]:
+    out = tuple(int(x) for x in order)
+    if sorted(out) != list(range(P)):
+        raise ValueError(f"hetcomm planner: order {tuple(order)} is not a permutation of 0..{P - 1}")
+    return out
+
+
+def solve_shares(order: Sequence[int], model: LinkModel,
+                 tau_star: Optional[float] = None) -> tuple[tuple[float, ...], float]:
+    """Best shares (indexed by rank) for ring ``order`` and their ``max(T_bw, T_reduce) / N``.
+
+    LP 1 finds the least time T* (or takes ``tau_star``, LP 1's value for this order, when the
+    caller has it); LP 2 picks, among shares within ``SHARE_TIE_RTOL`` of T*, the ones closest to
+    uniform; the result is snapped (module docstring). The returned time is recomputed from the
+    returned shares. Raises PlanningError if HiGHS fails.
+    """
+    P = model.world_size
+    order = validate_order(order, P)
+    if P == 1:
+        return (1.0,), 0.0
+    b, r = ring_data(model, order)
+    if tau_star is None:
+        tau_star = min_tau(b, r)
+    by_position = closest_to_uniform(b, r, tau_star * (1.0 + SHARE_TIE_RTOL))
+    by_rank = [0.0] * P
+    for pos, rank in enumerate(order):
+        by_rank[rank] = by_position[pos]
+    shares = snap_shares(by_rank)
+    return shares, ring_seconds_per_byte(order, shares, model)

@@ -114,26 +114,26 @@ def test_cut_bound_independent_and_shared():
 
 def test_choice_flat_on_one_site_hierarchical_across_sites():
     uniform = sites_model((0, 0, 0, 0), 1000, 1000, alpha=1e-4)
-    plan = topology.choose_plan(uniform, site_labels=(0, 0, 0, 0))
+    plan = planner.choose_plan(uniform, site_labels=(0, 0, 0, 0))
     assert plan.sites is None and plan.is_uniform
     two = sites_model((0, 1, 0, 1), 1000, 100, alpha=1e-4)
-    plan = topology.choose_plan(two, site_labels=(0, 1, 0, 1))
+    plan = planner.choose_plan(two, site_labels=(0, 1, 0, 1))
     assert plan.sites is not None
     # from min_bytes on, predicted faster than the ring by the margin; just below, not
     n = plan.sites.min_bytes
     ring = planner.uniform_plan(4)
     assert site_planner.predict_site_plan_seconds(plan.sites, two, n) < \
-        planner.predict_allreduce_seconds(ring, two, n) * (1 - topology.DECLARED_MIN_GAIN)
+        planner.predict_allreduce_seconds(ring, two, n) * (1 - planner.DECLARED_MIN_GAIN)
     if n // 2 > two.small_allreduce_bytes:
         assert not site_planner.predict_site_plan_seconds(plan.sites, two, n // 2) < \
-            planner.predict_allreduce_seconds(ring, two, n // 2) * (1 - topology.DECLARED_MIN_GAIN)
+            planner.predict_allreduce_seconds(ring, two, n // 2) * (1 - planner.DECLARED_MIN_GAIN)
     assert planner.predict_allreduce_seconds(plan, two, N) == pytest.approx(
         site_planner.predict_site_plan_seconds(plan.sites, two, N))
 
 
 def test_hierarchical_can_be_switched_off(monkeypatch):
     monkeypatch.setenv("HETCOMM_HIERARCHICAL", "0")
-    plan = topology.choose_plan(sites_model((0, 1, 0, 1), 1000, 100), site_labels=(0, 1, 0, 1))
+    plan = planner.choose_plan(sites_model((0, 1, 0, 1), 1000, 100), site_labels=(0, 1, 0, 1))
     assert plan.sites is None
 
 
@@ -146,13 +146,13 @@ def test_slow_nic_is_not_mistaken_for_a_fast_site():
     ring = planner.best_plan(model)
     assert site_planner.site_plan_seconds_per_byte(site, model) == pytest.approx(
         planner.ring_seconds_per_byte(ring.order, ring.shares, model))
-    plan = topology.choose_plan(model, site_labels=(0, 0, 0, 1))
+    plan = planner.choose_plan(model, site_labels=(0, 0, 0, 1))
     assert plan.sites is None
 
 
 def test_plan_round_trips_through_the_broadcast_encoding():
     two = sites_model((0, 1, 0, 1), 1000, 100)
-    plan = topology.choose_plan(two, site_labels=(0, 1, 0, 1))
+    plan = planner.choose_plan(two, site_labels=(0, 1, 0, 1))
     back = topology._decode_plan(topology._encode_plan(plan), 4, None)
     assert back.sites == plan.sites and back.order == plan.order and back.shares == plan.shares
     flat = topology._decode_plan(topology._encode_plan(planner.uniform_plan(4)), 4, None)

@@ -351,7 +351,7 @@ def test_two_sites_of_four_ranks_solve_few_lps(monkeypatch):
     through the best pair of crossings need an LP (without it: 4897 LPs of 5040, seconds)."""
     calls = []
     real = plan_order.min_tau
-    monkeypatch.setattr(plan_order, "min_tau", lambda b, r: calls.append(1) or real(b, r))
+    monkeypatch.setattr(plan_order, "min_tau", lambda data: calls.append(1) or real(data))
     rng = np.random.default_rng(3)
     site = [0, 1, 0, 1, 0, 1, 0, 1]   # interleaved: the identity ring crosses eight times
     bw = [[0.0 if i == j else (1e8 if site[i] == site[j] else 1e7) * rng.uniform(0.9, 1.1) for j in range(8)]

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 pytest.importorskip("torch")
-from hetcomm import planner, topology  # noqa: E402
+from hetcomm import planner  # noqa: E402
 
 MB = 1e6
 
@@ -29,7 +29,7 @@ def nic_model(nics_mb_per_s: list[float]) -> planner.LinkModel:
 def test_segment_bytes_is_the_nearest_power_of_two_to_5ms_on_the_slowest_link(slow_mb_per_s, expected_kb):
     model = nic_model([1000.0, 1000.0, 1000.0, slow_mb_per_s])
     plan = planner.make_plan(model, None, 0.0)
-    assert topology.segment_bytes_for(plan, model) == expected_kb * 1024
+    assert planner.segment_bytes_for(plan, model) == expected_kb * 1024
 
 
 def test_snap_measured_groups_rates_within_the_tolerance():
@@ -41,7 +41,7 @@ def test_snap_measured_groups_rates_within_the_tolerance():
         for j in range(P):
             if i != j:
                 bw[i][j] = (next(slow) if 3 in (i, j) else next(fast)) * MB
-    snapped = topology.snap_measured(planner.LinkModel(bw=bw))
+    snapped = planner.snap_measured(planner.LinkModel(bw=bw))
     rates = {snapped.bw[i][j] for i in range(P) for j in range(P) if i != j}
     assert len(rates) == 2, rates
     # Each group's median (of an even count: the lower middle one).
@@ -52,4 +52,4 @@ def test_snap_measured_groups_rates_within_the_tolerance():
 
 def test_snap_measured_keeps_rates_further_apart_than_the_tolerance():
     model = nic_model([100.0, 70.0, 40.0, 10.0])
-    assert topology.snap_measured(model) == model
+    assert planner.snap_measured(model) == model

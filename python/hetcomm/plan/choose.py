@@ -21,8 +21,8 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from hetcomm.plan.cost import predict_allreduce_seconds, predict_site_plan_seconds, ring_seconds_per_byte, \
-    site_plan_seconds_per_byte
+from hetcomm.plan.cost import (predict_allreduce_seconds, sites_bound_seconds_per_byte, predict_site_plan_seconds,
+                               ring_seconds_per_byte, site_plan_seconds_per_byte)
 from hetcomm.plan.hierarchy import best_site_plan, host_plan
 from hetcomm.plan.levels import Topology, _renumber
 from hetcomm.plan.model import LinkModel
@@ -78,27 +78,39 @@ def _slowest_used(site, model: LinkModel) -> float:
     return float(model.bw[src, dst].min())
 
 
+def _snapped(values: np.ndarray, tolerance: float) -> np.ndarray:
+    """``values`` grouped: sorted descending, a value joins the current group while it is within
+    ``tolerance`` of the group's largest, and each becomes its group's median (of an even count,
+    the lower middle one)."""
+    ascending = np.sort(values)
+    descending = ascending[::-1]
+    widened = ascending * tolerance
+    out = values.copy()
+    start = 0
+    while start < len(descending):
+        largest = descending[start]
+        end = max(len(descending) - int(np.searchsorted(widened, largest, side="left")), start + 1)
+        out[(values <= largest) & (values >= descending[end - 1])] = descending[start + (end - start) // 2]
+        start = end
+    return out
+
+
 def snap_measured(model: LinkModel, tolerance: float = MEASURED_RATE_TOLERANCE) -> LinkModel:
-    """`model` with its link rates grouped: sorted descending, a rate joins the current group while
-    it is within `tolerance` of the group's fastest, and every rate becomes its group's median."""
+    """`model` with its link rates grouped (`_snapped`: rates within ``tolerance`` of each other
+    become their group's median), and likewise the finite rates of its shared links."""
     P = model.world_size
     if P < 2:
         return model
     off = ~np.eye(P, dtype=bool)
-    ascending = np.sort(model.bw[off])
-    values = ascending[::-1]                                  # descending
-    widened = ascending * tolerance
-    snapped = model.bw.copy()
-    start = 0
-    while start < len(values):
-        # The group runs while value * tolerance >= its fastest.
-        fastest = values[start]
-        end = max(len(values) - int(np.searchsorted(widened, fastest, side="left")), start + 1)
-        median = values[start + (end - start) // 2]
-        in_group = off & (model.bw <= fastest) & (model.bw >= values[end - 1])
-        snapped[in_group] = median
-        start = end
-    return dataclasses.replace(model, bw=snapped)
+    bw = model.bw.copy()
+    bw[off] = _snapped(model.bw[off], tolerance)
+    uplinks = model.uplinks
+    rates = np.asarray([v for _, o, i in uplinks for v in (o, i)], dtype=np.float64)
+    finite = np.isfinite(rates)
+    if finite.any():
+        rates[finite] = _snapped(rates[finite], tolerance)
+        uplinks = tuple((g, float(rates[2 * k]), float(rates[2 * k + 1])) for k, (g, _, _) in enumerate(uplinks))
+    return dataclasses.replace(model, bw=bw, uplinks=uplinks)
 
 
 def _same_partition(a: Sequence[int], b: Sequence[int]) -> bool:
@@ -126,7 +138,8 @@ def choose_plan(model: LinkModel, min_gain: float = DECLARED_MIN_GAIN,
 
     ``host_labels`` (one host per rank, given when the hosts' ranks share memory): with several
     hosts and no sites other than the hosts themselves, the host-level schedule (`with_host_plan`).
-    Sites made of several hosts keep the site schedule, whose steps inside a site run over TCP.
+    Where sites hold several hosts, the site schedule (whose steps inside a site run over TCP)
+    replaces the host schedule only if predicted faster by ``min_gain``.
     ``topology``: the group's levels (sites and hosts), which the ring search keeps together;
     by default the sites are ``site_labels`` and the hosts ``host_labels``.
     """
@@ -143,16 +156,27 @@ def choose_plan(model: LinkModel, min_gain: float = DECLARED_MIN_GAIN,
                     segment_bytes=segment_bytes_for(best, model))
     if not hierarchical_enabled():
         return best
-    if host_labels is not None and (site_labels is None or len(set(site_labels)) == 1
-                                    or _same_partition(site_labels, host_labels)):
-        hosted = with_host_plan(best, host_labels, model)
-        if hosted.sites is not None:
-            return hosted
-    if site_labels is None:
+    hosted = with_host_plan(best, host_labels, model) if host_labels is not None else best
+    if hosted.sites is not None and (site_labels is None or len(set(site_labels)) == 1
+                                     or _same_partition(site_labels, host_labels)):
+        return hosted
+    if site_labels is None or len(set(site_labels)) == 1:
         return best
+    # Each candidate must be able to beat the schedule it would replace by min_gain: the site plan
+    # is never faster than the cut bound over its sites, so it is not even planned (an LP over as
+    # many blocks as the largest site has ranks) when the host plan or the ring already comes
+    # that close (a slow NIC taken for a site of its own: the ring meets the bound).
+    incumbent = hosted.sites if hosted.sites is not None else None
+    incumbent_per_byte = (site_plan_seconds_per_byte(incumbent, model) if incumbent is not None
+                          else ring_seconds_per_byte(best.order, best.shares, model))
+    if sites_bound_seconds_per_byte(model, site_labels) >= incumbent_per_byte * (1.0 - min_gain):
+        return hosted
     site = best_site_plan(model, site_labels, None if topology is None else topology.hosts)
     if site is None:
-        return best
+        return hosted
+    if incumbent is not None and not (site_plan_seconds_per_byte(site, model)
+                                      < incumbent_per_byte * (1.0 - min_gain)):
+        return hosted
     site = dataclasses.replace(site, segment_bytes=segment_for_rate(_slowest_used(site, model)))
     # The site plan serves every size from min_bytes up, so min_bytes is the smallest power of two
     # from which it is predicted faster at every larger size (up to 1 TiB).
@@ -167,8 +191,19 @@ def choose_plan(model: LinkModel, min_gain: float = DECLARED_MIN_GAIN,
             break
         min_bytes = n
     if min_bytes is None:
-        return best
+        return hosted
     return dataclasses.replace(best, sites=dataclasses.replace(site, min_bytes=min_bytes))
+
+
+def plan_for_group(model: LinkModel, topology: Topology, shared_hosts: Optional[Sequence[int]],
+                   measured: bool) -> Plan:
+    """What rank 0 of a new group plans (`hetcomm.topology.apply_model`): a measured model is
+    snapped and each rank capped by its best link (unless the probe measured shared links), then
+    `choose_plan` with the margin of its source, the group's levels, and the hosts when they
+    share memory."""
+    planning = snap_measured(model).with_rank_uplinks() if measured else model
+    return choose_plan(planning, MEASURED_MIN_GAIN if measured else DECLARED_MIN_GAIN, topology.sites,
+                       shared_hosts, topology=topology)
 
 
 def _nested(hosts: Sequence[int], sites: Sequence[int]) -> bool:

@@ -66,12 +66,10 @@ which the hierarchical schedule moves.
 """
 from __future__ import annotations
 
-import functools
 import math
 from typing import Optional, Sequence, Union
 
 import numpy as np
-import scipy.sparse as sparse
 
 from hetcomm.plan.model import MAX_SEGMENT_BYTES, MIN_SEGMENT_BYTES, LinkModel
 from hetcomm.plan.schedules import Plan, SitePlan, ring_loads
@@ -89,11 +87,6 @@ def _check_plan_fits(order: Sequence[int], shares: Sequence[float], model: LinkM
         raise ValueError(f"hetcomm planner: order {tuple(order)} is not a permutation of the {P} ranks of the model")
 
 
-@functools.lru_cache(maxsize=64)
-def _membership(model: LinkModel) -> sparse.csr_matrix:
-    return sparse.csr_matrix(model.group_of().astype(np.float64))
-
-
 def _as_arrays(loads: Union[dict, Loads]) -> Loads:
     if isinstance(loads, dict):
         keys = list(loads)
@@ -108,7 +101,7 @@ def group_loads(loads: Union[dict, Loads], model: LinkModel) -> tuple[np.ndarray
     src, dst, load = _as_arrays(loads)
     if not model.uplinks or len(load) == 0:
         return np.zeros(len(model.uplinks)), np.zeros(len(model.uplinks))
-    M = _membership(model)
+    M = model.membership
     P = model.world_size
     # leaving g = sent by a member - sent by a member to a member; entering likewise.
     sent = M @ np.bincount(src, weights=load, minlength=P)
@@ -246,15 +239,25 @@ def _one_side(model: LinkModel, bw: np.ndarray, sending: np.ndarray, rate_index:
     P = model.world_size
     senders, receivers = np.flatnonzero(sending), np.flatnonzero(~sending)
     flows = bw[np.ix_(senders, receivers)]
-    row_total = np.zeros(P)
-    row_total[senders] = flows.sum(axis=1)
+    links_total = np.zeros(P)
+    links_total[senders] = flows.sum(axis=1)
     at_sender = np.full(P, -1)
     at_sender[senders] = np.arange(len(senders))
     at_receiver = np.full(P, -1)
     at_receiver[receivers] = np.arange(len(receivers))
-    # The tree of groups: a group's parent is the smallest larger group holding it; groups come
-    # largest first, so it is known when the group is reached.
-    groups = [np.asarray(g, dtype=np.int64) for g, _, _ in model.uplinks]
+    # A group of one rank caps that rank's row at its rate (leave = inside-free = total): done for
+    # all such groups at once. The others form a tree: a group's parent is the smallest larger
+    # group holding it; groups come largest first, so it is known when the group is reached.
+    cap = np.full(P, np.inf)
+    multi = []
+    for k, (g, *rates) in enumerate(model.uplinks):
+        if len(g) == 1:
+            cap[g[0]] = min(cap[g[0]], rates[rate_index - 1])
+        else:
+            multi.append(k)
+    row_total = np.minimum(links_total, cap)          # what each rank can send, its NIC applied
+    groups = [np.asarray(model.uplinks[k][0], dtype=np.int64) for k in multi]
+    rates = [model.uplinks[k][rate_index] for k in multi]
     G = len(groups)
     parent, owner = [G] * G, np.full(P, G)            # G: the root (every rank)
     for k, g in enumerate(groups):
@@ -271,9 +274,9 @@ def _one_side(model: LinkModel, bw: np.ndarray, sending: np.ndarray, rate_index:
         s, r = at_sender[g], at_receiver[g]
         s, r = s[s >= 0], r[r >= 0]
         internal = float(flows[np.ix_(s, r)].sum()) if len(s) and len(r) else 0.0
-        links_out = float(row_total[g].sum()) - internal
+        links_out = float(links_total[g].sum()) - internal
         between = internal - child_within[k]
-        leave = min(model.uplinks[k][rate_index], links_out, child_leave[k])
+        leave = min(rates[k], links_out, child_leave[k])
         inside = min(child_total[k], child_inside[k] + min(child_leave[k], between))
         total = min(child_total[k], child_inside[k] + min(child_leave[k], between + leave))
         up = parent[k]
@@ -342,15 +345,27 @@ def cut_bound_seconds(model: LinkModel, nbytes: int, site_labels: Optional[Seque
         cap = min(cut_capacity(model, side), cut_capacity(model, ~side))
         worst = max(worst, nbytes / cap)
     if site_labels is not None and len(set(site_labels)) > 2:
-        # Sites as the nodes of the classic bound: combining S site partials of an element takes at
-        # least S - 1 cross-site transfers and spreading the result S - 1 more, so 2 (S - 1) N
-        # bytes leave sites in all, through the sum of the sites' cut capacities.
-        # The sum runs over each direction on its own (bytes leave sites through their out-cuts and
-        # arrive through their in-cuts); summing each site's slower direction would not be a bound.
-        labels = sorted(set(site_labels))
-        index = np.asarray([labels.index(s) for s in site_labels])
-        per_site = site_cuts(model, index)
+        worst = max(worst, nbytes * sites_bound_seconds_per_byte(model, site_labels))
+    return worst
+
+
+def sites_bound_seconds_per_byte(model: LinkModel, site_labels: Sequence[int]) -> float:
+    """The part of the cut bound that comes from the sites alone, per byte: every site's cut in
+    its slower direction, and with S >= 3 sites the sites as nodes of the classic bound.
+
+    Sites as the nodes of the classic bound: combining S site partials of an element takes at
+    least S - 1 cross-site transfers and spreading the result S - 1 more, so 2 (S - 1) N bytes
+    leave sites in all, through the sum of the sites' cut capacities. The sum runs over each
+    direction on its own (bytes leave sites through their out-cuts and arrive through their
+    in-cuts); summing each site's slower direction would not be a bound."""
+    labels = sorted(set(site_labels))
+    if len(labels) < 2:
+        return 0.0
+    index = np.asarray([labels.index(s) for s in site_labels])
+    per_site = site_cuts(model, index)
+    worst = max(1.0 / min(o, i) for o, i in per_site)
+    if len(labels) > 2:
         out_total = sum(o for o, _ in per_site)
         in_total = sum(i for _, i in per_site)
-        worst = max(worst, 2 * (len(labels) - 1) * nbytes / min(out_total, in_total))
+        worst = max(worst, 2 * (len(labels) - 1) / min(out_total, in_total))
     return worst

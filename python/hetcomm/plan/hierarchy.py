@@ -177,7 +177,7 @@ def _solve_blocks(model: LinkModel, sites: Sequence[Sequence[int]], blocks: Sequ
     rows, rhs, rates = [coef], [-const], [model.bw[link_src, link_dst] / scale]
     if model.uplinks:
         # Per group, the links leaving it then those entering it (groups in the model's order).
-        M = sparse.csr_matrix(model.group_of().astype(np.float64))
+        M = model.membership
         inside = M[:, link_src].multiply(M[:, link_dst])
         crossing = sparse.vstack([M[:, link_src] - inside, M[:, link_dst] - inside], format="csr")
         G = len(model.uplinks)
@@ -188,21 +188,26 @@ def _solve_blocks(model: LinkModel, sites: Sequence[Sequence[int]], blocks: Sequ
         rows.append(crossing @ coef)
         rhs.append(-(crossing @ const))
         rates.append(group_rates[keep] / scale)
-    site_of = np.empty(P, dtype=np.int64)
-    for k, s in enumerate(sites):
-        site_of[list(s)] = k
+    # Reducers: rank r adds (S - 1) w_s of its blocks from the other sites, and in a site ring of
+    # m > 1 ranks everything but its predecessor's chunk: const 1, coef -owned[pred(r)].
+    member, pred, weight, ring = [], [], [], []
     for k, site in enumerate(sites):
         m = len(site)
         for p, r in enumerate(site):
-            if not np.isfinite(model.reduce_bps[r]):
-                continue
-            row = (len(sites) - 1) * w[site_of[r]] * owned[r]
-            c = 0.0
-            if m > 1:
-                c, row = 1.0, row - owned[site[(p - 1) % m]]
-            rows.append(sparse.csr_matrix(row))
-            rhs.append(np.array([-c]))
-            rates.append(np.array([model.reduce_bps[r] / scale]))
+            if np.isfinite(model.reduce_bps[r]):
+                member.append(r)
+                pred.append(site[(p - 1) % m])
+                weight.append((S - 1) * w[k])
+                ring.append(m > 1)
+    if member:
+        n = len(member)
+        ring = np.asarray(ring)
+        pick = sparse.csr_matrix((np.asarray(weight), (np.arange(n), member)), shape=(n, P))
+        minus = sparse.csr_matrix((-np.ones(int(ring.sum())), (np.flatnonzero(ring), np.asarray(pred)[ring])),
+                                  shape=(n, P))
+        rows.append((pick + minus) @ owned)
+        rhs.append(-ring.astype(np.float64))
+        rates.append(np.asarray([model.reduce_bps[r] for r in member]) / scale)
     a_loads = sparse.vstack(rows, format="csr")
     caps = np.concatenate(rates)
     a_ub = sparse.hstack([a_loads, sparse.csr_matrix(-caps[:, None])], format="csr")   # coef . x - cap T <= -const

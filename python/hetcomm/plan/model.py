@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import numpy as np
+import scipy.sparse as sparse
 
 from hetcomm._C import engine_settings as _engine_settings
 
@@ -161,7 +162,13 @@ class LinkModel:
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, LinkModel):
             return NotImplemented
-        return self is other or self._key() == other._key()
+        if self is other:
+            return True
+        if self._hash != other._hash or self.bw.shape != other.bw.shape:
+            return False
+        return (np.array_equal(self.bw, other.bw) and self.reduce_bps == other.reduce_bps and self.alpha == other.alpha
+                and self.segment_bytes == other.segment_bytes and self.uplinks == other.uplinks
+                and self.small_allreduce_bytes == other.small_allreduce_bytes)
 
     def __hash__(self) -> int:
         return self._hash
@@ -233,7 +240,7 @@ class LinkModel:
         * ranks of one host talk at ``loopback[h]``;
         * ranks of hosts a != b in one site at ``min(host_out[a], host_in[b])``: the NICs;
         * ranks of hosts in sites s != t at ``min(host_out[a], cross_site[s][t], host_in[b])``: one
-          flow across the sites' link;
+          flow across the sites' link (``inf`` or no ``cross_site``: the NICs alone);
         * every host is an uplink of its ranks (``host_out``, ``host_in``: its NIC), and with
           ``site_out`` / ``site_in`` given every site is one of its ranks: what all of its flows to
           (from) other sites get together. A site of one host keeps the smaller of the two rates.
@@ -250,9 +257,7 @@ class LinkModel:
         if not (len(out_h) == len(in_h) == len(loop) == H):
             raise ValueError(f"hetcomm planner: host rates must have one entry per host ({H})")
         bw = np.minimum.outer(out_h[host_of], in_h[host_of])
-        if S > 1:
-            if cross_site is None:
-                raise ValueError("hetcomm planner: several sites need the cross-site rates")
+        if S > 1 and cross_site is not None:
             cross = np.asarray(cross_site, dtype=np.float64)
             between = site_of[:, None] != site_of[None, :]
             bw = np.where(between, np.minimum(bw, cross[site_of][:, site_of]), bw)
@@ -285,3 +290,8 @@ class LinkModel:
         for g, (ranks, _, _) in enumerate(self.uplinks):
             out[g, list(ranks)] = True
         return out
+
+    @functools.cached_property
+    def membership(self) -> sparse.csr_matrix:
+        """`group_of` as a sparse float matrix (kept with the model: loads sum through it)."""
+        return sparse.csr_matrix(self.group_of().astype(np.float64))

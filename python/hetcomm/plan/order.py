@@ -83,11 +83,14 @@ from hetcomm.plan.schedules import Plan
 from hetcomm.plan.shares import min_tau, ring_data, solve_shares, validate_order
 
 MAX_EXHAUSTIVE_RANKS = 8               # (P-1)! orders: 5040 at P = 8
+MAX_EXHAUSTIVE_HOSTS = 6               # host units: 120 orders, each an LP over all their ranks
 ORDER_TIE_RTOL = 1e-6                  # "as good as the best" when choosing among ring orders
 DEFAULT_MIN_GAIN = 0.03                # make_plan keeps uniform unless it saves more than this
 MAX_SITE_PERMUTATIONS = 24             # every cyclic order of up to 5 sites
 REFINE_TRIES = 12                      # LPs spent refining the best structured order
+MAX_LOCAL_SEARCH_RANKS = 16            # rings of hosts up to here get a full local search of their ranks
 _CANONICAL_ROTATION_RANKS = 16         # up to here the LP cache keys rings up to rotation
+_PACKING_BOUND_RANKS = 64              # above, lower_bounds skips the packing (its one-link case stays)
 
 
 class RingSearch:
@@ -97,8 +100,19 @@ class RingSearch:
         self.model = model
         self.P = model.world_size
         self.ref = model.max_link
-        self.b = model.bw / self.ref
+        # Links capped by the shared link of a single rank at either end (a NIC: the only ring
+        # link that crosses it), as `ring_data` folds them in.
+        bw = model.bw.copy()
+        for group, out_bps, in_bps in model.uplinks:
+            if len(group) == 1:
+                r = group[0]
+                bw[r, :] = np.minimum(bw[r, :], out_bps)
+                bw[:, r] = np.minimum(bw[:, r], in_bps)
+        self.b = bw / self.ref
         self.r = model.reduce_array / self.ref
+        # Shared links of several ranks: (members, out rate, in rate), normalised.
+        self.groups = [(np.isin(np.arange(self.P), g), o / self.ref, i / self.ref)
+                       for g, o, i in model.uplinks if len(g) > 1]
         finite_r = self.r[np.isfinite(self.r)]
         self._reduce_bound = (len(finite_r) - 1) / math.fsum(finite_r) if len(finite_r) > 1 else 0.0
         self._cache: dict[tuple, float] = {}
@@ -121,12 +135,24 @@ class RingSearch:
         give ``3 / (b1 + b2)``, which LP 1 meets. The best packing comes from a dynamic program
         over ring positions (the cheapest rate sum for each count, with and without the link
         that closes the ring).
+
+        A shared link of several ranks that k >= 1 ring links cross carries their loads: each
+        is 2 less its ends' shares, and a rank's share counts once for every one of those links it
+        ends, at most c times, so the loads add up to at least ``2k - c`` (the shares add up to 1):
+        ``T >= (2k - c) / rate``. Summing every crossed shared link's constraint the same way
+        (a link that leaves one group and enters another counts twice) bounds T by the sum of
+        their rates: two sites behind uplinks, crossed once each way, give ``1.5 / rate``.
         """
         P = self.P
         idx = np.asarray(orders, dtype=np.int64)                          # (n, P)
         b = self.b[idx, np.roll(idx, -1, axis=1)]                         # link p -> p+1
         w = self.r[np.roll(idx, -1, axis=1)]                              # share at p bounded by reducer p+1
         best = np.maximum(2.0 * (P - 1) / b.sum(axis=1), self._reduce_bound)
+        if self.groups:
+            best = np.maximum(best, self._cap_bounds(idx))
+        if P > _PACKING_BOUND_RANKS:
+            # The packing's dynamic program costs O(P^2) an order: its one-link case only.
+            return np.maximum(best, 1.0 / b.min(axis=1))
         for closing in (False, True):
             # f[:, k]: the least rate sum of a packing of count k (2 a link, 1 a reducer) within
             # the positions seen so far; with the closing link P-1 -> 0, positions P-1 and 0 are
@@ -156,39 +182,68 @@ class RingSearch:
             best = np.maximum(best, ratio.max(axis=1))
         return best
 
+    def _cap_bounds(self, idx: np.ndarray) -> np.ndarray:
+        """Bounds from the shared links of several ranks (see `lower_bounds`), per order."""
+        n = idx.shape[0]
+        multiplicity = np.zeros(idx.shape)
+        rates = np.zeros(n)
+        best = np.zeros(n)
+        for member, out_rate, in_rate in self.groups:
+            inside, after = member[idx], member[np.roll(idx, -1, axis=1)]
+            for crossing, rate in ((inside & ~after, out_rate), (~inside & after, in_rate)):
+                if not np.isfinite(rate):
+                    continue
+                k = crossing.sum(axis=1)
+                touching = (crossing + np.roll(crossing, 1, axis=1)).max(axis=1)
+                best = np.maximum(best, np.where(k > 0, (2.0 * k - touching) / rate, 0.0))
+                multiplicity += crossing
+                rates += np.where(k > 0, rate, 0.0)
+        touching = (multiplicity + np.roll(multiplicity, 1, axis=1)).max(axis=1)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            union = np.where(rates > 0, (2.0 * multiplicity.sum(axis=1) - touching) / rates, 0.0)
+        return np.maximum(best, union)
+
     def tau(self, order: Sequence[int]) -> float:
-        b, r = ring_data(self.model, order, self.ref)
-        if self.P <= _CANONICAL_ROTATION_RANKS:
-            seq = list(zip(b.tolist(), r.tolist()))
+        data = ring_data(self.model, order, self.ref)
+        if data.caps:
+            # Which links share a cap is part of the ring's data: key by the order itself.
+            key = (tuple(_rotate_to_zero(order)),)
+        elif self.P <= _CANONICAL_ROTATION_RANKS:
+            seq = list(zip(data.b.tolist(), data.r.tolist()))
             key = min(tuple(seq[k:] + seq[:k]) for k in range(self.P))
         else:
             start = list(order).index(0)
-            key = (tuple(np.roll(b, -start).tolist()), tuple(np.roll(r, -start).tolist()))
+            key = (tuple(np.roll(data.b, -start).tolist()), tuple(np.roll(data.r, -start).tolist()))
         if key not in self._cache:
             self.lps += 1
-            self._cache[key] = min_tau(b, r)
+            self._cache[key] = min_tau(data)
         return self._cache[key]
 
 
-def _pick_order(candidates: Iterable[tuple[tuple[int, ...], float]], P: int) -> tuple[int, ...]:
-    """Among (order, tau) pairs: ties within ORDER_TIE_RTOL of the best; identity first, then lex."""
+def _pick_order(candidates: Iterable[tuple[tuple[int, ...], float]], P: int,
+                preferred: Optional[tuple[int, ...]] = None) -> tuple[int, ...]:
+    """Among (order, tau) pairs: ties within ORDER_TIE_RTOL of the best; ``preferred`` (default
+    the identity) first, then the lexicographically smallest."""
     cands = list(candidates)
     best = min(t for _, t in cands)
     tied = [o for o, t in cands if t <= best * (1.0 + ORDER_TIE_RTOL)]
-    identity = tuple(range(P))
-    return identity if identity in tied else min(tied)
+    preferred = tuple(range(P)) if preferred is None else preferred
+    return preferred if preferred in tied else min(tied)
 
 
-def exhaustive_order(search: RingSearch) -> tuple[int, ...]:
+def exhaustive_order(search: RingSearch, units: Optional[Sequence[Sequence[int]]] = None) -> tuple[int, ...]:
+    """The best ring over every order of ``units`` (groups of ranks kept together in their order;
+    default every rank alone), the first unit first."""
     P = search.P
-    orders = [(0,) + rest for rest in itertools.permutations(range(1, P))]  # lexicographic
+    units = [[r] for r in range(P)] if units is None else [list(u) for u in units]
+    orders = [tuple(r for k in (0,) + rest for r in units[k]) for rest in itertools.permutations(range(1, len(units)))]
     bounded = sorted(zip(search.lower_bounds(orders).tolist(), range(len(orders))))
-    # The best T is at least the smallest bound: if the identity is that close to it, it is tied
-    # with the best and wins; this settles symmetric models (one slow NIC: every order ties)
-    # without enumerating.
-    identity = orders[0]
-    if search.tau(identity) <= bounded[0][0] * (1.0 + ORDER_TIE_RTOL):
-        return identity
+    # The best T is at least the smallest bound: if the natural order (units by lowest rank, the
+    # identity for ranks) is that close to it, it is tied with the best and wins; this settles
+    # symmetric models (one slow NIC: every order ties) without enumerating.
+    natural = orders[0]
+    if search.tau(natural) <= bounded[0][0] * (1.0 + ORDER_TIE_RTOL):
+        return natural
     evaluated: list[tuple[tuple[int, ...], float]] = []
     best = math.inf
     for lb, i in bounded:
@@ -198,7 +253,15 @@ def exhaustive_order(search: RingSearch) -> tuple[int, ...]:
         t = search.tau(orders[i])
         evaluated.append((orders[i], t))
         best = min(best, t)
-    return _pick_order(evaluated, P)
+    return _pick_order(evaluated, P, natural)
+
+
+def level_units(P: int, topology: Optional[Topology]) -> list[list[int]]:
+    """The units a ring search orders: the hosts (their ranks together, ascending) when the
+    topology has hosts of several ranks, else single ranks; units by lowest rank."""
+    if topology is None or topology.num_hosts == P:
+        return [[r] for r in range(P)]
+    return _groups(topology.hosts)
 
 
 def _greedy_tour(rates: np.ndarray, start: int = 0) -> list[int]:
@@ -280,7 +343,7 @@ def _refine(search: RingSearch, order: tuple[int, ...], tau: float) -> tuple[tup
         return order, tau
     tries = 0
     while tries < REFINE_TRIES:
-        b, _ = ring_data(search.model, order, search.ref)
+        b = ring_data(search.model, order, search.ref).b
         # At LP 1's optimum the binding link has the largest (2 - y_p - y_{p+1}) / b_p; the shares
         # are those LP 2 would pick, but any optimal shares show the same bottleneck links, and the
         # narrowest ring link is the usual culprit: try it first.
@@ -301,7 +364,7 @@ def _refine(search: RingSearch, order: tuple[int, ...], tau: float) -> tuple[tup
                 moves.append(list(order[:i]) + list(order[i:j + 1])[::-1] + list(order[j + 1:]))
             for move in moves:
                 cand = _rotate_to_zero(move)
-                if cand == order:
+                if cand == order or float(search.lower_bounds([cand])[0]) >= tau * (1.0 - ORDER_TIE_RTOL):
                     continue
                 tries += 1
                 t = search.tau(cand)
@@ -315,27 +378,69 @@ def _refine(search: RingSearch, order: tuple[int, ...], tau: float) -> tuple[tup
     return order, tau
 
 
+def _neighbours(order: tuple[int, ...]):
+    """Every move of one rank to another place, every reversal, every swap (rank 0 stays first)."""
+    P = len(order)
+    for i in range(1, P):
+        rest = order[:i] + order[i + 1:]
+        for j in range(1, P):
+            if j != i:
+                yield rest[:j] + (order[i],) + rest[j:]
+    for i in range(1, P - 1):
+        for j in range(i + 1, P):
+            yield order[:i] + order[i:j + 1][::-1] + order[j + 1:]
+            s = list(order)
+            s[i], s[j] = s[j], s[i]
+            yield tuple(s)
+
+
+def local_search(search: RingSearch, order: tuple[int, ...], max_lps: int = 400) -> tuple[int, ...]:
+    """First-improvement local search over `_neighbours`, at most ``max_lps`` LPs (small rings)."""
+    tau = search.tau(order)
+    start = search.lps
+    improved = True
+    while improved and search.lps - start < max_lps:
+        improved = False
+        for cand in dict.fromkeys(_neighbours(order)):
+            if search.lps - start >= max_lps:
+                break
+            if float(search.lower_bounds([cand])[0]) >= tau * (1.0 - ORDER_TIE_RTOL):
+                continue
+            t = search.tau(cand)
+            if t < tau * (1.0 - ORDER_TIE_RTOL):
+                order, tau, improved = cand, t, True
+                break
+    return order
+
+
 def structured_order(search: RingSearch, topology: Optional[Topology] = None) -> tuple[int, ...]:
     """The best of `structured_orders` after `_refine`; LPs bounded whatever P."""
     candidates = structured_orders(search.model, topology)
-    bounds = search.lower_bounds(candidates) if search.P <= 64 else None
+    bounds = search.lower_bounds(candidates).tolist()
     scored: list[tuple[tuple[int, ...], float]] = []
     best = math.inf
-    for k, cand in enumerate(candidates):
-        if bounds is not None and bounds[k] > best * (1.0 + ORDER_TIE_RTOL):
-            continue
-        t = search.tau(cand)
-        scored.append((cand, t))
+    for lb, k in sorted(zip(bounds, range(len(candidates)))):   # by bound: stop once none can win
+        if lb > best * (1.0 + ORDER_TIE_RTOL):
+            break
+        t = search.tau(candidates[k])
+        scored.append((candidates[k], t))
         best = min(best, t)
     order = _pick_order(scored, search.P)
-    refined, t = _refine(search, order, dict(scored)[order])
-    return refined if t < dict(scored)[order] * (1.0 - ORDER_TIE_RTOL) else order
+    tau = dict(scored)[order]
+    # An order that meets its own lower bound cannot be improved: no refinement (uniform sites).
+    if tau <= float(search.lower_bounds([order])[0]) * (1.0 + ORDER_TIE_RTOL):
+        return order
+    refined, t = _refine(search, order, tau)
+    return refined if t < tau * (1.0 - ORDER_TIE_RTOL) else order
 
 
 @functools.lru_cache(maxsize=32)
 def best_plan(model: LinkModel, topology: Optional[Topology] = None, exhaustive: Optional[bool] = None) -> Plan:
-    """The best ring order and its shares: every order for P <= 8, else `structured_order`
-    (``exhaustive`` forces either; ``topology`` gives the levels, else they are detected).
+    """The best ring order and its shares: every order of the level's units (`level_units`) when
+    there are at most 8 ranks or 6 hosts (each order an LP over all the ranks: 5040 LPs of 8
+    ranks, 120 of up to 48), else `structured_order`.
+    ``exhaustive``: True tries every order of the *ranks*, False forces `structured_order`;
+    ``topology`` gives the levels (else sites are detected and every rank is its own host).
 
     Memoised (models and plans are immutable): choosing a plan asks for the best plan of one
     model once per candidate message size (`crossover_bytes`).
@@ -344,9 +449,17 @@ def best_plan(model: LinkModel, topology: Optional[Topology] = None, exhaustive:
     if P == 1:
         return Plan((0,), (1.0,), 0.0)
     search = RingSearch(model)
-    if exhaustive is None:
-        exhaustive = P <= MAX_EXHAUSTIVE_RANKS
-    order = exhaustive_order(search) if exhaustive else structured_order(search, topology)
+    units = level_units(P, topology)
+    if exhaustive is True:
+        order = exhaustive_order(search)
+    elif exhaustive is False or len(units) > (MAX_EXHAUSTIVE_RANKS if len(units) == P else MAX_EXHAUSTIVE_HOSTS):
+        order = structured_order(search, topology)
+    else:
+        order = exhaustive_order(search, units)
+        if len(units) < P <= MAX_LOCAL_SEARCH_RANKS:
+            # Keeping a host's ranks together can miss a ring that splits a fast host around a
+            # slow one: every move of one rank, reversal and swap, first improvement kept.
+            order = local_search(search, order)
     shares, per_byte = solve_shares(order, model, tau_star=search.tau(order))
     return Plan(order, shares, per_byte)
 

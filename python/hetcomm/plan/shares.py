@@ -9,7 +9,10 @@ reduce throughput of the rank at p) LP 1 is::
                 y_{p-1} + T r_p >= 1             for each position p with finite r_p
                 sum(y) = 1,  0 <= y <= 1
 
-(the cost model of `hetcomm.plan.cost`). Bandwidths are divided by the largest one before solving,
+and, for every link that several ranks share (``LinkModel.uplinks``: a site's WAN uplink, a host's
+NIC) and that the ring crosses, ``sum over the ring links crossing it of (2 - y_p - y_{p+1}) <= T
+rate`` (a shared link of one rank caps its one crossing link: folded into ``b_p``). That is the
+cost model of `hetcomm.plan.cost`, whole. Bandwidths are divided by the largest one before solving,
 so coefficients are O(1) and T is in units of (1 / largest bandwidth) per byte. The constraint
 matrix is sparse (two or three entries a row), so a ring of a thousand ranks solves in
 milliseconds. The LP is solved with HiGHS' dual simplex (``scipy.optimize.linprog(method=
@@ -42,6 +45,7 @@ the returned shares, never taken from the LP.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import numpy as np
@@ -70,36 +74,77 @@ def run_lp(c: np.ndarray, a_ub, b_ub: np.ndarray, a_eq, b_eq: np.ndarray,
     return res
 
 
-def ring_data(model: LinkModel, order: Sequence[int], scale: Optional[float] = None) -> tuple[np.ndarray, np.ndarray]:
-    """``(b, r)`` by ring position, divided by ``scale`` (default: the model's fastest link)."""
+@dataclass(frozen=True)
+class RingData:
+    """One ring order's LP data, by ring position, rates divided by the model's fastest link:
+    ``b[p]`` link p -> p+1 (capped by a shared link of a single rank at either end, which only
+    that link crosses), ``r[p]`` the reducer at p, and ``caps``: per shared link of several ranks
+    that the ring crosses, ``(positions, rate)``: the links at those positions cross it (leave or
+    enter its group), so their loads together stay within ``T * rate``."""
+
+    b: np.ndarray
+    r: np.ndarray
+    caps: tuple[tuple[tuple[int, ...], float], ...] = ()
+
+    def key(self) -> tuple:
+        return (tuple(self.b.tolist()), tuple(self.r.tolist()), self.caps)
+
+
+def ring_data(model: LinkModel, order: Sequence[int], scale: Optional[float] = None) -> RingData:
+    """The `RingData` of ``order`` (``scale``: divide rates by this, default the fastest link)."""
     ref = model.max_link if scale is None else scale
     idx = np.asarray(order, dtype=np.int64)
-    return model.bw[idx, np.roll(idx, -1)] / ref, model.reduce_array[idx] / ref
+    nxt = np.roll(idx, -1)
+    b = model.bw[idx, nxt]
+    caps = []
+    for group, out_bps, in_bps in model.uplinks:
+        member = np.zeros(model.world_size, dtype=bool)
+        member[list(group)] = True
+        leaving = member[idx] & ~member[nxt]
+        entering = ~member[idx] & member[nxt]
+        if len(group) == 1:            # one link each way crosses it: a cap on that link
+            b = np.where(leaving, np.minimum(b, out_bps), b)
+            b = np.where(entering, np.minimum(b, in_bps), b)
+            continue
+        for crossing, rate in ((leaving, out_bps), (entering, in_bps)):
+            if np.isfinite(rate) and crossing.any():
+                caps.append((tuple(int(p) for p in np.flatnonzero(crossing)), float(rate) / ref))
+    return RingData(b / ref, model.reduce_array[idx] / ref, tuple(caps))
 
 
-def _ring_rows(b: np.ndarray, r: np.ndarray, width: int):
+def _ring_rows(data: RingData, width: int):
     """LP 1's rows ``-y_p - y_{p+1} - b_p T <= -2`` (every link), then ``-y_{p-1} - r_p T <= -1``
-    (finite r_p), as a sparse matrix of ``width`` columns, T in column P."""
+    (finite r_p), then per cap ``sum over its links of (-y_p - y_{p+1}) - rate T <= -2 (links)``,
+    as a sparse matrix of ``width`` columns, T in column P."""
+    b, r = data.b, data.r
     P = len(b)
     pos = np.arange(P)
     finite = np.flatnonzero(np.isfinite(r))
     rows = [pos, pos, P + np.arange(len(finite))]
     cols = [pos, (pos + 1) % P, (finite - 1) % P]
     vals = [-np.ones(P), -np.ones(P), -np.ones(len(finite))]
-    rhs = np.concatenate([np.full(P, -2.0), np.full(len(finite), -1.0)])
+    rhs = [np.full(P, -2.0), np.full(len(finite), -1.0)]
     rows += [pos, P + np.arange(len(finite))]
     cols += [np.full(P, P), np.full(len(finite), P)]
     vals += [-b, -r[finite]]
+    first = P + len(finite)
+    for k, (positions, rate) in enumerate(data.caps):
+        at = np.asarray(positions)
+        row = np.full(len(at), first + k)
+        rows += [row, row, [first + k]]
+        cols += [at, (at + 1) % P, [P]]
+        vals += [-np.ones(len(at)), -np.ones(len(at)), [-rate]]
+    rhs.append(np.asarray([-2.0 * len(positions) for positions, _ in data.caps]))
+    n_rows = first + len(data.caps)
     matrix = sparse.csr_matrix((np.concatenate(vals), (np.concatenate(rows), np.concatenate(cols))),
-                               shape=(P + len(finite), width))
-    return matrix, rhs
+                               shape=(n_rows, width))
+    return matrix, np.concatenate(rhs)
 
 
-def min_tau(b: Sequence[float], r: Sequence[float]) -> float:
-    """LP 1: the least normalised T for ring data b (link p -> p+1) and r (reducer at p)."""
-    b, r = np.asarray(b, dtype=np.float64), np.asarray(r, dtype=np.float64)
-    P = len(b)
-    a_ub, b_ub = _ring_rows(b, r, P + 1)
+def min_tau(data: RingData) -> float:
+    """LP 1: the least normalised T for a ring's data."""
+    P = len(data.b)
+    a_ub, b_ub = _ring_rows(data, P + 1)
     c = np.zeros(P + 1)
     c[P] = 1.0
     a_eq = sparse.csr_matrix(np.append(np.ones(P), 0.0)[None, :])
@@ -107,13 +152,13 @@ def min_tau(b: Sequence[float], r: Sequence[float]) -> float:
     return float(res.x[P])
 
 
-def closest_to_uniform(b: Sequence[float], r: Sequence[float], tau_cap: float) -> list[float]:
+def closest_to_uniform(data: RingData, tau_cap: float) -> list[float]:
     """LP 2: shares (by position) minimising sum |y - 1/P| among those with T <= tau_cap.
 
     Rows in the order a dense build would give them (per position its link, then its reducer;
-    per share its two deviation rows), so that HiGHS walks to the same vertex where the L1
-    objective ties."""
-    b, r = np.asarray(b, dtype=np.float64), np.asarray(r, dtype=np.float64)
+    then the caps; per share its two deviation rows), so that HiGHS walks to the same vertex where
+    the L1 objective ties."""
+    b, r = data.b, data.r
     P = len(b)
     u = 1.0 / P
     pos = np.arange(P)
@@ -122,15 +167,24 @@ def closest_to_uniform(b: Sequence[float], r: Sequence[float], tau_cap: float) -
     link_row = pos + np.concatenate([[0], np.cumsum(finite)[:-1]])
     reduce_row = (link_row + 1)[finite]
     n_ring = P + int(finite.sum())
-    dev_row = n_ring + 2 * pos
-    rows = np.concatenate([link_row, link_row, reduce_row, dev_row, dev_row, dev_row + 1, dev_row + 1])
-    cols = np.concatenate([pos, (pos + 1) % P, (pos[finite] - 1) % P, pos, P + pos, pos, P + pos])
-    vals = np.concatenate([-np.ones(2 * P), -np.ones(int(finite.sum())), np.ones(P), -np.ones(P),
-                           -np.ones(P), -np.ones(P)])
-    a_ub = sparse.csr_matrix((vals, (rows, cols)), shape=(n_ring + 2 * P, 2 * P))
-    b_ub = np.empty(n_ring + 2 * P)
+    cap_rows, cap_cols, cap_rhs = [], [], []
+    for k, (positions, rate) in enumerate(data.caps):
+        at = np.asarray(positions)
+        cap_rows += [np.full(2 * len(at), n_ring + k)]
+        cap_cols += [np.concatenate([at, (at + 1) % P])]
+        cap_rhs.append(-(2.0 * len(at) - tau_cap * rate))
+    n_caps = len(data.caps)
+    dev_row = n_ring + n_caps + 2 * pos
+    rows = np.concatenate([link_row, link_row, reduce_row, *cap_rows, dev_row, dev_row, dev_row + 1, dev_row + 1])
+    cols = np.concatenate([pos, (pos + 1) % P, (pos[finite] - 1) % P, *cap_cols, pos, P + pos, pos, P + pos])
+    n_cap_entries = sum(len(c) for c in cap_cols)
+    vals = np.concatenate([-np.ones(2 * P), -np.ones(int(finite.sum())), -np.ones(n_cap_entries), np.ones(P),
+                           -np.ones(P), -np.ones(P), -np.ones(P)])
+    a_ub = sparse.csr_matrix((vals, (rows, cols)), shape=(n_ring + n_caps + 2 * P, 2 * P))
+    b_ub = np.empty(n_ring + n_caps + 2 * P)
     b_ub[link_row] = -(2.0 - tau_cap * b)
     b_ub[reduce_row] = -(1.0 - tau_cap * r[finite])
+    b_ub[n_ring:n_ring + n_caps] = cap_rhs
     b_ub[dev_row] = u                 # d_i >= y_i - 1/P
     b_ub[dev_row + 1] = -u            # d_i >= 1/P - y_i
     c = np.concatenate([np.zeros(P), np.ones(P)])
@@ -170,10 +224,10 @@ def solve_shares(order: Sequence[int], model: LinkModel,
     order = validate_order(order, P)
     if P == 1:
         return (1.0,), 0.0
-    b, r = ring_data(model, order)
+    data = ring_data(model, order)
     if tau_star is None:
-        tau_star = min_tau(b, r)
-    by_position = closest_to_uniform(b, r, tau_star * (1.0 + SHARE_TIE_RTOL))
+        tau_star = min_tau(data)
+    by_position = closest_to_uniform(data, tau_star * (1.0 + SHARE_TIE_RTOL))
     by_rank = [0.0] * P
     for pos, rank in enumerate(order):
         by_rank[rank] = by_position[pos]

@@ -21,9 +21,7 @@ model for the same earlier groups.
 """
 from __future__ import annotations
 
-import dataclasses
 import logging
-import math
 import os
 import sys
 import time
@@ -33,10 +31,9 @@ import torch
 
 from hetcomm import hosts
 from hetcomm import plan as planner
-from hetcomm.measure import measure_model, measure_site_uplinks, model_from_declared, parse_mbit
+from hetcomm.measure import measure_levels, measure_pairs, model_from_declared, parse_mbit
 from hetcomm.plan import levels as sites
-from hetcomm.plan.choose import (DECLARED_MIN_GAIN, MEASURED_MIN_GAIN, _same_partition, choose_plan,  # noqa: F401
-                                 hierarchical_enabled, segment_bytes_for, snap_measured, with_host_plan)
+from hetcomm.plan.choose import _same_partition, plan_for_group, with_host_plan
 from hetcomm.plan.schedules import SitePlan
 
 log = logging.getLogger("hetcomm")
@@ -94,12 +91,20 @@ def _covering_model(ranks: Sequence[int]) -> Optional[planner.LinkModel]:
     return model.restricted([key.index(r) for r in ranks])
 
 
-def _broadcast_floats(backend, values: Optional[list[float]]) -> list[float]:
-    """Rank 0's list of floats on every rank (its length first, then the values)."""
+def _broadcast_floats(backend, values: Optional[list[float]], failure: Optional[BaseException] = None) -> list[float]:
+    """Rank 0's list of floats on every rank (its length first, then the values). When rank 0
+    could not compute them (``failure``), the length is -1 and every rank raises, rank 0 its own
+    exception, the others one naming it, instead of waiting for a broadcast that never comes."""
     opts = torch.distributed.BroadcastOptions()
     opts.rootRank = 0
-    n = torch.tensor([float(len(values)) if backend.rank() == 0 else 0.0], dtype=torch.float64)
+    length = -1.0 if failure is not None else float(len(values)) if backend.rank() == 0 else 0.0
+    n = torch.tensor([length], dtype=torch.float64)
     backend.broadcast([n], opts).wait()
+    if n.item() < 0:
+        if failure is not None:
+            raise failure
+        raise RuntimeError("hetcomm: rank 0 could not plan this group (its error says why); group creation "
+                           "failed on every rank")
     buf = torch.zeros(int(n.item()), dtype=torch.float64)
     if backend.rank() == 0:
         buf[:] = torch.tensor(values, dtype=torch.float64)
@@ -164,16 +169,21 @@ def group_topology(backend, model: planner.LinkModel) -> sites.Topology:
     return sites.topology_from(rates=model.bw, declared=os.environ.get("HETCOMM_SITES"), addresses=addresses)
 
 
-def apply_model(backend, model: planner.LinkModel, min_gain: float = DECLARED_MIN_GAIN,
-                measured: bool = False) -> planner.Plan:
-    """Chooses (rank 0), agrees on and installs the plan for `model`; returns it."""
-    topology = group_topology(backend, model)
-    values = None
+def apply_model(backend, model: planner.LinkModel, measured: bool = False,
+                topology: Optional[sites.Topology] = None) -> planner.Plan:
+    """Chooses (rank 0), agrees on and installs the plan for `model`; returns it. ``topology``:
+    the group's levels when the probe found them, else from `group_topology`."""
+    if topology is None:
+        topology = group_topology(backend, model)
+    values, failure = None, None
     if backend.rank() == 0:
-        planning = snap_measured(model).with_rank_uplinks() if measured else model
-        values = _encode_plan(choose_plan(planning, min_gain, topology.sites, shared_host_labels(backend),
-                                                topology=topology))
-    plan = _decode_plan(_broadcast_floats(backend, values), backend.size(), topology)
+        start = time.perf_counter()
+        try:
+            values = _encode_plan(plan_for_group(model, topology, shared_host_labels(backend), measured))
+        except Exception as e:  # noqa: BLE001 - every rank must hear of it (_broadcast_floats)
+            failure = e
+        _log_plan(f"hetcomm plan: chosen by rank 0 in {time.perf_counter() - start:.3f} s")
+    plan = _decode_plan(_broadcast_floats(backend, values, failure), backend.size(), topology)
     install_plan(backend, plan)
     _models[backend.listen_address()] = model
     _topologies[backend.listen_address()] = topology
@@ -185,22 +195,42 @@ def apply_model(backend, model: planner.LinkModel, min_gain: float = DECLARED_MI
 def probe_backend(backend, ranks: Optional[Sequence[int]] = None) -> planner.LinkModel:
     """Measures (or reads the declared) model of a backend's group and installs its plan.
 
-    ``ranks``: the group's global ranks (default: the group is the world).
+    ``ranks``: the group's global ranks (default: the group is the world). The level probe
+    (`hetcomm.measure.schedule`: a constant number of rounds whatever the group's size) unless
+    ``HETCOMM_PROBE=pairs``, which times every pair of ranks (P - 1 rounds).
     """
     ranks = tuple(ranks) if ranks is not None else tuple(range(backend.size()))
     start = time.perf_counter()
     model = declared_model(ranks)
-    source, min_gain = "declared (HETCOMM_LINK_MBIT)", DECLARED_MIN_GAIN
-    if model is None:
-        model = measure_model(backend)
-        # Sites seen in the pair rates get their cuts measured with all their flows at once.
-        model = measure_site_uplinks(backend, model, group_topology(backend, model).sites)
-        _measured.pop(ranks, None)
-        _measured[ranks] = model
-        source, min_gain = "measured", MEASURED_MIN_GAIN
-    apply_model(backend, model, min_gain, measured=source == "measured")
-    _log_plan(f"hetcomm probe: {source} model in {time.perf_counter() - start:.3f} s")
+    if model is not None:
+        apply_model(backend, model, measured=False)
+        _log_plan(f"hetcomm probe: declared (HETCOMM_LINK_MBIT) model in {time.perf_counter() - start:.3f} s")
+        return model
+    labels = host_labels_of(backend) or tuple(range(backend.size()))
+    text = os.environ.get("HETCOMM_SITES", "").strip()
+    declared_sites = sites.parse_sites(text, backend.size()) if text else None
+    if probe_mode() == "pairs":
+        result = measure_pairs(backend, declared_sites)
+    else:
+        result = measure_levels(backend, labels, declared_sites, shared_memory=bool(shared_host_labels(backend)))
+    model = result.model
+    measured_in = time.perf_counter() - start
+    _measured.pop(ranks, None)
+    _measured[ranks] = model
+    hosts_known = len(set(labels)) > 1
+    topology = sites.Topology(sites=result.sites, hosts=labels if hosts_known else None)
+    apply_model(backend, model, measured=True, topology=topology)
+    _log_plan(f"hetcomm probe: measured in {measured_in:.3f} s ({'; '.join(result.rounds)}), planned and installed "
+              f"by {time.perf_counter() - start:.3f} s")
     return model
+
+
+def probe_mode() -> str:
+    """``HETCOMM_PROBE``: ``0`` (no probe: uniform plan), ``pairs`` (every pair), else the levels."""
+    mode = os.environ.get("HETCOMM_PROBE", "1").strip().lower()
+    if mode not in ("0", "1", "", "levels", "pairs"):
+        raise ValueError(f"hetcomm: HETCOMM_PROBE={mode!r}: choose 0 (no probe), levels (the default) or pairs")
+    return {"": "levels", "1": "levels"}.get(mode, mode)
 
 
 def host_labels_of(backend) -> Optional[tuple[int, ...]]:
@@ -228,16 +258,20 @@ def configure_group(backend, global_ranks: Optional[Sequence[int]] = None) -> No
     ranks = tuple(global_ranks) if global_ranks else tuple(range(backend.size()))
     if len(ranks) != backend.size():
         raise ValueError(f"hetcomm: {len(ranks)} global ranks given for a group of {backend.size()}")
+    start = time.perf_counter()
     labels, host_error = hosts.host_labels(backend, ranks)
     hosts.check_agreement(backend, hosts.settings(labels, host_error))
     if host_error:
         raise ValueError(host_error)  # every rank has the same error (checked just above)
     _host_labels[backend.listen_address()] = labels
+    agreed = time.perf_counter()
     _shared_memory[backend.listen_address()] = hosts.setup_shared_memory(backend, labels)
+    _log_plan(f"hetcomm group: hosts found and settings agreed in {agreed - start:.3f} s, shared memory set up "
+              f"in {time.perf_counter() - agreed:.3f} s")
     if os.environ.get("HETCOMM_LINK_MBIT"):
         probe_backend(backend, ranks)
         return
-    if os.environ.get("HETCOMM_PROBE", "1").strip() == "0":
+    if probe_mode() == "0":
         # No rates, but the hosts are known: the host level with equal pieces (every rank computes
         # the same plan from the same labels; the engine checks that they agree).
         shared = shared_host_labels(backend)
@@ -259,7 +293,7 @@ def configure_group(backend, global_ranks: Optional[Sequence[int]] = None) -> No
         return
     covering = _covering_model(ranks)
     if covering is not None:
-        apply_model(backend, covering, MEASURED_MIN_GAIN, measured=True)
+        apply_model(backend, covering, measured=True)
         _log_plan(f"hetcomm probe: global ranks {list(ranks)} were measured with an earlier group: no probe")
         return
     if len(set(labels)) == 1:

@@ -1,0 +1,119 @@
+"""The probe behind group creation and `hetcomm.probe()`: runs the rounds of
+`hetcomm.measure.schedule` and builds the planner's model. Collectives: every rank of the group
+calls them, and every rank ends with the same model (every measured number is agreed)."""
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Optional, Sequence
+
+import numpy as np
+
+from hetcomm.measure import schedule
+from hetcomm.measure.local import gather_reduce_and_latency
+from hetcomm.measure.rounds import SendBuffer, _transfer, run_round
+from hetcomm.plan.levels import _renumber, detect_sites
+from hetcomm.plan.model import LinkModel
+
+
+@dataclasses.dataclass
+class ProbeResult:
+    """The model, the sites it found (a label per rank), and what it took."""
+
+    model: LinkModel
+    sites: tuple[int, ...]
+    rounds: list[str]
+
+
+def _predicted(rates: dict) -> dict:
+    """A rate for every NIC unit between hosts measured so far (each sent and received in some
+    earlier round): min of the sender's fastest out-unit and the receiver's fastest in-unit."""
+    out: dict[int, float] = {}
+    into: dict[int, float] = {}
+    for label, rate in rates.items():
+        if label[0] == "nic":
+            out[label[1]] = max(out.get(label[1], 0.0), rate)
+            into[label[2]] = max(into.get(label[2], 0.0), rate)
+    return {("nic", a, b): min(out[a], into[b]) for a in out for b in into if a != b}
+
+
+def _run(backend, rounds: Sequence[schedule.Round], rates: dict, per_flow: dict, log: list[str],
+         send_buf: SendBuffer, **sizes) -> None:
+    for rnd in rounds:
+        start = time.perf_counter()
+        r, f = run_round(backend, rnd, send_buf=send_buf, predicted=_predicted(rates), **sizes)
+        rates.update(r)
+        per_flow.update(f)
+        log.append(f"{rnd.what} ({len(rnd.units)} units, {len(rnd.flows)} flows, {time.perf_counter() - start:.2f} s)")
+
+
+def _connect(backend, rounds: Sequence[schedule.Round], send_buf: SendBuffer, log: list[str]) -> None:
+    if rounds:
+        start = time.perf_counter()
+        rnd = schedule.connect_round(rounds)
+        _transfer(backend, rnd, [1] * len(rnd.flows), send_buf)
+        log.append(f"connect ({len(rnd.flows)} pairs, {time.perf_counter() - start:.2f} s)")
+
+
+def measure_levels(backend, host_labels: Sequence[int], declared_sites: Optional[Sequence[int]] = None,
+                   shared_memory: bool = False, *, target_seconds: float = 0.05,
+                   max_bytes: int = 16 << 20) -> ProbeResult:
+    """The level probe (`hetcomm.measure.schedule`): loopback and NIC rounds, the sites (declared,
+    else detected from the host pairs), then the cross-site and uplink rounds. ``shared_memory``:
+    the ranks of each host share memory (no loopback round)."""
+    hosts = _renumber(host_labels)
+    H = max(hosts) + 1
+    send_buf = SendBuffer()
+    sizes = dict(target_seconds=target_seconds, max_bytes=max_bytes)
+    rates: dict[tuple, float] = {}
+    per_flow: dict[tuple, float] = {}
+    log: list[str] = []
+    first = schedule.first_rounds(hosts, declared_sites, shared_memory)
+    _connect(backend, first, send_buf, log)
+    _run(backend, first, rates, per_flow, log, send_buf, **sizes)
+    if declared_sites is not None:
+        sites, measured_pairs = _renumber(declared_sites), None
+    else:
+        host_sites = detect_sites(schedule.host_pair_rates(H, rates)) if H > 1 else (0,)
+        sites = tuple(host_sites[h] for h in hosts)
+        measured_pairs = [label[1:] for label in rates if label[0] == "nic"]
+    if len(set(sites)) > 1:
+        later = schedule.site_rounds(hosts, sites, measured_pairs)
+        _connect(backend, later, send_buf, log)
+        _run(backend, later, rates, per_flow, log, send_buf, **sizes)
+    start = time.perf_counter()
+    reduce_bps, alpha = gather_reduce_and_latency(backend, send_buf.fastest_allreduce)
+    model = schedule.model_from_rates(hosts, sites, rates, per_flow, reduce_bps, alpha)
+    log.append(f"reduce and latency ({time.perf_counter() - start:.2f} s)")
+    return ProbeResult(model, tuple(sites), log)
+
+
+def measure_pairs(backend, declared_sites: Optional[Sequence[int]] = None, *, target_seconds: float = 0.05,
+                  max_bytes: int = 16 << 20) -> ProbeResult:
+    """The all-pairs probe (``HETCOMM_PROBE=pairs``): every ordered pair of ranks in P - 1 rounds,
+    then, where the rates show sites (or they are declared), each site's cut with the flow
+    pattern of the site schedule (`schedule.uplink_rounds`), as shared links of the model."""
+    P = backend.size()
+    send_buf = SendBuffer()
+    sizes = dict(target_seconds=target_seconds, max_bytes=max_bytes)
+    rates: dict[tuple, float] = {}
+    per_flow: dict[tuple, float] = {}
+    log: list[str] = []
+    pairs = schedule.pair_rounds(P)
+    _connect(backend, pairs, send_buf, log)
+    _run(backend, pairs, rates, per_flow, log, send_buf, **sizes)
+    bw = np.zeros((P, P))
+    for (_, i, j), rate in rates.items():
+        bw[i, j] = rate
+    sites = _renumber(declared_sites) if declared_sites is not None else detect_sites(bw) if P > 1 else (0,)
+    reduce_bps, alpha = gather_reduce_and_latency(backend, send_buf.fastest_allreduce)
+    model = LinkModel(bw=bw + np.eye(P), reduce_bps=reduce_bps, alpha=alpha)
+    S = len(set(sites))
+    if S > 1:
+        up: dict[tuple, float] = {}
+        _run(backend, schedule.uplink_rounds(sites), up, {}, log, send_buf, **sizes)
+        members = [tuple(r for r in range(P) if sites[r] == s) for s in range(S)]
+        out = [up.get(("uplink", s, "out"), np.inf) for s in range(S)]
+        into = [up.get(("uplink", s, "in"), np.inf) for s in range(S)] if S > 2 else [out[1], out[0]]
+        model = dataclasses.replace(model, uplinks=tuple(zip(members, out, into)))
+    return ProbeResult(model, tuple(sites), log)

@@ -1,0 +1,164 @@
+"""Running one probe round over a group: every flow of the round at once, timed at its receiver.
+
+A round (`hetcomm.measure.schedule.Round`) is a set of flows, grouped into units measured
+together. Every rank of the group runs `run_round` with the same round (it is a collective: ranks
+outside the round's flows still take part in its agreements).
+
+A flow is timed at its receiver: a one-byte "start" message, then the payload on the same
+connection; a receiver notes when the last of its start messages arrived and when the last byte
+of its payloads did. A unit whose receivers are on one host (their clocks compare: NIC, loopback
+and cross-site units) takes from its first start to its last end, so flows that started late
+(processes scheduled apart on a busy host) do not make the NIC look faster than it is; other
+units take the longest of their receivers' own intervals. A unit's rate is all of its bytes
+over its time. Errors go both ways: interference (other
+processes, other flows) makes a transfer look slower, while the clock starting late (the start
+message is noticed a little after it arrived, and payload that came meanwhile looks instantaneous;
+token-bucket bursts too) makes it look faster. Long transfers shrink both; the median of three
+discards one outlier of either kind. (Seen on the simulated two-site cluster with 20 ms transfers
+and best-of-two: a 100 Mbit/s link measured 151% of its rate.)
+
+Sizes: a short warm-up (``warmup_bytes`` a unit, grown while it fits in the socket buffers)
+gives every unit a rate; each unit's flows then get the size that takes it about ``target_seconds`` (at most ``max_bytes`` a flow and
+``4 * max_bytes`` a unit, at least ``min_bytes``), and three timed transfers follow. So a slow
+link and a fast one are each timed for about the target, in one round, instead of doubling sizes
+until the fastest flow takes long enough while the slow ones take ten times longer. Every size
+and time is agreed by an allreduce, so every rank holds identical numbers.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Optional
+
+import torch
+
+from hetcomm.measure.schedule import Round
+
+_TAG = 0x4843  # point-to-point tag of the probe
+
+
+def allreduce(backend, t: torch.Tensor, op) -> torch.Tensor:
+    opts = torch.distributed.AllreduceOptions()
+    opts.reduceOp = op
+    backend.allreduce([t], opts).wait()
+    return t
+
+
+class SendBuffer:
+    """Zeros to send from, grown on demand: a probe of small flows never touches 16 MB a rank
+    (32 ranks zeroing 16 MB each at once took a second on a two-core machine). Also keeps the
+    fastest of the probe's small agreement allreduces (``fastest_allreduce``), this rank's view of
+    the group's per-message latency."""
+
+    def __init__(self) -> None:
+        self.data = torch.zeros(0, dtype=torch.uint8)
+        self.fastest_allreduce = float("inf")
+
+    def at_least(self, nbytes: int) -> torch.Tensor:
+        if self.data.numel() < nbytes:
+            self.data = torch.zeros(nbytes, dtype=torch.uint8)
+        return self.data
+
+
+def _transfer(backend, rnd: Round, sizes: list[int], send_buf: SendBuffer) -> list[float]:
+    """One concurrent transfer of every flow of ``rnd`` (``sizes[k]`` bytes for flow k).
+
+    Returns ``[start_0, end_0, start_1, end_1, ...]``, agreed on every rank: for each flow, when
+    its receiver had all of its start messages and when it had all of its payloads (its monotonic
+    clock, in seconds)."""
+    rank = backend.rank()
+    flows = rnd.flows
+    incoming = [k for k, (_, dst) in enumerate(flows) if dst == rank]
+    outgoing = [k for k, (src, _) in enumerate(flows) if src == rank]
+    starts, payloads = [], []
+    for k in incoming:
+        src = flows[k][0]
+        starts.append(backend.recv([torch.empty(1, dtype=torch.uint8)], src, _TAG))
+        payloads.append(backend.recv([torch.empty(sizes[k], dtype=torch.uint8)], src, _TAG))
+    start_out = torch.zeros(1, dtype=torch.uint8)
+    data = send_buf.at_least(max((sizes[k] for k in outgoing), default=0))
+    sends = []
+    for k in outgoing:
+        dst = flows[k][1]
+        sends.append(backend.send([start_out], dst, _TAG))
+        sends.append(backend.send([data[:sizes[k]]], dst, _TAG))
+    for w in starts:
+        w.wait()
+    t0 = time.perf_counter()
+    for w in payloads:
+        w.wait()
+    t1 = time.perf_counter()
+    for w in sends:
+        w.wait()
+    stamps = torch.zeros(2 * max(len(flows), 1), dtype=torch.float64)
+    for k in incoming:
+        stamps[2 * k], stamps[2 * k + 1] = t0, max(t1, t0 + 1e-9)
+    t2 = time.perf_counter()
+    out = allreduce(backend, stamps, torch.distributed.ReduceOp.MAX).tolist()
+    send_buf.fastest_allreduce = min(send_buf.fastest_allreduce, time.perf_counter() - t2)
+    return out
+
+
+def _unit_times(rnd: Round, stamps: list[float]) -> list[float]:
+    """Each unit's time: from its first flow's start to its last flow's end where its receivers
+    share a clock (one host), else the longest of its receivers' own intervals."""
+    out = []
+    k = 0
+    for unit in rnd.units:
+        spans = [(stamps[2 * j], stamps[2 * j + 1]) for j in range(k, k + len(unit.flows))]
+        k += len(unit.flows)
+        if unit.one_clock:
+            out.append(max(e for _, e in spans) - min(s for s, _ in spans))
+        else:
+            out.append(max(e - s for s, e in spans))
+    return [max(t, 1e-9) for t in out]
+
+
+def run_round(backend, rnd: Round, *, target_seconds: float = 0.05, warmup_bytes: int = 256 << 10,
+              min_bytes: int = 64 << 10, max_bytes: int = 16 << 20, send_buf: Optional[SendBuffer] = None,
+              predicted: Optional[dict[tuple, float]] = None) -> tuple[dict[tuple, float], dict[tuple, float]]:
+    """Measures every unit of ``rnd``: ``(rates, per_flow)`` by unit label, bytes/s (all of the
+    unit's bytes over its time, and that divided by its number of flows). ``predicted``: rates
+    for some units (from earlier rounds, the same on every rank), which size their warm-up. A
+    collective."""
+    if not rnd.units:
+        return {}, {}
+    if send_buf is None:
+        send_buf = SendBuffer()
+    flow_unit = [u for u, unit in enumerate(rnd.units) for _ in unit.flows]
+    counts = [len(unit.flows) for unit in rnd.units]
+
+    def rates_of(sizes: list[int]) -> tuple[list[float], list[float]]:
+        times = _unit_times(rnd, _transfer(backend, rnd, sizes, send_buf))
+        nbytes = [0.0] * len(rnd.units)
+        for k, u in enumerate(flow_unit):
+            nbytes[u] += sizes[k]
+        return [b / t for b, t in zip(nbytes, times)], times
+
+    # Warm-up: about warmup_bytes a unit, or an eighth of the target's worth of its predicted rate.
+    # A transfer that fits in socket buffers looks instantaneous, so a unit that took under a
+    # tenth of the target is warmed up again with 8x the bytes (at most three times).
+    per_unit = []
+    for u, unit in enumerate(rnd.units):
+        guess = (predicted or {}).get(unit.label)
+        total = guess * target_seconds / 8 if guess else warmup_bytes
+        per_unit.append(int(max(min_bytes // 4, min(max_bytes, total / counts[u]))) // 4096 * 4096)
+    for _ in range(4):
+        estimate, times = rates_of([per_unit[u] for u in flow_unit])
+        short = [u for u in range(len(rnd.units)) if times[u] < target_seconds / 10 and per_unit[u] < max_bytes]
+        if not short:
+            break
+        for u in short:
+            per_unit[u] = min(max_bytes, per_unit[u] * 8)
+    per_unit = []
+    for u in range(len(rnd.units)):
+        total = min(estimate[u] * target_seconds, 4.0 * max_bytes)
+        per_unit.append(int(max(min_bytes, min(max_bytes, total / counts[u]))) // 4096 * 4096)
+    sizes = [per_unit[u] for u in flow_unit]
+    repeats = [rates_of(sizes)[0] for _ in range(3)]
+    rates, per_flow = {}, {}
+    for u, unit in enumerate(rnd.units):
+        rate = statistics.median(r[u] for r in repeats)
+        rates[unit.label] = rate
+        per_flow[unit.label] = rate / counts[u]
+    return rates, per_flow

@@ -1,0 +1,343 @@
+"""What the probe measures, round by round: a pure schedule over hosts and sites, and the model
+it builds.
+
+The planner (`hetcomm.plan`) needs a rate for every link a schedule may use and the rate of every
+link that several flows share (``LinkModel.uplinks``). On a cluster of hosts in sites those are a
+few *classes*, not P^2 pairs:
+
+* **loopback**: ranks of one host talk through the host (shared memory or loopback TCP);
+* **host NICs**: every flow between two hosts of a site leaves one NIC and enters another, so a
+  link between hosts a and b runs at ``min(out_a, in_b)`` and the host's flows together share
+  ``out_a`` / ``in_a``;
+* **cross-site links**: a flow from site s to site t also crosses what joins them, one flow at
+  ``cross[s][t]``;
+* **site uplinks**: all of a site's cross-site flows together get ``site_out[s]`` (``site_in[s]``)
+  when the site sits behind one shared WAN link, or the sum of independent paths when it does not.
+
+So the probe measures each class *with all of its flows at once* (what the schedules do: the
+host-level and site-level AllReduce move every rank's share through a NIC at the same time), in a
+number of rounds that does not grow with the number of ranks. Rounds, in order:
+
+1. ``loopback`` (one round, when a host has several ranks and they do not share memory): in
+   every host, local rank k sends to local rank k + 1. One unit per host: the rate of one flow
+   while all of them run. With shared memory the schedules never send between the ranks of a
+   host over TCP, and the model takes ten times the fastest NIC (`UNMEASURED_LOOPBACK_FACTOR`).
+2. ``nic`` (at most four rounds): in every site, the hosts in a ring; round j sends host i's ranks
+   to host i + d_j (d in 1, 2, 3 and half the site's hosts: `nic_shifts`), every local rank to
+   one rank of that host. One unit per host pair: all its flows together, so the unit's rate is
+   ``min(out_a, in_b)`` of the two NICs. A host's ``out`` comes from its (up to four) out-units,
+   its ``in`` from its in-units (`nic_estimate`: the median of those near the fastest): a NIC is
+   underestimated only if all its partners' NICs are slower than it. Spread shifts (1, 2, 3 and m/2) keep a run of slow hosts
+   in the numbering, or every other host slow, from hiding a fast NIC.
+   When sites are not declared, the hosts form one ring and the host-pair rates also show the
+   sites (`hetcomm.plan.levels.detect_sites` on the host-level matrix; unknown pairs join nothing).
+3. ``repair`` (at most one round, only for detected sites): hosts that met no host of their own
+   site in step 2 (the host at a site's border, whose shifts all left the site) send to and
+   receive from their site's next host, so their NIC is not read off the WAN.
+Rounds 4 and 5 are skipped for two sites one of which is a single host (`needs_site_rounds`):
+a slow NIC looks like that, and the NIC rounds already measured what crosses.
+
+4. ``cross`` (S - 1 rounds for S sites): in round d, the first rank of every site s sends to the
+   first rank of site s + d, one flow per site pair: ``cross[s][s + d]``, what one ring link
+   across the sites gets.
+5. ``uplink`` (one round for two sites, S rounds for S >= 3): every rank of site s sends to the
+   ranks of the other sites (all of them when the site plan would pair them all, at most
+   `ALL_PAIRS_FLOWS` flows, else round robin, one partner in each other site) and they send back
+   at once; for S >= 3 one site at a time. Units: what leaves site s, what enters it. Measured
+   with the flow pattern of the site schedule, so a shared WAN uplink shows as one rate and
+   independent paths as their sum.
+
+Rounds: at most ``1 + 4 + 1 + (S - 1) + S``, 13 for four sites, whatever P (`round_count`).
+
+The model (`model_from_rates`) is `LinkModel.from_levels`: ``bw`` from the classes above and one
+shared link per host NIC and per site; that is the matrix the planner needs, because every
+schedule it plans moves data over exactly these classes: a ring link is one flow between two
+hosts (NIC rates, plus the cross-site rate when it crosses), the hierarchical schedules move
+all of a host's (site's) shares through its NIC (uplink) at once.
+
+Pure: no torch, no processes; `hetcomm.measure.probe` runs the rounds.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import numpy as np
+
+from hetcomm.plan.levels import _renumber
+from hetcomm.plan.model import LinkModel
+
+UNMEASURED_LOOPBACK_FACTOR = 10.0
+NIC_SPREAD = 1.25             # units within this of a NIC's fastest were not held back by their partner
+ALL_PAIRS_FLOWS = 64          # an uplink round pairs every rank of a site with every other site's up to here
+MAX_NIC_ROUNDS = 4
+
+
+@dataclass(frozen=True)
+class Unit:
+    """Flows of one round measured together: ``rate = their bytes / their time``. ``label``: what
+    the unit measures, e.g. ``("nic", a, b)`` for host a to host b. ``one_clock``: all its
+    receivers are on one host, so their clocks compare and the unit's time runs from the first
+    flow's start to the last one's end (else the longest of its receivers' own times)."""
+
+    label: tuple
+    flows: tuple[tuple[int, int], ...]       # (src rank, dst rank)
+    one_clock: bool = True
+
+
+@dataclass(frozen=True)
+class Round:
+    what: str                                # loopback, nic, repair, cross, uplink
+    units: tuple[Unit, ...]
+
+    @property
+    def flows(self) -> list[tuple[int, int]]:
+        return [f for u in self.units for f in u.flows]
+
+
+def _members(labels: Sequence[int]) -> list[list[int]]:
+    out: dict[int, list[int]] = {}
+    for r, label in enumerate(labels):
+        out.setdefault(label, []).append(r)
+    return list(out.values())
+
+
+def nic_shifts(m: int) -> list[int]:
+    """The host-ring shifts of the NIC rounds for a site of ``m`` hosts."""
+    return sorted({d for d in (1, 2, 3, m // 2) if 1 <= d < m})
+
+
+def _host_pair_unit(label: tuple, src: Sequence[int], dst: Sequence[int]) -> Unit:
+    """Every rank of the source host to one rank of the destination (round robin)."""
+    return Unit(label, tuple((r, dst[k % len(dst)]) for k, r in enumerate(src)))
+
+
+def loopback_round(hosts: Sequence[int]) -> Optional[Round]:
+    units = []
+    for h, ranks in enumerate(_members(_renumber(hosts))):
+        L = len(ranks)
+        if L > 1:
+            units.append(Unit(("loopback", h), tuple((ranks[k], ranks[(k + 1) % L]) for k in range(L))))
+    return Round("loopback", tuple(units)) if units else None
+
+
+def nic_rounds(hosts: Sequence[int], sites: Optional[Sequence[int]] = None) -> list[Round]:
+    """Host rings per site (one ring of every host without sites), shifts of `nic_shifts`."""
+    host_labels = _renumber(hosts)
+    ranks_of = _members(host_labels)
+    site_of_host = [0] * len(ranks_of)
+    if sites is not None:
+        for r, h in enumerate(host_labels):
+            site_of_host[h] = sites[r]
+    rings = _members(site_of_host)                        # hosts of each site, ascending
+    per_ring = [nic_shifts(len(ring)) for ring in rings]
+    rounds = []
+    for j in range(max((len(d) for d in per_ring), default=0)):
+        units = []
+        for ring, shifts in zip(rings, per_ring):
+            if j < len(shifts):
+                m = len(ring)
+                for i, a in enumerate(ring):
+                    b = ring[(i + shifts[j]) % m]
+                    units.append(_host_pair_unit(("nic", a, b), ranks_of[a], ranks_of[b]))
+        rounds.append(Round("nic", tuple(units)))
+    return rounds
+
+
+def repair_round(hosts: Sequence[int], sites: Sequence[int], measured: Sequence[tuple[int, int]]) -> Optional[Round]:
+    """For hosts with no measured out- (in-) pair inside their site among ``measured`` host pairs,
+    a flow to (from) the next (previous) host of their site."""
+    host_labels = _renumber(hosts)
+    ranks_of = _members(host_labels)
+    site_of_host = [0] * len(ranks_of)
+    for r, h in enumerate(host_labels):
+        site_of_host[h] = sites[r]
+    has_out = {a for a, b in measured if site_of_host[a] == site_of_host[b]}
+    has_in = {b for a, b in measured if site_of_host[a] == site_of_host[b]}
+    pairs = []
+    for ring in _members(site_of_host):
+        m = len(ring)
+        if m < 2:
+            continue
+        for i, a in enumerate(ring):
+            nxt = ring[(i + 1) % m]
+            if a not in has_out or nxt not in has_in:
+                pairs.append((a, nxt))
+    units = tuple(_host_pair_unit(("nic", a, b), ranks_of[a], ranks_of[b]) for a, b in dict.fromkeys(pairs))
+    return Round("repair", units) if units else None
+
+
+def cross_rounds(sites: Sequence[int]) -> list[Round]:
+    ranks_of = _members(_renumber(sites))
+    S = len(ranks_of)
+    return [Round("cross", tuple(Unit(("cross", s, (s + d) % S), ((ranks_of[s][0], ranks_of[(s + d) % S][0]),))
+                                 for s in range(S)))
+            for d in range(1, S)]
+
+
+def _site_flows(src: Sequence[int], dst_sites: Sequence[Sequence[int]]) -> tuple[tuple[int, int], ...]:
+    """Flows from the ranks ``src`` to the sites ``dst_sites``: every pair when the site plan
+    would pair them all (at most ALL_PAIRS_FLOWS), else one partner per rank in each site."""
+    everyone = [r for site in dst_sites for r in site]
+    if len(src) * len(everyone) <= ALL_PAIRS_FLOWS:
+        return tuple((a, b) for a in src for b in everyone)
+    return tuple((a, site[k % len(site)]) for site in dst_sites for k, a in enumerate(src))
+
+
+def uplink_rounds(sites: Sequence[int], hosts: Optional[Sequence[int]] = None) -> list[Round]:
+    ranks_of = _members(_renumber(sites))
+    S = len(ranks_of)
+    if S < 2:
+        return []
+
+    def unit(label: tuple, flows: tuple[tuple[int, int], ...]) -> Unit:
+        receivers = {hosts[b] if hosts is not None else b for _, b in flows}
+        return Unit(label, flows, one_clock=len(receivers) == 1)
+
+    if S == 2:
+        return [Round("uplink", (unit(("uplink", 0, "out"), _site_flows(ranks_of[0], [ranks_of[1]])),
+                                 unit(("uplink", 1, "out"), _site_flows(ranks_of[1], [ranks_of[0]]))))]
+    rounds = []
+    for s in range(S):
+        others = [ranks_of[t] for t in range(S) if t != s]
+        into = tuple((a, b) for t in range(S) if t != s for a, b in _site_flows(ranks_of[t], [ranks_of[s]]))
+        rounds.append(Round("uplink", (unit(("uplink", s, "out"), _site_flows(ranks_of[s], others)),
+                                       unit(("uplink", s, "in"), into))))
+    return rounds
+
+
+def site_rounds(hosts: Sequence[int], sites: Sequence[int], measured_host_pairs: Optional[Sequence[tuple[int, int]]]
+                ) -> list[Round]:
+    """Rounds 3-5 once the sites are known (``measured_host_pairs``: the NIC rounds' host pairs when
+    the sites were detected after them, None when declared before)."""
+    rounds = []
+    if measured_host_pairs is not None:
+        repair = repair_round(hosts, sites, measured_host_pairs)
+        if repair is not None:
+            rounds.append(repair)
+    if not needs_site_rounds(hosts, sites):
+        return rounds
+    return rounds + cross_rounds(sites) + uplink_rounds(sites, hosts)
+
+
+def needs_site_rounds(hosts: Sequence[int], sites: Sequence[int]) -> bool:
+    """False for two sites of which one is a single host (a slow NIC looks like that): every NIC
+    round already sent that host's flows across to the other site, so its NIC units are the
+    cross-site rates, and the other site's uplink toward one host is bounded by that host's NIC."""
+    host_labels = _renumber(hosts)
+    per_site: dict[int, set[int]] = {}
+    for r, s in enumerate(_renumber(sites)):
+        per_site.setdefault(s, set()).add(host_labels[r])
+    return len(per_site) > 2 or min(len(h) for h in per_site.values()) > 1
+
+
+def first_rounds(hosts: Sequence[int], sites: Optional[Sequence[int]] = None,
+                 shared_memory: bool = False) -> list[Round]:
+    """Rounds 1-2: loopback (unless the hosts' ranks share memory) and the NIC rounds (within
+    declared sites, else over every host)."""
+    loop = None if shared_memory else loopback_round(hosts)
+    return ([loop] if loop is not None else []) + nic_rounds(hosts, sites)
+
+
+def connect_round(rounds: Sequence[Round]) -> Round:
+    """Every pair of ranks the rounds will use, once: one tiny transfer opens all their connections
+    at once, so that no round's warm-up pays for them one after the other."""
+    pairs = tuple(dict.fromkeys(f for rnd in rounds for f in rnd.flows))
+    return Round("connect", (Unit(("connect",), pairs, one_clock=False),))
+
+
+def round_count(hosts: Sequence[int], sites: Sequence[int], declared: bool = True,
+                shared_memory: bool = False) -> int:
+    """Measuring rounds of the whole probe for these hosts and sites (the sites found when not
+    declared); the connect rounds, which time nothing, are not counted."""
+    first = first_rounds(hosts, sites if declared else None, shared_memory)
+    if len(set(sites)) < 2:
+        return len(first)
+    pairs = None if declared else [u.label[1:] for r in first if r.what == "nic" for u in r.units]
+    return len(first) + len(site_rounds(hosts, sites, pairs))
+
+
+def pair_rounds(world_size: int) -> list[Round]:
+    """Every ordered pair of ranks, one flow each, in P - 1 rounds (round s: rank r to r + s),
+    each rank sending one flow and receiving one: the all-pairs probe (``HETCOMM_PROBE=pairs``),
+    for comparison and for links that follow no levels."""
+    P = world_size
+    return [Round("pairs", tuple(Unit(("pair", r, (r + s) % P), ((r, (r + s) % P),)) for r in range(P)))
+            for s in range(1, P)]
+
+
+def host_pair_rates(H: int, rates: dict[tuple, float]) -> np.ndarray:
+    """The H x H matrix of measured host-pair (NIC unit) rates, 0 where not measured."""
+    out = np.zeros((H, H))
+    for label, rate in rates.items():
+        if label[0] == "nic":
+            out[label[1], label[2]] = max(out[label[1], label[2]], rate)
+    return out
+
+
+def nic_estimate(unit_rates: np.ndarray) -> float:
+    """A NIC's rate from its units' (0: not measured): each unit ran at ``min(this NIC, the
+    partner's)``, so units well below the fastest were held back by their partner; the median of
+    those within `NIC_SPREAD` of the fastest is the NIC (the fastest alone would be the largest
+    timing error too). 0 when nothing was measured."""
+    measured = unit_rates[unit_rates > 0]
+    if not len(measured):
+        return 0.0
+    top = measured.max()
+    return float(np.median(measured[measured * NIC_SPREAD >= top]))
+
+
+def model_from_rates(hosts: Sequence[int], sites: Sequence[int], rates: dict[tuple, float],
+                     per_flow: dict[tuple, float], reduce_bps: Sequence[float], alpha: float) -> LinkModel:
+    """The planner's model from the units' rates (``rates``: aggregate, ``per_flow``: per flow).
+
+    Host NICs: the fastest out- and in-unit of each host; a host that met no other host of its
+    site takes its site's uplink (a site of one host: its NIC is its uplink). Loopback: the per-flow
+    rate of the host's unit. Cross-site: the single flow's rate, capped by the NICs. Site uplinks:
+    the units' aggregate rates; with two sites what leaves one enters the other."""
+    host_labels = np.asarray(_renumber(hosts))
+    site_labels = np.asarray(_renumber(sites))
+    H, S = int(host_labels.max()) + 1, int(site_labels.max()) + 1
+    pair = host_pair_rates(H, rates)
+    out_h = np.array([nic_estimate(pair[h]) for h in range(H)])
+    in_h = np.array([nic_estimate(pair[:, h]) for h in range(H)])
+    site_of_host = np.zeros(H, dtype=np.int64)
+    site_of_host[host_labels] = site_labels
+    site_out = np.zeros(S)
+    site_in = np.zeros(S)
+    for label, rate in rates.items():
+        if label[0] == "uplink":
+            s, direction = label[1], label[2]
+            if S == 2:                       # what leaves one site enters the other
+                site_out[s], site_in[1 - s] = rate, rate
+            elif direction == "out":
+                site_out[s] = rate
+            else:
+                site_in[s] = rate
+    cross = np.zeros((S, S))
+    for label, rate in per_flow.items():
+        if label[0] == "cross":
+            cross[label[1], label[2]] = rate
+    loop = np.zeros(H)
+    for label, rate in per_flow.items():
+        if label[0] == "loopback":
+            loop[label[1]] = rate
+    # What nothing measured: a lone host of a site takes the site's uplink; a lone host of the
+    # group (one host) has no NIC in the model at all (every link is loopback).
+    fallback = max([v for v in (*out_h, *in_h, *site_out, *site_in, *loop) if v > 0], default=1e9)
+    for h in range(H):
+        s = site_of_host[h]
+        if out_h[h] <= 0:
+            out_h[h] = site_out[s] if site_out[s] > 0 else fallback
+        if in_h[h] <= 0:
+            in_h[h] = site_in[s] if site_in[s] > 0 else fallback
+    nic_max = max(out_h.max(), in_h.max())
+    loop = np.where(loop > 0, loop, UNMEASURED_LOOPBACK_FACTOR * nic_max)
+    if S > 1:
+        # Not measured (`needs_site_rounds`): nothing between the sites but the NICs.
+        cross = np.where(cross > 0, cross, np.inf)
+        site_out = np.where(site_out > 0, site_out, np.inf)
+        site_in = np.where(site_in > 0, site_in, np.inf)
+    return LinkModel.from_levels(host_labels, site_labels, host_out=out_h, host_in=in_h, loopback=loop,
+                                 cross_site=cross if S > 1 else None, site_out=site_out if S > 1 else None,
+                                 site_in=site_in if S > 1 else None, reduce_bps=reduce_bps, alpha=alpha)

@@ -1,147 +1,138 @@
-"""How long hetcomm's link probe takes: 4 ranks on unshaped loopback, and at group creation.
+"""Group creation with probing on the simulator, and the plan it gives, level probe beside
+all-pairs probe.
 
-Two measurements, written to one JSON::
+    python benchmarks/probe_time.py [--hosts 0,0,0,0,1,...] [--nic-mbit 100,...,25] [--runs 5] \
+        [--probes levels,pairs] [--json benchmarks/results/probe_time.json]
 
-    python benchmarks/probe_time.py --json benchmarks/results/probe_time.json
+Default cluster: 32 ranks in 8 hosts of 4 (``--hosts``: one network namespace and one shaped NIC a
+host, loopback inside), host NICs of 100 Mbit/s and one of 25 Mbit/s. Needs root.
 
-* ``loopback``: ranks started here with ``torch.multiprocessing`` on 127.0.0.1. Group creation
-  skips the probe there (one host: nothing to measure), so each rank times ``hetcomm.probe()``,
-  the same code path, ``--calls`` times; a call's time is the slowest rank's.
-* ``sim_creation`` (root only; skipped with the reason otherwise): the same ranks in
-  ``hetcomm.sim --nprocs 4`` (a namespace per rank, nothing shaped), where every rank has its own
-  address, so ``init_process_group`` probes: it reports the group creation time (probe
-  included, and the store rendezvous) and the same ``hetcomm.probe()`` calls.
+Each run starts the cluster once per probe (``HETCOMM_PROBE=levels``, the default, and
+``HETCOMM_PROBE=pairs``, every pair of ranks in P - 1 rounds) and every rank times its
+``init_process_group``. Reported per run and probe:
+
+* ``create_s``: from the moment the last rank entered ``init_process_group`` to the moment the
+  last one left it (host detection, shared memory, the probe, planning, the plan's broadcast);
+* ``probe_log``: rank 0's account of the probe's rounds and their times (``HETCOMM_LOG_LEVEL=2``);
+* ``predicted_s``: the planner's predicted time of a 64 MB allreduce under the plan the group
+  installed, on the cluster's *physical* model (`hetcomm.bench.analysis.physical_model`: the
+  shaped rates), and the physical bound beside it.
+
+The summary gives the median and range over the runs of the creation time per probe, and of the
+ratio of the level probe's predicted time to the all-pairs probe's (same run, same cluster).
+On a two-core machine the 32 ranks share two cores, so NIC rates are kept low enough (100 Mbit/s
+a host) that the simulated network, not the CPU, is what the probe measures.
 """
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
-import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "python"))
+
+from hetcomm.bench.records import command_line, write_records  # noqa: E402
+
+NBYTES = 64 << 20
 
 RANK_CODE = r'''
-import datetime, json, os, sys, time
+import datetime, json, time
 import torch.distributed as dist
 import hetcomm
-calls = int(sys.argv[1])
-t0 = time.perf_counter()
-dist.init_process_group("hetcomm", timeout=datetime.timedelta(seconds=120))
-created = time.perf_counter() - t0
-probes = []
-for _ in range(calls):
-    dist.barrier()
-    t = time.perf_counter()
-    hetcomm.probe()
-    probes.append(time.perf_counter() - t)
-print("PROBE_TIME " + json.dumps({"rank": dist.get_rank(), "create_s": created, "probe_s": probes}), flush=True)
+t_enter = time.time()
+dist.init_process_group("hetcomm", timeout=datetime.timedelta(seconds=600))
+t_done = time.time()
+out = {"rank": dist.get_rank(), "enter": t_enter, "done": t_done}
+if dist.get_rank() == 0:
+    plan = hetcomm.get_plan()
+    out["plan"] = {"order": list(plan.order), "shares": list(plan.shares), "min_bytes": plan.min_bytes,
+                   "sites": None if plan.sites is None else {
+                       "sites": [list(s) for s in plan.sites.sites], "blocks": [list(b) for b in plan.sites.blocks],
+                       "block_shares": list(plan.sites.block_shares), "site_shares": list(plan.sites.site_shares),
+                       "min_bytes": plan.sites.min_bytes, "local_inner": plan.sites.local_inner}}
+print("PROBE_RESULT " + json.dumps(out), flush=True)
 dist.destroy_process_group()
 '''
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def run_once(hosts: str, nic: str, probe: str, script: str) -> dict:
+    env = dict(os.environ, HETCOMM_PROBE=probe, HETCOMM_LOG_LEVEL="2")
+    env.pop("HETCOMM_LINK_MBIT", None)
+    cmd = [sys.executable, "-m", "hetcomm.sim", "--hosts", hosts, "--nic-mbit", nic, "-q", "--timeout", "600",
+           "--", sys.executable, script]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, errors="replace", timeout=900)
+    rows, log = [], None
+    for line in (proc.stdout + proc.stderr).splitlines():
+        if "PROBE_RESULT " in line:
+            rows.append(json.loads(line.split("PROBE_RESULT ", 1)[1]))
+        if line.startswith("[rank 0]") and "hetcomm probe: measured" in line:
+            log = line.split("hetcomm probe: ", 1)[1]
+    if proc.returncode != 0 or not rows:
+        raise SystemExit(f"probe_time: the {probe} run failed (rc {proc.returncode}):\n{proc.stderr[-3000:]}")
+    plan = next(r["plan"] for r in rows if r["rank"] == 0)
+    return {"ranks": len(rows), "create_s": max(r["done"] for r in rows) - max(r["enter"] for r in rows),
+            "probe_log": log, "plan": plan}
 
 
-def _collect(stdout: str) -> list[dict]:
-    rows = []
-    for line in stdout.splitlines():
-        at = line.find("PROBE_TIME ")
-        if at >= 0:
-            rows.append(json.loads(line[at + len("PROBE_TIME "):]))
-    return sorted(rows, key=lambda r: r["rank"])
+def predicted(spec, plan: dict) -> tuple[float, float]:
+    from hetcomm.bench.analysis import _planner_model, bound_seconds, physical_model
+    from hetcomm.plan import Plan, SitePlan, predict_allreduce_seconds
+
+    sim = physical_model(spec)
+    model = _planner_model(sim)
+    sites = plan["sites"]
+    site = SitePlan(**sites) if sites else None
+    p = Plan(tuple(plan["order"]), tuple(plan["shares"]), min_bytes=plan["min_bytes"], sites=site)
+    return predict_allreduce_seconds(p, model, NBYTES), bound_seconds(sim, NBYTES)
 
 
-def _summary(rows: list[dict], nprocs: int, calls: int) -> dict:
-    if len(rows) != nprocs:
-        raise SystemExit(f"probe_time: expected {nprocs} ranks' results, got {len(rows)}")
-    per_call = [max(r["probe_s"][i] for r in rows) for i in range(calls)]
-    return {"ranks": rows, "probe_s_per_call": per_call, "probe_s_max": max(per_call),
-            "probe_s_median": statistics.median(per_call),
-            "create_s_max": max(r["create_s"] for r in rows)}
-
-
-def loopback(nprocs: int, calls: int, timeout: float) -> dict:
-    env_base = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()),
-                    WORLD_SIZE=str(nprocs))
-    env_base.pop("HETCOMM_LINK_MBIT", None)
-    with tempfile.TemporaryDirectory() as tmp:
-        script = os.path.join(tmp, "rank.py")
-        with open(script, "w") as f:
-            f.write(RANK_CODE)
-        procs = [subprocess.Popen([sys.executable, script, str(calls)], cwd=ROOT, text=True,
-                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                  env=dict(env_base, RANK=str(r), LOCAL_RANK=str(r)))
-                 for r in range(nprocs)]
-        outs = []
-        deadline = time.monotonic() + timeout
-        for p in procs:
-            try:
-                out, err = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                for q in procs:
-                    q.kill()
-                raise SystemExit(f"probe_time: loopback ranks did not finish in {timeout:.0f} s")
-            if p.returncode != 0:
-                raise SystemExit(f"probe_time: a loopback rank failed ({p.returncode}):\n{err[-3000:]}")
-            outs.append(out)
-    return _summary(_collect("\n".join(outs)), nprocs, calls)
-
-
-def sim_creation(nprocs: int, calls: int, timeout: float) -> dict:
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--hosts", default=",".join(str(r // 4) for r in range(32)))
+    parser.add_argument("--nic-mbit", default="100,100,100,100,100,100,100,25")
+    parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--probes", default="levels,pairs")
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
     if os.geteuid() != 0:
-        return {"skipped": "needs root (hetcomm.sim creates network namespaces)"}
+        raise SystemExit("probe_time: the simulator needs root (network namespaces)")
+    from hetcomm.sim.spec import SimSpec
+
+    hosts = [int(h) for h in args.hosts.split(",")]
+    nics = [float(v) for v in args.nic_mbit.split(",")]
+    spec = SimSpec(hosts=hosts, nic_mbit=nics)
+    probes = args.probes.split(",")
+    records = []
     with tempfile.TemporaryDirectory() as tmp:
         script = os.path.join(tmp, "rank.py")
         with open(script, "w") as f:
             f.write(RANK_CODE)
-        env = dict(os.environ)
-        env.pop("HETCOMM_LINK_MBIT", None)
-        cmd = [sys.executable, "-m", "hetcomm.sim", "--nprocs", str(nprocs), "-q", "--",
-               sys.executable, script, str(calls)]
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env)
-    if proc.returncode != 0:
-        raise SystemExit(f"probe_time: the simulated run failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
-    return _summary(_collect(proc.stdout), nprocs, calls)
-
-
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--nprocs", type=int, default=4)
-    p.add_argument("--calls", type=int, default=3, help="hetcomm.probe() calls per run")
-    p.add_argument("--timeout", type=float, default=300)
-    p.add_argument("--json", metavar="PATH")
-    args = p.parse_args(argv)
-    started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-    result = {"command": " ".join([os.path.basename(sys.executable), "benchmarks/probe_time.py"]
-                                  + (argv if argv is not None else sys.argv[1:])),
-              "nprocs": args.nprocs, "calls": args.calls, "started_at": started}
-    print(f"probe_time: {args.nprocs} ranks on loopback, {args.calls} hetcomm.probe() calls", flush=True)
-    result["loopback"] = loopback(args.nprocs, args.calls, args.timeout)
-    lb = result["loopback"]
-    print(f"  loopback: probe {', '.join(f'{s:.3f}' for s in lb['probe_s_per_call'])} s "
-          f"(slowest rank per call)", flush=True)
-    print(f"probe_time: {args.nprocs} ranks in hetcomm.sim (unshaped), {args.calls} calls", flush=True)
-    result["sim"] = sim_creation(args.nprocs, args.calls, args.timeout)
-    sim = result["sim"]
-    if "skipped" in sim:
-        print(f"  sim: skipped: {sim['skipped']}", flush=True)
-    else:
-        print(f"  sim: probe {', '.join(f'{s:.3f}' for s in sim['probe_s_per_call'])} s; group "
-              f"creation (probe included) {sim['create_s_max']:.3f} s", flush=True)
+        for run in range(args.runs):
+            for probe in probes:
+                row = run_once(args.hosts, args.nic_mbit, probe, script)
+                row["predicted_s"], row["bound_s"] = predicted(spec, row["plan"])
+                row.update(run=run, probe=probe)
+                records.append(row)
+                print(f"run {run} {probe:>6}: create {row['create_s']:6.2f} s | predicted {row['predicted_s']:.3f} s "
+                      f"(bound {row['bound_s']:.3f} s) | {row['probe_log']}", flush=True)
+    summary = {"hosts": args.hosts, "nic_mbit": args.nic_mbit, "runs": args.runs, "nbytes": NBYTES}
+    for probe in probes:
+        created = [r["create_s"] for r in records if r["probe"] == probe]
+        summary[f"create_s_{probe}"] = {"median": statistics.median(created), "min": min(created), "max": max(created)}
+    if "levels" in probes and "pairs" in probes:
+        ratios = [a["predicted_s"] / b["predicted_s"] for a, b in
+                  zip([r for r in records if r["probe"] == "levels"], [r for r in records if r["probe"] == "pairs"])]
+        summary["predicted_levels_over_pairs"] = {"median": statistics.median(ratios), "min": min(ratios),
+                                                  "max": max(ratios), "all": ratios}
+    print(json.dumps(summary, indent=1), flush=True)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
-        print(f"probe_time: wrote {args.json}")
+        write_records(args.json, [{"kind": "run", **summary}] + [{"kind": "result", **r} for r in records],
+                      command_line())
     return 0
 
 

@@ -17,7 +17,6 @@ import pytest
 
 from hetcomm import planner
 from hetcomm.plan import order as plan_order
-from hetcomm.plan import shares as plan_shares
 
 from_nics = planner.LinkModel.from_nics
 LinkModel = planner.LinkModel
@@ -523,7 +522,7 @@ def test_solver_failure_raises_and_never_falls_back(monkeypatch):
     class Failed:
         status, message, x = 2, "The problem is infeasible.", None
 
-    monkeypatch.setattr(plan_shares, "linprog", lambda *a, **k: Failed())
+    monkeypatch.setattr("scipy.optimize.linprog", lambda *a, **k: Failed())
     planner.best_plan.cache_clear()  # best plans are memoised: an earlier test may have made this one
     with pytest.raises(planner.PlanningError, match="HiGHS failed on the minimum-time LP.*infeasible"):
         planner.best_plan(WORKED)

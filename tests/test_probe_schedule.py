@@ -39,6 +39,7 @@ def test_rounds_do_not_grow_with_the_ranks(P, host_size, S, declared):
     assert rounds == len(all_rounds(hosts, sites, declared))
     # loopback 1 + NIC rounds at most 4 + repair at most 1 + cross S - 1 + uplinks (1 or S)
     assert rounds <= 1 + schedule.MAX_NIC_ROUNDS + (0 if declared else 1) + (S - 1) + (S if S > 2 else 1)
+    assert rounds + 1 <= 16          # with the confirmation round, when some NIC is in doubt
     # the same structure at 4x the ranks takes the same number of rounds once every site has
     # at least 8 hosts (the NIC shifts are then 1, 2, 3 and half the site)
     if P * 4 <= 4096 and P // host_size // S >= 8:
@@ -122,10 +123,13 @@ def test_repair_round_gives_border_hosts_a_partner_of_their_own_site():
     assert {u.label[1:] for u in repair.units} == {(3, 0), (7, 4)}
 
 
-def test_slow_host_as_its_own_site_needs_no_site_rounds():
+def test_slow_host_detected_as_its_own_site_needs_no_site_rounds():
     hosts, sites = list(range(8)), [0] * 7 + [1]
     assert not schedule.needs_site_rounds(hosts, sites)
-    assert schedule.site_rounds(hosts, sites, None) == []
+    measured = [u.label[1:] for r in schedule.nic_rounds(hosts) for u in r.units]
+    assert schedule.site_rounds(hosts, sites, measured) == []
+    # declared, the NIC rounds stay inside the sites: the site rounds measure the lone host
+    assert [r.what for r in schedule.site_rounds(hosts, sites, None)] == ["cross", "uplink"]
     assert schedule.needs_site_rounds(list(range(8)), [0] * 6 + [1] * 2)
 
 
@@ -162,3 +166,77 @@ def test_unmeasured_loopback_is_ten_times_the_fastest_nic():
     assert model.bw[0][1] == model.bw[2][3] == 600.0
     assert schedule.loopback_round(hosts) is not None
     assert all(r.what != "loopback" for r in schedule.first_rounds(hosts, shared_memory=True))
+
+
+def measured_hosts(hosts, sites, declared):
+    """The hosts with an out- and an in-rate from some unit (NIC units, or their site's uplink)."""
+    rounds = all_rounds(hosts, sites, declared)
+    site_of_host = {hosts[r]: sites[r] for r in range(len(hosts))}
+    out, into = set(), set()
+    for rnd in rounds:
+        for u in rnd.units:
+            if u.label[0] == "nic":
+                out.add(u.label[1])
+                into.add(u.label[2])
+            if u.label[0] == "uplink":     # a lone host's NIC is its site's uplink
+                members = {h for h, s in site_of_host.items() if s == u.label[1]}
+                other = {h for h, s in site_of_host.items() if s != u.label[1]}
+                if len(members) == 1:
+                    (out if u.label[2] == "out" else into).update(members)
+                if len(set(sites)) == 2 and len(other) == 1:    # what leaves one site enters the other
+                    into.update(other)
+    return out, into
+
+
+@pytest.mark.parametrize("hosts, sites", [
+    ([0, 1, 2, 3], [0, 0, 0, 1]),                       # a lone host of a declared site
+    ([0, 0, 0, 0, 1, 1, 1, 1], [0, 0, 0, 0, 1, 1, 1, 1]),
+    ([0, 1, 2, 3, 4, 5], [0, 1, 2, 2, 2, 2]),
+    (list(range(8)), [0] * 7 + [1]),
+])
+def test_every_host_of_several_gets_its_nic_measured(hosts, sites):
+    H = max(hosts) + 1
+    for declared in (True, False):
+        out, into = measured_hosts(hosts, sites, declared)
+        assert out == set(range(H)) and into == set(range(H)), (declared, out, into)
+
+
+def test_a_lone_host_of_declared_sites_is_measured_by_the_site_rounds():
+    rounds = all_rounds([0, 1, 2, 3], [0, 0, 0, 1], declared=True)
+    assert any(r.what == "uplink" for r in rounds) and any(r.what == "cross" for r in rounds)
+    # and the model takes its NIC from its uplink, not from anything faster
+    rates = {("nic", 0, 1): 100.0, ("nic", 1, 2): 100.0, ("nic", 2, 0): 100.0, ("nic", 0, 2): 100.0,
+             ("nic", 1, 0): 100.0, ("nic", 2, 1): 100.0, ("uplink", 0, "out"): 12.0, ("uplink", 1, "out"): 11.0}
+    per_flow = {("cross", 0, 1): 12.0, ("cross", 1, 0): 11.0}
+    model = schedule.model_from_rates([0, 1, 2, 3], [0, 0, 0, 1], rates, per_flow, [1e9] * 4, 0.0)
+    assert model.bw[3][0] == 11.0 and model.bw[0][3] == 12.0
+
+
+def test_a_nic_left_unmeasured_is_an_error_not_a_guess():
+    with pytest.raises(ValueError, match="nothing measured the NIC of host 2"):
+        schedule.model_from_rates([0, 1, 2], [0, 0, 0], {("nic", 0, 1): 10.0, ("nic", 1, 0): 10.0}, {}, [1e9] * 3, 0.0)
+
+
+def test_confirm_round_pins_down_nics_whose_partners_were_all_slower():
+    # 8 hosts, 0-3 at 5, 4-7 at 10 (numbered together): after the shifted rings host 4 only
+    # received from slow hosts and host 7 only sent to slow ones.
+    nic = [5.0] * 4 + [10.0] * 4
+    rates = {}
+    for rnd in schedule.nic_rounds(list(range(8))):
+        for u in rnd.units:
+            a, b = u.label[1:]
+            rates[u.label] = min(nic[a], nic[b])
+    assert schedule.nic_estimate(schedule.host_pair_rates(8, rates)[:, 4]) == 5.0     # wrong
+    confirm = schedule.confirm_round(list(range(8)), None, rates)
+    pairs = [u.label[1:] for u in confirm.units]
+    senders = [a for a, _ in pairs]
+    receivers = [b for _, b in pairs]
+    assert len(set(senders)) == len(senders) and len(set(receivers)) == len(receivers)
+    for a, b in pairs:
+        rates[("nic", a, b)] = min(nic[a], nic[b])
+    pair = schedule.host_pair_rates(8, rates)
+    assert [schedule.nic_estimate(pair[h]) for h in range(8)] == nic
+    assert [schedule.nic_estimate(pair[:, h]) for h in range(8)] == nic
+    # uniform NICs: nothing in doubt, no round
+    uniform = {label: 10.0 for label in rates}
+    assert schedule.confirm_round(list(range(8)), None, uniform) is None

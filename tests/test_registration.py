@@ -289,3 +289,33 @@ def test_suite_runs_on_the_backend_it_says() -> None:
     """Guards the harness: a suite that silently fell back to another backend proves nothing."""
     names = run_ranks(2, backend_name)
     assert names == [BACKEND, BACKEND], names
+
+
+def test_planner_modules_keep_their_old_names():
+    """hetcomm.planner, hetcomm.site_planner, hetcomm.sites and hetcomm.topology's planning names
+    still import, and are the hetcomm.plan objects."""
+    code = textwrap.dedent("""
+        import hetcomm.planner, hetcomm.site_planner, hetcomm.sites
+        from hetcomm import plan, topology
+        from hetcomm.planner import LinkModel, Plan, make_plan, best_plan
+        from hetcomm.site_planner import best_site_plan, host_plan, SitePlan, cut_bound_seconds
+        from hetcomm.sites import detect_sites, Topology, parse_sites
+        assert hetcomm.site_planner.best_site_plan is plan.best_site_plan
+        assert hetcomm.sites.detect_sites is plan.detect_sites
+        assert topology.choose_plan is plan.choose_plan and topology.snap_measured is plan.snap_measured
+        assert make_plan(LinkModel.from_nics([1e8, 1e8, 1e7])).order == (0, 1, 2)
+        print("ok")
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+
+
+def test_probe_modes(monkeypatch):
+    from hetcomm import topology
+    for value, mode in [("", "levels"), ("1", "levels"), ("levels", "levels"), ("TRUE", "levels"),
+                        ("pairs", "pairs"), ("0", "0"), ("off", "0")]:
+        monkeypatch.setenv("HETCOMM_PROBE", value)
+        assert topology.probe_mode() == mode
+    monkeypatch.setenv("HETCOMM_PROBE", "allpairs")
+    with pytest.raises(ValueError, match="HETCOMM_PROBE='allpairs'"):
+        topology.probe_mode()

@@ -15,6 +15,10 @@ import sys as _sys
 
 from hetcomm._backend import (backend_of, get_plan, link_model, listen_address, monitored_barrier, probe,
                               register_backend, set_plan, stats, supported_devices)
+# What creating a group runs (hosts, the probe, the planner but its LP solver), loaded with the
+# package: otherwise every rank imports it inside init_process_group, at once, and 32 ranks on
+# two cores took seconds there.
+from hetcomm import topology as _topology  # noqa: E402,F401
 from hetcomm import compress  # noqa: E402  (public submodule)
 from hetcomm.train import adaptive, data, diloco, hooks, local_steps, partition
 from hetcomm.train.adaptive import AdaptiveDataParallel
@@ -26,6 +30,12 @@ from hetcomm.train.diloco import DiLoCo
 for _m in (adaptive, data, diloco, hooks, local_steps, partition):
     _sys.modules["hetcomm." + _m.__name__.rpartition(".")[2]] = _m
 del _m
+# Likewise the planner's former modules: hetcomm.sites is hetcomm.plan.levels (site detection),
+# hetcomm.site_planner is hetcomm.plan (site and host plans, the cut bound; cut_capacity now takes
+# a LinkModel and a cut).
+from hetcomm import plan as _plan  # noqa: E402
+sites, site_planner = _plan.levels, _plan
+_sys.modules["hetcomm.sites"], _sys.modules["hetcomm.site_planner"] = sites, site_planner
 
 __version__ = "0.1.0"
 __all__ = ["register_backend", "backend_of", "get_plan", "set_plan", "probe", "link_model", "listen_address",

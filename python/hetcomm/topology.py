@@ -33,7 +33,9 @@ from hetcomm import hosts
 from hetcomm import plan as planner
 from hetcomm.measure import measure_levels, measure_pairs, model_from_declared, parse_mbit
 from hetcomm.plan import levels as sites
-from hetcomm.plan.choose import _same_partition, plan_for_group, with_host_plan
+from hetcomm.plan.choose import (DECLARED_MIN_GAIN, MEASURED_MIN_GAIN, _same_partition, choose_plan,  # noqa: F401
+                                 hierarchical_enabled, plan_for_group, segment_bytes_for, snap_measured,
+                                 with_host_plan)  # (choose_plan & co.: the names this module had before hetcomm.plan)
 from hetcomm.plan.schedules import SitePlan
 
 log = logging.getLogger("hetcomm")
@@ -169,7 +171,7 @@ def group_topology(backend, model: planner.LinkModel) -> sites.Topology:
     return sites.topology_from(rates=model.bw, declared=os.environ.get("HETCOMM_SITES"), addresses=addresses)
 
 
-def apply_model(backend, model: planner.LinkModel, measured: bool = False,
+def apply_model(backend, model: planner.LinkModel, *, measured: bool = False,
                 topology: Optional[sites.Topology] = None) -> planner.Plan:
     """Chooses (rank 0), agrees on and installs the plan for `model`; returns it. ``topology``:
     the group's levels when the probe found them, else from `group_topology`."""
@@ -210,7 +212,7 @@ def probe_backend(backend, ranks: Optional[Sequence[int]] = None) -> planner.Lin
     text = os.environ.get("HETCOMM_SITES", "").strip()
     declared_sites = sites.parse_sites(text, backend.size()) if text else None
     if probe_mode() == "pairs":
-        result = measure_pairs(backend, declared_sites)
+        result = measure_pairs(backend, declared_sites, labels)
     else:
         result = measure_levels(backend, labels, declared_sites, shared_memory=bool(shared_host_labels(backend)))
     model = result.model
@@ -225,12 +227,16 @@ def probe_backend(backend, ranks: Optional[Sequence[int]] = None) -> planner.Lin
     return model
 
 
+_PROBE_MODES = {"": "levels", "1": "levels", "on": "levels", "true": "levels", "yes": "levels", "levels": "levels",
+                "pairs": "pairs", "0": "0", "off": "0", "false": "0", "no": "0"}
+
+
 def probe_mode() -> str:
     """``HETCOMM_PROBE``: ``0`` (no probe: uniform plan), ``pairs`` (every pair), else the levels."""
     mode = os.environ.get("HETCOMM_PROBE", "1").strip().lower()
-    if mode not in ("0", "1", "", "levels", "pairs"):
-        raise ValueError(f"hetcomm: HETCOMM_PROBE={mode!r}: choose 0 (no probe), levels (the default) or pairs")
-    return {"": "levels", "1": "levels"}.get(mode, mode)
+    if mode not in _PROBE_MODES:
+        raise ValueError(f"hetcomm: HETCOMM_PROBE={mode!r}: choose levels (the default, or 1), pairs, or 0 (no probe)")
+    return _PROBE_MODES[mode]
 
 
 def host_labels_of(backend) -> Optional[tuple[int, ...]]:

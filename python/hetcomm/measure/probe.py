@@ -25,23 +25,28 @@ class ProbeResult:
     rounds: list[str]
 
 
-def _predicted(rates: dict) -> dict:
-    """A rate for every NIC unit between hosts measured so far (each sent and received in some
-    earlier round): min of the sender's fastest out-unit and the receiver's fastest in-unit."""
+def _predicted(rates: dict, rnd: schedule.Round) -> dict:
+    """A rate for the round's NIC units between hosts measured before (each sent and received in
+    some earlier round): min of the sender's fastest out-unit and the receiver's fastest in-unit."""
     out: dict[int, float] = {}
     into: dict[int, float] = {}
     for label, rate in rates.items():
         if label[0] == "nic":
             out[label[1]] = max(out.get(label[1], 0.0), rate)
             into[label[2]] = max(into.get(label[2], 0.0), rate)
-    return {("nic", a, b): min(out[a], into[b]) for a in out for b in into if a != b}
+    return {u.label: min(out[u.label[1]], into[u.label[2]]) for u in rnd.units
+            if u.label[0] == "nic" and u.label[1] in out and u.label[2] in into}
 
 
 def _run(backend, rounds: Sequence[schedule.Round], rates: dict, per_flow: dict, log: list[str],
          send_buf: SendBuffer, **sizes) -> None:
     for rnd in rounds:
         start = time.perf_counter()
-        r, f = run_round(backend, rnd, send_buf=send_buf, predicted=_predicted(rates), **sizes)
+        try:
+            r, f = run_round(backend, rnd, send_buf=send_buf, predicted=_predicted(rates, rnd), **sizes)
+        except Exception as e:
+            raise RuntimeError(f"hetcomm probe: the {rnd.what} round ({len(rnd.flows)} flows) failed on rank "
+                               f"{backend.rank()}: {e}") from e
         rates.update(r)
         per_flow.update(f)
         log.append(f"{rnd.what} ({len(rnd.units)} units, {len(rnd.flows)} flows, {time.perf_counter() - start:.2f} s)")
@@ -68,9 +73,13 @@ def measure_levels(backend, host_labels: Sequence[int], declared_sites: Optional
     rates: dict[tuple, float] = {}
     per_flow: dict[tuple, float] = {}
     log: list[str] = []
-    first = schedule.first_rounds(hosts, declared_sites, shared_memory)
+    first = schedule.first_rounds(hosts, declared_sites, shared_memory and H > 1)
     _connect(backend, first, send_buf, log)
     _run(backend, first, rates, per_flow, log, send_buf, **sizes)
+    confirm = schedule.confirm_round(hosts, declared_sites, rates)
+    if confirm is not None:
+        _connect(backend, [confirm], send_buf, log)
+        _run(backend, [confirm], rates, per_flow, log, send_buf, **sizes)
     if declared_sites is not None:
         sites, measured_pairs = _renumber(declared_sites), None
     else:
@@ -88,11 +97,12 @@ def measure_levels(backend, host_labels: Sequence[int], declared_sites: Optional
     return ProbeResult(model, tuple(sites), log)
 
 
-def measure_pairs(backend, declared_sites: Optional[Sequence[int]] = None, *, target_seconds: float = 0.05,
-                  max_bytes: int = 16 << 20) -> ProbeResult:
+def measure_pairs(backend, declared_sites: Optional[Sequence[int]] = None, host_labels: Optional[Sequence[int]] = None,
+                  *, target_seconds: float = 0.05, max_bytes: int = 16 << 20) -> ProbeResult:
     """The all-pairs probe (``HETCOMM_PROBE=pairs``): every ordered pair of ranks in P - 1 rounds,
     then, where the rates show sites (or they are declared), each site's cut with the flow
-    pattern of the site schedule (`schedule.uplink_rounds`), as shared links of the model."""
+    pattern of the site schedule (`schedule.uplink_rounds`), as shared links of the model.
+    ``host_labels``: ranks of one host are one site whatever their rates."""
     P = backend.size()
     send_buf = SendBuffer()
     sizes = dict(target_seconds=target_seconds, max_bytes=max_bytes)
@@ -105,7 +115,8 @@ def measure_pairs(backend, declared_sites: Optional[Sequence[int]] = None, *, ta
     bw = np.zeros((P, P))
     for (_, i, j), rate in rates.items():
         bw[i, j] = rate
-    sites = _renumber(declared_sites) if declared_sites is not None else detect_sites(bw) if P > 1 else (0,)
+    sites = (_renumber(declared_sites) if declared_sites is not None
+             else detect_sites(bw, hosts=host_labels) if P > 1 else (0,))
     reduce_bps, alpha = gather_reduce_and_latency(backend, send_buf.fastest_allreduce)
     model = LinkModel(bw=bw + np.eye(P), reduce_bps=reduce_bps, alpha=alpha)
     S = len(set(sites))
@@ -117,3 +128,9 @@ def measure_pairs(backend, declared_sites: Optional[Sequence[int]] = None, *, ta
         into = [up.get(("uplink", s, "in"), np.inf) for s in range(S)] if S > 2 else [out[1], out[0]]
         model = dataclasses.replace(model, uplinks=tuple(zip(members, out, into)))
     return ProbeResult(model, tuple(sites), log)
+
+
+def measure_model(backend) -> LinkModel:
+    """Every pair's rate, the reduce throughputs and the latency (`measure_pairs`' model): the
+    name the all-pairs probe had before the level probe."""
+    return measure_pairs(backend).model

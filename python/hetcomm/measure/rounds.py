@@ -18,8 +18,9 @@ discards one outlier of either kind. (Seen on the simulated two-site cluster wit
 and best-of-two: a 100 Mbit/s link measured 151% of its rate.)
 
 Sizes: a short warm-up (``warmup_bytes`` a unit, grown while it fits in the socket buffers)
-gives every unit a rate; each unit's flows then get the size that takes it about ``target_seconds`` (at most ``max_bytes`` a flow and
-``4 * max_bytes`` a unit, at least ``min_bytes``), and three timed transfers follow. So a slow
+gives every unit a rate; each unit's flows then get the size that takes it about ``target_seconds`` (a unit moves at least ``min_bytes`` and at
+most ``4 * max_bytes``, a flow at most ``max_bytes`` and at least a 4 KB page), and three timed
+transfers follow. So a slow
 link and a fast one are each timed for about the target, in one round, instead of doubling sizes
 until the fastest flow takes long enough while the slow ones take ten times longer. Every size
 and time is agreed by an allreduce, so every rank holds identical numbers.
@@ -114,6 +115,11 @@ def _unit_times(rnd: Round, stamps: list[float]) -> list[float]:
     return [max(t, 1e-9) for t in out]
 
 
+def _flow_bytes(unit_bytes: float, flows: int, max_bytes: int) -> int:
+    """Each flow's share of a unit's bytes: whole 4 KB pages, at least one, at most max_bytes."""
+    return max(4096, int(min(max_bytes, unit_bytes / flows)) // 4096 * 4096)
+
+
 def run_round(backend, rnd: Round, *, target_seconds: float = 0.05, warmup_bytes: int = 256 << 10,
               min_bytes: int = 64 << 10, max_bytes: int = 16 << 20, send_buf: Optional[SendBuffer] = None,
               predicted: Optional[dict[tuple, float]] = None) -> tuple[dict[tuple, float], dict[tuple, float]]:
@@ -141,8 +147,8 @@ def run_round(backend, rnd: Round, *, target_seconds: float = 0.05, warmup_bytes
     per_unit = []
     for u, unit in enumerate(rnd.units):
         guess = (predicted or {}).get(unit.label)
-        total = guess * target_seconds / 8 if guess else warmup_bytes
-        per_unit.append(int(max(min_bytes // 4, min(max_bytes, total / counts[u]))) // 4096 * 4096)
+        total = max(min_bytes / 4, guess * target_seconds / 8) if guess else warmup_bytes
+        per_unit.append(_flow_bytes(total, counts[u], max_bytes))
     for _ in range(4):
         estimate, times = rates_of([per_unit[u] for u in flow_unit])
         short = [u for u in range(len(rnd.units)) if times[u] < target_seconds / 10 and per_unit[u] < max_bytes]
@@ -150,10 +156,8 @@ def run_round(backend, rnd: Round, *, target_seconds: float = 0.05, warmup_bytes
             break
         for u in short:
             per_unit[u] = min(max_bytes, per_unit[u] * 8)
-    per_unit = []
-    for u in range(len(rnd.units)):
-        total = min(estimate[u] * target_seconds, 4.0 * max_bytes)
-        per_unit.append(int(max(min_bytes, min(max_bytes, total / counts[u]))) // 4096 * 4096)
+    per_unit = [_flow_bytes(max(min_bytes, min(estimate[u] * target_seconds, 4.0 * max_bytes)), counts[u], max_bytes)
+                for u in range(len(rnd.units))]
     sizes = [per_unit[u] for u in flow_unit]
     repeats = [rates_of(sizes)[0] for _ in range(3)]
     rates, per_flow = {}, {}

@@ -34,8 +34,9 @@ number of rounds that does not grow with the number of ranks. Rounds, in order:
 3. ``repair`` (at most one round, only for detected sites): hosts that met no host of their own
    site in step 2 (the host at a site's border, whose shifts all left the site) send to and
    receive from their site's next host, so their NIC is not read off the WAN.
-Rounds 4 and 5 are skipped for two sites one of which is a single host (`needs_site_rounds`):
-a slow NIC looks like that, and the NIC rounds already measured what crosses.
+Rounds 4 and 5 are skipped for two *detected* sites one of which is a single host
+(`needs_site_rounds`): a slow NIC looks like that, and the NIC rounds, which then ran over every
+host, already measured what crosses. A lone host of a declared site is measured by them.
 
 4. ``cross`` (S - 1 rounds for S sites): in round d, the first rank of every site s sends to the
    first rank of site s + d, one flow per site pair: ``cross[s][s + d]``, what one ring link
@@ -47,7 +48,8 @@ a slow NIC looks like that, and the NIC rounds already measured what crosses.
    with the flow pattern of the site schedule, so a shared WAN uplink shows as one rate and
    independent paths as their sum.
 
-Rounds: at most ``1 + 4 + 1 + (S - 1) + S``, 13 for four sites, whatever P (`round_count`).
+Rounds: at most ``1 + 4 + 1 + 1 + (S - 1) + S``, 14 for four sites, whatever P (`round_count`
+counts all but the confirmation round, which depends on the rates).
 
 The model (`model_from_rates`) is `LinkModel.from_levels`: ``bw`` from the classes above and one
 shared link per host NIC and per site; that is the matrix the planner needs, because every
@@ -167,6 +169,50 @@ def repair_round(hosts: Sequence[int], sites: Sequence[int], measured: Sequence[
     return Round("repair", units) if units else None
 
 
+def confirm_round(hosts: Sequence[int], sites: Optional[Sequence[int]], rates: dict[tuple, float]) -> Optional[Round]:
+    """One more NIC round for the NICs the shifted rings could not pin down (at most one round).
+
+    A unit a -> b runs at ``min(out_a, in_b)``: if every host a sent to has an in-rate below
+    ``NIC_SPREAD`` times a's estimate, a's estimate may be its partners' (half of a site slower and
+    numbered together does that). Such a host then sends to the host of its site with the fastest
+    in-rate it has not met, if that is clearly faster; likewise for in-rates. Each host sends at
+    most once and receives at most once in the round. None when no NIC is in doubt."""
+    host_labels = _renumber(hosts)
+    ranks_of = _members(host_labels)
+    H = len(ranks_of)
+    pair = host_pair_rates(H, rates)
+    out_est = np.array([nic_estimate(pair[h]) for h in range(H)])
+    in_est = np.array([nic_estimate(pair[:, h]) for h in range(H)])
+    site_of_host = [0] * H
+    if sites is not None:
+        for r, h in enumerate(host_labels):
+            site_of_host[h] = sites[r]
+    sending, receiving, pairs = set(), set(), []
+
+    def pick(a: int, estimate: np.ndarray, mine: float, met: np.ndarray, busy: set) -> Optional[int]:
+        choices = [c for c in range(H) if c != a and site_of_host[c] == site_of_host[a] and met[c] <= 0
+                   and c not in busy and estimate[c] >= mine * NIC_SPREAD]
+        return max(choices, key=lambda c: (estimate[c], -c)) if choices else None
+
+    for a in range(H):
+        partners = np.flatnonzero(pair[a] > 0)
+        if a not in sending and len(partners) and in_est[partners].max() < out_est[a] * NIC_SPREAD:
+            c = pick(a, in_est, out_est[a], pair[a], receiving)
+            if c is not None:
+                pairs.append((a, c))
+                sending.add(a)
+                receiving.add(c)
+        partners = np.flatnonzero(pair[:, a] > 0)
+        if a not in receiving and len(partners) and out_est[partners].max() < in_est[a] * NIC_SPREAD:
+            d = pick(a, out_est, in_est[a], pair[:, a], sending)
+            if d is not None:
+                pairs.append((d, a))
+                sending.add(d)
+                receiving.add(a)
+    units = tuple(_host_pair_unit(("nic", a, b), ranks_of[a], ranks_of[b]) for a, b in pairs)
+    return Round("confirm", units) if units else None
+
+
 def cross_rounds(sites: Sequence[int]) -> list[Round]:
     ranks_of = _members(_renumber(sites))
     S = len(ranks_of)
@@ -215,15 +261,17 @@ def site_rounds(hosts: Sequence[int], sites: Sequence[int], measured_host_pairs:
         repair = repair_round(hosts, sites, measured_host_pairs)
         if repair is not None:
             rounds.append(repair)
-    if not needs_site_rounds(hosts, sites):
-        return rounds
+        if not needs_site_rounds(hosts, sites):
+            return rounds
     return rounds + cross_rounds(sites) + uplink_rounds(sites, hosts)
 
 
 def needs_site_rounds(hosts: Sequence[int], sites: Sequence[int]) -> bool:
-    """False for two sites of which one is a single host (a slow NIC looks like that): every NIC
-    round already sent that host's flows across to the other site, so its NIC units are the
-    cross-site rates, and the other site's uplink toward one host is bounded by that host's NIC."""
+    """For *detected* sites: False for two sites of which one is a single host (a slow NIC looks
+    like that): the NIC rounds, run over every host, already sent that host's flows across to the
+    other site, so its NIC units are the cross-site rates, and the other site's uplink toward one
+    host is bounded by that host's NIC. (Declared sites keep the NIC rounds inside each site, so
+    a lone host there is measured by the site rounds alone: they always run.)"""
     host_labels = _renumber(hosts)
     per_site: dict[int, set[int]] = {}
     for r, s in enumerate(_renumber(sites)):
@@ -291,10 +339,12 @@ def model_from_rates(hosts: Sequence[int], sites: Sequence[int], rates: dict[tup
                      per_flow: dict[tuple, float], reduce_bps: Sequence[float], alpha: float) -> LinkModel:
     """The planner's model from the units' rates (``rates``: aggregate, ``per_flow``: per flow).
 
-    Host NICs: the fastest out- and in-unit of each host; a host that met no other host of its
-    site takes its site's uplink (a site of one host: its NIC is its uplink). Loopback: the per-flow
-    rate of the host's unit. Cross-site: the single flow's rate, capped by the NICs. Site uplinks:
-    the units' aggregate rates; with two sites what leaves one enters the other."""
+    Host NICs: `nic_estimate` of each host's out- and in-units; a host that met no other host of
+    its site takes its site's uplink (a site of one host: its NIC is its uplink). Loopback: the
+    per-flow rate of the host's unit (not measured: `UNMEASURED_LOOPBACK_FACTOR` times the fastest
+    NIC). Cross-site: the single flow's rate, capped by the NICs. Site uplinks: the units'
+    aggregate rates; with two sites what leaves one enters the other; not measured: unlimited
+    (the NICs alone)."""
     host_labels = np.asarray(_renumber(hosts))
     site_labels = np.asarray(_renumber(sites))
     H, S = int(host_labels.max()) + 1, int(site_labels.max()) + 1
@@ -322,15 +372,19 @@ def model_from_rates(hosts: Sequence[int], sites: Sequence[int], rates: dict[tup
     for label, rate in per_flow.items():
         if label[0] == "loopback":
             loop[label[1]] = rate
-    # What nothing measured: a lone host of a site takes the site's uplink; a lone host of the
-    # group (one host) has no NIC in the model at all (every link is loopback).
-    fallback = max([v for v in (*out_h, *in_h, *site_out, *site_in, *loop) if v > 0], default=1e9)
+    # A host that met no host of its site is its site: its NIC is the site's uplink. A group of one
+    # host has no NIC at all (every link is loopback). Anything else is a schedule that left a NIC
+    # unmeasured, and guessing its rate would plan on a made-up number.
     for h in range(H):
         s = site_of_host[h]
         if out_h[h] <= 0:
-            out_h[h] = site_out[s] if site_out[s] > 0 else fallback
+            out_h[h] = site_out[s]
         if in_h[h] <= 0:
-            in_h[h] = site_in[s] if site_in[s] > 0 else fallback
+            in_h[h] = site_in[s]
+        if H > 1 and (out_h[h] <= 0 or in_h[h] <= 0):
+            raise ValueError(f"hetcomm probe: nothing measured the NIC of host {h}")
+    if H == 1:
+        out_h[:] = in_h[:] = loop[0] if loop[0] > 0 else 1.0
     nic_max = max(out_h.max(), in_h.max())
     loop = np.where(loop > 0, loop, UNMEASURED_LOOPBACK_FACTOR * nic_max)
     if S > 1:

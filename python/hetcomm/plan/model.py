@@ -173,6 +173,12 @@ class LinkModel:
     def __hash__(self) -> int:
         return self._hash
 
+    def __reduce__(self):
+        # Rebuilt through __init__: validated, the matrix read-only again, and no cached hash
+        # (str and bytes hashes differ from process to process) carried over.
+        return (LinkModel, (np.array(self.bw), self.reduce_bps, self.alpha, self.segment_bytes,
+                            self.small_allreduce_bytes, self.uplinks))
+
     @functools.cached_property
     def _hash(self) -> int:
         return hash(self._key())

@@ -83,7 +83,8 @@ from hetcomm.plan.schedules import Plan
 from hetcomm.plan.shares import min_tau, ring_data, solve_shares, validate_order
 
 MAX_EXHAUSTIVE_RANKS = 8               # (P-1)! orders: 5040 at P = 8
-MAX_EXHAUSTIVE_HOSTS = 6               # host units: 120 orders, each an LP over all their ranks
+MAX_EXHAUSTIVE_HOSTS = 6               # host units: 120 orders, each an LP over all their ranks,
+MAX_EXHAUSTIVE_HOST_RANKS = 64         # as long as those are few
 ORDER_TIE_RTOL = 1e-6                  # "as good as the best" when choosing among ring orders
 DEFAULT_MIN_GAIN = 0.03                # make_plan keeps uniform unless it saves more than this
 MAX_SITE_PERMUTATIONS = 24             # every cyclic order of up to 5 sites
@@ -437,8 +438,8 @@ def structured_order(search: RingSearch, topology: Optional[Topology] = None) ->
 @functools.lru_cache(maxsize=32)
 def best_plan(model: LinkModel, topology: Optional[Topology] = None, exhaustive: Optional[bool] = None) -> Plan:
     """The best ring order and its shares: every order of the level's units (`level_units`) when
-    there are at most 8 ranks or 6 hosts (each order an LP over all the ranks: 5040 LPs of 8
-    ranks, 120 of up to 48), else `structured_order`.
+    there are at most 8 ranks or 6 hosts of at most 64 ranks in all (each order an LP over all
+    the ranks: 5040 LPs of 8 ranks, 120 of up to 64), else `structured_order`.
     ``exhaustive``: True tries every order of the *ranks*, False forces `structured_order`;
     ``topology`` gives the levels (else sites are detected and every rank is its own host).
 
@@ -452,7 +453,8 @@ def best_plan(model: LinkModel, topology: Optional[Topology] = None, exhaustive:
     units = level_units(P, topology)
     if exhaustive is True:
         order = exhaustive_order(search)
-    elif exhaustive is False or len(units) > (MAX_EXHAUSTIVE_RANKS if len(units) == P else MAX_EXHAUSTIVE_HOSTS):
+    elif exhaustive is False or len(units) > (MAX_EXHAUSTIVE_RANKS if len(units) == P else MAX_EXHAUSTIVE_HOSTS) \
+            or P > MAX_EXHAUSTIVE_HOST_RANKS:
         order = structured_order(search, topology)
     else:
         order = exhaustive_order(search, units)

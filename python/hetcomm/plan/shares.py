@@ -50,7 +50,6 @@ from typing import Optional, Sequence
 
 import numpy as np
 import scipy.sparse as sparse
-from scipy.optimize import linprog
 
 from hetcomm.plan.cost import ring_seconds_per_byte
 from hetcomm.plan.model import LinkModel
@@ -67,7 +66,10 @@ class PlanningError(RuntimeError):
 def run_lp(c: np.ndarray, a_ub, b_ub: np.ndarray, a_eq, b_eq: np.ndarray,
            bounds: list[tuple[float, Optional[float]]], what: str):
     """HiGHS dual simplex (a vertex solution, deterministic for identical inputs); raises
-    `PlanningError` unless it solved the LP."""
+    `PlanningError` unless it solved the LP. (scipy.optimize is imported here: only the rank that
+    plans needs it, and it is the slowest of the planner's imports.)"""
+    from scipy.optimize import linprog
+
     res = linprog(c, A_ub=a_ub, b_ub=b_ub, A_eq=a_eq, b_eq=b_eq, bounds=bounds, method="highs-ds")
     if res.status != 0 or res.x is None or not np.all(np.isfinite(res.x)):
         raise PlanningError(f"hetcomm planner: HiGHS failed on {what}: status {res.status}, {res.message}")

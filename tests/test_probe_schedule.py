@@ -41,8 +41,8 @@ def test_rounds_do_not_grow_with_the_ranks(P, host_size, S, declared):
     assert rounds <= 1 + schedule.MAX_NIC_ROUNDS + (0 if declared else 1) + (S - 1) + (S if S > 2 else 1)
     assert rounds + 1 <= 16          # with the confirmation round, when some NIC is in doubt
     # the same structure at 4x the ranks takes the same number of rounds once every site has
-    # at least 8 hosts (the NIC shifts are then 1, 2, 3 and half the site)
-    if P * 4 <= 4096 and P // host_size // S >= 8:
+    # at least 4 hosts (the NIC shifts are then 1, 2 and 3)
+    if P * 4 <= 4096 and P // host_size // S >= 4:
         bigger_hosts, bigger_sites = layout(P * 4, host_size, S)
         assert schedule.round_count(bigger_hosts, bigger_sites, declared) == rounds
 
@@ -53,8 +53,8 @@ def test_1024_ranks_in_hosts_of_8_take_at_most_16_rounds():
         for declared in (True, False):
             assert schedule.round_count(hosts, sites, declared) <= 16
     hosts, sites = layout(1024, 8, 1)
-    assert schedule.round_count(hosts, sites) == 5          # loopback + four NIC shifts
-    assert schedule.round_count(hosts, sites, shared_memory=True) == 4
+    assert schedule.round_count(hosts, sites) == 4          # loopback + three NIC shifts
+    assert schedule.round_count(hosts, sites, shared_memory=True) == 3
     assert len(schedule.pair_rounds(1024)) == 1023          # what probing every pair costs
 
 

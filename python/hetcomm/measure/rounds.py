@@ -18,9 +18,9 @@ discards one outlier of either kind. (Seen on the simulated two-site cluster wit
 and best-of-two: a 100 Mbit/s link measured 151% of its rate.)
 
 Sizes: a short warm-up (``warmup_bytes`` a unit, grown while it fits in the socket buffers)
-gives every unit a rate; each unit's flows then get the size that takes it about ``target_seconds`` (a unit moves at least ``min_bytes`` and at
-most ``4 * max_bytes``, a flow at most ``max_bytes`` and at least a 4 KB page), and three timed
-transfers follow. So a slow
+gives every unit a rate; each unit's flows then get the size that takes it about ``target_seconds`` (a unit moves at most ``4 * max_bytes``, and
+at least ``min_bytes`` for each of its first four flows; a flow at most ``max_bytes`` and at least
+a 4 KB page), and three timed transfers follow. So a slow
 link and a fast one are each timed for about the target, in one round, instead of doubling sizes
 until the fastest flow takes long enough while the slow ones take ten times longer. Every size
 and time is agreed by an allreduce, so every rank holds identical numbers.
@@ -147,7 +147,7 @@ def run_round(backend, rnd: Round, *, target_seconds: float = 0.05, warmup_bytes
     per_unit = []
     for u, unit in enumerate(rnd.units):
         guess = (predicted or {}).get(unit.label)
-        total = max(min_bytes / 4, guess * target_seconds / 8) if guess else warmup_bytes
+        total = max(min_bytes / 4 * min(counts[u], 4), guess * target_seconds / 8) if guess else warmup_bytes
         per_unit.append(_flow_bytes(total, counts[u], max_bytes))
     for _ in range(4):
         estimate, times = rates_of([per_unit[u] for u in flow_unit])
@@ -156,8 +156,10 @@ def run_round(backend, rnd: Round, *, target_seconds: float = 0.05, warmup_bytes
             break
         for u in short:
             per_unit[u] = min(max_bytes, per_unit[u] * 8)
-    per_unit = [_flow_bytes(max(min_bytes, min(estimate[u] * target_seconds, 4.0 * max_bytes)), counts[u], max_bytes)
-                for u in range(len(rnd.units))]
+    # At least min_bytes a flow for the first four flows of a unit (a short transfer is timed
+    # badly), whatever its estimate; a unit of many flows lets each carry less.
+    per_unit = [_flow_bytes(max(min_bytes * min(counts[u], 4), min(estimate[u] * target_seconds, 4.0 * max_bytes)),
+                            counts[u], max_bytes) for u in range(len(rnd.units))]
     sizes = [per_unit[u] for u in flow_unit]
     repeats = [rates_of(sizes)[0] for _ in range(3)]
     rates, per_flow = {}, {}

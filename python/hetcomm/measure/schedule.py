@@ -22,15 +22,16 @@ number of rounds that does not grow with the number of ranks. Rounds, in order:
    every host, local rank k sends to local rank k + 1. One unit per host: the rate of one flow
    while all of them run. With shared memory the schedules never send between the ranks of a
    host over TCP, and the model takes ten times the fastest NIC (`UNMEASURED_LOOPBACK_FACTOR`).
-2. ``nic`` (at most four rounds): in every site, the hosts in a ring; round j sends host i's ranks
-   to host i + d_j (d in 1, 2, 3 and half the site's hosts: `nic_shifts`), every local rank to
-   one rank of that host. One unit per host pair: all its flows together, so the unit's rate is
-   ``min(out_a, in_b)`` of the two NICs. A host's ``out`` comes from its (up to four) out-units,
-   its ``in`` from its in-units (`nic_estimate`: the median of those near the fastest): a NIC is
-   underestimated only if all its partners' NICs are slower than it. Spread shifts (1, 2, 3 and m/2) keep a run of slow hosts
-   in the numbering, or every other host slow, from hiding a fast NIC.
+2. ``nic`` (at most three rounds): in every site, the hosts in a ring; round j sends host i's
+   ranks to host i + j (j = 1, 2, 3: `nic_shifts`), every local rank to one rank of that host.
+   One unit per host pair: all its flows together, so the unit's rate is ``min(out_a, in_b)`` of
+   the two NICs. A host's ``out`` comes from its (up to three) out-units, its ``in`` from its
+   in-units (`nic_estimate`: the median of those near the fastest): a NIC is underestimated only
+   if all its partners' NICs are slower than it, and then a ``confirm`` round (`confirm_round`,
+   only when some NIC is in doubt) pairs it with a host known to be at least twice as fast.
    When sites are not declared, the hosts form one ring and the host-pair rates also show the
-   sites (`hetcomm.plan.levels.detect_sites` on the host-level matrix; unknown pairs join nothing).
+   sites (`hetcomm.plan.levels.detect_sites` on the host-level matrix; unknown pairs join
+   nothing): shifts 1, 2 and 3 see sites that alternate with a period of up to three hosts.
 3. ``repair`` (at most one round, only for detected sites): hosts that met no host of their own
    site in step 2 (the host at a site's border, whose shifts all left the site) send to and
    receive from their site's next host, so their NIC is not read off the WAN.
@@ -48,7 +49,7 @@ host, already measured what crosses. A lone host of a declared site is measured 
    with the flow pattern of the site schedule, so a shared WAN uplink shows as one rate and
    independent paths as their sum.
 
-Rounds: at most ``1 + 4 + 1 + 1 + (S - 1) + S``, 14 for four sites, whatever P (`round_count`
+Rounds: at most ``1 + 3 + 1 + 1 + (S - 1) + S``, 13 for four sites, whatever P (`round_count`
 counts all but the confirmation round, which depends on the rates).
 
 The model (`model_from_rates`) is `LinkModel.from_levels`: ``bw`` from the classes above and one
@@ -71,8 +72,9 @@ from hetcomm.plan.model import LinkModel
 
 UNMEASURED_LOOPBACK_FACTOR = 10.0
 NIC_SPREAD = 1.25             # units within this of a NIC's fastest were not held back by their partner
+CONFIRM_FACTOR = 2.0          # a NIC in doubt is confirmed against a host at least this much faster
 ALL_PAIRS_FLOWS = 64          # an uplink round pairs every rank of a site with every other site's up to here
-MAX_NIC_ROUNDS = 4
+MAX_NIC_ROUNDS = 3
 
 
 @dataclass(frozen=True)
@@ -106,7 +108,7 @@ def _members(labels: Sequence[int]) -> list[list[int]]:
 
 def nic_shifts(m: int) -> list[int]:
     """The host-ring shifts of the NIC rounds for a site of ``m`` hosts."""
-    return sorted({d for d in (1, 2, 3, m // 2) if 1 <= d < m})
+    return [d for d in (1, 2, 3) if d < m]
 
 
 def _host_pair_unit(label: tuple, src: Sequence[int], dst: Sequence[int]) -> Unit:
@@ -175,8 +177,10 @@ def confirm_round(hosts: Sequence[int], sites: Optional[Sequence[int]], rates: d
     A unit a -> b runs at ``min(out_a, in_b)``: if every host a sent to has an in-rate below
     ``NIC_SPREAD`` times a's estimate, a's estimate may be its partners' (half of a site slower and
     numbered together does that). Such a host then sends to the host of its site with the fastest
-    in-rate it has not met, if that is clearly faster; likewise for in-rates. Each host sends at
-    most once and receives at most once in the round. None when no NIC is in doubt."""
+    in-rate it has not met, if that is at least `CONFIRM_FACTOR` times its estimate (well beyond
+    the probe's noise, so that timing errors alone do not add the round); likewise for in-rates.
+    Each host sends at most once and receives at most once in the round. None when no NIC is in
+    doubt."""
     host_labels = _renumber(hosts)
     ranks_of = _members(host_labels)
     H = len(ranks_of)
@@ -191,19 +195,27 @@ def confirm_round(hosts: Sequence[int], sites: Optional[Sequence[int]], rates: d
 
     def pick(a: int, estimate: np.ndarray, mine: float, met: np.ndarray, busy: set) -> Optional[int]:
         choices = [c for c in range(H) if c != a and site_of_host[c] == site_of_host[a] and met[c] <= 0
-                   and c not in busy and estimate[c] >= mine * NIC_SPREAD]
+                   and c not in busy and estimate[c] >= mine * CONFIRM_FACTOR]
         return max(choices, key=lambda c: (estimate[c], -c)) if choices else None
 
+    # Hosts in doubt, those whose other direction reads faster first (NICs are mostly symmetric,
+    # so a host slow one way only is the likeliest to have been held back by its partners).
+    doubts = []
     for a in range(H):
         partners = np.flatnonzero(pair[a] > 0)
-        if a not in sending and len(partners) and in_est[partners].max() < out_est[a] * NIC_SPREAD:
+        if len(partners) and in_est[partners].max() < out_est[a] * NIC_SPREAD:
+            doubts.append((-in_est[a] / out_est[a], a, "out"))
+        partners = np.flatnonzero(pair[:, a] > 0)
+        if len(partners) and out_est[partners].max() < in_est[a] * NIC_SPREAD:
+            doubts.append((-out_est[a] / in_est[a], a, "in"))
+    for _, a, direction in sorted(doubts):
+        if direction == "out" and a not in sending:
             c = pick(a, in_est, out_est[a], pair[a], receiving)
             if c is not None:
                 pairs.append((a, c))
                 sending.add(a)
                 receiving.add(c)
-        partners = np.flatnonzero(pair[:, a] > 0)
-        if a not in receiving and len(partners) and out_est[partners].max() < in_est[a] * NIC_SPREAD:
+        elif direction == "in" and a not in receiving:
             d = pick(a, out_est, in_est[a], pair[:, a], sending)
             if d is not None:
                 pairs.append((d, a))

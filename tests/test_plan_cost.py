@@ -65,10 +65,9 @@ def test_host_nics_inside_a_site_uplink_nest():
     # Loopback 10000, LAN 1000, WAN 1000 per pair; host NICs 300, site uplinks 400.
     P = 8
     host = [r // 2 for r in range(P)]
-    site = [r // 4 for r in range(P)]
     bw = [[0.0 if i == j else 10000.0 if host[i] == host[j] else 1000.0 for j in range(P)] for i in range(P)]
     nics = [((2 * h, 2 * h + 1), 300.0, 300.0) for h in range(4)]
-    ups = [((0, 1, 2, 3), 400.0, 400.0), ((4, 5, 6, 7), 400.0, 400.0)]
+    ups = [(tuple(r for r in range(P) if r // 4 == s), 400.0, 400.0) for s in range(2)]
     model = LinkModel(bw=bw, uplinks=nics + ups)
     # Site 0 to site 1: two NICs of 300 (600) capped by the uplink (400).
     assert cut_capacity(model, side(P, range(4))) == 400.0

@@ -39,11 +39,19 @@ sites as few times as possible: once into and once out of each site. So the cand
   hosts' mean links; the ranks of a host in rank order (their order is fixed by the level);
 
 where the sites are the topology's, or else clusters of similar links (`levels.detect_sites`).
-Each costs one LP. The best then gets a short, bounded refinement: at the ring link that binds
-(the largest load over bandwidth at LP 1's optimum), move its head next to the ranks it has the
-widest links with, or reverse the segment up to them (``REFINE_TRIES`` tries, first improvement
-kept). The search is deterministic, takes a number of LPs that does not grow with P, and is
-checked against the exhaustive search on every topology up to 8 ranks (tests/test_plan_scale.py).
+Each costs one LP, and candidates are visited by increasing lower bound, so those that cannot win
+cost none. The best then gets a short, bounded refinement: at the narrowest ring link, move its
+head next to the ranks it has the widest links with, or reverse the segment up to them
+(``REFINE_TRIES`` tries, first improvement kept), unless it already meets its lower bound. The
+search is deterministic and takes a number of LPs that does not grow with P
+(tests/test_plan_scale.py checks it against every order of the hosts, and against the bound at
+1,024 ranks).
+
+Hosts of several ranks (`level_units`): up to 6 hosts (and 64 ranks), every order of the hosts
+is tried, each host's ranks kept together, then rings of up to 16 ranks get a local search of
+their ranks (every move of one rank, reversal and swap: a fast host split around a slow one can
+be faster); on every host topology of up to 8 ranks that matches trying every order of the ranks
+within 1% (tests/test_plan_scale.py).
 
 Orders whose T is within a relative ``ORDER_TIE_RTOL`` (1e-6) of the best are ties: the identity
 order wins if it is among them, else the lexicographically smallest.
@@ -345,13 +353,11 @@ def _refine(search: RingSearch, order: tuple[int, ...], tau: float) -> tuple[tup
     tries = 0
     while tries < REFINE_TRIES:
         b = ring_data(search.model, order, search.ref).b
-        # At LP 1's optimum the binding link has the largest (2 - y_p - y_{p+1}) / b_p; the shares
-        # are those LP 2 would pick, but any optimal shares show the same bottleneck links, and the
-        # narrowest ring link is the usual culprit: try it first.
+        # The narrowest ring link is the usual bottleneck (the LP's shares are not at hand here):
+        # move its head next to the ranks it has the widest links with, or reverse up to them.
         p = int(np.argmin(b))
         head = order[(p + 1) % P]
         tail = order[p]
-        # The ranks the head (and the tail) have the widest links with, widest first.
         partners = [int(q) for q in np.argsort(-search.b[head], kind="stable") if q != head][:3]
         improved = False
         for q in partners:

@@ -40,6 +40,13 @@ class ConnectionRefusedError : public CommError {
   explicit ConnectionRefusedError(const std::string& what) : CommError(what) {}
 };
 
+// The c10d store could not be reached (its host died, or the network to it): the message says
+// what was asked of it.
+class StoreUnreachableError : public CommError {
+ public:
+  explicit StoreUnreachableError(const std::string& what) : CommError(what) {}
+};
+
 // A wait given up because the group is aborting or shutting down (see Cancelled).
 class CancelledError : public CommError {
  public:

@@ -30,7 +30,7 @@ std::array<uint8_t, Hello::kBytes> Hello::encode() const {
   put<uint8_t>(p, 0);
   put<int32_t>(p, rank);
   put<int32_t>(p, worldSize);
-  std::memcpy(p, secret.data(), kSecretBytes);
+  std::memcpy(p, nonce.data(), kNonceBytes);
   return out;
 }
 
@@ -48,7 +48,28 @@ std::string Hello::decode(const uint8_t* bytes, Hello& out) {
   get<uint8_t>(p);
   out.rank = get<int32_t>(p);
   out.worldSize = get<int32_t>(p);
-  std::memcpy(out.secret.data(), p, kSecretBytes);
+  std::memcpy(out.nonce.data(), p, kNonceBytes);
+  return "";
+}
+
+std::array<uint8_t, Challenge::kBytes> Challenge::encode() const {
+  std::array<uint8_t, kBytes> out{};
+  uint8_t* p = out.data();
+  put<uint32_t>(p, kChallengeMagic);
+  put<int32_t>(p, rank);
+  std::memcpy(p, nonce.data(), kNonceBytes);
+  p += kNonceBytes;
+  std::memcpy(p, mac.data(), kMacBytes);
+  return out;
+}
+
+std::string Challenge::decode(const uint8_t* bytes, Challenge& out) {
+  const uint8_t* p = bytes;
+  if (get<uint32_t>(p) != kChallengeMagic) return "bad magic in the handshake's challenge";
+  out.rank = get<int32_t>(p);
+  std::memcpy(out.nonce.data(), p, kNonceBytes);
+  p += kNonceBytes;
+  std::memcpy(out.mac.data(), p, kMacBytes);
   return "";
 }
 

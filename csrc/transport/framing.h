@@ -1,8 +1,17 @@
 #pragma once
-// Wire formats. Every connection starts with a Hello (connector -> acceptor) answered by a
-// HelloAck; every collective message on a connection starts with a CollectiveHeader, every
-// point-to-point message with a P2PHeader. Fixed little-endian layouts, decoded field by field, so
-// that garbage is rejected instead of reinterpreted.
+// Wire formats. Every connection starts with a handshake in which each side proves it knows the
+// group secret without sending it (challenge-response, HMAC-SHA-256 over both sides' nonces):
+//
+//   connector -> acceptor  Hello      magic, version, channel, rank, world size, nonce_c
+//   acceptor  -> connector Challenge  magic, rank, nonce_a, HMAC(secret, "accept"  | Hello | magic, rank, nonce_a)
+//   connector -> acceptor  Proof      HMAC(secret, "connect" | Hello | magic, rank, nonce_a)
+//   acceptor  -> connector HelloAck   magic, rank
+//
+// A captured handshake cannot be replayed: the MACs cover the other side's fresh nonce. The two
+// MACs carry different labels, so one side's cannot be reflected back as the other's. Then every
+// collective message on a connection starts with a CollectiveHeader, every point-to-point message
+// with a P2PHeader. Fixed little-endian layouts, decoded field by field, so that garbage is
+// rejected instead of reinterpreted.
 #include <array>
 #include <cstdint>
 #include <string>
@@ -12,8 +21,11 @@ namespace hetcomm {
 constexpr uint32_t kHelloMagic = 0x4d435448;   // "HTCM"
 constexpr uint32_t kFrameMagic = 0x4652434d;   // collective frame
 constexpr uint32_t kP2PMagic = 0x5032504d;     // point-to-point frame
-constexpr uint16_t kWireVersion = 1;
+constexpr uint32_t kChallengeMagic = 0x4348434d;  // handshake challenge
+constexpr uint16_t kWireVersion = 2;
 constexpr size_t kSecretBytes = 16;
+constexpr size_t kNonceBytes = 16;
+constexpr size_t kMacBytes = 32;
 
 enum class Channel : uint8_t {
   kCollective = 1,  // one per unordered pair of ranks, opened by the higher rank
@@ -27,11 +39,24 @@ struct Hello {
   Channel channel = Channel::kCollective;
   int32_t rank = -1;
   int32_t worldSize = 0;
-  std::array<uint8_t, kSecretBytes> secret{};
+  std::array<uint8_t, kNonceBytes> nonce{};
 
   std::array<uint8_t, kBytes> encode() const;
   // Returns an empty string when well formed, else what is wrong with it.
   static std::string decode(const uint8_t* bytes, Hello& out);
+};
+
+// The acceptor's answer to a Hello: its rank, its nonce and its proof (kBodyBytes of header, then
+// the MAC over the Hello and that header).
+struct Challenge {
+  static constexpr size_t kBodyBytes = 24;
+  static constexpr size_t kBytes = kBodyBytes + kMacBytes;
+  int32_t rank = -1;
+  std::array<uint8_t, kNonceBytes> nonce{};
+  std::array<uint8_t, kMacBytes> mac{};
+
+  std::array<uint8_t, kBytes> encode() const;
+  static std::string decode(const uint8_t* bytes, Challenge& out);
 };
 
 struct HelloAck {

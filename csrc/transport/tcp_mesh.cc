@@ -10,10 +10,13 @@
 #include <unistd.h>
 
 #include <cstring>
+#include <random>
 #include <thread>
 
 #include "common/env.h"
 #include "common/logging.h"
+#include "common/threads.h"
+#include "transport/hmac.h"
 
 namespace hetcomm {
 namespace {
@@ -21,23 +24,51 @@ namespace {
 // A legitimate peer sends its hello right after connecting; anything slower is not one of ours.
 HETCOMM_PARAM(paramHandshakeTimeoutMs, "HETCOMM_HANDSHAKE_TIMEOUT_MS", 3000)
 
-bool sameSecret(const TcpMesh::Secret& a, const TcpMesh::Secret& b) {
-  uint8_t diff = 0;  // constant time: do not leak how many bytes matched
-  for (size_t i = 0; i < a.size(); ++i) diff |= static_cast<uint8_t>(a[i] ^ b[i]);
-  return diff == 0;
+}  // namespace
+
+std::array<uint8_t, kNonceBytes> freshNonce() {
+  thread_local std::random_device rd;
+  std::array<uint8_t, kNonceBytes> n{};
+  for (size_t i = 0; i < n.size(); i += 4) {
+    const uint32_t v = rd();
+    for (size_t j = 0; j < 4 && i + j < n.size(); ++j) n[i + j] = static_cast<uint8_t>(v >> (8 * j));
+  }
+  return n;
 }
 
-}  // namespace
+std::array<uint8_t, kMacBytes> handshakeMac(HandshakeRole role, const TcpMesh::Secret& secret,
+                                            const std::array<uint8_t, Hello::kBytes>& hello, const Challenge& challenge) {
+  static const char kAccept[] = "hetcomm accept";
+  static const char kConnect[] = "hetcomm connect";
+  const char* label = role == HandshakeRole::kAcceptor ? kAccept : kConnect;
+  const size_t labelLen = role == HandshakeRole::kAcceptor ? sizeof(kAccept) : sizeof(kConnect);
+  const auto body = challenge.encode();  // its first kBodyBytes: magic, rank, nonce
+  return hmacSha256(secret.data(), secret.size(),
+                    {{label, labelLen}, {hello.data(), hello.size()}, {body.data(), Challenge::kBodyBytes}});
+}
 
 TcpMesh::TcpMesh(int rank, int size, const std::string& listenIp, const Secret& secret, PeerLookup lookup)
     : rank_(rank), size_(size), secret_(secret), lookup_(std::move(lookup)), collective_(size) {
   listener_ = listenOn(listenIp, 0);
   listenAddress_ = boundAddress(listener_.fd());
   if (::pipe2(wakePipe_, O_CLOEXEC | O_NONBLOCK) != 0) throw CommError("hetcomm: pipe2 failed");
-  listenThread_ = std::thread([this] { listenLoop(); });
+  // A listener that dies stops new connections: the group's operations fail (setFailureHandler).
+  listenThread_ = startThread("listener", [this] { listenLoop(); }, [this](const std::string& what) {
+    std::function<void(const std::string&)> handler;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      handler = onFailure_;
+    }
+    if (handler) handler(what);
+  });
 }
 
 TcpMesh::~TcpMesh() { close(); }
+
+void TcpMesh::setFailureHandler(std::function<void(const std::string&)> handler) {
+  std::lock_guard<std::mutex> lock(mu_);
+  onFailure_ = std::move(handler);
+}
 
 void TcpMesh::setInboundP2PHandler(InboundP2P handler) {
   std::lock_guard<std::mutex> lock(mu_);
@@ -66,24 +97,39 @@ Socket TcpMesh::connectAndGreet(int peer, Channel channel, Deadline deadline, co
   };
   const HostPort addr = lookup_(peer, deadline, cancelled);
   auto what = [&] { return strCat("(rank ", rank_, " connecting to rank ", peer, " at ", addr.str(), ")"); };
-  Hello hello;
-  hello.channel = channel;
-  hello.rank = rank_;
-  hello.worldSize = size_;
-  hello.secret = secret_;
-  const auto helloBytes = hello.encode();
   auto backoff = std::chrono::milliseconds(100);
   for (int attempt = 1;; ++attempt) {
     try {
       Socket s = connectTo(addr, deadline, /*retryRefused=*/false, cancelled);
+      Hello hello;
+      hello.channel = channel;
+      hello.rank = rank_;
+      hello.worldSize = size_;
+      hello.nonce = freshNonce();
+      const auto helloBytes = hello.encode();
       sendAll(s.fd(), helloBytes.data(), helloBytes.size(), deadline, what, cancelled);
-      std::array<uint8_t, HelloAck::kBytes> ackBytes{};
-      recvAll(s.fd(), ackBytes.data(), ackBytes.size(), deadline, what, cancelled);
-      HelloAck ack;
-      std::string err = HelloAck::decode(ackBytes.data(), ack);
-      if (!err.empty() || ack.rank != peer) {
-        throw HandshakeMismatch(strCat("hetcomm: handshake with rank ", peer, " at ", addr.str(), " failed: ",
-                                       err.empty() ? strCat("it answered as rank ", ack.rank) : err));
+      std::array<uint8_t, Challenge::kBytes> challengeBytes{};
+      recvAll(s.fd(), challengeBytes.data(), challengeBytes.size(), deadline, what, cancelled);
+      Challenge challenge;
+      std::string err = Challenge::decode(challengeBytes.data(), challenge);
+      if (err.empty() && challenge.rank != peer) err = strCat("it answered as rank ", challenge.rank);
+      if (err.empty()) {
+        const auto want = handshakeMac(HandshakeRole::kAcceptor, secret_, helloBytes, challenge);
+        if (!constantTimeEqual(want.data(), challenge.mac.data(), kMacBytes)) {
+          err = "it could not prove that it knows the group secret (another job's process, or not a hetcomm rank)";
+        }
+      }
+      if (err.empty()) {
+        const auto proof = handshakeMac(HandshakeRole::kConnector, secret_, helloBytes, challenge);
+        sendAll(s.fd(), proof.data(), proof.size(), deadline, what, cancelled);
+        std::array<uint8_t, HelloAck::kBytes> ackBytes{};
+        recvAll(s.fd(), ackBytes.data(), ackBytes.size(), deadline, what, cancelled);
+        HelloAck ack;
+        err = HelloAck::decode(ackBytes.data(), ack);
+        if (err.empty() && ack.rank != peer) err = strCat("it answered as rank ", ack.rank);
+      }
+      if (!err.empty()) {
+        throw HandshakeMismatch(strCat("hetcomm: handshake with rank ", peer, " at ", addr.str(), " failed: ", err));
       }
       return s;
     } catch (const ConnectionRefusedError&) {
@@ -146,6 +192,8 @@ bool TcpMesh::peerGone(int peer, Deadline deadline, const Cancelled& cancelled) 
     return false;
   } catch (const ConnectionRefusedError&) {
     return true;
+  } catch (const StoreUnreachableError&) {
+    throw;  // the caller decides: a peer that has not connected yet never will
   } catch (const CommError&) {
     return false;  // no answer in time, the store is unreachable, ...: cannot tell
   }
@@ -276,9 +324,13 @@ void TcpMesh::acceptOne(std::vector<Greeting>& greetings, Socket& spare, Deadlin
   greetings.push_back(std::move(g));
 }
 
-void TcpMesh::reject(const std::string& from, const std::string& why) {
+void TcpMesh::reject(const std::string& from, const std::string& why, bool quiet) {
   std::lock_guard<std::mutex> lock(mu_);
   ++rejected_;
+  if (quiet) {
+    HC_LOG(kDebug, "rank ", rank_, ": a connection from ", from, " ", why);
+    return;
+  }
   // A flood of strangers must not flood the log too: one line a second, with a count.
   const Deadline now = Clock::now();
   if (now < nextRejectLog_) {
@@ -296,15 +348,24 @@ void TcpMesh::reject(const std::string& from, const std::string& why) {
 }
 
 bool TcpMesh::progressGreeting(Greeting& g) {
-  ssize_t n = ::recv(g.socket.fd(), g.hello.data() + g.got, g.hello.size() - g.got, 0);
+  uint8_t* buf = g.challenged ? g.proof.data() : g.hello.data();
+  const size_t want = g.challenged ? g.proof.size() : g.hello.size();
+  ssize_t n = ::recv(g.socket.fd(), buf + g.got, want - g.got, 0);
   if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) return false;
   if (n <= 0) {
-    reject(g.from, n == 0 ? "closed before completing the handshake" : std::strerror(errno));
+    // A connection that closes before sending a byte is usually one of ours given up (a probe or a
+    // connect cancelled by an abort): counted, but not worth a warning.
+    const bool silent = n == 0 && g.got == 0 && !g.challenged;
+    reject(g.from, n == 0 ? "closed before completing the handshake" : std::strerror(errno), silent);
     return true;
   }
   g.got += static_cast<size_t>(n);
-  if (g.got < g.hello.size()) return false;
+  if (g.got < want) return false;
   try {
+    if (!g.challenged) {
+      challenge(g);
+      return false;  // now the proof
+    }
     acceptGreeting(g);
   } catch (const std::exception& e) {
     reject(g.from, e.what());
@@ -312,18 +373,33 @@ bool TcpMesh::progressGreeting(Greeting& g) {
   return true;
 }
 
-void TcpMesh::acceptGreeting(Greeting& g) {
-  Hello hello;
-  std::string err = Hello::decode(g.hello.data(), hello);
+void TcpMesh::challenge(Greeting& g) {
+  std::string err = Hello::decode(g.hello.data(), g.parsed);
+  const Hello& hello = g.parsed;
   if (err.empty() && hello.worldSize != size_) err = strCat("world size ", hello.worldSize, " != ", size_);
   if (err.empty() && (hello.rank < 0 || hello.rank >= size_ || hello.rank == rank_)) {
     err = strCat("invalid peer rank ", hello.rank);
   }
-  if (err.empty() && !sameSecret(hello.secret, secret_)) err = "wrong group secret";
   if (err.empty() && hello.channel == Channel::kCollective && hello.rank < rank_) {
     err = strCat("rank ", hello.rank, " must not open a collective connection to a higher rank");
   }
   if (!err.empty()) throw CommError(err);
+  g.challenge.rank = rank_;
+  g.challenge.nonce = freshNonce();
+  g.challenge.mac = handshakeMac(HandshakeRole::kAcceptor, secret_, g.hello, g.challenge);
+  const auto bytes = g.challenge.encode();
+  // 56 bytes into an empty socket buffer: immediate in practice; bounded all the same.
+  sendAll(g.socket.fd(), bytes.data(), bytes.size(), g.deadline, [&] { return strCat("challenging rank ", hello.rank); });
+  g.challenged = true;
+  g.got = 0;
+}
+
+void TcpMesh::acceptGreeting(Greeting& g) {
+  const Hello& hello = g.parsed;
+  const auto want = handshakeMac(HandshakeRole::kConnector, secret_, g.hello, g.challenge);
+  if (!constantTimeEqual(want.data(), g.proof.data(), kMacBytes)) {
+    throw CommError(strCat("it claimed to be rank ", hello.rank, " but could not prove that it knows the group secret"));
+  }
 
   HelloAck ack;
   ack.rank = rank_;

@@ -8,7 +8,8 @@
 //   point-to-point engine on the receiving side. Keeping them apart from the collective
 //   connections means a send/recv can never interleave with a collective's byte stream.
 // * A listener thread accepts connections and checks a handshake (magic, version, world size,
-//   rank, the group's random secret). Anything else is logged and closed; it disturbs nothing:
+//   rank, and a challenge-response that proves knowledge of the group's random secret without
+//   sending it: framing.h). Anything else is logged and closed; it disturbs nothing:
 //   at most kMaxPendingGreetings connections wait for their handshake at once (the rest wait in
 //   the kernel's backlog), and when the process runs out of descriptors the connection is taken
 //   off the queue and closed rather than left to make the listener spin.
@@ -31,6 +32,13 @@
 
 namespace hetcomm {
 
+// The two MACs of the handshake (framing.h): the acceptor's proof over the hello and its
+// challenge, and the connector's. Exposed for tests that play one side by hand.
+enum class HandshakeRole { kAcceptor, kConnector };
+std::array<uint8_t, kMacBytes> handshakeMac(HandshakeRole role, const std::array<uint8_t, kSecretBytes>& secret,
+                                            const std::array<uint8_t, Hello::kBytes>& hello, const Challenge& challenge);
+std::array<uint8_t, kNonceBytes> freshNonce();
+
 class TcpMesh {
  public:
   using Secret = std::array<uint8_t, kSecretBytes>;
@@ -47,6 +55,8 @@ class TcpMesh {
 
   HostPort listenAddress() const { return listenAddress_; }
   void setInboundP2PHandler(InboundP2P handler);
+  // Called if the listener thread stops on an unexpected error (it then accepts nothing more).
+  void setFailureHandler(std::function<void(const std::string&)> handler);
 
   // The collective connection to `peer`, established on first use. The fd stays owned by the mesh.
   int collectiveFd(int peer, Deadline deadline);
@@ -54,7 +64,8 @@ class TcpMesh {
   // the peer is gone, CancelledError when `cancelled` (or the mesh's abort) ends the wait.
   Socket connectP2P(int peer, Deadline deadline, const Cancelled& cancelled = {});
   // True when `peer` has certainly exited: its published address refuses connections. False
-  // when it answers, and when that cannot be told before the deadline.
+  // when it answers, and when that cannot be told before the deadline. Throws
+  // StoreUnreachableError when the peer's address cannot be looked up because the store is gone.
   bool peerGone(int peer, Deadline deadline, const Cancelled& cancelled = {});
 
   // Shuts every collective connection down so that peers blocked on us fail fast instead of
@@ -72,14 +83,22 @@ class TcpMesh {
     Socket socket;
     std::string from;
     std::array<uint8_t, Hello::kBytes> hello{};
-    size_t got = 0;
+    Hello parsed;
+    bool challenged = false;  // the hello was read and answered with `challenge`: the proof is next
+    Challenge challenge;
+    std::array<uint8_t, kMacBytes> proof{};
+    size_t got = 0;  // bytes of the current message (hello, then proof)
     Deadline deadline;
   };
   void listenLoop();
   // Reads what the greeting sent; true when it is finished (accepted or rejected).
   bool progressGreeting(Greeting& g);
+  // Checks the hello and answers it with this rank's challenge.
+  void challenge(Greeting& g);
+  // Checks the proof; accepts the connection or throws.
   void acceptGreeting(Greeting& g);
-  void reject(const std::string& from, const std::string& why);
+  // Counts a refused connection and logs it (at most a line a second; only at debug level when quiet).
+  void reject(const std::string& from, const std::string& why, bool quiet = false);
   // Accepts one connection from the listener's queue into `greetings`; never blocks.
   void acceptOne(std::vector<Greeting>& greetings, Socket& spare, Deadline& pausedUntil);
 
@@ -88,6 +107,7 @@ class TcpMesh {
   const Secret secret_;
   PeerLookup lookup_;
   InboundP2P inboundP2P_;
+  std::function<void(const std::string&)> onFailure_;  // guarded by mu_
 
   Socket listener_;
   HostPort listenAddress_;

@@ -1,9 +1,12 @@
 // Wire formats (csrc/transport/framing).
+#include <algorithm>
 #include <cstring>
 #include <limits>
 
 #include "check.h"
 #include "transport/framing.h"
+#include "transport/hmac.h"
+#include "transport/tcp_mesh.h"
 
 using namespace hetcomm;
 
@@ -21,7 +24,7 @@ TEST_CASE(hello_round_trip) {
       h.channel = ch;
       h.rank = rank;
       h.worldSize = 1 << 20;
-      for (size_t i = 0; i < kSecretBytes; ++i) h.secret[i] = static_cast<uint8_t>(0xa0 + 13 * i);
+      for (size_t i = 0; i < kNonceBytes; ++i) h.nonce[i] = static_cast<uint8_t>(0xa0 + 13 * i);
       const auto bytes = h.encode();
       CHECK_EQ(bytes.size(), Hello::kBytes);
       Hello out;
@@ -30,7 +33,7 @@ TEST_CASE(hello_round_trip) {
       CHECK(out.channel == ch);
       CHECK_EQ(out.rank, rank);
       CHECK_EQ(out.worldSize, 1 << 20);
-      CHECK(out.secret == h.secret);
+      CHECK(out.nonce == h.nonce);
     }
   }
 }
@@ -156,4 +159,90 @@ TEST_CASE(p2p_header_round_trip_and_rejects) {
   putU32(b, 0, kFrameMagic);
   P2PHeader out;
   CHECK(!P2PHeader::decode(b.data(), out).empty());
+}
+
+namespace {
+std::string hex(const Sha256Digest& d) {
+  static const char* kDigits = "0123456789abcdef";
+  std::string out;
+  for (uint8_t b : d) {
+    out += kDigits[b >> 4];
+    out += kDigits[b & 15];
+  }
+  return out;
+}
+}  // namespace
+
+TEST_CASE(sha256_matches_the_standard_vectors) {
+  CHECK_EQ(hex(sha256("", 0)), std::string("e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855"));
+  CHECK_EQ(hex(sha256("abc", 3)), std::string("ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad"));
+  const std::string two = "abcdbcdecdefdefgefghfghighijhijkijkljklmklmnlmnomnopnopq";  // 448 bits: padding spills over
+  CHECK_EQ(hex(sha256(two.data(), two.size())),
+           std::string("248d6a61d20638b8e5c026930c3e6039a33ce45964ff2167f6ecedd419db06c1"));
+  const std::string million(1000000, 'a');
+  Sha256 pieces;  // fed in odd pieces: the block buffer must carry over
+  for (size_t at = 0; at < million.size(); at += 997) pieces.update(million.data() + at, std::min<size_t>(997, million.size() - at));
+  CHECK_EQ(hex(pieces.finish()), std::string("cdc76e5c9914fb9281a1c7e284d73e67f1809a48a497200e046d39ccc7112cd0"));
+}
+
+TEST_CASE(hmac_sha256_matches_rfc_4231) {
+  // Test case 1: a 20-byte key of 0x0b, "Hi There".
+  const std::string key1(20, '\x0b');
+  CHECK_EQ(hex(hmacSha256(key1.data(), key1.size(), {{"Hi There", 8}})),
+           std::string("b0344c61d8db38535ca8afceaf0bf12b881dc200c9833da726e9376c2e32cff7"));
+  // Test case 2: key "Jefe", the message in two pieces.
+  CHECK_EQ(hex(hmacSha256("Jefe", 4, {{"what do ya want ", 16}, {"for nothing?", 12}})),
+           std::string("5bdcc146bf60754e6a042426089575c75a003f089d2739839dec58b964ec3843"));
+  // Test case 6: a 131-byte key (longer than a block: hashed first).
+  const std::string key6(131, '\xaa');
+  const std::string msg6 = "Test Using Larger Than Block-Size Key - Hash Key First";
+  CHECK_EQ(hex(hmacSha256(key6.data(), key6.size(), {{msg6.data(), msg6.size()}})),
+           std::string("60e431591ee0b67f0d8a26aacbf5b77f8e0bc6213728c5140546040f0ee37f54"));
+}
+
+TEST_CASE(challenge_round_trip_and_rejects_garbage) {
+  Challenge c;
+  c.rank = 9;
+  c.nonce = freshNonce();
+  for (size_t i = 0; i < kMacBytes; ++i) c.mac[i] = static_cast<uint8_t>(i * 7);
+  const auto b = c.encode();
+  Challenge out;
+  CHECK_EQ(Challenge::decode(b.data(), out), std::string());
+  CHECK_EQ(out.rank, 9);
+  CHECK(out.nonce == c.nonce);
+  CHECK(out.mac == c.mac);
+  auto bad = b;
+  putU32(bad, 0, kHelloMagic);
+  CHECK(!Challenge::decode(bad.data(), out).empty());
+}
+
+TEST_CASE(handshake_macs_bind_the_secret_both_nonces_and_the_role) {
+  std::array<uint8_t, kSecretBytes> secret{}, other{};
+  for (size_t i = 0; i < secret.size(); ++i) {
+    secret[i] = static_cast<uint8_t>(i);
+    other[i] = static_cast<uint8_t>(i + (i == 5));
+  }
+  Hello h;
+  h.rank = 1;
+  h.worldSize = 2;
+  h.nonce = freshNonce();
+  const auto hello = h.encode();
+  Challenge c;
+  c.rank = 0;
+  c.nonce = freshNonce();
+  const auto accept = handshakeMac(HandshakeRole::kAcceptor, secret, hello, c);
+  const auto connect = handshakeMac(HandshakeRole::kConnector, secret, hello, c);
+  CHECK(accept != connect);  // one side's proof cannot be reflected as the other's
+  CHECK(connect != handshakeMac(HandshakeRole::kConnector, other, hello, c));  // one bit of the secret
+  Challenge fresh = c;
+  fresh.nonce = freshNonce();  // a replayed proof meets a new challenge
+  CHECK(fresh.nonce != c.nonce);
+  CHECK(connect != handshakeMac(HandshakeRole::kConnector, secret, hello, fresh));
+  Hello h2 = h;
+  h2.nonce = freshNonce();
+  CHECK(accept != handshakeMac(HandshakeRole::kAcceptor, secret, h2.encode(), c));
+  // The secret itself never appears in what goes on the wire.
+  const auto wire = c.encode();
+  CHECK(std::search(hello.begin(), hello.end(), secret.begin(), secret.end()) == hello.end());
+  CHECK(std::search(wire.begin(), wire.end(), secret.begin(), secret.end()) == wire.end());
 }

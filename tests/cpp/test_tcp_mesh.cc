@@ -43,23 +43,40 @@ class ScriptedPeer {
   int accept() { return ::accept(fd_, nullptr, nullptr); }
   // Reads a whole hello from `fd`; false if the connection closed first.
   static bool readHello(int fd, Hello& hello) {
-    std::array<uint8_t, Hello::kBytes> bytes{};
-    size_t got = 0;
-    while (got < bytes.size()) {
-      ssize_t n = ::recv(fd, bytes.data() + got, bytes.size() - got, 0);
-      if (n <= 0) return false;
-      got += static_cast<size_t>(n);
-    }
-    return Hello::decode(bytes.data(), hello).empty();
+    if (!readAll(fd, lastHello_.data(), lastHello_.size())) return false;
+    return Hello::decode(lastHello_.data(), hello).empty();
   }
-  static void answer(int fd, int32_t rank) {
+  // Plays the acceptor's side of the handshake after readHello: the challenge, the connector's
+  // proof (checked: true when it verifies), the ack.
+  static bool answer(int fd, int32_t rank) {
+    Challenge c;
+    c.rank = rank;
+    c.nonce = freshNonce();
+    c.mac = handshakeMac(HandshakeRole::kAcceptor, testSecret(), lastHello_, c);
+    const auto bytes = c.encode();
+    (void)!::send(fd, bytes.data(), bytes.size(), MSG_NOSIGNAL);
+    std::array<uint8_t, kMacBytes> proof{};
+    if (!readAll(fd, proof.data(), proof.size())) return false;
+    if (proof != handshakeMac(HandshakeRole::kConnector, testSecret(), lastHello_, c)) return false;
     HelloAck ack;
     ack.rank = rank;
-    const auto bytes = ack.encode();
-    (void)!::send(fd, bytes.data(), bytes.size(), MSG_NOSIGNAL);
+    const auto ackBytes = ack.encode();
+    (void)!::send(fd, ackBytes.data(), ackBytes.size(), MSG_NOSIGNAL);
+    return true;
   }
 
  private:
+  static bool readAll(int fd, uint8_t* p, size_t len) {
+    size_t got = 0;
+    while (got < len) {
+      ssize_t n = ::recv(fd, p + got, len - got, 0);
+      if (n <= 0) return false;
+      got += static_cast<size_t>(n);
+    }
+    return true;
+  }
+  static inline std::array<uint8_t, Hello::kBytes> lastHello_{};
+
   int fd_ = -1;
   HostPort address_;
 };

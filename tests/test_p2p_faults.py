@@ -83,7 +83,10 @@ def sender_runs_ahead(rank: int, world_size: int) -> dict | None:
         time.sleep(2.0)
         works = [dist.isend(big.clone(), dst=1, tag=7), dist.isend(small.clone(), dst=1, tag=5)]
         for w in works:
-            w.wait()
+            try:
+                w.wait()
+            except RuntimeError:
+                pass  # the receiver's group failed on its stuck receive: so does ours
         return None
     # Receive the small message first. It is sent after the big one, which nothing claims and
     # which does not fit the budget: the receive cannot complete, and its error says why. (It is
@@ -100,12 +103,14 @@ def sender_runs_ahead(rank: int, world_size: int) -> dict | None:
         stuck = str(e)
     else:
         stuck = ""
-    got_big = torch.empty(BIG // 4)
-    dist.recv(got_big, src=0, tag=7)
-    dist.recv(got_small, src=0, tag=5)
-    assert_same(got_big, big, "tag 7")
-    assert_same(got_small, small, "tag 5")
-    return {"rss_growth": grew, "stuck": stuck}
+    # The timed-out receive failed the group: every later operation fails with that first cause.
+    try:
+        dist.recv(torch.empty(BIG // 4), src=0, tag=7)
+    except RuntimeError as e:
+        later = str(e)
+    else:
+        later = ""
+    return {"rss_growth": grew, "stuck": stuck, "later": later}
 
 
 @hetcomm_only("HETCOMM_P2P_UNEXPECTED_BYTES is hetcomm's")
@@ -115,6 +120,7 @@ def test_unclaimed_messages_are_buffered_only_up_to_the_budget() -> None:
     assert res["rss_growth"] < BIG // 2, f"the receiver buffered {res['rss_growth']} bytes of a {BIG}-byte " \
                                          f"message it had not asked for (budget {BUDGET})"
     assert "HETCOMM_P2P_UNEXPECTED_BYTES" in res["stuck"] and "tag 7" in res["stuck"], res
+    assert "earlier failure" in res["later"] and "HETCOMM_P2P_UNEXPECTED_BYTES" in res["later"], res
 
 
 def any_source(rank: int, world_size: int) -> list | None:
@@ -161,3 +167,40 @@ def test_monitored_barrier_names_the_rank_that_did_not_arrive() -> None:
     assert "rank 2 failed to pass the barrier" in results[0]["error"], results
     assert "rank 0 failed to pass the barrier" in results[1]["error"], results  # never released
     assert results[2] == {}, results
+
+
+def any_source_in_arrival_order(rank: int, world_size: int) -> list | None:
+    """Rank 2's one message arrives first; then rank 1 sends many. Receives from any source
+    posted afterwards take them in the order they arrived, not lowest rank first."""
+    store = default_store()
+    if rank == 2:
+        dist.send(torch.full((4,), 2.0), dst=0, tag=8)
+        store.set("rank2_sent", "1")
+        return None
+    if rank == 1:
+        _wait_for_key("rank2_arrived")
+        for i in range(50):
+            dist.send(torch.full((4,), 1.0), dst=0, tag=8)
+        store.set("rank1_sent", "1")
+        return None
+    _wait_for_key("rank2_sent")
+    time.sleep(0.5)  # rank 2's message is here, unclaimed
+    store.set("rank2_arrived", "1")
+    _wait_for_key("rank1_sent")
+    time.sleep(0.5)  # and rank 1's too
+    sources = []
+    for _ in range(51):
+        t = torch.empty(4)
+        work = dist.irecv(t, tag=8)
+        work.wait()
+        sources.append(work._source_rank())
+    return sources
+
+
+@hetcomm_only("the order of receives from any source is hetcomm's")
+def test_receives_from_any_source_take_messages_in_arrival_order() -> None:
+    # Failed before the fix: rank 1's 50 messages were taken first (peer order), rank 2's last.
+    sources = run_ranks(3, any_source_in_arrival_order, timeout=120)[0]
+    assert sources[0] == 2, sources
+    assert sorted(sources) == [1] * 50 + [2], sources
+

@@ -234,3 +234,37 @@ def test_exit_with_an_operation_in_flight_does_not_wait_for_its_timeout() -> Non
     results = run_ranks(2, _leave_an_operation_hanging, pg_timeout=60, destroy=False, timeout=150)
     assert results == ["left", "left"]
     assert time.monotonic() - start < 45, "the exit waited for the operation's timeout"
+
+
+def rank_0_leaves_first(rank: int, world_size: int) -> str | None:
+    """Three backends on one prefix; rank 0 shuts its own down once all have joined. Ranks 1 and 2
+    then talk for the first time: each looks the other's address up in the store only now."""
+    store = default_store()
+    backend = _backend("early_leaver", rank, world_size)
+    store.add("early_leaver_up", 1)
+    while store.add("early_leaver_up", 0) < world_size:
+        time.sleep(0.02)
+    if rank == 0:
+        backend.shutdown()
+        store.set("rank0_left", "1")
+        return None
+    store.wait(["rank0_left"])
+    peer = 3 - rank
+    out = torch.full((16,), float(rank))
+    got = torch.empty(16)
+    start = time.monotonic()
+    send = backend.send([out], peer, 3)
+    recv = backend.recv([got], peer, 3)
+    send.wait()
+    recv.wait()
+    assert torch.equal(got, torch.full((16,), float(peer))), got
+    elapsed = time.monotonic() - start
+    assert elapsed < HANG_BOUND_S, f"the first message took {elapsed:.1f} s"
+    backend.shutdown()
+    return "ok"
+
+
+def test_a_rank_that_leaves_first_does_not_remove_addresses_others_still_need() -> None:
+    # Failed before the fix: rank 0 deleted every rank's address key when it shut down, and rank 1's
+    # first send to rank 2 waited for rank 2's address until the 60 s timeout.
+    assert run_ranks(3, rank_0_leaves_first, timeout=120)[1:] == ["ok", "ok"]

@@ -4,6 +4,7 @@
 #include <cstring>
 
 #include "common/error.h"
+#include "common/threads.h"
 #include "kernels/reduce.h"
 
 namespace hetcomm {
@@ -13,7 +14,7 @@ EmulatedDeviceOps::EmulatedDeviceOps(size_t slotBytes, int slotCount, int jitter
   slots_.base = slotMemory_.data();
   slots_.slotBytes = slotBytes;
   slots_.queueReadsUntil.assign(slotCount, 0);
-  thread_ = std::thread([this] { loop(); });
+  thread_ = startThread("emulated device", [this] { loop(); });
 }
 
 EmulatedDeviceOps::~EmulatedDeviceOps() {

@@ -1,6 +1,7 @@
 #include "backend/completion_pool.h"
 
 #include "common/logging.h"
+#include "common/threads.h"
 
 namespace hetcomm {
 namespace {
@@ -24,14 +25,14 @@ void CompletionPool::post(std::function<void()> fn) {
     // error). Running fn here would run the future's callbacks on the caller's thread, which may
     // be one of the backend's own: a thread of its own does it, touching nothing of the pool.
     lock.unlock();
-    std::thread([fn = std::move(fn)] { runGuarded(fn); }).detach();
+    startThread("future callback", [fn = std::move(fn)] { runGuarded(fn); }).detach();
     return;
   }
   queue_.push_back(std::move(fn));
   if (idle_ < queue_.size() && threads_.size() < maxThreads_) {
     // The thread keeps the pool alive: stop() called from a pool thread leaves that thread
     // running until it returns from its callback, and it must not find the pool freed.
-    threads_.emplace_back([self = shared_from_this()] { self->loop(); });
+    threads_.push_back(startThread("completion", [self = shared_from_this()] { self->loop(); }));
   }
   cv_.notify_one();
 }

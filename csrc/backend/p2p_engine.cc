@@ -13,6 +13,7 @@
 #include "common/env.h"
 #include "common/error.h"
 #include "common/logging.h"
+#include "common/threads.h"
 
 namespace hetcomm {
 namespace {
@@ -37,7 +38,8 @@ P2PEngine::P2PEngine(int rank, int size, TcpMesh* mesh, TrafficCounters* traffic
       unexpectedBudget_(static_cast<size_t>(std::max<int64_t>(0, paramP2PUnexpectedBytes()))),
       peers_(size) {
   if (::pipe2(wake_, O_CLOEXEC | O_NONBLOCK) != 0) throw CommError("hetcomm: pipe2 failed");
-  thread_ = std::thread([this] { loop(); });
+  thread_ = startThread("point-to-point engine", [this] { loop(); },
+                        [this](const std::string& what) { fail(what); });
 }
 
 P2PEngine::~P2PEngine() {
@@ -53,7 +55,59 @@ void P2PEngine::wake() {
   (void)!::write(wake_[1], &c, 1);
 }
 
+void P2PEngine::setFailureHandler(std::function<void(const std::string&)> handler) {
+  std::lock_guard<std::mutex> lock(mu_);
+  onFailure_ = std::move(handler);
+}
+
+bool P2PEngine::idle() {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!anyRecvs_.empty()) return false;
+  for (const Peer& p : peers_) {
+    if (!p.sends.empty() || !p.recvs.empty() || p.incoming.matched) return false;
+  }
+  return true;
+}
+
+std::string P2PEngine::refusal(const char* kind, int peer) const {
+  const std::string who = peer == kAnySource ? std::string("any rank") : strCat("rank ", peer);
+  if (!failure_.empty()) {
+    return strCat("hetcomm ", kind, " on rank ", rank_, " (", who, "): the process group is unusable after an earlier failure: ",
+                  failure_);
+  }
+  if (stopping_) return strCat("hetcomm ", kind, " on rank ", rank_, " (", who, "): the process group is shutting down");
+  return "";
+}
+
 void P2PEngine::runCallbacks(Finished& finished) {
+  std::function<void(const std::string&)> report;
+  std::string first;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!failureReported_ && failure_.empty() && !stopping_ && onFailure_) {
+      for (const Finishing& f : finished) {
+        if (!f.error) continue;
+        try {
+          std::rethrow_exception(f.error);
+        } catch (const std::exception& e) {
+          first = e.what();
+        } catch (...) {
+          first = "a point-to-point operation failed";
+        }
+        failureReported_ = true;
+        report = onFailure_;
+        break;
+      }
+    }
+  }
+  // The group fails first, so that the callbacks below complete works whose group is failed already.
+  if (report) {
+    try {
+      report(first);
+    } catch (...) {
+      HC_LOG(kError, "the point-to-point engine's failure handler threw");
+    }
+  }
   for (Finishing& f : finished) {
     try {
       f.done(f.error, f.peer);
@@ -80,10 +134,13 @@ void P2PEngine::postSend(int peer, int64_t tag, const char* data, size_t bytes, 
   h.bytes = bytes;
   op.header = h.encode();
   std::unique_lock<std::mutex> lock(mu_);
-  if (stopping_ || !peers_[peer].outError.empty()) {
-    std::string why = stopping_ ? "the process group is shutting down" : peers_[peer].outError;
+  std::string refused = refusal("send", peer);
+  if (refused.empty() && !peers_[peer].outError.empty()) {
+    refused = strCat("hetcomm send to rank ", peer, ": ", peers_[peer].outError);
+  }
+  if (!refused.empty()) {
     lock.unlock();
-    Finished f{{std::move(op.done), commError(strCat("hetcomm send to rank ", peer, ": ", why)), peer}};
+    Finished f{{std::move(op.done), commError(refused), peer}};
     runCallbacks(f);
     return;
   }
@@ -105,13 +162,22 @@ void P2PEngine::postRecv(int peer, int64_t tag, char* data, size_t bytes, Deadli
   Finished finished;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    // Messages that already arrived stay claimable after the sender closed its connection.
-    for (int from = 0; from < size_; ++from) {
-      if (peer != kAnySource && from != peer) continue;
+    // Messages that already arrived stay claimable after the sender closed its connection. From
+    // any source: the one that arrived first, whichever peer sent it.
+    int from = -1;
+    std::deque<Peer::Unclaimed>::iterator it;
+    const std::string refused = refusal("recv", peer);
+    for (int q = 0; q < size_ && refused.empty(); ++q) {
+      if (peer != kAnySource && q != peer) continue;
+      Peer& p = peers_[q];
+      auto m = std::find_if(p.unexpected.begin(), p.unexpected.end(), [&](const auto& u) { return u.tag == tag; });
+      if (m == p.unexpected.end() || (from >= 0 && it->arrived < m->arrived)) continue;
+      from = q;
+      it = m;
+    }
+    if (from >= 0) {
       Peer& p = peers_[from];
-      auto it = std::find_if(p.unexpected.begin(), p.unexpected.end(), [&](const auto& m) { return m.first == tag; });
-      if (it == p.unexpected.end()) continue;
-      std::vector<char> payload = std::move(it->second);
+      std::vector<char> payload = std::move(it->payload);
       p.unexpected.erase(it);
       p.unexpectedBytes -= payload.size();
       if (payload.size() != bytes) {
@@ -123,13 +189,13 @@ void P2PEngine::postRecv(int peer, int64_t tag, char* data, size_t bytes, Deadli
         if (bytes > 0) std::memcpy(data, payload.data(), bytes);
         finished.push_back({std::move(op.done), nullptr, from});
       }
-      break;
     }
     if (finished.empty()) {
       const std::string broken = peer == kAnySource ? "" : peers_[peer].inError;
-      if (stopping_ || !broken.empty()) {
-        const std::string why = stopping_ ? "the process group is shutting down" : broken;
-        finished.push_back({std::move(op.done), commError(strCat("hetcomm recv from rank ", peer, ": ", why)), peer});
+      if (!refused.empty()) {
+        finished.push_back({std::move(op.done), commError(refused), peer});
+      } else if (!broken.empty()) {
+        finished.push_back({std::move(op.done), commError(strCat("hetcomm recv from rank ", peer, ": ", broken)), peer});
       } else {
         op.posted = nextPosted_++;
         if (peer == kAnySource) {
@@ -197,6 +263,32 @@ void P2PEngine::stop(const std::string& reason) {
   stopped_ = true;
 }
 
+void P2PEngine::fail(const std::string& cause) {
+  Finished finished;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!failure_.empty() || stopping_) return;  // stop() fails what is pending itself
+    failure_ = cause;
+    for (int peer = 0; peer < size_; ++peer) {
+      Peer& p = peers_[peer];
+      failAll(p.sends, peer, refusal("send", peer), finished);
+      failAll(p.recvs, peer, refusal("recv", peer), finished);
+      if (p.incoming.matched) finished.push_back({std::move(p.incoming.op.done), commError(refusal("recv", peer)), peer});
+      p.incoming = Incoming();
+      // Shut down, not closed: the engine thread may be polling these descriptors right now. The
+      // peers see the connections end, and their operations with this rank fail at once.
+      p.out.shutdownBoth();
+      p.in.shutdownBoth();
+      if (p.outError.empty()) p.outError = cause;
+      if (p.inError.empty()) p.inError = cause;
+    }
+    failAll(anyRecvs_, kAnySource, refusal("recv", kAnySource), finished);
+  }
+  cancelHelpers_ = true;
+  runCallbacks(finished);
+  wake();
+}
+
 void P2PEngine::failAll(std::deque<Op>& ops, int peer, const std::string& why, Finished& finished) {
   for (Op& op : ops) finished.push_back({std::move(op.done), commError(why), peer});
   ops.clear();
@@ -204,11 +296,20 @@ void P2PEngine::failAll(std::deque<Op>& ops, int peer, const std::string& why, F
 
 void P2PEngine::startHelper(std::function<void()> body) {
   auto finished = std::make_shared<std::atomic<bool>>(false);
-  helpers_.push_back({std::thread([this, body, finished] {
-                        body();
-                        finished->store(true);
-                        wake();
-                      }),
+  helpers_.push_back({startThread("point-to-point helper",
+                                  [this, body, finished] {
+                                    // Marked finished even when the body throws, so that it is joined.
+                                    struct Done {
+                                      P2PEngine* engine;
+                                      std::atomic<bool>& flag;
+                                      ~Done() {
+                                        flag.store(true);
+                                        engine->wake();
+                                      }
+                                    } done{this, *finished};
+                                    body();
+                                  },
+                                  [this](const std::string& what) { fail(what); }),
                       finished});
 }
 
@@ -270,7 +371,17 @@ void P2PEngine::probeSilentPeers(Deadline now, int& pollTimeoutMs) {
     }
     p.probing = true;
     startHelper([this, peer] {
-      const bool gone = mesh_->peerGone(peer, Clock::now() + kProbeTimeout, [this] { return cancelHelpers_.load(); });
+      bool gone = false;
+      std::string why;
+      try {
+        gone = mesh_->peerGone(peer, Clock::now() + kProbeTimeout, [this] { return cancelHelpers_.load(); });
+        if (gone) why = strCat("rank ", peer, " has exited or crashed: its listening address refuses connections");
+      } catch (const StoreUnreachableError& e) {
+        // The peer has not connected, and it needs the store to find this rank: it never will.
+        gone = true;
+        why = strCat("rank ", peer, " has not connected, and the store it would find this rank through is "
+                     "unreachable: ", e.what());
+      }
       Finished failed;
       {
         std::lock_guard<std::mutex> lock(mu_);
@@ -279,7 +390,7 @@ void P2PEngine::probeSilentPeers(Deadline now, int& pollTimeoutMs) {
         p.probeInterval = std::min(kMaxProbeInterval, std::max(kFirstProbe, p.probeInterval * 2));
         p.nextProbe = Clock::now() + p.probeInterval;
         if (gone && !p.in.valid() && p.inError.empty()) {
-          p.inError = strCat("rank ", peer, " has exited or crashed: its listening address refuses connections");
+          p.inError = why;
           failAll(p.recvs, peer, strCat("hetcomm recv on rank ", rank_, ": ", p.inError), failed);
         }
       }
@@ -358,7 +469,7 @@ void P2PEngine::deliver(int peer, Peer& p, Finished& finished) {
   Op op;
   if (!claimReceive(peer, in.parsed.tag, op)) {
     p.unexpectedBytes += in.unexpected.size();
-    p.unexpected.emplace_back(in.parsed.tag, std::move(in.unexpected));
+    p.unexpected.push_back({in.parsed.tag, in.arrived, std::move(in.unexpected)});
     return;
   }
   if (op.bytes != in.parsed.bytes) {
@@ -428,6 +539,7 @@ void P2PEngine::progressRecvs(int peer, Peer& p, Finished& finished) {
         if (in.headerDone < in.header.size()) continue;
         std::string err = P2PHeader::decode(in.header.data(), in.parsed);
         if (!err.empty()) return breakInbound(peer, p, strCat("garbage from rank ", peer, ": ", err), finished);
+        in.arrived = nextArrival_++;
         continue;  // the payload's destination is chosen at the top of the loop
       }
       in.dataDone += static_cast<size_t>(n);
@@ -436,6 +548,9 @@ void P2PEngine::progressRecvs(int peer, Peer& p, Finished& finished) {
       if (traffic_ != nullptr) traffic_->addP2PReceived();
       deliver(peer, p, finished);
       in = Incoming();
+      // Receives from any source take messages in the order they arrive: one message per peer
+      // and pass, so that a chatty peer whose socket is never empty cannot take them all.
+      if (!anyRecvs_.empty()) return;
     }
   }
 }
@@ -501,7 +616,9 @@ void P2PEngine::loop() {
       const Deadline now = Clock::now();
       connectPending();
       probeSilentPeers(now, timeoutMs);
-      for (int peer = 0; peer < size_; ++peer) {
+      firstPeer_ = (firstPeer_ + 1) % size_;
+      for (int k = 0; k < size_; ++k) {
+        const int peer = (firstPeer_ + k) % size_;
         Peer& p = peers_[peer];
         progressSends(peer, p, finished);
         progressRecvs(peer, p, finished);

@@ -20,6 +20,12 @@
 // other peer; an address that refuses connections fails the sends to it at once; a receive from a
 // peer that never connected probes the peer (once a second at first, backing off) and fails when
 // the peer is gone. Callbacks run on the engine thread and must not throw (a throw is logged).
+//
+// A failure fails the group: every operation that fails (a timeout, a peer that closed its
+// connection with receives pending, garbage, a size mismatch) is reported once to the failure
+// handler (the process group, which then fails everything else: setFailureHandler), and fail()
+// fails every pending and later operation with the group's first cause, and shuts the engine's
+// connections down so that the peers' operations with this rank fail too.
 #include <array>
 #include <atomic>
 #include <condition_variable>
@@ -61,6 +67,15 @@ class P2PEngine {
   // second caller waits for the first to finish; called from the engine thread itself (a
   // callback), it stops the engine without joining that thread.
   void stop(const std::string& reason);
+  // The group failed (`cause`: its first cause): fails every pending operation now, and every later
+  // one at once, with that cause; shuts every connection down. Does not join anything, so it is
+  // safe from any thread, the engine's own (a callback) included. Idempotent: the first cause stays.
+  void fail(const std::string& cause);
+  // Called (outside the engine's lock, at most once) with the message of the first operation that
+  // fails for a reason of its own, i.e. not because of fail() or stop(). Set it before posting.
+  void setFailureHandler(std::function<void(const std::string&)> handler);
+  // True when no operation is pending.
+  bool idle();
 
  private:
   struct Op {
@@ -81,6 +96,7 @@ class P2PEngine {
     std::array<uint8_t, P2PHeader::kBytes> header{};
     size_t headerDone = 0;
     P2PHeader parsed;
+    uint64_t arrived = 0;  // when its header was read, in the engine's arrival order
     bool matched = false;
     bool waitsForRoom = false;     // unmatched and over the budget: left in the socket for now
     Op op;                         // when matched
@@ -96,7 +112,12 @@ class P2PEngine {
     std::string inError;
     std::deque<Op> recvs;  // posted, not yet matched, in posting order
     Incoming incoming;
-    std::deque<std::pair<int64_t, std::vector<char>>> unexpected;  // (tag, payload), arrival order
+    struct Unclaimed {
+      int64_t tag;
+      uint64_t arrived;  // arrival order across peers (receives from any source take the earliest)
+      std::vector<char> payload;
+    };
+    std::deque<Unclaimed> unexpected;  // arrival order
     size_t unexpectedBytes = 0;
     bool probing = false;
     Deadline nextProbe{};
@@ -130,7 +151,11 @@ class P2PEngine {
   void breakInbound(int peer, Peer& p, const std::string& why, Finished& finished);
   void timeOut(int peer, Peer& p, Deadline now, Finished& finished, int& pollTimeoutMs);
   void failAll(std::deque<Op>& ops, int peer, const std::string& why, Finished& finished);
-  static void runCallbacks(Finished& finished);
+  // Runs the callbacks (outside mu_); the first error that is not the engine's own failure goes to
+  // the failure handler.
+  void runCallbacks(Finished& finished);
+  // The error of an operation posted after fail() or stop() ("" when neither happened). Under mu_.
+  std::string refusal(const char* kind, int peer) const;
   std::string whyStuck(const Peer& p) const;
 
   const int rank_;
@@ -145,6 +170,11 @@ class P2PEngine {
   std::vector<Helper> helpers_;
   int wake_[2] = {-1, -1};
   bool stopping_ = false;
+  std::string failure_;  // fail()'s cause: later operations fail with it
+  std::function<void(const std::string&)> onFailure_;
+  bool failureReported_ = false;  // onFailure_ is called at most once
+  uint64_t nextArrival_ = 0;
+  int firstPeer_ = 0;  // the loop starts each pass at another peer, so that no peer is always first
   std::atomic<bool> cancelHelpers_{false};
   std::mutex stopMu_;  // serialises stop()
   bool stopped_ = false;

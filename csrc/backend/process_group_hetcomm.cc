@@ -18,13 +18,22 @@
 #include "backend/tensor_checks.h"
 #include "common/env.h"
 #include "common/logging.h"
+#include "common/threads.h"
 
 namespace hetcomm {
 namespace {
 
 constexpr const char* kSecretKey = "hetcomm/secret";
-// How many ranks have read the secret: rank 0 removes the group's keys only once all have.
+// How many ranks have joined, and how many have left: the last to leave removes the group's keys
+// (a rank may still look a peer's address up until it leaves itself).
 constexpr const char* kJoinedKey = "hetcomm/joined";
+constexpr const char* kLeftKey = "hetcomm/left";
+// The group's first failure, "rank R: cause", written by the first rank that fails (compare-and-set):
+// the ranks that share no connection with it learn it from here (watchFailures).
+constexpr const char* kFailedKey = "hetcomm/failed";
+// How often a rank with operations pending looks at kFailedKey, and how long one look may take.
+HETCOMM_PARAM(paramFailurePollMs, "HETCOMM_FAILURE_POLL_MS", 500)
+constexpr std::chrono::milliseconds kWatchStoreTimeout{2000};
 std::string addressKey(int rank) { return strCat("hetcomm/addr/", rank); }
 // Where a rank leaves the reason it gave up, for the peers that only see its connection close.
 std::string abortKey(int rank) { return strCat("hetcomm/abort/", rank); }
@@ -99,10 +108,22 @@ ProcessGroupHetcomm::ProcessGroupHetcomm(const c10::intrusive_ptr<c10d::Store>& 
     }
     store_->add(kJoinedKey, 1);
     auto store = store_;
-    // Polled rather than one long store wait, so that an abort or a shutdown interrupts it.
+    // Polled rather than one long store wait, so that an abort or a shutdown interrupts it. A
+    // store that cannot be reached raises StoreUnreachableError (c10's own errors would escape
+    // the handlers of the threads that look addresses up).
     auto lookup = [store, rank](int peer, Deadline deadline, const Cancelled& cancelled) {
       const std::string key = addressKey(peer);
-      while (!store->check({key})) {
+      auto ask = [&](auto&& call) {
+        try {
+          return call();
+        } catch (const CommError&) {
+          throw;
+        } catch (const std::exception& e) {
+          throw StoreUnreachableError(strCat("hetcomm: rank ", rank, " cannot look up rank ", peer,
+                                             "'s address: the store is unreachable: ", e.what()));
+        }
+      };
+      while (!ask([&] { return store->check({key}); })) {
         if (cancelled && cancelled()) {
           throw CancelledError(strCat("hetcomm: rank ", rank, " gave up waiting for rank ", peer,
                                       "'s address: the process group is shutting down"));
@@ -113,19 +134,67 @@ ProcessGroupHetcomm::ProcessGroupHetcomm(const c10::intrusive_ptr<c10d::Store>& 
         }
         std::this_thread::sleep_for(std::chrono::milliseconds(kCancelPollMs));
       }
-      std::vector<uint8_t> v = store->get(key);
+      std::vector<uint8_t> v = ask([&] { return store->get(key); });
       return HostPort::parse(std::string(v.begin(), v.end()));
     };
     mesh_ = std::make_unique<TcpMesh>(rank, size, ip, secret, lookup);
     p2p_ = std::make_unique<P2PEngine>(rank, size, mesh_.get(), traffic_.get());
     mesh_->setInboundP2PHandler([this](int peer, Socket s) { p2p_->addInbound(peer, std::move(s)); });
+    mesh_->setFailureHandler([this](const std::string& what) { failGroup(what); });
+    p2p_->setFailureHandler([this](const std::string& what) { failGroup(what); });
     const std::string addr = mesh_->listenAddress().str();
     store_->set(addressKey(rank), std::vector<uint8_t>(addr.begin(), addr.end()));
     HC_LOG(kInfo, "rank ", rank, "/", size, " listening on ", addr);
   } catch (const CommError& e) {
     TORCH_CHECK(false, "hetcomm: cannot create the process group on rank ", rank, ": ", e.what());
   }
-  worker_ = std::thread([this] { runWorker(); });
+  worker_ = startThread("collective worker", [this] { runWorker(); },
+                        [this](const std::string& what) { workerDied(what); });
+  try {
+    watchStore_ = store_->clone();
+    watchStore_->setTimeout(kWatchStoreTimeout);
+  } catch (const std::exception& e) {
+    // A store that cannot be cloned (a Python store): failures reach the other ranks over the links only.
+    HC_LOG(kInfo, "rank ", rank, ": the store cannot be cloned (", e.what(), "): failures of ranks this one shares "
+           "no connection with reach it only at its own timeout");
+  }
+  if (watchStore_) watcher_ = startThread("failure watcher", [this] { watchFailures(); });
+}
+
+void ProcessGroupHetcomm::workerDied(const std::string& what) {
+  failGroup(what);
+  std::deque<Pending> orphans;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    workerError_ = what;
+    orphans.swap(queue_);
+    running_ = false;
+  }
+  for (Pending& op : orphans) op.work->complete(distError(what));
+}
+
+void ProcessGroupHetcomm::watchFailures() {
+  const auto poll = std::chrono::milliseconds(std::max<int64_t>(10, paramFailurePollMs()));
+  while (true) {
+    bool busy;
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      watchCv_.wait_for(lock, poll, [&] { return stopping_ || !brokenReason_.empty(); });
+      if (stopping_ || !brokenReason_.empty()) return;
+      busy = !queue_.empty() || running_;
+    }
+    if (!busy && p2p_->idle()) continue;  // nothing waits: nothing to fail
+    std::string failed;
+    try {
+      if (watchStore_->check({kFailedKey})) {
+        const std::vector<uint8_t> v = watchStore_->get(kFailedKey);
+        failed.assign(v.begin(), v.end());
+      }
+    } catch (const std::exception&) {
+      continue;  // the store is unreachable now: the links still tell what they know
+    }
+    if (!failed.empty()) failGroup(strCat("hetcomm: rank ", rank_, " stops: the process group failed on ", failed));
+  }
 }
 
 ProcessGroupHetcomm::~ProcessGroupHetcomm() { shutdown(); }
@@ -203,9 +272,10 @@ c10::intrusive_ptr<WorkHetcomm> ProcessGroupHetcomm::enqueue(c10d::OpType type, 
   header.opcode = static_cast<uint8_t>(kind);
   auto work = c10::make_intrusive<WorkHetcomm>(rank_, type, profilingTitle, std::move(outputs), header.seq,
                                                completions_, stream);
-  if (stopping_) {
+  if (stopping_ || !workerError_.empty()) {
+    const std::string why = workerError_.empty() ? "the process group is shut down" : workerError_;
     lock.unlock();
-    work->complete(distError(strCat("hetcomm ", collectiveName(header.opcode), ": the process group is shut down")));
+    work->complete(distError(strCat("hetcomm ", collectiveName(header.opcode), ": ", why)));
     return work;
   }
   queue_.push_back(Pending{work, header, timeout, std::move(body), stream, std::move(inputsReady), local_});
@@ -312,19 +382,22 @@ void ProcessGroupHetcomm::failGroup(const std::string& reason) {
     local = local_;
   }
   HC_LOG(kError, reason);
+  watchCv_.notify_all();  // the failure watcher stops
   // The ranks of this host waiting on us in shared memory fail now too.
   if (local) local->channel->abort(local->localRank());
-  // Leave the reason for the peers before they see our connections close. Detached: a store
-  // whose host died must not delay the abort; the store outlives the thread's short work.
+  // Leave the reason for the peers before they see our connections close, and the group's first
+  // failure for the ranks that share no connection with us. Detached: a store whose host died
+  // must not delay the abort; the store outlives the thread's short work.
   auto store = store_;
   const std::string key = abortKey(rank_);
-  std::thread([store, key, reason] {
-    try {
-      store->set(key, std::vector<uint8_t>(reason.begin(), reason.end()));
-    } catch (const std::exception&) {
-    }
+  const std::string first = strCat("rank ", rank_, ": ", reason);
+  startThread("failure report", [store, key, reason, first] {
+    store->set(key, std::vector<uint8_t>(reason.begin(), reason.end()));
+    store->compareSet(kFailedKey, std::vector<uint8_t>{}, std::vector<uint8_t>(first.begin(), first.end()));
   }).detach();
-  // Wake the peers blocked on us: they fail now instead of at their timeout.
+  // Every pending and later point-to-point operation fails with this cause, and the peers blocked
+  // on us (collective or point-to-point) fail now instead of at their timeout.
+  p2p_->fail(reason);
   mesh_->abort();
 }
 
@@ -356,9 +429,11 @@ void ProcessGroupHetcomm::shutdown() {
     std::lock_guard<std::mutex> lock(mu_);
     stopping_ = true;
     cv_.notify_all();
+    watchCv_.notify_all();
   }
   // The worker finishes what was issued (each operation bounded by its timeout), then exits.
   if (worker_.joinable() && worker_.get_id() != std::this_thread::get_id()) worker_.join();
+  if (watcher_.joinable() && watcher_.get_id() != std::this_thread::get_id()) watcher_.join();
   if (p2p_) p2p_->stop("the process group was shut down");
   if (mesh_) mesh_->close();
   {
@@ -367,23 +442,19 @@ void ProcessGroupHetcomm::shutdown() {
     pendingLocal_.reset();
   }
   completions_->stop();
-  // Rank 0 cleans the group's keys: it usually hosts the store, which is then alive during its own
-  // shutdown, while other ranks may outlive it. Not before every rank has read the secret: a rank
-  // still starting (rank 0 may create and destroy a group that ran no collective before another
-  // rank got there) would otherwise wait for a key that is gone until its timeout.
-  if (rank_ == 0) {
-    try {
-      if (store_->add(kJoinedKey, 0) >= size_) {
-        for (int r = 0; r < size_; ++r) {
-          store_->deleteKey(addressKey(r));
-          store_->deleteKey(abortKey(r));
-        }
-        store_->deleteKey(kSecretKey);
-        store_->deleteKey(kJoinedKey);
+  // The last rank to leave cleans the group's keys: before that, a rank still in the group may look
+  // a peer's address up (lazily, at its first message to that peer), or still be starting. A rank
+  // that crashed never leaves, and its group's keys stay until the store goes.
+  try {
+    if (store_->add(kLeftKey, 1) >= size_) {
+      for (int r = 0; r < size_; ++r) {
+        store_->deleteKey(addressKey(r));
+        store_->deleteKey(abortKey(r));
       }
-    } catch (const std::exception&) {
-      // The store's host already exited; the keys went with it.
+      for (const char* key : {kSecretKey, kJoinedKey, kLeftKey, kFailedKey}) store_->deleteKey(key);
     }
+  } catch (const std::exception&) {
+    // The store's host already exited; the keys went with it.
   }
   shutDown_ = true;
 }

@@ -168,7 +168,11 @@ class ProcessGroupHetcomm : public c10d::Backend {
   void failGroup(const std::string& reason);
   // The reason `peer` gave up, if it left one in the store within a short wait ("" otherwise).
   std::string peerAbortReason(int peer);
-  void stopAll(const std::string& reason);
+  // The worker thread stopped on an unexpected error: the group fails, and what it would have run
+  // completes with that error.
+  void workerDied(const std::string& what);
+  // Fails the group when another rank wrote its failure to the store (while operations are pending).
+  void watchFailures();
 
   c10::intrusive_ptr<c10d::Store> store_;
   Options options_;
@@ -194,7 +198,11 @@ class ProcessGroupHetcomm : public c10d::Backend {
   // HETCOMM_DEBUG_EMULATE_DEVICE=1: CPU tensors take the staged (device) path, on an emulated
   // device, so that machines without a GPU test it.
   std::unique_ptr<DeviceOps> emulatedDevice_;
+  std::string workerError_;  // set if the worker died; guarded by mu_
   std::thread worker_;
+  c10::intrusive_ptr<c10d::Store> watchStore_;  // a clone with a short timeout, for watchFailures
+  std::condition_variable watchCv_;  // wakes the watcher (never the worker: cv_ is notify_one'd)
+  std::thread watcher_;
   std::mutex shutdownMu_;  // serialises shutdown(): an abort and the destructor may race
   bool shutDown_ = false;  // guarded by shutdownMu_
 };

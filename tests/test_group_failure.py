@@ -130,3 +130,31 @@ def test_killing_the_store_host_under_point_to_point_makes_every_rank_raise() ->
         assert res["message"], (rank, res)
         assert res["elapsed_s"] < PG_TIMEOUT_S, (rank, res)
     assert "store" in results[1]["message"], results[1]
+
+
+def planning_fails_on_rank_0(rank: int, world_size: int, port: int) -> str:
+    import datetime
+
+    import hetcomm.topology
+
+    if rank == 0:
+        def broken(*args, **kwargs):
+            raise ArithmeticError("the planner broke on purpose")
+        hetcomm.topology.plan_for_group = broken
+    store = dist.TCPStore("127.0.0.1", port, world_size, rank == 0, timeout=datetime.timedelta(seconds=60))
+    try:
+        dist.init_process_group("hetcomm", store=store, rank=rank, world_size=world_size,
+                                timeout=datetime.timedelta(seconds=PG_TIMEOUT_S))
+    except Exception as e:  # noqa: BLE001 - what each rank raised is the result
+        return f"{type(e).__name__}: {e}"
+    return ""
+
+
+@hetcomm_only("hetcomm's planner")
+def test_a_planning_failure_on_rank_0_fails_group_creation_on_every_rank() -> None:
+    from harness import free_port
+
+    results = run_ranks(2, planning_fails_on_rank_0, free_port(), init=None, timeout=120,
+                        env={"HETCOMM_LINK_MBIT": "800,100"})
+    assert "the planner broke on purpose" in results[0], results
+    assert "rank 0 could not plan" in results[1] and "the planner broke on purpose" in results[1], results

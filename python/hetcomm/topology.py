@@ -99,18 +99,24 @@ def _covering_model(ranks: Sequence[int]) -> Optional[planner.LinkModel]:
 
 def _broadcast_floats(backend, values: Optional[list[float]], failure: Optional[BaseException] = None) -> list[float]:
     """Rank 0's list of floats on every rank (its length first, then the values). When rank 0
-    could not compute them (``failure``), the length is -1 and every rank raises, rank 0 its own
-    exception, the others one naming it, instead of waiting for a broadcast that never comes."""
+    could not compute them (``failure``), it sends minus the length of its error message instead,
+    then the message, and every rank raises, rank 0 its own exception, the others one quoting it,
+    instead of waiting for a broadcast that never comes."""
     opts = torch.distributed.BroadcastOptions()
     opts.rootRank = 0
-    length = -1.0 if failure is not None else float(len(values)) if backend.rank() == 0 else 0.0
+    why = f"{type(failure).__name__}: {failure}".encode()[:4000] if failure is not None else b""
+    length = -float(len(why)) - 1 if failure is not None else float(len(values)) if backend.rank() == 0 else 0.0
     n = torch.tensor([length], dtype=torch.float64)
     backend.broadcast([n], opts).wait()
     if n.item() < 0:
+        text = torch.zeros(int(-n.item()) - 1, dtype=torch.uint8)
+        if failure is not None:
+            text[:] = torch.frombuffer(bytearray(why), dtype=torch.uint8)
+        backend.broadcast([text], opts).wait()
         if failure is not None:
             raise failure
-        raise RuntimeError("hetcomm: rank 0 could not plan this group (its error says why); group creation "
-                           "failed on every rank")
+        raise RuntimeError(f"hetcomm: rank 0 could not plan this group, so group creation failed on every rank; "
+                           f"rank 0 said: {bytes(text.tolist()).decode(errors='replace')}")
     buf = torch.zeros(int(n.item()), dtype=torch.float64)
     if backend.rank() == 0:
         buf[:] = torch.tensor(values, dtype=torch.float64)

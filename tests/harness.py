@@ -379,7 +379,16 @@ def run_ranks_outcomes(world_size: int, fn: Callable, *args: Any, backend: str |
 
 
 def _collect(procs, conns, outcomes: list[RankOutcome], deadline: float) -> None:
-    """Drains every child's pipe until each child has exited or the deadline passes."""
+    """Drains every child's pipe until each child has exited or the deadline passes.
+
+    A rank is hung only if its sentinel has not fired by the deadline and it has not been
+    reaped. A fired sentinel means the process has closed every descriptor, which the kernel
+    does while the process exits (do_exit: exit_files) but *before* it makes it reapable
+    (exit_notify), so ``is_alive()`` (waitpid WNOHANG) may still say "running" for a moment
+    afterwards. Asking ``is_alive()`` at that moment once reported a rank that had died by
+    SIGSEGV as "still running at the harness deadline" (with its segfault dump), in a test that
+    had not waited for any deadline.
+    """
     open_conns = {c: r for r, c in enumerate(conns)}
     live = {p.sentinel: r for r, p in enumerate(procs)}
     while open_conns or live:
@@ -406,19 +415,29 @@ def _collect(procs, conns, outcomes: list[RankOutcome], deadline: float) -> None
         for c, r in list(open_conns.items()):
             if not procs[r].is_alive() and not c.poll():
                 del open_conns[c]
-    for r, p in enumerate(procs):
-        if p.is_alive():
-            if outcomes[r].status not in ("ok", "raised"):
-                outcomes[r].status = "hung"
-            try:
-                os.kill(p.pid, signal.SIGUSR1)  # faulthandler: dump every thread's stack
-            except ProcessLookupError:
-                pass
-    if any(p.is_alive() for p in procs):
+    # is_alive() is trusted only when it says "exited" (the process was reaped), and only asked
+    # of ranks whose sentinel never fired: those were running at the deadline.
+    hung = [r for r in live.values() if procs[r].is_alive()]
+    for r in hung:
+        if outcomes[r].status not in ("ok", "raised"):
+            outcomes[r].status = "hung"
+        try:
+            os.kill(procs[r].pid, signal.SIGUSR1)  # faulthandler: dump every thread's stack
+        except ProcessLookupError:
+            pass
+    if hung:
         time.sleep(1.0)
-    for p in procs:
-        if p.is_alive():
-            p.kill()
+    for r in hung:
+        procs[r].kill()
+    # The others have ended: reap them, so that their exit status is the one they died with.
+    # join() returns as soon as the kernel has finished the exit. A rank that closed its own
+    # sentinel and kept running is killed when the deadline has passed; SIGKILL cannot change
+    # the status of a process that is already exiting (its exit code is fixed by then).
+    for r, p in enumerate(procs):
+        if r not in hung:
+            p.join(max(deadline - time.monotonic(), 0.0))
+            if p.is_alive():
+                p.kill()
 
 
 def _record(outcome: RankOutcome, kind: str, payload: Any) -> None:

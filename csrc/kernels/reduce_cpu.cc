@@ -1,5 +1,6 @@
 // CPU reduce kernels. Plain loops over __restrict__ pointers, written so that GCC/Clang
 // auto-vectorise them at -O3; fp16/bf16 go through fp32 per element.
+#include <cfloat>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -18,9 +19,12 @@ namespace hetcomm {
 namespace {
 
 using ops::Band;
+using ops::Bf16Limits;
 using ops::Bor;
 using ops::Bxor;
+using ops::HalfLimits;
 using ops::Prod;
+using ops::SaturatingSum;
 using ops::Sum;
 
 // MIN/MAX are symmetric bit for bit: NaN wins (two NaNs give the canonical quiet NaN), and of
@@ -97,20 +101,37 @@ void reduceInteger(T* dst, const T* src, size_t n, RedOp op) {
 }
 
 #if defined(__x86_64__)
-// fp16 SUM/PRODUCT with the F16C conversion instructions, 8 lanes at a time (the scalar
-// conversion costs ~20x more). Same rounding as the scalar path: exact fp32 op, one RNE rounding.
-template <bool kProduct>
+enum class HalfArith { kSum, kAvg, kProduct };
+
+// fp16 SUM/AVG/PRODUCT with the F16C conversion instructions, 8 lanes at a time (the scalar
+// conversion costs ~20x more). Same results as the scalar path: exact fp32 op, (AVG: the
+// saturation of ops::SaturatingSum,) one RNE rounding.
+template <HalfArith kOp>
 __attribute__((target("avx,f16c"))) void halfArithF16C(uint16_t* dst, const uint16_t* src, size_t n) {
+  const __m256 limit = _mm256_set1_ps(HalfLimits::maxFinite());
+  const __m256 fltMax = _mm256_set1_ps(FLT_MAX);
+  const __m256 signBit = _mm256_set1_ps(-0.0f);
   size_t i = 0;
   for (; i + 8 <= n; i += 8) {
     __m256 a = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(dst + i)));
     __m256 b = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i)));
-    __m256 r = kProduct ? _mm256_mul_ps(a, b) : _mm256_add_ps(a, b);
+    __m256 r = kOp == HalfArith::kProduct ? _mm256_mul_ps(a, b) : _mm256_add_ps(a, b);
+    // AVG: clamp the finite lanes (|r| <= FLT_MAX; NaN compares false). A sum of two fp16 values
+    // is finite exactly when both are (fp32 holds any such sum), as SaturatingSum asks.
+    if (kOp == HalfArith::kAvg) {
+      const __m256 clamped = _mm256_max_ps(_mm256_min_ps(r, limit), _mm256_xor_ps(limit, signBit));
+      const __m256 finite = _mm256_cmp_ps(_mm256_andnot_ps(signBit, r), fltMax, _CMP_LE_OQ);
+      r = _mm256_blendv_ps(r, clamped, finite);
+    }
     _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i), _mm256_cvtps_ph(r, _MM_FROUND_TO_NEAREST_INT));
   }
   for (; i < n; ++i) {
     const float a = halfToFloat(dst[i]), b = halfToFloat(src[i]);
-    dst[i] = floatToHalf(kProduct ? a * b : a + b);
+    switch (kOp) {
+      case HalfArith::kSum: dst[i] = floatToHalf(Sum::apply(a, b)); break;
+      case HalfArith::kAvg: dst[i] = floatToHalf(SaturatingSum<HalfLimits>::apply(a, b)); break;
+      case HalfArith::kProduct: dst[i] = floatToHalf(Prod::apply(a, b)); break;
+    }
   }
 }
 bool haveF16C() {
@@ -119,16 +140,18 @@ bool haveF16C() {
 }
 #endif
 
-template <float (*ToF)(uint16_t), uint16_t (*FromF)(float)>
+template <typename Limits, float (*ToF)(uint16_t), uint16_t (*FromF)(float)>
 void reduce16(uint16_t* dst, const uint16_t* src, size_t n, RedOp op) {
 #if defined(__x86_64__)
   if (ToF == &halfToFloat && haveF16C()) {
-    if (op == RedOp::kSum || op == RedOp::kAvg) return halfArithF16C<false>(dst, src, n);
-    if (op == RedOp::kProduct) return halfArithF16C<true>(dst, src, n);
+    if (op == RedOp::kSum) return halfArithF16C<HalfArith::kSum>(dst, src, n);
+    if (op == RedOp::kAvg) return halfArithF16C<HalfArith::kAvg>(dst, src, n);
+    if (op == RedOp::kProduct) return halfArithF16C<HalfArith::kProduct>(dst, src, n);
   }
 #endif
   switch (op) {
-    case RedOp::kSum: case RedOp::kAvg: return loop16<Sum, ToF, FromF>(dst, src, n);
+    case RedOp::kSum: return loop16<Sum, ToF, FromF>(dst, src, n);
+    case RedOp::kAvg: return loop16<SaturatingSum<Limits>, ToF, FromF>(dst, src, n);
     case RedOp::kProduct: return loop16<Prod, ToF, FromF>(dst, src, n);
     case RedOp::kMin: return loop16<Min, ToF, FromF>(dst, src, n);
     case RedOp::kMax: return loop16<Max, ToF, FromF>(dst, src, n);
@@ -174,9 +197,11 @@ void reduceInto(void* dst, const void* src, size_t n, DType dtype, RedOp op) {
     case DType::kFloat32: return reduceArith(static_cast<float*>(dst), static_cast<const float*>(src), n, op);
     case DType::kFloat64: return reduceArith(static_cast<double*>(dst), static_cast<const double*>(src), n, op);
     case DType::kFloat16:
-      return reduce16<halfToFloat, floatToHalf>(static_cast<uint16_t*>(dst), static_cast<const uint16_t*>(src), n, op);
+      return reduce16<HalfLimits, halfToFloat, floatToHalf>(static_cast<uint16_t*>(dst),
+                                                            static_cast<const uint16_t*>(src), n, op);
     case DType::kBFloat16:
-      return reduce16<bf16ToFloat, floatToBf16>(static_cast<uint16_t*>(dst), static_cast<const uint16_t*>(src), n, op);
+      return reduce16<Bf16Limits, bf16ToFloat, floatToBf16>(static_cast<uint16_t*>(dst),
+                                                            static_cast<const uint16_t*>(src), n, op);
     case DType::kInt8: return reduceInteger(static_cast<int8_t*>(dst), static_cast<const int8_t*>(src), n, op);
     case DType::kUInt8: return reduceInteger(static_cast<uint8_t*>(dst), static_cast<const uint8_t*>(src), n, op);
     case DType::kInt32: return reduceInteger(static_cast<int32_t*>(dst), static_cast<const int32_t*>(src), n, op);

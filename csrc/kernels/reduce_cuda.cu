@@ -10,7 +10,8 @@
 //
 // Exactness: the arithmetic is IEEE round-to-nearest-even with subnormals kept (nvcc's default:
 // no -use_fast_math, no -ftz), one operation per element, as on the CPU. fp16/bf16 are combined
-// in fp32 and rounded once (cvt.rn), the same rounding as floatToHalf / floatToBf16.
+// in fp32 and rounded once (cvt.rn), the same rounding as floatToHalf / floatToBf16; their AVG
+// saturates finite sums at the format's largest value, as on the CPU (ops::SaturatingSum).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -33,22 +34,26 @@ constexpr size_t kVecBytes = 16;
 
 // --- element codecs: how a stored element becomes the value an op combines, and back ------------
 
+// AvgSum: how the codec's AVG combines two values (reduce.h: SUM, saturating for fp16/bf16).
 template <typename T>
 struct Native {
   using Storage = T;
   using Value = T;
+  using AvgSum = ops::Sum;
   __device__ static T decode(T x) { return x; }
   __device__ static T encode(T x) { return x; }
 };
 struct Half {
   using Storage = uint16_t;
   using Value = float;
+  using AvgSum = ops::SaturatingSum<ops::HalfLimits>;
   __device__ static float decode(uint16_t x) { return __half2float(__ushort_as_half(x)); }
   __device__ static uint16_t encode(float f) { return __half_as_ushort(__float2half_rn(f)); }
 };
 struct BFloat16 {
   using Storage = uint16_t;
   using Value = float;
+  using AvgSum = ops::SaturatingSum<ops::Bf16Limits>;
   __device__ static float decode(uint16_t x) { return __uint_as_float(static_cast<uint32_t>(x) << 16); }
   __device__ static uint16_t encode(float f) { return __bfloat16_as_ushort(__float2bfloat16_rn(f)); }
 };
@@ -179,12 +184,13 @@ cudaError_t launch(void* dst, const void* src, size_t count, F f, cudaStream_t s
   return cudaGetLastError();
 }
 
-// The dispatch mirrors reduce_cpu.cc: AVG reduces as SUM; checkReduceSupported has already
-// turned away bitwise ops on floats and AVG on integers and bool.
+// The dispatch mirrors reduce_cpu.cc: AVG reduces as SUM (saturating for fp16/bf16);
+// checkReduceSupported has already turned away bitwise ops on floats and AVG on integers and bool.
 template <typename Codec>
 cudaError_t reduceArith(void* dst, const void* src, size_t n, RedOp op, cudaStream_t stream) {
   switch (op) {
-    case RedOp::kSum: case RedOp::kAvg: return launch(dst, src, n, Combine<Sum, Codec>{}, stream);
+    case RedOp::kSum: return launch(dst, src, n, Combine<Sum, Codec>{}, stream);
+    case RedOp::kAvg: return launch(dst, src, n, Combine<typename Codec::AvgSum, Codec>{}, stream);
     case RedOp::kProduct: return launch(dst, src, n, Combine<Prod, Codec>{}, stream);
     case RedOp::kMin: return launch(dst, src, n, Combine<Min, Codec>{}, stream);
     case RedOp::kMax: return launch(dst, src, n, Combine<Max, Codec>{}, stream);

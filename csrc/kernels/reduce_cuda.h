@@ -15,7 +15,8 @@
 namespace hetcomm {
 
 // dst[i] = op(dst[i], src[i]) for i < count, on device memory, enqueued on `stream` and returning
-// before the kernel runs. AVG reduces as SUM (see divideInPlaceCuda). dst and src must not
+// before the kernel runs. AVG reduces as SUM, saturating for fp16/bf16 as reduceInto does (the
+// division: divideInPlaceCuda, before the sum for fp16/bf16, see avgScalesInputs). dst and src must not
 // overlap (as for reduceInto), must be aligned to the element size, and belong to the current device,
 // which must be the stream's device. The 16-byte vector path is taken when dst and src have the
 // same offset modulo 16 bytes (as any two buffers from the CUDA caching allocator do, at equal
@@ -26,8 +27,8 @@ namespace hetcomm {
 // while the kernel runs surface on the stream, as for any kernel.
 void reduceIntoCuda(void* dst, const void* src, size_t count, DType dtype, RedOp op, cudaStream_t stream);
 
-// data[i] /= divisor for floating dtypes (the second half of AVG), asynchronously on `stream`;
-// same requirements and errors as reduceIntoCuda.
+// data[i] /= divisor for floating dtypes (the division of AVG), asynchronously on `stream`; same
+// requirements and errors as reduceIntoCuda.
 void divideInPlaceCuda(void* data, size_t count, DType dtype, double divisor, cudaStream_t stream);
 
 }  // namespace hetcomm

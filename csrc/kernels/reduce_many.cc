@@ -5,7 +5,9 @@
 // that stays in L1 while every source block streams through it once, and dst is written once per
 // block. Native types accumulate in their own type with reduceInto (same vectorised loops, same
 // semantics as every other reduction of the engine); fp16/bf16 convert each source block to fp32
-// (F16C for fp16 where the CPU has it), accumulate in fp32 and round once.
+// (F16C for fp16 where the CPU has it), accumulate in fp32 and round once. An AVG over the group
+// (divisor > 0) divides fp16 once at the end; bf16 divides every source before adding it, since
+// bf16 values near their largest (fp32's largest too) would overflow the fp32 sum.
 #include <cstring>
 
 #if defined(__x86_64__)
@@ -14,6 +16,7 @@
 
 #include "common/error.h"
 #include "kernels/reduce.h"
+#include "kernels/reduce_ops.h"
 
 namespace hetcomm {
 namespace {
@@ -71,14 +74,21 @@ void reduceManyHalf(uint16_t* dst, const void* const* srcs, int n, size_t count,
                     double divisor) {
   alignas(64) float acc[kBlock];
   alignas(64) float tmp[kBlock];
+  const bool divideFirst = divisor > 0 && dtype == DType::kBFloat16;
+  const float limit = dtype == DType::kBFloat16 ? ops::Bf16Limits::maxFinite() : ops::HalfLimits::maxFinite();
   for (size_t at = 0; at < count; at += kBlock) {
     const size_t m = std::min(kBlock, count - at);
     toFloat(acc, static_cast<const uint16_t*>(srcs[0]) + at, m, dtype);
+    if (divideFirst) divideInPlace(acc, m, DType::kFloat32, divisor);
     for (int k = 1; k < n; ++k) {
       toFloat(tmp, static_cast<const uint16_t*>(srcs[k]) + at, m, dtype);
+      if (divideFirst) divideInPlace(tmp, m, DType::kFloat32, divisor);
       reduceInto(acc, tmp, m, DType::kFloat32, op);
     }
-    if (divisor > 0) divideInPlace(acc, m, DType::kFloat32, divisor);
+    if (divisor > 0 && !divideFirst) divideInPlace(acc, m, DType::kFloat32, divisor);
+    if (op == RedOp::kAvg) {
+      for (size_t i = 0; i < m; ++i) acc[i] = ops::saturateFinite(acc[i], limit);
+    }
     fromFloat(dst + at, acc, m, dtype);
   }
 }

@@ -243,6 +243,16 @@ T refIntOp(T a, T b, RedOp op) {
   return 0;
 }
 
+// fp16/bf16 combine in fp32; their AVG saturates a finite sum at the format's largest value
+// (reduce.h), the rest rounds as SUM does.
+float ref16(float a, float b, RedOp op, float maxFinite) {
+  const float r = refFloatOp(a, b, op);
+  if (op != RedOp::kAvg || std::isnan(r) || std::isinf(r)) return r;
+  return std::fmax(-maxFinite, std::fmin(maxFinite, r));
+}
+const float kHalfMax = 65504.0f;
+const float kBf16Max = floatOf(0x7f7f0000u);
+
 // Expected result of op(a, b) for one element; returns a description of the mismatch or "".
 std::string checkElement(DType t, RedOp op, const uint8_t* a, const uint8_t* b, const uint8_t* got) {
   auto floatCmp = [&](double want, double g, bool nanWant) -> std::string {
@@ -260,11 +270,11 @@ std::string checkElement(DType t, RedOp op, const uint8_t* a, const uint8_t* b, 
       return floatCmp(w, loadAs<double>(got), std::isnan(w));
     }
     case DType::kFloat16: {
-      const uint16_t w = floatToHalf(refFloatOp(halfToFloat(loadAs<uint16_t>(a)), halfToFloat(loadAs<uint16_t>(b)), op));
+      const uint16_t w = floatToHalf(ref16(halfToFloat(loadAs<uint16_t>(a)), halfToFloat(loadAs<uint16_t>(b)), op, kHalfMax));
       return floatCmp(halfToFloat(w), halfToFloat(loadAs<uint16_t>(got)), isHalfNaN(w));
     }
     case DType::kBFloat16: {
-      const uint16_t w = floatToBf16(refFloatOp(bf16ToFloat(loadAs<uint16_t>(a)), bf16ToFloat(loadAs<uint16_t>(b)), op));
+      const uint16_t w = floatToBf16(ref16(bf16ToFloat(loadAs<uint16_t>(a)), bf16ToFloat(loadAs<uint16_t>(b)), op, kBf16Max));
       return floatCmp(bf16ToFloat(w), bf16ToFloat(loadAs<uint16_t>(got)), isBf16NaN(w));
     }
     case DType::kBool: {
@@ -474,6 +484,122 @@ TEST_CASE(divide_in_place) {
   uint8_t z[] = {1};
   CHECK_THROWS_AS(divideInPlace(z, 1, DType::kBool, 2.0), CommError);
   divideInPlace(nullptr, 0, DType::kFloat32, 2.0);  // empty is fine
+}
+
+// --------------------------------------------------------------- AVG of 16-bit floats (issue 22)
+
+namespace {
+
+struct Format16 {
+  DType dtype;
+  float (*toFloat)(uint16_t);
+  uint16_t (*fromFloat)(float);
+  float maxFinite;
+  std::vector<float> values;  // near the largest finite value, mixed signs, ordinary ones
+};
+
+std::vector<Format16> formats16() {
+  return {{DType::kFloat16, halfToFloat, floatToHalf, kHalfMax, {40000.0f, 65504.0f, -65504.0f, 60000.0f, -1.0f, 0.0f}},
+          {DType::kBFloat16, bf16ToFloat, floatToBf16, kBf16Max, {3e38f, kBf16Max, -kBf16Max, -3e38f, 1e38f, 1.0f}}};
+}
+
+// n elements cycling through `values`, rank r's copy with every other element's sign flipped for
+// odd ranks from the second element on (so the inputs of a group differ and have mixed signs).
+std::vector<uint16_t> rankInput(const Format16& f, size_t n, int r) {
+  std::vector<uint16_t> out(n);
+  for (size_t i = 0; i < n; ++i) {
+    const float v = f.values[i % f.values.size()];
+    out[i] = f.fromFloat((r % 2 == 1 && i % 2 == 1) ? -v : v);
+  }
+  return out;
+}
+
+// The average's bound: P roundings of at most half an ulp of the largest input's magnitude.
+void checkAverage(const Format16& f, const std::vector<std::vector<uint16_t>>& inputs, const std::vector<uint16_t>& got,
+                  const char* what) {
+  const int P = static_cast<int>(inputs.size());
+  const double u = f.dtype == DType::kFloat16 ? std::ldexp(1.0, -11) : std::ldexp(1.0, -8);
+  int reported = 0;
+  for (size_t i = 0; i < got.size(); ++i) {
+    double sum = 0, scale = 0;
+    for (const auto& x : inputs) {
+      sum += f.toFloat(x[i]);
+      scale = std::max(scale, std::fabs(static_cast<double>(f.toFloat(x[i]))));
+    }
+    const double exact = sum / P, g = f.toFloat(got[i]);
+    if ((std::isfinite(g) && std::fabs(g - exact) <= P * u * scale) || reported++ >= 3) continue;
+    CHECK_MSG(false, what, " ", dtypeName(f.dtype), " P=", P, " element ", i, ": got ", g, " for the average ", exact);
+  }
+}
+
+}  // namespace
+
+// The ring's AVG of fp16/bf16: every rank divides its contribution by P (divideInPlace), then the
+// partial sums travel in the format, combined with reduceInto(kAvg) hop by hop. No partial sum
+// may overflow where the average is representable: three fp16 ranks averaging 65504 add 21840
+// three times (65520, which rounds to inf unless AVG saturates). Counts cover the F16C lanes and
+// the scalar tail.
+TEST_CASE(avg_of_prescaled_16_bit_values_does_not_overflow) {
+  for (const Format16& f : formats16()) {
+    for (int P : {2, 3, 4}) {
+      for (size_t n : {size_t(1), size_t(6), size_t(37)}) {
+        std::vector<std::vector<uint16_t>> inputs, scaled;
+        for (int r = 0; r < P; ++r) {
+          inputs.push_back(rankInput(f, n, r));
+          scaled.push_back(inputs.back());
+          divideInPlace(scaled.back().data(), n, f.dtype, P);
+        }
+        std::vector<uint16_t> chain = scaled[0];  // a ring's partial sum, hop by hop
+        for (int r = 1; r < P; ++r) reduceInto(chain.data(), scaled[r].data(), n, f.dtype, RedOp::kAvg);
+        checkAverage(f, inputs, chain, "ring chain");
+        if (f.dtype == DType::kFloat16) {  // the issue's example: 40000 averages to 40000 exactly
+          for (size_t i = 0; i < n; i += f.values.size()) CHECK_EQ(halfToFloat(chain[i]), 40000.0f);
+        }
+        std::vector<uint16_t> many(n);  // shared memory: one kernel over every contribution
+        std::vector<const void*> srcs;
+        for (const auto& x : inputs) srcs.push_back(x.data());
+        reduceMany(many.data(), srcs.data(), P, n, f.dtype, RedOp::kAvg, P);
+        checkAverage(f, inputs, many, "reduceMany");
+        std::vector<const void*> scaledSrcs;  // the host level: pre-scaled inputs summed in fp32
+        for (const auto& x : scaled) scaledSrcs.push_back(x.data());
+        reduceMany(many.data(), scaledSrcs.data(), P, n, f.dtype, RedOp::kAvg, 0.0);
+        checkAverage(f, inputs, many, "reduceMany of pre-scaled inputs");
+      }
+    }
+  }
+}
+
+// Only AVG saturates, and only finite sums; SUM overflows to inf as before, inf and NaN pass.
+TEST_CASE(avg_saturates_only_finite_16_bit_sums) {
+  for (const Format16& f : formats16()) {
+    const float top = f.maxFinite;
+    const float as[] = {top, -top, top, INFINITY, -INFINITY, NAN, top};
+    const float bs[] = {top, -top, 1.0f, 1.0f, top, 1.0f, -top};
+    const float avg[] = {top, -top, top, INFINITY, -INFINITY, NAN, 0.0f};
+    const float sum[] = {INFINITY, -INFINITY, top, INFINITY, -INFINITY, NAN, 0.0f};
+    for (size_t n : {size_t(7), size_t(16)}) {  // scalar, and F16C lanes plus a tail
+      std::vector<uint16_t> a(n), b(n), forAvg(n), forSum(n);
+      for (size_t i = 0; i < n; ++i) {
+        a[i] = f.fromFloat(as[i % 7]);
+        b[i] = f.fromFloat(bs[i % 7]);
+      }
+      forAvg = a;
+      forSum = a;
+      reduceInto(forAvg.data(), b.data(), n, f.dtype, RedOp::kAvg);
+      reduceInto(forSum.data(), b.data(), n, f.dtype, RedOp::kSum);
+      for (size_t i = 0; i < n; ++i) {
+        const float gotAvg = f.toFloat(forAvg[i]), gotSum = f.toFloat(forSum[i]);
+        CHECK_MSG(std::isnan(avg[i % 7]) ? std::isnan(gotAvg) : gotAvg == avg[i % 7], dtypeName(f.dtype), " AVG ",
+                  as[i % 7], " + ", bs[i % 7], " = ", gotAvg);
+        CHECK_MSG(std::isnan(sum[i % 7]) ? std::isnan(gotSum) : gotSum == sum[i % 7], dtypeName(f.dtype), " SUM ",
+                  as[i % 7], " + ", bs[i % 7], " = ", gotSum);
+      }
+    }
+  }
+  // fp32 AVG is SUM: the division comes after it, and nothing saturates.
+  float x = FLT_MAX, y = FLT_MAX;
+  reduceInto(&x, &y, 1, DType::kFloat32, RedOp::kAvg);
+  CHECK(std::isinf(x));
 }
 
 TEST_CASE(dtype_metadata) {

@@ -9,6 +9,7 @@
 
 #include <cmath>
 #include <cstring>
+#include <memory>
 #include <random>
 #include <string>
 #include <vector>
@@ -173,6 +174,65 @@ TEST_CASE(cuda_divide_matches_cpu) {
         divideInPlace(want.data() + offset * es, count, t, divisor);
         const std::string what = strCat(dtypeName(t), " / ", divisor, " offset ", offset);
         expectSameElements(t, what.c_str(), want, got, data, {});
+      }
+    }
+  }
+}
+
+// AVG of fp16/bf16 as the staged pipeline runs it on a device (kernels/reduce.h,
+// avgScalesInputs): every rank's contribution divided by P with divideInPlaceCuda, the partial sum
+// combined hop by hop with reduceIntoCuda(kAvg). Values near the format's largest, mixed in sign
+// by rank: the average is finite everywhere (three fp16 ranks averaging 65504 reach 65520 before
+// rounding, inf unless AVG saturates), and the bits are those of the CPU kernels.
+TEST_CASE(cuda_avg_of_prescaled_16_bit_values_does_not_overflow) {
+  requireCudaDevice();
+  Stream stream;
+  const float halfMax = 65504.0f, bf16Max = 0x1.fep127f;
+  struct Case {
+    DType dtype;
+    std::vector<float> values;
+  };
+  const Case cases[] = {{DType::kFloat16, {40000.0f, halfMax, -halfMax, 60000.0f, -1.0f, 0.0f}},
+                        {DType::kBFloat16, {3e38f, bf16Max, -bf16Max, -3e38f, 1e38f, 1.0f}}};
+  const size_t n = 4099;  // 16-byte lanes and a scalar tail
+  for (const Case& c : cases) {
+    const bool half = c.dtype == DType::kFloat16;
+    for (int P : {2, 3, 4}) {
+      std::vector<std::vector<uint16_t>> inputs(P, std::vector<uint16_t>(n));
+      for (int r = 0; r < P; ++r) {
+        for (size_t i = 0; i < n; ++i) {
+          const float v = c.values[i % c.values.size()] * ((r % 2 == 1 && i % 2 == 1) ? -1.0f : 1.0f);
+          inputs[r][i] = half ? floatToHalf(v) : floatToBf16(v);
+        }
+      }
+      // The device: one buffer per rank, each divided by P, then summed into the first.
+      std::vector<std::unique_ptr<DeviceBuffer>> device;
+      for (int r = 0; r < P; ++r) {
+        device.push_back(std::make_unique<DeviceBuffer>(n * 2));
+        CUDA_REQUIRE(cudaMemcpyAsync(device[r]->ptr, inputs[r].data(), n * 2, cudaMemcpyHostToDevice, stream.stream));
+        divideInPlaceCuda(device[r]->ptr, n, c.dtype, P, stream.stream);
+      }
+      for (int r = 1; r < P; ++r) reduceIntoCuda(device[0]->ptr, device[r]->ptr, n, c.dtype, RedOp::kAvg, stream.stream);
+      std::vector<uint8_t> got(n * 2);
+      CUDA_REQUIRE(cudaMemcpyAsync(got.data(), device[0]->ptr, n * 2, cudaMemcpyDeviceToHost, stream.stream));
+      CUDA_REQUIRE(cudaStreamSynchronize(stream.stream));
+      // The CPU, the same steps.
+      std::vector<std::vector<uint16_t>> scaled = inputs;
+      for (auto& x : scaled) divideInPlace(x.data(), n, c.dtype, P);
+      for (int r = 1; r < P; ++r) reduceInto(scaled[0].data(), scaled[r].data(), n, c.dtype, RedOp::kAvg);
+      std::vector<uint8_t> want(n * 2), first(n * 2);
+      std::memcpy(want.data(), scaled[0].data(), n * 2);
+      std::memcpy(first.data(), inputs[0].data(), n * 2);
+      const std::string what = strCat(dtypeName(c.dtype), " AVG of ", P, " pre-scaled contributions");
+      expectSameElements(c.dtype, what.c_str(), want, got, first, {});
+      int reported = 0;
+      for (size_t i = 0; i < n && reported < 3; ++i) {
+        uint16_t h;
+        std::memcpy(&h, &got[i * 2], 2);
+        const float g = half ? halfToFloat(h) : bf16ToFloat(h);
+        if (std::isfinite(g)) continue;
+        ++reported;
+        CHECK_MSG(false, what, " element ", i, ": ", g, " (inputs ", c.values[i % c.values.size()], " and mixed signs)");
       }
     }
   }

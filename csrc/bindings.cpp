@@ -63,7 +63,7 @@ hetcomm::RedOp parseOp(const std::string& name) {
   throw py::value_error("unknown reduce op '" + name + "' (sum, avg, product, min, max, band, bor, bxor)");
 }
 
-// dst = op(dst, src) with the backend's own CPU kernel (AVG reduces as SUM, like on the wire).
+// dst = op(dst, src) with the backend's own CPU kernel (AVG reduces as on the wire: see reduceInto).
 void reduceIntoTensor(at::Tensor& dst, const at::Tensor& src, const std::string& opName) {
   hetcomm::checkDense(dst, "reduce_into");
   hetcomm::checkDense(src, "reduce_into");

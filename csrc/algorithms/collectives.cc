@@ -86,7 +86,7 @@ void copyLocal(CollectiveContext& ctx, char* dst, const char* src, size_t bytes)
   }
 }
 
-// The second half of AVG, wherever the data lives.
+// The division of AVG, wherever the data lives.
 void divideLocal(CollectiveContext& ctx, char* data, size_t count, DType dtype, double divisor) {
   if (count == 0) return;
   if (ctx.device != nullptr) {
@@ -94,6 +94,17 @@ void divideLocal(CollectiveContext& ctx, char* data, size_t count, DType dtype, 
   } else {
     divideInPlace(data, count, dtype, divisor);
   }
+}
+
+// AVG over the wire is finished in one of two places (avgScalesInputs, kernels/reduce.h): this
+// rank's contribution is divided by the group size before the sum (fp16/bf16, whose partial sums
+// would overflow), or the sum is divided after it (fp32/fp64). Each collective calls both around
+// its sum, so exactly one of them divides. (The shared-memory collectives divide inside reduceMany.)
+void averageBeforeSum(CollectiveContext& ctx, char* data, size_t count, DType dtype, RedOp op) {
+  if (op == RedOp::kAvg && avgScalesInputs(dtype)) divideLocal(ctx, data, count, dtype, ctx.size);
+}
+void averageAfterSum(CollectiveContext& ctx, char* data, size_t count, DType dtype, RedOp op) {
+  if (op == RedOp::kAvg && !avgScalesInputs(dtype)) divideLocal(ctx, data, count, dtype, ctx.size);
 }
 
 int positionOf(const RingPlan& plan, int rank) {
@@ -214,12 +225,13 @@ void allreduceStagedWhole(CollectiveContext& ctx, char* buf, size_t count, DType
     char* piece = buf + first * es;
     dev.copyToHost(host, piece, n * es);
     dev.waitFor(dev.mark());
+    averageBeforeSum(onHost, host, n, dtype, op);
     if (ring) {
       allreduceRing(onHost, host, n, dtype, op, plan);
     } else {
       allreduceRecursiveDoubling(onHost, host, n, dtype, op);
     }
-    if (op == RedOp::kAvg) divideInPlace(host, n, dtype, ctx.size);
+    averageAfterSum(onHost, host, n, dtype, op);
     dev.testDelay();
     dev.copyToDevice(piece, host, n * es);
   }
@@ -235,22 +247,23 @@ void allreduce(CollectiveContext& ctx, char* buf, size_t count, DType dtype, Red
     local::allreduce(ctx, buf, count, dtype, op, op == RedOp::kAvg ? ctx.size : 0.0);
     return;
   }
+  const bool ring = static_cast<AllreduceAlgo>(ctx.header.algo) == AllreduceAlgo::kRing;
+  // The hierarchical schedule moves host memory: device buffers are staged whole.
+  if (ctx.size > 1 && ctx.device != nullptr &&
+      (!ring || plan.sites ||
+       count * elementSize(dtype) <= static_cast<size_t>(std::max<int64_t>(0, paramDeviceHostReduceBytes())))) {
+    allreduceStagedWhole(ctx, buf, count, dtype, op, plan);
+    return;  // averaged on the host already
+  }
+  averageBeforeSum(ctx, buf, count, dtype, op);
   if (ctx.size > 1) {
-    const bool ring = static_cast<AllreduceAlgo>(ctx.header.algo) == AllreduceAlgo::kRing;
-    // The hierarchical schedule moves host memory: device buffers are staged whole.
-    if (ctx.device != nullptr &&
-        (!ring || plan.sites ||
-         count * elementSize(dtype) <= static_cast<size_t>(std::max<int64_t>(0, paramDeviceHostReduceBytes())))) {
-      allreduceStagedWhole(ctx, buf, count, dtype, op, plan);
-      return;  // divided on the host already
-    }
     if (ring) {
       allreduceRing(ctx, buf, count, dtype, op, plan);
     } else {
       allreduceRecursiveDoubling(ctx, buf, count, dtype, op);
     }
   }
-  if (op == RedOp::kAvg) divideLocal(ctx, buf, count, dtype, ctx.size);
+  averageAfterSum(ctx, buf, count, dtype, op);
 }
 
 void broadcast(CollectiveContext& ctx, char* buf, size_t bytes, int root) {
@@ -289,6 +302,8 @@ void reduceScatterv(CollectiveContext& ctx, char* work, const std::vector<size_t
   const int P = ctx.size;
   if (allLocal(ctx)) return local::reduceScatterv(ctx, work, counts, dtype, op, op == RedOp::kAvg ? P : 0.0);
   std::vector<size_t> offsets = prefixOffsets(counts);
+  // Every block of work is this rank's contribution to some rank's result.
+  averageBeforeSum(ctx, work, offsets[P - 1] + counts[P - 1], dtype, op);
   if (P > 1) {
     std::vector<size_t> countsByPos(P), offsetsByPos(P);
     for (int pos = 0; pos < P; ++pos) {
@@ -297,9 +312,7 @@ void reduceScatterv(CollectiveContext& ctx, char* work, const std::vector<size_t
     }
     runRing(ctx, work, plan, countsByPos, offsetsByPos, elementSize(dtype), dtype, op, RingPhases::kReduceScatter);
   }
-  if (op == RedOp::kAvg) {
-    divideLocal(ctx, work + offsets[ctx.rank] * elementSize(dtype), counts[ctx.rank], dtype, ctx.size);
-  }
+  averageAfterSum(ctx, work + offsets[ctx.rank] * elementSize(dtype), counts[ctx.rank], dtype, op);
 }
 
 void gather(CollectiveContext& ctx, const char* in, char* out, size_t blockBytes, int root) {

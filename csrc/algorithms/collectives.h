@@ -41,7 +41,8 @@ enum class AllreduceAlgo : uint8_t { kRing = 1, kRecursiveDoubling = 2 };
 // The algorithm allreduce picks for a message (same on every rank for the same size).
 AllreduceAlgo chooseAllreduceAlgo(size_t bytes, int size);
 
-// In place: buf holds count elements in, the reduction out. AVG divides at the end.
+// In place: buf holds count elements in, the reduction out. AVG divides fp16/bf16 contributions
+// before the sum and other types after it (avgScalesInputs in kernels/reduce.h).
 void allreduce(CollectiveContext& ctx, char* buf, size_t count, DType dtype, RedOp op, const RingPlan& plan);
 // Pipelined chain from root.
 void broadcast(CollectiveContext& ctx, char* buf, size_t bytes, int root);
@@ -49,7 +50,7 @@ void broadcast(CollectiveContext& ctx, char* buf, size_t bytes, int root);
 // must already be in place. Ring all-gather.
 void allgatherv(CollectiveContext& ctx, char* out, const std::vector<size_t>& blockBytes, const RingPlan& plan);
 // work holds counts[0] + ... + counts[P-1] elements; afterwards rank r's block (at the prefix
-// offset of counts) holds the reduction of that block. Ring reduce-scatter; AVG divides.
+// offset of counts) holds the reduction of that block. Ring reduce-scatter; AVG as allreduce.
 void reduceScatterv(CollectiveContext& ctx, char* work, const std::vector<size_t>& counts, DType dtype, RedOp op,
                     const RingPlan& plan);
 // Root receives blockBytes from every rank into out (block r at r * blockBytes); own block in place.

@@ -46,7 +46,7 @@ class DeviceOps {
   virtual void copyToDevice(void* device, const void* host, size_t bytes) = 0;
   virtual void copyWithinDevice(void* dst, const void* src, size_t bytes) = 0;
   // device[i] = op(device[i], host[i]) for i < count; bytes <= slots().slotBytes. AVG reduces as
-  // SUM (the division comes at the end, see divide).
+  // reduceInto does (the division is `divide`, before or after the sum: avgScalesInputs).
   virtual void reduceFromHost(void* device, const void* host, size_t count, DType dtype, RedOp op) = 0;
   virtual void divide(void* device, size_t count, DType dtype, double divisor) = 0;
 

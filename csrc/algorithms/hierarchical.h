@@ -58,7 +58,8 @@ struct SitePlan {
   uint64_t fingerprint() const;
 };
 
-// In place: buf holds count elements in, the reduction out (AVG not divided here). Host memory.
+// In place: buf holds count elements in, the reduction out. Host memory. AVG reduces as SUM and
+// divides nothing: allreduce divides around it (avgScalesInputs in kernels/reduce.h).
 //
 // With plan.localInner (hosts as the inner level): a reduce-scatter over the host's shared memory
 // leaves each rank its chunk (its blocks) summed over the host; then steps 2-3 above between the

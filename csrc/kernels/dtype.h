@@ -9,7 +9,8 @@
 namespace hetcomm {
 
 enum class DType : uint8_t { kFloat32, kFloat64, kFloat16, kBFloat16, kInt8, kUInt8, kInt32, kInt64, kBool };
-// kAvg is carried on the wire as a SUM followed by a division by the world size.
+// kAvg is carried on the wire as a SUM, with a division by the world size before it (fp16/bf16)
+// or after it (avgScalesInputs in reduce.h).
 enum class RedOp : uint8_t { kSum, kAvg, kProduct, kMin, kMax, kBand, kBor, kBxor };
 
 size_t elementSize(DType t);

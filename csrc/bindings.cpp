@@ -8,6 +8,7 @@
 #include "backend/process_group_hetcomm.h"
 #include "backend/tensor_checks.h"
 #include "kernels/reduce.h"
+#include "transport/tls.h"
 
 namespace py = pybind11;
 
@@ -99,6 +100,8 @@ PYBIND11_MODULE(_C, m) {
            py::arg("store"), py::arg("rank"), py::arg("size"), py::arg("timeout_ms"), py::arg("listen_ip") = "")
       .def("listen_address", &hetcomm::ProcessGroupHetcomm::listenAddress,
            "This rank's listening address, ip:port.")
+      .def("link_security", &hetcomm::ProcessGroupHetcomm::collectiveLinkSecurity,
+           "Per peer: -1 no collective connection yet, 0 cleartext, 1 TLS (HETCOMM_TLS).")
       .def("rejected_connections", &hetcomm::ProcessGroupHetcomm::rejectedConnections,
            "How many incoming connections failed the handshake and were closed.")
       .def(
@@ -223,6 +226,12 @@ PYBIND11_MODULE(_C, m) {
   m.def(
       "built_with_cuda", [] { return hetcomm::kBuiltWithCuda; },
       "True when this build moves CUDA tensors (the backend then registers for 'cuda' too).");
+  m.def("tls_available", [] {
+        std::string why;
+        const bool ok = hetcomm::tls::available(&why);
+        return py::make_tuple(ok, why);
+      },
+      "(True, '') when OpenSSL 3 could be loaded for HETCOMM_TLS, else (False, why not).");
   m.def("reduce_into", &reduceIntoTensor, py::arg("dst"), py::arg("src"), py::arg("op") = "sum",
         "dst = op(dst, src) with hetcomm's CPU reduce kernel (for benchmarks and tests).");
 }

@@ -11,6 +11,7 @@
 #include "common/env.h"
 #include "common/error.h"
 #include "kernels/reduce.h"
+#include "transport/tls.h"
 
 namespace hetcomm {
 
@@ -106,7 +107,7 @@ void checkHeader(const CollectiveContext& ctx, const PipelineSpec& spec, const u
 
 size_t sendSome(const CollectiveContext& ctx, int fd, int peer, const char* data, size_t len) {
   while (true) {
-    ssize_t n = ::send(fd, data, len, MSG_NOSIGNAL);
+    ssize_t n = tls::sendOn(fd, data, len);
     if (n > 0) {
       if (ctx.traffic != nullptr) ctx.traffic->addSent(peer, static_cast<uint64_t>(n));
       return static_cast<size_t>(n);
@@ -119,7 +120,7 @@ size_t sendSome(const CollectiveContext& ctx, int fd, int peer, const char* data
 
 size_t recvSome(const CollectiveContext& ctx, int fd, int peer, char* data, size_t len) {
   while (true) {
-    ssize_t n = ::recv(fd, data, len, 0);
+    ssize_t n = tls::recvOn(fd, data, len);
     if (n > 0) {
       if (ctx.traffic != nullptr) ctx.traffic->addReceived(peer, static_cast<uint64_t>(n));
       return static_cast<size_t>(n);
@@ -152,7 +153,7 @@ bool waitReady(const CollectiveContext& ctx, pollfd* fds, int nfds, int64_t maxW
   timespec ts;
   ts.tv_sec = static_cast<time_t>(wait.count() / 1000000000);
   ts.tv_nsec = static_cast<long>(wait.count() % 1000000000);
-  int rc = ::ppoll(fds, static_cast<nfds_t>(nfds), &ts, nullptr);
+  int rc = tls::ppollOn(fds, static_cast<nfds_t>(nfds), &ts);
   if (rc < 0 && errno != EINTR) throw CommError(strCat(ctx.prefix(), ": poll failed: ", std::strerror(errno)));
   // Readiness, a hang-up or an error: the next send()/recv() reports which (EOF, EPIPE, ...).
   return rc != 0 || Clock::now() < ctx.deadline;

@@ -14,6 +14,7 @@
 #include "common/error.h"
 #include "common/logging.h"
 #include "common/threads.h"
+#include "transport/tls.h"
 
 namespace hetcomm {
 namespace {
@@ -411,7 +412,7 @@ void P2PEngine::progressSends(int peer, Peer& p, Finished& finished) {
       ptr = op.data + op.dataDone;
       left = op.bytes - op.dataDone;
     }
-    ssize_t n = left == 0 ? 0 : ::send(p.out.fd(), ptr, left, MSG_NOSIGNAL);
+    ssize_t n = left == 0 ? 0 : tls::sendOn(p.out.fd(), ptr, left);
     if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) return;
     if (n < 0) {
       p.outError = strCat("connection to rank ", peer, " failed: ", std::strerror(errno));
@@ -526,7 +527,7 @@ void P2PEngine::progressRecvs(int peer, Peer& p, Finished& finished) {
       left = in.parsed.bytes - in.dataDone;
     }
     if (left > 0) {
-      ssize_t n = ::recv(p.in.fd(), ptr, left, 0);
+      ssize_t n = tls::recvOn(p.in.fd(), ptr, left);
       if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) return;
       if (n == 0) {
         // Between messages this is a peer that finished (or died): only pending receives fail.
@@ -647,7 +648,7 @@ void P2PEngine::loop() {
     runCallbacks(finished);
     if (progressed) continue;
     fds.push_back({wake_[0], POLLIN, 0});
-    int rc = ::poll(fds.data(), fds.size(), timeoutMs < 0 ? -1 : std::max(timeoutMs, 1));
+    int rc = tls::pollOn(fds.data(), fds.size(), timeoutMs < 0 ? -1 : std::max(timeoutMs, 1));
     if (rc < 0 && errno != EINTR) {
       HC_LOG(kError, "rank ", rank_, ": the point-to-point engine's poll failed: ", std::strerror(errno));
       std::this_thread::sleep_for(std::chrono::milliseconds(10));

@@ -7,7 +7,10 @@
 #include <c10/core/StreamGuard.h>
 #include <c10/util/Exception.h>
 
+#include <sys/stat.h>
+
 #include <array>
+#include <cstdio>
 #include <future>
 #include <limits>
 #include <random>
@@ -35,6 +38,8 @@ constexpr const char* kFailedKey = "hetcomm/failed";
 HETCOMM_PARAM(paramFailurePollMs, "HETCOMM_FAILURE_POLL_MS", 500)
 constexpr std::chrono::milliseconds kWatchStoreTimeout{2000};
 std::string addressKey(int rank) { return strCat("hetcomm/addr/", rank); }
+// A rank's site label, published when HETCOMM_TLS=inter-site (before its address).
+std::string siteKey(int rank) { return strCat("hetcomm/site/", rank); }
 // Where a rank leaves the reason it gave up, for the peers that only see its connection close.
 std::string abortKey(int rank) { return strCat("hetcomm/abort/", rank); }
 // How long a rank that lost a peer waits for that peer's reason to appear in the store.
@@ -58,6 +63,81 @@ std::string chooseListenIp(const c10::intrusive_ptr<c10d::Store>& store) {
   if (host.empty()) host = envStr("MASTER_ADDR");
   if (host.empty()) return "127.0.0.1";
   return localAddressReaching(host);
+}
+
+// This process's site for HETCOMM_TLS=inter-site: HETCOMM_SITE, else its entry of HETCOMM_SITES
+// (by the job's RANK, as torchrun and the simulator set it), else its host (boot id and network
+// namespace): without a declaration of sites, every link that leaves a host is encrypted.
+std::string siteLabel(int rank) {
+  const std::string own = envStr("HETCOMM_SITE");
+  if (!own.empty()) return "site:" + own;
+  const std::string all = envStr("HETCOMM_SITES"), job = envStr("RANK");
+  if (!all.empty() && !job.empty()) {
+    std::vector<std::string> items(1);
+    for (char c : all) {
+      if (c == ',') {
+        items.emplace_back();
+      } else if (c != ' ') {
+        items.back() += c;
+      }
+    }
+    const int64_t r = envInt("RANK", -1);
+    if (r >= 0 && r < static_cast<int64_t>(items.size())) return "site:" + items[r];
+  }
+  std::string boot = "unknown-boot";
+  if (FILE* f = std::fopen("/proc/sys/kernel/random/boot_id", "r")) {
+    char buf[64] = {0};
+    if (std::fgets(buf, sizeof(buf), f) != nullptr) boot = buf;
+    std::fclose(f);
+  }
+  struct stat st {};
+  const unsigned long long netns = ::stat("/proc/self/ns/net", &st) == 0 ? static_cast<unsigned long long>(st.st_ino) : 0;
+  static std::once_flag said;
+  std::call_once(said, [rank] {
+    HC_LOG(kInfo, "rank ", rank, ": HETCOMM_TLS=inter-site without HETCOMM_SITE or HETCOMM_SITES (with RANK): "
+           "every link that leaves a host is encrypted");
+  });
+  return strCat("host:", boot, ":", netns);
+}
+
+// Which links of the group TLS covers (HETCOMM_TLS): every one, or those whose ends publish
+// different site labels (looked up once per peer, polled like an address).
+TcpMesh::LinkPolicy tlsPolicy(const tls::Config& config, const c10::intrusive_ptr<c10d::Store>& store, int rank,
+                             int size) {
+  if (config.mode == tls::Config::Mode::kAll) return [](int, Deadline, const Cancelled&) { return true; };
+  const std::string own = siteLabel(rank);
+  store->set(siteKey(rank), std::vector<uint8_t>(own.begin(), own.end()));
+  struct Cache {
+    std::mutex mu;
+    std::vector<std::optional<std::string>> sites;
+  };
+  auto cache = std::make_shared<Cache>();
+  cache->sites.resize(size);
+  return [store, rank, own, cache](int peer, Deadline deadline, const Cancelled& cancelled) {
+    {
+      std::lock_guard<std::mutex> lock(cache->mu);
+      if (cache->sites[peer]) return *cache->sites[peer] != own;
+    }
+    const std::string key = siteKey(peer);
+    try {
+      while (!store->check({key})) {
+        if (cancelled && cancelled()) throw CancelledError(strCat("hetcomm: rank ", rank, " gave up waiting for rank ", peer, "'s site"));
+        if (Clock::now() >= deadline) {
+          throw TimeoutError(strCat("hetcomm: rank ", rank, " timed out waiting for rank ", peer, " to publish its site "
+                                    "(HETCOMM_TLS=inter-site: is HETCOMM_TLS the same on every rank?)"));
+        }
+        std::this_thread::sleep_for(std::chrono::milliseconds(kCancelPollMs));
+      }
+      const std::vector<uint8_t> v = store->get(key);
+      std::lock_guard<std::mutex> lock(cache->mu);
+      cache->sites[peer] = std::string(v.begin(), v.end());
+      return *cache->sites[peer] != own;
+    } catch (const CommError&) {
+      throw;
+    } catch (const std::exception& e) {
+      throw StoreUnreachableError(strCat("hetcomm: rank ", rank, " cannot look up rank ", peer, "'s site: ", e.what()));
+    }
+  };
 }
 
 std::exception_ptr distError(const std::string& message) {
@@ -138,6 +218,12 @@ ProcessGroupHetcomm::ProcessGroupHetcomm(const c10::intrusive_ptr<c10d::Store>& 
       return HostPort::parse(std::string(v.begin(), v.end()));
     };
     mesh_ = std::make_unique<TcpMesh>(rank, size, ip, secret, lookup);
+    const tls::Config tlsConfig = tls::configFromEnv();
+    if (tlsConfig.mode != tls::Config::Mode::kOff) {
+      // Before the address is published: no peer can connect before the mesh knows its policy.
+      mesh_->setTls(tls::Context::create(tlsConfig), tls::modeName(tlsConfig.mode),
+                    tlsPolicy(tlsConfig, store_, rank, size));
+    }
     p2p_ = std::make_unique<P2PEngine>(rank, size, mesh_.get(), traffic_.get());
     mesh_->setInboundP2PHandler([this](int peer, Socket s) { p2p_->addInbound(peer, std::move(s)); });
     mesh_->setFailureHandler([this](const std::string& what) { failGroup(what); });
@@ -344,22 +430,32 @@ void ProcessGroupHetcomm::runWorker() {
         std::string msg = e.what();
         const std::string why = peerAbortReason(e.peer());
         if (!why.empty()) msg = strCat(msg, "; rank ", e.peer(), " reported: ", why);
-        failGroup(msg);
-        error = distError(msg);
+        error = distError(failWith(ctx, msg));
       } catch (const CommError& e) {
         std::string msg = e.what();
         // Errors from below the collective layer (connecting, handshakes) lack the prefix.
         if (msg.rfind("hetcomm ", 0) != 0 || msg.rfind(ctx.prefix(), 0) != 0) msg = strCat(ctx.prefix(), ": ", msg);
-        failGroup(msg);
-        error = distError(msg);
+        error = distError(failWith(ctx, msg));
       } catch (const std::exception& e) {
         std::string msg = strCat(ctx.prefix(), ": ", e.what());
-        failGroup(msg);
-        error = distError(msg);
+        error = distError(failWith(ctx, msg));
       }
     }
     op.work->complete(error);
   }
+}
+
+std::string ProcessGroupHetcomm::failWith(const CollectiveContext& ctx, const std::string& msg) {
+  {
+    // Failed already (another operation, or a peer through the store) while this one ran: this
+    // one's own error is a consequence (connections shut down); name the first cause.
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!brokenReason_.empty()) {
+      return strCat(ctx.prefix(), ": the process group is unusable after an earlier failure: ", brokenReason_);
+    }
+  }
+  failGroup(msg);
+  return msg;
 }
 
 std::string ProcessGroupHetcomm::peerAbortReason(int peer) {
@@ -449,6 +545,7 @@ void ProcessGroupHetcomm::shutdown() {
     if (store_->add(kLeftKey, 1) >= size_) {
       for (int r = 0; r < size_; ++r) {
         store_->deleteKey(addressKey(r));
+        store_->deleteKey(siteKey(r));
         store_->deleteKey(abortKey(r));
       }
       for (const char* key : {kSecretKey, kJoinedKey, kLeftKey, kFailedKey}) store_->deleteKey(key);

@@ -104,6 +104,7 @@ class ProcessGroupHetcomm : public c10d::Backend {
   // hetcomm's own API (bound in Python).
   std::string listenAddress() const { return mesh_->listenAddress().str(); }
   int64_t rejectedConnections() const { return mesh_->rejectedConnections(); }
+  std::vector<int> collectiveLinkSecurity() const { return mesh_->collectiveLinkSecurity(); }
   RingPlan plan() const;
   // Bytes this rank moved to and from each peer, collectives run and their time, point-to-point
   // messages: cumulative since the group was created (what is counted: common/traffic.h).
@@ -166,6 +167,9 @@ class ProcessGroupHetcomm : public c10d::Backend {
   std::chrono::milliseconds effectiveTimeout(std::chrono::milliseconds requested) const;
   void runWorker();
   void failGroup(const std::string& reason);
+  // The error of an operation that failed with `msg`: fails the group with it, unless the group had
+  // failed already, then names that first cause.
+  std::string failWith(const CollectiveContext& ctx, const std::string& msg);
   // The reason `peer` gave up, if it left one in the store within a short wait ("" otherwise).
   std::string peerAbortReason(int peer);
   // The worker thread stopped on an unexpected error: the group fails, and what it would have run

@@ -1,5 +1,6 @@
 #include "transport/framing.h"
 
+#include <algorithm>
 #include <cstring>
 
 #include "common/error.h"
@@ -81,9 +82,24 @@ std::array<uint8_t, HelloAck::kBytes> HelloAck::encode() const {
   return out;
 }
 
+std::array<uint8_t, HelloAck::kBytes> HelloAck::encodeRefusal(size_t reasonBytes) {
+  std::array<uint8_t, kBytes> out{};
+  uint8_t* p = out.data();
+  put<uint32_t>(p, kRefusalMagic);
+  put<uint32_t>(p, static_cast<uint32_t>(std::min(reasonBytes, kMaxReasonBytes)));
+  return out;
+}
+
 std::string HelloAck::decode(const uint8_t* bytes, HelloAck& out) {
   const uint8_t* p = bytes;
-  if (get<uint32_t>(p) != kHelloMagic) return "bad magic in handshake reply";
+  const uint32_t magic = get<uint32_t>(p);
+  if (magic == kRefusalMagic) {
+    out.refused = true;
+    out.reasonBytes = get<uint32_t>(p);
+    if (out.reasonBytes > kMaxReasonBytes) return "oversized refusal in handshake reply";
+    return "";
+  }
+  if (magic != kHelloMagic) return "bad magic in handshake reply";
   out.rank = get<int32_t>(p);
   return "";
 }

@@ -5,7 +5,8 @@
 //   connector -> acceptor  Hello      magic, version, channel, rank, world size, nonce_c
 //   acceptor  -> connector Challenge  magic, rank, nonce_a, HMAC(secret, "accept"  | Hello | magic, rank, nonce_a)
 //   connector -> acceptor  Proof      HMAC(secret, "connect" | Hello | magic, rank, nonce_a)
-//   acceptor  -> connector HelloAck   magic, rank
+//   acceptor  -> connector HelloAck   magic, rank; or, refusing a proven member, a refusal:
+//                                     kRefusalMagic, the reason's length, then the reason
 //
 // A captured handshake cannot be replayed: the MACs cover the other side's fresh nonce. The two
 // MACs carry different labels, so one side's cannot be reflected back as the other's. Then every
@@ -22,6 +23,7 @@ constexpr uint32_t kHelloMagic = 0x4d435448;   // "HTCM"
 constexpr uint32_t kFrameMagic = 0x4652434d;   // collective frame
 constexpr uint32_t kP2PMagic = 0x5032504d;     // point-to-point frame
 constexpr uint32_t kChallengeMagic = 0x4348434d;  // handshake challenge
+constexpr uint32_t kRefusalMagic = 0x4652434e;    // handshake refused, with a reason
 constexpr uint16_t kWireVersion = 2;
 constexpr size_t kSecretBytes = 16;
 constexpr size_t kNonceBytes = 16;
@@ -61,7 +63,13 @@ struct Challenge {
 
 struct HelloAck {
   static constexpr size_t kBytes = 8;
+  static constexpr size_t kMaxReasonBytes = 1024;
   int32_t rank = -1;
+  // A refusal (decode sets it): `reasonBytes` bytes of reason follow (at most kMaxReasonBytes).
+  bool refused = false;
+  uint32_t reasonBytes = 0;
+  // A refusal's 8 bytes; the reason follows them on the wire.
+  static std::array<uint8_t, kBytes> encodeRefusal(size_t reasonBytes);
   std::array<uint8_t, kBytes> encode() const;
   static std::string decode(const uint8_t* bytes, HelloAck& out);
 };

@@ -18,6 +18,7 @@
 
 #include "common/env.h"
 #include "common/error.h"
+#include "transport/tls.h"
 
 namespace hetcomm {
 
@@ -37,6 +38,7 @@ Socket& Socket::operator=(Socket&& other) noexcept {
 
 void Socket::close() {
   if (fd_ >= 0) {
+    tls::detach(fd_);  // before the number can be reused
     ::close(fd_);
     fd_ = -1;
   }
@@ -166,7 +168,7 @@ bool pollUntil(int fd, short events, Deadline deadline, const Cancelled& cancell
     if (cancelled && cancelled()) throw CancelledError(strCat("hetcomm: gave up ", what(), ": the process group is shutting down"));
     const int left = msUntil(deadline);
     pollfd pfd{fd, events, 0};
-    const int rc = ::poll(&pfd, 1, cancelled ? std::min(left, kCancelPollMs) : left);
+    const int rc = tls::pollOn(&pfd, 1, cancelled ? std::min(left, kCancelPollMs) : left);
     if (rc > 0) return true;
     if (rc < 0 && errno != EINTR) throw CommError(strCat("hetcomm: poll failed ", what(), ": ", errnoText(errno)));
     if (rc == 0 && Clock::now() >= deadline) return false;
@@ -226,7 +228,7 @@ void sendAll(int fd, const void* data, size_t len, Deadline deadline, const std:
              const Cancelled& cancelled) {
   const char* p = static_cast<const char*>(data);
   while (len > 0) {
-    ssize_t n = ::send(fd, p, len, MSG_NOSIGNAL);
+    ssize_t n = tls::sendOn(fd, p, len);
     if (n > 0) {
       p += n;
       len -= static_cast<size_t>(n);
@@ -244,7 +246,7 @@ void recvAll(int fd, void* data, size_t len, Deadline deadline, const std::funct
              const Cancelled& cancelled) {
   char* p = static_cast<char*>(data);
   while (len > 0) {
-    ssize_t n = ::recv(fd, p, len, 0);
+    ssize_t n = tls::recvOn(fd, p, len);
     if (n > 0) {
       p += n;
       len -= static_cast<size_t>(n);

@@ -9,7 +9,9 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstring>
+#include <iterator>
 #include <random>
 #include <thread>
 
@@ -70,9 +72,25 @@ void TcpMesh::setFailureHandler(std::function<void(const std::string&)> handler)
   onFailure_ = std::move(handler);
 }
 
+void TcpMesh::setTls(std::shared_ptr<tls::Context> context, const char* mode, LinkPolicy needsTls) {
+  std::lock_guard<std::mutex> lock(mu_);
+  tls_ = std::move(context);
+  tlsMode_ = mode;
+  needsTls_ = std::move(needsTls);
+}
+
 void TcpMesh::setInboundP2PHandler(InboundP2P handler) {
   std::lock_guard<std::mutex> lock(mu_);
   inboundP2P_ = std::move(handler);
+}
+
+std::vector<int> TcpMesh::collectiveLinkSecurity() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::vector<int> out(size_, -1);
+  for (int peer = 0; peer < size_; ++peer) {
+    if (collective_[peer].valid()) out[peer] = tls::sessionOf(collective_[peer].fd()) != nullptr ? 1 : 0;
+  }
+  return out;
 }
 
 int64_t TcpMesh::rejectedConnections() const {
@@ -101,6 +119,10 @@ Socket TcpMesh::connectAndGreet(int peer, Channel channel, Deadline deadline, co
   for (int attempt = 1;; ++attempt) {
     try {
       Socket s = connectTo(addr, deadline, /*retryRefused=*/false, cancelled);
+      if (tls_ && needsTls_(peer, deadline, cancelled)) {
+        tls::attach(s.fd(), tls::Session::handshake(*tls_, s.fd(), /*server=*/false, deadline, cancelled,
+                                                    [&] { return strCat("rank ", peer, " at ", addr.str()); }));
+      }
       Hello hello;
       hello.channel = channel;
       hello.rank = rank_;
@@ -126,7 +148,13 @@ Socket TcpMesh::connectAndGreet(int peer, Channel channel, Deadline deadline, co
         recvAll(s.fd(), ackBytes.data(), ackBytes.size(), deadline, what, cancelled);
         HelloAck ack;
         err = HelloAck::decode(ackBytes.data(), ack);
-        if (err.empty() && ack.rank != peer) err = strCat("it answered as rank ", ack.rank);
+        if (err.empty() && ack.refused) {
+          std::string reason(ack.reasonBytes, '\0');
+          recvAll(s.fd(), reason.data(), reason.size(), deadline, what, cancelled);
+          err = strCat("it refused the connection: ", reason);
+        } else if (err.empty() && ack.rank != peer) {
+          err = strCat("it answered as rank ", ack.rank);
+        }
       }
       if (!err.empty()) {
         throw HandshakeMismatch(strCat("hetcomm: handshake with rank ", peer, " at ", addr.str(), " failed: ", err));
@@ -137,6 +165,9 @@ Socket TcpMesh::connectAndGreet(int peer, Channel channel, Deadline deadline, co
                                           " refused the connection: it is no longer listening (did it exit or crash?)"));
     } catch (const HandshakeMismatch&) {
       throw;
+    } catch (const tls::TlsError& e) {
+      // A refused certificate, or a peer not speaking TLS: trying again would fail again.
+      throw tls::TlsError(strCat("hetcomm: rank ", rank_, " cannot connect to rank ", peer, ": ", e.what()));
     } catch (const CancelledError&) {
       throw;
     } catch (const CommError& e) {
@@ -220,6 +251,12 @@ void TcpMesh::close() {
     (void)!::write(wakePipe_[1], &c, 1);
   }
   if (listenThread_.joinable()) listenThread_.join();
+  std::vector<Greeter> greeters;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    greeters.swap(tlsGreeters_);
+  }
+  for (Greeter& t : greeters) t.thread.join();  // each gives up within kCancelPollMs of close()
   std::lock_guard<std::mutex> lock(mu_);
   for (Socket& s : collective_) s.close();
   listener_.close();
@@ -287,6 +324,7 @@ void TcpMesh::listenLoop() {
       still.push_back(std::move(g));
     }
     greetings.swap(still);
+    reapGreeters();
     if (rc > 0 && accepting && (fds[1].revents & POLLIN) != 0) acceptOne(greetings, spare, acceptPausedUntil);
   }
 }
@@ -347,7 +385,41 @@ void TcpMesh::reject(const std::string& from, const std::string& why, bool quiet
   rejectsNotLogged_ = 0;
 }
 
+void TcpMesh::reapGreeters() {
+  std::vector<Greeter> finished;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto split = std::partition(tlsGreeters_.begin(), tlsGreeters_.end(), [](const Greeter& t) { return !t.done->load(); });
+    std::move(split, tlsGreeters_.end(), std::back_inserter(finished));
+    tlsGreeters_.erase(split, tlsGreeters_.end());
+  }
+  for (Greeter& t : finished) t.thread.join();  // finished: returns at once
+}
+
+bool TcpMesh::startsWithTls(int fd) {
+  uint8_t first = 0;
+  return ::recv(fd, &first, 1, MSG_PEEK) == 1 && first == 0x16;  // a TLS handshake record
+}
+
 bool TcpMesh::progressGreeting(Greeting& g) {
+  if (!g.challenged && g.got == 0 && startsWithTls(g.socket.fd())) {
+    if (!tls_) {
+      reject(g.from, "it opened a TLS connection, but HETCOMM_TLS is off on this rank (is HETCOMM_TLS the same on "
+                     "every rank?)");
+      return true;
+    }
+    std::lock_guard<std::mutex> lock(mu_);
+    if (closed_) return true;
+    // The TLS handshake takes round trips of its own: on a thread of its own, so that it holds up
+    // no other connection's greeting.
+    auto done = std::make_shared<std::atomic<bool>>(false);
+    tlsGreeters_.push_back({startThread("TLS greeting", [this, done, greeting = std::move(g)]() mutable {
+                              greetTls(std::move(greeting));
+                              done->store(true);
+                            }),
+                            done});
+    return true;
+  }
   uint8_t* buf = g.challenged ? g.proof.data() : g.hello.data();
   const size_t want = g.challenged ? g.proof.size() : g.hello.size();
   ssize_t n = ::recv(g.socket.fd(), buf + g.got, want - g.got, 0);
@@ -371,6 +443,23 @@ bool TcpMesh::progressGreeting(Greeting& g) {
     reject(g.from, e.what());
   }
   return true;
+}
+
+void TcpMesh::greetTls(Greeting g) {
+  const Cancelled cancelled = [this] { return stopConnects_.load(); };
+  auto what = [&] { return strCat("a connection from ", g.from); };
+  try {
+    tls::attach(g.socket.fd(), tls::Session::handshake(*tls_, g.socket.fd(), /*server=*/true, g.deadline, cancelled, what));
+    g.tls = true;
+    recvAll(g.socket.fd(), g.hello.data(), g.hello.size(), g.deadline, what, cancelled);
+    challenge(g);
+    recvAll(g.socket.fd(), g.proof.data(), g.proof.size(), g.deadline, what, cancelled);
+    acceptGreeting(g);
+  } catch (const CancelledError&) {
+    // The mesh is closing.
+  } catch (const std::exception& e) {
+    reject(g.from, e.what());
+  }
 }
 
 void TcpMesh::challenge(Greeting& g) {
@@ -399,6 +488,16 @@ void TcpMesh::acceptGreeting(Greeting& g) {
   const auto want = handshakeMac(HandshakeRole::kConnector, secret_, g.hello, g.challenge);
   if (!constantTimeEqual(want.data(), g.proof.data(), kMacBytes)) {
     throw CommError(strCat("it claimed to be rank ", hello.rank, " but could not prove that it knows the group secret"));
+  }
+  // A member on a link that needs TLS, in clear: told why (it proved it is one of ours), then closed.
+  if (!g.tls && tls_ && needsTls_(hello.rank, g.deadline, [this] { return stopConnects_.load(); })) {
+    const std::string why = strCat("rank ", hello.rank, " connected without TLS, but HETCOMM_TLS=", tlsMode_, " on rank ",
+                                   rank_, " requires it on this link (is HETCOMM_TLS the same on every rank?)");
+    const auto head = HelloAck::encodeRefusal(why.size());
+    sendAll(g.socket.fd(), head.data(), head.size(), g.deadline, [&] { return strCat("refusing rank ", hello.rank); });
+    sendAll(g.socket.fd(), why.data(), std::min(why.size(), HelloAck::kMaxReasonBytes), g.deadline,
+            [&] { return strCat("refusing rank ", hello.rank); });
+    throw CommError(why);
   }
 
   HelloAck ack;

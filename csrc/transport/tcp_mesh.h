@@ -18,10 +18,16 @@
 //   that refuses connections means the peer is gone: that fails at once.
 // * Everything that blocks (store lookups, connects, handshakes) gives up within kCancelPollMs of
 //   abort() or close(), or of its caller's own Cancelled.
+// * TLS (setTls): a link that needs it (the LinkPolicy says which) runs a TLS 1.3 handshake with
+//   mutual certificates right after connecting, and the handshake above inside it. The acceptor
+//   tells a TLS connection by its first byte (a TLS handshake record, 0x16; a hello starts with
+//   "HTCM") and runs its handshake on a short-lived thread of its own; a cleartext connection on a
+//   link that needs TLS is refused, and so is a TLS connection on a rank without TLS.
 #include <array>
 #include <atomic>
 #include <condition_variable>
 #include <functional>
+#include <memory>
 #include <mutex>
 #include <string>
 #include <thread>
@@ -29,6 +35,7 @@
 
 #include "transport/framing.h"
 #include "transport/socket.h"
+#include "transport/tls.h"
 
 namespace hetcomm {
 
@@ -47,6 +54,9 @@ class TcpMesh {
   using PeerLookup = std::function<HostPort(int rank, Deadline deadline, const Cancelled& cancelled)>;
   static constexpr size_t kMaxPendingGreetings = 64;
   using InboundP2P = std::function<void(int peer, Socket socket)>;
+  // Whether the link with `peer` must be encrypted (it may look the peer's site up: bounded by
+  // the deadline).
+  using LinkPolicy = std::function<bool(int peer, Deadline deadline, const Cancelled& cancelled)>;
 
   TcpMesh(int rank, int size, const std::string& listenIp, const Secret& secret, PeerLookup lookup);
   ~TcpMesh();
@@ -55,6 +65,9 @@ class TcpMesh {
 
   HostPort listenAddress() const { return listenAddress_; }
   void setInboundP2PHandler(InboundP2P handler);
+  // TLS for the links `needsTls` names (call before any connection is made). Without it, every
+  // link is cleartext and TLS connections are refused.
+  void setTls(std::shared_ptr<tls::Context> context, const char* mode, LinkPolicy needsTls);
   // Called if the listener thread stops on an unexpected error (it then accepts nothing more).
   void setFailureHandler(std::function<void(const std::string&)> handler);
 
@@ -75,6 +88,8 @@ class TcpMesh {
   void close();
 
   int64_t rejectedConnections() const;
+  // Per peer: -1 no collective connection yet, 0 cleartext, 1 TLS.
+  std::vector<int> collectiveLinkSecurity() const;
 
  private:
   Socket connectAndGreet(int peer, Channel channel, Deadline deadline, const Cancelled& cancelled);
@@ -88,6 +103,7 @@ class TcpMesh {
     Challenge challenge;
     std::array<uint8_t, kMacBytes> proof{};
     size_t got = 0;  // bytes of the current message (hello, then proof)
+    bool tls = false;  // a TLS session is attached to the socket
     Deadline deadline;
   };
   void listenLoop();
@@ -99,6 +115,11 @@ class TcpMesh {
   void acceptGreeting(Greeting& g);
   // Counts a refused connection and logs it (at most a line a second; only at debug level when quiet).
   void reject(const std::string& from, const std::string& why, bool quiet = false);
+  // A connection that starts with a TLS record: its whole greeting on a thread of its own.
+  void greetTls(Greeting g);
+  // Whether the first bytes waiting on a new connection are a TLS record (does not consume them).
+  static bool startsWithTls(int fd);
+  void reapGreeters();
   // Accepts one connection from the listener's queue into `greetings`; never blocks.
   void acceptOne(std::vector<Greeting>& greetings, Socket& spare, Deadline& pausedUntil);
 
@@ -108,6 +129,14 @@ class TcpMesh {
   PeerLookup lookup_;
   InboundP2P inboundP2P_;
   std::function<void(const std::string&)> onFailure_;  // guarded by mu_
+  std::shared_ptr<tls::Context> tls_;  // null: no TLS (set once, before any connection)
+  std::string tlsMode_ = "off";
+  LinkPolicy needsTls_;
+  struct Greeter {
+    std::thread thread;
+    std::shared_ptr<std::atomic<bool>> done;
+  };
+  std::vector<Greeter> tlsGreeters_;  // guarded by mu_; finished ones joined by the listener, the rest by close()
 
   Socket listener_;
   HostPort listenAddress_;

@@ -37,9 +37,17 @@ from hetcomm import plan as _plan  # noqa: E402
 sites, site_planner = _plan.levels, _plan
 _sys.modules["hetcomm.sites"], _sys.modules["hetcomm.site_planner"] = sites, site_planner
 
+
+
+def tls_available() -> tuple[bool, str]:
+    """(True, "") when OpenSSL 3 can be loaded for HETCOMM_TLS, else (False, why not)."""
+    from hetcomm import _C
+    return _C.tls_available()
+
+
 __version__ = "0.1.0"
 __all__ = ["register_backend", "backend_of", "get_plan", "set_plan", "probe", "link_model", "listen_address",
-           "supported_devices", "monitored_barrier", "stats",
+           "supported_devices", "monitored_barrier", "stats", "tls_available",
            "AdaptiveDataParallel", "DiLoCo", "compress", "data", "hooks", "local_steps", "partition", "__version__"]
 
 register_backend()

@@ -135,7 +135,7 @@ def settings(labels: Sequence[int], error: str = "") -> dict[str, str]:
     for name in ("HETCOMM_SHM", "HETCOMM_LOCAL", "HETCOMM_SHM_BYTES", "HETCOMM_SHM_SLOT_BYTES",
                  "HETCOMM_SHM_SMALL_ALLREDUCE_BYTES", "HETCOMM_LINK_MBIT", "HETCOMM_SITES", "HETCOMM_PROBE",
                  "HETCOMM_HIERARCHICAL", "HETCOMM_SEGMENT_BYTES", "HETCOMM_SMALL_ALLREDUCE_BYTES",
-                 "HETCOMM_SITE_PIECE_BYTES"):
+                 "HETCOMM_SITE_PIECE_BYTES", "HETCOMM_TLS"):
         out[name] = os.environ.get(name, "").strip()
     return out
 

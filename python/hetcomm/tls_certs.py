@@ -1,0 +1,77 @@
+"""Throwaway certificates for trying HETCOMM_TLS, for the tests and the benchmarks:
+
+    python -m hetcomm.tls_certs DIR [--names rank0 rank1 ...] [--rogue]
+
+makes in DIR a CA (``ca.pem``, ``ca.key``) and, for each name, a key and a certificate it signed
+(``NAME.key``, ``NAME.pem``); with ``--rogue`` also a second, unrelated CA and a leaf it signed
+(``rogue.pem``, ``rogue.key``), which hetcomm must refuse. EC P-256 keys, valid for 30 days, made
+with the ``openssl`` command-line tool. A real cluster's certificates come from its own CA and
+its usual tooling: this is a quick start, not a PKI.
+
+Then, on every rank: ``HETCOMM_TLS=all`` (or ``inter-site``), ``HETCOMM_TLS_CA=DIR/ca.pem``,
+``HETCOMM_TLS_CERT=DIR/NAME.pem``, ``HETCOMM_TLS_KEY=DIR/NAME.key``.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+from typing import Sequence
+
+_EC = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
+
+
+def _openssl(args: Sequence[str], cwd: str) -> None:
+    if shutil.which("openssl") is None:
+        raise RuntimeError("hetcomm.tls_certs: the openssl command-line tool is not installed")
+    proc = subprocess.run(["openssl", *args], cwd=cwd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"hetcomm.tls_certs: openssl {' '.join(args[:2])} failed: {proc.stderr.strip()[-500:]}")
+
+
+def _ca(directory: str, name: str) -> None:
+    _openssl(["req", "-x509", *_EC, "-keyout", f"{name}.key", "-out", f"{name}.pem", "-days", "30",
+              "-subj", f"/CN=hetcomm-{name}"], directory)
+
+
+def _leaf(directory: str, name: str, ca: str) -> None:
+    _openssl(["req", "-new", *_EC, "-keyout", f"{name}.key", "-out", f"{name}.csr", "-subj", f"/CN={name}"], directory)
+    _openssl(["x509", "-req", "-in", f"{name}.csr", "-CA", f"{ca}.pem", "-CAkey", f"{ca}.key", "-CAcreateserial",
+              "-out", f"{name}.pem", "-days", "30"], directory)
+    os.remove(os.path.join(directory, f"{name}.csr"))
+
+
+def make(directory: str, names: Sequence[str] = ("node",), rogue: bool = False) -> dict[str, str]:
+    """Makes the files (see the module's docstring); returns {name: certificate path}."""
+    os.makedirs(directory, exist_ok=True)
+    _ca(directory, "ca")
+    for name in names:
+        _leaf(directory, name, "ca")
+    if rogue:
+        _ca(directory, "rogue-ca")
+        _leaf(directory, "rogue", "rogue-ca")
+    return {name: os.path.join(directory, f"{name}.pem") for name in [*names, *(["rogue"] if rogue else [])]}
+
+
+def env_for(directory: str, name: str, mode: str = "all") -> dict[str, str]:
+    """The HETCOMM_TLS* settings of a process that presents certificate ``name``."""
+    return {"HETCOMM_TLS": mode, "HETCOMM_TLS_CA": os.path.join(directory, "ca.pem"),
+            "HETCOMM_TLS_CERT": os.path.join(directory, f"{name}.pem"),
+            "HETCOMM_TLS_KEY": os.path.join(directory, f"{name}.key")}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("directory")
+    ap.add_argument("--names", nargs="+", default=["node"])
+    ap.add_argument("--rogue", action="store_true")
+    args = ap.parse_args(argv)
+    for name, path in make(args.directory, args.names, args.rogue).items():
+        print(f"{name}: {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

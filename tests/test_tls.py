@@ -163,6 +163,7 @@ class _LoopbackCapture:
     def __init__(self, store_port: int) -> None:
         self.store_port = store_port
         self.sock = socket.socket(socket.AF_PACKET, socket.SOCK_RAW, socket.htons(3))  # ETH_P_ALL
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 << 20)  # drop no frame while Python copies
         self.sock.bind(("lo", 0))
         self.sock.settimeout(0.2)
         self.payload = bytearray()

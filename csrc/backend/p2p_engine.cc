@@ -40,7 +40,7 @@ P2PEngine::P2PEngine(int rank, int size, TcpMesh* mesh, TrafficCounters* traffic
       peers_(size) {
   if (::pipe2(wake_, O_CLOEXEC | O_NONBLOCK) != 0) throw CommError("hetcomm: pipe2 failed");
   thread_ = startThread("point-to-point engine", [this] { loop(); },
-                        [this](const std::string& what) { fail(what); });
+                        [this](const std::string& what) { failFromThread(what); });
 }
 
 P2PEngine::~P2PEngine() {
@@ -224,6 +224,7 @@ void P2PEngine::addInbound(int peer, Socket socket) {
   std::lock_guard<std::mutex> lock(mu_);
   Peer& p = peers_[peer];
   if (p.in.valid()) throw CommError(strCat("duplicate point-to-point connection from rank ", peer));
+  if (!failure_.empty()) socket.shutdownBoth();  // failed: the peer learns it at once
   p.in = std::move(socket);
   wake();
 }
@@ -262,6 +263,18 @@ void P2PEngine::stop(const std::string& reason) {
   }
   runCallbacks(finished);
   stopped_ = true;
+}
+
+void P2PEngine::failFromThread(const std::string& what) {
+  // A thread of the engine died: the group fails (through its handler, which calls fail()).
+  std::function<void(const std::string&)> report;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!failureReported_ && failure_.empty() && !stopping_) report = onFailure_;
+    failureReported_ = true;
+  }
+  if (report) report(what);
+  fail(what);
 }
 
 void P2PEngine::fail(const std::string& cause) {
@@ -310,7 +323,7 @@ void P2PEngine::startHelper(std::function<void()> body) {
                                     } done{this, *finished};
                                     body();
                                   },
-                                  [this](const std::string& what) { fail(what); }),
+                                  [this](const std::string& what) { failFromThread(what); }),
                       finished});
 }
 
@@ -348,6 +361,7 @@ void P2PEngine::connectPending() {
         Peer& p = peers_[peer];
         p.connecting = false;
         if (error.empty()) {
+          if (!failure_.empty()) s.shutdownBoth();  // failed while connecting
           p.out = std::move(s);
         } else {
           p.outError = error;
@@ -413,6 +427,7 @@ void P2PEngine::progressSends(int peer, Peer& p, Finished& finished) {
       left = op.bytes - op.dataDone;
     }
     ssize_t n = left == 0 ? 0 : tls::sendOn(p.out.fd(), ptr, left);
+    op.attempted = true;
     if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) return;
     if (n < 0) {
       p.outError = strCat("connection to rank ", peer, " failed: ", std::strerror(errno));
@@ -578,7 +593,9 @@ void P2PEngine::timeOut(int peer, Peer& p, Deadline now, Finished& finished, int
     Op& op = p.sends.front();
     if (op.deadline <= now) {
       const std::string w = why("send", op);
-      if (op.headerDone > 0) {  // half sent: the stream is unusable
+      // Half sent, the stream is unusable. On TLS a write that would block has already encrypted a
+      // record of the message, which the next write would send: that counts as started too.
+      if (op.headerDone > 0 || (op.attempted && p.out.valid() && tls::sessionOf(p.out.fd()) != nullptr)) {
         p.outError = w;
         p.out.close();
         failAll(p.sends, peer, w, finished);

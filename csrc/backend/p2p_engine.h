@@ -71,6 +71,8 @@ class P2PEngine {
   // one at once, with that cause; shuts every connection down. Does not join anything, so it is
   // safe from any thread, the engine's own (a callback) included. Idempotent: the first cause stays.
   void fail(const std::string& cause);
+  // A thread of the engine stopped on an unexpected error: reports it (the group fails), then fail().
+  void failFromThread(const std::string& what);
   // Called (outside the engine's lock, at most once) with the message of the first operation that
   // fails for a reason of its own, i.e. not because of fail() or stop(). Set it before posting.
   void setFailureHandler(std::function<void(const std::string&)> handler);
@@ -89,6 +91,7 @@ class P2PEngine {
     std::array<uint8_t, P2PHeader::kBytes> header{};
     size_t headerDone = 0;
     size_t dataDone = 0;
+    bool attempted = false;  // a send was tried (on TLS, OpenSSL may hold a record of it)
   };
   // The message currently arriving from a peer: its header, then its payload, written either
   // into the matching posted receive or into a buffer of its own (unexpected).

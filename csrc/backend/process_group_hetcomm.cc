@@ -22,6 +22,7 @@
 #include "common/env.h"
 #include "common/logging.h"
 #include "common/threads.h"
+#include "transport/hmac.h"
 
 namespace hetcomm {
 namespace {
@@ -37,6 +38,8 @@ constexpr const char* kFailedKey = "hetcomm/failed";
 // How often a rank with operations pending looks at kFailedKey, and how long one look may take.
 HETCOMM_PARAM(paramFailurePollMs, "HETCOMM_FAILURE_POLL_MS", 500)
 constexpr std::chrono::milliseconds kWatchStoreTimeout{2000};
+// How long a failing rank waits for its report to reach the store before it shuts its links.
+constexpr std::chrono::milliseconds kReportWait{300};
 std::string addressKey(int rank) { return strCat("hetcomm/addr/", rank); }
 // A rank's site label, published when HETCOMM_TLS=inter-site (before its address).
 std::string siteKey(int rank) { return strCat("hetcomm/site/", rank); }
@@ -179,6 +182,9 @@ ProcessGroupHetcomm::ProcessGroupHetcomm(const c10::intrusive_ptr<c10d::Store>& 
     if (rank == 0) {
       std::random_device rd;
       for (auto& b : secret) b = static_cast<uint8_t>(rd());
+      // A group made again under the same prefix (after an abort, on the user's own store) must not
+      // inherit the last one's failure or leave count.
+      for (const char* key : {kFailedKey, kLeftKey, kJoinedKey}) store_->deleteKey(key);
       store_->set(kSecretKey, std::vector<uint8_t>(secret.begin(), secret.end()));
     } else {
       store_->wait({kSecretKey}, options_.timeout);
@@ -187,6 +193,10 @@ ProcessGroupHetcomm::ProcessGroupHetcomm(const c10::intrusive_ptr<c10d::Store>& 
       std::copy(got.begin(), got.end(), secret.begin());
     }
     store_->add(kJoinedKey, 1);
+    // This incarnation of the group: failure reports carry it, so a late one of an earlier group
+    // under the same prefix is ignored.
+    const Sha256Digest digest = sha256(secret.data(), secret.size());
+    for (size_t i = 0; i < 8; ++i) incarnation_ += strCat(std::hex, static_cast<int>(digest[i] >> 4), static_cast<int>(digest[i] & 15));
     auto store = store_;
     // Polled rather than one long store wait, so that an abort or a shutdown interrupts it. A
     // store that cannot be reached raises StoreUnreachableError (c10's own errors would escape
@@ -236,15 +246,51 @@ ProcessGroupHetcomm::ProcessGroupHetcomm(const c10::intrusive_ptr<c10d::Store>& 
   }
   worker_ = startThread("collective worker", [this] { runWorker(); },
                         [this](const std::string& what) { workerDied(what); });
+  startFailureWatch();
+}
+
+void ProcessGroupHetcomm::startFailureWatch() {
+  c10::intrusive_ptr<c10d::Store> store;
   try {
-    watchStore_ = store_->clone();
-    watchStore_->setTimeout(kWatchStoreTimeout);
+    store = store_->clone();
+    store->setTimeout(kWatchStoreTimeout);
   } catch (const std::exception& e) {
     // A store that cannot be cloned (a Python store): failures reach the other ranks over the links only.
-    HC_LOG(kInfo, "rank ", rank, ": the store cannot be cloned (", e.what(), "): failures of ranks this one shares "
+    HC_LOG(kInfo, "rank ", rank_, ": the store cannot be cloned (", e.what(), "): failures of ranks this one shares "
            "no connection with reach it only at its own timeout");
+    return;
   }
-  if (watchStore_) watcher_ = startThread("failure watcher", [this] { watchFailures(); });
+  auto watch = std::make_shared<FailureWatch>();
+  watch->busy = [this] {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (!brokenReason_.empty()) return false;  // failed already: nothing more to learn
+      if (!queue_.empty() || running_) return true;
+    }
+    return !p2p_->idle();
+  };
+  watch->fail = [this](const std::string& why) { failGroup(why); };
+  try {
+    startThread("failure watcher", [watch, store, incarnation = incarnation_, rank = rank_] {
+      watchFailures(watch, store, incarnation, rank);
+    }).detach();
+  } catch (const std::system_error& e) {
+    HC_LOG(kWarn, "rank ", rank_, ": no thread to watch for other ranks' failures: ", e.what());
+    return;
+  }
+  watch_ = std::move(watch);
+}
+
+void ProcessGroupHetcomm::stopFailureWatch() {
+  if (!watch_) return;
+  {
+    // Waits for a call into this group in progress; the watcher then touches nothing of it.
+    std::lock_guard<std::mutex> lock(watch_->mu);
+    watch_->stop = true;
+    watch_->busy = nullptr;
+    watch_->fail = nullptr;
+  }
+  watch_->cv.notify_all();
 }
 
 void ProcessGroupHetcomm::workerDied(const std::string& what) {
@@ -259,27 +305,34 @@ void ProcessGroupHetcomm::workerDied(const std::string& what) {
   for (Pending& op : orphans) op.work->complete(distError(what));
 }
 
-void ProcessGroupHetcomm::watchFailures() {
-  const auto poll = std::chrono::milliseconds(std::max<int64_t>(10, paramFailurePollMs()));
-  while (true) {
-    bool busy;
-    {
-      std::unique_lock<std::mutex> lock(mu_);
-      watchCv_.wait_for(lock, poll, [&] { return stopping_ || !brokenReason_.empty(); });
-      if (stopping_ || !brokenReason_.empty()) return;
-      busy = !queue_.empty() || running_;
-    }
-    if (!busy && p2p_->idle()) continue;  // nothing waits: nothing to fail
-    std::string failed;
-    try {
-      if (watchStore_->check({kFailedKey})) {
-        const std::vector<uint8_t> v = watchStore_->get(kFailedKey);
-        failed.assign(v.begin(), v.end());
+// Detached, and holding only `watch` and its own store clone: a store call that outlasts the group
+// (a store host that stopped answering) keeps nothing of the group alive or waiting.
+void ProcessGroupHetcomm::watchFailures(std::shared_ptr<FailureWatch> watch, c10::intrusive_ptr<c10d::Store> store,
+                                        std::string incarnation, int rank) {
+  {
+    const auto poll = std::chrono::milliseconds(std::max<int64_t>(10, paramFailurePollMs()));
+    const std::string tag = incarnation + "|";
+    while (true) {
+      {
+        std::unique_lock<std::mutex> lock(watch->mu);
+        watch->cv.wait_for(lock, poll, [&] { return watch->stop; });
+        if (watch->stop) return;
+        if (!watch->busy()) continue;  // nothing waits: nothing to fail
       }
-    } catch (const std::exception&) {
-      continue;  // the store is unreachable now: the links still tell what they know
+      std::string failed;
+      try {
+        if (store->check({kFailedKey})) {
+          const std::vector<uint8_t> v = store->get(kFailedKey);
+          failed.assign(v.begin(), v.end());
+        }
+      } catch (const std::exception&) {
+        continue;  // the store is unreachable now: the links still tell what they know
+      }
+      if (failed.rfind(tag, 0) != 0) continue;  // none, or an earlier group's
+      std::lock_guard<std::mutex> lock(watch->mu);
+      if (watch->stop) return;
+      watch->fail(strCat("hetcomm: rank ", rank, " stops: the process group failed on ", failed.substr(tag.size())));
     }
-    if (!failed.empty()) failGroup(strCat("hetcomm: rank ", rank_, " stops: the process group failed on ", failed));
   }
 }
 
@@ -478,19 +531,32 @@ void ProcessGroupHetcomm::failGroup(const std::string& reason) {
     local = local_;
   }
   HC_LOG(kError, reason);
-  watchCv_.notify_all();  // the failure watcher stops
+  if (watch_) watch_->cv.notify_all();  // the failure watcher goes idle
   // The ranks of this host waiting on us in shared memory fail now too.
   if (local) local->channel->abort(local->localRank());
-  // Leave the reason for the peers before they see our connections close, and the group's first
-  // failure for the ranks that share no connection with us. Detached: a store whose host died
-  // must not delay the abort; the store outlives the thread's short work.
+  // Leave the reason for the peers, and the group's first failure for the ranks that share no
+  // connection with us, before they see our connections close (so that the first cause, not a
+  // consequence, is what they read): waited for briefly. Detached: a store whose host died must
+  // not delay the abort any longer; the store outlives the thread's short work.
   auto store = store_;
   const std::string key = abortKey(rank_);
-  const std::string first = strCat("rank ", rank_, ": ", reason);
-  startThread("failure report", [store, key, reason, first] {
-    store->set(key, std::vector<uint8_t>(reason.begin(), reason.end()));
-    store->compareSet(kFailedKey, std::vector<uint8_t>{}, std::vector<uint8_t>(first.begin(), first.end()));
-  }).detach();
+  const std::string first = strCat(incarnation_, "|rank ", rank_, ": ", reason);
+  auto reported = std::make_shared<std::promise<void>>();
+  std::future<void> done = reported->get_future();
+  try {
+    startThread("failure report", [store, key, reason, first, reported] {
+      try {
+        store->compareSet(kFailedKey, std::vector<uint8_t>{}, std::vector<uint8_t>(first.begin(), first.end()));
+        store->set(key, std::vector<uint8_t>(reason.begin(), reason.end()));
+      } catch (const std::exception&) {
+        // The store's host is gone: the links tell what they can.
+      }
+      reported->set_value();
+    }).detach();
+    done.wait_for(kReportWait);
+  } catch (const std::system_error& e) {
+    HC_LOG(kWarn, "rank ", rank_, ": could not report the failure to the other ranks through the store: ", e.what());
+  }
   // Every pending and later point-to-point operation fails with this cause, and the peers blocked
   // on us (collective or point-to-point) fail now instead of at their timeout.
   p2p_->fail(reason);
@@ -525,11 +591,10 @@ void ProcessGroupHetcomm::shutdown() {
     std::lock_guard<std::mutex> lock(mu_);
     stopping_ = true;
     cv_.notify_all();
-    watchCv_.notify_all();
   }
   // The worker finishes what was issued (each operation bounded by its timeout), then exits.
   if (worker_.joinable() && worker_.get_id() != std::this_thread::get_id()) worker_.join();
-  if (watcher_.joinable() && watcher_.get_id() != std::this_thread::get_id()) watcher_.join();
+  stopFailureWatch();  // after the worker: failures still end its queued operations early
   if (p2p_) p2p_->stop("the process group was shut down");
   if (mesh_) mesh_->close();
   {

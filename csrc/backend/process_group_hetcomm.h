@@ -175,8 +175,20 @@ class ProcessGroupHetcomm : public c10d::Backend {
   // The worker thread stopped on an unexpected error: the group fails, and what it would have run
   // completes with that error.
   void workerDied(const std::string& what);
+  // What the failure watcher (a detached thread) shares with the group; busy and fail are cleared,
+  // under mu, when the group shuts down.
+  struct FailureWatch {
+    std::mutex mu;
+    std::condition_variable cv;
+    bool stop = false;
+    std::function<bool()> busy;
+    std::function<void(const std::string&)> fail;
+  };
   // Fails the group when another rank wrote its failure to the store (while operations are pending).
-  void watchFailures();
+  static void watchFailures(std::shared_ptr<FailureWatch> watch, c10::intrusive_ptr<c10d::Store> store,
+                            std::string incarnation, int rank);
+  void startFailureWatch();
+  void stopFailureWatch();
 
   c10::intrusive_ptr<c10d::Store> store_;
   Options options_;
@@ -204,9 +216,8 @@ class ProcessGroupHetcomm : public c10d::Backend {
   std::unique_ptr<DeviceOps> emulatedDevice_;
   std::string workerError_;  // set if the worker died; guarded by mu_
   std::thread worker_;
-  c10::intrusive_ptr<c10d::Store> watchStore_;  // a clone with a short timeout, for watchFailures
-  std::condition_variable watchCv_;  // wakes the watcher (never the worker: cv_ is notify_one'd)
-  std::thread watcher_;
+  std::string incarnation_;  // this group's tag in failure reports (from its secret)
+  std::shared_ptr<FailureWatch> watch_;  // null without a watcher
   std::mutex shutdownMu_;  // serialises shutdown(): an abort and the destructor may race
   bool shutDown_ = false;  // guarded by shutdownMu_
 };

@@ -53,7 +53,11 @@ void runGuardedThread(const char* name, Body& body, const ThreadErrorHandler& on
   try {
     body();
   } catch (...) {
-    detail::reportThreadError(name, onError);
+    try {
+      detail::reportThreadError(name, onError);
+    } catch (...) {
+      // Out of memory even for the message: nothing more can be said, but the process lives on.
+    }
   }
 }
 

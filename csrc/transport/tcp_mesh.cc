@@ -13,6 +13,7 @@
 #include <cstring>
 #include <iterator>
 #include <random>
+#include <system_error>
 #include <thread>
 
 #include "common/env.h"
@@ -165,9 +166,16 @@ Socket TcpMesh::connectAndGreet(int peer, Channel channel, Deadline deadline, co
                                           " refused the connection: it is no longer listening (did it exit or crash?)"));
     } catch (const HandshakeMismatch&) {
       throw;
+    } catch (const tls::TlsConnectionLost&) {
+      // The acceptor gave up on our TLS handshake (as on a cleartext hello): retried below.
+      if (Clock::now() + backoff >= deadline) throw;
+      HC_LOG(kWarn, "rank ", rank_, ": TLS handshake with rank ", peer, " at ", addr.str(), " lost (attempt ", attempt,
+             "); trying again");
+      std::this_thread::sleep_for(backoff);
+      backoff = std::min(backoff * 2, std::chrono::milliseconds(1000));
     } catch (const tls::TlsError& e) {
       // A refused certificate, or a peer not speaking TLS: trying again would fail again.
-      throw tls::TlsError(strCat("hetcomm: rank ", rank_, " cannot connect to rank ", peer, ": ", e.what()));
+      throw tls::TlsError(strCat("rank ", rank_, " cannot connect to rank ", peer, ": ", e.what()));
     } catch (const CancelledError&) {
       throw;
     } catch (const CommError& e) {
@@ -295,7 +303,14 @@ void TcpMesh::listenLoop() {
   Deadline acceptPausedUntil{};
   while (true) {
     const Deadline now = Clock::now();
-    const bool accepting = greetings.size() < kMaxPendingGreetings && now >= acceptPausedUntil;
+    // TLS greetings (on threads of their own) count too: a flood of them must not take every
+    // thread or descriptor of the process.
+    size_t tlsGreetings;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      tlsGreetings = tlsGreeters_.size();
+    }
+    const bool accepting = greetings.size() + tlsGreetings < kMaxPendingGreetings && now >= acceptPausedUntil;
     std::vector<pollfd> fds = {{wakePipe_[0], POLLIN, 0}, {listener_.fd(), static_cast<short>(accepting ? POLLIN : 0), 0}};
     int timeoutMs = now < acceptPausedUntil ? msUntil(acceptPausedUntil) : -1;
     for (const Greeting& g : greetings) {
@@ -404,20 +419,29 @@ bool TcpMesh::startsWithTls(int fd) {
 bool TcpMesh::progressGreeting(Greeting& g) {
   if (!g.challenged && g.got == 0 && startsWithTls(g.socket.fd())) {
     if (!tls_) {
-      reject(g.from, "it opened a TLS connection, but HETCOMM_TLS is off on this rank (is HETCOMM_TLS the same on "
-                     "every rank?)");
+      reject(g.from, "it opened a TLS connection, but HETCOMM_TLS is off on this rank (a rank with HETCOMM_TLS "
+                     "set, or not a hetcomm rank)");
       return true;
     }
-    std::lock_guard<std::mutex> lock(mu_);
-    if (closed_) return true;
-    // The TLS handshake takes round trips of its own: on a thread of its own, so that it holds up
-    // no other connection's greeting.
-    auto done = std::make_shared<std::atomic<bool>>(false);
-    tlsGreeters_.push_back({startThread("TLS greeting", [this, done, greeting = std::move(g)]() mutable {
-                              greetTls(std::move(greeting));
-                              done->store(true);
-                            }),
-                            done});
+    const std::string from = g.from;
+    std::string refused;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (closed_) return true;
+      // The TLS handshake takes round trips of its own: on a thread of its own, so that it holds
+      // up no other connection's greeting.
+      try {
+        auto done = std::make_shared<std::atomic<bool>>(false);
+        tlsGreeters_.push_back({startThread("TLS greeting", [this, done, greeting = std::move(g)]() mutable {
+                                  greetTls(std::move(greeting));
+                                  done->store(true);
+                                }),
+                                done});
+      } catch (const std::system_error& e) {  // out of threads: this connection is refused, nothing else
+        refused = strCat("no thread for its TLS handshake: ", e.what());
+      }
+    }
+    if (!refused.empty()) reject(from, refused);
     return true;
   }
   uint8_t* buf = g.challenged ? g.proof.data() : g.hello.data();

@@ -127,6 +127,7 @@ constexpr int kBioTypeSourceSink = 0x0400;
   X(SSL_alert_desc_string_long, const char*, (int))                                 \
   X(X509_verify_cert_error_string, const char*, (long))                             \
   X(ERR_get_error, unsigned long, (void))                                           \
+  X(ERR_peek_error, unsigned long, (void))                                          \
   X(ERR_clear_error, void, (void))                                                  \
   X(ERR_error_string_n, void, (unsigned long, char*, size_t))                       \
   X(ERR_reason_error_string, const char*, (unsigned long))                          \
@@ -449,7 +450,11 @@ void Session::driveHandshake(const std::function<int()>& step, Deadline deadline
     if (rc == 1) return;
     const int err = gSsl.SSL_get_error(ssl_, rc);
     if (err != kErrorWantRead && err != kErrorWantWrite) {
-      throw TlsError(strCat("hetcomm: TLS handshake with ", what(), " failed: ", describeFailure(err, true)));
+      const bool lost = (err == kErrorZeroReturn || err == kErrorSyscall) && io_.lastErrno != EAGAIN;
+      const bool queued = gSsl.ERR_peek_error() != 0;  // an OpenSSL error: not a bare TCP end
+      const std::string why = strCat("hetcomm: TLS handshake with ", what(), " failed: ", describeFailure(err, true));
+      if (lost && !queued) throw TlsConnectionLost(why);
+      throw TlsError(why);
     }
     pollfd pfd{io_.fd, static_cast<short>(err == kErrorWantRead ? POLLIN : POLLOUT), 0};
     while (true) {

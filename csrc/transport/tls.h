@@ -59,6 +59,14 @@ class TlsError : public CommError {
   explicit TlsError(const std::string& what) : CommError(what) {}
 };
 
+// The TCP connection ended (EOF, reset) during a TLS handshake, with no TLS alert or error: the
+// other side gave up (its handshake deadline on a slow link, a shortage of descriptors). Unlike
+// a refused certificate, worth trying again.
+class TlsConnectionLost : public TlsError {
+ public:
+  explicit TlsConnectionLost(const std::string& what) : TlsError(what) {}
+};
+
 // Whether TLS can be used in this process: OpenSSL 3 was loaded and has every function used.
 // When not, *why (if given) says why ("dlopen(libssl.so.3): ... No such file or directory").
 // The first call loads the library (once per process, thread-safe); later calls only read.

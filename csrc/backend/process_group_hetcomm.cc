@@ -45,8 +45,10 @@ std::string addressKey(int rank) { return strCat("hetcomm/addr/", rank); }
 std::string siteKey(int rank) { return strCat("hetcomm/site/", rank); }
 // Where a rank leaves the reason it gave up, for the peers that only see its connection close.
 std::string abortKey(int rank) { return strCat("hetcomm/abort/", rank); }
-// How long a rank that lost a peer waits for that peer's reason to appear in the store.
-constexpr std::chrono::milliseconds kAbortReasonWait{2000};
+// How long a rank that lost a peer waits for that peer's reason to appear in the store. A rank
+// that fails writes its reason before it closes its links (failGroup), so a short wait suffices;
+// a killed one leaves none, and every survivor would wait this long for nothing.
+constexpr std::chrono::milliseconds kAbortReasonWait{500};
 // The emulated device (HETCOMM_DEBUG_EMULATE_DEVICE): small slots and few of them, so that the
 // tests' medium-sized tensors already span several slots and wait for slots to come free, and a
 // random pause before each queued operation, so that missing waits show up as wrong bytes.

@@ -26,6 +26,11 @@ namespace {
 
 // A legitimate peer sends its hello right after connecting; anything slower is not one of ours.
 HETCOMM_PARAM(paramHandshakeTimeoutMs, "HETCOMM_HANDSHAKE_TIMEOUT_MS", 3000)
+// A collective waiting for a higher rank to connect asks whether it lives after this long, then
+// ever less often (as the point-to-point engine does for a silent sender).
+constexpr std::chrono::milliseconds kFirstLivenessProbe{1000};
+constexpr std::chrono::milliseconds kMaxLivenessProbeInterval{8000};
+constexpr std::chrono::milliseconds kLivenessProbeTimeout{2000};
 
 }  // namespace
 
@@ -202,14 +207,34 @@ int TcpMesh::collectiveFd(int peer, Deadline deadline) {
     if (aborted_ || closed_) throw CommError("hetcomm: the group's connections were shut down after an error");
     if (collective_[peer].valid()) return collective_[peer].fd();
     if (peer > rank_) {
-      // The higher rank opens the connection; wait for our listener to accept it.
-      bool ok = cv_.wait_until(lock, deadline, [&] { return collective_[peer].valid() || aborted_ || closed_; });
-      if (aborted_ || closed_) throw CommError("hetcomm: the group's connections were shut down after an error");
-      if (!ok) {
-        throw TimeoutError(strCat("hetcomm: rank ", rank_, " timed out waiting for rank ", peer,
-                                  " to connect (is it alive and in the same collective?)"));
+      // The higher rank opens the connection; wait for our listener to accept it. A peer that is
+      // slow to connect is asked now and then whether it still lives (as the point-to-point
+      // engine asks a silent sender): a dead one fails the wait at once, not at the deadline.
+      auto interval = kFirstLivenessProbe;
+      while (true) {
+        const Deadline until = std::min(deadline, Clock::now() + interval);
+        cv_.wait_until(lock, until, [&] { return collective_[peer].valid() || aborted_ || closed_; });
+        if (aborted_ || closed_) throw CommError("hetcomm: the group's connections were shut down after an error");
+        if (collective_[peer].valid()) return collective_[peer].fd();
+        if (Clock::now() >= deadline) {
+          throw TimeoutError(strCat("hetcomm: rank ", rank_, " timed out waiting for rank ", peer,
+                                    " to connect (is it alive and in the same collective?)"));
+        }
+        lock.unlock();
+        bool gone = false;
+        try {
+          gone = peerGone(peer, std::min(deadline, Clock::now() + kLivenessProbeTimeout));
+        } catch (const StoreUnreachableError&) {
+          // Cannot tell: keep waiting until the deadline.
+        }
+        lock.lock();
+        if (gone && !collective_[peer].valid()) {
+          // Not a PeerClosedError: a peer that is gone without a word leaves no reason to wait for.
+          throw CommError(strCat("hetcomm: rank ", rank_, " waited for rank ", peer, " to connect, but rank ", peer,
+                                 " has exited or crashed: its listening address refuses connections"));
+        }
+        interval = std::min(interval * 2, kMaxLivenessProbeInterval);
       }
-      return collective_[peer].fd();
     }
   }
   Socket s = connectAndGreet(peer, Channel::kCollective, deadline, {});

@@ -1,13 +1,16 @@
 """HETCOMM_TLS: every collective and point-to-point path over TLS, refused certificates on both
 sides, settings that differ across ranks, links between sites only, and what a capture of the
-wire shows (root only: a raw socket on the loopback interface).
+wire shows (root only: a raw socket on a simulated rank's veth, and on loopback).
 """
 from __future__ import annotations
 
 import datetime
+import io
 import os
 import socket
+import sys
 import threading
+from typing import Optional
 
 import pytest
 import torch
@@ -15,6 +18,7 @@ import torch.distributed as dist
 
 from conftest import hetcomm_only
 from harness import assert_same, free_port, pattern, run_ranks
+from test_sim import assert_clean, needs_netns
 
 pytestmark = [pytest.mark.usefixtures("backend_importable"), hetcomm_only("HETCOMM_TLS is hetcomm's")]
 
@@ -43,11 +47,14 @@ def certs(tmp_path_factory) -> str:
     return directory
 
 
-def _init(rank: int, world_size: int, port: int, env: dict[str, str]) -> None:
+def _init(rank: int, world_size: int, port: Optional[int], env: dict[str, str]) -> None:
     os.environ.update(env)
     import hetcomm  # noqa: F401
 
-    store = dist.TCPStore("127.0.0.1", port, world_size, rank == 0, timeout=datetime.timedelta(seconds=60))
+    # port None: the store at MASTER_ADDR:MASTER_PORT, hosted by rank 0 (a simulated cluster's)
+    host = "127.0.0.1" if port is not None else os.environ["MASTER_ADDR"]
+    port = port if port is not None else int(os.environ["MASTER_PORT"])
+    store = dist.TCPStore(host, port, world_size, rank == 0, timeout=datetime.timedelta(seconds=60))
     dist.init_process_group("hetcomm", store=store, rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(seconds=PG_TIMEOUT_S))
 
@@ -155,16 +162,16 @@ def _marker_tensor(n: int) -> torch.Tensor:
     return torch.full((n,), MARKER, dtype=torch.int32).view(torch.float32)
 
 
-class _LoopbackCapture:
-    """The TCP payloads on the loopback interface while active, except the c10d store's (which
-    is not authenticated and carries the group secret: the README's security section says so).
-    A raw AF_PACKET socket: root only."""
+class _Capture:
+    """The TCP payloads seen on one interface while active, except the c10d store's (which is not
+    authenticated and carries the group secret: the README's security section says so). A raw
+    AF_PACKET socket, made in the namespace the caller is in: root only."""
 
-    def __init__(self, store_port: int) -> None:
+    def __init__(self, ifname: str, store_port: int) -> None:
         self.store_port = store_port
         self.sock = socket.socket(socket.AF_PACKET, socket.SOCK_RAW, socket.htons(3))  # ETH_P_ALL
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 << 20)  # drop no frame while Python copies
-        self.sock.bind(("lo", 0))
+        self.sock.bind((ifname, 0))
         self.sock.settimeout(0.2)
         self.payload = bytearray()
         self.frames = 0
@@ -173,7 +180,7 @@ class _LoopbackCapture:
         self.thread.start()
 
     def _tcp_payload(self, frame: bytes) -> bytes:
-        ip = frame[14:]  # loopback frames carry an Ethernet header
+        ip = frame[14:]  # veths and loopback both carry an Ethernet header
         if len(ip) < 20:
             return b""
         if ip[0] >> 4 == 4 and ip[9] == 6:
@@ -205,7 +212,7 @@ class _LoopbackCapture:
         return bytes(self.payload)
 
 
-def send_marker(rank: int, world_size: int, port: int, certs: str, mode: str) -> bytes:
+def send_marker(rank: int, world_size: int, port: Optional[int], certs: str, mode: str) -> bytes:
     _init(rank, world_size, port, {} if mode == "off" else _tls_env(certs, f"rank{rank}"))
     dist.all_reduce(_marker_tensor(4096), op=dist.ReduceOp.MAX)
     if rank == 0:
@@ -221,21 +228,61 @@ def send_marker(rank: int, world_size: int, port: int, certs: str, mode: str) ->
     raise AssertionError("the group secret is not in the store under the prefixes tried")
 
 
-@pytest.mark.skipif(os.geteuid() != 0, reason="capturing packets needs root (a raw AF_PACKET socket)")
-@pytest.mark.parametrize("mode", ["off", "all"])
-def test_a_capture_of_the_wire_shows_neither_the_secret_nor_with_tls_the_payload(certs, mode) -> None:
-    port = free_port()
-    capture = _LoopbackCapture(port)
-    try:
-        results = run_ranks(2, send_marker, port, certs, mode, init=None, timeout=180)
-    finally:
-        wire = capture.close()
-    secret = results[1]
-    assert len(secret) == 16, secret
+# One rank of a simulated cluster (python -m hetcomm.sim) per process: MASTER_ADDR/PORT and RANK
+# come from the simulator; the secret goes to a file for the test to look for on the wire.
+MARKER_RANK = r'''
+import os, sys
+sys.path.insert(0, sys.argv[1])
+import test_tls
+rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+secret = test_tls.send_marker(rank, world, None, sys.argv[2], sys.argv[3])
+with open(os.path.join(sys.argv[4], f"secret{rank}"), "wb") as f:
+    f.write(secret)
+'''
+
+
+def _assert_wire(wire: bytes, secret: bytes, mode: str) -> None:
     marker = MARKER.to_bytes(4, "little") * 16
+    assert len(secret) == 16, secret
     assert len(wire) > 4 * 4096, f"the capture saw {len(wire)} bytes of hetcomm traffic: it captured nothing useful"
     assert secret not in wire, "the group secret crossed a link"  # the handshake only proves knowledge of it
     if mode == "off":
         assert marker in wire, "no payload in the clear without TLS: the capture missed the links"
     else:
         assert marker not in wire, "a payload pattern crossed the wire in the clear with HETCOMM_TLS=all"
+
+
+@needs_netns
+@pytest.mark.parametrize("mode", ["off", "all"])
+def test_a_capture_on_a_simulated_link_shows_neither_the_secret_nor_with_tls_the_payload(certs, mode, tmp_path) -> None:
+    """A raw socket on rank 0's veth (its hub-side end) of a two-rank simulated cluster: everything
+    rank 0 sends or receives, except the store's connections, which rank 0 hosts."""
+    from hetcomm.sim import SimCluster, SimSpec
+
+    script = tmp_path / "marker_rank.py"
+    script.write_text(MARKER_RANK)
+    with SimCluster(SimSpec(nic_mbit=[1000, 1000]), log=lambda s: None) as cluster:
+        rid = cluster.run_id
+        with cluster.netns("hub"):
+            capture = _Capture(cluster.hub_ports[0], cluster.master_port)
+        try:
+            out, err = io.StringIO(), io.StringIO()
+            status = cluster.run([sys.executable, str(script), os.path.dirname(__file__), certs, mode, str(tmp_path)],
+                                 {"OMP_NUM_THREADS": "1"}, timeout_s=180, stdout=out, stderr=err)
+        finally:
+            wire = capture.close()
+        assert status == 0, out.getvalue() + err.getvalue()
+    assert_clean(rid)
+    assert capture.frames > 0
+    _assert_wire(wire, (tmp_path / "secret1").read_bytes(), mode)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="capturing packets needs root (a raw AF_PACKET socket)")
+def test_a_capture_on_loopback_shows_no_payload_with_tls(certs) -> None:
+    port = free_port()
+    capture = _Capture("lo", port)
+    try:
+        results = run_ranks(2, send_marker, port, certs, "all", init=None, timeout=180)
+    finally:
+        wire = capture.close()
+    _assert_wire(wire, results[1], "all")

@@ -10,8 +10,10 @@ Every rank trains its replica with AdamW on its own random windows of the corpus
 synchronises every round through `hetcomm.DiLoCo`: ``--local-steps fixed`` (H steps each, the
 published recipes), ``speed`` (H_r by measured speed) or ``time`` (an agreed deadline);
 ``--weighting``, ``--compress`` and ``--overlap`` choose the outer update's weights, the
-pseudo-gradient's format and background synchronisation. Training stops at the first round after
-which the ranks have processed ``--samples`` samples in all (or after ``--rounds`` rounds). Rank 0
+pseudo-gradient's format and background synchronisation. Training stops on every rank at the
+first round after which the ranks have processed ``--samples`` samples in all (or after
+``--rounds`` rounds, or when every rank's ``--batches`` ran out): `hetcomm.DiLoCo.loop` takes
+that decision collectively. Rank 0
 prints per round each rank's steps, compute and idle seconds, megabytes sent and loss; ``--json``
 writes the summary, the agreed per-round history and every rank's timeline (for
 ``benchmarks/diloco_sim.py``'s plot).
@@ -42,6 +44,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     add_model_arguments(p, block=16, d_model=256, layers=3)
     p.add_argument("--samples", type=int, default=6144, help="stop once this many samples were processed")
     p.add_argument("--rounds", type=int, default=0, help="stop after this many rounds (0: by --samples)")
+    p.add_argument("--batches", default="", help="batches per rank (a,b,...): ranks whose data runs out wait "
+                                                 "for the others (default: endless data)")
     p.add_argument("--batch", default="8", help="samples per step: one value, or one per rank (a,b,...)")
     p.add_argument("--lr", type=float, default=3e-3, help="inner AdamW learning rate")
     p.add_argument("--outer-lr", type=float, default=0.7)
@@ -61,6 +65,9 @@ def main(argv=None) -> int:
     if len(batches) != world:
         raise SystemExit(f"train_diloco: --batch has {len(batches)} values for {world} ranks")
     batch = batches[rank]
+    args.batches = [int(b) for b in args.batches.split(",")] if args.batches else []
+    if args.batches and len(args.batches) != world:
+        raise SystemExit(f"train_diloco: --batches has {len(args.batches)} values for {world} ranks")
 
     train, held_out, model = build(args.corpus_chars, args.seed, args.block, args.d_model, args.layers, args.heads)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
@@ -74,18 +81,20 @@ def main(argv=None) -> int:
         f"{', overlap' if args.overlap else ''}, batches {batches}")
 
     rng = torch.Generator().manual_seed(args.seed * 1000 + rank + 1)    # this rank's own windows
+
+    def windows():
+        """This rank's random windows of the corpus, batch by batch; endless unless --batches."""
+        taken = 0
+        while not args.batches or taken < args.batches[rank]:
+            idx = torch.randint(len(train), (batch,), generator=rng).tolist()
+            yield torch.stack([train[i][0] for i in idx]), torch.stack([train[i][1] for i in idx])
+            taken += 1
+
     started = time.perf_counter()
     printed = 0
-    while True:
-        idx = torch.randint(len(train), (batch,), generator=rng).tolist()
-        x = torch.stack([train[i][0] for i in idx])
-        y = torch.stack([train[i][1] for i in idx])
-        loss = mean_loss(model(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        if not diloco.step(samples=len(x), loss=loss.item()):
-            continue
+
+    def print_rounds() -> None:
+        nonlocal printed
         history = diloco.history                   # settled rounds: the same on every rank
         for h in history[printed:]:
             losses = [round(v, 3) if v is not None else None for v in h["loss"]]
@@ -94,10 +103,19 @@ def main(argv=None) -> int:
                 f"| idle s (total) {[round(i, 2) for i in h['idle_seconds_total']]} | MB sent (total) "
                 f"{[None if b is None else round(b / 1e6, 2) for b in sent]} | loss {losses}")
         printed = len(history)
-        done = sum(sum(h["samples"]) for h in history)
-        if (args.rounds and diloco.rounds >= args.rounds) or (not args.rounds and done >= args.samples):
-            break
-    diloco.finish()
+
+    # The loop ends on every rank at the same round: when the budget is reached, or when every
+    # rank's data has run out (a rank out of data waits in the rounds without steps).
+    for x, y in diloco.loop(windows(), max_samples=None if args.rounds else args.samples,
+                            max_rounds=args.rounds or None):
+        loss = mean_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if diloco.step(samples=len(x), loss=loss.item()):
+            print_rounds()
+    print_rounds()
+    say(f"stopped: {diloco.stop_reason}")
     wall = time.perf_counter() - started
     stats = diloco.stats()
     timelines = [None] * world

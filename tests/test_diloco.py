@@ -14,6 +14,7 @@
 """
 from __future__ import annotations
 
+import copy
 import json
 import os
 import subprocess
@@ -93,22 +94,35 @@ def reference_weights(weighting: str, n: list[int], tau: list[int]) -> list[floa
 def reference(weighting: str, world: int, overlap: bool) -> list[list[torch.Tensor]]:
     """Global parameters after each applied outer update, float64, one process.
 
-    With overlap (see DiLoCo's doc): round k's update is applied at the end of round k+1, and a
-    replica starts round k+1 from the newest global parameters minus its own pseudo-gradient."""
+    With overlap (eager updates, see DiLoCo's doc): round k's update is applied at the end of
+    round k+1, and replica r starts round k+1 at one outer step, on a copy of the outer optimizer,
+    from the newest global parameters with the last reduced pseudo-gradient in which r's own old
+    contribution is replaced by its new one (round 1: its own pseudo-gradient alone)."""
     theta = [p.detach().clone() for p in make_model().parameters()]
     glob = [nn.Parameter(t.clone()) for t in theta]
     outer = torch.optim.SGD(glob, lr=0.7, momentum=0.9, nesterov=True)
     replicas = [make_model() for _ in range(world)]
     inner = [torch.optim.SGD(m.parameters(), lr=INNER_LR) for m in replicas]
     starts = [[t.clone() for t in theta] for _ in range(world)]   # where each replica starts a round
-    history, pending = [], None
+    history, pending, last = [], None, None
 
     def apply(deltas, w):
-        for i, g in enumerate(glob):
-            g.grad = sum(w[r] * deltas[r][i] for r in range(world))
+        reduced = [sum(w[r] * deltas[r][i] for r in range(world)) for i in range(len(glob))]
+        for g, d in zip(glob, reduced):
+            g.grad = d.clone()
         outer.step()
         outer.zero_grad()
         history.append([g.detach().clone() for g in glob])
+        return reduced
+
+    def one_outer_step_on_a_copy(guess):
+        params = [nn.Parameter(g.detach().clone()) for g in glob]
+        scratch = torch.optim.SGD(params, lr=0.7, momentum=0.9, nesterov=True)
+        scratch.load_state_dict(copy.deepcopy(outer.state_dict()))
+        for p, d in zip(params, guess):
+            p.grad = d.clone()
+        scratch.step()
+        return [p.detach().clone() for p in params]
 
     for k in range(ROUNDS):
         tau = [SCRIPT[k % len(SCRIPT)][r] for r in range(world)]
@@ -123,8 +137,11 @@ def reference(weighting: str, world: int, overlap: bool) -> list[list[torch.Tens
         w = reference_weights(weighting, n, tau)
         if overlap:
             if pending is not None:
-                apply(*pending)
-            starts = [[g.detach() - d for g, d in zip(glob, deltas[r])] for r in range(world)]
+                last = (apply(*pending), pending[1], pending[0])          # reduced, weights, own deltas
+            guesses = [deltas[r] if last is None else
+                       [red + last[1][r] * (d - old) for red, d, old in zip(last[0], deltas[r], last[2][r])]
+                       for r in range(world)]
+            starts = [one_outer_step_on_a_copy(guesses[r]) for r in range(world)]
             pending = (deltas, w)
         else:
             apply(deltas, w)
@@ -252,6 +269,171 @@ def test_time_policy_with_overlap_runs_and_agrees():
     per_rank = run_ranks(2, train_policy, "time", True)
     assert per_rank[0]["history"] == per_rank[1]["history"]
     assert any(h["steps"][1] < h["steps"][0] for h in per_rank[0]["history"][3:]), per_rank[0]["history"]
+
+
+# ---- stopping together ----------------------------------------------------------------------
+
+UNEVEN_BATCHES = [24, 12]          # rank 1 has half the batches of rank 0
+UNEVEN_SLEEP_S = [0.002, 0.008]    # and is slower: under speed and time it runs fewer steps a round
+
+
+def train_uneven(rank: int, world: int, policy: str, overlap: bool, style: str) -> dict:
+    import hetcomm
+
+    torch.manual_seed(0)
+    net = nn.Linear(6, 1)
+    opt = torch.optim.SGD(net.parameters(), lr=0.05)
+    diloco = hetcomm.DiLoCo(net, opt, local_steps=policy, steps=3, overlap=overlap)
+    g = torch.Generator().manual_seed(rank)
+    loader = [(torch.randn(4, 6, generator=g), torch.randn(4, 1, generator=g)) for _ in range(UNEVEN_BATCHES[rank])]
+
+    def one_step(x, y):
+        time.sleep(UNEVEN_SLEEP_S[rank])
+        loss = nn.functional.mse_loss(net(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        diloco.step(samples=len(x), loss=loss.item())
+
+    if style == "loop":
+        for x, y in diloco.loop(loader):
+            one_step(x, y)
+    else:                                  # the loop of the old README: finish() makes it safe
+        for x, y in loader:
+            one_step(x, y)
+        diloco.finish()
+    return {"rounds": diloco.rounds, "history": diloco.history, "stats": diloco.stats(),
+            "reason": diloco.stop_reason, "global": [t.clone() for t in diloco.global_parameters()],
+            "model": [p.detach().clone() for p in net.parameters()]}
+
+
+@pytest.mark.parametrize("policy,overlap,style", [("fixed", False, "loop"), ("speed", False, "loop"),
+                                                  ("time", False, "loop"), ("time", True, "loop"),
+                                                  ("speed", True, "own loop"), ("fixed", False, "own loop")])
+def test_uneven_data_every_rank_leaves_at_the_same_round_with_the_same_parameters(policy, overlap, style):
+    per_rank = run_ranks(2, train_uneven, policy, overlap, style, timeout=240)
+    first = per_rank[0]
+    for res in per_rank:
+        assert res["rounds"] == first["rounds"] and res["history"] == first["history"], "the ranks left apart"
+        assert res["reason"] == first["reason"] and "out of data" in res["reason"], res["reason"]
+        for a, b, m in zip(first["global"], res["global"], res["model"]):
+            assert torch.equal(a, b), "global parameters differ across ranks"
+            assert torch.equal(b, m), "the model does not hold the global parameters"
+    # Every batch of every rank was stepped and synchronised.
+    assert first["stats"]["samples"] == [4 * n for n in UNEVEN_BATCHES], first["stats"]
+    assert first["stats"]["steps"] == UNEVEN_BATCHES, first["stats"]
+
+
+def train_budget(rank: int, world: int, overlap: bool, budgets: dict) -> dict:
+    import hetcomm
+
+    net = nn.Linear(3, 1)
+    opt = torch.optim.SGD(net.parameters(), lr=0.05)
+    diloco = hetcomm.DiLoCo(net, opt, local_steps="fixed", steps=2 + rank, overlap=overlap)
+    forever = iter(lambda: torch.randn(2, 3), None)          # never runs out
+    try:
+        for x in diloco.loop(forever, **budgets[rank]):
+            net(x).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+            diloco.step(samples=len(x))
+    except ValueError as e:
+        return {"error": str(e)}
+    return {"rounds": diloco.rounds, "reason": diloco.stop_reason, "samples": sum(diloco.stats()["samples"])}
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_budget_of_the_run_stops_every_rank_at_the_same_round(overlap):
+    per_rank = run_ranks(2, train_budget, overlap, [{"max_samples": 30}] * 2)
+    assert per_rank[0] == per_rank[1], per_rank
+    # 2 + 3 steps of 2 samples a round: 10 samples a round, so 3 rounds reach 30 (and overlap,
+    # which learns it one round later, synchronises that round too).
+    assert per_rank[0]["rounds"] == (4 if overlap else 3), per_rank
+    assert per_rank[0]["reason"].startswith("max_samples"), per_rank
+    per_rank = run_ranks(2, train_budget, overlap, [{"max_rounds": 2}] * 2)
+    assert per_rank[0] == per_rank[1] and per_rank[0]["rounds"] == (3 if overlap else 2), per_rank
+
+
+def test_budgets_that_differ_across_ranks_raise_on_every_rank():
+    per_rank = run_ranks(2, train_budget, False, [{"max_rounds": 2}, {"max_rounds": 3}])
+    for res in per_rank:
+        assert "different max_rounds" in res.get("error", ""), res
+
+
+def test_loop_insists_on_one_step_per_batch():
+    per_rank = run_ranks(1, forgetful_loop)
+    assert "exactly once" in per_rank[0], per_rank
+
+
+def forgetful_loop(rank: int, world: int) -> str:
+    import hetcomm
+
+    net = nn.Linear(2, 1)
+    diloco = hetcomm.DiLoCo(net, torch.optim.SGD(net.parameters(), lr=0.1), steps=2)
+    try:
+        for _ in diloco.loop(range(5)):
+            pass                                            # forgot diloco.step()
+    except RuntimeError as e:
+        return str(e)
+    return "no error"
+
+
+# ---- workers of several ranks -----------------------------------------------------------------
+
+WORKER_ROUNDS, WORKER_STEPS = 3, 2
+
+
+def worker_batch(worker: int, part: int, round_k: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Half ``part`` of worker ``worker``'s batch (4 samples a half)."""
+    g = torch.Generator().manual_seed(10_000 * worker + 1000 * part + 10 * round_k + step)
+    return torch.randn(4, 4, generator=g, dtype=torch.float64), torch.randn(4, 2, generator=g, dtype=torch.float64)
+
+
+def train_workers(rank: int, world: int, overlap: bool) -> dict:
+    """4 ranks as workers [0,0,1,1], each rank one half of its worker's batch; or (world 2) each
+    rank a worker of its own with the whole batch: the same algorithm, the same numbers."""
+    import hetcomm
+
+    net = make_model()
+    opt = torch.optim.SGD(net.parameters(), lr=INNER_LR)
+    labels = [0, 0, 1, 1] if world == 4 else "ranks"
+    diloco = hetcomm.DiLoCo(net, opt, local_steps="fixed", steps=WORKER_STEPS, workers=labels, overlap=overlap,
+                            compress="fp32")
+    worker, halves = (rank // 2, [rank % 2]) if world == 4 else (rank, [0, 1])
+    for k in range(WORKER_ROUNDS):
+        for i in range(WORKER_STEPS):
+            parts = [worker_batch(worker, h, k, i) for h in halves]
+            x, y = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+            nn.functional.mse_loss(net(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+            diloco.step(samples=len(x))
+    diloco.finish()
+    return {"global": [t.clone() for t in diloco.global_parameters()], "stats": diloco.stats(),
+            "history": diloco.history, "params": sum(p.numel() for p in net.parameters())}
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_workers_of_two_ranks_equal_two_ranks_with_their_whole_batches(overlap):
+    env = {"HETCOMM_LOCAL": "tcp"}          # every link on TCP, so that the byte counters see it
+    four = run_ranks(4, train_workers, overlap, env=env, timeout=240)
+    two = run_ranks(2, train_workers, overlap, env=env, timeout=240)
+    for res in four:
+        for a, b in zip(four[0]["global"], res["global"]):
+            assert torch.equal(a, b), "global parameters differ across the ranks of the workers"
+        assert res["history"] == four[0]["history"]
+    for a, b in zip(four[0]["global"], two[0]["global"]):
+        # mean of two halves' gradients = gradient of the whole batch, to rounding
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12)
+    stats = four[0]["stats"]
+    assert stats["workers"] == [[0, 1], [2, 3]] and stats["samples"] == [8 * WORKER_STEPS * WORKER_ROUNDS] * 2
+    if BACKEND == "hetcomm":
+        # Each worker sends one model's worth (fp32) across per round, split over its two ranks,
+        # plus the exchange of measurements and the messages' headers.
+        model_bytes = 4 * four[0]["params"]
+        per_worker = [b / stats["rounds"] for b in stats["wan_bytes"]]
+        for b in per_worker:
+            assert model_bytes <= b <= model_bytes + 2000, (per_worker, model_bytes)
 
 
 def nonfinite(rank: int, world: int) -> str:

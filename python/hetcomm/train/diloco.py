@@ -6,10 +6,10 @@
     dist.init_process_group("hetcomm")                       # or "gloo"
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)     # the inner optimizer
     diloco = hetcomm.DiLoCo(model, opt, local_steps="time", steps=50)   # weighting="batch"
-    for x, y in loader:
+    for x, y in diloco.loop(loader, max_samples=1_000_000):  # stops every rank at the same round
         loss = loss_fn(model(x), y); loss.backward(); opt.step(); opt.zero_grad()
         diloco.step(samples=len(x), loss=loss.item())        # synchronises when the round is over
-    diloco.finish()                                          # last partial round; drains overlap
+    # here every rank has left at the same round boundary; the model holds the global parameters
 
 The algorithm (Douillard et al., 2023). Every rank keeps the global parameters θ and an outer
 optimizer (default SGD, lr 0.7, momentum 0.9, Nesterov) on the CPU, in fp32 (fp64 for fp64
@@ -57,19 +57,48 @@ dequantised contributions in fp32 and quantises the sum once, so the error does 
 number of ranks; on a hetcomm group chunk sizes and the all-gather's ring follow the group's plan.
 ``error_feedback=True`` carries the quantisation residual to the next round.
 
-**Overlap** (``overlap=True``): the synchronisation of round k (the exchange of measurements, the
-compressed reduction and the outer step) runs on a background thread, over a process group of its
-own, while round k+1's inner steps run; at the end of round k+1 the rank waits for it (the only
-time it can be idle). Meanwhile a replica continues from its own end point of round k, and when
-round k's result θ^k arrives it moves onto θ^k plus its own progress since (a replica that
-restarted from θ^{k-1} instead would redo round k's progress, which round k's update then counts
-twice). Exactly, with x_r^k where rank r starts round k (x_r^1 = θ^0) and Δ_r^k = x_r^k − θ_r^k
-its pseudo-gradient: x_r^{k+1} = θ^{k-1} − Δ_r^k (θ^{k-1}: the newest global parameters when
-round k ends; θ^0 when k = 1), and θ^k = OuterOpt(θ^{k-1}, Σ_r w_r Δ_r^k), applied at the end of
-round k+1: one round late, computed from replicas that knew the latest update only through
-their own share of it (the one-step delay of Streaming DiLoCo and DiLoCoX). The step policy's
-decisions lag one more round. `finish` waits for the last synchronisation and applies it, so the
-final θ includes every round.
+**Overlap** (``overlap=True``): eager updates (Kale et al., 2025), the delay of Streaming DiLoCo
+(Douillard et al., 2025) set to one whole round. The synchronisation of round k (the exchange of
+measurements, the compressed reduction and the outer step) runs on a background thread, over a
+process group of its own, while round k+1's inner steps run; at the end of round k+1 the rank
+waits for it (the only time it can be idle). Derivation:
+
+* *Which parameters the late update lands on.* Without overlap, round k+1 starts at
+  θ^k = Opt(θ^{k-1}, Δ̄^k), with Δ̄^k = Σ_r w_r Δ_r^k. With overlap, when round k ends a rank knows
+  θ^{k-1} (it waited for round k-1's synchronisation) and its own Δ_r^k, not Δ̄^k. The late update
+  still lands on the *global* parameters: θ^k = Opt(θ^{k-1}, Δ̄^k) exactly, in the same order and
+  with the same outer optimizer state as without overlap, on every rank alike. Only where the
+  replicas compute round k+1 changes.
+* *Where round k+1 starts.* At the eager estimate θ̂_r^k = Opt*(θ^{k-1}, Δ̂_r^k), with Opt* one
+  step of the outer optimizer on a scratch copy of its state (momentum included: with Nesterov
+  momentum 0.9 most of an outer step is momentum, which θ^{k-1} already determines) and
+  Δ̂_r^k = Δ̄^{k-1} + w_r^{k-1} (Δ_r^k − Δ_r^{k-1}): the last reduced pseudo-gradient with this
+  rank's old contribution replaced by its new one (the others' are one round old; in round 1,
+  Δ̂ = Δ_r^1, the rank's own progress as the proxy of the mean). For Nesterov SGD (lr η,
+  momentum μ) the start is off by θ̂_r^k − θ^k = −η (1 + μ) (Δ̂_r^k − Δ̄^k) =
+  η (1 + μ) Σ_{j≠r} w_j (Δ_j^k − Δ_j^{k-1}) when the weights did not change: only the change of
+  the other replicas' pseudo-gradients from one round to the next.
+* *How local progress is kept.* Round k+1's pseudo-gradient is measured from where the replica
+  started it, Δ_r^{k+1} = θ̂_r^k − θ_r^{k+1}, and enters the global parameters only through
+  θ^{k+1} = Opt(θ^k, Δ̄^{k+1}): no progress is counted twice or lost. (The previous version
+  restarted replicas from θ^{k-1} − Δ_r^k: its own progress at learning rate 1 and no momentum,
+  far from θ^k, so round k+1's progress was computed at parameters about one momentum-amplified
+  outer step stale, and the run diverged.)
+* *Momentum and outer learning rate.* Unchanged: the global iteration is the synchronous one,
+  whose pseudo-gradients are computed at an estimate of θ^k instead of θ^k itself, and the error
+  shrinks with the rounds' change, not with the step size. `benchmarks/diloco_sim.py` measures
+  the loss with and without overlap side by side.
+
+The step policy's decisions lag one more round. `finish` (and the end of `loop`) waits for the
+last background synchronisation and runs the last round's synchronously, so the final θ includes
+every round. The overlap's process group is destroyed by `finish` (or `close`).
+
+**Stopping together** (`loop`, `finish`): a rank whose data runs out, or that reaches its own step
+budget, stays in the rounds with no steps (its pseudo-gradient is zero and its weight 0) until
+every rank is out; budgets of the run (``max_rounds``, ``max_samples``, ``max_seconds``) are
+checked against the agreed table of each synchronisation. Either way every rank takes the same
+decision at the same synchronisation, so all leave at the same round boundary whatever the
+policy (with overlap the decision is known one round later: that round is synchronised too).
 
 **Measurements** (per rank, agreed at every synchronisation, see `stats` and `history`):
 *compute* is the time between the rank's calls to `step` (the user's forward, backward, optimizer
@@ -78,8 +107,9 @@ measurements, or with overlap in waiting for the previous synchronisation), *syn
 synchronisation that the rank waits for (reduction and outer step; zero with overlap unless the
 sync outlasts a round). `timeline` lists this rank's intervals of each kind in wall-clock time.
 
-Every rank of the group must construct the object with the same arguments, call `step` after
-every inner step, and call `finish` at the same point. A rank whose pseudo-gradient is not finite
+Every rank of the group must construct the object with the same arguments and call `step` after
+every inner step; `loop` (or, in a loop of one's own, `finish` when the rank's data ends) makes
+the ranks leave together. A rank whose pseudo-gradient is not finite
 makes every rank raise ValueError naming it at that synchronisation, instead of spreading NaN.
 """
 from __future__ import annotations
@@ -87,13 +117,15 @@ from __future__ import annotations
 import concurrent.futures
 import math
 import time
-from collections.abc import Callable, Sequence
+import copy
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
 
 from hetcomm import compress as _compress
-from hetcomm.train.local_steps import LocalStepPolicy, StepTimes, make_policy
+from hetcomm.train.local_steps import FixedSteps, LocalStepPolicy, SpeedSteps, StepTimes, make_policy
+from hetcomm.train.workers import Workers, resolve_labels
 from hetcomm.train.partition import exchange_columns
 
 __all__ = ["DiLoCo", "WEIGHTINGS", "outer_weights", "default_outer_optimizer"]
@@ -103,8 +135,13 @@ WEIGHTINGS = ("batch", "samples", "uniform", "normalized")
 
 # Rows of the table exchanged at every synchronisation (one column per rank, exact and identical
 # on every rank: `hetcomm.partition.exchange_columns`).
-_STEPS, _SAMPLES, _COMPUTE, _LOSS_SUM, _LOSS_N, _FINITE, _TOT_IDLE, _TOT_SYNC, _TOT_BYTES = range(9)
-_ROWS = 9
+(_STEPS, _SAMPLES, _COMPUTE, _LOSS_SUM, _LOSS_N, _FINITE, _TOT_IDLE, _TOT_SYNC, _TOT_BYTES,
+ _DONE, _ELAPSED, _MAX_ROUNDS, _MAX_SAMPLES, _MAX_SECONDS, _TOT_WAN) = range(15)
+_ROWS = 15
+# How a worker of several ranks sums up its ranks' columns (`hetcomm.train.workers`): its ranks
+# step together, so steps and seconds are its slowest rank's; samples, losses and bytes add up.
+_AGGREGATE = ("max", "sum", "max", "sum", "sum", "min", "max", "max", "sum", "min", "max", "max", "max", "max", "sum")
+_BUDGETS = {"max_rounds": _MAX_ROUNDS, "max_samples": _MAX_SAMPLES, "max_seconds": _MAX_SECONDS}
 
 
 def default_outer_optimizer(params: Sequence[torch.Tensor]) -> torch.optim.Optimizer:
@@ -116,12 +153,14 @@ def outer_weights(weighting: str, samples: Sequence[float], steps: Sequence[floa
     """The weights w_r of the outer update Δ = Σ_r w_r Δ_r (see the module doc).
 
     ``samples`` and ``steps`` are the agreed per-rank counts of the round. Ranks without steps
-    contribute nothing (their Δ_r is 0) under every weighting but ``uniform``; if no rank
-    processed a sample, the counts fall back to steps (a batch of one per step).
+    (out of data, waiting for the others to finish) contribute nothing under every weighting
+    (``uniform``: 1/P over the ranks with steps); if no rank processed a sample, the counts fall
+    back to steps (a batch of one per step).
     """
     P = len(samples)
     if weighting == "uniform":
-        return [1.0 / P] * P
+        active = sum(1 for t in steps if t > 0)
+        return [1.0 / active if t > 0 else 0.0 for t in steps] if active else [1.0 / P] * P
     n = [float(s) for s in samples]
     if sum(n) <= 0:
         n = [float(t) for t in steps]
@@ -179,6 +218,14 @@ class DiLoCo:
         overlap: synchronise in the background, one round late (see the module doc).
         ema: weight of the newest measurement in the agreed step times.
         threshold: ``speed`` hysteresis: the predicted idle fraction must fall by this much.
+        workers: what a DiLoCo worker is: ``"sites"`` (default: hetcomm's sites when the group
+            spans two or more, else every rank), ``"ranks"``, or one label per group rank. A
+            worker of several ranks trains one replica with synchronous data parallelism and
+            spreads the outer reduction over its ranks (`hetcomm.train.workers`); the policies,
+            weights, `history` and `stats` then count workers.
+        inner_sync: with workers of several ranks, average the gradients over the worker before
+            every step of ``inner_optimizer``; False when DDP or FSDP over `worker_group` does it.
+        worker_backend: the backend of the groups inside a worker (default: the group's).
     """
 
     def __init__(self, model: torch.nn.Module, inner_optimizer: torch.optim.Optimizer | None = None, *,
@@ -187,7 +234,8 @@ class DiLoCo:
                  local_steps: str | LocalStepPolicy = "fixed", steps: int = 50,
                  round_seconds: float | None = None, weighting: str = "batch", compress: str = "fp32",
                  block: int = 2048, error_feedback: bool = False, overlap: bool = False,
-                 ema: float = 0.3, threshold: float = 0.01) -> None:
+                 ema: float = 0.3, threshold: float = 0.01, workers="sites", inner_sync: bool = True,
+                 worker_backend: str | None = None) -> None:
         if not (dist.is_available() and dist.is_initialized()):
             raise RuntimeError(f"{_PREFIX}: torch.distributed is not initialised "
                                "(call dist.init_process_group first)")
@@ -196,14 +244,17 @@ class DiLoCo:
         if self._rank < 0:
             raise ValueError(f"{_PREFIX}: this process is not a member of the group")
         self._world = dist.get_world_size(group)
+        self._labels = resolve_labels(workers, group, self._world)
+        self._nworkers = max(self._labels) + 1
+        self._col = self._labels[self._rank]          # this rank's worker: its column in the history
         if weighting not in WEIGHTINGS:
             raise ValueError(f"{_PREFIX}: unknown weighting {weighting!r}; expected one of {', '.join(WEIGHTINGS)}")
         self.weighting = weighting
         self._codec = _compress.get_codec(compress, block=block)
         self._feedback = _compress.ErrorFeedback() if error_feedback else None
         self._policy = make_policy(local_steps, steps, round_seconds=round_seconds, threshold=threshold)
-        self._policy.bind(self._rank, self._world)
-        self._times = StepTimes(self._world, ema=ema)
+        self._policy.bind(self._col, self._nworkers)
+        self._times = StepTimes(self._nworkers, ema=ema)
 
         self.model = model
         self._params = [p for p in model.parameters() if p.is_floating_point()]
@@ -232,7 +283,7 @@ class DiLoCo:
                         for piece, p in zip(self._split(flat), self._params)]
         self.outer_optimizer = factory(self._global)
         self._load_global()
-        self._base = self._flatten_global()
+        self._start = self._flatten_global()      # where the replica started this round
 
         self.overlap = bool(overlap)
         self._sync_group = group
@@ -243,6 +294,16 @@ class DiLoCo:
             backend = dist.get_backend(group)
             self._sync_group = dist.new_group(ranks, backend=backend, use_local_synchronization=True)
             self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="hetcomm-diloco")
+        self._workers = Workers(self._labels, group, worker_backend=worker_backend, background=self.overlap)
+        self._hook = None
+        if self._workers.size > 1 and inner_sync:
+            if inner_optimizer is None:
+                raise ValueError(f"{_PREFIX}: this rank's worker has {self._workers.size} ranks: pass the inner "
+                                 "optimizer (its gradients are averaged over the worker before each step), or "
+                                 "inner_sync=False with DDP over diloco.worker_group")
+            params = [p for p in model.parameters() if p.requires_grad]
+            self._hook = inner_optimizer.register_step_pre_hook(
+                lambda *_: self._workers.average_gradients(params))
 
         # Round 1 starts together everywhere: a rank still receiving the broadcast (or still
         # starting up) must not count as a slow rank that the others idle for.
@@ -253,11 +314,23 @@ class DiLoCo:
         self._own_step: float | None = None
         self._totals = {"idle": 0.0, "sync": 0.0}
         self._bytes0 = _hetcomm_bytes_sent(self._sync_group)
+        self._wan0 = self._workers.inter_worker_bytes([self._sync_group, self._workers.cross_group])
         self._agreed_totals: dict[str, list[float]] = {}
         self._history: list[dict] = []
         self._settled = 0
         self._timeline: list[tuple[str, float, float]] = []
         self._finished = False
+        self._closed = False
+        self._exhausted = False                  # this rank has no more steps to take
+        self._stopped = False                    # every rank agreed that the run is over
+        self._stop_reason: str | None = None
+        self._budgets = {k: 0.0 for k in _BUDGETS}
+        self._step_calls = 0
+        # eager updates (overlap): this rank's last pseudo-gradient and weight, the last reduced one
+        self._last_own: torch.Tensor | None = None
+        self._last_weight: float | None = None
+        self._last_reduced: torch.Tensor | None = None
+        self._t0 = self._clock()
         self._policy.start_round(self._clock())
         self._mark = self._clock()
 
@@ -280,6 +353,17 @@ class DiLoCo:
         totals of idle and sync seconds and bytes sent (hetcomm groups) as of that round's exchange."""
         return self._history[:self._settled]
 
+    @property
+    def should_stop(self) -> bool:
+        """True once every rank agreed, at a synchronisation, that the run is over (all ranks
+        out of data, or a budget of `loop` reached); then `step` must not be called again."""
+        return self._stopped
+
+    @property
+    def stop_reason(self) -> str | None:
+        """Why the run stopped (None while it runs): identical on every rank."""
+        return self._stop_reason
+
     def step(self, samples: int | None = None, loss: float | None = None) -> bool:
         """Call after every inner step; synchronises when the round is over (returns True then).
 
@@ -287,13 +371,15 @@ class DiLoCo:
             samples: samples in the step's batch (default: 1, i.e. weighting by steps).
             loss: the step's mean loss, averaged per round into `history` (optional).
         """
-        if self._finished:
-            raise RuntimeError(f"{_PREFIX}: step() after finish()")
+        if self._finished or self._stopped or self._exhausted:
+            raise RuntimeError(f"{_PREFIX}: step() after the run stopped or this rank called finish() "
+                               f"({self._stop_reason or 'finish'})")
         now = self._clock()
         dt = now - self._mark
         n = 1 if samples is None else int(samples)
         if n < 0:
             raise ValueError(f"{_PREFIX}: samples must be >= 0, got {samples!r}")
+        self._step_calls += 1
         self._r_steps += 1
         self._r_samples += n
         self._r_compute += dt
@@ -303,27 +389,103 @@ class DiLoCo:
         self._own_step = dt if self._own_step is None else 0.7 * self._own_step + 0.3 * dt
         self._timeline.append(("compute", self._mark, now))
         synced = self._policy.round_over(self._r_steps, now, self._own_step)
+        if self._workers.size > 1 and not isinstance(self._policy, (FixedSteps, SpeedSteps)):
+            synced = self._workers.agree(synced)      # a worker's ranks end the round together
         if synced:
             self._synchronise()
         self._mark = self._clock()
         return synced
 
-    def finish(self) -> None:
-        """Synchronises the last (possibly partial) round and waits for any background one.
+    def loop(self, batches: Iterable, *, max_rounds: int | None = None, max_samples: int | None = None,
+             max_seconds: float | None = None, max_steps: int | None = None) -> Iterator:
+        """Yields ``batches`` until every rank agrees to stop; then runs `finish`.
 
-        A collective: every rank calls it once, at the end. Afterwards the model holds the global
-        parameters and `stats` covers the whole run.
+        The body must call `step` once per batch. When this rank's ``batches`` end, or it has
+        taken ``max_steps`` steps (a budget of this rank only), the rank takes part in the
+        following synchronisations without steps until every rank is out; ``max_rounds``,
+        ``max_samples`` (all ranks together) and ``max_seconds`` (since construction, the slowest
+        rank's clock) end the run for everyone at the first synchronisation that reaches them.
+        Budgets of the run must be the same on every rank (a mismatch raises on every rank, at
+        the first synchronisation). Every rank leaves at the same round boundary, whatever the
+        policy; afterwards the model holds the global parameters and `stop_reason` says why.
+        """
+        for name, value in (("max_rounds", max_rounds), ("max_samples", max_samples), ("max_seconds", max_seconds),
+                            ("max_steps", max_steps)):
+            if value is not None and not (value > 0 and math.isfinite(value)):
+                raise ValueError(f"{_PREFIX}: {name} must be > 0, got {value!r}")
+        self._budgets = {"max_rounds": float(max_rounds or 0), "max_samples": float(max_samples or 0),
+                         "max_seconds": float(max_seconds or 0)}
+        taken = 0
+        iterator = iter(batches)
+        try:
+            while not self._stopped and (max_steps is None or taken < max_steps):
+                try:
+                    item = next(iterator)
+                except StopIteration:
+                    break
+                calls = self._step_calls
+                yield item
+                if self._step_calls != calls + 1:
+                    raise RuntimeError(f"{_PREFIX}: the body of diloco.loop() must call diloco.step() exactly once "
+                                       f"per batch (it called it {self._step_calls - calls} times)")
+                taken += 1
+        except BaseException:
+            self.close()          # no collective on the way out of an error: release what we hold
+            raise
+        self.finish()
+
+    def finish(self) -> None:
+        """This rank has no more steps: synchronises until every rank is done, then cleans up.
+
+        A collective that ranks may reach at different rounds: a rank that calls it early (its
+        data ran out) takes part in the others' synchronisations without steps until every rank
+        has called it (or a budget of `loop` stopped the run), so all leave at the same round
+        boundary. The last partial round of every rank is synchronised, and with overlap the
+        background synchronisation is waited for. Afterwards the model holds the global
+        parameters, `stats` covers the whole run, and the overlap's process group is destroyed.
         """
         if self._finished:
             return
-        if self._pending is not None:
-            self._wait_pending()
-        # The partial round (if any rank has one) runs synchronously, then the totals are final.
-        self._synchronise(final=True)
-        if self._executor is not None:
-            self._executor.shutdown(wait=True)
-            self._executor = None
+        if self._closed:
+            raise RuntimeError(f"{_PREFIX}: finish() after close()")
+        self._exhausted = True
+        while not self._stopped:
+            self._synchronise()
         self._finished = True
+        self.close()
+
+    def close(self) -> None:
+        """Releases the background thread and the overlap's process group, without communicating
+        (`finish` calls it; call it yourself only on the way out of an error)."""
+        if self._closed:
+            return
+        self._closed = True
+        # A synchronisation still running in the background (only on the way out of an error)
+        # keeps using its group: leave both to the process's exit rather than pull them away.
+        busy = self._pending is not None and not self._pending.done()
+        if self._executor is not None:
+            self._executor.shutdown(wait=False, cancel_futures=True)
+            self._executor = None
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+        if not busy:
+            self._workers.destroy()
+        if not busy and self._sync_group is not None and self._sync_group is not self._group:
+            try:
+                dist.destroy_process_group(self._sync_group)
+            except (RuntimeError, ValueError):
+                pass                                  # already gone with the default group
+            self._sync_group = self._group
+
+    def __enter__(self) -> "DiLoCo":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.finish()
+        else:
+            self.close()
 
     # ---- results -----------------------------------------------------------------------------
 
@@ -332,21 +494,38 @@ class DiLoCo:
         return [g.detach() for g in self._global]
 
     def stats(self) -> dict:
-        """Per-rank totals agreed at the last synchronisation (identical on every rank)."""
+        """Totals agreed at the last synchronisation, one entry per worker (per rank when every
+        worker is one rank), identical on every rank.
+
+        ``wan_bytes``: bytes each worker's ranks sent to ranks of other workers on DiLoCo's groups
+        (the measurements' exchange and the outer reduction; with workers from sites, what crossed
+        the WAN; None on groups that are not hetcomm's), ``wan_bytes_per_round`` their sum over
+        workers per round. ``workers``: the group ranks of each worker.
+        """
         t = self._agreed_totals
         if not t:
             return {}
         wall = [c + i + s for c, i, s in zip(t["compute"], t["idle"], t["sync"])]
+        known_wan = all(b is not None for b in t["wan"])
         return {
             "rounds": self._settled,
+            "workers": [list(m) for m in self._workers.members],
             "steps": [round(x) for x in t["steps"]],
             "samples": [round(x) for x in t["samples"]],
             "compute_seconds": t["compute"],
             "idle_seconds": t["idle"],
             "sync_seconds": t["sync"],
             "bytes_sent": t["bytes"],
+            "wan_bytes": t["wan"],
+            "wan_bytes_per_round": (sum(t["wan"]) / self._settled if known_wan and self._settled else None),
             "compute_fraction": [c / w if w > 0 else 0.0 for c, w in zip(t["compute"], wall)],
         }
+
+    @property
+    def worker_group(self) -> dist.ProcessGroup | None:
+        """The process group of this rank's worker (None when every worker is one rank): for DDP
+        or FSDP inside the worker, with ``inner_sync=False``."""
+        return self._workers.worker_group
 
     def timeline(self) -> list[tuple[str, float, float]]:
         """This rank's (kind, start, end) intervals in wall-clock seconds (time.time()):
@@ -370,87 +549,145 @@ class DiLoCo:
         col[_TOT_IDLE], col[_TOT_SYNC] = self._totals["idle"], self._totals["sync"]
         sent = _hetcomm_bytes_sent(self._sync_group)
         col[_TOT_BYTES] = sent - self._bytes0
+        col[_TOT_WAN] = self._workers.inter_worker_bytes([self._sync_group, self._workers.cross_group]) - self._wan0
+        col[_DONE] = 1.0 if self._exhausted else 0.0
+        col[_ELAPSED] = self._clock() - self._t0
+        for name, row in _BUDGETS.items():
+            col[row] = self._budgets[name]
         return col
 
-    def _synchronise(self, final: bool = False) -> None:
-        progress = self._base - self._flatten_model()        # Δ_r in the master precision
+    def _synchronise(self) -> None:
+        progress = self._start - self._flatten_model()       # Δ_r in the master precision
         delta = progress.float()                             # what travels
         plan = self._policy.plan()
         if self._pending is not None:          # overlap: the previous round's synchronisation
             self._wait_pending()
         column = self._column(delta)
-        if not self.overlap or final:
-            table = self._exchange_and_reduce(column, delta, timed=True, plan=plan, final=final)
+        # Once the run is to stop, the round is synchronous: the last round is never left in the
+        # background. (A rank out of steps keeps the others' rhythm, agreements one round late,
+        # so that the policy's plans, recorded in the history, stay identical on every rank.)
+        if not self.overlap or self._stopped:
+            table, _, _ = self._exchange_and_reduce(column, delta, timed=True, plan=plan)
             self._after_agreement(table)
             self._load_global()
-            self._base = self._flatten_global()
+            self._start = self._flatten_global()
             self._policy.start_round(self._clock())
         else:
-            # The replica keeps its own progress of this round on top of the newest global
-            # parameters; that progress reaches the global ones when this sync completes.
-            self._base = self._flatten_global() - progress
-            self._load_flat(self._base)
-            self._pending = self._executor.submit(self._exchange_and_reduce, column, delta, timed=False,
-                                                  plan=plan, final=False)
+            # Eager update: the next round starts at Opt*(θ^{k-1}, Δ̂_r^k) (see the module doc),
+            # computed before the background thread takes the outer optimizer.
+            estimate = self._eager_estimate(progress)
+            self._last_own = progress
+            self._pending = self._executor.submit(self._exchange_and_reduce, column, delta, timed=False, plan=plan)
+            self._load_flat(estimate)
+            self._start = estimate
             now = self._clock()
             # Deadlines chain: time a rank left unused before the last deadline is not lost.
             previous = getattr(self._policy, "deadline", None)
             self._policy.start_round(now, start=None if previous is None else max(previous, now))
         self._reset_round()
 
+    @torch.no_grad()
+    def _eager_estimate(self, progress: torch.Tensor) -> torch.Tensor:
+        """Opt*(θ^{k-1}, Δ̂_r^k): one outer step on a scratch copy of the outer optimizer's state."""
+        if self._last_reduced is None or self._last_own is None:
+            guess = progress
+        else:
+            guess = self._last_reduced + self._last_weight * (progress - self._last_own)
+        saved_state = copy.deepcopy(self.outer_optimizer.state_dict())
+        saved = [g.detach().clone() for g in self._global]
+        for g, piece in zip(self._global, self._split(guess)):
+            g.grad = piece.view(g.shape).to(g.dtype)
+        self.outer_optimizer.step()
+        self.outer_optimizer.zero_grad(set_to_none=True)
+        estimate = self._flatten_global()
+        for g, old in zip(self._global, saved):
+            g.copy_(old)
+        self.outer_optimizer.load_state_dict(saved_state)
+        return estimate
+
     def _wait_pending(self) -> None:
         start = self._clock()
         future, self._pending = self._pending, None
         try:
-            table = future.result()
+            table, reduced, weights = future.result()
         finally:
             end = self._clock()
             self._totals["idle"] += end - start
             self._timeline.append(("idle", start, end))
+        self._last_reduced = reduced if reduced is not None else torch.zeros_like(self._start)
+        self._last_weight = weights[self._col]
         self._after_agreement(table)
 
-    def _exchange_and_reduce(self, column: list[float], delta: torch.Tensor, *, timed: bool, plan: dict,
-                             final: bool) -> list[list[float]]:
+    def _exchange_and_reduce(self, column: list[float], delta: torch.Tensor, *, timed: bool,
+                             plan: dict) -> tuple[list[list[float]], torch.Tensor | None, list[float]]:
         group = self._sync_group
         start = self._clock()
-        table = exchange_columns(column, group=group)
+        ranks = exchange_columns(column, group=group)
         agreed = self._clock()
         if timed:
             self._totals["idle"] += agreed - start
             self._timeline.append(("idle", start, agreed))
         round_index = len(self._history) + 1
-        bad = [r for r in range(self._world) if table[_FINITE][r] == 0.0]
+        bad = [r for r in range(self._world) if ranks[_FINITE][r] == 0.0]
         if bad:
             raise ValueError(f"{_PREFIX}: round {round_index}: the pseudo-gradient of rank(s) {bad} is not finite "
                              "(NaN or Inf in their parameters); no outer update was applied")
+        for name, row in _BUDGETS.items():
+            if len(set(ranks[row])) > 1:
+                raise ValueError(f"{_PREFIX}: the ranks passed different {name} to loop(): "
+                                 f"{dict(enumerate(ranks[row]))} (0 = none); every rank must pass the same")
+        table = self._workers.aggregate(ranks, _AGGREGATE)
         any_steps = any(s > 0 for s in table[_STEPS])
         weights = outer_weights(self.weighting, table[_SAMPLES], table[_STEPS])
+        reduced = None
         if any_steps and any(w != 0.0 for w in weights):
-            reduced = _compress.weighted_allreduce(delta, weights, codec=self._codec, group=group,
-                                                   feedback=self._feedback, finite_checked=True)
+            if self._workers.single:
+                reduced = _compress.weighted_allreduce(delta, weights, codec=self._codec, group=group,
+                                                       feedback=self._feedback, finite_checked=True)
+            else:                              # each rank of a worker carries one shard across
+                reduced = self._workers.reduce(delta, weights, codec=self._codec, feedback=self._feedback)
             for g, piece in zip(self._global, self._split(reduced)):
                 g.grad = piece.view(g.shape).to(g.dtype)
             self.outer_optimizer.step()
             self.outer_optimizer.zero_grad(set_to_none=True)
+            reduced = reduced.to(self._master)
         end = self._clock()
         self._timeline.append(("sync", agreed, end))
         if timed:
             self._totals["sync"] += end - agreed
-        if any_steps or not final:
+        if any_steps:
             self._record(table, weights, round_index, plan)
-        return table
+        return table, reduced, weights
 
     def _after_agreement(self, table: list[list[float]]) -> None:
         self._times.update(table[_COMPUTE], table[_STEPS])
         self._policy.agreed(self._times)
         self._agreed_totals = {
-            "compute": [0.0] * self._world, "idle": table[_TOT_IDLE], "sync": table[_TOT_SYNC],
-            "bytes": _known(table[_TOT_BYTES]), "samples": [0.0] * self._world, "steps": [0.0] * self._world,
+            "compute": [0.0] * self._nworkers, "idle": table[_TOT_IDLE], "sync": table[_TOT_SYNC],
+            "bytes": _known(table[_TOT_BYTES]), "wan": _known(table[_TOT_WAN]),
+            "samples": [0.0] * self._nworkers, "steps": [0.0] * self._nworkers,
         }
         self._settled = len(self._history)
         for rec in self._history:
             for key, row in (("compute", "compute_seconds"), ("samples", "samples"), ("steps", "steps")):
                 self._agreed_totals[key] = [a + b for a, b in zip(self._agreed_totals[key], rec[row])]
+        if not self._stopped:
+            self._stop_reason = self._stop_decision(table)
+            self._stopped = self._stop_reason is not None
+
+    def _stop_decision(self, table: list[list[float]]) -> str | None:
+        """Why every rank stops after this agreement (None: go on); a function of agreed values only."""
+        if all(d > 0 for d in table[_DONE]):
+            return "every rank is out of data (or called finish)"
+        rounds, samples = self._settled, sum(self._agreed_totals["samples"])
+        limit = {name: table[row][0] for name, row in _BUDGETS.items()}
+        if limit["max_rounds"] and rounds >= limit["max_rounds"]:
+            return f"max_rounds: {rounds} rounds"
+        if limit["max_samples"] and samples >= limit["max_samples"]:
+            return f"max_samples: {samples:.0f} samples"
+        if limit["max_seconds"] and max(table[_ELAPSED]) >= limit["max_seconds"]:
+            return f"max_seconds: {max(table[_ELAPSED]):.1f} s"
+        return None
 
     def _record(self, table: list[list[float]], weights: list[float], round_index: int, plan: dict) -> None:
         self._history.append({
@@ -464,6 +701,7 @@ class DiLoCo:
             "idle_seconds_total": table[_TOT_IDLE],
             "sync_seconds_total": table[_TOT_SYNC],
             "bytes_sent_total": _known(table[_TOT_BYTES]),
+            "wan_bytes_total": _known(table[_TOT_WAN]),
         })
 
     # ---- parameters --------------------------------------------------------------------------

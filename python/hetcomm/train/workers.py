@@ -1,0 +1,229 @@
+"""DiLoCo workers made of several ranks: a site (or a host) that trains one replica with synchronous
+data parallelism inside and takes part in DiLoCo's rounds as one worker.
+
+`Workers` holds the process groups and does the two things that change when a worker has several
+ranks (`hetcomm.DiLoCo` does the rest):
+
+* *The table of a round* (steps, samples, seconds, ... one column per rank, agreed by every rank)
+  becomes one column per worker (`Workers.aggregate`): its ranks step together, so steps and
+  seconds are the worker's slowest rank's, samples and losses add up.
+* *The outer reduction is spread over the worker's ranks* (`Workers.reduce`): the pseudo-gradient
+  is cut into S shards (S = the smallest worker's size); local rank i of every worker carries
+  shard i across the WAN in a weighted all-reduce among the i-th ranks of all workers (the *cross*
+  group i), then the worker's ranks all-gather the reduced shards over the LAN. Each worker sends
+  one model's worth across the WAN per round (for two workers; 2(W-1)/W of it for W workers in a
+  ring), split over its ranks instead of funnelled through a leader. Every rank ends with the
+  same reduced pseudo-gradient and runs the same outer step, so global parameters and outer
+  optimizer state stay identical everywhere.
+
+Inside a worker the ranks must train identical replicas: by default `hetcomm.DiLoCo` averages
+the gradients over the worker's ranks before every inner optimizer step (a pre-step hook); with
+DDP (or FSDP) over `DiLoCo.worker_group` pass ``inner_sync=False``.
+
+Workers come from hetcomm's sites by default (`labels_from_sites`): the site of every rank, as the
+world group's probe or ``HETCOMM_SITES``/``HETCOMM_SITE`` found them, when there are at least two
+sites; otherwise every rank is a worker of its own, as in plain DiLoCo.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+from hetcomm import compress as _compress
+
+__all__ = ["Workers", "labels_from_sites", "resolve_labels"]
+
+_PREFIX = "hetcomm DiLoCo workers"
+
+
+def labels_from_sites(group: dist.ProcessGroup | None) -> list[int] | None:
+    """The site of every rank of ``group`` from hetcomm's topology, or None (not a hetcomm group,
+    sites unknown, or a single site)."""
+    try:
+        if dist.get_backend(group) != "hetcomm":
+            return None
+        from hetcomm._backend import backend_of
+        from hetcomm.topology import topology_of
+        topology = topology_of(backend_of(group))
+    except (RuntimeError, ValueError, ImportError, AttributeError):
+        return None
+    if topology is None or len(set(topology.sites)) < 2:
+        return None
+    return list(topology.sites)
+
+
+def resolve_labels(workers, group: dist.ProcessGroup | None, world: int) -> list[int]:
+    """One worker label per group rank, renumbered 0.. by lowest rank.
+
+    ``workers``: ``"sites"`` (hetcomm's sites when there are two or more, else one worker per
+    rank), ``"ranks"`` or None (one worker per rank), or a sequence of ``world`` labels.
+    """
+    if workers is None or workers == "ranks":
+        labels: Sequence = range(world)
+    elif workers == "sites":
+        labels = labels_from_sites(group) or range(world)
+    elif isinstance(workers, str):
+        raise ValueError(f"{_PREFIX}: workers must be 'sites', 'ranks' or one label per rank, got {workers!r}")
+    else:
+        labels = list(workers)
+        if len(labels) != world:
+            raise ValueError(f"{_PREFIX}: workers has {len(labels)} labels for a group of {world} ranks")
+    first: dict = {}
+    return [first.setdefault(label, len(first)) for label in labels]
+
+
+def _shard_bounds(n: int, shards: int) -> list[int]:
+    base, extra = divmod(n, shards)
+    bounds = [0]
+    for i in range(shards):
+        bounds.append(bounds[-1] + base + (1 if i < extra else 0))
+    return bounds
+
+
+class Workers:
+    """The workers of a DiLoCo group and their process groups (see the module doc).
+
+    Construction is collective over the whole job (every rank of the default group calls it, the
+    way `torch.distributed.new_group` requires). ``labels[r]`` is the worker of group rank r.
+    ``background``: the outer reduction runs on a thread of its own (DiLoCo's overlap), so its
+    all-gather gets a group of its own instead of sharing `worker_group` with the training loop.
+    """
+
+    def __init__(self, labels: Sequence[int], group: dist.ProcessGroup | None, *, backend: str | None = None,
+                 worker_backend: str | None = None, background: bool = False) -> None:
+        self.labels = list(labels)
+        self.count = max(self.labels) + 1
+        rank = dist.get_rank(group)
+        self.index = self.labels[rank]                                  # this rank's worker
+        self.members = [[r for r, w in enumerate(self.labels) if w == k] for k in range(self.count)]
+        self.local_rank = self.members[self.index].index(rank)
+        self.size = len(self.members[self.index])
+        self.shards = min(len(m) for m in self.members)
+        self.single = all(len(m) == 1 for m in self.members)
+        self.worker_group: dist.ProcessGroup | None = None
+        self.gather_group: dist.ProcessGroup | None = None
+        self.cross_group: dist.ProcessGroup | None = None
+        self._cross_workers: list[int] = []                             # worker of each cross-group rank
+        self._owned: list[dist.ProcessGroup] = []
+        self.global_ranks = [dist.get_global_rank(group, r) if group is not None else r for r in range(len(self.labels))]
+        if self.single:
+            return
+        if dist.get_world_size(group) != dist.get_world_size():
+            raise ValueError(f"{_PREFIX}: workers of several ranks need the DiLoCo group to be the whole job "
+                             f"(this group has {dist.get_world_size(group)} of {dist.get_world_size()} ranks)")
+        glob = self.global_ranks
+        backend = backend or dist.get_backend(group)
+        worker_backend = worker_backend or backend
+
+        def make(ranks: list[int], on: str) -> dist.ProcessGroup | None:
+            g = dist.new_group(sorted(ranks), backend=on)      # every rank of the job, the same order
+            mine = dist.get_rank() in ranks
+            if mine:
+                self._owned.append(g)
+            return g if mine else None
+
+        for k, members in enumerate(self.members):
+            g = make([glob[r] for r in members], worker_backend)
+            if g is not None:
+                self.worker_group = g
+        if background:
+            for k, members in enumerate(self.members):
+                g = make([glob[r] for r in members], worker_backend)
+                if g is not None:
+                    self.gather_group = g
+        else:
+            self.gather_group = self.worker_group
+        for i in range(self.shards):
+            ranks = [glob[m[i]] for m in self.members]
+            g = make(ranks, backend)
+            if g is not None:
+                self.cross_group = g
+                order = sorted(range(self.count), key=lambda k: glob[self.members[k][i]])
+                self._cross_workers = order
+
+    def destroy(self) -> None:
+        """Destroys the groups only DiLoCo uses (not `worker_group`: the user's DDP may use it)."""
+        for g in self._owned:
+            if g is self.worker_group:
+                continue
+            try:
+                dist.destroy_process_group(g)
+            except (RuntimeError, ValueError):
+                pass
+        self._owned = [self.worker_group] if self.worker_group is not None else []
+
+    # ---- the table -------------------------------------------------------------------------
+
+    def aggregate(self, table: list[list[float]], how: Sequence[str]) -> list[list[float]]:
+        """Per-rank rows to per-worker rows: ``how[i]`` is ``sum``, ``max`` or ``min`` for row i."""
+        if self.single:
+            return table
+        out = []
+        for row, rule in zip(table, how):
+            fn = {"sum": math.fsum, "max": max, "min": min}[rule]
+            out.append([float(fn(row[r] for r in members)) for members in self.members])
+        return out
+
+    # ---- the outer reduction -----------------------------------------------------------------
+
+    def reduce(self, delta: torch.Tensor, weights: Sequence[float], *, codec, feedback) -> torch.Tensor:
+        """Σ_w weights[w] Δ_w, every rank of every worker alike (see the module doc)."""
+        n = delta.numel()
+        bounds = _shard_bounds(n, self.shards)
+        longest = max(b - a for a, b in zip(bounds, bounds[1:]))
+        mine = torch.zeros(longest, dtype=torch.float32)
+        if self.local_rank < self.shards:
+            a, b = bounds[self.local_rank], bounds[self.local_rank + 1]
+            w = [weights[k] for k in self._cross_workers]
+            mine[:b - a] = _compress.weighted_allreduce(delta[a:b], w, codec=codec, group=self.cross_group,
+                                                        feedback=feedback, finite_checked=True)
+        pieces = [torch.empty(longest, dtype=torch.float32) for _ in range(self.size)]
+        dist.all_gather(pieces, mine, group=self.gather_group)
+        return torch.cat([pieces[i][:bounds[i + 1] - bounds[i]] for i in range(self.shards)])
+
+    def average_gradients(self, params: Sequence[torch.Tensor]) -> None:
+        """Averages the gradients of ``params`` over the worker's ranks (missing ones count as 0)."""
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat, group=self.worker_group)
+        flat /= self.size
+        offset = 0
+        for p, g in zip(params, grads):
+            piece = flat[offset:offset + g.numel()].view_as(g)
+            offset += g.numel()
+            if p.grad is None:
+                p.grad = piece.clone()
+            else:
+                p.grad.copy_(piece)
+
+    def agree(self, over: bool) -> bool:
+        """True if any rank of the worker says so (its ranks must end a round together)."""
+        flag = torch.tensor([1.0 if over else 0.0])
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.worker_group)
+        return bool(flag.item() > 0)
+
+    def inter_worker_bytes(self, groups: Sequence[dist.ProcessGroup | None]) -> float:
+        """This rank's bytes sent to ranks of other workers on ``groups`` (hetcomm groups only; NaN
+        if none is)."""
+        from hetcomm._backend import stats
+
+        total, known = 0.0, False
+        mine = self.labels[self.global_ranks.index(dist.get_rank())]
+        for g in groups:
+            if g is None:
+                continue
+            try:
+                if dist.get_backend(g) != "hetcomm":
+                    continue
+                s = stats(g)
+            except (RuntimeError, ValueError):
+                continue
+            known = True
+            for i, sent in enumerate(s["bytes_sent"]):
+                peer = s["peers"][i]
+                if self.labels[self.global_ranks.index(peer)] != mine:
+                    total += sent
+        return total if known else math.nan

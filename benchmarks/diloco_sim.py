@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import statistics
 import subprocess
 import sys
@@ -45,6 +46,11 @@ CONFIGS = {
     "speed": ["--local-steps", "speed"],
     "time": ["--local-steps", "time"],
     "time-int8-overlap": ["--local-steps", "time", "--compress", "int8", "--overlap"],
+    "time-int8": ["--local-steps", "time", "--compress", "int8"],
+    "fixed-overlap": ["--local-steps", "fixed", "--overlap"],
+    # workers: hetcomm's sites (data parallel inside each) against every rank a worker
+    "sites-time-int8-overlap": ["--local-steps", "time", "--compress", "int8", "--overlap", "--workers", "sites"],
+    "flat-time-int8-overlap": ["--local-steps", "time", "--compress", "int8", "--overlap", "--workers", "ranks"],
     "fixed-int8": ["--local-steps", "fixed", "--compress", "int8"],
     "speed-samples": ["--local-steps", "speed", "--weighting", "samples"],
     "time-samples": ["--local-steps", "time", "--weighting", "samples"],
@@ -54,15 +60,18 @@ CONFIGS = {
     "time-normalized": ["--local-steps", "time", "--weighting", "normalized"],
 }
 DEFAULT_CONFIGS = ["fixed", "speed", "time", "time-int8-overlap", "fixed-int8", "speed-samples", "time-samples"]
-PLOTTED = ["fixed", "speed", "time", "time-int8-overlap"]
+PLOTTED = ["fixed", "fixed-overlap", "speed", "time", "time-int8", "time-int8-overlap", "flat-time-int8-overlap",
+           "sites-time-int8-overlap"]
 
 
 def run_once(name: str, args: argparse.Namespace, example_args: list[str], seed: int) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "summary.json")
         nprocs = len(args.cpu_quota.split(","))
-        cmd = [sys.executable, "-m", "hetcomm.sim", "--nprocs", str(nprocs), "--cpu-quota", args.cpu_quota,
-               "--nic-mbit", args.nic_mbit, "-q", "--", sys.executable, EXAMPLE, "--json", path,
+        sim = ["--nprocs", str(nprocs), "--cpu-quota", args.cpu_quota]
+        sim += ["--nic-mbit", args.nic_mbit] if args.nic_mbit else []
+        sim += shlex.split(args.sim_args)
+        cmd = [sys.executable, "-m", "hetcomm.sim", *sim, "-q", "--", sys.executable, EXAMPLE, "--json", path,
                "--seed", str(seed), *CONFIGS[name], *example_args]
         started = time.perf_counter()
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, cwd=ROOT)
@@ -108,6 +117,10 @@ def derived(run: dict) -> dict:
         "samples": run["samples"],
         "rounds": run["rounds"],
         "bytes_sent_per_round": sum(sent) / rounds if sent else None,
+        # what each worker sent to the other workers per round, in models' worth of the sync dtype
+        "wan_models_per_worker_round": ([b / rounds / (run["parameters"] * run["sync_bytes_per_element"])
+                                         for b in run["wan_bytes"]] if run.get("wan_bytes") and
+                                        None not in run["wan_bytes"] else None),
         # Without overlap: the mean (over ranks) of sync seconds per round over a round's length.
         "sync_fraction_of_round": (statistics.mean(run["sync_seconds"]) / rounds / wall_per_round
                                    if not run["overlap"] else None),
@@ -155,7 +168,10 @@ def plot(runs: dict[str, list[dict]], path: str) -> None:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--cpu-quota", default="0.8,0.4,0.2,0.2", help="per-rank CPU quota (cores)")
-    p.add_argument("--nic-mbit", default="100", help="per-rank NIC rate (Mbit/s), one value or one per rank")
+    p.add_argument("--nic-mbit", default="100", help="per-rank NIC rate (Mbit/s), one value or one per rank "
+                                                     "('' for none, e.g. with --sim-args '--sites ...')")
+    p.add_argument("--sim-args", default="", help="more arguments of python -m hetcomm.sim, e.g. "
+                                                  "'--sites 0,0,1,1 --intra-mbit 1000 --wan-mbit 20'")
     p.add_argument("--configs", default=",".join(DEFAULT_CONFIGS),
                    help=f"comma-separated subset of {', '.join(CONFIGS)} (default {','.join(DEFAULT_CONFIGS)})")
     p.add_argument("--repeats", type=int, default=2, help="runs per configuration (interleaved)")
@@ -193,6 +209,12 @@ def main(argv=None) -> int:
         if "fixed-int8" in figures and base["bytes_sent_per_round"] and figures["fixed-int8"]["bytes_sent_per_round"]:
             ratios["bytes_per_round_fp32_over_int8"] = (base["bytes_sent_per_round"]
                                                         / figures["fixed-int8"]["bytes_sent_per_round"])
+    # overlap against none, sites against flat workers: mean final loss over the repeats (seeds)
+    for a, b in (("time-int8-overlap", "time-int8"), ("fixed-overlap", "fixed"),
+                 ("sites-time-int8-overlap", "flat-time-int8-overlap")):
+        if a in figures and b in figures:
+            ratios[f"mean_final_loss_{a}_over_{b}"] = (statistics.mean(figures[a]["final_loss_each"])
+                                                       / statistics.mean(figures[b]["final_loss_each"]))
     for n in names:
         f = figures[n]
         sync = "" if f["sync_fraction_of_round"] is None else f", sync {f['sync_fraction_of_round']:.0%} of a round"
@@ -206,6 +228,7 @@ def main(argv=None) -> int:
         print(f"diloco_sim: timeline written to {args.plot}")
     if args.json:
         write_records(args.json, diloco_records({"cpu_quota": args.cpu_quota, "nic_mbit": args.nic_mbit,
+                                                 "sim_args": args.sim_args,
                                                  "example_args": example_args, "ratios": ratios,
                                                  "figures": figures, "runs": runs}), command_line())
     return 0

@@ -41,6 +41,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--compress", choices=["fp32", "bf16", "fp16", "int8"], default="fp32")
     p.add_argument("--error-feedback", action="store_true")
     p.add_argument("--overlap", action="store_true", help="synchronise in the background, one round late")
+    p.add_argument("--workers", default="sites",
+                   help="sites (hetcomm's sites as workers, data parallel inside), ranks, or one label per rank (a,b,...)")
     add_model_arguments(p, block=16, d_model=256, layers=3)
     p.add_argument("--samples", type=int, default=6144, help="stop once this many samples were processed")
     p.add_argument("--rounds", type=int, default=0, help="stop after this many rounds (0: by --samples)")
@@ -74,11 +76,12 @@ def main(argv=None) -> int:
     diloco = hetcomm.DiLoCo(
         model, opt, local_steps=args.local_steps, steps=args.steps, weighting=args.weighting,
         compress=args.compress, error_feedback=args.error_feedback, overlap=args.overlap,
+        workers=args.workers.split(",") if "," in args.workers else args.workers,
         outer_optimizer=lambda ps: torch.optim.SGD(ps, lr=args.outer_lr, momentum=0.9, nesterov=True))
     params = sum(p.numel() for p in model.parameters())
     say(f"train_diloco: {world} ranks on {args.backend}, {params} parameters ({4 * params / 1e6:.1f} MB fp32), "
         f"local steps {args.local_steps} (H={args.steps}), weighting {args.weighting}, {args.compress}"
-        f"{', overlap' if args.overlap else ''}, batches {batches}")
+        f"{', overlap' if args.overlap else ''}, batches {batches}, workers {diloco.workers}")
 
     rng = torch.Generator().manual_seed(args.seed * 1000 + rank + 1)    # this rank's own windows
 
@@ -122,7 +125,8 @@ def main(argv=None) -> int:
     dist.all_gather_object(timelines, diloco.timeline())
     final_loss = evaluate(model, held_out, min(len(held_out), 256))
     samples = sum(stats["samples"])
-    compute = sum(stats["compute_seconds"])
+    # a worker's compute seconds are each of its ranks' (they step together)
+    compute = sum(c * len(m) for c, m in zip(stats["compute_seconds"], stats["workers"]))
     summary = {
         "local_steps": args.local_steps, "steps": args.steps, "weighting": args.weighting,
         "compress": args.compress, "error_feedback": args.error_feedback, "overlap": args.overlap,
@@ -132,6 +136,8 @@ def main(argv=None) -> int:
         "compute_seconds": stats["compute_seconds"], "idle_seconds": stats["idle_seconds"],
         "sync_seconds": stats["sync_seconds"], "bytes_sent": stats["bytes_sent"],
         "steps_per_rank": stats["steps"], "samples_per_rank": stats["samples"],
+        "workers": stats["workers"], "wan_bytes": stats["wan_bytes"], "wan_bytes_per_round": stats["wan_bytes_per_round"],
+        "sync_bytes_per_element": {"fp32": 4, "bf16": 2, "fp16": 2, "int8": 1}[args.compress],
         "compute_utilisation": compute / (world * wall),
         "final_loss": final_loss,
         "history": diloco.history,

@@ -529,3 +529,25 @@ def test_throttled_rank_gets_fewer_local_steps_on_the_simulator(tmp_path):
     late = result["history"][3:]
     assert late, result["history"]
     assert all(h["steps"][1] < h["steps"][0] for h in late), [h["steps"] for h in result["history"]]
+
+
+@pytest.mark.skipif(_root_reason() is not None, reason=_root_reason() or "")
+def test_sites_as_workers_send_one_model_across_the_wan_per_round_on_the_simulator(tmp_path):
+    """Two sites of two ranks, WAN shared per site: DiLoCo makes each site a worker (workers from
+    hetcomm's sites, declared here so that no probe decides) and each site's two ranks carry half
+    the pseudo-gradient each across the WAN: one model's worth per site and round, from stats()."""
+    summary = tmp_path / "diloco.json"
+    cmd = [sys.executable, "-m", "hetcomm.sim", "--sites", "0,0,1,1", "--intra-mbit", "1000", "--wan-mbit", "20",
+           "-q", "--", sys.executable, os.path.join(ROOT, "examples", "train_diloco.py"), "--local-steps", "fixed",
+           "--steps", "2", "--rounds", "3", "--d-model", "64", "--layers", "2", "--block", "32", "--batch", "4",
+           "--json", str(summary)]
+    env = {**os.environ, "HETCOMM_SITES": "0,0,1,1", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads(summary.read_text())
+    assert result["workers"] == [[0, 1], [2, 3]], result["workers"]
+    model = 4 * result["parameters"]                       # fp32
+    per_round = [b / result["rounds"] for b in result["wan_bytes"]]
+    for b in per_round:
+        assert model <= b <= 1.05 * model, (per_round, model)
+    assert len(result["history"][0]["steps"]) == 2, "the history counts workers"

@@ -249,3 +249,30 @@ def test_counts_match_the_algorithms(world_size: int, emulate_device: bool) -> N
         assert d["collectives"] == 1
         # The world group's counters did not see the subgroup's traffic.
         assert sum(sub["world_delta"]["bytes_sent"]) == 0 and sub["world_delta"]["collectives"] == 0
+
+
+def _wan(rank: int, world_size: int) -> dict:
+    before = hetcomm_stats()
+    dist.all_reduce(torch.ones(NUMEL))
+    return {"before": before, "after": hetcomm_stats()}
+
+
+def hetcomm_stats() -> dict:
+    import hetcomm
+
+    return hetcomm.stats()
+
+
+def test_bytes_across_sites_are_counted_apart() -> None:
+    """Sites declared 0,0,1,1 (rates declared: no probe): the bytes to and from the other site's
+    ranks are the WAN's, and nothing else is."""
+    env = {"HETCOMM_SITES": "0,0,1,1", "HETCOMM_LOCAL": "tcp",
+           "HETCOMM_LINK_MBIT": "0,1000,100,100;1000,0,100,100;100,100,0,1000;100,100,1000,0"}
+    results = run_ranks(4, _wan, env=env)
+    for rank, res in enumerate(results):
+        after = res["after"]
+        assert after["sites"] == [0, 0, 1, 1], after
+        other = [p for p in range(4) if p // 2 != rank // 2]
+        assert after["wan_bytes_sent"] == sum(after["bytes_sent"][p] for p in other)
+        assert after["wan_bytes_received"] == sum(after["bytes_received"][p] for p in other)
+        assert after["wan_bytes_sent"] > res["before"]["wan_bytes_sent"], "the allreduce crossed no site boundary"

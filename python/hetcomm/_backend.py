@@ -157,15 +157,28 @@ def stats(group: Optional[dist.ProcessGroup] = None) -> dict:
       hosts), ``nccl`` (reserved for NCCL inside a host; not used yet). ``shared_memory_bytes``:
       bytes this rank copied into its shared-memory slots (these never appear in ``bytes_sent``).
 
+    * ``sites``, ``wan_bytes_sent``, ``wan_bytes_received`` (only when the group spans two or
+      more sites, as its probe or ``HETCOMM_SITES`` found them): the site of every group rank and
+      this rank's bytes to and from ranks of other sites, i.e. what crossed the WAN.
+
     The group's creation may already have moved bytes (``hetcomm.probe`` measuring links, for one).
     A snapshot taken while operations run may hold part of their bytes and not yet their counts.
     """
+    from hetcomm.topology import topology_of
+
     backend = _hetcomm_backend(group, "hetcomm.stats")
     pg = group if group is not None else dist.group.WORLD
     size = backend.size()
     out = {"rank": backend.rank(), "world_size": size,
            "peers": [dist.get_global_rank(pg, i) for i in range(size)]}
     out.update(backend.traffic())
+    topology = topology_of(backend)
+    if topology is not None and len(set(topology.sites)) > 1:
+        sites = list(topology.sites)
+        mine = sites[out["rank"]]
+        out["sites"] = sites
+        out["wan_bytes_sent"] = sum(b for b, s in zip(out["bytes_sent"], sites) if s != mine)
+        out["wan_bytes_received"] = sum(b for b, s in zip(out["bytes_received"], sites) if s != mine)
     return out
 
 

@@ -169,6 +169,27 @@ def install_plan(backend, plan: planner.Plan) -> None:
                               list(sp.site_shares), int(sp.min_bytes), int(sp.segment_bytes), bool(sp.local_inner))
 
 
+# The global ranks of every configured group (by listen address), for job-wide declarations.
+_group_ranks: dict[str, tuple[int, ...]] = {}
+
+
+def declared_sites(backend) -> Optional[str]:
+    """HETCOMM_SITES (one label per global rank of the job) restricted to ``backend``'s group, as
+    text; None when not declared. A declaration with one label per rank of this very group (and
+    not of the job) is accepted as it is."""
+    text = os.environ.get("HETCOMM_SITES", "").strip()
+    if not text:
+        return None
+    items = [item.strip() for item in text.split(",")]
+    ranks = _group_ranks.get(backend.listen_address(), tuple(range(backend.size())))
+    if max(ranks) < len(items):
+        return ",".join(items[r] for r in ranks)
+    if len(items) == backend.size():
+        return text
+    raise ValueError(f"hetcomm: HETCOMM_SITES={text!r} gives {len(items)} site labels, but this group has "
+                     f"global rank {max(ranks)}: give one label per global rank of the job")
+
+
 def group_topology(backend, model: planner.LinkModel) -> sites.Topology:
     """Sites (HETCOMM_SITES, else detected from the model's rates) and hosts (`hetcomm.hosts`).
     A collective: every rank of the group calls it.
@@ -178,7 +199,7 @@ def group_topology(backend, model: planner.LinkModel) -> sites.Topology:
     the address does not tie its ranks into one site."""
     labels = host_labels_of(backend)
     addresses = None if labels is None or len(set(labels)) == 1 else [str(h) for h in labels]
-    return sites.topology_from(rates=model.bw, declared=os.environ.get("HETCOMM_SITES"), addresses=addresses)
+    return sites.topology_from(rates=model.bw, declared=declared_sites(backend), addresses=addresses)
 
 
 def apply_model(backend, model: planner.LinkModel, *, measured: bool = False,
@@ -219,12 +240,12 @@ def probe_backend(backend, ranks: Optional[Sequence[int]] = None) -> planner.Lin
         _log_plan(f"hetcomm probe: declared (HETCOMM_LINK_MBIT) model in {time.perf_counter() - start:.3f} s")
         return model
     labels = host_labels_of(backend) or tuple(range(backend.size()))
-    text = os.environ.get("HETCOMM_SITES", "").strip()
-    declared_sites = sites.parse_sites(text, backend.size()) if text else None
+    text = declared_sites(backend)
+    declared = sites.parse_sites(text, backend.size()) if text else None
     if probe_mode() == "pairs":
-        result = measure_pairs(backend, declared_sites, labels)
+        result = measure_pairs(backend, declared, labels)
     else:
-        result = measure_levels(backend, labels, declared_sites, shared_memory=bool(shared_host_labels(backend)))
+        result = measure_levels(backend, labels, declared, shared_memory=bool(shared_host_labels(backend)))
     model = result.model
     measured_in = time.perf_counter() - start
     _measured.pop(ranks, None)
@@ -274,6 +295,7 @@ def configure_group(backend, global_ranks: Optional[Sequence[int]] = None) -> No
     ranks = tuple(global_ranks) if global_ranks else tuple(range(backend.size()))
     if len(ranks) != backend.size():
         raise ValueError(f"hetcomm: {len(ranks)} global ranks given for a group of {backend.size()}")
+    _group_ranks[backend.listen_address()] = ranks
     start = time.perf_counter()
     labels, host_error = hosts.host_labels(backend, ranks)
     hosts.check_agreement(backend, hosts.settings(labels, host_error))
@@ -291,11 +313,11 @@ def configure_group(backend, global_ranks: Optional[Sequence[int]] = None) -> No
         # No rates, but the hosts are known: the host level with equal pieces (every rank computes
         # the same plan from the same labels; the engine checks that they agree).
         shared = shared_host_labels(backend)
-        declared_sites = os.environ.get("HETCOMM_SITES", "").strip()
-        if declared_sites and shared is not None:
+        declared_text = declared_sites(backend)
+        if declared_text and shared is not None:
             # Sites made of several hosts keep the ring here (no rates to plan a site schedule).
             try:
-                site_labels = sites.topology_from(declared=declared_sites,
+                site_labels = sites.topology_from(declared=declared_text,
                                                   addresses=[str(h) for h in shared]).sites
             except ValueError:  # a declaration for the whole job, not this subgroup: no host level
                 site_labels = None

@@ -451,6 +451,13 @@ class DiLoCo:
         self._exhausted = True
         while not self._stopped:
             self._synchronise()
+        # The totals agreed at a synchronisation predate its own reduction: agree on them once
+        # more, so that `stats` covers the whole run.
+        self._reset_round()
+        table = self._workers.aggregate(exchange_columns(self._column(torch.zeros(0)), group=self._sync_group),
+                                        _AGGREGATE)
+        self._agreed_totals.update({"idle": table[_TOT_IDLE], "sync": table[_TOT_SYNC],
+                                    "bytes": _known(table[_TOT_BYTES]), "wan": _known(table[_TOT_WAN])})
         self._finished = True
         self.close()
 
@@ -520,6 +527,11 @@ class DiLoCo:
             "wan_bytes_per_round": (sum(t["wan"]) / self._settled if known_wan and self._settled else None),
             "compute_fraction": [c / w if w > 0 else 0.0 for c, w in zip(t["compute"], wall)],
         }
+
+    @property
+    def workers(self) -> list[list[int]]:
+        """The group ranks of each worker (one list per worker, in the order of `history`'s columns)."""
+        return [list(m) for m in self._workers.members]
 
     @property
     def worker_group(self) -> dist.ProcessGroup | None:

@@ -94,26 +94,23 @@ def reference_weights(weighting: str, n: list[int], tau: list[int]) -> list[floa
 def reference(weighting: str, world: int, overlap: bool) -> list[list[torch.Tensor]]:
     """Global parameters after each applied outer update, float64, one process.
 
-    With overlap (eager updates, see DiLoCo's doc): round k's update is applied at the end of
-    round k+1, and replica r starts round k+1 at one outer step, on a copy of the outer optimizer,
-    from the newest global parameters with the last reduced pseudo-gradient in which r's own old
-    contribution is replaced by its new one (round 1: its own pseudo-gradient alone)."""
+    With overlap (see DiLoCo's doc): round k's update is applied at the end of round k+1, and
+    replica r starts round k+1 at one outer step, on a copy of the outer optimizer, from the newest
+    global parameters with its own pseudo-gradient."""
     theta = [p.detach().clone() for p in make_model().parameters()]
     glob = [nn.Parameter(t.clone()) for t in theta]
     outer = torch.optim.SGD(glob, lr=0.7, momentum=0.9, nesterov=True)
     replicas = [make_model() for _ in range(world)]
     inner = [torch.optim.SGD(m.parameters(), lr=INNER_LR) for m in replicas]
     starts = [[t.clone() for t in theta] for _ in range(world)]   # where each replica starts a round
-    history, pending, last = [], None, None
+    history, pending = [], None
 
     def apply(deltas, w):
-        reduced = [sum(w[r] * deltas[r][i] for r in range(world)) for i in range(len(glob))]
-        for g, d in zip(glob, reduced):
-            g.grad = d.clone()
+        for i, g in enumerate(glob):
+            g.grad = sum(w[r] * deltas[r][i] for r in range(world))
         outer.step()
         outer.zero_grad()
         history.append([g.detach().clone() for g in glob])
-        return reduced
 
     def one_outer_step_on_a_copy(guess):
         params = [nn.Parameter(g.detach().clone()) for g in glob]
@@ -137,11 +134,8 @@ def reference(weighting: str, world: int, overlap: bool) -> list[list[torch.Tens
         w = reference_weights(weighting, n, tau)
         if overlap:
             if pending is not None:
-                last = (apply(*pending), pending[1], pending[0])          # reduced, weights, own deltas
-            guesses = [deltas[r] if last is None else
-                       [red + last[1][r] * (d - old) for red, d, old in zip(last[0], deltas[r], last[2][r])]
-                       for r in range(world)]
-            starts = [one_outer_step_on_a_copy(guesses[r]) for r in range(world)]
+                apply(*pending)
+            starts = [one_outer_step_on_a_copy(deltas[r]) for r in range(world)]
             pending = (deltas, w)
         else:
             apply(deltas, w)
@@ -434,6 +428,93 @@ def test_workers_of_two_ranks_equal_two_ranks_with_their_whole_batches(overlap):
         per_worker = [b / stats["rounds"] for b in stats["wan_bytes"]]
         for b in per_worker:
             assert model_bytes <= b <= model_bytes + 2000, (per_worker, model_bytes)
+
+
+WORKER_BATCHES = [10, 14, 20, 20]   # worker 0's ranks disagree on how much data there is
+
+
+def train_workers_uneven(rank: int, world: int, policy: str, overlap: bool) -> dict:
+    import hetcomm
+
+    torch.manual_seed(0)
+    net = nn.Linear(6, 1)
+    opt = torch.optim.SGD(net.parameters(), lr=0.05)
+    diloco = hetcomm.DiLoCo(net, opt, local_steps=policy, steps=3, workers=[0, 0, 1, 1], overlap=overlap)
+    g = torch.Generator().manual_seed(rank)
+    loader = [(torch.randn(4, 6, generator=g), torch.randn(4, 1, generator=g)) for _ in range(WORKER_BATCHES[rank])]
+    for x, y in diloco.loop(loader):
+        time.sleep(0.004 if rank < 2 else 0.001)
+        loss = nn.functional.mse_loss(net(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        diloco.step(samples=len(x))
+    return {"rounds": diloco.rounds, "stats": diloco.stats(), "global": [t.clone() for t in diloco.global_parameters()]}
+
+
+@pytest.mark.parametrize("policy,overlap", [("time", False), ("speed", True)])
+def test_a_worker_stops_stepping_when_one_of_its_ranks_runs_out(policy, overlap):
+    per_rank = run_ranks(4, train_workers_uneven, policy, overlap, timeout=240)
+    for res in per_rank:
+        assert res["rounds"] == per_rank[0]["rounds"]
+        for a, b in zip(per_rank[0]["global"], res["global"]):
+            assert torch.equal(a, b)
+    # worker 0 stepped as long as both its ranks had data: 10 steps of 2 x 4 samples
+    assert per_rank[0]["stats"]["samples"] == [10 * 8, 20 * 8], per_rank[0]["stats"]
+
+
+def break_early(rank: int, world: int) -> dict:
+    import hetcomm
+
+    torch.manual_seed(0)
+    net = nn.Linear(3, 1)
+    opt = torch.optim.SGD(net.parameters(), lr=0.05)
+    diloco = hetcomm.DiLoCo(net, opt, local_steps="fixed", steps=2)
+    for i, x in enumerate(diloco.loop(torch.randn(12, 2, 3))):
+        net(x).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+        diloco.step(samples=2)
+        if rank == 1 and i == 4:
+            break                                   # this rank is done early: the others go on
+    second = ""
+    try:
+        next(iter(diloco.loop([1])))
+    except RuntimeError as e:
+        second = str(e)
+    return {"rounds": diloco.rounds, "global": [t.clone() for t in diloco.global_parameters()],
+            "model": [p.detach().clone() for p in net.parameters()], "samples": diloco.stats()["samples"],
+            "second": second}
+
+
+def test_break_counts_as_the_end_of_this_ranks_data_and_a_second_loop_is_refused():
+    per_rank = run_ranks(2, break_early)
+    assert per_rank[0]["rounds"] == per_rank[1]["rounds"] == 6, per_rank
+    assert per_rank[0]["samples"] == [24, 10], per_rank[0]["samples"]
+    for res in per_rank:
+        for a, b, m in zip(per_rank[0]["global"], res["global"], res["model"]):
+            assert torch.equal(a, b) and torch.equal(b, m)
+        assert "one loop" in res["second"], res["second"]
+
+
+def unsynchronised_worker(rank: int, world: int) -> str:
+    import hetcomm
+
+    net = nn.Linear(3, 1)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    diloco = hetcomm.DiLoCo(net, opt, local_steps="fixed", steps=1, workers=[0, 0], inner_sync=False)
+    net(torch.full((2, 3), float(rank + 1))).sum().backward()      # a different batch on each rank
+    opt.step()
+    try:
+        diloco.step()
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+def test_a_worker_whose_ranks_hold_different_replicas_raises_on_every_rank():
+    for message in run_ranks(2, unsynchronised_worker):
+        assert "worker(s) [0] hold different replicas" in message, message
 
 
 def nonfinite(rank: int, world: int) -> str:

@@ -57,11 +57,12 @@ dequantised contributions in fp32 and quantises the sum once, so the error does 
 number of ranks; on a hetcomm group chunk sizes and the all-gather's ring follow the group's plan.
 ``error_feedback=True`` carries the quantisation residual to the next round.
 
-**Overlap** (``overlap=True``): eager updates (Kale et al., 2025), the delay of Streaming DiLoCo
-(Douillard et al., 2025) set to one whole round. The synchronisation of round k (the exchange of
-measurements, the compressed reduction and the outer step) runs on a background thread, over a
-process group of its own, while round k+1's inner steps run; at the end of round k+1 the rank
-waits for it (the only time it can be idle). Derivation:
+**Overlap** (``overlap=True``): the synchronisation of round k (the exchange of measurements,
+the compressed reduction and the outer step) runs on a background thread, over a process group of
+its own, while round k+1's inner steps run; at the end of round k+1 the rank waits for it (the
+only time it can be idle). The delayed update of Streaming DiLoCo (Douillard et al., 2025) taken
+to a whole round, with a start estimate in the spirit of eager updates (Kale et al., 2025).
+Derivation:
 
 * *Which parameters the late update lands on.* Without overlap, round k+1 starts at
   θ^k = Opt(θ^{k-1}, Δ̄^k), with Δ̄^k = Σ_r w_r Δ_r^k. With overlap, when round k ends a rank knows
@@ -69,25 +70,27 @@ waits for it (the only time it can be idle). Derivation:
   still lands on the *global* parameters: θ^k = Opt(θ^{k-1}, Δ̄^k) exactly, in the same order and
   with the same outer optimizer state as without overlap, on every rank alike. Only where the
   replicas compute round k+1 changes.
-* *Where round k+1 starts.* At the eager estimate θ̂_r^k = Opt*(θ^{k-1}, Δ̂_r^k), with Opt* one
-  step of the outer optimizer on a scratch copy of its state (momentum included: with Nesterov
-  momentum 0.9 most of an outer step is momentum, which θ^{k-1} already determines) and
-  Δ̂_r^k = Δ̄^{k-1} + w_r^{k-1} (Δ_r^k − Δ_r^{k-1}): the last reduced pseudo-gradient with this
-  rank's old contribution replaced by its new one (the others' are one round old; in round 1,
-  Δ̂ = Δ_r^1, the rank's own progress as the proxy of the mean). For Nesterov SGD (lr η,
-  momentum μ) the start is off by θ̂_r^k − θ^k = −η (1 + μ) (Δ̂_r^k − Δ̄^k) =
-  η (1 + μ) Σ_{j≠r} w_j (Δ_j^k − Δ_j^{k-1}) when the weights did not change: only the change of
-  the other replicas' pseudo-gradients from one round to the next.
+* *Where round k+1 starts.* At θ̂_r^k = Opt*(θ^{k-1}, Δ_r^k): one step of the outer optimizer,
+  on a scratch copy of its state (momentum included), with the rank's own pseudo-gradient in
+  place of the mean. For SGD with momentum (Nesterov or not) a step is affine in the gradient
+  given the state, so Σ_r w_r θ̂_r^k = Opt(θ^{k-1}, Σ_r w_r Δ_r^k) = θ^k for the round's weights
+  (they sum to 1): the replicas' start points are off only by their own deviation from the mean,
+  θ̂_r^k − θ^k = −η (1 + μ) (Δ_r^k − Δ̄^k) for Nesterov (lr η, momentum μ), and these offsets
+  average out in the next reduction to first order. Estimates that carry older information do
+  not: with the last reduced pseudo-gradient (alone, or with the rank's own contribution
+  swapped in, Kale et al.'s eager mixture), or with no gradient (momentum only), or restarting
+  from θ^{k-1} (the naive delay), every replica is off by a common error that feeds back one round
+  late into the momentum, and the run diverged: measured on the example (4 ranks, `fixed`, H = 8,
+  6144 samples, 2 seeds) held-out losses 4.9-5.4, 8.9-12.2, 10.6-17.7 and 12.6-12.7 against
+  1.65-1.79 synchronously; the own-pseudo-gradient start gave 1.68-1.73. (The previous version,
+  θ^{k-1} − Δ_r^k, is the own-gradient start with learning rate 1 and no momentum: common error
+  again, and it diverged the same way.)
 * *How local progress is kept.* Round k+1's pseudo-gradient is measured from where the replica
   started it, Δ_r^{k+1} = θ̂_r^k − θ_r^{k+1}, and enters the global parameters only through
-  θ^{k+1} = Opt(θ^k, Δ̄^{k+1}): no progress is counted twice or lost. (The previous version
-  restarted replicas from θ^{k-1} − Δ_r^k: its own progress at learning rate 1 and no momentum,
-  far from θ^k, so round k+1's progress was computed at parameters about one momentum-amplified
-  outer step stale, and the run diverged.)
-* *Momentum and outer learning rate.* Unchanged: the global iteration is the synchronous one,
-  whose pseudo-gradients are computed at an estimate of θ^k instead of θ^k itself, and the error
-  shrinks with the rounds' change, not with the step size. `benchmarks/diloco_sim.py` measures
-  the loss with and without overlap side by side.
+  θ^{k+1} = Opt(θ^k, Δ̄^{k+1}): no progress is counted twice or lost.
+* *Momentum and outer learning rate.* Unchanged: the global iteration is the synchronous one, whose
+  pseudo-gradients are computed at starting points that scatter around θ^k, not lag behind it.
+  `benchmarks/diloco_sim.py` measures the loss with and without overlap side by side.
 
 The step policy's decisions lag one more round. `finish` (and the end of `loop`) waits for the
 last background synchronisation and runs the last round's synchronously, so the final θ includes
@@ -125,7 +128,7 @@ import torch.distributed as dist
 
 from hetcomm import compress as _compress
 from hetcomm.train.local_steps import FixedSteps, LocalStepPolicy, SpeedSteps, StepTimes, make_policy
-from hetcomm.train.workers import Workers, resolve_labels
+from hetcomm.train.workers import Workers, resolve_labels, resolve_members
 from hetcomm.train.partition import exchange_columns
 
 __all__ = ["DiLoCo", "WEIGHTINGS", "outer_weights", "default_outer_optimizer"]
@@ -136,11 +139,12 @@ WEIGHTINGS = ("batch", "samples", "uniform", "normalized")
 # Rows of the table exchanged at every synchronisation (one column per rank, exact and identical
 # on every rank: `hetcomm.partition.exchange_columns`).
 (_STEPS, _SAMPLES, _COMPUTE, _LOSS_SUM, _LOSS_N, _FINITE, _TOT_IDLE, _TOT_SYNC, _TOT_BYTES,
- _DONE, _ELAPSED, _MAX_ROUNDS, _MAX_SAMPLES, _MAX_SECONDS, _TOT_WAN) = range(15)
-_ROWS = 15
+ _DONE, _ELAPSED, _MAX_ROUNDS, _MAX_SAMPLES, _MAX_SECONDS, _TOT_WAN, _REPLICA) = range(16)
+_ROWS = 16
 # How a worker of several ranks sums up its ranks' columns (`hetcomm.train.workers`): its ranks
 # step together, so steps and seconds are its slowest rank's; samples, losses and bytes add up.
-_AGGREGATE = ("max", "sum", "max", "sum", "sum", "min", "max", "max", "sum", "min", "max", "max", "max", "max", "sum")
+_AGGREGATE = ("max", "sum", "max", "sum", "sum", "min", "max", "max", "sum", "min", "max", "max", "max", "max", "sum",
+              "max")
 _BUDGETS = {"max_rounds": _MAX_ROUNDS, "max_samples": _MAX_SAMPLES, "max_seconds": _MAX_SECONDS}
 
 
@@ -267,6 +271,10 @@ class DiLoCo:
                 raise ValueError(f"{_PREFIX}: the inner optimizer steps {stray} tensors that are not parameters "
                                  "of the model (pass the optimizer of this model)")
         self.inner_optimizer = inner_optimizer
+        if inner_sync and inner_optimizer is None and len(set(self._labels)) < self._world:
+            raise ValueError(f"{_PREFIX}: workers of several ranks ({resolve_members(self._labels)}): pass the inner "
+                             "optimizer (its gradients are averaged over the worker before each step), or "
+                             "inner_sync=False with DDP over diloco.worker_group")
         factory = outer_optimizer or default_outer_optimizer
         if isinstance(factory, torch.optim.Optimizer) or not callable(factory):
             raise TypeError(f"{_PREFIX}: outer_optimizer must be a callable params -> Optimizer "
@@ -292,15 +300,14 @@ class DiLoCo:
         if self.overlap:
             ranks = dist.get_process_group_ranks(group) if group is not None else list(range(self._world))
             backend = dist.get_backend(group)
-            self._sync_group = dist.new_group(ranks, backend=backend, use_local_synchronization=True)
+            # Named by torch's group counter when every rank of the job calls this (a hashed name
+            # depends on how many groups each rank has seen, which may differ across ranks).
+            whole = len(ranks) == dist.get_world_size()
+            self._sync_group = dist.new_group(ranks, backend=backend, use_local_synchronization=not whole)
             self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="hetcomm-diloco")
         self._workers = Workers(self._labels, group, worker_backend=worker_backend, background=self.overlap)
         self._hook = None
         if self._workers.size > 1 and inner_sync:
-            if inner_optimizer is None:
-                raise ValueError(f"{_PREFIX}: this rank's worker has {self._workers.size} ranks: pass the inner "
-                                 "optimizer (its gradients are averaged over the worker before each step), or "
-                                 "inner_sync=False with DDP over diloco.worker_group")
             params = [p for p in model.parameters() if p.requires_grad]
             self._hook = inner_optimizer.register_step_pre_hook(
                 lambda *_: self._workers.average_gradients(params))
@@ -313,8 +320,8 @@ class DiLoCo:
         self._reset_round()
         self._own_step: float | None = None
         self._totals = {"idle": 0.0, "sync": 0.0}
-        self._bytes0 = _hetcomm_bytes_sent(self._sync_group)
-        self._wan0 = self._workers.inter_worker_bytes([self._sync_group, self._workers.cross_group])
+        self._bytes0 = self._bytes_sent()
+        self._wan0 = self._workers.inter_worker_bytes(self._outer_groups())
         self._agreed_totals: dict[str, list[float]] = {}
         self._history: list[dict] = []
         self._settled = 0
@@ -326,10 +333,6 @@ class DiLoCo:
         self._stop_reason: str | None = None
         self._budgets = {k: 0.0 for k in _BUDGETS}
         self._step_calls = 0
-        # eager updates (overlap): this rank's last pseudo-gradient and weight, the last reduced one
-        self._last_own: torch.Tensor | None = None
-        self._last_weight: float | None = None
-        self._last_reduced: torch.Tensor | None = None
         self._t0 = self._clock()
         self._policy.start_round(self._clock())
         self._mark = self._clock()
@@ -371,7 +374,7 @@ class DiLoCo:
             samples: samples in the step's batch (default: 1, i.e. weighting by steps).
             loss: the step's mean loss, averaged per round into `history` (optional).
         """
-        if self._finished or self._stopped or self._exhausted:
+        if self._finished or self._stopped or self._exhausted or self._closed:
             raise RuntimeError(f"{_PREFIX}: step() after the run stopped or this rank called finish() "
                                f"({self._stop_reason or 'finish'})")
         now = self._clock()
@@ -404,7 +407,10 @@ class DiLoCo:
         taken ``max_steps`` steps (a budget of this rank only), the rank takes part in the
         following synchronisations without steps until every rank is out; ``max_rounds``,
         ``max_samples`` (all ranks together) and ``max_seconds`` (since construction, the slowest
-        rank's clock) end the run for everyone at the first synchronisation that reaches them.
+        rank's clock) end the run for everyone at the first synchronisation that reaches them
+        (with overlap, whose agreement on a round lands one round later, after the next round).
+        Leaving the loop with ``break`` counts as this rank's data ending. With workers of
+        several ranks, a worker stops stepping when any of its ranks has no batch left.
         Budgets of the run must be the same on every rank (a mismatch raises on every rank, at
         the first synchronisation). Every rank leaves at the same round boundary, whatever the
         policy; afterwards the model holds the global parameters and `stop_reason` says why.
@@ -413,6 +419,9 @@ class DiLoCo:
                             ("max_steps", max_steps)):
             if value is not None and not (value > 0 and math.isfinite(value)):
                 raise ValueError(f"{_PREFIX}: {name} must be > 0, got {value!r}")
+        if self._finished or self._closed or self._stopped:
+            raise RuntimeError(f"{_PREFIX}: loop() after the run ended ({self._stop_reason or 'closed'}): one DiLoCo "
+                               "object runs one loop; chain the epochs into one iterable")
         self._budgets = {"max_rounds": float(max_rounds or 0), "max_samples": float(max_samples or 0),
                          "max_seconds": float(max_seconds or 0)}
         taken = 0
@@ -420,11 +429,21 @@ class DiLoCo:
         try:
             while not self._stopped and (max_steps is None or taken < max_steps):
                 try:
-                    item = next(iterator)
+                    item, have = next(iterator), True
                 except StopIteration:
+                    item, have = None, False
+                if self._workers.size > 1:
+                    have = self._workers.all_have(have)   # a worker's ranks stop stepping together
+                if not have:
                     break
                 calls = self._step_calls
-                yield item
+                try:
+                    yield item
+                except GeneratorExit:
+                    # `break` out of the loop: this rank is done, as if its data had ended (every
+                    # rank that breaks drains with the others; the last round is synchronised).
+                    self.finish()
+                    raise
                 if self._step_calls != calls + 1:
                     raise RuntimeError(f"{_PREFIX}: the body of diloco.loop() must call diloco.step() exactly once "
                                        f"per batch (it called it {self._step_calls - calls} times)")
@@ -449,6 +468,15 @@ class DiLoCo:
         if self._closed:
             raise RuntimeError(f"{_PREFIX}: finish() after close()")
         self._exhausted = True
+        try:
+            self._drain()
+        except BaseException:
+            self.close()
+            raise
+        self._finished = True
+        self.close()
+
+    def _drain(self) -> None:
         while not self._stopped:
             self._synchronise()
         # The totals agreed at a synchronisation predate its own reduction: agree on them once
@@ -458,8 +486,6 @@ class DiLoCo:
                                         _AGGREGATE)
         self._agreed_totals.update({"idle": table[_TOT_IDLE], "sync": table[_TOT_SYNC],
                                     "bytes": _known(table[_TOT_BYTES]), "wan": _known(table[_TOT_WAN])})
-        self._finished = True
-        self.close()
 
     def close(self) -> None:
         """Releases the background thread and the overlap's process group, without communicating
@@ -559,14 +585,24 @@ class DiLoCo:
         col[_STEPS], col[_SAMPLES], col[_COMPUTE] = self._r_steps, self._r_samples, self._r_compute
         col[_LOSS_SUM], col[_LOSS_N], col[_FINITE] = self._r_loss, self._r_loss_n, finite
         col[_TOT_IDLE], col[_TOT_SYNC] = self._totals["idle"], self._totals["sync"]
-        sent = _hetcomm_bytes_sent(self._sync_group)
-        col[_TOT_BYTES] = sent - self._bytes0
-        col[_TOT_WAN] = self._workers.inter_worker_bytes([self._sync_group, self._workers.cross_group]) - self._wan0
+        col[_TOT_BYTES] = self._bytes_sent() - self._bytes0
+        col[_TOT_WAN] = self._workers.inter_worker_bytes(self._outer_groups()) - self._wan0
+        col[_REPLICA] = float(delta.double().sum()) if delta.numel() else 0.0
         col[_DONE] = 1.0 if self._exhausted else 0.0
         col[_ELAPSED] = self._clock() - self._t0
         for name, row in _BUDGETS.items():
             col[row] = self._budgets[name]
         return col
+
+    def _outer_groups(self) -> list:
+        """The groups DiLoCo's synchronisation uses (the default group as None)."""
+        groups = [self._sync_group]
+        if not self._workers.single:
+            groups += [self._workers.cross_group, self._workers.gather_group]
+        return list({id(g): g for g in groups}.values())
+
+    def _bytes_sent(self) -> float:
+        return math.fsum(_hetcomm_bytes_sent(g) for g in self._outer_groups())
 
     def _synchronise(self) -> None:
         progress = self._start - self._flatten_model()       # Δ_r in the master precision
@@ -585,10 +621,9 @@ class DiLoCo:
             self._start = self._flatten_global()
             self._policy.start_round(self._clock())
         else:
-            # Eager update: the next round starts at Opt*(θ^{k-1}, Δ̂_r^k) (see the module doc),
-            # computed before the background thread takes the outer optimizer.
-            estimate = self._eager_estimate(progress)
-            self._last_own = progress
+            # The next round starts at Opt*(θ^{k-1}, Δ_r^k) (see the module doc), computed before
+            # the background thread takes the outer optimizer.
+            estimate = self._start_estimate(progress)
             self._pending = self._executor.submit(self._exchange_and_reduce, column, delta, timed=False, plan=plan)
             self._load_flat(estimate)
             self._start = estimate
@@ -599,15 +634,11 @@ class DiLoCo:
         self._reset_round()
 
     @torch.no_grad()
-    def _eager_estimate(self, progress: torch.Tensor) -> torch.Tensor:
-        """Opt*(θ^{k-1}, Δ̂_r^k): one outer step on a scratch copy of the outer optimizer's state."""
-        if self._last_reduced is None or self._last_own is None:
-            guess = progress
-        else:
-            guess = self._last_reduced + self._last_weight * (progress - self._last_own)
+    def _start_estimate(self, progress: torch.Tensor) -> torch.Tensor:
+        """Opt*(θ^{k-1}, Δ_r^k): one outer step on a scratch copy of the outer optimizer's state."""
         saved_state = copy.deepcopy(self.outer_optimizer.state_dict())
         saved = [g.detach().clone() for g in self._global]
-        for g, piece in zip(self._global, self._split(guess)):
+        for g, piece in zip(self._global, self._split(progress)):
             g.grad = piece.view(g.shape).to(g.dtype)
         self.outer_optimizer.step()
         self.outer_optimizer.zero_grad(set_to_none=True)
@@ -621,13 +652,11 @@ class DiLoCo:
         start = self._clock()
         future, self._pending = self._pending, None
         try:
-            table, reduced, weights = future.result()
+            table = future.result()[0]
         finally:
             end = self._clock()
             self._totals["idle"] += end - start
             self._timeline.append(("idle", start, end))
-        self._last_reduced = reduced if reduced is not None else torch.zeros_like(self._start)
-        self._last_weight = weights[self._col]
         self._after_agreement(table)
 
     def _exchange_and_reduce(self, column: list[float], delta: torch.Tensor, *, timed: bool,
@@ -648,6 +677,11 @@ class DiLoCo:
             if len(set(ranks[row])) > 1:
                 raise ValueError(f"{_PREFIX}: the ranks passed different {name} to loop(): "
                                  f"{dict(enumerate(ranks[row]))} (0 = none); every rank must pass the same")
+        split = self._workers.diverged(ranks[_REPLICA], ranks[_STEPS])
+        if split:
+            raise ValueError(f"{_PREFIX}: round {round_index}: the ranks of worker(s) {split} hold different replicas "
+                             "(different steps or pseudo-gradients): a worker's ranks must step together on the same "
+                             "replica (inner_sync=True, or DDP over diloco.worker_group)")
         table = self._workers.aggregate(ranks, _AGGREGATE)
         any_steps = any(s > 0 for s in table[_STEPS])
         weights = outer_weights(self.weighting, table[_SAMPLES], table[_STEPS])
@@ -673,6 +707,7 @@ class DiLoCo:
 
     def _after_agreement(self, table: list[list[float]]) -> None:
         self._times.update(table[_COMPUTE], table[_STEPS])
+        self._times.retire([d > 0 for d in table[_DONE]])
         self._policy.agreed(self._times)
         self._agreed_totals = {
             "compute": [0.0] * self._nworkers, "idle": table[_TOT_IDLE], "sync": table[_TOT_SYNC],

@@ -78,6 +78,13 @@ class StepTimes:
             self._t[r] = t if self._windows[r] < 2 else (1.0 - self.ema) * old + self.ema * t
             self._windows[r] += 1
 
+    def retire(self, done: Sequence[bool]) -> None:
+        """Ranks that take no more steps (out of data) count as measured: a policy waiting for
+        every rank's measurements must not wait for theirs."""
+        for r, d in enumerate(done):
+            if d:
+                self._windows[r] = max(self._windows[r], 2)
+
     @property
     def windows(self) -> list[int]:
         """How many windows with steps each rank has had agreed."""

@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 from hetcomm import compress as _compress
 
-__all__ = ["Workers", "labels_from_sites", "resolve_labels"]
+__all__ = ["Workers", "labels_from_sites", "resolve_labels", "resolve_members"]
 
 _PREFIX = "hetcomm DiLoCo workers"
 
@@ -50,9 +50,13 @@ def labels_from_sites(group: dist.ProcessGroup | None) -> list[int] | None:
         topology = topology_of(backend_of(group))
     except (RuntimeError, ValueError, ImportError, AttributeError):
         return None
-    if topology is None or len(set(topology.sites)) < 2:
-        return None
-    return list(topology.sites)
+    if topology is not None:
+        sites = list(topology.sites)
+    else:                          # no plan (HETCOMM_PROBE=0, one host): the declaration alone
+        from hetcomm.topology import declared_sites
+        text = declared_sites(backend_of(group))
+        sites = [item.strip() for item in text.split(",")] if text else []
+    return sites if len(set(sites)) >= 2 else None
 
 
 def resolve_labels(workers, group: dist.ProcessGroup | None, world: int) -> list[int]:
@@ -65,6 +69,10 @@ def resolve_labels(workers, group: dist.ProcessGroup | None, world: int) -> list
         labels: Sequence = range(world)
     elif workers == "sites":
         labels = labels_from_sites(group) or range(world)
+        if len(set(labels)) < world and world != dist.get_world_size():
+            # workers of several ranks need every rank of the job (new_group); a subgroup keeps
+            # one worker per rank by default, and says so when asked for sites explicitly
+            labels = range(world)
     elif isinstance(workers, str):
         raise ValueError(f"{_PREFIX}: workers must be 'sites', 'ranks' or one label per rank, got {workers!r}")
     else:
@@ -73,6 +81,11 @@ def resolve_labels(workers, group: dist.ProcessGroup | None, world: int) -> list
             raise ValueError(f"{_PREFIX}: workers has {len(labels)} labels for a group of {world} ranks")
     first: dict = {}
     return [first.setdefault(label, len(first)) for label in labels]
+
+
+def resolve_members(labels: Sequence[int]) -> list[list[int]]:
+    """The ranks of each worker, from renumbered labels."""
+    return [[r for r, w in enumerate(labels) if w == k] for k in range(max(labels) + 1)]
 
 
 def _shard_bounds(n: int, shards: int) -> list[int]:
@@ -98,13 +111,14 @@ class Workers:
         self.count = max(self.labels) + 1
         rank = dist.get_rank(group)
         self.index = self.labels[rank]                                  # this rank's worker
-        self.members = [[r for r, w in enumerate(self.labels) if w == k] for k in range(self.count)]
+        self.members = resolve_members(self.labels)
         self.local_rank = self.members[self.index].index(rank)
         self.size = len(self.members[self.index])
         self.shards = min(len(m) for m in self.members)
         self.single = all(len(m) == 1 for m in self.members)
         self.worker_group: dist.ProcessGroup | None = None
         self.gather_group: dist.ProcessGroup | None = None
+        self.agree_group: dist.ProcessGroup | None = None
         self.cross_group: dist.ProcessGroup | None = None
         self._cross_workers: list[int] = []                             # worker of each cross-group rank
         self._owned: list[dist.ProcessGroup] = []
@@ -125,17 +139,25 @@ class Workers:
                 self._owned.append(g)
             return g if mine else None
 
-        for k, members in enumerate(self.members):
+        for members in self.members:
             g = make([glob[r] for r in members], worker_backend)
             if g is not None:
                 self.worker_group = g
+        # DiLoCo's own collectives inside the worker move CPU tensors: on the DiLoCo group's
+        # backend (a worker_backend such as nccl is for the user's DDP and the gradient hook).
+        # `agree_group` serves the training loop's thread, `gather_group` the synchronisation's.
+        self.agree_group = self.worker_group
+        if worker_backend != backend:
+            for members in self.members:
+                g = make([glob[r] for r in members], backend)
+                if g is not None:
+                    self.agree_group = g
+        self.gather_group = self.agree_group
         if background:
-            for k, members in enumerate(self.members):
-                g = make([glob[r] for r in members], worker_backend)
+            for members in self.members:
+                g = make([glob[r] for r in members], backend)
                 if g is not None:
                     self.gather_group = g
-        else:
-            self.gather_group = self.worker_group
         for i in range(self.shards):
             ranks = [glob[m[i]] for m in self.members]
             g = make(ranks, backend)
@@ -195,15 +217,28 @@ class Workers:
             piece = flat[offset:offset + g.numel()].view_as(g)
             offset += g.numel()
             if p.grad is None:
-                p.grad = piece.clone()
+                p.grad = piece.to(p.dtype).clone()
             else:
                 p.grad.copy_(piece)
 
     def agree(self, over: bool) -> bool:
         """True if any rank of the worker says so (its ranks must end a round together)."""
         flag = torch.tensor([1.0 if over else 0.0])
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.worker_group)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.agree_group)
         return bool(flag.item() > 0)
+
+    def all_have(self, have: bool) -> bool:
+        """True if every rank of the worker has a batch for the next step."""
+        flag = torch.tensor([1.0 if have else 0.0])
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.agree_group)
+        return bool(flag.item() > 0)
+
+    def diverged(self, fingerprints: Sequence[float], steps: Sequence[float]) -> list[int]:
+        """Workers whose ranks reported different steps or pseudo-gradient sums (agreed rows)."""
+        if self.single:
+            return []
+        return [k for k, members in enumerate(self.members)
+                if len({fingerprints[r] for r in members}) > 1 or len({steps[r] for r in members}) > 1]
 
     def inter_worker_bytes(self, groups: Sequence[dist.ProcessGroup | None]) -> float:
         """This rank's bytes sent to ranks of other workers on ``groups`` (hetcomm groups only; NaN
@@ -213,8 +248,7 @@ class Workers:
         total, known = 0.0, False
         mine = self.labels[self.global_ranks.index(dist.get_rank())]
         for g in groups:
-            if g is None:
-                continue
+            g = dist.group.WORLD if g is None else g
             try:
                 if dist.get_backend(g) != "hetcomm":
                     continue

@@ -48,6 +48,7 @@ CONFIGS = {
     "time-int8-overlap": ["--local-steps", "time", "--compress", "int8", "--overlap"],
     "time-int8": ["--local-steps", "time", "--compress", "int8"],
     "fixed-overlap": ["--local-steps", "fixed", "--overlap"],
+    "fixed-int8-overlap": ["--local-steps", "fixed", "--compress", "int8", "--overlap"],
     # workers: hetcomm's sites (data parallel inside each) against every rank a worker
     "sites-time-int8-overlap": ["--local-steps", "time", "--compress", "int8", "--overlap", "--workers", "sites"],
     "flat-time-int8-overlap": ["--local-steps", "time", "--compress", "int8", "--overlap", "--workers", "ranks"],
@@ -60,7 +61,7 @@ CONFIGS = {
     "time-normalized": ["--local-steps", "time", "--weighting", "normalized"],
 }
 DEFAULT_CONFIGS = ["fixed", "speed", "time", "time-int8-overlap", "fixed-int8", "speed-samples", "time-samples"]
-PLOTTED = ["fixed", "fixed-overlap", "speed", "time", "time-int8", "time-int8-overlap", "flat-time-int8-overlap",
+PLOTTED = ["fixed", "fixed-overlap", "fixed-int8", "fixed-int8-overlap", "speed", "time", "time-int8", "time-int8-overlap", "flat-time-int8-overlap",
            "sites-time-int8-overlap"]
 
 
@@ -210,7 +211,7 @@ def main(argv=None) -> int:
             ratios["bytes_per_round_fp32_over_int8"] = (base["bytes_sent_per_round"]
                                                         / figures["fixed-int8"]["bytes_sent_per_round"])
     # overlap against none, sites against flat workers: mean final loss over the repeats (seeds)
-    for a, b in (("time-int8-overlap", "time-int8"), ("fixed-overlap", "fixed"),
+    for a, b in (("time-int8-overlap", "time-int8"), ("fixed-overlap", "fixed"), ("fixed-int8-overlap", "fixed-int8"),
                  ("sites-time-int8-overlap", "flat-time-int8-overlap")):
         if a in figures and b in figures:
             ratios[f"mean_final_loss_{a}_over_{b}"] = (statistics.mean(figures[a]["final_loss_each"])

@@ -340,12 +340,12 @@ def train_budget(rank: int, world: int, overlap: bool, budgets: dict) -> dict:
 def test_a_budget_of_the_run_stops_every_rank_at_the_same_round(overlap):
     per_rank = run_ranks(2, train_budget, overlap, [{"max_samples": 30}] * 2)
     assert per_rank[0] == per_rank[1], per_rank
-    # 2 + 3 steps of 2 samples a round: 10 samples a round, so 3 rounds reach 30 (and overlap,
-    # which learns it one round later, synchronises that round too).
-    assert per_rank[0]["rounds"] == (4 if overlap else 3), per_rank
+    # 2 + 3 steps of 2 samples a round: 10 samples a round, so 3 rounds reach 30 (with overlap,
+    # which learns a round's totals one round later, from the previous round's: a fixed schedule).
+    assert per_rank[0]["rounds"] == 3, per_rank
     assert per_rank[0]["reason"].startswith("max_samples"), per_rank
     per_rank = run_ranks(2, train_budget, overlap, [{"max_rounds": 2}] * 2)
-    assert per_rank[0] == per_rank[1] and per_rank[0]["rounds"] == (3 if overlap else 2), per_rank
+    assert per_rank[0] == per_rank[1] and per_rank[0]["rounds"] == 2, per_rank
 
 
 def test_budgets_that_differ_across_ranks_raise_on_every_rank():

@@ -7,11 +7,13 @@
 * `adaptive`: `AdaptiveDataParallel` = DDP + `hooks` + `partition` + `data`, re-partitioned from
   timed steps.
 * `local_steps`: how many local steps each rank takes per DiLoCo round (fixed, by speed, by time).
-* `diloco`: `DiLoCo` = `local_steps` + the compressed all-reduce of `hetcomm.compress` (a
-  collective, kept at the top level) for the outer synchronisation.
+* `workers`: DiLoCo workers of several ranks (a site): their process groups, the table per worker
+  and the outer reduction spread over a worker's ranks.
+* `diloco`: `DiLoCo` = `local_steps` + `workers` + the compressed all-reduce of
+  `hetcomm.compress` (a collective, kept at the top level) for the outer synchronisation.
 
 The public names are at the top level (`hetcomm.AdaptiveDataParallel`, `hetcomm.DiLoCo`) and the
 modules keep their old names as well: ``hetcomm.hooks is hetcomm.train.hooks`` (see
 ``hetcomm/__init__.py``). Dependencies go one way: data -> partition; adaptive -> hooks, data,
-partition; diloco -> local_steps, partition, hetcomm.compress.
+partition; diloco -> local_steps, workers, partition, hetcomm.compress; workers -> hetcomm.compress.
 """

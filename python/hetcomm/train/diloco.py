@@ -334,6 +334,7 @@ class DiLoCo:
         self._budgets = {k: 0.0 for k in _BUDGETS}
         self._step_calls = 0
         self._t0 = self._clock()
+        self._last_elapsed = 0.0
         self._policy.start_round(self._clock())
         self._mark = self._clock()
 
@@ -408,7 +409,8 @@ class DiLoCo:
         following synchronisations without steps until every rank is out; ``max_rounds``,
         ``max_samples`` (all ranks together) and ``max_seconds`` (since construction, the slowest
         rank's clock) end the run for everyone at the first synchronisation that reaches them
-        (with overlap, whose agreement on a round lands one round later, after the next round).
+        (with overlap the agreement on a round lands one round later: the budget then counts the
+        round that is ending as the one before it, exact for a fixed schedule).
         Leaving the loop with ``break`` counts as this rank's data ending. With workers of
         several ranks, a worker stops stepping when any of its ranks has no batch left.
         Budgets of the run must be the same on every rank (a mismatch raises on every rank, at
@@ -427,11 +429,13 @@ class DiLoCo:
         taken = 0
         iterator = iter(batches)
         try:
-            while not self._stopped and (max_steps is None or taken < max_steps):
-                try:
-                    item, have = next(iterator), True
-                except StopIteration:
-                    item, have = None, False
+            while not self._stopped:
+                item, have = None, max_steps is None or taken < max_steps
+                if have:
+                    try:
+                        item = next(iterator)
+                    except StopIteration:
+                        have = False
                 if self._workers.size > 1:
                     have = self._workers.all_have(have)   # a worker's ranks stop stepping together
                 if not have:
@@ -657,7 +661,7 @@ class DiLoCo:
             end = self._clock()
             self._totals["idle"] += end - start
             self._timeline.append(("idle", start, end))
-        self._after_agreement(table)
+        self._after_agreement(table, ahead=True)
 
     def _exchange_and_reduce(self, column: list[float], delta: torch.Tensor, *, timed: bool,
                              plan: dict) -> tuple[list[list[float]], torch.Tensor | None, list[float]]:
@@ -705,7 +709,7 @@ class DiLoCo:
             self._record(table, weights, round_index, plan)
         return table, reduced, weights
 
-    def _after_agreement(self, table: list[list[float]]) -> None:
+    def _after_agreement(self, table: list[list[float]], ahead: bool = False) -> None:
         self._times.update(table[_COMPUTE], table[_STEPS])
         self._times.retire([d > 0 for d in table[_DONE]])
         self._policy.agreed(self._times)
@@ -719,21 +723,30 @@ class DiLoCo:
             for key, row in (("compute", "compute_seconds"), ("samples", "samples"), ("steps", "steps")):
                 self._agreed_totals[key] = [a + b for a, b in zip(self._agreed_totals[key], rec[row])]
         if not self._stopped:
-            self._stop_reason = self._stop_decision(table)
+            self._stop_reason = self._stop_decision(table, ahead)
             self._stopped = self._stop_reason is not None
+        self._last_elapsed = max(table[_ELAPSED])
 
-    def _stop_decision(self, table: list[list[float]]) -> str | None:
-        """Why every rank stops after this agreement (None: go on); a function of agreed values only."""
+    def _stop_decision(self, table: list[list[float]], ahead: bool) -> str | None:
+        """Why every rank stops after this agreement (None: go on); a function of agreed values only.
+
+        ``ahead`` (overlap): the table is the previous round's, and stopping now still synchronises
+        the round that is ending: its budgets count that round too, predicted as the previous one
+        (exact for a fixed schedule; a run whose rounds grow may stop one round late)."""
         if all(d > 0 for d in table[_DONE]):
             return "every rank is out of data (or called finish)"
-        rounds, samples = self._settled, sum(self._agreed_totals["samples"])
+        rounds, samples, elapsed = self._settled, sum(self._agreed_totals["samples"]), max(table[_ELAPSED])
+        if ahead:
+            rounds += 1
+            samples += sum(table[_SAMPLES])
+            elapsed += max(0.0, elapsed - self._last_elapsed)
         limit = {name: table[row][0] for name, row in _BUDGETS.items()}
         if limit["max_rounds"] and rounds >= limit["max_rounds"]:
             return f"max_rounds: {rounds} rounds"
         if limit["max_samples"] and samples >= limit["max_samples"]:
             return f"max_samples: {samples:.0f} samples"
-        if limit["max_seconds"] and max(table[_ELAPSED]) >= limit["max_seconds"]:
-            return f"max_seconds: {max(table[_ELAPSED]):.1f} s"
+        if limit["max_seconds"] and elapsed >= limit["max_seconds"]:
+            return f"max_seconds: {elapsed:.1f} s"
         return None
 
     def _record(self, table: list[list[float]], weights: list[float], round_index: int, plan: dict) -> None:

@@ -52,6 +52,8 @@ CONFIGS = {
     # workers: hetcomm's sites (data parallel inside each) against every rank a worker
     "sites-time-int8-overlap": ["--local-steps", "time", "--compress", "int8", "--overlap", "--workers", "sites"],
     "flat-time-int8-overlap": ["--local-steps", "time", "--compress", "int8", "--overlap", "--workers", "ranks"],
+    "sites-time-int8": ["--local-steps", "time", "--compress", "int8", "--workers", "sites"],
+    "flat-time-int8": ["--local-steps", "time", "--compress", "int8", "--workers", "ranks"],
     "fixed-int8": ["--local-steps", "fixed", "--compress", "int8"],
     "speed-samples": ["--local-steps", "speed", "--weighting", "samples"],
     "time-samples": ["--local-steps", "time", "--weighting", "samples"],
@@ -212,7 +214,7 @@ def main(argv=None) -> int:
                                                         / figures["fixed-int8"]["bytes_sent_per_round"])
     # overlap against none, sites against flat workers: mean final loss over the repeats (seeds)
     for a, b in (("time-int8-overlap", "time-int8"), ("fixed-overlap", "fixed"), ("fixed-int8-overlap", "fixed-int8"),
-                 ("sites-time-int8-overlap", "flat-time-int8-overlap")):
+                 ("sites-time-int8-overlap", "flat-time-int8-overlap"), ("sites-time-int8", "flat-time-int8")):
         if a in figures and b in figures:
             ratios[f"mean_final_loss_{a}_over_{b}"] = (statistics.mean(figures[a]["final_loss_each"])
                                                        / statistics.mean(figures[b]["final_loss_each"]))

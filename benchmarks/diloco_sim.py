@@ -11,7 +11,10 @@ uses seed i (model, corpus, data order) in every configuration, so configuration
 Configurations (example flags; the default weighting ``batch`` unless named): ``fixed`` (H steps
 everywhere, fp32: the published recipes), ``speed``, ``time``, ``time-int8-overlap``,
 ``fixed-int8`` (bytes against ``fixed``), and ``speed-samples`` / ``time-samples`` (the outer
-update weighted by samples processed); ``--configs`` also knows ``*-uniform`` and ``*-normalized``. Reported per
+update weighted by samples processed); ``--configs`` also knows ``*-uniform`` and ``*-normalized``,
+``sites-*`` / ``flat-*`` (workers from hetcomm's sites against a worker per rank) and
+``fixed-overlap-after{4,8,12}`` / ``fixed-overlap-end`` (the late update moves the replicas after
+that many steps of the next round, or never mid-round: deterministic). Reported per
 configuration (medians over repeats): samples/s, total idle seconds at synchronisation, compute
 utilisation (compute seconds / (ranks x wall seconds)), final held-out loss, bytes sent per round,
 and for runs without overlap the fraction of a round spent synchronising. Ratios: idle reduction
@@ -49,6 +52,12 @@ CONFIGS = {
     "time-int8": ["--local-steps", "time", "--compress", "int8"],
     "fixed-overlap": ["--local-steps", "fixed", "--overlap"],
     "fixed-int8-overlap": ["--local-steps", "fixed", "--compress", "int8", "--overlap"],
+    # overlap whose late update moves the replicas after a set number of steps (deterministic
+    # with `fixed`); -end: only at the round's end (the replicas never move mid-round)
+    "fixed-overlap-after4": ["--local-steps", "fixed", "--overlap", "--overlap-steps", "4"],
+    "fixed-overlap-after8": ["--local-steps", "fixed", "--overlap", "--overlap-steps", "8"],
+    "fixed-overlap-after12": ["--local-steps", "fixed", "--overlap", "--overlap-steps", "12"],
+    "fixed-overlap-end": ["--local-steps", "fixed", "--overlap", "--overlap-steps", "1000000"],
     # workers: hetcomm's sites (data parallel inside each) against every rank a worker
     "sites-time-int8-overlap": ["--local-steps", "time", "--compress", "int8", "--overlap", "--workers", "sites"],
     "flat-time-int8-overlap": ["--local-steps", "time", "--compress", "int8", "--overlap", "--workers", "ranks"],
@@ -213,8 +222,9 @@ def main(argv=None) -> int:
             ratios["bytes_per_round_fp32_over_int8"] = (base["bytes_sent_per_round"]
                                                         / figures["fixed-int8"]["bytes_sent_per_round"])
     # overlap against none, sites against flat workers: mean final loss over the repeats (seeds)
-    for a, b in (("time-int8-overlap", "time-int8"), ("fixed-overlap", "fixed"), ("fixed-int8-overlap", "fixed-int8"),
-                 ("sites-time-int8-overlap", "flat-time-int8-overlap"), ("sites-time-int8", "flat-time-int8")):
+    pairs = [(n, n.split("-overlap")[0]) for n in names if "-overlap" in n]
+    pairs += [("sites-time-int8-overlap", "flat-time-int8-overlap"), ("sites-time-int8", "flat-time-int8")]
+    for a, b in pairs:
         if a in figures and b in figures:
             ratios[f"mean_final_loss_{a}_over_{b}"] = (statistics.mean(figures[a]["final_loss_each"])
                                                        / statistics.mean(figures[b]["final_loss_each"]))

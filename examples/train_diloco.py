@@ -40,7 +40,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--weighting", choices=["batch", "samples", "uniform", "normalized"], default="batch")
     p.add_argument("--compress", choices=["fp32", "bf16", "fp16", "int8"], default="fp32")
     p.add_argument("--error-feedback", action="store_true")
-    p.add_argument("--overlap", action="store_true", help="synchronise in the background, one round late")
+    p.add_argument("--overlap", action="store_true", help="synchronise in the background while the next round runs")
+    p.add_argument("--overlap-steps", type=int, default=None,
+                   help="with --overlap: apply the late update after this many steps of the next round "
+                        "(default: as soon as it arrives)")
     p.add_argument("--workers", default="sites",
                    help="sites (hetcomm's sites as workers, data parallel inside), ranks, or one label per rank (a,b,...)")
     add_model_arguments(p, block=16, d_model=256, layers=3)
@@ -76,7 +79,7 @@ def main(argv=None) -> int:
     diloco = hetcomm.DiLoCo(
         model, opt, local_steps=args.local_steps, steps=args.steps, weighting=args.weighting,
         compress=args.compress, error_feedback=args.error_feedback, overlap=args.overlap,
-        workers=args.workers.split(",") if "," in args.workers else args.workers,
+        overlap_steps=args.overlap_steps, workers=args.workers.split(",") if "," in args.workers else args.workers,
         outer_optimizer=lambda ps: torch.optim.SGD(ps, lr=args.outer_lr, momentum=0.9, nesterov=True))
     params = sum(p.numel() for p in model.parameters())
     say(f"train_diloco: {world} ranks on {args.backend}, {params} parameters ({4 * params / 1e6:.1f} MB fp32), "
@@ -129,7 +132,7 @@ def main(argv=None) -> int:
     compute = sum(c * len(m) for c, m in zip(stats["compute_seconds"], stats["workers"]))
     summary = {
         "local_steps": args.local_steps, "steps": args.steps, "weighting": args.weighting,
-        "compress": args.compress, "error_feedback": args.error_feedback, "overlap": args.overlap,
+        "compress": args.compress, "error_feedback": args.error_feedback, "overlap": args.overlap, "overlap_steps": args.overlap_steps,
         "backend": args.backend, "world_size": world, "parameters": params, "batches": batches,
         "rounds": stats["rounds"], "samples": samples, "wall_seconds": wall,
         "samples_per_second": samples / wall,

@@ -5,7 +5,8 @@
   float64 reference of the same algorithm (inner SGD per rank, weights recomputed here from their
   definitions, outer Nesterov SGD), for each weighting, on the backend under test and on gloo,
   and are bit-identical on every rank. With ``overlap=True`` the reference applies each outer
-  update one round late.
+  update one round late, and with ``overlap_steps`` moves each replica onto it after that many
+  steps of the next round.
 * Policies: ``speed`` and ``time`` decide identically on every rank (the agreed history is equal
   everywhere) and give a rank that sleeps in every step fewer steps; ``time`` never starts a step
   after the deadline.
@@ -70,8 +71,8 @@ def scripted_policy():
     return Scripted()
 
 
-def inner_steps(net: nn.Module, opt, rank: int, round_k: int, steps: int) -> None:
-    for i in range(steps):
+def inner_steps(net: nn.Module, opt, rank: int, round_k: int, steps: int, first: int = 0) -> None:
+    for i in range(first, first + steps):
         x, y = batch(rank, round_k, i)
         nn.functional.mse_loss(net(x), y).backward()
         opt.step()
@@ -91,12 +92,14 @@ def reference_weights(weighting: str, n: list[int], tau: list[int]) -> list[floa
     return [pi * tau_eff / t for pi, t in zip(p, tau)]            # normalized (FedNova)
 
 
-def reference(weighting: str, world: int, overlap: bool) -> list[list[torch.Tensor]]:
+def reference(weighting: str, world: int, overlap: bool, rebase: int | None = None) -> list[list[torch.Tensor]]:
     """Global parameters after each applied outer update, float64, one process.
 
     With overlap (see DiLoCo's doc): round k's update is applied at the end of round k+1, and
     replica r starts round k+1 at one outer step, on a copy of the outer optimizer, from the newest
-    global parameters with its own pseudo-gradient."""
+    global parameters with its own pseudo-gradient. With ``rebase`` = s, a replica that takes more
+    than s steps in round k+1 is moved after its s-th step by θ^k − (its start), and measures its
+    pseudo-gradient from θ^k."""
     theta = [p.detach().clone() for p in make_model().parameters()]
     glob = [nn.Parameter(t.clone()) for t in theta]
     outer = torch.optim.SGD(glob, lr=0.7, momentum=0.9, nesterov=True)
@@ -125,11 +128,22 @@ def reference(weighting: str, world: int, overlap: bool) -> list[list[torch.Tens
         tau = [SCRIPT[k % len(SCRIPT)][r] for r in range(world)]
         n = [tau[r] * BATCH[r] for r in range(world)]
         deltas = []
+        if rebase is not None and pending is not None:
+            apply(*pending)                        # its values do not depend on when it is applied
+            pending = None
+        landed = [g.detach().clone() for g in glob]
         for r in range(world):
             with torch.no_grad():
                 for p, s in zip(replicas[r].parameters(), starts[r]):
                     p.copy_(s)
-            inner_steps(replicas[r], inner[r], r, k, tau[r])
+            moved = rebase is not None and k > 0 and rebase < tau[r]
+            inner_steps(replicas[r], inner[r], r, k, rebase if moved else tau[r])
+            if moved:
+                with torch.no_grad():
+                    for p, s, t in zip(replicas[r].parameters(), starts[r], landed):
+                        p.add_(t - s)
+                starts[r] = [t.clone() for t in landed]
+                inner_steps(replicas[r], inner[r], r, k, tau[r] - rebase, first=rebase)
             deltas.append([s - p.detach() for s, p in zip(starts[r], replicas[r].parameters())])
         w = reference_weights(weighting, n, tau)
         if overlap:
@@ -145,7 +159,7 @@ def reference(weighting: str, world: int, overlap: bool) -> list[list[torch.Tens
     return history
 
 
-def train_scripted(rank: int, world: int, weighting: str, overlap: bool) -> dict:
+def train_scripted(rank: int, world: int, weighting: str, overlap: bool, rebase: int | None = None) -> dict:
     import hetcomm
 
     out = {}
@@ -158,7 +172,7 @@ def train_scripted(rank: int, world: int, weighting: str, overlap: bool) -> dict
                     p.add_(1.0)
         opt = torch.optim.SGD(net.parameters(), lr=INNER_LR)
         diloco = hetcomm.DiLoCo(net, opt, group=group, local_steps=scripted_policy(), weighting=weighting,
-                                overlap=overlap)
+                                overlap=overlap, overlap_steps=rebase)
         snapshots = []
         for k in range(ROUNDS):
             tau = SCRIPT[k % len(SCRIPT)][rank]
@@ -178,12 +192,13 @@ def train_scripted(rank: int, world: int, weighting: str, overlap: bool) -> dict
     return out
 
 
-@pytest.mark.parametrize("weighting,overlap", [("batch", False), ("samples", False), ("uniform", False),
-                                               ("normalized", False), ("batch", True)])
-def test_outer_update_equals_the_float64_reference(weighting, overlap):
+@pytest.mark.parametrize("weighting,overlap,rebase", [("batch", False, None), ("samples", False, None),
+                                                      ("uniform", False, None), ("normalized", False, None),
+                                                      ("batch", True, 99), ("batch", True, 1), ("batch", True, 2)])
+def test_outer_update_equals_the_float64_reference(weighting, overlap, rebase):
     world = 3
-    want = reference(weighting, world, overlap)
-    per_rank = run_ranks(world, train_scripted, weighting, overlap)
+    want = reference(weighting, world, overlap, rebase)
+    per_rank = run_ranks(world, train_scripted, weighting, overlap, rebase)
     for name in per_rank[0]:
         results = [r[name] for r in per_rank]
         for rank, res in enumerate(results):
@@ -391,8 +406,10 @@ def train_workers(rank: int, world: int, overlap: bool) -> dict:
     net = make_model()
     opt = torch.optim.SGD(net.parameters(), lr=INNER_LR)
     labels = [0, 0, 1, 1] if world == 4 else "ranks"
+    # With overlap the late update lands after the first step of a round, in both runs alike (on
+    # arrival, it would land wherever the timing puts it).
     diloco = hetcomm.DiLoCo(net, opt, local_steps="fixed", steps=WORKER_STEPS, workers=labels, overlap=overlap,
-                            compress="fp32")
+                            overlap_steps=1 if overlap else None, compress="fp32")
     worker, halves = (rank // 2, [rank % 2]) if world == 4 else (rank, [0, 1])
     for k in range(WORKER_ROUNDS):
         for i in range(WORKER_STEPS):
@@ -607,9 +624,14 @@ def test_throttled_rank_gets_fewer_local_steps_on_the_simulator(tmp_path):
     # step, and one step of the throttled rank can fit in its cgroup's fresh 25 ms budget and run
     # unthrottled (seen in CI: [4, 5] in round 3, then [6, 4], [9, 4], [11, 4]). From round 4 on
     # the estimates cover several steps, which the quota must slow.
+    # Judged over those rounds together (and most of them one by one), not each alone: on a
+    # machine shared with other work the unthrottled rank loses cores too, and a single round's
+    # counts may tie (seen once beside a second test run and a training job on 2 cores).
     late = result["history"][3:]
     assert late, result["history"]
-    assert all(h["steps"][1] < h["steps"][0] for h in late), [h["steps"] for h in result["history"]]
+    counts = [h["steps"] for h in result["history"]]
+    assert sum(h["steps"][1] for h in late) < sum(h["steps"][0] for h in late), counts
+    assert sum(h["steps"][1] < h["steps"][0] for h in late) > len(late) / 2, counts
 
 
 @pytest.mark.skipif(_root_reason() is not None, reason=_root_reason() or "")

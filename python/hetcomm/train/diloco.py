@@ -541,6 +541,93 @@ class DiLoCo:
         else:
             self.close()
 
+    # ---- checkpoints -------------------------------------------------------------------------
+
+    _STATE_VERSION = 1
+
+    def state_dict(self) -> dict:
+        """Everything a resumed run needs, for this rank: the global parameters and the outer
+        optimizer (identical on every rank), this rank's replica (the model's state), inner
+        optimizer, start point and quantisation residuals, the policy's and the step times' state,
+        the agreed history (rounds, samples: budgets of `loop` go on counting) and totals.
+
+        Call it at a round boundary (before the first step, when `step` returned True, or after
+        `finish`), on every rank, and save each rank's dict (``torch.save``); `load_state_dict`
+        on a freshly constructed object (same group, arguments and workers) resumes. A run without
+        overlap resumed this way computes what the uninterrupted run computes. With overlap, the
+        synchronisation in flight is waited for and the replica moves onto it at once (as if it
+        had arrived at the round's start), in the saving run too."""
+        if self._closed and not self._finished:
+            raise RuntimeError(f"{_PREFIX}: state_dict() after close()")
+        if self._r_steps:
+            raise RuntimeError(f"{_PREFIX}: state_dict() inside a round ({self._r_steps} steps taken since the last "
+                               "synchronisation): call it when step() returned True, or after finish()")
+        if self._pending is not None:
+            self._wait_pending()
+            if not self._rebased:
+                self._move_onto_global()
+        clone = (lambda t: t.detach().clone() if isinstance(t, torch.Tensor) else copy.deepcopy(t))
+        return {
+            "version": self._STATE_VERSION,
+            "labels": list(self._labels),
+            "global": [g.detach().clone() for g in self._global],
+            "outer_optimizer": copy.deepcopy(self.outer_optimizer.state_dict()),
+            "model": {k: clone(v) for k, v in self.model.state_dict().items()},
+            "inner_optimizer": (copy.deepcopy(self.inner_optimizer.state_dict())
+                                if self.inner_optimizer is not None else None),
+            "start": self._start.clone(),
+            "feedback": ({k: clone(v) for k, v in vars(self._feedback).items()}
+                         if self._feedback is not None else None),
+            "policy": self._policy.state_dict(),
+            "step_times": self._times.state_dict(),
+            "history": copy.deepcopy(self._history),
+            "settled": self._settled,
+            "agreed_totals": copy.deepcopy(self._agreed_totals),
+            "totals": dict(self._totals),
+            "bytes": self._bytes_sent() - self._bytes0,
+            "wan": self._workers.inter_worker_bytes(self._outer_groups()) - self._wan0,
+            "elapsed": self._clock() - self._t0,
+            "stopped": (self._stopped, self._stop_reason),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Resumes from `state_dict` (this rank's): call it on every rank, right after
+        construction, before the first `step` (no communication)."""
+        if self._step_calls or self._history:
+            raise RuntimeError(f"{_PREFIX}: load_state_dict() after steps were taken: call it right after "
+                               "constructing DiLoCo")
+        if state.get("version") != self._STATE_VERSION:
+            raise ValueError(f"{_PREFIX}: checkpoint version {state.get('version')!r}, expected {self._STATE_VERSION}")
+        if list(state["labels"]) != list(self._labels):
+            raise ValueError(f"{_PREFIX}: the checkpoint's workers {resolve_members(state['labels'])} differ from "
+                             f"this run's {resolve_members(self._labels)} (the same group and workers are needed)")
+        shapes = [tuple(g.shape) for g in self._global]
+        if [tuple(t.shape) for t in state["global"]] != shapes:
+            raise ValueError(f"{_PREFIX}: the checkpoint's parameters do not match the model's shapes")
+        with torch.no_grad():
+            for g, t in zip(self._global, state["global"]):
+                g.copy_(t)
+        self.outer_optimizer.load_state_dict(state["outer_optimizer"])
+        self.model.load_state_dict(state["model"])
+        if state["inner_optimizer"] is not None and self.inner_optimizer is not None:
+            self.inner_optimizer.load_state_dict(state["inner_optimizer"])
+        self._start = state["start"].to(self._master).clone()
+        if self._feedback is not None and state["feedback"] is not None:
+            for k, v in state["feedback"].items():
+                setattr(self._feedback, k, v)
+        self._policy.load_state_dict(state["policy"])
+        self._times.load_state_dict(state["step_times"])
+        self._history = copy.deepcopy(state["history"])
+        self._settled = int(state["settled"])
+        self._agreed_totals = copy.deepcopy(state["agreed_totals"])
+        self._totals = dict(state["totals"])
+        self._bytes0 -= state["bytes"]
+        self._wan0 -= state["wan"]
+        self._t0 = self._clock() - state["elapsed"]
+        self._stopped, self._stop_reason = state["stopped"]
+        self._policy.start_round(self._clock())
+        self._mark = self._clock()
+
     # ---- results -----------------------------------------------------------------------------
 
     def global_parameters(self) -> list[torch.Tensor]:
@@ -690,12 +777,15 @@ class DiLoCo:
                 self._totals["idle"] += end - start
                 self._timeline.append(("idle", start, end))
         self._pending.result()                         # raises here if the synchronisation failed
+        self._move_onto_global()
+
+    @torch.no_grad()
+    def _move_onto_global(self) -> None:
+        """p ← p + θ^k − start, start ← θ^k (θ^k: the global parameters, the late update landed)."""
         self._rebased = True
         new = self._flatten_global()
-        shift = new - self._start
-        with torch.no_grad():
-            for p, piece in zip(self._params, self._split(shift)):
-                p.add_(piece.view(p.shape).to(p.device, p.dtype))
+        for p, piece in zip(self._params, self._split(new - self._start)):
+            p.add_(piece.view(p.shape).to(p.device, p.dtype))
         self._start = new
 
     def _wait_pending(self) -> None:

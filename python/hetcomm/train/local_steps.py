@@ -32,6 +32,7 @@ combine with any policy: the policies count steps and time, whatever a step's ba
 """
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Sequence
 
@@ -90,6 +91,14 @@ class StepTimes:
         """How many windows with steps each rank has had agreed."""
         return list(self._windows)
 
+    def state_dict(self) -> dict:
+        return {"t": list(self._t), "windows": list(self._windows)}
+
+    def load_state_dict(self, state: dict) -> None:
+        if len(state["t"]) != self.world_size:
+            raise ValueError(f"{_PREFIX}: step times of {len(state['t'])} workers, this run has {self.world_size}")
+        self._t, self._windows = list(state["t"]), [int(w) for w in state["windows"]]
+
     def estimates(self) -> list[float] | None:
         known = [t for t in self._t if t is not None]
         if not known:
@@ -125,6 +134,23 @@ class LocalStepPolicy:
     def plan(self) -> dict:
         """What this policy decided for the round: identical on every rank."""
         return {"policy": self.name}
+
+    # What a checkpoint keeps: the policy's decisions so far; not where this process is bound nor
+    # deadlines on this process's clock (the next round starts a new one).
+    _NOT_SAVED = ("rank", "world_size", "deadline")
+
+    def state_dict(self) -> dict:
+        """The policy's state (plain values), for `DiLoCo.state_dict`."""
+        return {"name": self.name,
+                **{k: copy.deepcopy(v) for k, v in vars(self).items() if k not in self._NOT_SAVED}}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state.get("name") != self.name:
+            raise ValueError(f"{_PREFIX}: the checkpoint holds a {state.get('name')!r} policy, this run uses "
+                             f"{self.name!r}")
+        for k, v in state.items():
+            if k != "name":
+                setattr(self, k, copy.deepcopy(v))
 
 
 class FixedSteps(LocalStepPolicy):

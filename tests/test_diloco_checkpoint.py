@@ -1,0 +1,181 @@
+"""DiLoCo checkpoints: `state_dict` / `load_state_dict`.
+
+* A run stopped after 2 rounds and resumed from each rank's state in fresh objects (a model
+  initialised differently, a new inner AdamW, int8 with error feedback, a `loop` budget) computes
+  bit for bit what the uninterrupted run computes after 4 rounds, with the same history.
+* With overlap, saving waits for the synchronisation in flight; the resumed run ends where the
+  saving run ends.
+* The policies' and step times' state survive the round trip; mismatched checkpoints and calls
+  at the wrong moment raise.
+"""
+from __future__ import annotations
+
+import io
+
+import pytest
+import torch
+import torch.nn as nn
+
+from harness import run_ranks
+
+pytestmark = pytest.mark.usefixtures("backend_importable")
+
+STEPS, ROUNDS, SPLIT = 3, 4, 2
+
+
+def make(seed: int = 5) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 1))
+
+
+def data(rank: int, round_k: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(10_000 * rank + 100 * round_k + step)
+    return torch.randn(4, 6, generator=g), torch.randn(4, 1, generator=g)
+
+
+def rounds(net, opt, diloco, rank: int, first: int, last: int) -> None:
+    for k in range(first, last):
+        for i in range(STEPS):
+            x, y = data(rank, k, i)
+            nn.functional.mse_loss(net(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+            assert diloco.step(samples=len(x)) == (i == STEPS - 1)
+
+
+def build(seed: int, overlap: bool):
+    import hetcomm
+
+    net = make(seed)
+    opt = torch.optim.AdamW(net.parameters(), lr=0.01)
+    diloco = hetcomm.DiLoCo(net, opt, local_steps="fixed", steps=STEPS, compress="int8", block=16,
+                            error_feedback=True, overlap=overlap, overlap_steps=1 if overlap else None)
+    return net, opt, diloco
+
+
+def train_interrupted(rank: int, world: int, overlap: bool) -> dict:
+    # Uninterrupted: ROUNDS rounds (with a state_dict taken after SPLIT, as the saving run does).
+    net, opt, diloco = build(5, overlap)
+    rounds(net, opt, diloco, rank, 0, SPLIT)
+    buf = io.BytesIO()
+    torch.save(diloco.state_dict(), buf)
+    rounds(net, opt, diloco, rank, SPLIT, ROUNDS)
+    diloco.finish()
+    whole = {"global": [g.clone() for g in diloco.global_parameters()], "history": diloco.history,
+             "stats": diloco.stats()}
+
+    # Resumed: new objects, another initialisation, the saved state.
+    net2, opt2, resumed = build(99, overlap)
+    buf.seek(0)
+    resumed.load_state_dict(torch.load(buf, weights_only=False))
+    assert resumed.rounds == SPLIT
+    rounds(net2, opt2, resumed, rank, SPLIT, ROUNDS)
+    resumed.finish()
+    return {"whole": whole, "resumed": {"global": [g.clone() for g in resumed.global_parameters()],
+                                        "history": resumed.history, "stats": resumed.stats()}}
+
+
+def decisions(history: list[dict]) -> list[dict]:
+    """The history's agreed decisions and counts (its seconds differ from run to run)."""
+    return [{k: h[k] for k in ("round", "plan", "steps", "samples", "weights")} for h in history]
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_resumed_run_computes_what_the_uninterrupted_run_computes(overlap):
+    per_rank = run_ranks(2, train_interrupted, overlap, timeout=180)
+    for rank, res in enumerate(per_rank):
+        whole, resumed = res["whole"], res["resumed"]
+        for a, b in zip(whole["global"], resumed["global"]):
+            assert torch.equal(a, b), f"rank {rank}: resumed parameters differ from the uninterrupted run's"
+        assert decisions(resumed["history"]) == decisions(whole["history"])
+        assert resumed["stats"]["rounds"] == whole["stats"]["rounds"] == ROUNDS
+        assert resumed["stats"]["samples"] == whole["stats"]["samples"] == [ROUNDS * STEPS * 4] * 2
+        for a, b in zip(per_rank[0]["resumed"]["global"], resumed["global"]):
+            assert torch.equal(a, b), "ranks differ"
+
+
+def train_budget_resumed(rank: int, world: int) -> dict:
+    """max_samples counts the samples before the checkpoint too."""
+    net, opt, diloco = build(5, False)
+    rounds(net, opt, diloco, rank, 0, SPLIT)
+    state = diloco.state_dict()
+    diloco.finish()
+    net2, opt2, resumed = build(5, False)
+    resumed.load_state_dict(state)
+    batches = [data(rank, 50, i) for i in range(100)]
+    taken = 0
+    for x, y in resumed.loop(batches, max_samples=2 * 4 * STEPS * (SPLIT + 1)):
+        nn.functional.mse_loss(net2(x), y).backward()
+        opt2.step()
+        opt2.zero_grad()
+        resumed.step(samples=len(x))
+        taken += 1
+    return {"rounds": resumed.rounds, "reason": resumed.stop_reason, "taken": taken}
+
+
+def test_loop_budgets_count_the_rounds_before_the_checkpoint():
+    per_rank = run_ranks(2, train_budget_resumed, timeout=180)
+    # 2 rounds of 2 x 4 x STEPS samples before the checkpoint: one more round reaches the budget.
+    assert [r["taken"] for r in per_rank] == [STEPS] * 2, per_rank
+    assert [r["rounds"] for r in per_rank] == [SPLIT + 1] * 2, per_rank
+    assert "max_samples" in per_rank[0]["reason"]
+
+
+def train_misuse(rank: int, world: int) -> dict:
+    import hetcomm
+
+    net, opt, diloco = build(5, False)
+    errors = {}
+    x, y = data(rank, 0, 0)
+    nn.functional.mse_loss(net(x), y).backward()
+    opt.step()
+    diloco.step(samples=4)
+    try:
+        diloco.state_dict()
+    except RuntimeError as e:
+        errors["mid_round"] = str(e)
+    for _ in range(STEPS - 1):
+        diloco.step(samples=4)
+    state = diloco.state_dict()
+    try:
+        diloco.load_state_dict(state)
+    except RuntimeError as e:
+        errors["after_steps"] = str(e)
+    diloco.finish()
+    other = hetcomm.DiLoCo(make(5), None, local_steps="time", steps=STEPS)
+    try:
+        other.load_state_dict(state)
+    except ValueError as e:
+        errors["policy"] = str(e)
+    other.finish()
+    return errors
+
+
+def test_checkpoints_at_the_wrong_moment_or_of_another_run_raise():
+    errors = run_ranks(2, train_misuse, timeout=180)[0]
+    assert "inside a round" in errors["mid_round"]
+    assert "right after constructing" in errors["after_steps"]
+    assert "'fixed' policy" in errors["policy"] and "'time'" in errors["policy"]
+
+
+def test_policy_and_step_times_state_round_trip():
+    from hetcomm.train.local_steps import SpeedSteps, StepTimes, TimeSteps
+
+    times = StepTimes(3)
+    for _ in range(3):
+        times.update([1.0, 2.0, 4.0], [10, 10, 10])
+    speed, timed = SpeedSteps(5), TimeSteps(5)
+    for policy in (speed, timed):
+        policy.bind(0, 3)
+        policy.agreed(times)
+    times2, speed2, timed2 = StepTimes(3), SpeedSteps(5), TimeSteps(5)
+    speed2.bind(0, 3)
+    timed2.bind(0, 3)
+    times2.load_state_dict(times.state_dict())
+    speed2.load_state_dict(speed.state_dict())
+    timed2.load_state_dict(timed.state_dict())
+    assert times2.estimates() == times.estimates() and times2.windows == times.windows
+    assert speed2.plan() == speed.plan() == {"policy": "speed", "steps": [20, 10, 5]}
+    assert timed2.plan() == timed.plan() and timed2.round_seconds == pytest.approx(2.0)
+    with pytest.raises(ValueError, match="workers"):
+        StepTimes(2).load_state_dict(times.state_dict())

@@ -137,6 +137,11 @@ def derived(run: dict) -> dict:
         "sync_fraction_of_round": (statistics.mean(run["sync_seconds"]) / rounds / wall_per_round
                                    if not run["overlap"] else None),
         "steps_per_round": [s / rounds for s in run["steps_per_rank"]],
+        # With overlap: how far into a round (fraction of its steps, mean over workers and the
+        # rounds after the first) the previous round's update landed and moved the replica.
+        "landed_fraction_of_round": (statistics.mean(
+            l / s for h in run["history"][1:] for l, s in zip(h.get("landed_after_steps", []), h["steps"]) if s > 0)
+            if run["overlap"] and any(h.get("landed_after_steps") for h in run["history"][1:]) else None),
     }
 
 
@@ -231,6 +236,8 @@ def main(argv=None) -> int:
     for n in names:
         f = figures[n]
         sync = "" if f["sync_fraction_of_round"] is None else f", sync {f['sync_fraction_of_round']:.0%} of a round"
+        if f.get("landed_fraction_of_round") is not None:
+            sync += f", update landed {f['landed_fraction_of_round']:.0%} into a round"
         print(f"diloco_sim: {n:18s} {f['samples_per_second']:6.1f} samples/s, idle {f['idle_seconds']:6.1f} s, "
               f"utilisation {f['compute_utilisation']:.0%}, loss {f['final_loss']:.3f} "
               f"({', '.join(f'{x:.3f}' for x in f['final_loss_each'])}){sync}", flush=True)

@@ -217,6 +217,10 @@ def test_outer_update_equals_the_float64_reference(weighting, overlap, rebase):
             assert res["history"] == results[0]["history"], "the agreed history differs across ranks"
         hist = results[0]["history"]
         assert [h["steps"] for h in hist] == [[SCRIPT[k % 3][r] for r in range(world)] for k in range(ROUNDS)]
+        # when the late update moved each replica (its steps: at the round's end; 0: no overlap)
+        landed = [[0 if not overlap else SCRIPT[k % 3][r] if k == 0 else min(rebase, SCRIPT[k % 3][r])
+                   for r in range(world)] for k in range(ROUNDS)]
+        assert [h["landed_after_steps"] for h in hist] == landed
         assert [h["samples"] for h in hist] == [[SCRIPT[k % 3][r] * BATCH[r] for r in range(world)]
                                                 for k in range(ROUNDS)]
         stats = results[0]["stats"]

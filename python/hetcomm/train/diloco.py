@@ -146,12 +146,12 @@ WEIGHTINGS = ("batch", "samples", "uniform", "normalized")
 # Rows of the table exchanged at every synchronisation (one column per rank, exact and identical
 # on every rank: `hetcomm.partition.exchange_columns`).
 (_STEPS, _SAMPLES, _COMPUTE, _LOSS_SUM, _LOSS_N, _FINITE, _TOT_IDLE, _TOT_SYNC, _TOT_BYTES,
- _DONE, _ELAPSED, _MAX_ROUNDS, _MAX_SAMPLES, _MAX_SECONDS, _TOT_WAN, _REPLICA) = range(16)
-_ROWS = 16
+ _DONE, _ELAPSED, _MAX_ROUNDS, _MAX_SAMPLES, _MAX_SECONDS, _TOT_WAN, _REPLICA, _LANDED) = range(17)
+_ROWS = 17
 # How a worker of several ranks sums up its ranks' columns (`hetcomm.train.workers`): its ranks
 # step together, so steps and seconds are its slowest rank's; samples, losses and bytes add up.
 _AGGREGATE = ("max", "sum", "max", "sum", "sum", "min", "max", "max", "sum", "min", "max", "max", "max", "max", "sum",
-              "max")
+              "max", "max")
 _BUDGETS = {"max_rounds": _MAX_ROUNDS, "max_samples": _MAX_SAMPLES, "max_seconds": _MAX_SECONDS}
 
 
@@ -686,6 +686,7 @@ class DiLoCo:
         self._r_compute = 0.0
         self._r_loss = 0.0
         self._r_loss_n = 0
+        self._r_landed: int | None = None if self.overlap else 0   # steps before the late update landed
 
     def _column(self, delta: torch.Tensor) -> list[float]:
         finite = 1.0 if bool(torch.isfinite(delta).all()) else 0.0
@@ -696,6 +697,7 @@ class DiLoCo:
         col[_TOT_BYTES] = self._bytes_sent() - self._bytes0
         col[_TOT_WAN] = self._workers.inter_worker_bytes(self._outer_groups()) - self._wan0
         col[_REPLICA] = float(delta.double().sum()) if delta.numel() else 0.0
+        col[_LANDED] = self._r_steps if self._r_landed is None else self._r_landed
         col[_DONE] = 1.0 if self._exhausted else 0.0
         col[_ELAPSED] = self._clock() - self._t0
         for name, row in _BUDGETS.items():
@@ -778,6 +780,7 @@ class DiLoCo:
                 self._timeline.append(("idle", start, end))
         self._pending.result()                         # raises here if the synchronisation failed
         self._move_onto_global()
+        self._r_landed = self._r_steps
 
     @torch.no_grad()
     def _move_onto_global(self) -> None:
@@ -898,6 +901,9 @@ class DiLoCo:
             "sync_seconds_total": table[_TOT_SYNC],
             "bytes_sent_total": _known(table[_TOT_BYTES]),
             "wan_bytes_total": _known(table[_TOT_WAN]),
+            # with overlap: the steps each worker took this round before the previous round's
+            # update moved it (its steps: at the round's end); 0 without overlap
+            "landed_after_steps": [round(x) for x in table[_LANDED]],
         })
 
     # ---- parameters --------------------------------------------------------------------------

@@ -139,10 +139,14 @@ def derived(run: dict) -> dict:
         "steps_per_round": [s / rounds for s in run["steps_per_rank"]],
         # With overlap: how far into a round (fraction of its steps, mean over workers and the
         # rounds after the first) the previous round's update landed and moved the replica.
-        "landed_fraction_of_round": (statistics.mean(
-            l / s for h in run["history"][1:] for l, s in zip(h.get("landed_after_steps", []), h["steps"]) if s > 0)
-            if run["overlap"] and any(h.get("landed_after_steps") for h in run["history"][1:]) else None),
+        "landed_fraction_of_round": _landed_fraction(run),
     }
+
+
+def _landed_fraction(run: dict) -> float | None:
+    fractions = [landed / steps for h in run["history"][1:]
+                 for landed, steps in zip(h.get("landed_after_steps", []), h["steps"]) if steps > 0]
+    return statistics.mean(fractions) if run["overlap"] and fractions else None
 
 
 def plot(runs: dict[str, list[dict]], path: str) -> None:

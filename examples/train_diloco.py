@@ -60,6 +60,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.overlap_steps is not None and not args.overlap:
+        raise SystemExit("train_diloco: --overlap-steps needs --overlap")
     torch.set_num_threads(args.threads)
     dist.init_process_group(args.backend)
     rank, world = dist.get_rank(), dist.get_world_size()

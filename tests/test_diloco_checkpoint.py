@@ -54,67 +54,82 @@ def build(seed: int, overlap: bool):
 
 
 def train_interrupted(rank: int, world: int, overlap: bool) -> dict:
-    # Uninterrupted: ROUNDS rounds (with a state_dict taken after SPLIT, as the saving run does).
-    net, opt, diloco = build(5, overlap)
-    rounds(net, opt, diloco, rank, 0, SPLIT)
-    buf = io.BytesIO()
-    torch.save(diloco.state_dict(), buf)
-    rounds(net, opt, diloco, rank, SPLIT, ROUNDS)
-    diloco.finish()
-    whole = {"global": [g.clone() for g in diloco.global_parameters()], "history": diloco.history,
-             "stats": diloco.stats()}
+    def run(save: bool, resume: bytes | None = None) -> dict:
+        net, opt, diloco = build(5 if resume is None else 99, overlap)    # resumed: another init
+        saved = None
+        if resume is not None:
+            diloco.load_state_dict(torch.load(io.BytesIO(resume), weights_only=False))
+            assert diloco.rounds == SPLIT - (1 if overlap else 0)    # with overlap, one is in flight
+        else:
+            rounds(net, opt, diloco, rank, 0, SPLIT)
+            if save:
+                buf = io.BytesIO()
+                torch.save(diloco.state_dict(), buf)
+                saved = buf.getvalue()
+        rounds(net, opt, diloco, rank, SPLIT, ROUNDS)
+        diloco.finish()
+        return {"global": [g.clone() for g in diloco.global_parameters()], "history": diloco.history,
+                "stats": diloco.stats(), "saved": saved}
 
-    # Resumed: new objects, another initialisation, the saved state.
-    net2, opt2, resumed = build(99, overlap)
-    buf.seek(0)
-    resumed.load_state_dict(torch.load(buf, weights_only=False))
-    assert resumed.rounds == SPLIT
-    rounds(net2, opt2, resumed, rank, SPLIT, ROUNDS)
-    resumed.finish()
-    return {"whole": whole, "resumed": {"global": [g.clone() for g in resumed.global_parameters()],
-                                        "history": resumed.history, "stats": resumed.stats()}}
+    whole = run(save=False)              # never saved
+    saving = run(save=True)              # saved after SPLIT rounds: saving must change nothing
+    resumed = run(save=False, resume=saving["saved"])
+    return {"whole": whole, "saving": saving, "resumed": resumed}
 
 
 def decisions(history: list[dict]) -> list[dict]:
     """The history's agreed decisions and counts (its seconds differ from run to run)."""
-    return [{k: h[k] for k in ("round", "plan", "steps", "samples", "weights")} for h in history]
+    return [{k: h[k] for k in ("round", "plan", "steps", "samples", "weights", "landed_after_steps")}
+            for h in history]
 
 
 @pytest.mark.parametrize("overlap", [False, True])
 def test_a_resumed_run_computes_what_the_uninterrupted_run_computes(overlap):
     per_rank = run_ranks(2, train_interrupted, overlap, timeout=180)
     for rank, res in enumerate(per_rank):
-        whole, resumed = res["whole"], res["resumed"]
-        for a, b in zip(whole["global"], resumed["global"]):
-            assert torch.equal(a, b), f"rank {rank}: resumed parameters differ from the uninterrupted run's"
-        assert decisions(resumed["history"]) == decisions(whole["history"])
-        assert resumed["stats"]["rounds"] == whole["stats"]["rounds"] == ROUNDS
-        assert resumed["stats"]["samples"] == whole["stats"]["samples"] == [ROUNDS * STEPS * 4] * 2
-        for a, b in zip(per_rank[0]["resumed"]["global"], resumed["global"]):
+        whole = res["whole"]
+        for name in ("saving", "resumed"):
+            other = res[name]
+            for a, b in zip(whole["global"], other["global"]):
+                assert torch.equal(a, b), f"rank {rank}: the {name} run's parameters differ from the uninterrupted run's"
+            assert decisions(other["history"]) == decisions(whole["history"]), name
+            assert other["stats"]["rounds"] == whole["stats"]["rounds"] == ROUNDS
+            assert other["stats"]["samples"] == whole["stats"]["samples"] == [ROUNDS * STEPS * 4] * 2
+        for a, b in zip(per_rank[0]["resumed"]["global"], res["resumed"]["global"]):
             assert torch.equal(a, b), "ranks differ"
+    if overlap:      # the move happened mid-round (overlap_steps=1), in the resumed run too
+        assert [h["landed_after_steps"] for h in per_rank[0]["resumed"]["history"]] == [[0, 0]] + [[1, 1]] * 3
 
 
-def train_budget_resumed(rank: int, world: int) -> dict:
-    """max_samples counts the samples before the checkpoint too."""
-    net, opt, diloco = build(5, False)
-    rounds(net, opt, diloco, rank, 0, SPLIT)
-    state = diloco.state_dict()
-    diloco.finish()
-    net2, opt2, resumed = build(5, False)
+def train_budget_resumed(rank: int, world: int, overlap: bool) -> dict:
+    """max_samples counts the samples before the checkpoint too (the same loop budget in the
+    saving run and in the resumed one: with overlap, the round in flight was agreed with it)."""
+    budget = 2 * 4 * STEPS * (SPLIT + 1)
+
+    def train(diloco, net, opt, batches, save_after: int | None = None):
+        taken, state = 0, None
+        for x, y in diloco.loop(batches, max_samples=budget):
+            nn.functional.mse_loss(net(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+            taken += 1
+            if diloco.step(samples=len(x)) and taken == STEPS * (save_after or 0):
+                state = diloco.state_dict()
+                break
+        return taken, state
+
+    net, opt, diloco = build(5, overlap)
+    _, state = train(diloco, net, opt, [data(rank, k, i) for k in range(SPLIT) for i in range(STEPS)],
+                     save_after=SPLIT)
+    net2, opt2, resumed = build(5, overlap)
     resumed.load_state_dict(state)
-    batches = [data(rank, 50, i) for i in range(100)]
-    taken = 0
-    for x, y in resumed.loop(batches, max_samples=2 * 4 * STEPS * (SPLIT + 1)):
-        nn.functional.mse_loss(net2(x), y).backward()
-        opt2.step()
-        opt2.zero_grad()
-        resumed.step(samples=len(x))
-        taken += 1
+    taken, _ = train(resumed, net2, opt2, [data(rank, 50, i) for i in range(100)])
     return {"rounds": resumed.rounds, "reason": resumed.stop_reason, "taken": taken}
 
 
-def test_loop_budgets_count_the_rounds_before_the_checkpoint():
-    per_rank = run_ranks(2, train_budget_resumed, timeout=180)
+@pytest.mark.parametrize("overlap", [False, True])
+def test_loop_budgets_count_the_rounds_before_the_checkpoint(overlap):
+    per_rank = run_ranks(2, train_budget_resumed, overlap, timeout=180)
     # 2 rounds of 2 x 4 x STEPS samples before the checkpoint: one more round reaches the budget.
     assert [r["taken"] for r in per_rank] == [STEPS] * 2, per_rank
     assert [r["rounds"] for r in per_rank] == [SPLIT + 1] * 2, per_rank

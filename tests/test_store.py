@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import select
 import subprocess
 import sys
 import time
@@ -22,9 +23,15 @@ pytestmark = pytest.mark.usefixtures("backend_importable")
 
 def start_store() -> tuple[subprocess.Popen, int]:
     proc = subprocess.Popen([sys.executable, "-m", "hetcomm.store", "--host", "127.0.0.1", "--port", "0",
-                             "--timeout", "20"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                             "--timeout", "20"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    ready, _, _ = select.select([proc.stdout], [], [], 60)
+    if not ready:
+        proc.kill()
+        pytest.fail("python -m hetcomm.store printed nothing within 60 s")
     line = proc.stdout.readline()
-    assert "serving a TCPStore on 127.0.0.1:" in line, (line, proc.stderr.read() if proc.poll() is not None else "")
+    if "serving a TCPStore on 127.0.0.1:" not in line:
+        proc.kill()
+        pytest.fail(f"python -m hetcomm.store did not start: {line}{proc.stdout.read()}")
     return proc, int(line.split("127.0.0.1:")[1].split()[0])
 
 

@@ -10,10 +10,15 @@ elastic jobs), serve it from a process of its own on a machine that does not run
     torchrun --nnodes 1:4 --rdzv-backend c10d --rdzv-endpoint STORE_HOST:29400 \\
         --rdzv-conf is_host=false ... train.py                 # on every worker machine
 
-(``is_host=false``: torchrun's agents connect to this store instead of hosting their own.) A
-program that initialises torch.distributed itself connects with
-``dist.TCPStore(STORE_HOST, 29400, is_master=False)`` and passes ``store=`` to
-``init_process_group``.
+(``is_host=false``: torchrun's agents rendezvous through this store instead of hosting their own.)
+Mind that torchrun (torch 2.13) then still serves the workers' *process-group* store from the first
+node's agent (``TORCHELASTIC_USE_AGENT_STORE``): the rendezvous outlives node 0, the group's store
+does not. For groups whose store outlives every worker, initialise torch.distributed yourself:
+``dist.TCPStore(STORE_HOST, 29400, is_master=False)`` and ``init_process_group(..., store=...)``.
+
+The store has no authentication and holds hetcomm's group secrets (see the README's security
+section): it listens on every interface, whatever ``--host`` says, so keep its port behind a
+firewall that admits only the job's machines.
 
 What happens when the store dies: groups already formed keep working (collectives do not use it),
 but every later store operation (a new group, a rendezvous, a key) raises
@@ -52,9 +57,11 @@ def serve(host: str, port: int, *, timeout_s: float = 300.0, ready=None) -> None
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m hetcomm.store", description=__doc__.split("\n\n")[0])
-    p.add_argument("--host", default="0.0.0.0", help="address to listen on (default: every interface)")
+    p.add_argument("--host", default="0.0.0.0", help="the store's address as printed for workers (TCPStore listens "
+                                                     "on every interface whatever this says: firewall the port)")
     p.add_argument("--port", type=int, default=29400, help="TCP port (0: any free one, printed)")
-    p.add_argument("--timeout", type=float, default=300.0, help="seconds a store operation may wait")
+    p.add_argument("--timeout", type=float, default=300.0,
+                   help="the server's own timeout (clients set theirs in their TCPStore)")
     args = p.parse_args(argv)
     if not 0 <= args.port < 65536:
         p.error(f"--port must be in 0..65535, got {args.port}")

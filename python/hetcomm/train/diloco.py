@@ -62,7 +62,8 @@ the compressed reduction and the outer step) runs on a background thread, over a
 its own, while round k+1's inner steps run. When it has arrived (``overlap_steps=None``, checked
 after every step) or after ``overlap_steps`` steps of round k+1 (waiting for it if need be), the
 replica moves onto the new global parameters, keeping the steps it took since; at the end of round
-k+1 a rank that has not yet got it waits (the only time it can be idle). The delayed update of
+k+1 a rank that has not yet got it waits (with ``overlap_steps``, already at that step): the only
+times it can be idle. The delayed update of
 Streaming DiLoCo (Douillard et al., 2025), with a start estimate in the spirit of eager updates
 (Kale et al., 2025). Derivation:
 
@@ -196,6 +197,17 @@ def _known(values: Sequence[float]) -> list[float | None]:
     return [None if math.isnan(v) else v for v in values]
 
 
+def _cpu_copy(obj):
+    """A deep copy with every tensor detached and copied to the CPU (for checkpoints)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        return {k: _cpu_copy(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_cpu_copy(v) for v in obj)
+    return copy.deepcopy(obj)
+
+
 def _hetcomm_bytes_sent(group: dist.ProcessGroup | None) -> float:
     """This rank's bytes sent on ``group`` so far, or NaN when the group is not hetcomm."""
     try:
@@ -305,8 +317,10 @@ class DiLoCo:
         self._start = self._flatten_global()      # where the replica started this round
 
         self.overlap = bool(overlap)
-        if overlap_steps is not None and not (isinstance(overlap_steps, int) and overlap_steps >= 1):
-            raise ValueError(f"{_PREFIX}: overlap_steps must be an int >= 1 or None, got {overlap_steps!r}")
+        if overlap_steps is not None and (isinstance(overlap_steps, bool) or not isinstance(overlap_steps, int)
+                                          or overlap_steps < 1 or not self.overlap):
+            raise ValueError(f"{_PREFIX}: overlap_steps must be an int >= 1, with overlap=True (got "
+                             f"{overlap_steps!r}, overlap={overlap!r})")
         self._rebase_after = overlap_steps
         self._rebased = True                     # no late update is waiting to be applied
         self._sync_group = group
@@ -368,8 +382,11 @@ class DiLoCo:
     @property
     def history(self) -> list[dict]:
         """One agreed record per settled round (identical on every rank): the policy's plan, each
-        rank's steps, samples, compute seconds and mean loss, the outer weights, and the per-rank
-        totals of idle and sync seconds and bytes sent (hetcomm groups) as of that round's exchange."""
+        rank's steps, samples, compute seconds and mean loss, the outer weights, the per-rank
+        totals of idle and sync seconds and bytes sent (hetcomm groups) as of that round's exchange,
+        and ``landed_after_steps``: with overlap, the steps each worker had taken in the round when
+        the previous round's update landed and moved it (its steps: at the round's end; 0: nothing
+        was in flight, or no overlap)."""
         return self._history[:self._settled]
 
     @property
@@ -412,7 +429,7 @@ class DiLoCo:
             synced = self._workers.agree(synced)      # a worker's ranks end the round together
         if synced:
             self._synchronise()
-        elif not self._rebased:
+        elif not self._rebased and self._pending is not None:
             self._maybe_rebase()
         self._mark = self._clock()
         return synced
@@ -507,6 +524,8 @@ class DiLoCo:
                                         _AGGREGATE)
         self._agreed_totals.update({"idle": table[_TOT_IDLE], "sync": table[_TOT_SYNC],
                                     "bytes": _known(table[_TOT_BYTES]), "wan": _known(table[_TOT_WAN])})
+        self._final_counts = (self._bytes_sent() - self._bytes0,
+                              self._workers.inter_worker_bytes(self._outer_groups()) - self._wan0)
 
     def close(self) -> None:
         """Releases the background thread and the overlap's process group, without communicating
@@ -546,53 +565,65 @@ class DiLoCo:
     _STATE_VERSION = 1
 
     def state_dict(self) -> dict:
-        """Everything a resumed run needs, for this rank: the global parameters and the outer
-        optimizer (identical on every rank), this rank's replica (the model's state), inner
+        """Everything a resumed run needs, for this rank (CPU copies): the global parameters and the
+        outer optimizer (identical on every rank), this rank's replica (the model's state), inner
         optimizer, start point and quantisation residuals, the policy's and the step times' state,
-        the agreed history (rounds, samples: budgets of `loop` go on counting) and totals.
+        the agreed history (rounds, samples: budgets of `loop` go on counting) and totals; with
+        overlap also the synchronisation in flight, which it waits for (it blocks until every rank
+        has ended the round) but does not apply.
 
         Call it at a round boundary (before the first step, when `step` returned True, or after
-        `finish`), on every rank, and save each rank's dict (``torch.save``); `load_state_dict`
-        on a freshly constructed object (same group, arguments and workers) resumes. A run without
-        overlap resumed this way computes what the uninterrupted run computes. With overlap, the
-        synchronisation in flight is waited for and the replica moves onto it at once (as if it
-        had arrived at the round's start), in the saving run too."""
+        `finish`); it does not communicate and changes nothing, so one rank may save alone (as
+        long as the others keep stepping). Save each rank's dict (``torch.save``) if the replicas
+        matter; `load_state_dict` on a freshly constructed object (same group, arguments and
+        workers) resumes. A resumed run computes what the uninterrupted run computes, except that
+        with overlap an update in flight that lands "as soon as it arrives" lands at the first
+        step after resuming (with ``overlap_steps``: at the same step)."""
         if self._closed and not self._finished:
             raise RuntimeError(f"{_PREFIX}: state_dict() after close()")
         if self._r_steps:
             raise RuntimeError(f"{_PREFIX}: state_dict() inside a round ({self._r_steps} steps taken since the last "
                                "synchronisation): call it when step() returned True, or after finish()")
+        pending = None
         if self._pending is not None:
-            self._wait_pending()
-            if not self._rebased:
-                self._move_onto_global()
-        clone = (lambda t: t.detach().clone() if isinstance(t, torch.Tensor) else copy.deepcopy(t))
-        return {
+            start = self._clock()
+            concurrent.futures.wait([self._pending])
+            end = self._clock()
+            self._totals["idle"] += end - start
+            self._timeline.append(("idle", start, end))
+            pending = {"table": self._pending.result()[0], "moved": self._rebased}
+        if self._closed:
+            sent, wan = self._final_counts
+        else:
+            sent = self._bytes_sent() - self._bytes0
+            wan = self._workers.inter_worker_bytes(self._outer_groups()) - self._wan0
+        return _cpu_copy({
             "version": self._STATE_VERSION,
             "labels": list(self._labels),
-            "global": [g.detach().clone() for g in self._global],
-            "outer_optimizer": copy.deepcopy(self.outer_optimizer.state_dict()),
-            "model": {k: clone(v) for k, v in self.model.state_dict().items()},
-            "inner_optimizer": (copy.deepcopy(self.inner_optimizer.state_dict())
-                                if self.inner_optimizer is not None else None),
-            "start": self._start.clone(),
-            "feedback": ({k: clone(v) for k, v in vars(self._feedback).items()}
-                         if self._feedback is not None else None),
+            "global": list(self._global),
+            "outer_optimizer": self.outer_optimizer.state_dict(),
+            "model": self.model.state_dict(),
+            "inner_optimizer": self.inner_optimizer.state_dict() if self.inner_optimizer is not None else None,
+            "start": self._start,
+            "feedback": vars(self._feedback) if self._feedback is not None else None,
+            "pending": pending,
             "policy": self._policy.state_dict(),
             "step_times": self._times.state_dict(),
-            "history": copy.deepcopy(self._history),
+            "history": self._history,
             "settled": self._settled,
-            "agreed_totals": copy.deepcopy(self._agreed_totals),
-            "totals": dict(self._totals),
-            "bytes": self._bytes_sent() - self._bytes0,
-            "wan": self._workers.inter_worker_bytes(self._outer_groups()) - self._wan0,
+            "agreed_totals": self._agreed_totals,
+            "totals": self._totals,
+            "bytes": sent,
+            "wan": wan,
             "elapsed": self._clock() - self._t0,
+            "last_elapsed": self._last_elapsed,
             "stopped": (self._stopped, self._stop_reason),
-        }
+        })
 
     def load_state_dict(self, state: dict) -> None:
-        """Resumes from `state_dict` (this rank's): call it on every rank, right after
-        construction, before the first `step` (no communication)."""
+        """Resumes from `state_dict` (this rank's, or any rank's when the replicas are alike):
+        call it on every rank, right after construction, before the first `step` (no
+        communication)."""
         if self._step_calls or self._history:
             raise RuntimeError(f"{_PREFIX}: load_state_dict() after steps were taken: call it right after "
                                "constructing DiLoCo")
@@ -604,6 +635,9 @@ class DiLoCo:
         shapes = [tuple(g.shape) for g in self._global]
         if [tuple(t.shape) for t in state["global"]] != shapes:
             raise ValueError(f"{_PREFIX}: the checkpoint's parameters do not match the model's shapes")
+        if state["pending"] is not None and not self.overlap:
+            raise ValueError(f"{_PREFIX}: the checkpoint was taken with overlap=True (a synchronisation in flight); "
+                             "construct DiLoCo with overlap=True to resume it")
         with torch.no_grad():
             for g, t in zip(self._global, state["global"]):
                 g.copy_(t)
@@ -611,10 +645,10 @@ class DiLoCo:
         self.model.load_state_dict(state["model"])
         if state["inner_optimizer"] is not None and self.inner_optimizer is not None:
             self.inner_optimizer.load_state_dict(state["inner_optimizer"])
-        self._start = state["start"].to(self._master).clone()
+        self._start = state["start"].to("cpu", self._master).clone()
         if self._feedback is not None and state["feedback"] is not None:
             for k, v in state["feedback"].items():
-                setattr(self._feedback, k, v)
+                setattr(self._feedback, k, v.to("cpu") if isinstance(v, torch.Tensor) else v)
         self._policy.load_state_dict(state["policy"])
         self._times.load_state_dict(state["step_times"])
         self._history = copy.deepcopy(state["history"])
@@ -624,14 +658,26 @@ class DiLoCo:
         self._bytes0 -= state["bytes"]
         self._wan0 -= state["wan"]
         self._t0 = self._clock() - state["elapsed"]
+        self._last_elapsed = state["last_elapsed"]
         self._stopped, self._stop_reason = state["stopped"]
+        if state["pending"] is not None:
+            # The synchronisation in flight had landed on the global parameters; its agreement
+            # (and, unless it had moved already, the replica's move) is still to be applied.
+            done: concurrent.futures.Future = concurrent.futures.Future()
+            done.set_result((state["pending"]["table"], None, None))
+            self._pending, self._rebased = done, bool(state["pending"]["moved"])
+        self._reset_round()
         self._policy.start_round(self._clock())
         self._mark = self._clock()
 
     # ---- results -----------------------------------------------------------------------------
 
     def global_parameters(self) -> list[torch.Tensor]:
-        """The global parameters (CPU, identical on every rank after each synchronisation)."""
+        """The global parameters (CPU, identical on every rank after each synchronisation); with
+        overlap, after the latest update that landed (a synchronisation in flight is waited for,
+        not applied)."""
+        if self._pending is not None:
+            concurrent.futures.wait([self._pending])
         return [g.detach() for g in self._global]
 
     def stats(self) -> dict:
@@ -686,7 +732,8 @@ class DiLoCo:
         self._r_compute = 0.0
         self._r_loss = 0.0
         self._r_loss_n = 0
-        self._r_landed: int | None = None if self.overlap else 0   # steps before the late update landed
+        # steps this round before the previous round's late update landed (0: none pending)
+        self._r_landed: int | None = None if self._pending is not None else 0
 
     def _column(self, delta: torch.Tensor) -> list[float]:
         finite = 1.0 if bool(torch.isfinite(delta).all()) else 0.0
@@ -780,16 +827,21 @@ class DiLoCo:
                 self._timeline.append(("idle", start, end))
         self._pending.result()                         # raises here if the synchronisation failed
         self._move_onto_global()
-        self._r_landed = self._r_steps
 
     @torch.no_grad()
     def _move_onto_global(self) -> None:
-        """p ← p + θ^k − start, start ← θ^k (θ^k: the global parameters, the late update landed)."""
+        """p ← p + θ^k − start, start ← θ^k (θ^k: the global parameters, the late update landed);
+        its time counts as synchronisation."""
+        start = self._clock()
         self._rebased = True
+        self._r_landed = self._r_steps
         new = self._flatten_global()
         for p, piece in zip(self._params, self._split(new - self._start)):
             p.add_(piece.view(p.shape).to(p.device, p.dtype))
         self._start = new
+        end = self._clock()
+        self._totals["sync"] += end - start
+        self._timeline.append(("sync", start, end))
 
     def _wait_pending(self) -> None:
         start = self._clock()
@@ -820,11 +872,12 @@ class DiLoCo:
             if len(set(ranks[row])) > 1:
                 raise ValueError(f"{_PREFIX}: the ranks passed different {name} to loop(): "
                                  f"{dict(enumerate(ranks[row]))} (0 = none); every rank must pass the same")
-        split = self._workers.diverged(ranks[_REPLICA], ranks[_STEPS])
+        split = self._workers.diverged(ranks[_REPLICA], list(zip(ranks[_STEPS], ranks[_LANDED])))
         if split:
             raise ValueError(f"{_PREFIX}: round {round_index}: the ranks of worker(s) {split} hold different replicas "
-                             "(different steps or pseudo-gradients): a worker's ranks must step together on the same "
-                             "replica (inner_sync=True, or DDP over diloco.worker_group)")
+                             "(different steps, pseudo-gradients or steps at which the late update landed): a "
+                             "worker's ranks must step together on the same replica (inner_sync=True, or DDP over "
+                             "diloco.worker_group)")
         table = self._workers.aggregate(ranks, _AGGREGATE)
         any_steps = any(s > 0 for s in table[_STEPS])
         weights = outer_weights(self.weighting, table[_SAMPLES], table[_STEPS])

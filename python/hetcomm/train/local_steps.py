@@ -135,9 +135,10 @@ class LocalStepPolicy:
         """What this policy decided for the round: identical on every rank."""
         return {"policy": self.name}
 
-    # What a checkpoint keeps: the policy's decisions so far; not where this process is bound nor
-    # deadlines on this process's clock (the next round starts a new one).
-    _NOT_SAVED = ("rank", "world_size", "deadline")
+    # What a checkpoint keeps: the policy's decisions so far; not its configuration (the resumed
+    # run's constructor arguments win), where this process is bound, nor deadlines on this
+    # process's clock (the next round starts a new one).
+    _NOT_SAVED = ("steps", "threshold", "_fixed_seconds", "rank", "world_size", "deadline")
 
     def state_dict(self) -> dict:
         """The policy's state (plain values), for `DiLoCo.state_dict`."""

@@ -233,8 +233,9 @@ class Workers:
         dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.agree_group)
         return bool(flag.item() > 0)
 
-    def diverged(self, fingerprints: Sequence[float], steps: Sequence[float]) -> list[int]:
-        """Workers whose ranks reported different steps or pseudo-gradient sums (agreed rows)."""
+    def diverged(self, fingerprints: Sequence[float], steps: Sequence) -> list[int]:
+        """Workers whose ranks reported different pseudo-gradient sums or step counts (agreed rows;
+        ``steps`` may hold tuples of counts that must all agree)."""
         if self.single:
             return []
         return [k for k, members in enumerate(self.members)

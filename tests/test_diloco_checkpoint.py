@@ -194,3 +194,6 @@ def test_policy_and_step_times_state_round_trip():
     assert timed2.plan() == timed.plan() and timed2.round_seconds == pytest.approx(2.0)
     with pytest.raises(ValueError, match="workers"):
         StepTimes(2).load_state_dict(times.state_dict())
+    given = TimeSteps(5, round_seconds=3.0)          # the resumed run's constructor argument wins
+    given.load_state_dict(timed.state_dict())
+    assert given.round_seconds == 3.0

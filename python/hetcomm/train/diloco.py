@@ -597,8 +597,9 @@ class DiLoCo:
         else:
             sent = self._bytes_sent() - self._bytes0
             wan = self._workers.inter_worker_bytes(self._outer_groups()) - self._wan0
-        return _cpu_copy({
+        state = _cpu_copy({
             "version": self._STATE_VERSION,
+            "rank": self._rank,
             "labels": list(self._labels),
             "global": list(self._global),
             "outer_optimizer": self.outer_optimizer.state_dict(),
@@ -619,11 +620,14 @@ class DiLoCo:
             "last_elapsed": self._last_elapsed,
             "stopped": (self._stopped, self._stop_reason),
         })
+        self._mark = self._clock()          # neither the wait nor the copy is the next step's compute
+        return state
 
     def load_state_dict(self, state: dict) -> None:
-        """Resumes from `state_dict` (this rank's, or any rank's when the replicas are alike):
-        call it on every rank, right after construction, before the first `step` (no
-        communication)."""
+        """Resumes from `state_dict`: call it on every rank, right after construction, before the
+        first `step` (no communication). Another rank's state (when the replicas are alike) resumes
+        the same global run; this rank then keeps its own counters and drops the other's
+        quantisation residuals."""
         if self._step_calls or self._history:
             raise RuntimeError(f"{_PREFIX}: load_state_dict() after steps were taken: call it right after "
                                "constructing DiLoCo")
@@ -646,7 +650,8 @@ class DiLoCo:
         if state["inner_optimizer"] is not None and self.inner_optimizer is not None:
             self.inner_optimizer.load_state_dict(state["inner_optimizer"])
         self._start = state["start"].to("cpu", self._master).clone()
-        if self._feedback is not None and state["feedback"] is not None:
+        own = state.get("rank") == self._rank
+        if self._feedback is not None and state["feedback"] is not None and own:
             for k, v in state["feedback"].items():
                 setattr(self._feedback, k, v.to("cpu") if isinstance(v, torch.Tensor) else v)
         self._policy.load_state_dict(state["policy"])
@@ -654,9 +659,10 @@ class DiLoCo:
         self._history = copy.deepcopy(state["history"])
         self._settled = int(state["settled"])
         self._agreed_totals = copy.deepcopy(state["agreed_totals"])
-        self._totals = dict(state["totals"])
-        self._bytes0 -= state["bytes"]
-        self._wan0 -= state["wan"]
+        if own:
+            self._totals = dict(state["totals"])
+            self._bytes0 -= state["bytes"]
+            self._wan0 -= state["wan"]
         self._t0 = self._clock() - state["elapsed"]
         self._last_elapsed = state["last_elapsed"]
         self._stopped, self._stop_reason = state["stopped"]
@@ -676,7 +682,7 @@ class DiLoCo:
         """The global parameters (CPU, identical on every rank after each synchronisation); with
         overlap, after the latest update that landed (a synchronisation in flight is waited for,
         not applied)."""
-        if self._pending is not None:
+        if self._pending is not None and not self._closed:     # (a closed object's may never finish)
             concurrent.futures.wait([self._pending])
         return [g.detach() for g in self._global]
 

@@ -242,6 +242,11 @@ class TimeSteps(LocalStepPolicy):
     def plan(self) -> dict:
         return {"policy": self.name, "round_seconds": self.round_seconds}
 
+    def load_state_dict(self, state: dict) -> None:
+        super().load_state_dict(state)
+        if self._fixed_seconds is not None:          # a round length given to the constructor wins
+            self.round_seconds = self._fixed_seconds
+
 
 def make_policy(policy: str | LocalStepPolicy, steps: int, *, round_seconds: float | None = None,
                 threshold: float = 0.01) -> LocalStepPolicy:

@@ -704,3 +704,34 @@ def test_sites_as_workers_send_one_model_across_the_wan_per_round_on_the_simulat
     for b in per_round:
         assert model <= b <= 1.05 * model, (per_round, model)
     assert len(result["history"][0]["steps"]) == 2, "the history counts workers"
+
+
+def estimate_pairs(rank: int, world: int) -> list:
+    """The closed-form SGD start estimate against one step on a scratch copy, for SGD settings
+    (momentum, Nesterov, dampening, weight decay, maximize), before and after a first step."""
+    import hetcomm
+
+    out = []
+    settings = [dict(lr=0.7, momentum=0.9, nesterov=True), dict(lr=0.5, momentum=0.8, dampening=0.3),
+                dict(lr=0.3, momentum=0.9, nesterov=True, weight_decay=0.01), dict(lr=0.2),
+                dict(lr=0.4, momentum=0.5, maximize=True)]
+    for cfg in settings:
+        net = make_model()
+        diloco = hetcomm.DiLoCo(net, None, local_steps="fixed", steps=1,
+                                outer_optimizer=lambda ps, cfg=cfg: torch.optim.SGD(ps, **cfg))
+        g = torch.Generator().manual_seed(7)
+        n = sum(p.numel() for p in net.parameters())
+        for _ in range(2):                    # the first step has no momentum buffer yet
+            progress = torch.randn(n, generator=g, dtype=torch.float64)
+            out.append((cfg, diloco._sgd_estimate(progress), diloco._scratch_estimate(progress)))
+            with torch.no_grad():             # a real step, so that the buffers exist
+                for p in net.parameters():
+                    p.add_(0.01)
+            diloco.step()
+        diloco.finish()
+    return out
+
+
+def test_the_closed_form_sgd_start_estimate_equals_a_scratch_step():
+    for cfg, closed, scratch in run_ranks(1, estimate_pairs)[0]:
+        torch.testing.assert_close(closed, scratch, rtol=1e-12, atol=1e-12, msg=lambda m: f"{cfg}: {m}")

@@ -742,14 +742,17 @@ class DiLoCo:
         self._r_landed: int | None = None if self._pending is not None else 0
 
     def _column(self, delta: torch.Tensor) -> list[float]:
-        finite = 1.0 if bool(torch.isfinite(delta).all()) else 0.0
+        # One pass: the float64 sum of a float32 vector is finite iff every element is (it cannot
+        # overflow; an Inf or NaN anywhere makes it Inf or NaN). It is also the replica's fingerprint.
+        total = float(delta.double().sum()) if delta.numel() else 0.0
+        finite = 1.0 if math.isfinite(total) else 0.0
         col = [0.0] * _ROWS
         col[_STEPS], col[_SAMPLES], col[_COMPUTE] = self._r_steps, self._r_samples, self._r_compute
         col[_LOSS_SUM], col[_LOSS_N], col[_FINITE] = self._r_loss, self._r_loss_n, finite
         col[_TOT_IDLE], col[_TOT_SYNC] = self._totals["idle"], self._totals["sync"]
         col[_TOT_BYTES] = self._bytes_sent() - self._bytes0
         col[_TOT_WAN] = self._workers.inter_worker_bytes(self._outer_groups()) - self._wan0
-        col[_REPLICA] = float(delta.double().sum()) if delta.numel() else 0.0
+        col[_REPLICA] = total
         col[_LANDED] = self._r_steps if self._r_landed is None else self._r_landed
         col[_DONE] = 1.0 if self._exhausted else 0.0
         col[_ELAPSED] = self._clock() - self._t0
@@ -768,20 +771,28 @@ class DiLoCo:
         return math.fsum(_hetcomm_bytes_sent(g) for g in self._outer_groups())
 
     def _synchronise(self) -> None:
+        # This thread's own work at the boundary (flattening, the start estimate, loading the
+        # parameters) counts as sync; waiting and the exchange count themselves.
+        begin = self._clock()
         progress = self._start - self._flatten_model()       # Δ_r in the master precision
         delta = progress.float()                             # what travels
         plan = self._policy.plan()
+        self._count_sync(begin)
         if self._pending is not None:          # overlap: the previous round's synchronisation
             self._wait_pending()
+        begin = self._clock()
         column = self._column(delta)
         # Once the run is to stop, the round is synchronous: the last round is never left in the
         # background. (A rank out of steps keeps the others' rhythm, agreements one round late,
         # so that the policy's plans, recorded in the history, stay identical on every rank.)
         if not self.overlap or self._stopped:
+            self._count_sync(begin)
             table, _, _ = self._exchange_and_reduce(column, delta, timed=True, plan=plan)
+            begin = self._clock()
             self._after_agreement(table)
             self._load_global()
             self._start = self._flatten_global()
+            self._count_sync(begin)
             self._policy.start_round(self._clock())
         else:
             # The next round starts at Opt*(θ^{k-1}, Δ_r^k) (see the module doc), computed before
@@ -791,15 +802,29 @@ class DiLoCo:
             self._load_flat(estimate)
             self._start = estimate
             self._rebased = False
+            self._count_sync(begin)
             now = self._clock()
             # Deadlines chain: time a rank left unused before the last deadline is not lost.
             previous = getattr(self._policy, "deadline", None)
             self._policy.start_round(now, start=None if previous is None else max(previous, now))
         self._reset_round()
 
+    def _count_sync(self, begin: float) -> None:
+        end = self._clock()
+        self._totals["sync"] += end - begin
+        self._timeline.append(("sync", begin, end))
+
     @torch.no_grad()
     def _start_estimate(self, progress: torch.Tensor) -> torch.Tensor:
-        """Opt*(θ^{k-1}, Δ_r^k): one outer step on a scratch copy of the outer optimizer's state."""
+        """Opt*(θ^{k-1}, Δ_r^k): one outer step on a scratch copy of the outer optimizer's state
+        (for torch.optim.SGD in closed form, without copying its state)."""
+        if type(self.outer_optimizer) is torch.optim.SGD:
+            return self._sgd_estimate(progress)
+        return self._scratch_estimate(progress)
+
+    @torch.no_grad()
+    def _scratch_estimate(self, progress: torch.Tensor) -> torch.Tensor:
+        """One step of any outer optimizer, its state and the global parameters restored after."""
         saved_state = copy.deepcopy(self.outer_optimizer.state_dict())
         saved = [g.detach().clone() for g in self._global]
         for g, piece in zip(self._global, self._split(progress)):
@@ -811,6 +836,28 @@ class DiLoCo:
             g.copy_(old)
         self.outer_optimizer.load_state_dict(saved_state)
         return estimate
+
+    @torch.no_grad()
+    def _sgd_estimate(self, progress: torch.Tensor) -> torch.Tensor:
+        """torch.optim.SGD's step for gradient Δ_r, computed aside: d = ±Δ (− to maximize) + λθ;
+        b = μ b + (1 − τ) d (b = d on the first step); d = d + μ b (Nesterov) or b; θ − η d."""
+        settings = {id(p): group for group in self.outer_optimizer.param_groups for p in group["params"]}
+        out = []
+        for g, piece in zip(self._global, self._split(progress)):
+            group = settings[id(g)]
+            d = piece.view(g.shape).to(g.dtype)
+            if group.get("maximize", False):
+                d = -d
+            if group["weight_decay"]:
+                d = d + group["weight_decay"] * g
+            momentum = group["momentum"]
+            if momentum:
+                buf = self.outer_optimizer.state.get(g, {}).get("momentum_buffer")
+                buf = d if buf is None else buf * momentum + (1 - group["dampening"]) * d
+                d = d + momentum * buf if group["nesterov"] else buf
+            lr = float(group["lr"])
+            out.append((g - lr * d).reshape(-1))
+        return torch.cat(out)
 
     def _maybe_rebase(self) -> None:
         """Moves the replica onto θ^k once round k's late update is in (see the module doc):

@@ -23,6 +23,7 @@ from hetcomm import compress  # noqa: E402  (public submodule)
 from hetcomm.train import adaptive, data, diloco, hooks, local_steps, partition
 from hetcomm.train.adaptive import AdaptiveDataParallel
 from hetcomm.train.diloco import DiLoCo
+from hetcomm.train.elastic import ElasticDiLoCo, StoreUnreachable
 
 # The training modules live in hetcomm.train and keep their old names: hetcomm.hooks is
 # hetcomm.train.hooks (likewise partition, data, adaptive, diloco, local_steps), so
@@ -48,6 +49,6 @@ def tls_available() -> tuple[bool, str]:
 __version__ = "0.1.0"
 __all__ = ["register_backend", "backend_of", "get_plan", "set_plan", "probe", "link_model", "listen_address",
            "supported_devices", "monitored_barrier", "stats", "tls_available",
-           "AdaptiveDataParallel", "DiLoCo", "compress", "data", "hooks", "local_steps", "partition", "__version__"]
+           "AdaptiveDataParallel", "DiLoCo", "ElasticDiLoCo", "StoreUnreachable", "compress", "data", "hooks", "local_steps", "partition", "__version__"]
 
 register_backend()

@@ -135,6 +135,7 @@ import torch
 import torch.distributed as dist
 
 from hetcomm import compress as _compress
+from hetcomm.train import flat as _flat
 from hetcomm.train.local_steps import FixedSteps, LocalStepPolicy, SpeedSteps, StepTimes, make_policy
 from hetcomm.train.workers import Workers, resolve_labels, resolve_members
 from hetcomm.train.partition import exchange_columns
@@ -219,7 +220,7 @@ def _hetcomm_bytes_sent(group: dist.ProcessGroup | None) -> float:
         return math.nan
 
 
-class DiLoCo:
+class DiLoCo(_flat.FlatParameters):
     """DiLoCo over ``group`` (default: the world) for ``model`` trained by ``inner_optimizer``.
 
     Args:
@@ -1012,25 +1013,3 @@ class DiLoCo:
             "landed_after_steps": [round(x) for x in table[_LANDED]],
         })
 
-    # ---- parameters --------------------------------------------------------------------------
-
-    def _split(self, flat: torch.Tensor) -> list[torch.Tensor]:
-        return list(flat.split([p.numel() for p in self._params]))
-
-    @torch.no_grad()
-    def _flatten_model(self) -> torch.Tensor:
-        return torch.cat([p.detach().reshape(-1).to("cpu", self._master) for p in self._params])
-
-    @torch.no_grad()
-    def _flatten_global(self) -> torch.Tensor:
-        return torch.cat([g.detach().reshape(-1) for g in self._global])
-
-    @torch.no_grad()
-    def _load_global(self) -> None:
-        for p, g in zip(self._params, self._global):
-            p.copy_(g.detach())
-
-    @torch.no_grad()
-    def _load_flat(self, flat: torch.Tensor) -> None:
-        for p, piece in zip(self._params, self._split(flat)):
-            p.copy_(piece.view(p.shape))

@@ -1,0 +1,828 @@
+"""Fault-tolerant DiLoCo: dead workers are dropped at the round, restarted ones rejoin, nothing is lost.
+
+::
+
+    python -m hetcomm.store --port 29400                    # once, on a machine that runs no worker
+
+    # every worker (one process each; start it again with the same command after a failure):
+    diloco = hetcomm.ElasticDiLoCo(model, opt, store="STORE_HOST:29400", worker_id="w3", job="run7",
+                                   steps=50)                 # or round_seconds=30
+    for x, y in diloco.loop(loader, max_rounds=1000):
+        loss = loss_fn(model(x), y); loss.backward(); opt.step(); opt.zero_grad()
+        diloco.step(samples=len(x), loss=loss.item())
+
+DiLoCo's workers depend on each other only at a round's synchronisation, so that is where
+membership changes (as INTELLECT-1 and torchft do). The workers share a c10d store that lives
+outside them (`hetcomm.store`) and, per *generation*, a process group (the default one, formed by
+``init_process_group`` over the store under ``.../g<generation>``: this class owns it). Every
+synchronisation attempt (an *epoch*) goes:
+
+1. **Arrive.** A worker whose round is over writes that it has arrived, then waits until every
+   member of the last epoch has arrived, left in good order (its data ended), gone silent (no
+   heartbeat for ``timeout`` seconds: dead, or cut off) or is later than ``late_timeout``.
+2. **Decide.** The first worker to see that writes a decision (compare_set: exactly one per epoch):
+   the members (those who arrived, then the workers that asked to join), which of them hold the
+   global state, who left and why. A changed membership, or a failed previous attempt, starts a
+   new generation: its members form a new process group under a new store prefix. A worker left
+   out of a decision (it was late, or thought dead) joins again like a new one.
+3. **Admit.** When a decision admits workers without the state (new, restarted or dropped ones),
+   the holders send them the global parameters and the outer optimizer's state, each holder one
+   shard (the transfer is spread over every holder), and the round count and history.
+4. **Reduce.** The members agree on a table (steps, samples, losses, a fingerprint of their global
+   parameters, which must match: it is compared every epoch) and all-reduce the sample-weighted
+   pseudo-gradients (`hetcomm.compress`: fp32, bf16, fp16 or int8) into scratch space. Admitted
+   workers contribute nothing this epoch, and from the next round on.
+5. **Commit or abort.** Each member that has the reduced update counts itself done; once all have,
+   the outcome is ``commit`` (compare_set again: the first outcome written is everyone's) and each
+   applies the outer step (so every member holds the same new global parameters). A member whose
+   collective failed, or a member that went silent before everyone was done, makes it ``abort``:
+   nobody applies anything, and the round is synchronised again, without the dead, in a new
+   generation (each survivor still holds its own pseudo-gradient, and the state of the round
+   before). The round either completes everywhere or is redone.
+
+The outer update is weighted by the samples each member actually processed in the round
+(``weighting``, as `hetcomm.DiLoCo`), so dropping a worker re-weights the rest. A round ends after
+``steps`` inner steps, or with ``round_seconds`` after that much time on each worker's own clock
+(rounds then stay aligned whatever the workers' speeds).
+
+**The store** must outlive every worker. If it dies, every worker raises `StoreUnreachable`
+(naming the store's address) within about ``heartbeat`` seconds during its inner steps, or at the
+synchronisation it is in; restart the store and the job from checkpoints (`state_dict`).
+A new run needs a new ``job`` name (or a fresh store): the keys of the old one stay in the store;
+a worker that loaded a checkpoint (`load_state_dict`) and finds the job's last members all gone
+starts a new *era* of the job (keys under ``.../era<n>``) in which the checkpoint holders with
+the latest round provide the state: a whole-job restart resumes at the last checkpointed round.
+
+Limits: one process per worker (a worker of several ranks, a site, is not elastic yet); no
+overlap of the synchronisation with the next round; ranks are assigned per generation, so use no
+other default-group collective in the training script.
+"""
+from __future__ import annotations
+
+import datetime
+import hashlib
+import math
+import os
+import socket
+import time
+import uuid
+from collections.abc import Callable, Iterable, Iterator, Sequence
+
+import torch
+import torch.distributed as dist
+
+from hetcomm import compress as _compress
+from hetcomm.train import flat as _flat
+from hetcomm.train.diloco import _cpu_copy, default_outer_optimizer, outer_weights, WEIGHTINGS
+from hetcomm.train.membership import Keys, Pulse, StoreUnreachable, connect
+from hetcomm.train.partition import exchange_columns
+
+__all__ = ["ElasticDiLoCo", "StoreUnreachable"]
+
+_PREFIX = "hetcomm ElasticDiLoCo"
+# Rows of the table every member contributes a column to at each epoch.
+_STEPS, _SAMPLES, _LOSS_SUM, _LOSS_N, _FINITE, _PRINT, _ROWS = 0, 1, 2, 3, 4, 5, 6
+_POLL = (0.005, 0.1)          # the store is polled from every 5 ms, backing off to 100 ms
+
+
+def _fingerprint(flat: torch.Tensor) -> int:
+    """52 bits of a hash of the exact bytes (an integer a float64 carries exactly)."""
+    digest = hashlib.blake2b(flat.contiguous().numpy().tobytes(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 12
+
+
+class _Poll:
+    """Sleeps that start short and back off (a decision usually lands within milliseconds)."""
+
+    def __init__(self) -> None:
+        self.wait = _POLL[0]
+
+    def __call__(self) -> None:
+        time.sleep(self.wait)
+        self.wait = min(_POLL[1], self.wait * 1.5)
+
+
+class ElasticDiLoCo(_flat.FlatParameters):
+    """DiLoCo whose workers may die, come back and join while it runs (see the module doc).
+
+    Args:
+        model: this worker's replica; its floating-point parameters are synchronised.
+        inner_optimizer: the optimizer the training loop steps (kept across rounds).
+        store: the job's c10d store, ``"host:port"`` (`hetcomm.store`) or a torch.distributed Store.
+        worker_id: this worker's name in logs and `stats` (default ``$HETCOMM_WORKER_ID``, else
+            ``host:pid``); a restarted worker may reuse it.
+        job: the run's name on the store (a new run needs a new one).
+        steps: inner steps per round (each worker's own count), unless ``round_seconds``.
+        round_seconds: end each round after this many seconds on each worker's clock instead.
+        outer_optimizer: ``callable(params) -> Optimizer`` over the global parameters (CPU);
+            default `hetcomm.diloco.default_outer_optimizer`.
+        weighting, compress, block: as `hetcomm.DiLoCo`.
+        min_workers: the first generation forms once this many workers have asked to join.
+        heartbeat: seconds between heartbeats.
+        timeout: a worker whose heartbeat has not changed for this long is dropped (at most 10 s
+            by default, as INTELLECT-1's 2 s / 10 s).
+        late_timeout: a live worker that has not reached the synchronisation this long after it
+            became the last one missing is dropped too (it rejoins when it gets there).
+        collective_timeout: the generation group's operation timeout (a frozen peer).
+        backend: the generation group's backend (``"hetcomm"`` or ``"gloo"``).
+        verbose: print one line per membership change (they are in `stats` either way).
+    """
+
+    def __init__(self, model: torch.nn.Module, inner_optimizer: torch.optim.Optimizer | None = None, *,
+                 store, worker_id: str | None = None, job: str = "diloco", steps: int = 50,
+                 round_seconds: float | None = None,
+                 outer_optimizer: Callable[[Sequence[torch.Tensor]], torch.optim.Optimizer] | None = None,
+                 weighting: str = "batch", compress: str = "fp32", block: int = 2048, min_workers: int = 1,
+                 heartbeat: float = 2.0, timeout: float = 10.0, late_timeout: float = 600.0,
+                 collective_timeout: float = 60.0, backend: str = "hetcomm", verbose: bool = True) -> None:
+        if dist.is_available() and dist.is_initialized():
+            raise RuntimeError(f"{_PREFIX}: torch.distributed is already initialised; ElasticDiLoCo forms the "
+                               "default process group itself, once per generation of workers (start the worker "
+                               "without init_process_group)")
+        for name, value in (("heartbeat", heartbeat), ("timeout", timeout), ("late_timeout", late_timeout),
+                            ("collective_timeout", collective_timeout)):
+            if not (isinstance(value, (int, float)) and value > 0 and math.isfinite(value)):
+                raise ValueError(f"{_PREFIX}: {name} must be a positive number of seconds, got {value!r}")
+        if timeout < 2 * heartbeat:
+            raise ValueError(f"{_PREFIX}: timeout ({timeout} s) must be at least twice the heartbeat ({heartbeat} s)")
+        if round_seconds is None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 1):
+            raise ValueError(f"{_PREFIX}: steps must be an int >= 1, got {steps!r}")
+        if round_seconds is not None and not (round_seconds > 0 and math.isfinite(round_seconds)):
+            raise ValueError(f"{_PREFIX}: round_seconds must be > 0, got {round_seconds!r}")
+        if isinstance(min_workers, bool) or not isinstance(min_workers, int) or min_workers < 1:
+            raise ValueError(f"{_PREFIX}: min_workers must be an int >= 1, got {min_workers!r}")
+        if weighting not in WEIGHTINGS:
+            raise ValueError(f"{_PREFIX}: unknown weighting {weighting!r}; expected one of {', '.join(WEIGHTINGS)}")
+        if not job or "/" in job:
+            raise ValueError(f"{_PREFIX}: job must be a non-empty name without '/', got {job!r}")
+        self.model, self.inner_optimizer = model, inner_optimizer
+        self._params = [p for p in model.parameters() if p.is_floating_point()]
+        if not self._params:
+            raise ValueError(f"{_PREFIX}: the model has no floating-point parameters")
+        factory = outer_optimizer or default_outer_optimizer
+        if isinstance(factory, torch.optim.Optimizer) or not callable(factory):
+            raise TypeError(f"{_PREFIX}: outer_optimizer must be a callable params -> Optimizer")
+        self.weighting = weighting
+        self._codec = _compress.get_codec(compress, block=block)
+        self._steps, self._round_seconds = steps, round_seconds
+        self._min_workers, self._heartbeat, self._timeout = min_workers, float(heartbeat), float(timeout)
+        self._late_timeout, self._collective_timeout = float(late_timeout), float(collective_timeout)
+        self._backend, self._verbose, self.job = backend, verbose, job
+        self.worker_id = worker_id or os.environ.get("HETCOMM_WORKER_ID") or f"{socket.gethostname()}:{os.getpid()}"
+        if "#" in self.worker_id:
+            raise ValueError(f"{_PREFIX}: worker_id must not contain '#', got {self.worker_id!r}")
+        self._me = f"{self.worker_id}#{uuid.uuid4().hex[:8]}"     # this incarnation
+
+        client, address = connect(store, timeout=max(self._timeout, 5.0))
+        self._job_keys = Keys(client, address, f"hetcomm/ft/{job}/")
+        self._keys: Keys | None = None                            # the era's keys, once joined
+        self._group_store = self._job_keys.clone()                # the generation groups' rendezvous
+        self._group_store.set_timeout(2 * self._timeout)
+
+        master = torch.float64 if any(p.dtype == torch.float64 for p in self._params) else torch.float32
+        self._master = master
+        with torch.no_grad():
+            self._global = [torch.nn.Parameter(p.detach().to("cpu", master).clone()) for p in self._params]
+        self.outer_optimizer = factory(self._global)
+        self._start = self._flatten_global()
+
+        self._holds = False            # this worker holds the run's global state (after admission)
+        self._checkpoint = False       # it was loaded from a checkpoint before joining
+        self._round = 0                # rounds committed in the run
+        self._samples_total = 0
+        self._history: list[dict] = []
+        self._events: list[dict] = []
+        self._decision: dict | None = None    # the last epoch's decision this worker took part in
+        self._outcome = "commit"
+        self._gen: int | None = None
+        self._joined = self._stopped = self._closed = False
+        self._stop_reason: str | None = None
+        self._budgets: dict[str, float] = {}
+        self._pulse: Pulse | None = None
+        self._totals = {"compute": 0.0, "idle": 0.0, "sync": 0.0}
+        self._timeline: list[tuple[str, float, float]] = []
+        self._step_calls = 0
+        self._reset_round()
+
+    # ---- the training loop's side ------------------------------------------------------------
+
+    def join(self) -> None:
+        """Connects, waits until a round boundary admits this worker, then loads the global
+        parameters into the model (`loop` calls it; call it yourself before the first inner step
+        of a loop of your own). Returns at once if the run has already ended (`should_stop`)."""
+        if self._joined:
+            return
+        if self._closed:
+            raise RuntimeError(f"{_PREFIX}: join() after close()")
+        self._joined = True
+        try:
+            self._pulse = Pulse(self._job_keys.clone(), self._me, self._heartbeat)
+            self._keys = self._job_keys.under(f"era{self._era()}")
+            self._admit()
+        except BaseException:
+            self.close()
+            raise
+        self._reset_round()
+        self._mark = time.perf_counter()
+
+    def step(self, samples: int | None = None, loss: float | None = None) -> bool:
+        """Call after every inner step; synchronises when the round is over (returns True then)."""
+        if not self._joined or self._closed or self._stopped:
+            raise RuntimeError(f"{_PREFIX}: step() " + ("before join() (or use loop())" if not self._joined
+                                                        else f"after the run stopped ({self._stop_reason})"
+                                                        if self._stopped else "after close()"))
+        now = time.perf_counter()
+        self._pulse.check()
+        n = 1 if samples is None else int(samples)
+        if n < 0:
+            raise ValueError(f"{_PREFIX}: samples must be >= 0, got {samples!r}")
+        self._step_calls += 1
+        self._r_steps += 1
+        self._r_samples += n
+        if loss is not None and n > 0:
+            self._r_loss += float(loss) * n
+            self._r_loss_n += n
+        self._totals["compute"] += now - self._mark
+        self._timeline.append(("compute", self._mark, now))
+        over = (self._r_steps >= self._steps if self._round_seconds is None
+                else now - self._round_start >= self._round_seconds)
+        if over:
+            try:
+                self._end_round()
+            except BaseException:
+                self.close()
+                raise
+        self._mark = time.perf_counter()
+        return over
+
+    def loop(self, batches: Iterable, *, max_rounds: int | None = None,
+             max_samples: int | None = None) -> Iterator:
+        """Joins, yields ``batches`` until the run stops, then leaves (`finish`).
+
+        ``max_rounds`` (rounds of the run, counted across restarts and joins) and ``max_samples``
+        (samples of every worker together) stop every member at the same round; a worker whose
+        ``batches`` end synchronises its last partial round and leaves, and the others go on."""
+        for name, value in (("max_rounds", max_rounds), ("max_samples", max_samples)):
+            if value is not None and not (value > 0 and math.isfinite(value)):
+                raise ValueError(f"{_PREFIX}: {name} must be > 0, got {value!r}")
+        self._budgets = {"max_rounds": max_rounds or 0, "max_samples": max_samples or 0}
+        self.join()
+        try:
+            if not self._stopped:
+                self._check_budgets()
+            for item in batches:
+                if self._stopped:
+                    break
+                calls = self._step_calls
+                yield item
+                if self._step_calls != calls + 1:
+                    raise RuntimeError(f"{_PREFIX}: the body of loop() must call step() exactly once per batch "
+                                       f"(it called it {self._step_calls - calls} times)")
+        except GeneratorExit:
+            self.finish()
+            raise
+        except BaseException:
+            self.close()
+            raise
+        self.finish()
+
+    def finish(self) -> None:
+        """Leaves in good order: synchronises this worker's partial round (if it took steps since
+        the last synchronisation and the run goes on), tells the others it left (they drop it at
+        once instead of after ``timeout``), and releases the group and the heartbeat."""
+        if self._closed:
+            return
+        try:
+            if self._joined and not self._stopped and self._r_steps:
+                self._end_round()
+            if self._keys is not None:
+                self._keys.set(f"leave/{self._me}", {"round": self._round})
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        """Releases the group and stops the heartbeat, without telling anyone (the others drop
+        this worker after ``timeout``). `finish` calls it."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._pulse is not None:
+            self._pulse.stop()
+        self._destroy_group()
+
+    def __enter__(self) -> "ElasticDiLoCo":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.finish()
+        else:
+            self.close()
+
+    @property
+    def should_stop(self) -> bool:
+        return self._stopped
+
+    @property
+    def stop_reason(self) -> str | None:
+        return self._stop_reason
+
+    @property
+    def rounds(self) -> int:
+        """Rounds committed in the run (the same on every member)."""
+        return self._round
+
+    @property
+    def history(self) -> list[dict]:
+        """One record per round this worker committed (identical on every member of that round;
+        a joiner receives the earlier ones): round, epoch, generation, members (worker ids),
+        their steps, samples, mean losses and weights, and ``fingerprint``, a hash of the global
+        parameters after the round's update."""
+        return list(self._history)
+
+    @property
+    def membership(self) -> list[dict]:
+        """Membership changes and failed synchronisations this worker saw, in order."""
+        return list(self._events)
+
+    def global_parameters(self) -> list[torch.Tensor]:
+        return [g.detach() for g in self._global]
+
+    def fingerprint(self) -> int:
+        """A hash of the global parameters (equal on every member after each round)."""
+        return _fingerprint(self._flatten_global())
+
+    def stats(self) -> dict:
+        """This worker's view: rounds, generation, current members, membership changes, samples
+        of the run, and this worker's compute, idle (waiting for others) and sync seconds."""
+        members = self._decision["members"] if self._decision else []
+        return {"rounds": self._round, "generation": self._gen, "members": [m.split("#")[0] for m in members],
+                "membership": self.membership, "samples_total": self._samples_total,
+                "compute_seconds": self._totals["compute"], "idle_seconds": self._totals["idle"],
+                "sync_seconds": self._totals["sync"]}
+
+    def timeline(self) -> list[tuple[str, float, float]]:
+        """(kind, start, end) in time.time() seconds: compute, idle, sync and, at the instant of
+        each membership change, ("membership", t, t)."""
+        offset = time.time() - time.perf_counter()
+        return [(k, a + offset, b + offset) for k, a, b in self._timeline]
+
+    # ---- checkpoints -------------------------------------------------------------------------
+
+    _STATE_VERSION = 1
+
+    def state_dict(self) -> dict:
+        """The run's state as this worker holds it (CPU copies): global parameters, outer
+        optimizer, round, samples, history, membership, and this worker's model and inner
+        optimizer. Call it between rounds (after `join`, when `step` returned True, or after the
+        run stopped); no communication."""
+        if self._r_steps:
+            raise RuntimeError(f"{_PREFIX}: state_dict() inside a round ({self._r_steps} steps since the last "
+                               "synchronisation): call it when step() returned True")
+        if not self._holds:
+            raise RuntimeError(f"{_PREFIX}: state_dict() before this worker was admitted (it holds no state yet)")
+        return _cpu_copy({
+            "version": self._STATE_VERSION, "job": self.job, "global": list(self._global),
+            "outer_optimizer": self.outer_optimizer.state_dict(), "round": self._round,
+            "samples_total": self._samples_total, "history": self._history, "membership": self._events,
+            "model": self.model.state_dict(),
+            "inner_optimizer": self.inner_optimizer.state_dict() if self.inner_optimizer is not None else None,
+        })
+
+    def load_state_dict(self, state: dict) -> None:
+        """Loads a checkpoint before `join`: this worker then offers its state when the job's era
+        starts (the holders of the latest round provide it; see the module doc)."""
+        if self._joined:
+            raise RuntimeError(f"{_PREFIX}: load_state_dict() after join(): load the checkpoint first")
+        if state.get("version") != self._STATE_VERSION:
+            raise ValueError(f"{_PREFIX}: checkpoint version {state.get('version')!r}, expected {self._STATE_VERSION}")
+        if [tuple(t.shape) for t in state["global"]] != [tuple(g.shape) for g in self._global]:
+            raise ValueError(f"{_PREFIX}: the checkpoint's parameters do not match the model's shapes")
+        with torch.no_grad():
+            for g, t in zip(self._global, state["global"]):
+                g.copy_(t)
+        self.outer_optimizer.load_state_dict(state["outer_optimizer"])
+        self.model.load_state_dict(state["model"])
+        if state["inner_optimizer"] is not None and self.inner_optimizer is not None:
+            self.inner_optimizer.load_state_dict(state["inner_optimizer"])
+        self._round, self._samples_total = int(state["round"]), int(state["samples_total"])
+        self._history, self._events = list(state["history"]), list(state["membership"])
+        self._start = self._flatten_global()
+        self._holds = self._checkpoint = True
+
+    # ---- rounds ------------------------------------------------------------------------------
+
+    def _reset_round(self) -> None:
+        self._r_steps = self._r_samples = self._r_loss_n = 0
+        self._r_loss = 0.0
+        self._round_start = time.perf_counter()
+
+    def _end_round(self) -> None:
+        begin = time.perf_counter()
+        delta = (self._start - self._flatten_model()).float()
+        self._count("sync", begin)
+        column = self._column(delta)
+        if not self._synchronise(delta, column):
+            self._log(f"round {self._round}: this worker was dropped ({self._dropped_why}); its "
+                      f"{self._r_steps} steps are discarded and it joins again")
+            self._holds = False
+            self._destroy_group()
+            self._reset_round()
+            self._admit()
+        self._check_budgets()
+        self._reset_round()
+
+    def _column(self, delta: torch.Tensor | None) -> list[float]:
+        total = float(delta.double().sum()) if delta is not None and delta.numel() else 0.0
+        col = [0.0] * _ROWS
+        col[_STEPS], col[_SAMPLES] = self._r_steps, self._r_samples
+        col[_LOSS_SUM], col[_LOSS_N] = self._r_loss, self._r_loss_n
+        col[_FINITE] = 1.0 if math.isfinite(total) else 0.0
+        return col
+
+    def _check_budgets(self) -> None:
+        limit_r, limit_s = self._budgets.get("max_rounds", 0), self._budgets.get("max_samples", 0)
+        reason = None
+        if limit_r and self._round >= limit_r:
+            reason = f"max_rounds: {self._round} rounds"
+        elif limit_s and self._samples_total >= limit_s:
+            reason = f"max_samples: {self._samples_total} samples"
+        if reason is not None:
+            self._stopped, self._stop_reason = True, reason
+            self._keys.first("ended", {"round": self._round, "reason": reason})
+
+    # ---- membership --------------------------------------------------------------------------
+
+    def _era(self) -> int:
+        """The job's current era (1 at the first start). A worker that loaded a checkpoint and
+        finds the era's last members all silent starts the next one (a whole-job restart)."""
+        era = int(self._job_keys.first("era", 1))
+        if not self._checkpoint:
+            return era
+        keys = self._job_keys.under(f"era{era}")
+        if not keys.has("latest"):
+            return era
+        last = keys.get(f"e{keys.get('latest')}/decision")
+        if keys.has("ended"):
+            dead = True
+        else:
+            self._pulse.watch(last["members"])
+            poll = _Poll()
+            while True:
+                self._pulse.check()
+                if keys.get("latest") != last["epoch"]:
+                    return era                       # the era is alive: join it
+                silent = min(self._pulse.silent(m) for m in last["members"])
+                if silent > self._timeout:
+                    dead = True
+                    break
+                poll()
+        if dead:
+            new = self._job_keys.store.compare_set(self._job_keys.root + "era", str(era), str(era + 1))
+            era = int(new)
+            self._log(f"era {era - 1} of job {self.job!r} has no live worker: this worker (checkpoint at round "
+                      f"{self._round}) starts era {era}")
+        return era
+
+    def _admit(self) -> None:
+        """Asks to join and waits for a decision that admits this worker; then takes part in
+        epochs until one commits (this worker then holds the global state)."""
+        keys = self._keys
+        begin = time.perf_counter()
+        index = keys.add("joins", 1) - 1
+        keys.set(f"join/{index}", {"who": self._me, "holds": self._holds, "round": self._round})
+        epoch = int(keys.get("latest")) if keys.has("latest") else 1
+        poll, watched = _Poll(), None
+        while True:
+            self._pulse.check()
+            if keys.has("ended"):
+                ended = keys.get("ended")
+                self._stopped, self._stop_reason = True, f"the run ended at round {ended['round']} ({ended['reason']})"
+                self._joined = True
+                self._count("idle", begin)
+                return
+            if keys.has(f"e{epoch}/decision"):
+                decision = keys.get(f"e{epoch}/decision")
+                self._pulse.watch(decision["members"])
+                if self._me in decision["members"]:
+                    self._count("idle", begin)
+                    if not self._synchronise(None, self._column(None), admitted=decision):
+                        raise RuntimeError(f"{_PREFIX}: dropped while being admitted ({self._dropped_why})")
+                    return
+                epoch += 1
+                watched = decision["members"]
+                continue
+            if epoch == 1:
+                self._bootstrap(keys)
+            elif watched and all(self._pulse.silent(m) > self._timeout for m in watched):
+                raise RuntimeError(f"{_PREFIX}: every member of epoch {epoch - 1} ({self._names(watched)}) is gone, "
+                                   "and the run's state with them: restart the job from checkpoints (load_state_dict)")
+            poll()
+
+    def _bootstrap(self, keys: Keys) -> None:
+        """The first decision of an era: once ``min_workers`` asked to join, they are its members
+        (sorted by worker id: a deterministic order of ranks), the holders of the latest
+        checkpoint its holders (else the first of them, whose fresh model everyone starts from)."""
+        count = keys.add("joins", 0)
+        if count < self._min_workers:
+            return
+        regs = []
+        for i in range(count):
+            if not keys.has(f"join/{i}"):
+                return                               # registered, not yet written: next poll
+            regs.append(keys.get(f"join/{i}"))
+        regs.sort(key=lambda r: r["who"])
+        members = [r["who"] for r in regs]
+        latest = max((r["round"] for r in regs if r["holds"]), default=None)
+        holders = [r["who"] for r in regs if r["holds"] and r["round"] == latest] or members[:1]
+        keys.first("e1/decision", {"epoch": 1, "gen": 1, "round": latest or 0, "members": members,
+                                   "holders": holders, "left": {}, "joined": members, "admitted_upto": count})
+        keys.set("latest", 1)
+
+    def _decide(self, epoch: int) -> dict:
+        """Waits until every member of the last epoch arrived at ``epoch`` or is out; the first to
+        see it writes the decision; returns the decision (everyone's)."""
+        keys, prev = self._keys, self._decision
+        members = prev["members"]
+        arrivals: dict[str, dict] = {}
+        poll, last_missing, since = _Poll(), None, time.perf_counter()
+        while True:
+            self._pulse.check()
+            if keys.has(f"e{epoch}/decision"):
+                decision = keys.get(f"e{epoch}/decision")
+                self._pulse.watch(decision["members"])
+                return decision
+            for m in members:
+                if m not in arrivals and keys.has(f"e{epoch}/arrive/{m}"):
+                    arrivals[m] = keys.get(f"e{epoch}/arrive/{m}")
+            out: dict[str, str] = {}
+            for m in members:
+                if m in arrivals:
+                    continue
+                if keys.has(f"leave/{m}"):
+                    out[m] = "left: its data ended"
+                elif self._pulse.silent(m) > self._timeout:
+                    out[m] = f"no heartbeat for {self._pulse.silent(m):.1f} s"
+            missing = [m for m in members if m not in arrivals and m not in out]
+            if missing != last_missing:
+                last_missing, since = missing, time.perf_counter()
+            if missing and time.perf_counter() - since > self._late_timeout:
+                out.update({m: f"not at the synchronisation {self._late_timeout:.0f} s after the others"
+                            for m in missing})
+                missing = []
+            if not missing:
+                break
+            poll()
+        continuing = [m for m in members if m in arrivals]
+        holders = [m for m in continuing if arrivals[m]["holds"]]
+        rounds = {arrivals[m]["round"] for m in holders} or {max(arrivals[m]["round"] for m in continuing)}
+        if len(rounds) > 1:
+            raise RuntimeError(f"{_PREFIX}: epoch {epoch}: members arrived at different rounds {sorted(rounds)} "
+                               "(a bug: please report it)")
+        joiners, upto = [], prev["admitted_upto"]
+        while keys.has(f"join/{upto}"):
+            who = keys.get(f"join/{upto}")["who"]
+            self._pulse.watch([who])
+            if who not in continuing and who not in joiners and self._pulse.silent(who) <= self._timeout:
+                joiners.append(who)
+            upto += 1
+        new_members = continuing + joiners
+        changed = new_members != members or self._outcome != "commit"
+        decision = {"epoch": epoch, "gen": prev["gen"] + (1 if changed else 0), "round": rounds.pop(),
+                    "members": new_members, "holders": holders,
+                    "left": out, "joined": joiners, "admitted_upto": upto}
+        decision = keys.first(f"e{epoch}/decision", decision)
+        keys.set("latest", epoch)
+        self._pulse.watch(decision["members"])
+        return decision
+
+    def _synchronise(self, delta: torch.Tensor | None, column: list[float], admitted: dict | None = None) -> bool:
+        """Epochs until one commits (True) or a decision leaves this worker out (False)."""
+        while True:
+            if admitted is None:
+                begin = time.perf_counter()
+                epoch = self._decision["epoch"] + 1
+                self._keys.set(f"e{epoch}/arrive/{self._me}", {"holds": self._holds, "round": self._round})
+                decision = self._decide(epoch)
+                self._count("idle", begin)
+                if self._me not in decision["members"]:
+                    self._dropped_why = decision["left"].get(self._me, "arrived after the decision")
+                    self._decision = None
+                    return False
+            else:
+                decision, admitted = admitted, None
+            if self._attempt(decision, delta, column):
+                return True
+
+    def _attempt(self, decision: dict, delta: torch.Tensor | None, column: list[float]) -> bool:
+        self._note_membership(decision)
+        begin = time.perf_counter()
+        if not decision["holders"]:
+            raise RuntimeError(f"{_PREFIX}: round {decision['round']}: no member of epoch {decision['epoch']} "
+                               "holds the run's state (every worker that did is gone): restart from checkpoints")
+        reduced, table, failure = None, None, None
+        try:
+            if decision["gen"] != self._gen:
+                self._form_group(decision)
+            if set(decision["holders"]) != set(decision["members"]):
+                self._transfer(decision)
+            table, reduced = self._reduce(decision, delta, column)
+        except StoreUnreachable:
+            raise
+        except ValueError:
+            raise                                     # the same on every member: not a link failure
+        except RuntimeError as e:
+            failure = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
+        self._count("sync", begin)
+        begin = time.perf_counter()
+        outcome = self._outcome_of(decision, failure)
+        self._count("idle", begin)
+        self._decision, self._outcome = decision, "commit" if outcome == "commit" else "abort"
+        if outcome != "commit":
+            self._event({"round": decision["round"], "epoch": decision["epoch"], "generation": decision["gen"],
+                         "aborted": outcome.removeprefix("abort: ")},
+                        f"round {decision['round']}: synchronisation failed ({outcome.removeprefix('abort: ')}); "
+                        "nothing applied, it is redone")
+            self._destroy_group()
+            return False
+        begin = time.perf_counter()
+        self._apply(decision, table, reduced)
+        self._count("sync", begin)
+        return True
+
+    def _outcome_of(self, decision: dict, failure: str | None) -> str:
+        """Two-phase end of an epoch: ``commit`` once every member is done, else ``abort: why``."""
+        keys, epoch, members = self._keys, decision["epoch"], decision["members"]
+        if failure is None:
+            keys.add(f"e{epoch}/done", 1)
+        else:
+            keys.first(f"e{epoch}/outcome", f"abort: {self.worker_id}: {failure}")
+        poll = _Poll()
+        while True:
+            self._pulse.check()
+            if keys.has(f"e{epoch}/outcome"):
+                return keys.get(f"e{epoch}/outcome")
+            if keys.add(f"e{epoch}/done", 0) >= len(members):
+                return keys.first(f"e{epoch}/outcome", "commit")
+            gone = [m for m in members if self._pulse.silent(m) > self._timeout]
+            if gone:
+                return keys.first(f"e{epoch}/outcome", f"abort: {self._names(gone)} gone during the synchronisation")
+            poll()
+
+    def _note_membership(self, decision: dict) -> None:
+        if not decision["left"] and not decision["joined"]:
+            return
+        names = self._names
+        parts = [f"{names([m])} left ({why})" for m, why in decision["left"].items()]
+        if decision["joined"]:
+            parts.append(f"{names(decision['joined'])} joined")
+        self._event({"round": decision["round"], "epoch": decision["epoch"], "generation": decision["gen"],
+                     "left": {names([m]): why for m, why in decision["left"].items()},
+                     "joined": [names([m]) for m in decision["joined"]], "members": [names([m]) for m in
+                                                                                      decision["members"]]},
+                    f"round {decision['round']}: " + "; ".join(parts) +
+                    f"; members {names(decision['members'])} (generation {decision['gen']})")
+
+    def _event(self, record: dict, line: str) -> None:
+        if record in self._events:           # a joiner received the earlier ones already
+            return
+        self._events.append(record)
+        now = time.perf_counter()
+        self._timeline.append(("membership", now, now))
+        self._log(line)
+
+    def _log(self, line: str) -> None:
+        if self._verbose:
+            print(f"{_PREFIX} [{self.worker_id}]: {line}", flush=True)
+
+    @staticmethod
+    def _names(members: Sequence[str]) -> str:
+        return ",".join(m.split("#")[0] for m in members)
+
+    # ---- the generation's group --------------------------------------------------------------
+
+    def _form_group(self, decision: dict) -> None:
+        self._destroy_group()
+        store = dist.PrefixStore(f"{self._keys.root}g{decision['gen']}", self._group_store.store)
+        dist.init_process_group(self._backend, store=store, rank=decision["members"].index(self._me),
+                                world_size=len(decision["members"]),
+                                timeout=datetime.timedelta(seconds=self._collective_timeout))
+        self._gen = decision["gen"]
+
+    def _destroy_group(self) -> None:
+        self._gen = None
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:  # noqa: BLE001 - a failed group: it is being left behind anyway
+                pass
+
+    def _transfer(self, decision: dict) -> None:
+        """The holders send the run's state to the members without it, one shard each."""
+        members, holders = decision["members"], decision["holders"]
+        rank = members.index(self._me)
+        sources = [members.index(h) for h in holders]
+        mine = self._me in holders
+        tensors: list[torch.Tensor] = []
+        meta = None
+        if mine:
+            skeleton = self._skeleton(self.outer_optimizer.state_dict(), tensors)
+            meta = {"skeleton": skeleton, "round": self._round, "samples_total": self._samples_total,
+                    "history": self._history, "membership": self._events,
+                    "sizes": [g.numel() for g in self._global] + [t.numel() for t in tensors]}
+        box = [meta]
+        dist.broadcast_object_list(box, src=sources[0])
+        meta = box[0]
+        total = sum(meta["sizes"])
+        if mine:
+            flat = torch.cat([g.detach().reshape(-1).double() for g in self._global] +
+                             [t.detach().reshape(-1).double() for t in tensors])
+        else:
+            flat = torch.zeros(total, dtype=torch.float64)
+        for src, shard in zip(sources, flat.tensor_split(len(sources))):
+            if shard.numel():
+                dist.broadcast(shard, src=src)
+        if mine:
+            return
+        pieces = flat.split(meta["sizes"])
+        with torch.no_grad():
+            for g, piece in zip(self._global, pieces):
+                g.copy_(piece.view(g.shape))
+        state = self._fill(meta["skeleton"], list(pieces[len(self._global):]))
+        self.outer_optimizer.load_state_dict(state)
+        self._round, self._samples_total = meta["round"], meta["samples_total"]
+        self._history, self._events = list(meta["history"]), list(meta["membership"])
+        self._start = self._flatten_global()
+        self._load_global()
+
+    @classmethod
+    def _skeleton(cls, obj, tensors: list):
+        if isinstance(obj, torch.Tensor):
+            tensors.append(obj)
+            return {"__tensor__": len(tensors) - 1, "shape": list(obj.shape), "dtype": str(obj.dtype)}
+        if isinstance(obj, dict):
+            return {k: cls._skeleton(v, tensors) for k, v in obj.items()}
+        if isinstance(obj, (list, tuple)):
+            return type(obj)(cls._skeleton(v, tensors) for v in obj)
+        return obj
+
+    @classmethod
+    def _fill(cls, obj, pieces: list):
+        if isinstance(obj, dict) and "__tensor__" in obj:
+            dtype = getattr(torch, obj["dtype"].removeprefix("torch."))
+            return pieces[obj["__tensor__"]].view(obj["shape"]).to(dtype).clone()
+        if isinstance(obj, dict):
+            return {k: cls._fill(v, pieces) for k, v in obj.items()}
+        if isinstance(obj, (list, tuple)):
+            return type(obj)(cls._fill(v, pieces) for v in obj)
+        return obj
+
+    def _reduce(self, decision: dict, delta: torch.Tensor | None,
+                column: list[float]) -> tuple[list[list[float]], torch.Tensor | None]:
+        col = list(column)
+        col[_PRINT] = float(_fingerprint(self._flatten_global()))
+        table = exchange_columns(col)
+        prints = table[_PRINT]
+        if len(set(prints)) > 1:
+            raise ValueError(f"{_PREFIX}: round {decision['round']}: the members' global parameters differ "
+                             f"(fingerprints {dict(zip(self._names(decision['members']).split(','), prints))}): "
+                             "a bug, please report it")
+        bad = [m for m, f in zip(decision["members"], table[_FINITE]) if f == 0.0]
+        if bad:
+            raise ValueError(f"{_PREFIX}: round {decision['round']}: the pseudo-gradient of {self._names(bad)} is "
+                             "not finite (NaN or Inf in their parameters); no outer update was applied")
+        weights = outer_weights(self.weighting, table[_SAMPLES], table[_STEPS])
+        if not any(s > 0 for s in table[_STEPS]) or not any(w != 0.0 for w in weights):
+            return table, None
+        x = delta if delta is not None else torch.zeros(self._start.numel(), dtype=torch.float32)
+        return table, _compress.weighted_allreduce(x, weights, codec=self._codec, finite_checked=True)
+
+    def _apply(self, decision: dict, table: list[list[float]], reduced: torch.Tensor | None) -> None:
+        if reduced is not None:
+            for g, piece in zip(self._global, self._split(reduced)):
+                g.grad = piece.view(g.shape).to(g.dtype)
+            self.outer_optimizer.step()
+            self.outer_optimizer.zero_grad(set_to_none=True)
+        self._load_global()
+        self._start = self._flatten_global()
+        self._holds = True
+        if not any(s > 0 for s in table[_STEPS]):
+            self._round = decision["round"]         # an admission of the first generation: no round
+            return
+        weights = outer_weights(self.weighting, table[_SAMPLES], table[_STEPS])
+        self._round = decision["round"] + 1
+        self._samples_total += round(sum(table[_SAMPLES]))
+        self._history.append({
+            "round": self._round, "epoch": decision["epoch"], "generation": decision["gen"],
+            "members": self._names(decision["members"]).split(","),
+            "steps": [round(s) for s in table[_STEPS]], "samples": [round(s) for s in table[_SAMPLES]],
+            "loss": [s / n if n > 0 else None for s, n in zip(table[_LOSS_SUM], table[_LOSS_N])],
+            "weights": weights, "fingerprint": _fingerprint(self._start),
+        })
+
+    # ---- parameters --------------------------------------------------------------------------
+
+    def _count(self, kind: str, begin: float) -> None:
+        end = time.perf_counter()
+        self._totals[kind] += end - begin
+        self._timeline.append((kind, begin, end))

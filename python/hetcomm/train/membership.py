@@ -1,0 +1,168 @@
+"""Who is in an elastic DiLoCo run: heartbeats, arrivals and decisions on a c10d store.
+
+The store (`hetcomm.store`, a TCPStore served outside the workers) is the only thing the workers
+share besides their process group, and the only place where they agree on membership. Keys,
+under ``hetcomm/ft/<job>/``:
+
+* ``hb/<who>``: a counter its worker adds to every ``heartbeat`` seconds. Observers judge it by
+  their own clock (when they last saw it change), so the machines' clocks need not agree.
+* ``joins`` (a counter) and ``join/<i>``: the i-th registration of a worker that wants in (a new
+  worker, a restarted one, or one dropped while it was alive), as JSON.
+* ``leave/<who>``: a worker that finished its data and left in good order.
+* ``e<e>/arrive/<who>``: a member reached synchronisation attempt ("epoch") e.
+* ``e<e>/decision``: who takes part in epoch e, written once with compare_set: the first proposal
+  wins and every worker reads the same one. Its members' ranks are their order in it.
+* ``e<e>/done`` (a counter) and ``e<e>/outcome``: the two-phase end of an epoch (``commit`` once
+  every member has the reduced update, else ``abort: why``; again the first writer wins).
+* ``latest``: a recent epoch, where a joiner starts looking; ``ended``: the run is over.
+
+``who`` is an incarnation, ``<worker_id>#<nonce>``: a worker restarted under the same id is a new
+incarnation, so its heartbeat cannot keep its dead predecessor looking alive.
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import threading
+import time
+from collections.abc import Sequence
+
+import torch.distributed as dist
+
+_PREFIX = "hetcomm ElasticDiLoCo"
+
+
+class StoreUnreachable(RuntimeError):
+    """The job's c10d store cannot be reached (its process died, or its machine is unreachable)."""
+
+
+def connect(store: str | dist.Store, timeout: float) -> tuple[dist.Store, str]:
+    """A client of ``store`` ("host:port" or a torch.distributed Store) and its address for messages."""
+    if isinstance(store, str):
+        host, sep, port = store.rpartition(":")
+        if not sep or not host or not port.isdigit():
+            raise ValueError(f"{_PREFIX}: store must be 'host:port' or a torch.distributed.Store, got {store!r}")
+        try:
+            client = dist.TCPStore(host, int(port), is_master=False,
+                                   timeout=datetime.timedelta(seconds=timeout))
+        except RuntimeError as e:
+            raise StoreUnreachable(f"{_PREFIX}: cannot reach the store at {store}: {e}") from e
+        return client, store
+    if not isinstance(store, dist.Store):
+        raise TypeError(f"{_PREFIX}: store must be 'host:port' or a torch.distributed.Store, "
+                        f"got {type(store).__name__}")
+    address = f"{store.host}:{store.port}" if isinstance(store, dist.TCPStore) else type(store).__name__
+    return store, address
+
+
+class Keys:
+    """The job's keys on one store client; every store failure becomes StoreUnreachable naming it."""
+
+    def __init__(self, store: dist.Store, address: str, root: str) -> None:
+        self.store, self.address, self.root = store, address, root
+
+    def clone(self) -> "Keys":
+        """Another connection to the same store (a TCPStore client is one socket: threads each
+        get their own)."""
+        try:
+            return Keys(self._call("connect", self.store.clone), self.address, self.root)
+        except (AttributeError, NotImplementedError):
+            return self           # a store without clone (HashStore in tests): share it
+
+    def _call(self, what: str, fn, *args):
+        try:
+            return fn(*args)
+        except (RuntimeError, OSError) as e:           # DistNetworkError, DistStoreError are RuntimeErrors
+            raise StoreUnreachable(f"{_PREFIX}: the store at {self.address} failed ({what}): {e} -- is the store "
+                                   "process (python -m hetcomm.store) still running and reachable?") from e
+
+    def set(self, key: str, value) -> None:
+        self._call(f"set {key}", self.store.set, self.root + key, _dump(value))
+
+    def get(self, key: str):
+        return json.loads(self._call(f"get {key}", self.store.get, self.root + key))
+
+    def has(self, key: str) -> bool:
+        return bool(self._call(f"check {key}", self.store.check, [self.root + key]))
+
+    def add(self, key: str, n: int) -> int:
+        return int(self._call(f"add {key}", self.store.add, self.root + key, n))
+
+    def first(self, key: str, value):
+        """compare_set from nothing: the value that is there afterwards (ours if we were first)."""
+        return json.loads(self._call(f"compare_set {key}", self.store.compare_set, self.root + key, "", _dump(value)))
+
+    def counters(self, keys: Sequence[str]) -> list[int]:
+        if not keys:
+            return []
+        values = self._call("multi_get heartbeats", self.store.multi_get, [self.root + k for k in keys])
+        return [int(v) if v else 0 for v in values]
+
+    def under(self, sub: str) -> "Keys":
+        """The same connection, keys under ``sub/``."""
+        return Keys(self.store, self.address, f"{self.root}{sub}/")
+
+    def set_timeout(self, seconds: float) -> None:
+        self.store.set_timeout(datetime.timedelta(seconds=seconds))
+
+
+def _dump(value) -> str:
+    return json.dumps(value, sort_keys=True)
+
+
+class Pulse:
+    """This worker's heartbeat, and when the heartbeats of the workers it watches last changed.
+
+    A thread of its own (on its own store connection) adds to ``hb/<me>`` every ``interval``
+    seconds and reads the watched counters. A store failure is kept and raised by `check` on the
+    training thread: every worker names the store within about ``interval`` (plus the store
+    client's timeout when the store's machine is unreachable rather than its process dead).
+    """
+
+    def __init__(self, keys: Keys, me: str, interval: float) -> None:
+        self._keys, self._me, self._interval = keys, me, interval
+        self._lock = threading.Lock()
+        self._watch: dict[str, tuple[int, float]] = {}     # who -> (last value, when it changed)
+        self._error: StoreUnreachable | None = None
+        self._stop = threading.Event()
+        self._keys.add(f"hb/{me}", 1)                      # the key exists before anyone watches it
+        self._thread = threading.Thread(target=self._run, name="hetcomm-elastic-pulse", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._interval):
+            try:
+                self._keys.add(f"hb/{self._me}", 1)
+                with self._lock:
+                    names = list(self._watch)
+                values = self._keys.counters([f"hb/{n}" for n in names])
+            except StoreUnreachable as e:
+                self._error = e
+                return
+            now = time.monotonic()
+            with self._lock:
+                for name, value in zip(names, values):
+                    if name in self._watch and self._watch[name][0] != value:
+                        self._watch[name] = (value, now)
+
+    def watch(self, names) -> None:
+        """Watch these incarnations (their heartbeat keys exist); from now, unless watched already."""
+        now = time.monotonic()
+        with self._lock:
+            for name in names:
+                if name != self._me and name not in self._watch:
+                    self._watch[name] = (-1, now)
+
+    def silent(self, name: str) -> float:
+        """Seconds since ``name``'s heartbeat last changed (0 for this worker or the unwatched)."""
+        with self._lock:
+            entry = self._watch.get(name)
+        return 0.0 if entry is None else time.monotonic() - entry[1]
+
+    def check(self) -> None:
+        if self._error is not None:
+            raise self._error
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=2 * self._interval + 5)

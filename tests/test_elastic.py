@@ -1,0 +1,219 @@
+"""Fault-tolerant DiLoCo (`hetcomm.ElasticDiLoCo`): workers are separate processes (tests/elastic_worker.py)
+around a store of its own (`python -m hetcomm.store`); they are killed with SIGKILL mid-round, inside
+the synchronisation and while another joins, restarted, and the store itself is killed.
+
+What is asserted every time: no process hangs (each has a deadline), every worker that reports a
+round reports the same fingerprint of the global parameters for it (restarted incarnations
+included), the survivors reach the last round, and the membership records say who left and joined.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from test_store import start_store
+
+pytestmark = pytest.mark.usefixtures("backend_importable")
+
+WORKER = str(Path(__file__).with_name("elastic_worker.py"))
+DEADLINE = 180
+
+
+class Run:
+    def __init__(self, tmp_path: Path, job: str) -> None:
+        self.out, self.job = tmp_path, job
+        self.store, self.port = start_store()
+        self.procs: list[tuple[str, subprocess.Popen]] = []
+
+    def start(self, wid: str, *args: str) -> subprocess.Popen:
+        env = dict(os.environ, HETCOMM_PROBE="0")
+        log = open(self.out / f"{wid}.{len(self.procs)}.log", "w")
+        proc = subprocess.Popen([sys.executable, WORKER, "--store", f"127.0.0.1:{self.port}", "--id", wid,
+                                 "--job", self.job, "--out", str(self.out), *args],
+                                stdout=log, stderr=subprocess.STDOUT, env=env)
+        self.procs.append((wid, proc))
+        return proc
+
+    def wait_all(self) -> dict[str, list[int]]:
+        codes: dict[str, list[int]] = {}
+        deadline = time.monotonic() + DEADLINE
+        for wid, proc in self.procs:
+            try:
+                codes.setdefault(wid, []).append(proc.wait(timeout=max(1.0, deadline - time.monotonic())))
+            except subprocess.TimeoutExpired:
+                self.close()
+                pytest.fail(f"worker {wid} hung (still running after {DEADLINE} s)\n{self.logs()}")
+        return codes
+
+    def records(self, wid: str) -> list[dict]:
+        path = self.out / f"{wid}.jsonl"
+        return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+    def logs(self) -> str:
+        return "\n".join(f"--- {p.name}\n{p.read_text()[-3000:]}" for p in sorted(self.out.glob("*.log")))
+
+    def close(self) -> None:
+        for _, proc in self.procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        if self.store.poll() is None:
+            self.store.kill()
+            self.store.wait()
+
+
+@pytest.fixture
+def run(tmp_path, request):
+    r = Run(tmp_path, request.node.name[:40])
+    yield r
+    r.close()
+
+
+def check_agreement(run: Run, ids, rounds: int) -> dict[int, int]:
+    """Every report of a round has one fingerprint; returns round -> fingerprint."""
+    prints: dict[int, set] = {}
+    for wid in ids:
+        for rec in run.records(wid):
+            assert "error" not in rec, f"{wid}: {rec['error']}\n{run.logs()}"
+            if "round" in rec:
+                prints.setdefault(rec["round"], set()).add(rec["fp"])
+    split = {r: fps for r, fps in prints.items() if len(fps) > 1}
+    assert not split, f"workers hold different global parameters after rounds {split}\n{run.logs()}"
+    assert sorted(prints) == list(range(1, rounds + 1)), f"rounds reported: {sorted(prints)}\n{run.logs()}"
+    return {r: fps.pop() for r, fps in prints.items()}
+
+
+def final(run: Run, wid: str) -> dict:
+    ends = [rec for rec in run.records(wid) if "final" in rec]
+    assert ends, f"{wid} did not finish\n{run.logs()}"
+    return ends[-1]
+
+
+def events(record: dict) -> tuple[set, set]:
+    left = {w for e in record["membership"] for w in e.get("left", {})}
+    joined = {w for e in record["membership"] if e["round"] > 0 for w in e.get("joined", [])}
+    return left, joined
+
+
+def wait_for(proc: subprocess.Popen, run: Run) -> None:
+    try:
+        proc.wait(timeout=DEADLINE)
+    except subprocess.TimeoutExpired:
+        run.close()
+        pytest.fail(f"the worker meant to die did not\n{run.logs()}")
+
+
+IDS = ["w0", "w1", "w2", "w3"]
+
+
+@pytest.mark.parametrize("victim,where", [("w2", "local"), ("w1", "reduce"), ("w3", "done"), ("w0", "local")],
+                         ids=["mid-round", "inside-the-all-reduce", "after-counting-itself-done", "first-member"])
+def test_a_killed_worker_is_dropped_and_its_restart_rejoins(run, victim, where):
+    rounds = 10         # ~1 s rounds: the restarted worker (a new Python, ~5 s) finds the run going on
+    procs = {w: run.start(w, "--rounds", str(rounds), "--min-workers", "4", "--step-seconds", "0.25",
+                          *(["--die", f"2:{where}"] if w == victim else [])) for w in IDS}
+    wait_for(procs[victim], run)
+    assert procs[victim].returncode == -9, run.logs()
+    time.sleep(1.0)
+    run.start(victim, "--rounds", str(rounds), "--step-seconds", "0.25")
+    codes = run.wait_all()
+    assert all(c[-1] == 0 for c in codes.values()), f"{codes}\n{run.logs()}"
+    prints = check_agreement(run, IDS, rounds)
+    for w in IDS:
+        end = final(run, w)
+        assert end["rounds"] == rounds and end["final"] == prints[rounds], (w, end)
+    left, joined = events(final(run, "w0" if victim != "w0" else "w1"))
+    assert victim in left and victim in joined, final(run, "w1")
+    # the restarted incarnation took part in at least one round's update after joining
+    late = [rec for rec in run.records(victim) if "round" in rec and rec["round"] > 2]
+    assert late and all(victim in rec["members"] for rec in late[1:]), run.records(victim)
+
+
+def test_two_killed_at_once(run):
+    rounds = 6
+    procs = {w: run.start(w, "--rounds", str(rounds), "--min-workers", "4",
+                          *(["--die", "2:local"] if w in ("w1", "w2") else [])) for w in IDS}
+    for w in ("w1", "w2"):
+        wait_for(procs[w], run)
+    codes = run.wait_all()
+    assert codes["w0"] == [0] and codes["w3"] == [0], f"{codes}\n{run.logs()}"
+    prints = check_agreement(run, IDS, rounds)
+    assert final(run, "w0")["final"] == final(run, "w3")["final"] == prints[rounds]
+    left, _ = events(final(run, "w0"))
+    assert left == {"w1", "w2"}
+    after = [rec for rec in run.records("w0") if "round" in rec and rec["round"] > 3]
+    assert all(rec["members"] == ["w0", "w3"] for rec in after), after
+
+
+def test_a_holder_killed_while_another_joins(run):
+    """w1 dies and restarts; w2 dies in the middle of sending w1 the state: the admission is
+    redone from the remaining holders and everyone still agrees."""
+    rounds = 10
+    procs = {w: run.start(w, "--rounds", str(rounds), "--min-workers", "4", "--step-seconds", "0.25",
+                          *({"w1": ["--die", "2:local"], "w2": ["--die", "2:transfer"]}.get(w, []))) for w in IDS}
+    wait_for(procs["w1"], run)
+    run.start("w1", "--rounds", str(rounds), "--step-seconds", "0.25")
+    wait_for(procs["w2"], run)
+    assert procs["w2"].returncode == -9, run.logs()
+    codes = run.wait_all()
+    assert codes["w0"] == [0] and codes["w3"] == [0] and codes["w1"][-1] == 0, f"{codes}\n{run.logs()}"
+    prints = check_agreement(run, IDS, rounds)
+    assert final(run, "w1")["final"] == prints[rounds]
+    aborted = [e for e in final(run, "w0")["membership"] if "aborted" in e]
+    assert aborted, final(run, "w0")["membership"]
+
+
+def test_checkpoints_resume_a_whole_job_to_the_uninterrupted_parameters(tmp_path):
+    rounds = 6
+    (tmp_path / "whole").mkdir()
+    whole = Run(tmp_path / "whole", "whole")
+    try:
+        for w in IDS:
+            whole.start(w, "--rounds", str(rounds), "--min-workers", "4")
+        assert all(c == [0] for c in whole.wait_all().values()), whole.logs()
+        target = check_agreement(whole, IDS, rounds)[rounds]
+    finally:
+        whole.close()
+    (tmp_path / "parts").mkdir()
+    parts = Run(tmp_path / "parts", "parts")
+    try:
+        ckpt = {w: str(tmp_path / f"{w}.pt") for w in IDS}
+        for w in IDS:
+            parts.start(w, "--rounds", str(rounds), "--min-workers", "4", "--save", ckpt[w], "--stop-after", "3")
+        assert all(c == [0] for c in parts.wait_all().values()), parts.logs()
+        for w in IDS:           # the same job on the same store: the dead era is replaced by a new one
+            parts.start(w, "--rounds", str(rounds), "--min-workers", "4", "--load", ckpt[w])
+        assert all(c[-1] == 0 for c in parts.wait_all().values()), parts.logs()
+        ends = {final(parts, w)["final"] for w in IDS}
+        assert ends == {target}, f"resumed {ends}, uninterrupted {target}\n{parts.logs()}"
+    finally:
+        parts.close()
+
+
+def test_the_store_dying_raises_on_every_worker_naming_it(run):
+    procs = {w: run.start(w, "--rounds", "10000", "--steps", "50", "--min-workers", "3") for w in IDS[:3]}
+    deadline = time.monotonic() + DEADLINE
+    while not all(any("round" in r for r in run.records(w)) for w in procs):
+        assert time.monotonic() < deadline and all(p.poll() is None for p in procs.values()), run.logs()
+        time.sleep(0.2)
+    killed = time.monotonic()
+    run.store.kill()
+    run.store.wait()
+    for w, proc in procs.items():
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            run.close()
+            pytest.fail(f"{w} did not notice the store's death within 60 s\n{run.logs()}")
+        assert proc.returncode != 0
+        errors = [r["error"] for r in run.records(w) if "error" in r]
+        assert errors and "StoreUnreachable" in errors[-1] and f"127.0.0.1:{run.port}" in errors[-1], \
+            (w, errors, run.logs())
+    # generous: the heartbeat (0.5 s) notices at once; the rest is the processes' exit
+    assert time.monotonic() - killed < 30

@@ -217,3 +217,71 @@ def test_the_store_dying_raises_on_every_worker_naming_it(run):
             (w, errors, run.logs())
     # generous: the heartbeat (0.5 s) notices at once; the rest is the processes' exit
     assert time.monotonic() - killed < 30
+
+
+def test_a_frozen_worker_is_dropped_by_its_heartbeat_and_rejoins_when_it_thaws(run):
+    """SIGSTOP closes no connection: the heartbeat timeout (3 s here) drops the worker; thawed, it
+    finds the run gone on without it, discards its round and joins again."""
+    import signal
+
+    rounds = 10
+    procs = {w: run.start(w, "--rounds", str(rounds), "--min-workers", "4", "--step-seconds", "0.25") for w in IDS}
+    deadline = time.monotonic() + DEADLINE
+    while not any(r.get("round", 0) >= 2 for r in run.records("w3")):
+        assert time.monotonic() < deadline and procs["w3"].poll() is None, run.logs()
+        time.sleep(0.1)
+    procs["w3"].send_signal(signal.SIGSTOP)
+    time.sleep(6.0)
+    procs["w3"].send_signal(signal.SIGCONT)
+    codes = run.wait_all()
+    assert all(c == [0] for c in codes.values()), f"{codes}\n{run.logs()}"
+    prints = check_agreement(run, IDS, rounds)
+    assert final(run, "w3")["final"] == prints[rounds]
+    left = [e["left"] for e in final(run, "w0")["membership"] if e.get("left")]
+    assert any("no heartbeat" in why for e in left for w, why in e.items() if w == "w3"), left
+    assert "dropped" in (run.out / "w3.3.log").read_text(), run.logs()
+
+
+def test_a_new_worker_joins_a_running_job(run):
+    """Elastic growth: w2 was never part of the job; it is admitted at a boundary, receives the
+    state from both holders and contributes from the next round."""
+    rounds = 10
+    for w in ("w0", "w1"):
+        run.start(w, "--rounds", str(rounds), "--min-workers", "2", "--step-seconds", "0.25")
+    deadline = time.monotonic() + DEADLINE
+    while not any(r.get("round", 0) >= 2 for r in run.records("w0")):
+        assert time.monotonic() < deadline, run.logs()
+        time.sleep(0.1)
+    run.start("w2", "--rounds", str(rounds), "--step-seconds", "0.25")
+    codes = run.wait_all()
+    assert all(c == [0] for c in codes.values()), f"{codes}\n{run.logs()}"
+    prints = check_agreement(run, ["w0", "w1", "w2"], rounds)
+    assert final(run, "w2")["final"] == prints[rounds]
+    joined = [r for r in run.records("w0") if "round" in r and "w2" in r["members"]]
+    assert joined and joined[-1]["members"] == ["w0", "w1", "w2"], run.records("w0")
+
+
+def test_arguments_and_misuse_raise_clearly():
+    import torch
+    import torch.distributed as dist
+
+    import hetcomm
+
+    store = dist.HashStore()
+    model = torch.nn.Linear(2, 1)
+    with pytest.raises(ValueError, match="timeout"):
+        hetcomm.ElasticDiLoCo(model, store=store, heartbeat=2.0, timeout=3.0)
+    with pytest.raises(ValueError, match="steps"):
+        hetcomm.ElasticDiLoCo(model, store=store, steps=0)
+    with pytest.raises(ValueError, match="job"):
+        hetcomm.ElasticDiLoCo(model, store=store, job="a/b")
+    with pytest.raises(ValueError, match="store must be"):
+        hetcomm.ElasticDiLoCo(model, store="nohostport")
+    with pytest.raises(hetcomm.StoreUnreachable, match="127.0.0.1:1"):
+        hetcomm.ElasticDiLoCo(model, store="127.0.0.1:1", timeout=4.0)
+    d = hetcomm.ElasticDiLoCo(model, store=store, job="misuse")
+    with pytest.raises(RuntimeError, match="before join"):
+        d.step()
+    with pytest.raises(RuntimeError, match="before this worker was admitted"):
+        d.state_dict()
+    d.close()

@@ -53,3 +53,27 @@ def test_snap_measured_groups_rates_within_the_tolerance():
 def test_snap_measured_keeps_rates_further_apart_than_the_tolerance():
     model = nic_model([100.0, 70.0, 40.0, 10.0])
     assert planner.snap_measured(model) == model
+
+
+def test_a_new_default_group_forgets_the_measurements_of_the_old_world():
+    """Global ranks name other processes after the default group is formed again (ElasticDiLoCo
+    does it per generation): links measured by rank number before must not be reused then, or the
+    old processes skip the probe that the new ones run (seen: a 60 s stall). Other groups reuse."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from hetcomm import topology
+
+    topology._measured[(0, 1)] = "measured before"
+    dist.init_process_group("hetcomm", store=dist.HashStore(), rank=0, world_size=1,
+                            timeout=datetime.timedelta(seconds=30))
+    try:
+        assert (0, 1) not in topology._measured
+        topology._measured[(0, 1)] = "measured by this world"
+        sub = dist.new_group([0], backend="hetcomm")
+        assert topology._measured[(0, 1)] == "measured by this world"
+        dist.destroy_process_group(sub)
+    finally:
+        topology._measured.pop((0, 1), None)
+        dist.destroy_process_group()

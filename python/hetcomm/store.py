@@ -24,9 +24,9 @@ What happens when the store dies: groups already formed keep working (collective
 but every later store operation (a new group, a rendezvous, a key) raises
 ``torch.distributed.DistNetworkError`` (a RuntimeError: "Connection was likely closed. Did the
 remote server shutdown or crash?") at once, or within the store's timeout when the store's machine
-is unreachable; torchrun's agents stop the job. (DiLoCo does not yet drop and re-admit workers
-through the store: one dead worker still stops a run.) Restart the store and the job (or its
-checkpoint: `hetcomm.DiLoCo.state_dict`).
+is unreachable; torchrun's agents stop the job; `hetcomm.ElasticDiLoCo` (which drops and
+re-admits workers through this store) raises `StoreUnreachable` naming it on every worker. Restart
+the store and the job from checkpoints (`hetcomm.DiLoCo.state_dict`, `ElasticDiLoCo.state_dict`).
 """
 from __future__ import annotations
 

@@ -290,6 +290,12 @@ def configure_group(backend, global_ranks: Optional[Sequence[int]] = None) -> No
     loopback: identical paths measured 0.3-0.6 GB/s), so it keeps uniform shares unless links
     are declared. A group covered by an earlier group's measurement reuses it.
     """
+    if torch.distributed.group.WORLD is None:
+        # The default group is being created: a new world, whose ranks may be other processes
+        # than the ranks of the same numbers before it (`hetcomm.ElasticDiLoCo` forms one per
+        # generation of workers). Measurements by global rank from before would be reused by the
+        # processes that took them and not by the new ones, which then probe alone.
+        _measured.clear()
     if backend.size() == 1:
         return
     ranks = tuple(global_ranks) if global_ranks else tuple(range(backend.size()))

@@ -11,9 +11,12 @@
   and the outer reduction spread over a worker's ranks.
 * `diloco`: `DiLoCo` = `local_steps` + `workers` + the compressed all-reduce of
   `hetcomm.compress` (a collective, kept at the top level) for the outer synchronisation.
+* `membership`, `elastic`: `ElasticDiLoCo`, DiLoCo over workers that die and come back
+  (heartbeats, liveness connections and compare-and-set decisions on an outside store); `flat`:
+  parameters as one flat vector, for both.
 
 The public names are at the top level (`hetcomm.AdaptiveDataParallel`, `hetcomm.DiLoCo`) and the
 modules keep their old names as well: ``hetcomm.hooks is hetcomm.train.hooks`` (see
 ``hetcomm/__init__.py``). Dependencies go one way: data -> partition; adaptive -> hooks, data,
-partition; diloco -> local_steps, workers, partition, hetcomm.compress; workers -> hetcomm.compress.
+partition; diloco -> local_steps, workers, partition, flat, hetcomm.compress; elastic -> membership, diloco, flat; workers -> hetcomm.compress.
 """

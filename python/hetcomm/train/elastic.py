@@ -18,8 +18,10 @@ outside them (`hetcomm.store`) and, per *generation*, a process group (the defau
 synchronisation attempt (an *epoch*) goes:
 
 1. **Arrive.** A worker whose round is over writes that it has arrived, then waits until every
-   member of the last epoch has arrived, left in good order (its data ended), gone silent (no
-   heartbeat for ``timeout`` seconds: dead, or cut off) or is later than ``late_timeout``.
+   member of the last epoch has arrived, left in good order (its data ended), died (its liveness
+   connection closed: known at once, `hetcomm.train.membership.Pulse`), gone silent (no heartbeat
+   for ``timeout`` seconds: a frozen process, a vanished machine, a cut link) or is later than
+   ``late_timeout``.
 2. **Decide.** The first worker to see that writes a decision (compare_set: exactly one per epoch):
    the members (those who arrived, then the workers that asked to join), which of them hold the
    global state, who left and why. A changed membership, or a failed previous attempt, starts a
@@ -562,7 +564,7 @@ class ElasticDiLoCo(_flat.FlatParameters):
                 if keys.has(f"leave/{m}"):
                     out[m] = "left: its data ended"
                 elif self._pulse.silent(m) > self._timeout:
-                    out[m] = f"no heartbeat for {self._pulse.silent(m):.1f} s"
+                    out[m] = self._why_gone(m)
             missing = [m for m in members if m not in arrivals and m not in out]
             if missing != last_missing:
                 last_missing, since = missing, time.perf_counter()
@@ -666,8 +668,13 @@ class ElasticDiLoCo(_flat.FlatParameters):
                 return keys.first(f"e{epoch}/outcome", "commit")
             gone = [m for m in members if self._pulse.silent(m) > self._timeout]
             if gone:
-                return keys.first(f"e{epoch}/outcome", f"abort: {self._names(gone)} gone during the synchronisation")
+                return keys.first(f"e{epoch}/outcome", "abort: " + "; ".join(
+                    f"{self._names([m])} gone during the synchronisation ({self._why_gone(m)})" for m in gone))
             poll()
+
+    def _why_gone(self, member: str) -> str:
+        silent = self._pulse.silent(member)
+        return "its process exited" if math.isinf(silent) else f"no heartbeat for {silent:.1f} s"
 
     def _note_membership(self, decision: dict) -> None:
         if not decision["left"] and not decision["joined"]:

@@ -23,6 +23,10 @@ from __future__ import annotations
 
 import datetime
 import json
+import math
+import os
+import select
+import socket
 import threading
 import time
 from collections.abc import Sequence
@@ -111,42 +115,109 @@ def _dump(value) -> str:
 
 
 class Pulse:
-    """This worker's heartbeat, and when the heartbeats of the workers it watches last changed.
+    """This worker's heartbeat, and which of the workers it watches are alive.
 
     A thread of its own (on its own store connection) adds to ``hb/<me>`` every ``interval``
-    seconds and reads the watched counters. A store failure is kept and raised by `check` on the
-    training thread: every worker names the store within about ``interval`` (plus the store
-    client's timeout when the store's machine is unreachable rather than its process dead).
+    seconds and reads the watched counters: a worker whose counter has not changed for a while is
+    *silent* (dead, frozen or cut off). Besides, every worker listens on a TCP port of its own
+    (``addr/<me>`` on the store) and keeps a connection open to each worker it watches: when a
+    watched process dies, its kernel closes that connection and the death is known at once
+    (``silent`` is then infinite) instead of after the heartbeat timeout; a machine that vanishes
+    or a cut link closes nothing, and falls back to the heartbeat. A store failure is kept and
+    raised by `check` on the training thread: every worker names the store within about
+    ``interval`` (plus the store client's timeout when the store's machine is unreachable).
     """
 
     def __init__(self, keys: Keys, me: str, interval: float) -> None:
         self._keys, self._me, self._interval = keys, me, interval
         self._lock = threading.Lock()
         self._watch: dict[str, tuple[int, float]] = {}     # who -> (last value, when it changed)
+        self._dead: set[str] = set()                       # their liveness connection closed
+        self._links: dict[socket.socket, str] = {}         # our connections to the watched
+        self._accepted: list[socket.socket] = []           # connections of those who watch us
         self._error: StoreUnreachable | None = None
         self._stop = threading.Event()
-        self._keys.add(f"hb/{me}", 1)                      # the key exists before anyone watches it
+        self._listener = socket.create_server((_local_ip(keys.address), 0))
+        self._keys.set(f"addr/{me}", "%s:%d" % self._listener.getsockname()[:2])
+        self._keys.add(f"hb/{me}", 1)                      # the keys exist before anyone watches them
         self._thread = threading.Thread(target=self._run, name="hetcomm-elastic-pulse", daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
-        while not self._stop.wait(self._interval):
+        next_beat = 0.0
+        try:
+            while not self._stop.is_set():
+                now = time.monotonic()
+                if now >= next_beat:
+                    try:
+                        self._beat()
+                    except StoreUnreachable as e:
+                        self._error = e
+                        return
+                    next_beat = time.monotonic() + self._interval
+                self._connect()
+                sockets = [self._listener, *self._links]
+                readable, _, _ = select.select(sockets, [], [], max(0.0, min(0.2, next_beat - time.monotonic())))
+                for sock in readable:
+                    self._readable(sock)
+        finally:
+            for sock in [self._listener, *self._links, *self._accepted]:
+                sock.close()
+
+    def _beat(self) -> None:
+        self._keys.add(f"hb/{self._me}", 1)
+        with self._lock:
+            names = list(self._watch)
+        values = self._keys.counters([f"hb/{n}" for n in names])
+        now = time.monotonic()
+        with self._lock:
+            for name, value in zip(names, values):
+                if name in self._watch and self._watch[name][0] != value:
+                    self._watch[name] = (value, now)
+
+    def _connect(self) -> None:
+        """Opens a liveness connection to each watched worker that has none yet."""
+        with self._lock:
+            todo = [n for n in self._watch if n not in self._dead and n not in self._links.values()]
+        for name in todo:
             try:
-                self._keys.add(f"hb/{self._me}", 1)
-                with self._lock:
-                    names = list(self._watch)
-                values = self._keys.counters([f"hb/{n}" for n in names])
+                host, port = self._keys.get(f"addr/{name}").rsplit(":", 1)
             except StoreUnreachable as e:
                 self._error = e
                 return
-            now = time.monotonic()
+            try:
+                sock = socket.create_connection((host, int(port)), timeout=1.0)
+            except ConnectionRefusedError:
+                with self._lock:
+                    self._dead.add(name)          # its machine answers, its port does not: gone
+                continue
+            except OSError:
+                continue                          # unreachable for now: the heartbeat decides
+            sock.setblocking(False)
+            self._links[sock] = name
+
+    def _readable(self, sock: socket.socket) -> None:
+        if sock is self._listener:
+            try:
+                conn, _ = sock.accept()
+                self._accepted.append(conn)       # kept open; closed by the kernel when we die
+            except OSError:
+                pass
+            return
+        try:
+            data = sock.recv(1)
+        except BlockingIOError:
+            return
+        except OSError:
+            data = b""
+        if not data:                              # EOF or reset: the watched process is gone
+            name = self._links.pop(sock)
+            sock.close()
             with self._lock:
-                for name, value in zip(names, values):
-                    if name in self._watch and self._watch[name][0] != value:
-                        self._watch[name] = (value, now)
+                self._dead.add(name)
 
     def watch(self, names) -> None:
-        """Watch these incarnations (their heartbeat keys exist); from now, unless watched already."""
+        """Watch these incarnations (their keys exist); from now, unless watched already."""
         now = time.monotonic()
         with self._lock:
             for name in names:
@@ -154,8 +225,11 @@ class Pulse:
                     self._watch[name] = (-1, now)
 
     def silent(self, name: str) -> float:
-        """Seconds since ``name``'s heartbeat last changed (0 for this worker or the unwatched)."""
+        """Seconds since ``name``'s heartbeat last changed (0 for this worker or the unwatched;
+        infinite once its liveness connection closed)."""
         with self._lock:
+            if name in self._dead:
+                return math.inf
             entry = self._watch.get(name)
         return 0.0 if entry is None else time.monotonic() - entry[1]
 
@@ -166,3 +240,17 @@ class Pulse:
     def stop(self) -> None:
         self._stop.set()
         self._thread.join(timeout=2 * self._interval + 5)
+
+
+def _local_ip(store_address: str) -> str:
+    """The address other workers reach this one at: $HETCOMM_LISTEN_IP, else the local end of
+    the route to the store."""
+    if os.environ.get("HETCOMM_LISTEN_IP"):
+        return os.environ["HETCOMM_LISTEN_IP"]
+    host = store_address.rpartition(":")[0] or "127.0.0.1"
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.connect((host, 9))
+            return probe.getsockname()[0]
+    except OSError:
+        return "0.0.0.0"

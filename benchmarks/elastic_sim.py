@@ -1,0 +1,325 @@
+"""Fault-tolerant DiLoCo on the simulated cluster (needs root): kill a worker, restart it; random kills.
+
+    python benchmarks/elastic_sim.py --repeats 3 --json benchmarks/results/elastic_sim.json
+    python benchmarks/elastic_sim.py --random-kills 20 --json benchmarks/results/elastic_random_kills.json
+
+Every worker is ``examples/train_elastic.py`` (the small character GPT) in a rank's namespace and
+CPU cgroup of ``hetcomm.sim`` (quotas 0.8,0.4,0.2,0.2, NICs 100 Mbit/s by default), started on its
+own; the store (``python -m hetcomm.store``) runs in the hub, outside every worker. Batches are
+proportional to the quotas (32,16,8,8 by default), so a round of ``--steps`` steps takes about as
+long on every worker. Default heartbeat 2 s and timeout 10 s (as INTELLECT-1).
+
+**Kill and restart** (per repeat, the three runs interleaved, same sample budget):
+``four`` (uninterrupted), ``three`` (ranks 0-2 only), ``kill`` (four workers; the last is killed
+with SIGKILL halfway through round ``--kill-round`` and started again ``--restart-after`` seconds
+later in the same namespace and cgroup). Reported: the survivors' samples/s over the rounds
+without the victim (with and without the round in which its death was detected, which waits up
+to the timeout) against the ``three`` run's samples/s; how many rounds were committed between
+the restart and the first round the restarted worker contributed to (from the process start and
+from its join request, after Python and torch imported); final held-out loss against ``four``.
+
+**Random kills** (``--random-kills N``): one long run; every ``--kill-every`` rounds a random live
+worker is killed at a random moment of the round and restarted 2-8 s later. Reported: hangs (a
+process still running past the deadline), rounds whose fingerprints of the global parameters
+differ between any two reports (every incarnation of every worker reports every round it
+committed), and the membership changes.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import re
+import queue
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+from hetcomm.bench.records import command_line, write_document
+from hetcomm.sim import SimCluster, SimSpec
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+EXAMPLE = os.path.join(ROOT, "examples", "train_elastic.py")
+
+
+class Job:
+    """Workers of one elastic run on the cluster, each a process started (and killed) on its own."""
+
+    def __init__(self, cluster: SimCluster, args: argparse.Namespace, name: str, out: str, ranks) -> None:
+        self.cluster, self.args, self.name, self.out, self.ranks = cluster, args, name, out, list(ranks)
+        self.procs: dict[int, subprocess.Popen] = {}
+        self.starts: list[dict] = []
+        self.kills: list[dict] = []
+        with cluster.netns("hub"):
+            self.store = subprocess.Popen([sys.executable, "-m", "hetcomm.store", "--port", "0"],
+                                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        lines: queue.Queue = queue.Queue()
+        threading.Thread(target=lambda: [lines.put(x) for x in self.store.stdout], daemon=True).start()
+        seen, port, deadline = "", None, time.time() + 60
+        while port is None and time.time() < deadline:
+            try:
+                line = lines.get(timeout=1)
+            except queue.Empty:
+                continue
+            seen += line
+            found = re.search(r"serving a TCPStore on [^ ]*:(\d+)", line)
+            port = int(found.group(1)) if found else None
+        if port is None:
+            self.store.kill()
+            raise SystemExit(f"elastic_sim: the store did not start: {seen}")
+        self.address = f"{cluster.hub_address}:{port}"
+
+    def batch(self, rank: int) -> int:
+        return int(self.args.batches.split(",")[rank])
+
+    def start(self, rank: int) -> None:
+        a = self.args
+        argv = [sys.executable, EXAMPLE, "--store", self.address, "--id", f"w{rank}", "--job", self.name,
+                "--min-workers", str(len(self.ranks)), "--steps", str(a.steps), "--batch", str(self.batch(rank)),
+                "--samples", str(a.samples), "--rounds", str(a.rounds), "--seed", str(a.seed),
+                "--heartbeat", str(a.heartbeat), "--timeout", str(a.timeout),
+                "--jsonl", os.path.join(self.out, f"w{rank}.jsonl"), *a.example_args.split()]
+        env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", **self.cluster.rank_env(rank))
+        log = open(os.path.join(self.out, f"w{rank}.log"), "a")
+        self.procs[rank] = subprocess.Popen(self.cluster.command_for(rank, argv), env=env, stdout=log,
+                                            stderr=subprocess.STDOUT, start_new_session=True, cwd=ROOT)
+        self.starts.append({"rank": rank, "t": time.time()})
+
+    def kill(self, rank: int) -> None:
+        os.killpg(self.procs[rank].pid, signal.SIGKILL)
+        self.procs[rank].wait()
+        self.kills.append({"rank": rank, "t": time.time()})
+
+    def records(self, rank: int) -> list[dict]:
+        path = os.path.join(self.out, f"w{rank}.jsonl")
+        if not os.path.exists(path):
+            return []
+        return [json.loads(line) for line in open(path) if line.strip()]
+
+    def rounds_seen(self) -> int:
+        return max((r.get("round", 0) for k in self.ranks for r in self.records(k)), default=0)
+
+    def wait(self, deadline: float) -> list[int]:
+        """Waits for every worker; the ranks still running at the deadline (killed then) are hangs."""
+        hung = []
+        for rank, proc in self.procs.items():
+            try:
+                proc.wait(timeout=max(1.0, deadline - time.time()))
+            except subprocess.TimeoutExpired:
+                hung.append(rank)
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        self.store.kill()
+        self.store.wait()
+        return hung
+
+    def agreement(self) -> tuple[dict[int, int], list[int]]:
+        """round -> fingerprint, and the rounds whose reports disagree."""
+        prints: dict[int, set] = {}
+        for k in self.ranks:
+            for r in self.records(k):
+                if "round" in r:
+                    prints.setdefault(r["round"], set()).add(r["fp"])
+        return {r: next(iter(f)) for r, f in prints.items()}, sorted(r for r, f in prints.items() if len(f) > 1)
+
+    def finals(self) -> dict[int, dict]:
+        return {k: [r for r in self.records(k) if "final" in r][-1] for k in self.ranks
+                if any("final" in r for r in self.records(k))}
+
+
+def rounds_of(job: Job) -> list[dict]:
+    """One record per committed round (the first report of it), in order."""
+    seen: dict[int, dict] = {}
+    for k in job.ranks:
+        for r in job.records(k):
+            if "round" in r and (r["round"] not in seen or r["t"] < seen[r["round"]]["t"]):
+                seen[r["round"]] = r
+    return [seen[r] for r in sorted(seen)]
+
+
+def rate(rounds: list[dict], first: int, last: int) -> float | None:
+    """Samples/s over rounds first..last (round numbers), timed from the commit of round first-1."""
+    by = {r["round"]: r for r in rounds}
+    if first - 1 not in by or last not in by or last < first:
+        return None
+    samples = sum(sum(by[i]["samples"]) for i in range(first, last + 1))
+    return samples / (by[last]["t"] - by[first - 1]["t"])
+
+
+def run_job(cluster, args, name, ranks, victim=None) -> dict:
+    out = tempfile.mkdtemp(prefix=f"elastic-{name}-")
+    job = Job(cluster, args, f"{name}-{os.getpid()}-{time.time_ns()}", out, ranks)
+    started = time.time()
+    for k in ranks:
+        job.start(k)
+    restart = None
+    if victim is not None:
+        while job.rounds_seen() < args.kill_round - 1:
+            if any(p.poll() is not None for p in job.procs.values()):
+                break
+            time.sleep(0.05)
+        time.sleep(args.half_round)
+        job.kill(victim)
+        time.sleep(args.restart_after)
+        job.start(victim)
+        restart = time.time()
+    hung = job.wait(time.time() + args.deadline)
+    rounds = rounds_of(job)
+    prints, split = job.agreement()
+    finals = job.finals()
+    losses = [f["loss"] for f in finals.values() if f.get("loss") is not None]
+    result = {"name": name, "ranks": ranks, "hung": hung, "rounds": len(rounds), "split_rounds": split,
+              "samples": sum(sum(r["samples"]) for r in rounds), "wall_s": time.time() - started,
+              "final_loss": statistics.median(losses) if losses else None,
+              "final_fingerprints_agree": len({f["final"] for f in finals.values() if f.get("loss") is not None}) <= 1,
+              "membership": next(iter(finals.values()))["stats"]["membership"] if finals else [],
+              "round_table": [{"round": r["round"], "t": r["t"] - started, "members": r["members"],
+                               "samples": r["samples"]} for r in rounds],
+              "out_dir": out}
+    last = rounds[-1]["round"] if rounds else 0
+    result["samples_per_s"] = rate(rounds, 2, last)
+    if victim is not None:
+        vid = f"w{victim}"
+        gone = [r["round"] for r in rounds if vid not in r["members"]]
+        back = [r for r in rounds if vid in r["members"] and r["round"] > (gone[0] if gone else 0)
+                and r["steps"][r["members"].index(vid)] > 0]
+        before_restart = [r["round"] for r in rounds if r["t"] <= restart]
+        asked = [r for r in job.records(victim) if "start" in r and r["start"] >= restart - 1]
+        before_ask = [r["round"] for r in rounds if asked and r["t"] <= asked[0]["start"]]
+        result.update({
+            "kill_t": job.kills[0]["t"] - started, "restart_t": restart - started,
+            "gone_rounds": gone,
+            "survivors_samples_per_s": rate(rounds, gone[0], gone[-1]) if gone else None,
+            "survivors_samples_per_s_after_detection": (rate(rounds, gone[0] + 1, gone[-1])
+                                                        if len(gone) > 1 else None),
+            "contributes_in_round": back[0]["round"] if back else None,
+            "rounds_from_restart_to_contribution": (back[0]["round"] - max(before_restart, default=0)
+                                                    if back else None),
+            "rounds_from_join_request_to_contribution": (back[0]["round"] - max(before_ask, default=0)
+                                                         if back and asked else None),
+        })
+    print(f"  {name}: {result['rounds']} rounds, {result['samples']} samples, "
+          f"{result['samples_per_s'] or 0:.1f} samples/s, loss {result['final_loss']}, hung {hung}, split {split}"
+          + (f", survivors {result['survivors_samples_per_s'] or 0:.1f} samples/s "
+             f"({result['survivors_samples_per_s_after_detection'] or 0:.1f} after detection), restarted worker "
+             f"contributes {result['rounds_from_restart_to_contribution']} rounds after its restart "
+             f"({result['rounds_from_join_request_to_contribution']} after asking to join)"
+             if victim is not None else ""), flush=True)
+    return result
+
+
+def random_kills(cluster, args) -> dict:
+    out = tempfile.mkdtemp(prefix="elastic-random-")
+    ranks = list(range(cluster.world_size))
+    job = Job(cluster, args, f"random-{os.getpid()}-{time.time_ns()}", out, ranks)
+    rng = random.Random(args.seed)
+    started = time.time()
+    for k in ranks:
+        job.start(k)
+    pending: list[tuple[float, int]] = []          # (when, rank) restarts
+    next_kill_round = args.kill_round
+
+    def restarts() -> None:
+        now = time.time()
+        for item in [p for p in pending if p[0] <= now]:
+            pending.remove(item)
+            job.start(item[1])
+
+    while len(job.kills) < args.random_kills and time.time() - started < args.deadline:
+        restarts()
+        if job.rounds_seen() >= next_kill_round:
+            time.sleep(rng.uniform(0, 2 * args.half_round))
+            live = [k for k in ranks if job.procs[k].poll() is None and all(k != p[1] for p in pending)]
+            if len(live) > 1:
+                victim = rng.choice(live)
+                job.kill(victim)
+                pending.append((time.time() + rng.uniform(2, 8), victim))
+                print(f"  kill {len(job.kills)}/{args.random_kills}: w{victim} at round {job.rounds_seen()}",
+                      flush=True)
+            next_kill_round = job.rounds_seen() + args.kill_every
+        time.sleep(0.05)
+    while pending:
+        restarts()
+        time.sleep(0.05)
+    hung = job.wait(time.time() + args.deadline)
+    prints, split = job.agreement()
+    finals = job.finals()
+    result = {"kills": len(job.kills), "hung": hung, "rounds": len(prints), "split_rounds": split,
+              "final_fingerprints": sorted({f["final"] for f in finals.values() if f.get("loss") is not None}),
+              "membership_changes": len(next(iter(finals.values()))["stats"]["membership"]) if finals else None,
+              "wall_s": time.time() - started, "kill_log": job.kills, "out_dir": out}
+    print(f"random kills: {result['kills']} kills, {result['rounds']} rounds, hangs {hung}, rounds whose "
+          f"fingerprints differ {split}, final fingerprints {result['final_fingerprints']}", flush=True)
+    return result
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--cpu-quota", default="0.8,0.4,0.2,0.2")
+    ap.add_argument("--nic-mbit", default="100")
+    ap.add_argument("--batches", default="32,16,8,8", help="per-rank batch (∝ quota: rounds of equal length)")
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--samples", type=int, default=5120, help="sample budget of each run (0: --rounds)")
+    ap.add_argument("--rounds", type=int, default=0)
+    ap.add_argument("--heartbeat", type=float, default=2.0)
+    ap.add_argument("--timeout", type=float, default=10.0)
+    ap.add_argument("--kill-round", type=int, default=3)
+    ap.add_argument("--half-round", type=float, default=1.5, help="seconds into the round at which to kill")
+    ap.add_argument("--restart-after", type=float, default=5.0)
+    ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--random-kills", type=int, default=0, help="instead: one long run with this many kills")
+    ap.add_argument("--kill-every", type=int, default=4, help="random kills: rounds between kills")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--deadline", type=float, default=900.0, help="seconds after which a worker counts as hung")
+    ap.add_argument("--example-args", default="", help="more flags for examples/train_elastic.py")
+    ap.add_argument("--json", default="")
+    args = ap.parse_args(argv)
+    quotas = [float(q) for q in args.cpu_quota.split(",")]
+    spec = SimSpec(cpu_quota=quotas, nic_mbit=[float(args.nic_mbit)] * len(quotas) if args.nic_mbit else None)
+    with SimCluster(spec) as cluster:
+        if args.random_kills:
+            doc = {"scenario": "random kills", **vars(args), **random_kills(cluster, args)}
+            ok = not doc["hung"] and not doc["split_rounds"] and len(doc["final_fingerprints"]) == 1
+        else:
+            runs = {"four": [], "three": [], "kill": []}
+            for i in range(args.repeats):
+                print(f"repeat {i + 1}/{args.repeats}", flush=True)
+                runs["four"].append(run_job(cluster, args, "four", range(len(quotas))))
+                runs["three"].append(run_job(cluster, args, "three", range(len(quotas) - 1)))
+                runs["kill"].append(run_job(cluster, args, "kill", range(len(quotas)), victim=len(quotas) - 1))
+            ratios = []
+            for three, kill, four in zip(runs["three"], runs["kill"], runs["four"]):
+                ratios.append({
+                    "survivors_vs_three": (kill["survivors_samples_per_s"] / three["samples_per_s"]
+                                           if kill["survivors_samples_per_s"] and three["samples_per_s"] else None),
+                    "survivors_after_detection_vs_three": (
+                        kill["survivors_samples_per_s_after_detection"] / three["samples_per_s"]
+                        if kill["survivors_samples_per_s_after_detection"] and three["samples_per_s"] else None),
+                    "loss_kill_vs_four": (kill["final_loss"] / four["final_loss"]
+                                          if kill["final_loss"] and four["final_loss"] else None),
+                    "rounds_from_restart_to_contribution": kill["rounds_from_restart_to_contribution"],
+                    "rounds_from_join_request_to_contribution": kill["rounds_from_join_request_to_contribution"],
+                })
+
+            def med(key):
+                vals = [r[key] for r in ratios if r[key] is not None]
+                return {"median": statistics.median(vals), "min": min(vals), "max": max(vals)} if vals else None
+            summary = {k: med(k) for k in ratios[0]}
+            hung = [r["hung"] for rs in runs.values() for r in rs if r["hung"]]
+            split = [r["split_rounds"] for rs in runs.values() for r in rs if r["split_rounds"]]
+            doc = {"scenario": "kill and restart", **vars(args), "summary": summary, "per_repeat": ratios,
+                   "hangs": hung, "split_rounds": split, "runs": runs}
+            print(json.dumps(summary, indent=1))
+            ok = not hung and not split
+    if args.json:
+        write_document(args.json, doc, command_line())
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

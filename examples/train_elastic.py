@@ -1,0 +1,119 @@
+"""Train the small character-level GPT with fault-tolerant DiLoCo: workers may die and come back.
+
+One process per worker, each started on its own (by hand, a container, a per-node torchrun),
+around a store that runs where no worker does::
+
+    python -m hetcomm.store --port 29400 &
+    for w in w0 w1 w2 w3; do
+        python examples/train_elastic.py --store 127.0.0.1:29400 --id $w --job demo --min-workers 4 &
+    done
+    # kill one (kill -9), start it again with the same command: it rejoins at a round boundary
+
+Every worker trains its replica with AdamW on its own random windows of the corpus and
+synchronises through `hetcomm.ElasticDiLoCo` every ``--steps`` steps (or ``--round-seconds``).
+Each worker prints one line per round (members, samples, loss) and one per membership change;
+``--jsonl PATH`` appends a JSON line per round (time, round, fingerprint of the global
+parameters, members, steps, samples) and, at the end, one with the held-out loss, the stats and
+this worker's timeline (compute, idle, sync and the membership changes), for
+``benchmarks/elastic_sim.py``. ``--checkpoint PATH`` saves the state after every round and
+resumes from it when it exists (a whole-job restart).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import zlib
+
+import torch
+
+import hetcomm
+from char_gpt import add_model_arguments, build, evaluate, mean_loss
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--store", required=True, help="host:port of the job's store (python -m hetcomm.store)")
+    p.add_argument("--id", default=os.environ.get("HETCOMM_WORKER_ID"), help="this worker's name")
+    p.add_argument("--job", default="train-elastic", help="the run's name on the store (new run: new name)")
+    p.add_argument("--steps", type=int, default=8, help="inner steps per round")
+    p.add_argument("--round-seconds", type=float, default=None, help="rounds of this many seconds instead")
+    p.add_argument("--min-workers", type=int, default=1, help="workers the first round waits for")
+    p.add_argument("--compress", choices=["fp32", "bf16", "fp16", "int8"], default="fp32")
+    p.add_argument("--heartbeat", type=float, default=2.0)
+    p.add_argument("--timeout", type=float, default=10.0, help="seconds without a heartbeat before a worker is dropped")
+    add_model_arguments(p, block=16, d_model=256, layers=3)
+    p.add_argument("--samples", type=int, default=6144, help="stop once the workers processed this many samples")
+    p.add_argument("--rounds", type=int, default=0, help="stop after this many rounds (0: by --samples)")
+    p.add_argument("--batch", type=int, default=8, help="samples per step")
+    p.add_argument("--lr", type=float, default=3e-3, help="inner AdamW learning rate")
+    p.add_argument("--outer-lr", type=float, default=0.7)
+    p.add_argument("--jsonl", metavar="PATH", help="append this worker's records here")
+    p.add_argument("--checkpoint", metavar="PATH", help="save after every round; resume from it if it exists")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.backend != "hetcomm" and args.backend != "gloo":
+        raise SystemExit("train_elastic: --backend must be hetcomm or gloo")
+    torch.set_num_threads(args.threads)
+    train, held_out, model = build(args.corpus_chars, args.seed, args.block, args.d_model, args.layers, args.heads)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    diloco = hetcomm.ElasticDiLoCo(
+        model, opt, store=args.store, worker_id=args.id, job=args.job, steps=args.steps,
+        round_seconds=args.round_seconds, compress=args.compress, min_workers=args.min_workers,
+        heartbeat=args.heartbeat, timeout=args.timeout, backend=args.backend,
+        outer_optimizer=lambda ps: torch.optim.SGD(ps, lr=args.outer_lr, momentum=0.9, nesterov=True))
+    if args.checkpoint and os.path.exists(args.checkpoint):
+        diloco.load_state_dict(torch.load(args.checkpoint, weights_only=False))
+        print(f"train_elastic [{diloco.worker_id}]: resuming from {args.checkpoint} (round {diloco.rounds})",
+              flush=True)
+    out = open(args.jsonl, "a") if args.jsonl else None
+
+    def write(rec: dict) -> None:
+        if out is not None:
+            out.write(json.dumps(rec) + "\n")
+            out.flush()
+
+    # This incarnation's own random windows (a restarted worker draws new ones).
+    rng = torch.Generator().manual_seed(zlib.crc32(f"{args.seed}/{diloco.worker_id}/{os.getpid()}".encode()))
+
+    def windows():
+        while True:
+            idx = torch.randint(len(train), (args.batch,), generator=rng).tolist()
+            yield torch.stack([train[i][0] for i in idx]), torch.stack([train[i][1] for i in idx])
+
+    started = time.time()
+    write({"start": started, "id": diloco.worker_id, "pid": os.getpid()})
+    for x, y in diloco.loop(windows(), max_samples=None if args.rounds else args.samples,
+                            max_rounds=args.rounds or None):
+        loss = mean_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if diloco.step(samples=len(x), loss=loss.item()):
+            h = diloco.history[-1]
+            mine = h["members"].index(diloco.worker_id) if diloco.worker_id in h["members"] else None
+            print(f"train_elastic [{diloco.worker_id}]: round {h['round']:3d} | members {','.join(h['members'])} | "
+                  f"steps {h['steps']} | samples {diloco.stats()['samples_total']} | loss "
+                  f"{None if mine is None or h['loss'][mine] is None else round(h['loss'][mine], 3)}", flush=True)
+            write({"t": time.time(), "round": h["round"], "fp": h["fingerprint"], "members": h["members"],
+                   "steps": h["steps"], "samples": h["samples"], "generation": h["generation"],
+                   "id": diloco.worker_id, "pid": os.getpid()})
+            if args.checkpoint:
+                torch.save(diloco.state_dict(), args.checkpoint + ".tmp")
+                os.replace(args.checkpoint + ".tmp", args.checkpoint)
+    stats = diloco.stats()
+    final_loss = evaluate(model, held_out, min(len(held_out), 256)) if diloco.rounds else None
+    print(f"train_elastic [{diloco.worker_id}]: stopped ({diloco.stop_reason}) after {stats['rounds']} rounds, "
+          f"{stats['samples_total']} samples; held-out loss {final_loss}", flush=True)
+    write({"final": diloco.fingerprint(), "t": time.time(), "id": diloco.worker_id, "pid": os.getpid(),
+           "loss": final_loss, "reason": diloco.stop_reason, "stats": stats, "timeline": diloco.timeline()})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

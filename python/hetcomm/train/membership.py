@@ -4,6 +4,11 @@ The store (`hetcomm.store`, a TCPStore served outside the workers) is the only t
 share besides their process group, and the only place where they agree on membership. Keys,
 under ``hetcomm/ft/<job>/``:
 
+* ``era``: the job's current era (a whole-job restart from checkpoints starts a new one). The
+  keys from ``joins`` on live under ``era<n>/``, as do ``g<gen>/``, the rendezvous of each
+  generation's process group; ``hb/`` and ``addr/`` do not (they name incarnations, unique in every era).
+* ``addr/<who>``: where its liveness listener accepts connections ("" when it found no address
+  the others can reach: the heartbeat alone then decides).
 * ``hb/<who>``: a counter its worker adds to every ``heartbeat`` seconds. Observers judge it by
   their own clock (when they last saw it change), so the machines' clocks need not agree.
 * ``joins`` (a counter) and ``join/<i>``: the i-th registration of a worker that wants in (a new
@@ -25,7 +30,7 @@ import datetime
 import json
 import math
 import os
-import select
+import selectors
 import socket
 import threading
 import time
@@ -114,6 +119,9 @@ def _dump(value) -> str:
     return json.dumps(value, sort_keys=True)
 
 
+_LISTENER = object()       # selector data of the listening socket (a watched link's is its name)
+
+
 class Pulse:
     """This worker's heartbeat, and which of the workers it watches are alive.
 
@@ -123,23 +131,37 @@ class Pulse:
     (``addr/<me>`` on the store) and keeps a connection open to each worker it watches: when a
     watched process dies, its kernel closes that connection and the death is known at once
     (``silent`` is then infinite) instead of after the heartbeat timeout; a machine that vanishes
-    or a cut link closes nothing, and falls back to the heartbeat. A store failure is kept and
-    raised by `check` on the training thread: every worker names the store within about
-    ``interval`` (plus the store client's timeout when the store's machine is unreachable).
+    or a cut link closes nothing, and falls back to the heartbeat. Connections are attempted
+    without blocking the heartbeat (one short try per worker, again every few seconds). Any
+    failure of the thread (the store's above all) is kept and raised by `check` on the training
+    thread: every worker names the store within about ``interval`` of its death (plus the store
+    client's timeout when the store's machine is unreachable rather than its process dead).
     """
+
+    RETRY = 5.0            # seconds between connection attempts to a worker not reached yet
 
     def __init__(self, keys: Keys, me: str, interval: float) -> None:
         self._keys, self._me, self._interval = keys, me, interval
         self._lock = threading.Lock()
         self._watch: dict[str, tuple[int, float]] = {}     # who -> (last value, when it changed)
         self._dead: set[str] = set()                       # their liveness connection closed
-        self._links: dict[socket.socket, str] = {}         # our connections to the watched
-        self._accepted: list[socket.socket] = []           # connections of those who watch us
-        self._error: StoreUnreachable | None = None
+        self._links: dict[str, socket.socket] = {}         # our connections to the watched
+        self._tried: dict[str, float] = {}                 # when we last tried to connect
+        self._unwatched: list[socket.socket] = []          # links `keep` dropped, closed by the thread
+        self._error: Exception | None = None
         self._stop = threading.Event()
-        self._listener = socket.create_server((_local_ip(keys.address), 0))
-        self._keys.set(f"addr/{me}", "%s:%d" % self._listener.getsockname()[:2])
-        self._keys.add(f"hb/{me}", 1)                      # the keys exist before anyone watches them
+        self._selector = selectors.DefaultSelector()
+        ip = _local_ip(keys.address)
+        self._listener = socket.create_server((ip or "0.0.0.0", 0))
+        try:
+            self._listener.setblocking(False)
+            self._selector.register(self._listener, selectors.EVENT_READ, _LISTENER)
+            # No address published when none reachable was found: the heartbeat alone decides.
+            self._keys.set(f"addr/{me}", "%s:%d" % (ip, self._listener.getsockname()[1]) if ip else "")
+            self._keys.add(f"hb/{me}", 1)                  # the keys exist before anyone watches them
+        except BaseException:
+            self._listener.close()
+            raise
         self._thread = threading.Thread(target=self._run, name="hetcomm-elastic-pulse", daemon=True)
         self._thread.start()
 
@@ -147,22 +169,20 @@ class Pulse:
         next_beat = 0.0
         try:
             while not self._stop.is_set():
-                now = time.monotonic()
-                if now >= next_beat:
-                    try:
-                        self._beat()
-                    except StoreUnreachable as e:
-                        self._error = e
-                        return
+                if time.monotonic() >= next_beat:
+                    self._beat()
                     next_beat = time.monotonic() + self._interval
+                self._close_unwatched()
                 self._connect()
-                sockets = [self._listener, *self._links]
-                readable, _, _ = select.select(sockets, [], [], max(0.0, min(0.2, next_beat - time.monotonic())))
-                for sock in readable:
-                    self._readable(sock)
+                wait = max(0.0, min(0.2, next_beat - time.monotonic()))
+                for key, _ in self._selector.select(wait):
+                    self._readable(key.fileobj, key.data)
+        except Exception as e:  # noqa: BLE001 - kept for the training thread, which raises it
+            self._error = e
         finally:
-            for sock in [self._listener, *self._links, *self._accepted]:
-                sock.close()
+            for key in list(self._selector.get_map().values()):
+                key.fileobj.close()
+            self._selector.close()
 
     def _beat(self) -> None:
         self._keys.add(f"hb/{self._me}", 1)
@@ -175,18 +195,28 @@ class Pulse:
                 if name in self._watch and self._watch[name][0] != value:
                     self._watch[name] = (value, now)
 
-    def _connect(self) -> None:
-        """Opens a liveness connection to each watched worker that has none yet."""
+    def _close_unwatched(self) -> None:
+        # Only this thread touches the selector: `keep` (training thread) hands sockets over.
         with self._lock:
-            todo = [n for n in self._watch if n not in self._dead and n not in self._links.values()]
+            socks, self._unwatched = self._unwatched, []
+        for sock in socks:
+            self._selector.unregister(sock)
+            sock.close()
+
+    def _connect(self) -> None:
+        """One short attempt at a liveness connection to each watched worker that has none."""
+        now = time.monotonic()
+        with self._lock:
+            todo = [n for n in self._watch if n not in self._dead and n not in self._links
+                    and now - self._tried.get(n, -math.inf) >= self.RETRY]
         for name in todo:
+            self._tried[name] = now
+            address = self._keys.get(f"addr/{name}")
+            if not address:
+                continue                          # it published none: the heartbeat decides
+            host, port = address.rsplit(":", 1)
             try:
-                host, port = self._keys.get(f"addr/{name}").rsplit(":", 1)
-            except StoreUnreachable as e:
-                self._error = e
-                return
-            try:
-                sock = socket.create_connection((host, int(port)), timeout=1.0)
+                sock = socket.create_connection((host, int(port)), timeout=0.2)
             except ConnectionRefusedError:
                 with self._lock:
                     self._dead.add(name)          # its machine answers, its port does not: gone
@@ -194,15 +224,21 @@ class Pulse:
             except OSError:
                 continue                          # unreachable for now: the heartbeat decides
             sock.setblocking(False)
-            self._links[sock] = name
+            with self._lock:
+                if name in self._watch:
+                    self._links[name] = sock
+                    self._selector.register(sock, selectors.EVENT_READ, name)
+                    continue
+            sock.close()
 
-    def _readable(self, sock: socket.socket) -> None:
-        if sock is self._listener:
+    def _readable(self, sock: socket.socket, name) -> None:
+        if name is _LISTENER:
             try:
                 conn, _ = sock.accept()
-                self._accepted.append(conn)       # kept open; closed by the kernel when we die
             except OSError:
-                pass
+                return
+            conn.setblocking(False)               # kept open (closed by the kernel when we die)
+            self._selector.register(conn, selectors.EVENT_READ, None)
             return
         try:
             data = sock.recv(1)
@@ -210,10 +246,15 @@ class Pulse:
             return
         except OSError:
             data = b""
-        if not data:                              # EOF or reset: the watched process is gone
-            name = self._links.pop(sock)
+        if data:
+            return
+        with self._lock:                          # EOF or reset
+            if name is not None and self._links.get(name) is not sock:
+                return                            # no longer watched: `keep` handed it over
+            self._selector.unregister(sock)
             sock.close()
-            with self._lock:
+            if name is not None:                  # the watched process is gone
+                del self._links[name]
                 self._dead.add(name)
 
     def watch(self, names) -> None:
@@ -223,6 +264,18 @@ class Pulse:
             for name in names:
                 if name != self._me and name not in self._watch:
                     self._watch[name] = (-1, now)
+
+    def keep(self, names) -> None:
+        """Stop watching everyone but ``names`` (and close their liveness connections)."""
+        keep = set(names)
+        with self._lock:
+            for name in [n for n in self._watch if n not in keep]:
+                del self._watch[name]
+                self._tried.pop(name, None)
+                self._dead.discard(name)
+                sock = self._links.pop(name, None)
+                if sock is not None:
+                    self._unwatched.append(sock)
 
     def silent(self, name: str) -> float:
         """Seconds since ``name``'s heartbeat last changed (0 for this worker or the unwatched;
@@ -234,8 +287,13 @@ class Pulse:
         return 0.0 if entry is None else time.monotonic() - entry[1]
 
     def check(self) -> None:
+        """Raises what stopped the thread (StoreUnreachable when the store failed)."""
         if self._error is not None:
-            raise self._error
+            if isinstance(self._error, StoreUnreachable):
+                raise self._error
+            raise RuntimeError(f"{_PREFIX}: the heartbeat thread failed: {self._error!r}") from self._error
+        if not self._thread.is_alive() and not self._stop.is_set():
+            raise RuntimeError(f"{_PREFIX}: the heartbeat thread stopped")
 
     def stop(self) -> None:
         self._stop.set()
@@ -244,7 +302,7 @@ class Pulse:
 
 def _local_ip(store_address: str) -> str:
     """The address other workers reach this one at: $HETCOMM_LISTEN_IP, else the local end of
-    the route to the store."""
+    the route to the store ("" when there is none)."""
     if os.environ.get("HETCOMM_LISTEN_IP"):
         return os.environ["HETCOMM_LISTEN_IP"]
     host = store_address.rpartition(":")[0] or "127.0.0.1"
@@ -253,4 +311,4 @@ def _local_ip(store_address: str) -> str:
             probe.connect((host, 9))
             return probe.getsockname()[0]
     except OSError:
-        return "0.0.0.0"
+        return ""

@@ -9,7 +9,9 @@ end writes a line with ``final``. ``--die R:where`` kills this process (SIGKILL)
 ``local`` (halfway through the round's steps), ``reduce`` (at the synchronisation, just before
 its all-reduce: the others are inside it), ``done`` (after counting itself done, before the
 outcome: the others commit without it), ``transfer`` (the first time, from round R on, that it
-sends the state to a joining worker: after the metadata, before the parameters).
+sends the state to a joining worker: after the metadata, before the parameters), ``registered``
+(R ignored: right after asking to join, before the first round), ``formed`` (a member of a
+decision from round R on, just before forming its group: the others' group formation fails).
 """
 from __future__ import annotations
 
@@ -41,7 +43,8 @@ def main() -> int:
     p.add_argument("--die", default="")
     p.add_argument("--save", default="", help="save a checkpoint here after every round")
     p.add_argument("--load", default="", help="resume from this checkpoint")
-    p.add_argument("--stop-after", type=int, default=0, help="exit (in good order) after this round")
+    p.add_argument("--stop-after", type=int, default=0, help="exit (without a word) after this round")
+    p.add_argument("--batches", type=int, default=0, help="this worker's data ends after so many batches")
     p.add_argument("--compress", default="fp32")
     p.add_argument("--step-seconds", type=float, default=0.0, help="sleep this long in every step (a slow worker)")
     p.add_argument("--backend", default=os.environ.get("HETCOMM_TEST_BACKEND", "hetcomm"))
@@ -69,6 +72,21 @@ def main() -> int:
                 kill_self()
             return real_outcome(self, decision, failure)
         elastic.ElasticDiLoCo._outcome_of = dying_outcome
+    elif where == "registered":
+        real_register = elastic.ElasticDiLoCo._register
+
+        def dying_register(self):
+            real_register(self)
+            kill_self()
+        elastic.ElasticDiLoCo._register = dying_register
+    elif where == "formed":
+        real_form = elastic.ElasticDiLoCo._form_group
+
+        def dying_form(self, decision):
+            if decision["round"] >= die_round:
+                kill_self()
+            return real_form(self, decision)
+        elastic.ElasticDiLoCo._form_group = dying_form
     elif where == "transfer":
         real_broadcast = torch.distributed.broadcast_object_list
 
@@ -91,8 +109,9 @@ def main() -> int:
     out = open(os.path.join(args.out, f"{args.id}.jsonl"), "a")
 
     def batches():
-        step = 0
-        while True:
+        step, taken = 0, 0
+        while not args.batches or taken < args.batches:
+            taken += 1
             g = torch.Generator().manual_seed(zlib.crc32(f"{args.id}/{diloco.rounds}/{step}".encode()))
             x = torch.randn(16, 8, generator=g)
             yield x, (x @ truth).unsqueeze(1) + 0.01 * torch.randn(16, 1, generator=g)
@@ -113,7 +132,7 @@ def main() -> int:
                 step_in_round = 0
                 rec = diloco.history[-1]
                 out.write(json.dumps({"round": rec["round"], "fp": rec["fingerprint"], "members": rec["members"],
-                                      "gen": rec["generation"], "pid": os.getpid()}) + "\n")
+                                      "steps": rec["steps"], "gen": rec["generation"], "pid": os.getpid()}) + "\n")
                 out.flush()
                 if args.save:
                     torch.save(diloco.state_dict(), args.save)

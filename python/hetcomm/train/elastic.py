@@ -83,7 +83,7 @@ __all__ = ["ElasticDiLoCo", "StoreUnreachable"]
 
 _PREFIX = "hetcomm ElasticDiLoCo"
 # Rows of the table every member contributes a column to at each epoch.
-_STEPS, _SAMPLES, _LOSS_SUM, _LOSS_N, _FINITE, _PRINT, _ROWS = 0, 1, 2, 3, 4, 5, 6
+_STEPS, _SAMPLES, _LOSS_SUM, _LOSS_N, _FINITE, _PRINT, _HOLDS, _MAX_ROUNDS, _MAX_SAMPLES, _ROWS = range(10)
 _POLL = (0.005, 0.1)          # the store is polled from every 5 ms, backing off to 100 ms
 
 
@@ -123,8 +123,9 @@ class ElasticDiLoCo(_flat.FlatParameters):
         heartbeat: seconds between heartbeats.
         timeout: a worker whose heartbeat has not changed for this long is dropped (at most 10 s
             by default, as INTELLECT-1's 2 s / 10 s).
-        late_timeout: a live worker that has not reached the synchronisation this long after it
-            became the last one missing is dropped too (it rejoins when it gets there).
+        late_timeout: a live worker still missing from the synchronisation this long after the
+            last change among the others (one arrived or was dropped) is dropped too (it
+            rejoins when it gets there).
         collective_timeout: the generation group's operation timeout (a frozen peer).
         backend: the generation group's backend (``"hetcomm"`` or ``"gloo"``).
         verbose: print one line per membership change (they are in `stats` either way).
@@ -201,6 +202,7 @@ class ElasticDiLoCo(_flat.FlatParameters):
         self._stop_reason: str | None = None
         self._budgets: dict[str, float] = {}
         self._pulse: Pulse | None = None
+        self._gaps: dict[int, float] = {}     # join indices taken but not (yet) written: since when
         self._totals = {"compute": 0.0, "idle": 0.0, "sync": 0.0}
         self._timeline: list[tuple[str, float, float]] = []
         self._step_calls = 0
@@ -430,6 +432,7 @@ class ElasticDiLoCo(_flat.FlatParameters):
             self._holds = False
             self._destroy_group()
             self._reset_round()
+            self._new_incarnation()
             self._admit()
         self._check_budgets()
         self._reset_round()
@@ -440,6 +443,8 @@ class ElasticDiLoCo(_flat.FlatParameters):
         col[_STEPS], col[_SAMPLES] = self._r_steps, self._r_samples
         col[_LOSS_SUM], col[_LOSS_N] = self._r_loss, self._r_loss_n
         col[_FINITE] = 1.0 if math.isfinite(total) else 0.0
+        col[_MAX_ROUNDS] = self._budgets.get("max_rounds", 0)
+        col[_MAX_SAMPLES] = self._budgets.get("max_samples", 0)
         return col
 
     def _check_budgets(self) -> None:
@@ -454,6 +459,28 @@ class ElasticDiLoCo(_flat.FlatParameters):
             self._keys.first("ended", {"round": self._round, "reason": reason})
 
     # ---- membership --------------------------------------------------------------------------
+
+    def _new_incarnation(self) -> None:
+        """A dropped worker joins again as a new incarnation: the others may have marked the old
+        one dead, and must not mistake it for a member."""
+        self._pulse.stop()
+        self._me = f"{self.worker_id}#{uuid.uuid4().hex[:8]}"
+        self._pulse = Pulse(self._job_keys.clone(), self._me, self._heartbeat)
+
+    def _registrations(self, keys: Keys, start: int) -> tuple[list[dict], int]:
+        """The join requests from index ``start`` on, and the index after them. A request whose
+        index was taken but whose record never appeared (its worker died in between) is skipped
+        once it has been missing for ``timeout`` seconds."""
+        regs, i, count = [], start, keys.add("joins", 0)
+        while i < count:
+            if keys.has(f"join/{i}"):
+                regs.append(keys.get(f"join/{i}"))
+            else:
+                first = self._gaps.setdefault(i, time.monotonic())
+                if time.monotonic() - first <= self._timeout:
+                    break                            # not written yet: next time
+            i += 1
+        return regs, i
 
     def _era(self) -> int:
         """The job's current era (1 at the first start). A worker that loaded a checkpoint and
@@ -472,7 +499,7 @@ class ElasticDiLoCo(_flat.FlatParameters):
             poll = _Poll()
             while True:
                 self._pulse.check()
-                if keys.get("latest") != last["epoch"]:
+                if keys.has(f"e{last['epoch'] + 1}/decision"):
                     return era                       # the era is alive: join it
                 silent = min(self._pulse.silent(m) for m in last["members"])
                 if silent > self._timeout:
@@ -491,8 +518,7 @@ class ElasticDiLoCo(_flat.FlatParameters):
         epochs until one commits (this worker then holds the global state)."""
         keys = self._keys
         begin = time.perf_counter()
-        index = keys.add("joins", 1) - 1
-        keys.set(f"join/{index}", {"who": self._me, "holds": self._holds, "round": self._round})
+        index = self._register()
         epoch = int(keys.get("latest")) if keys.has("latest") else 1
         poll, watched = _Poll(), None
         while True:
@@ -508,11 +534,21 @@ class ElasticDiLoCo(_flat.FlatParameters):
                 self._pulse.watch(decision["members"])
                 if self._me in decision["members"]:
                     self._count("idle", begin)
-                    if not self._synchronise(None, self._column(None), admitted=decision):
-                        raise RuntimeError(f"{_PREFIX}: dropped while being admitted ({self._dropped_why})")
-                    return
+                    if self._synchronise(None, self._column(None), admitted=decision):
+                        return
+                    self._log(f"dropped while being admitted ({self._dropped_why}): asking again")
+                    self._destroy_group()
+                    self._new_incarnation()
+                    index, begin = self._register(), time.perf_counter()
+                    epoch = int(keys.get("latest"))
+                    continue
+                if decision["admitted_upto"] > index:
+                    # passed over (thought dead when the decision was taken): ask again
+                    self._new_incarnation()
+                    index = self._register()
                 epoch += 1
                 watched = decision["members"]
+                self._pulse.keep(watched)
                 continue
             if epoch == 1:
                 self._bootstrap(keys)
@@ -521,18 +557,22 @@ class ElasticDiLoCo(_flat.FlatParameters):
                                    "and the run's state with them: restart the job from checkpoints (load_state_dict)")
             poll()
 
+    def _register(self) -> int:
+        index = self._keys.add("joins", 1) - 1
+        self._keys.set(f"join/{index}", {"who": self._me, "holds": self._holds, "round": self._round})
+        return index
+
     def _bootstrap(self, keys: Keys) -> None:
         """The first decision of an era: once ``min_workers`` asked to join, they are its members
         (sorted by worker id: a deterministic order of ranks), the holders of the latest
         checkpoint its holders (else the first of them, whose fresh model everyone starts from)."""
-        count = keys.add("joins", 0)
-        if count < self._min_workers:
+        regs, count = self._registrations(keys, 0)
+        if count < keys.add("joins", 0):
+            return                                   # a request not written yet: next poll
+        self._pulse.watch([r["who"] for r in regs])
+        regs = [r for r in regs if self._pulse.silent(r["who"]) <= self._timeout]
+        if len(regs) < self._min_workers:
             return
-        regs = []
-        for i in range(count):
-            if not keys.has(f"join/{i}"):
-                return                               # registered, not yet written: next poll
-            regs.append(keys.get(f"join/{i}"))
         regs.sort(key=lambda r: r["who"])
         members = [r["who"] for r in regs]
         latest = max((r["round"] for r in regs if r["holds"]), default=None)
@@ -551,9 +591,7 @@ class ElasticDiLoCo(_flat.FlatParameters):
         while True:
             self._pulse.check()
             if keys.has(f"e{epoch}/decision"):
-                decision = keys.get(f"e{epoch}/decision")
-                self._pulse.watch(decision["members"])
-                return decision
+                return keys.get(f"e{epoch}/decision")
             for m in members:
                 if m not in arrivals and keys.has(f"e{epoch}/arrive/{m}"):
                     arrivals[m] = keys.get(f"e{epoch}/arrive/{m}")
@@ -577,17 +615,18 @@ class ElasticDiLoCo(_flat.FlatParameters):
             poll()
         continuing = [m for m in members if m in arrivals]
         holders = [m for m in continuing if arrivals[m]["holds"]]
+        if not holders and continuing and all(arrivals[m].get("fresh") for m in continuing):
+            holders = continuing[:1]       # a new job whose first holder died: start from another
         rounds = {arrivals[m]["round"] for m in holders} or {max(arrivals[m]["round"] for m in continuing)}
         if len(rounds) > 1:
             raise RuntimeError(f"{_PREFIX}: epoch {epoch}: members arrived at different rounds {sorted(rounds)} "
                                "(a bug: please report it)")
-        joiners, upto = [], prev["admitted_upto"]
-        while keys.has(f"join/{upto}"):
-            who = keys.get(f"join/{upto}")["who"]
-            self._pulse.watch([who])
+        regs, upto = self._registrations(keys, prev["admitted_upto"])
+        self._pulse.watch([r["who"] for r in regs])
+        joiners = []
+        for who in (r["who"] for r in regs):
             if who not in continuing and who not in joiners and self._pulse.silent(who) <= self._timeout:
                 joiners.append(who)
-            upto += 1
         new_members = continuing + joiners
         changed = new_members != members or self._outcome != "commit"
         decision = {"epoch": epoch, "gen": prev["gen"] + (1 if changed else 0), "round": rounds.pop(),
@@ -595,7 +634,6 @@ class ElasticDiLoCo(_flat.FlatParameters):
                     "left": out, "joined": joiners, "admitted_upto": upto}
         decision = keys.first(f"e{epoch}/decision", decision)
         keys.set("latest", epoch)
-        self._pulse.watch(decision["members"])
         return decision
 
     def _synchronise(self, delta: torch.Tensor | None, column: list[float], admitted: dict | None = None) -> bool:
@@ -604,7 +642,9 @@ class ElasticDiLoCo(_flat.FlatParameters):
             if admitted is None:
                 begin = time.perf_counter()
                 epoch = self._decision["epoch"] + 1
-                self._keys.set(f"e{epoch}/arrive/{self._me}", {"holds": self._holds, "round": self._round})
+                self._keys.set(f"e{epoch}/arrive/{self._me}",
+                               {"holds": self._holds, "round": self._round,
+                                "fresh": not self._checkpoint and self._round == 0 and not self._history})
                 decision = self._decide(epoch)
                 self._count("idle", begin)
                 if self._me not in decision["members"]:
@@ -617,6 +657,11 @@ class ElasticDiLoCo(_flat.FlatParameters):
                 return True
 
     def _attempt(self, decision: dict, delta: torch.Tensor | None, column: list[float]) -> bool:
+        self._pulse.watch(decision["members"])
+        self._pulse.keep(decision["members"])
+        # The decision says who holds the state: a worker that loaded a checkpoint but is not
+        # named (the run is past it) holds nothing until its transfer lands and a round commits.
+        self._holds = self._me in decision["holders"]
         self._note_membership(decision)
         begin = time.perf_counter()
         if not decision["holders"]:
@@ -711,9 +756,18 @@ class ElasticDiLoCo(_flat.FlatParameters):
     def _form_group(self, decision: dict) -> None:
         self._destroy_group()
         store = dist.PrefixStore(f"{self._keys.root}g{decision['gen']}", self._group_store.store)
-        dist.init_process_group(self._backend, store=store, rank=decision["members"].index(self._me),
-                                world_size=len(decision["members"]),
-                                timeout=datetime.timedelta(seconds=self._collective_timeout))
+        # torch names the default group after a counter (its keys on the store carry the name)
+        # that a failed init_process_group advances and only destroy_process_group resets: put
+        # it back, or this worker's next group would wait on keys its peers never write.
+        count = dist.distributed_c10d._world.group_count
+        try:
+            dist.init_process_group(self._backend, store=store, rank=decision["members"].index(self._me),
+                                    world_size=len(decision["members"]),
+                                    timeout=datetime.timedelta(seconds=self._collective_timeout))
+        except BaseException:
+            if not dist.is_initialized():
+                dist.distributed_c10d._world.group_count = count
+            raise
         self._gen = decision["gen"]
 
     def _destroy_group(self) -> None:
@@ -788,7 +842,9 @@ class ElasticDiLoCo(_flat.FlatParameters):
                 column: list[float]) -> tuple[list[list[float]], torch.Tensor | None]:
         col = list(column)
         col[_PRINT] = float(_fingerprint(self._flatten_global()))
+        col[_HOLDS] = 1.0 if self._me in decision["holders"] else 0.0
         table = exchange_columns(col)
+        self._agree_on_budgets(decision, table)
         prints = table[_PRINT]
         if len(set(prints)) > 1:
             raise ValueError(f"{_PREFIX}: round {decision['round']}: the members' global parameters differ "
@@ -803,6 +859,21 @@ class ElasticDiLoCo(_flat.FlatParameters):
             return table, None
         x = delta if delta is not None else torch.zeros(self._start.numel(), dtype=torch.float32)
         return table, _compress.weighted_allreduce(x, weights, codec=self._codec, finite_checked=True)
+
+    def _agree_on_budgets(self, decision: dict, table: list[list[float]]) -> None:
+        """The run's budgets (`loop`'s max_rounds, max_samples) are the holders': they must agree;
+        a joining worker started with others takes theirs (and says so)."""
+        run = {}
+        for name, row in (("max_rounds", _MAX_ROUNDS), ("max_samples", _MAX_SAMPLES)):
+            values = {v for v, h in zip(table[row], table[_HOLDS]) if h}
+            if len(values) > 1:
+                raise ValueError(f"{_PREFIX}: round {decision['round']}: the workers passed different {name} to "
+                                 f"loop(): {dict(zip(self._names(decision['members']).split(','), table[row]))} "
+                                 "(0 = none); every worker must pass the same")
+            run[name] = values.pop() if values else 0
+        if {k: self._budgets.get(k, 0) for k in run} != run:
+            self._log(f"the run's budgets are {run} (0 = none), not this worker's {self._budgets}: taking the run's")
+            self._budgets = run
 
     def _apply(self, decision: dict, table: list[list[float]], reduced: torch.Tensor | None) -> None:
         if reduced is not None:

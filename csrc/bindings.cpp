@@ -5,6 +5,7 @@
 
 #include "backend/cuda_device_ops.h"
 #include "common/env.h"
+#include "backend/live_groups.h"
 #include "backend/process_group_hetcomm.h"
 #include "backend/tensor_checks.h"
 #include "kernels/reduce.h"
@@ -94,8 +95,9 @@ PYBIND11_MODULE(_C, m) {
              options.listenIp = listenIp;
              // Creation waits on the store for the other ranks: let other Python threads run.
              py::gil_scoped_release release;
-             return NoGilDestructorPtr<hetcomm::ProcessGroupHetcomm>(
-                 c10::make_intrusive<hetcomm::ProcessGroupHetcomm>(store, rank, size, options));
+             auto group = c10::make_intrusive<hetcomm::ProcessGroupHetcomm>(store, rank, size, options);
+             hetcomm::registerLiveGroup(group);
+             return NoGilDestructorPtr<hetcomm::ProcessGroupHetcomm>(std::move(group));
            }),
            py::arg("store"), py::arg("rank"), py::arg("size"), py::arg("timeout_ms"), py::arg("listen_ip") = "")
       .def("listen_address", &hetcomm::ProcessGroupHetcomm::listenAddress,
@@ -226,6 +228,11 @@ PYBIND11_MODULE(_C, m) {
   m.def(
       "built_with_cuda", [] { return hetcomm::kBuiltWithCuda; },
       "True when this build moves CUDA tensors (the backend then registers for 'cuda' too).");
+  m.def("shutdown_live_groups_at_exit", &hetcomm::shutdownLiveGroupsAtExit, py::arg("max_wait_ms"),
+        py::call_guard<py::gil_scoped_release>(),
+        "Shut down every hetcomm group this process created that is still alive, then wait (up to "
+        "max_wait_ms) for the callback threads of shut-down groups: call it at exit, before Python "
+        "finalizes.");
   m.def("tls_available", [] {
         std::string why;
         const bool ok = hetcomm::tls::available(&why);

@@ -116,6 +116,36 @@ def test_an_operation_issued_after_abort_completes_its_future_with_an_error() ->
     assert "callback ran" in seen and "wait raised" in seen, seen
 
 
+def exit_with_a_callback_still_running(rank: int, world_size: int, marker: str) -> str:
+    # The future of an operation issued after an abort completes on a thread of its own; its
+    # Python callback is still running when the program returns and Python begins to exit.
+    backend = _backend("exit_cb/", 0, 1)
+    backend.abort()
+    started = threading.Event()
+
+    def slow_callback(fut):
+        started.set()
+        time.sleep(0.5)  # without the GIL; then it needs the GIL back, at exit
+        with open(marker, "w") as f:
+            f.write("finished")
+        return 1
+
+    backend.allreduce([torch.ones(10)]).get_future().then(slow_callback)
+    started.wait(10)
+    return "returned"
+
+
+def test_exiting_while_a_callback_of_an_aborted_group_runs_waits_for_it(tmp_path) -> None:
+    """A callback thread that needs the GIL after Python began to finalize is made to exit by the
+    interpreter, unwinding through C++ frames: std::terminate, SIGABRT after a successful run (it
+    happened to a test of this file and to a planning-failure test under load). At exit hetcomm
+    shuts down every group it created, registered with torch or not, and waits for such threads."""
+    marker = tmp_path / "callback"
+    (result,) = run_ranks(1, exit_with_a_callback_still_running, str(marker), timeout=60)
+    assert result == "returned"
+    assert marker.read_text() == "finished"
+
+
 def destroy_with_a_callback_running(rank: int, world_size: int) -> str:
     backend = _backend("gil/", 0, 1)
     started = threading.Event()

@@ -1,14 +1,30 @@
 #include "backend/completion_pool.h"
 
+#include <cxxabi.h>
+
 #include "common/logging.h"
 #include "common/threads.h"
 
 namespace hetcomm {
 namespace {
 
+// The callback threads started after a stop() (detached): how many are running.
+struct Detached {
+  std::mutex mu;
+  std::condition_variable cv;
+  int running = 0;
+};
+
+Detached& detached() {
+  static auto* d = new Detached;  // never destroyed: a detached thread may outlive static destructors
+  return *d;
+}
+
 void runGuarded(const std::function<void()>& fn) {
   try {
     fn();
+  } catch (const abi::__forced_unwind&) {
+    throw;  // the thread is being ended (pthread_exit): it must unwind
   } catch (const std::exception& e) {
     HC_LOG(kError, "a future callback threw: ", e.what());
   } catch (...) {
@@ -25,7 +41,31 @@ void CompletionPool::post(std::function<void()> fn) {
     // error). Running fn here would run the future's callbacks on the caller's thread, which may
     // be one of the backend's own: a thread of its own does it, touching nothing of the pool.
     lock.unlock();
-    startThread("future callback", [fn = std::move(fn)] { runGuarded(fn); }).detach();
+    Detached& d = detached();
+    {
+      std::lock_guard<std::mutex> count(d.mu);
+      ++d.running;
+    }
+    struct Finished {
+      ~Finished() {
+        Detached& d = detached();
+        std::lock_guard<std::mutex> count(d.mu);
+        --d.running;
+        d.cv.notify_all();
+      }
+    };
+    try {
+      startThread("future callback", [fn = std::move(fn)]() mutable {
+        Finished finished;
+        {
+          std::function<void()> callback = std::move(fn);
+          runGuarded(callback);
+        }  // what it held is released here, before the thread counts itself out
+      }).detach();
+    } catch (...) {
+      Finished notStarted;
+      throw;
+    }
     return;
   }
   queue_.push_back(std::move(fn));
@@ -35,6 +75,12 @@ void CompletionPool::post(std::function<void()> fn) {
     threads_.push_back(startThread("completion", [self = shared_from_this()] { self->loop(); }));
   }
   cv_.notify_one();
+}
+
+void CompletionPool::waitForDetachedCallbacks(std::chrono::milliseconds limit) {
+  Detached& d = detached();
+  std::unique_lock<std::mutex> lock(d.mu);
+  d.cv.wait_for(lock, limit, [&] { return d.running == 0; });
 }
 
 void CompletionPool::stop() {

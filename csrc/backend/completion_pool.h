@@ -6,6 +6,7 @@
 // it can do: a deadlock (design.md §5). A callback may even block on a future that is queued
 // behind it here, so the pool grows a thread whenever every thread is busy (up to a cap), instead
 // of queueing behind a blocked callback.
+#include <chrono>
 #include <condition_variable>
 #include <deque>
 #include <functional>
@@ -30,6 +31,10 @@ class CompletionPool : public std::enable_shared_from_this<CompletionPool> {
   // Runs what is queued, then joins every thread (idempotent). From a pool thread (a callback
   // that destroys the process group) that thread is left to finish on its own.
   void stop();
+
+  // Waits (up to `limit`) until every callback thread started after a stop() has finished: at
+  // interpreter exit, none may still hold Python objects when Python finalizes.
+  static void waitForDetachedCallbacks(std::chrono::milliseconds limit);
 
  private:
   void loop();

@@ -497,6 +497,10 @@ void ProcessGroupHetcomm::runWorker() {
       }
     }
     op.work->complete(error);
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      running_ = false;  // idle until the next operation (shutdownAtExit asks)
+    }
   }
 }
 

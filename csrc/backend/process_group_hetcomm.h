@@ -128,7 +128,14 @@ class ProcessGroupHetcomm : public c10d::Backend {
   // The group ranks this rank shares memory with (itself included), or empty.
   std::vector<int> localRanks() const;
 
+ // Called when the last strong reference goes while weak ones remain (the registry of live
+  // groups, backend/live_groups.h, holds one): the group is unused from here, so it shuts down
+  // now, as the destructor would (which then runs when the last weak reference goes). Public:
+  // c10::intrusive_ptr calls it through this type.
+  void release_resources() override { shutdown(); }
+
  private:
+
   using Body = std::function<void(CollectiveContext&)>;
   struct Pending {
     c10::intrusive_ptr<WorkHetcomm> work;

@@ -8,6 +8,13 @@
 //
 // `onError` runs on the failing thread, must not throw (a throw is logged and dropped) and must
 // not join that thread.
+//
+// One thing passes the guard: the forced unwinding of a thread that is being ended (pthread_exit;
+// a finalizing Python interpreter ends so a thread that asks for the GIL). Swallowing it aborts
+// the process ("exception not rethrown"), and so does meeting a noexcept frame on its way out, so
+// the guard rethrows it and the thread's function is not noexcept.
+#include <cxxabi.h>
+
 #include <exception>
 #include <functional>
 #include <string>
@@ -49,9 +56,11 @@ inline void reportThreadError(const char* name, const ThreadErrorHandler& onErro
 // Runs body() guarded (see above); use it for thread bodies that cannot be started with
 // startThread (a pool's worker created by emplace_back, ...).
 template <typename Body>
-void runGuardedThread(const char* name, Body& body, const ThreadErrorHandler& onError = {}) noexcept {
+void runGuardedThread(const char* name, Body& body, const ThreadErrorHandler& onError = {}) {
   try {
     body();
+  } catch (const abi::__forced_unwind&) {
+    throw;  // the thread is being ended: let it unwind (see above)
   } catch (...) {
     try {
       detail::reportThreadError(name, onError);
@@ -63,7 +72,7 @@ void runGuardedThread(const char* name, Body& body, const ThreadErrorHandler& on
 
 template <typename Body>
 std::thread startThread(const char* name, Body body, ThreadErrorHandler onError = {}) {
-  return std::thread([name, body = std::move(body), onError = std::move(onError)]() mutable noexcept {
+  return std::thread([name, body = std::move(body), onError = std::move(onError)]() mutable {
     runGuardedThread(name, body, onError);
   });
 }

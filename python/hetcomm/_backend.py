@@ -25,11 +25,6 @@ def _timeout_ms(timeout: Optional[datetime.timedelta]) -> int:
     return ms
 
 
-# The process that created hetcomm groups: a child forked from it inherits copies of them whose
-# threads it does not have, and must leave them alone at its exit.
-_creator_pid: Optional[int] = None
-
-
 @atexit.register
 def _shut_down_all() -> None:
     """Shuts down the hetcomm groups the program did not destroy, while the interpreter still runs.
@@ -39,29 +34,15 @@ def _shut_down_all() -> None:
     hands out (the thread is made to exit, unwinding through a destructor: std::terminate, seen as
     SIGABRT at exit after a failed collective). An idle group is shut down as
     destroy_process_group would; one with operations still queued or running is aborted, so that
-    the exit never waits for their timeouts. The groups are found where torch keeps them (the
-    Python wrappers of backends are fresh objects each time, so they cannot be tracked here).
+    the exit never waits for their timeouts. Every group this process created is found (the C++
+    side keeps a weak list): those torch registered, those whose creation failed after the
+    backend was built (a planning error), and backends built directly. Then the threads that
+    complete the futures of operations issued after a shutdown are given a moment to finish.
     """
-    if _creator_pid != os.getpid():
-        return
     try:
-        groups = list(dist.distributed_c10d._world.pg_map.keys())
-    except Exception:  # noqa: BLE001 - torch's private registry moved: nothing to do
-        return
-    seen = set()
-    for pg in groups:
-        for device in ("cpu", "cuda"):
-            try:
-                backend = pg._get_backend(torch.device(device))
-            except Exception:  # noqa: BLE001 - no backend for that device
-                continue
-            backend = getattr(backend, "wrapped_pg", backend)  # TORCH_DISTRIBUTED_DEBUG=DETAIL
-            if isinstance(backend, _C.ProcessGroupHetcomm) and backend.listen_address() not in seen:
-                seen.add(backend.listen_address())
-                try:
-                    backend.shutdown_at_exit()
-                except Exception:  # noqa: BLE001 - exiting anyway; the group is gone either way
-                    pass
+        _C.shutdown_live_groups_at_exit(5000)
+    except Exception:  # noqa: BLE001 - exiting anyway
+        pass
 
 
 def _create_backend(dist_backend_opts, backend_options) -> _C.ProcessGroupHetcomm:
@@ -79,8 +60,6 @@ def _create_backend(dist_backend_opts, backend_options) -> _C.ProcessGroupHetcom
         _timeout_ms(getattr(dist_backend_opts, "timeout", None)),
         os.environ.get("HETCOMM_LISTEN_IP", ""),
     )
-    global _creator_pid
-    _creator_pid = os.getpid()
     configure_group(backend, getattr(dist_backend_opts, "global_ranks_in_group", None))
     return backend
 

@@ -1,0 +1,25 @@
+#pragma once
+// The hetcomm process groups alive in this process, so that interpreter exit can shut down every
+// one of them, not only those torch registered (a group whose creation failed, one built directly).
+//
+// Why at exit: a group's threads may hold the last reference to a tensor or a Python callback. If
+// one of them drops it after Python began to finalize, it needs the GIL, which a finalizing
+// interpreter no longer hands out: the thread is made to exit, unwinding through a destructor, and
+// the process dies with std::terminate (SIGABRT) after the program itself succeeded.
+#include <c10/util/intrusive_ptr.h>
+
+namespace hetcomm {
+
+class ProcessGroupHetcomm;
+
+// Remembers `group` (weakly) as created by this process. A weak reference defers the object's
+// destructor to when the reference goes (at the next registration): ProcessGroupHetcomm shuts
+// down in release_resources(), when its last strong reference goes, so nothing waits for that.
+void registerLiveGroup(const c10::intrusive_ptr<ProcessGroupHetcomm>& group);
+
+// Shuts down every group of this process still alive (gracefully when idle, else as abort()
+// does), then waits up to `maxWaitMs` for the threads that complete futures after a shutdown to
+// finish. Call it without the GIL, before the interpreter finalizes.
+void shutdownLiveGroupsAtExit(int64_t maxWaitMs);
+
+}  // namespace hetcomm

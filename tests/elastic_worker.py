@@ -46,6 +46,8 @@ def main() -> int:
     p.add_argument("--stop-after", type=int, default=0, help="exit (without a word) after this round")
     p.add_argument("--batches", type=int, default=0, help="this worker's data ends after so many batches")
     p.add_argument("--compress", default="fp32")
+    p.add_argument("--nan-at", type=int, default=-1, help="make this worker's parameters NaN in this round")
+    p.add_argument("--raise-at", type=int, default=-1, help="raise an exception in the loop's body in this round")
     p.add_argument("--step-seconds", type=float, default=0.0, help="sleep this long in every step (a slow worker)")
     p.add_argument("--backend", default=os.environ.get("HETCOMM_TEST_BACKEND", "hetcomm"))
     args = p.parse_args()
@@ -120,6 +122,11 @@ def main() -> int:
     try:
         step_in_round = 0
         for x, y in diloco.loop(batches(), max_rounds=args.rounds):
+            if diloco.rounds == args.nan_at:
+                with torch.no_grad():
+                    model[0].weight.fill_(float("nan"))
+            if diloco.rounds == args.raise_at and step_in_round == 1:
+                raise RuntimeError("an exception in the body of the loop")
             loss = torch.nn.functional.mse_loss(model(x), y)
             loss.backward()
             opt.step()

@@ -270,7 +270,7 @@ def test_arguments_and_misuse_raise_clearly():
     store = dist.HashStore()
     model = torch.nn.Linear(2, 1)
     with pytest.raises(ValueError, match="timeout"):
-        hetcomm.ElasticDiLoCo(model, store=store, heartbeat=2.0, timeout=3.0)
+        hetcomm.ElasticDiLoCo(model, store=store, heartbeat=2.0, timeout=5.0)
     with pytest.raises(ValueError, match="steps"):
         hetcomm.ElasticDiLoCo(model, store=store, steps=0)
     with pytest.raises(ValueError, match="job"):
@@ -278,7 +278,7 @@ def test_arguments_and_misuse_raise_clearly():
     with pytest.raises(ValueError, match="store must be"):
         hetcomm.ElasticDiLoCo(model, store="nohostport")
     with pytest.raises(hetcomm.StoreUnreachable, match="127.0.0.1:1"):
-        hetcomm.ElasticDiLoCo(model, store="127.0.0.1:1", timeout=4.0)
+        hetcomm.ElasticDiLoCo(model, store="127.0.0.1:1", heartbeat=1.0, timeout=4.0)
     d = hetcomm.ElasticDiLoCo(model, store=store, job="misuse")
     with pytest.raises(RuntimeError, match="before join"):
         d.step()
@@ -321,3 +321,61 @@ def test_a_worker_whose_data_ends_leaves_and_the_others_go_on(run):
     # its last partial round (10 batches = 2 rounds of 4 + 2 steps) was synchronised before it left
     third = [rec for rec in run.records("w0") if rec.get("round") == 3]
     assert third and third[0]["steps"][third[0]["members"].index("w2")] == 2, third
+
+
+def error(run: Run, wid: str) -> str:
+    errors = [rec["error"] for rec in run.records(wid) if "error" in rec]
+    assert errors, f"{wid} reported no error\n{run.logs()}"
+    return errors[-1]
+
+
+def test_a_worker_whose_update_is_not_finite_stops_and_the_others_go_on(run):
+    rounds = 5
+    for w in IDS[:3]:
+        run.start(w, "--rounds", str(rounds), "--min-workers", "3", *(["--nan-at", "2"] if w == "w1" else []))
+    codes = run.wait_all()
+    assert codes == {"w0": [0], "w1": [1], "w2": [0]}, f"{codes}\n{run.logs()}"
+    assert "this worker stops: its pseudo-gradient is not finite" in error(run, "w1"), run.logs()
+    check_agreement(run, ["w0", "w2"], rounds)
+    rounds_w0 = [rec for rec in run.records("w0") if "round" in rec]
+    assert all(rec["members"] == ["w0", "w2"] for rec in rounds_w0[2:]), rounds_w0
+
+
+def test_a_joiner_with_other_settings_is_refused_and_the_run_goes_on(run):
+    rounds = 8
+    for w in IDS[:2]:
+        run.start(w, "--rounds", str(rounds), "--min-workers", "2", "--step-seconds", "0.25")
+    while len([r for r in run.records("w0") if "round" in r]) < 1:
+        time.sleep(0.2)
+    run.start("w2", "--rounds", str(rounds), "--compress", "bf16")
+    codes = run.wait_all()
+    assert codes == {"w0": [0], "w1": [0], "w2": [1]}, f"{codes}\n{run.logs()}"
+    assert "this worker cannot join" in error(run, "w2") and "bf16" in error(run, "w2"), run.logs()
+    check_agreement(run, ["w0", "w1"], rounds)
+
+
+def test_an_exception_in_the_loop_body_leaves_without_synchronising_the_round(run):
+    rounds = 5
+    for w in IDS[:3]:
+        run.start(w, "--rounds", str(rounds), "--min-workers", "3", *(["--raise-at", "2"] if w == "w2" else []))
+    codes = run.wait_all()
+    assert codes == {"w0": [0], "w1": [0], "w2": [1]}, f"{codes}\n{run.logs()}"
+    assert "an exception in the body of the loop" in error(run, "w2"), run.logs()
+    check_agreement(run, ["w0", "w1"], rounds)
+    left = [e["left"] for e in final(run, "w0")["membership"] if e.get("left")]
+    assert left == [{"w2": "left: it stopped inside its loop (its partial round is not synchronised)"}], left
+    third = [rec for rec in run.records("w0") if rec.get("round") == 3]
+    assert third and third[0]["members"] == ["w0", "w1"], third
+
+
+def test_when_every_holder_dies_while_a_new_worker_joins_it_raises_instead_of_restarting_the_run(run):
+    """w1, new, is being sent the state by w0, the only holder, when w0 dies: w1 holds nothing
+    the run computed, so it must not carry on from its own fresh model."""
+    w0 = run.start("w0", "--rounds", "20", "--step-seconds", "0.25", "--die", "2:transfer")
+    while len([r for r in run.records("w0") if "round" in r]) < 2 and w0.poll() is None:
+        time.sleep(0.2)
+    run.start("w1", "--rounds", "20")
+    codes = run.wait_all()
+    assert codes == {"w0": [-9], "w1": [1]}, f"{codes}\n{run.logs()}"
+    assert "holds the run's state" in error(run, "w1"), run.logs()
+    assert not [r for r in run.records("w1") if "round" in r], run.records("w1")

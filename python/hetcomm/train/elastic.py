@@ -23,13 +23,18 @@ synchronisation attempt (an *epoch*) goes:
    for ``timeout`` seconds: a frozen process, a vanished machine, a cut link) or is later than
    ``late_timeout``.
 2. **Decide.** The first worker to see that writes a decision (compare_set: exactly one per epoch):
-   the members (those who arrived, then the workers that asked to join), which of them hold the
-   global state, who left and why. A changed membership, or a failed previous attempt, starts a
+   the members (those who arrived, then the workers that asked to join and have shown they live:
+   watched from the moment they ask, a worker is admitted once its liveness connection answered
+   with its name or its heartbeat moved), which of them hold the global state, who left and why. A changed membership, or a failed previous attempt, starts a
    new generation: its members form a new process group under a new store prefix. A worker left
    out of a decision (it was late, or thought dead) joins again like a new one.
 3. **Admit.** When a decision admits workers without the state (new, restarted or dropped ones),
    the holders send them the global parameters and the outer optimizer's state, each holder one
-   shard (the transfer is spread over every holder), and the round count and history.
+   shard (the transfer is spread over every holder), and the round count and history. A joiner
+   whose model shapes or compression differ from the run's stops with a ValueError; the run goes
+   on without it. If every holder dies before a joiner has the state, the run's state is gone
+   and the joiner raises (it never carries on from its own fresh model, except in an era that
+   started from fresh models and has committed nothing yet).
 4. **Reduce.** The members agree on a table (steps, samples, losses, a fingerprint of their global
    parameters, which must match: it is compared every epoch) and all-reduce the sample-weighted
    pseudo-gradients (`hetcomm.compress`: fp32, bf16, fp16 or int8) into scratch space. Admitted
@@ -40,7 +45,11 @@ synchronisation attempt (an *epoch*) goes:
    collective failed, or a member that went silent before everyone was done, makes it ``abort``:
    nobody applies anything, and the round is synchronised again, without the dead, in a new
    generation (each survivor still holds its own pseudo-gradient, and the state of the round
-   before). The round either completes everywhere or is redone.
+   before). The round either completes everywhere or is redone. A member whose pseudo-gradient is
+   not finite stops with a ValueError and the others redo the round without it; four failed
+   attempts in a row with the same members raise on every member (a failure that does not go
+   away). The keys of past epochs stay on the store (a few small keys per member and epoch: a
+   worker frozen for any length of time must still find the decision that left it out).
 
 The outer update is weighted by the samples each member actually processed in the round
 (``weighting``, as `hetcomm.DiLoCo`), so dropping a worker re-weights the rest. A round ends after
@@ -55,14 +64,19 @@ a worker that loaded a checkpoint (`load_state_dict`) and finds the job's last m
 starts a new *era* of the job (keys under ``.../era<n>``) in which the checkpoint holders with
 the latest round provide the state: a whole-job restart resumes at the last checkpointed round.
 
+A loop body that raises (or breaks before calling `step`) leaves the run without synchronising
+its partial round (its model may be half-updated); the others are told at once.
+
 Limits: one process per worker (a worker of several ranks, a site, is not elastic yet); no
 overlap of the synchronisation with the next round; ranks are assigned per generation, so use no
 other default-group collective in the training script.
 """
 from __future__ import annotations
 
+import collections
 import datetime
 import hashlib
+import zlib
 import math
 import os
 import socket
@@ -83,7 +97,9 @@ __all__ = ["ElasticDiLoCo", "StoreUnreachable"]
 
 _PREFIX = "hetcomm ElasticDiLoCo"
 # Rows of the table every member contributes a column to at each epoch.
-_STEPS, _SAMPLES, _LOSS_SUM, _LOSS_N, _FINITE, _PRINT, _HOLDS, _MAX_ROUNDS, _MAX_SAMPLES, _ROWS = range(10)
+_STEPS, _SAMPLES, _LOSS_SUM, _LOSS_N, _FINITE, _PRINT, _HOLDS, _MAX_ROUNDS, _MAX_SAMPLES, _CONFIG, _ROWS = range(11)
+_MAX_ABORTS = 4               # attempts of one round in a row with the same members before giving up
+_TIMELINE = 100_000           # timeline entries kept (the latest)
 _POLL = (0.005, 0.1)          # the store is polled from every 5 ms, backing off to 100 ms
 
 
@@ -146,8 +162,9 @@ class ElasticDiLoCo(_flat.FlatParameters):
                             ("collective_timeout", collective_timeout)):
             if not (isinstance(value, (int, float)) and value > 0 and math.isfinite(value)):
                 raise ValueError(f"{_PREFIX}: {name} must be a positive number of seconds, got {value!r}")
-        if timeout < 2 * heartbeat:
-            raise ValueError(f"{_PREFIX}: timeout ({timeout} s) must be at least twice the heartbeat ({heartbeat} s)")
+        if timeout < 3 * heartbeat:
+            raise ValueError(f"{_PREFIX}: timeout ({timeout} s) must be at least three heartbeats ({heartbeat} s): "
+                             "observers sample the heartbeat once per interval, and beats jitter")
         if round_seconds is None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 1):
             raise ValueError(f"{_PREFIX}: steps must be an int >= 1, got {steps!r}")
         if round_seconds is not None and not (round_seconds > 0 and math.isfinite(round_seconds)):
@@ -167,6 +184,7 @@ class ElasticDiLoCo(_flat.FlatParameters):
             raise TypeError(f"{_PREFIX}: outer_optimizer must be a callable params -> Optimizer")
         self.weighting = weighting
         self._codec = _compress.get_codec(compress, block=block)
+        self._codec_name = f"compress={compress!r}, block={block}"
         self._steps, self._round_seconds = steps, round_seconds
         self._min_workers, self._heartbeat, self._timeout = min_workers, float(heartbeat), float(timeout)
         self._late_timeout, self._collective_timeout = float(late_timeout), float(collective_timeout)
@@ -204,7 +222,9 @@ class ElasticDiLoCo(_flat.FlatParameters):
         self._pulse: Pulse | None = None
         self._gaps: dict[int, float] = {}     # join indices taken but not (yet) written: since when
         self._totals = {"compute": 0.0, "idle": 0.0, "sync": 0.0}
-        self._timeline: list[tuple[str, float, float]] = []
+        self._timeline: collections.deque[tuple[str, float, float]] = collections.deque(maxlen=_TIMELINE)
+        self._aborts: list[tuple[str, ...]] = []   # member lists of this round's failed attempts in a row
+        self._scanned = (0, 0.0)                   # join requests watched up to, and when last looked
         self._step_calls = 0
         self._reset_round()
 
@@ -237,6 +257,7 @@ class ElasticDiLoCo(_flat.FlatParameters):
                                                         if self._stopped else "after close()"))
         now = time.perf_counter()
         self._pulse.check()
+        self._watch_joiners()
         n = 1 if samples is None else int(samples)
         if n < 0:
             raise ValueError(f"{_PREFIX}: samples must be >= 0, got {samples!r}")
@@ -283,24 +304,33 @@ class ElasticDiLoCo(_flat.FlatParameters):
                     raise RuntimeError(f"{_PREFIX}: the body of loop() must call step() exactly once per batch "
                                        f"(it called it {self._step_calls - calls} times)")
         except GeneratorExit:
-            self.finish()
+            if self._step_calls == calls + 1:     # the body stopped after its step (a break)
+                self._finish("its loop stopped")
+            else:
+                # stopped inside the body (an exception, or a break before step()): the model may
+                # be half-updated, so this round's steps are not synchronised
+                self._finish("it stopped inside its loop (its partial round is not synchronised)",
+                             synchronise=False)
             raise
         except BaseException:
             self.close()
             raise
-        self.finish()
+        self._finish("its data ended")
 
     def finish(self) -> None:
         """Leaves in good order: synchronises this worker's partial round (if it took steps since
         the last synchronisation and the run goes on), tells the others it left (they drop it at
         once instead of after ``timeout``), and releases the group and the heartbeat."""
+        self._finish("it finished")
+
+    def _finish(self, why: str, synchronise: bool = True) -> None:
         if self._closed:
             return
         try:
-            if self._joined and not self._stopped and self._r_steps:
+            if synchronise and self._joined and not self._stopped and self._r_steps:
                 self._end_round()
             if self._keys is not None:
-                self._keys.set(f"leave/{self._me}", {"round": self._round})
+                self._keys.set(f"leave/{self._me}", {"round": self._round, "why": why})
         finally:
             self.close()
 
@@ -427,8 +457,9 @@ class ElasticDiLoCo(_flat.FlatParameters):
         self._count("sync", begin)
         column = self._column(delta)
         if not self._synchronise(delta, column):
-            self._log(f"round {self._round}: this worker was dropped ({self._dropped_why}); its "
-                      f"{self._r_steps} steps are discarded and it joins again")
+            self._event({"round": self._round, "worker": self.worker_id, "dropped": self._dropped_why},
+                        f"round {self._round}: this worker was dropped ({self._dropped_why}); its "
+                        f"{self._r_steps} steps are discarded and it joins again")
             self._holds = False
             self._destroy_group()
             self._reset_round()
@@ -445,6 +476,7 @@ class ElasticDiLoCo(_flat.FlatParameters):
         col[_FINITE] = 1.0 if math.isfinite(total) else 0.0
         col[_MAX_ROUNDS] = self._budgets.get("max_rounds", 0)
         col[_MAX_SAMPLES] = self._budgets.get("max_samples", 0)
+        col[_CONFIG] = float(zlib.crc32(f"{self._codec_name}, numel={self._start.numel()}".encode()))
         return col
 
     def _check_budgets(self) -> None:
@@ -467,20 +499,30 @@ class ElasticDiLoCo(_flat.FlatParameters):
         self._me = f"{self.worker_id}#{uuid.uuid4().hex[:8]}"
         self._pulse = Pulse(self._job_keys.clone(), self._me, self._heartbeat)
 
-    def _registrations(self, keys: Keys, start: int) -> tuple[list[dict], int]:
-        """The join requests from index ``start`` on, and the index after them. A request whose
-        index was taken but whose record never appeared (its worker died in between) is skipped
-        once it has been missing for ``timeout`` seconds."""
+    def _registrations(self, keys: Keys, start: int) -> tuple[list[tuple[int, dict]], int]:
+        """The join requests from index ``start`` on (index, request), and the index after them.
+        A request whose index was taken but whose record never appeared (its worker died in
+        between) is skipped once it has been missing for ``timeout`` seconds."""
         regs, i, count = [], start, keys.add("joins", 0)
         while i < count:
             if keys.has(f"join/{i}"):
-                regs.append(keys.get(f"join/{i}"))
+                regs.append((i, keys.get(f"join/{i}")))
             else:
                 first = self._gaps.setdefault(i, time.monotonic())
                 if time.monotonic() - first <= self._timeout:
                     break                            # not written yet: next time
             i += 1
         return regs, i
+
+    def _watch_joiners(self) -> None:
+        """Between synchronisations, about once a heartbeat: watch the workers that asked to join,
+        so that by the round's end they have shown they live and can be admitted at once."""
+        now = time.monotonic()
+        if self._decision is None or now - self._scanned[1] < self._heartbeat:
+            return
+        regs, upto = self._registrations(self._keys, max(self._scanned[0], self._decision["admitted_upto"]))
+        self._pulse.watch([r["who"] for _, r in regs])
+        self._scanned = (upto, now)
 
     def _era(self) -> int:
         """The job's current era (1 at the first start). A worker that loaded a checkpoint and
@@ -491,7 +533,10 @@ class ElasticDiLoCo(_flat.FlatParameters):
         keys = self._job_keys.under(f"era{era}")
         if not keys.has("latest"):
             return era
-        last = keys.get(f"e{keys.get('latest')}/decision")
+        newest = int(keys.get("latest"))          # written after its decision: it may lag behind
+        while keys.has(f"e{newest + 1}/decision"):
+            newest += 1
+        last = keys.get(f"e{newest}/decision")
         if keys.has("ended"):
             dead = True
         else:
@@ -507,7 +552,7 @@ class ElasticDiLoCo(_flat.FlatParameters):
                     break
                 poll()
         if dead:
-            new = self._job_keys.store.compare_set(self._job_keys.root + "era", str(era), str(era + 1))
+            new = self._job_keys.swap("era", str(era), str(era + 1))
             era = int(new)
             self._log(f"era {era - 1} of job {self.job!r} has no live worker: this worker (checkpoint at round "
                       f"{self._round}) starts era {era}")
@@ -536,7 +581,9 @@ class ElasticDiLoCo(_flat.FlatParameters):
                     self._count("idle", begin)
                     if self._synchronise(None, self._column(None), admitted=decision):
                         return
-                    self._log(f"dropped while being admitted ({self._dropped_why}): asking again")
+                    self._event({"round": decision["round"], "worker": self.worker_id,
+                                 "dropped": f"while being admitted: {self._dropped_why}"},
+                                f"dropped while being admitted ({self._dropped_why}): asking again")
                     self._destroy_group()
                     self._new_incarnation()
                     index, begin = self._register(), time.perf_counter()
@@ -548,6 +595,7 @@ class ElasticDiLoCo(_flat.FlatParameters):
                     index = self._register()
                 epoch += 1
                 watched = decision["members"]
+                self._pulse.watch(watched)
                 self._pulse.keep(watched)
                 continue
             if epoch == 1:
@@ -566,11 +614,16 @@ class ElasticDiLoCo(_flat.FlatParameters):
         """The first decision of an era: once ``min_workers`` asked to join, they are its members
         (sorted by worker id: a deterministic order of ranks), the holders of the latest
         checkpoint its holders (else the first of them, whose fresh model everyone starts from)."""
-        regs, count = self._registrations(keys, 0)
+        found, count = self._registrations(keys, 0)
         if count < keys.add("joins", 0):
             return                                   # a request not written yet: next poll
-        self._pulse.watch([r["who"] for r in regs])
-        regs = [r for r in regs if self._pulse.silent(r["who"]) <= self._timeout]
+        self._pulse.watch([r["who"] for _, r in found])
+        regs = []
+        for _, r in found:
+            if self._pulse.confirmed(r["who"]):
+                regs.append(r)
+            elif self._pulse.silent(r["who"]) <= self._timeout:
+                return                               # not known to live yet (nor to be dead): wait
         if len(regs) < self._min_workers:
             return
         regs.sort(key=lambda r: r["who"])
@@ -578,7 +631,8 @@ class ElasticDiLoCo(_flat.FlatParameters):
         latest = max((r["round"] for r in regs if r["holds"]), default=None)
         holders = [r["who"] for r in regs if r["holds"] and r["round"] == latest] or members[:1]
         keys.first("e1/decision", {"epoch": 1, "gen": 1, "round": latest or 0, "members": members,
-                                   "holders": holders, "left": {}, "joined": members, "admitted_upto": count})
+                                   "holders": holders, "left": {}, "joined": members, "admitted_upto": count,
+                                   "fresh": latest is None})
         keys.set("latest", 1)
 
     def _decide(self, epoch: int) -> dict:
@@ -600,7 +654,7 @@ class ElasticDiLoCo(_flat.FlatParameters):
                 if m in arrivals:
                     continue
                 if keys.has(f"leave/{m}"):
-                    out[m] = "left: its data ended"
+                    out[m] = "left: " + keys.get(f"leave/{m}").get("why", "its data ended")
                 elif self._pulse.silent(m) > self._timeout:
                     out[m] = self._why_gone(m)
             missing = [m for m in members if m not in arrivals and m not in out]
@@ -611,30 +665,49 @@ class ElasticDiLoCo(_flat.FlatParameters):
                             for m in missing})
                 missing = []
             if not missing:
-                break
+                joiners, upto, pending = self._joiners(keys, prev, [m for m in members if m in arrivals])
+                if not pending:
+                    break
             poll()
         continuing = [m for m in members if m in arrivals]
         holders = [m for m in continuing if arrivals[m]["holds"]]
-        if not holders and continuing and all(arrivals[m].get("fresh") for m in continuing):
-            holders = continuing[:1]       # a new job whose first holder died: start from another
+        # Nothing committed yet in an era that started from fresh models: everyone's model is as
+        # good as the first holder's was. Anywhere else an empty list of holders is an error.
+        fresh = bool(prev.get("fresh")) and self._outcome != "commit"
+        if not holders and continuing and fresh and all(arrivals[m].get("fresh") for m in continuing):
+            holders = continuing[:1]
         rounds = {arrivals[m]["round"] for m in holders} or {max(arrivals[m]["round"] for m in continuing)}
         if len(rounds) > 1:
             raise RuntimeError(f"{_PREFIX}: epoch {epoch}: members arrived at different rounds {sorted(rounds)} "
                                "(a bug: please report it)")
-        regs, upto = self._registrations(keys, prev["admitted_upto"])
-        self._pulse.watch([r["who"] for r in regs])
-        joiners = []
-        for who in (r["who"] for r in regs):
-            if who not in continuing and who not in joiners and self._pulse.silent(who) <= self._timeout:
-                joiners.append(who)
         new_members = continuing + joiners
         changed = new_members != members or self._outcome != "commit"
         decision = {"epoch": epoch, "gen": prev["gen"] + (1 if changed else 0), "round": rounds.pop(),
                     "members": new_members, "holders": holders,
-                    "left": out, "joined": joiners, "admitted_upto": upto}
+                    "left": out, "joined": joiners, "admitted_upto": upto, "fresh": fresh}
         decision = keys.first(f"e{epoch}/decision", decision)
         keys.set("latest", epoch)
         return decision
+
+    def _joiners(self, keys: Keys, prev: dict, continuing: list[str]) -> tuple[list[str], int, bool]:
+        """The workers that asked to join and have shown they live, the join index after them, and
+        whether to wait a moment for one that asked just now (it had no time to show it lives).
+        One not known to live after that waits for the next decision (with those after it); one
+        silent for ``timeout`` is passed over (if alive, it asks again)."""
+        regs, upto = self._registrations(keys, prev["admitted_upto"])
+        self._pulse.watch([r["who"] for _, r in regs])
+        joiners = []
+        for index, r in regs:
+            who = r["who"]
+            if who in continuing or who in joiners:
+                continue
+            if self._pulse.confirmed(who):
+                joiners.append(who)
+            elif self._pulse.silent(who) <= self._timeout:
+                if self._pulse.silent(who) <= 2 * self._heartbeat + 0.5:
+                    return joiners, index, True
+                return joiners, index, False
+        return joiners, upto, False
 
     def _synchronise(self, delta: torch.Tensor | None, column: list[float], admitted: dict | None = None) -> bool:
         """Epochs until one commits (True) or a decision leaves this worker out (False)."""
@@ -691,7 +764,14 @@ class ElasticDiLoCo(_flat.FlatParameters):
                         f"round {decision['round']}: synchronisation failed ({outcome.removeprefix('abort: ')}); "
                         "nothing applied, it is redone")
             self._destroy_group()
+            members = tuple(decision["members"])
+            self._aborts = (self._aborts if self._aborts and self._aborts[-1] == members else []) + [members]
+            if len(self._aborts) >= _MAX_ABORTS:
+                raise RuntimeError(f"{_PREFIX}: round {decision['round']}: the synchronisation failed {len(self._aborts)} "
+                                   f"times in a row with the same members ({self._names(decision['members'])}); the "
+                                   f"last: {outcome.removeprefix('abort: ')}")
             return False
+        self._aborts = []
         begin = time.perf_counter()
         self._apply(decision, table, reduced)
         self._count("sync", begin)
@@ -781,7 +861,6 @@ class ElasticDiLoCo(_flat.FlatParameters):
     def _transfer(self, decision: dict) -> None:
         """The holders send the run's state to the members without it, one shard each."""
         members, holders = decision["members"], decision["holders"]
-        rank = members.index(self._me)
         sources = [members.index(h) for h in holders]
         mine = self._me in holders
         tensors: list[torch.Tensor] = []
@@ -789,11 +868,17 @@ class ElasticDiLoCo(_flat.FlatParameters):
         if mine:
             skeleton = self._skeleton(self.outer_optimizer.state_dict(), tensors)
             meta = {"skeleton": skeleton, "round": self._round, "samples_total": self._samples_total,
-                    "history": self._history, "membership": self._events,
+                    "history": self._history, "membership": self._events, "codec": self._codec_name,
+                    "shapes": [list(g.shape) for g in self._global],
                     "sizes": [g.numel() for g in self._global] + [t.numel() for t in tensors]}
         box = [meta]
         dist.broadcast_object_list(box, src=sources[0])
         meta = box[0]
+        if not mine:
+            shapes = [list(g.shape) for g in self._global]
+            if meta["shapes"] != shapes or meta["codec"] != self._codec_name:
+                raise ValueError(f"{_PREFIX}: this worker cannot join: the run's model has parameter shapes "
+                                 f"{meta['shapes']} and {meta['codec']}; this worker's {shapes} and {self._codec_name}")
         total = sum(meta["sizes"])
         if mine:
             flat = torch.cat([g.detach().reshape(-1).double() for g in self._global] +
@@ -812,7 +897,8 @@ class ElasticDiLoCo(_flat.FlatParameters):
         state = self._fill(meta["skeleton"], list(pieces[len(self._global):]))
         self.outer_optimizer.load_state_dict(state)
         self._round, self._samples_total = meta["round"], meta["samples_total"]
-        self._history, self._events = list(meta["history"]), list(meta["membership"])
+        own = [e for e in self._events if e.get("worker") == self.worker_id and e not in meta["membership"]]
+        self._history, self._events = list(meta["history"]), list(meta["membership"]) + own
         self._start = self._flatten_global()
         self._load_global()
 
@@ -850,15 +936,34 @@ class ElasticDiLoCo(_flat.FlatParameters):
             raise ValueError(f"{_PREFIX}: round {decision['round']}: the members' global parameters differ "
                              f"(fingerprints {dict(zip(self._names(decision['members']).split(','), prints))}): "
                              "a bug, please report it")
-        bad = [m for m, f in zip(decision["members"], table[_FINITE]) if f == 0.0]
-        if bad:
-            raise ValueError(f"{_PREFIX}: round {decision['round']}: the pseudo-gradient of {self._names(bad)} is "
-                             "not finite (NaN or Inf in their parameters); no outer update was applied")
+        self._leave_out_offenders(decision, table)
         weights = outer_weights(self.weighting, table[_SAMPLES], table[_STEPS])
         if not any(s > 0 for s in table[_STEPS]) or not any(w != 0.0 for w in weights):
             return table, None
         x = delta if delta is not None else torch.zeros(self._start.numel(), dtype=torch.float32)
         return table, _compress.weighted_allreduce(x, weights, codec=self._codec, finite_checked=True)
+
+    def _leave_out_offenders(self, decision: dict, table: list[list[float]]) -> None:
+        """A member whose pseudo-gradient is not finite, or whose compression or model size is not
+        the run's, stops with a ValueError saying why; the others abort the attempt and redo the
+        round without it. When every member is at fault, every member raises."""
+        configs = {c for c, h in zip(table[_CONFIG], table[_HOLDS]) if h}
+        if len(configs) > 1:
+            raise ValueError(f"{_PREFIX}: round {decision['round']}: the workers that hold the run's state use "
+                             "different compress/block settings or model sizes; every worker must use the same")
+        offenders = {}
+        for m, finite, config in zip(decision["members"], table[_FINITE], table[_CONFIG]):
+            if finite == 0.0:
+                offenders[m] = "its pseudo-gradient is not finite (NaN or Inf in its parameters)"
+            elif configs and config not in configs:
+                offenders[m] = "its compress/block settings or model size are not the run's"
+        if not offenders:
+            return
+        if self._me in offenders:
+            raise ValueError(f"{_PREFIX}: round {decision['round']}: this worker stops: {offenders[self._me]}; "
+                             "no outer update was applied" + ("" if len(offenders) == len(decision["members"])
+                                                              else " and the others go on without it"))
+        raise RuntimeError("; ".join(f"{self._names([m])} left out: {why}" for m, why in offenders.items()))
 
     def _agree_on_budgets(self, decision: dict, table: list[list[float]]) -> None:
         """The run's budgets (`loop`'s max_rounds, max_samples) are the holders': they must agree;

@@ -27,6 +27,7 @@ incarnation, so its heartbeat cannot keep its dead predecessor looking alive.
 from __future__ import annotations
 
 import datetime
+import errno
 import json
 import math
 import os
@@ -60,7 +61,10 @@ def connect(store: str | dist.Store, timeout: float) -> tuple[dist.Store, str]:
     if not isinstance(store, dist.Store):
         raise TypeError(f"{_PREFIX}: store must be 'host:port' or a torch.distributed.Store, "
                         f"got {type(store).__name__}")
-    address = f"{store.host}:{store.port}" if isinstance(store, dist.TCPStore) else type(store).__name__
+    inner = store
+    while isinstance(inner, dist.PrefixStore):
+        inner = inner.underlying_store
+    address = f"{inner.host}:{inner.port}" if isinstance(inner, dist.TCPStore) else type(inner).__name__
     return store, address
 
 
@@ -101,6 +105,10 @@ class Keys:
         """compare_set from nothing: the value that is there afterwards (ours if we were first)."""
         return json.loads(self._call(f"compare_set {key}", self.store.compare_set, self.root + key, "", _dump(value)))
 
+    def swap(self, key: str, expected: str, new: str) -> str:
+        """compare_set of a plain string: the value there afterwards."""
+        return self._call(f"compare_set {key}", self.store.compare_set, self.root + key, expected, new).decode()
+
     def counters(self, keys: Sequence[str]) -> list[int]:
         if not keys:
             return []
@@ -112,7 +120,7 @@ class Keys:
         return Keys(self.store, self.address, f"{self.root}{sub}/")
 
     def set_timeout(self, seconds: float) -> None:
-        self.store.set_timeout(datetime.timedelta(seconds=seconds))
+        self._call("set_timeout", self.store.set_timeout, datetime.timedelta(seconds=seconds))
 
 
 def _dump(value) -> str:
@@ -128,27 +136,35 @@ class Pulse:
     A thread of its own (on its own store connection) adds to ``hb/<me>`` every ``interval``
     seconds and reads the watched counters: a worker whose counter has not changed for a while is
     *silent* (dead, frozen or cut off). Besides, every worker listens on a TCP port of its own
-    (``addr/<me>`` on the store) and keeps a connection open to each worker it watches: when a
-    watched process dies, its kernel closes that connection and the death is known at once
-    (``silent`` is then infinite) instead of after the heartbeat timeout; a machine that vanishes
-    or a cut link closes nothing, and falls back to the heartbeat. Connections are attempted
-    without blocking the heartbeat (one short try per worker, again every few seconds). Any
-    failure of the thread (the store's above all) is kept and raised by `check` on the training
-    thread: every worker names the store within about ``interval`` of its death (plus the store
-    client's timeout when the store's machine is unreachable rather than its process dead).
+    (``addr/<me>`` on the store) and keeps a connection open to each worker it watches; the
+    listener greets every connection with its incarnation's name, so a connection counts only
+    once the right worker answered (a stranger on a reused port, or an address that leads to
+    another machine, is not taken for it). When a watched process dies, its kernel closes that
+    connection and the death is known at once (``silent`` is then infinite) instead of after the
+    heartbeat timeout; a machine that vanishes, a cut link, a port that refuses (a firewall's
+    REJECT looks the same as a dead process) or a worker never reached fall back to the
+    heartbeat. Connections are made without blocking (the heartbeat never waits for one).
+    A worker is *confirmed* alive once its connection answered or its counter changed while
+    watched. Any failure of the thread (the store's above all) is kept and raised by `check` on
+    the training thread: every worker names the store within about ``interval`` of its death
+    (plus the store client's timeout when the store's machine is unreachable rather than its
+    process dead).
     """
 
     RETRY = 5.0            # seconds between connection attempts to a worker not reached yet
+    GREETING = 5.0         # seconds a connection may take to be established and greeted
 
     def __init__(self, keys: Keys, me: str, interval: float) -> None:
         self._keys, self._me, self._interval = keys, me, interval
         self._lock = threading.Lock()
+        # Shared with the training thread (under the lock):
         self._watch: dict[str, tuple[int, float]] = {}     # who -> (last value, when it changed)
-        self._dead: set[str] = set()                       # their liveness connection closed
-        self._links: dict[str, socket.socket] = {}         # our connections to the watched
-        self._tried: dict[str, float] = {}                 # when we last tried to connect
-        self._unwatched: list[socket.socket] = []          # links `keep` dropped, closed by the thread
+        self._dead: set[str] = set()                       # their verified connection closed
+        self._confirmed: set[str] = set()                  # answered, or their counter moved
         self._error: Exception | None = None
+        # The thread's own:
+        self._links: dict[str, tuple[socket.socket, str, float, bytes]] = {}  # who -> sock, state, since, greeting
+        self._tried: dict[str, float] = {}                 # when we last tried to connect
         self._stop = threading.Event()
         self._selector = selectors.DefaultSelector()
         ip = _local_ip(keys.address)
@@ -172,11 +188,11 @@ class Pulse:
                 if time.monotonic() >= next_beat:
                     self._beat()
                     next_beat = time.monotonic() + self._interval
-                self._close_unwatched()
+                self._prune()
                 self._connect()
                 wait = max(0.0, min(0.2, next_beat - time.monotonic()))
-                for key, _ in self._selector.select(wait):
-                    self._readable(key.fileobj, key.data)
+                for key, events in self._selector.select(wait):
+                    self._event(key.fileobj, key.data, events)
         except Exception as e:  # noqa: BLE001 - kept for the training thread, which raises it
             self._error = e
         finally:
@@ -192,19 +208,28 @@ class Pulse:
         now = time.monotonic()
         with self._lock:
             for name, value in zip(names, values):
-                if name in self._watch and self._watch[name][0] != value:
+                entry = self._watch.get(name)
+                if entry is not None and entry[0] != value:
+                    if entry[0] != -1:
+                        self._confirmed.add(name)         # it moved while we watched
                     self._watch[name] = (value, now)
 
-    def _close_unwatched(self) -> None:
-        # Only this thread touches the selector: `keep` (training thread) hands sockets over.
+    def _drop_link(self, name: str) -> None:
+        sock = self._links.pop(name)[0]
+        self._selector.unregister(sock)
+        sock.close()
+
+    def _prune(self) -> None:
+        """Closes links to workers no longer watched, and attempts that took too long."""
+        now = time.monotonic()
         with self._lock:
-            socks, self._unwatched = self._unwatched, []
-        for sock in socks:
-            self._selector.unregister(sock)
-            sock.close()
+            watched = set(self._watch)
+        for name, (_, state, since, _) in list(self._links.items()):
+            if name not in watched or (state != "verified" and now - since > self.GREETING):
+                self._drop_link(name)
 
     def _connect(self) -> None:
-        """One short attempt at a liveness connection to each watched worker that has none."""
+        """Starts a connection (without waiting for it) to each watched worker that has none."""
         now = time.monotonic()
         with self._lock:
             todo = [n for n in self._watch if n not in self._dead and n not in self._links
@@ -216,45 +241,79 @@ class Pulse:
                 continue                          # it published none: the heartbeat decides
             host, port = address.rsplit(":", 1)
             try:
-                sock = socket.create_connection((host, int(port)), timeout=0.2)
-            except ConnectionRefusedError:
-                with self._lock:
-                    self._dead.add(name)          # its machine answers, its port does not: gone
-                continue
+                family, kind, proto, _, target = socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)[0]
+                sock = socket.socket(family, kind, proto)
             except OSError:
-                continue                          # unreachable for now: the heartbeat decides
+                continue
             sock.setblocking(False)
-            with self._lock:
-                if name in self._watch:
-                    self._links[name] = sock
-                    self._selector.register(sock, selectors.EVENT_READ, name)
-                    continue
-            sock.close()
+            code = sock.connect_ex(target)
+            if code not in (0, errno.EINPROGRESS, errno.EWOULDBLOCK):
+                sock.close()                      # refused at once: the heartbeat decides
+                continue
+            self._links[name] = (sock, "connecting", now, b"")
+            self._selector.register(sock, selectors.EVENT_WRITE, name)
 
-    def _readable(self, sock: socket.socket, name) -> None:
+    def _event(self, sock: socket.socket, name, events: int) -> None:
         if name is _LISTENER:
             try:
                 conn, _ = sock.accept()
             except OSError:
                 return
-            conn.setblocking(False)               # kept open (closed by the kernel when we die)
+            try:
+                conn.setblocking(False)           # kept open (closed by the kernel when we die)
+                conn.send(f"{self._me}\n".encode())
+            except OSError:
+                conn.close()
+                return
             self._selector.register(conn, selectors.EVENT_READ, None)
             return
+        if name is None:                          # a connection of a worker that watches us
+            try:
+                if sock.recv(4096):
+                    return
+            except BlockingIOError:
+                return
+            except OSError:
+                pass
+            self._selector.unregister(sock)
+            sock.close()
+            return
+        entry = self._links.get(name)
+        if entry is None or entry[0] is not sock:
+            return
+        _, state, since, greeting = entry
+        if state == "connecting":
+            if sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR):
+                self._drop_link(name)             # refused or unreachable: the heartbeat decides
+                return
+            self._links[name] = (sock, "greeting", since, b"")
+            self._selector.modify(sock, selectors.EVENT_READ, name)
+            return
         try:
-            data = sock.recv(1)
+            data = sock.recv(4096)
         except BlockingIOError:
             return
         except OSError:
             data = b""
+        if state == "greeting":
+            greeting += data
+            if not data or b"\n" in greeting:
+                if greeting.split(b"\n", 1)[0] == name.encode():
+                    self._links[name] = (sock, "verified", since, b"")
+                    with self._lock:
+                        self._confirmed.add(name)
+                else:
+                    self._drop_link(name)         # closed early, or someone else: not proof of death
+            elif len(greeting) > 1024:
+                self._drop_link(name)
+            else:
+                self._links[name] = (sock, state, since, greeting)
+            return
         if data:
             return
-        with self._lock:                          # EOF or reset
-            if name is not None and self._links.get(name) is not sock:
-                return                            # no longer watched: `keep` handed it over
-            self._selector.unregister(sock)
-            sock.close()
-            if name is not None:                  # the watched process is gone
-                del self._links[name]
+        self._drop_link(name)                     # EOF or reset on a verified link: it is gone
+        with self._lock:
+            if name in self._watch:
                 self._dead.add(name)
 
     def watch(self, names) -> None:
@@ -266,16 +325,13 @@ class Pulse:
                     self._watch[name] = (-1, now)
 
     def keep(self, names) -> None:
-        """Stop watching everyone but ``names`` (and close their liveness connections)."""
+        """Stop watching everyone but ``names`` (the thread closes their connections)."""
         keep = set(names)
         with self._lock:
             for name in [n for n in self._watch if n not in keep]:
                 del self._watch[name]
-                self._tried.pop(name, None)
                 self._dead.discard(name)
-                sock = self._links.pop(name, None)
-                if sock is not None:
-                    self._unwatched.append(sock)
+                self._confirmed.discard(name)
 
     def silent(self, name: str) -> float:
         """Seconds since ``name``'s heartbeat last changed (0 for this worker or the unwatched;
@@ -285,6 +341,12 @@ class Pulse:
                 return math.inf
             entry = self._watch.get(name)
         return 0.0 if entry is None else time.monotonic() - entry[1]
+
+    def confirmed(self, name: str) -> bool:
+        """Whether ``name`` (watched) has shown it lives: its connection answered, or its
+        heartbeat moved while watched. This worker itself always has."""
+        with self._lock:
+            return name == self._me or (name in self._confirmed and name not in self._dead)
 
     def check(self) -> None:
         """Raises what stopped the thread (StoreUnreachable when the store failed)."""
@@ -305,7 +367,9 @@ def _local_ip(store_address: str) -> str:
     the route to the store ("" when there is none)."""
     if os.environ.get("HETCOMM_LISTEN_IP"):
         return os.environ["HETCOMM_LISTEN_IP"]
-    host = store_address.rpartition(":")[0] or "127.0.0.1"
+    host = store_address.rpartition(":")[0]
+    if not host:
+        return ""                                  # a store with no address (HashStore, FileStore)
     try:
         with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
             probe.connect((host, 9))

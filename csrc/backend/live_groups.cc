@@ -42,6 +42,20 @@ void registerLiveGroup(const c10::intrusive_ptr<ProcessGroupHetcomm>& group) {
   entries.swap(alive);
 }
 
+void forgetLiveGroup(const ProcessGroupHetcomm* group) {
+  std::vector<Entry> gone;  // released after the lock: nothing runs under it
+  std::lock_guard<std::mutex> lock(registryMutex());
+  auto& entries = registry();
+  for (auto it = entries.begin(); it != entries.end();) {
+    if (it->group._unsafe_get_target() == group) {
+      gone.push_back(std::move(*it));
+      it = entries.erase(it);
+    } else {
+      ++it;
+    }
+  }
+}
+
 void shutdownLiveGroupsAtExit(int64_t maxWaitMs) {
   std::vector<c10::intrusive_ptr<ProcessGroupHetcomm>> groups;
   {

@@ -13,9 +13,11 @@ namespace hetcomm {
 class ProcessGroupHetcomm;
 
 // Remembers `group` (weakly) as created by this process. A weak reference defers the object's
-// destructor to when the reference goes (at the next registration): ProcessGroupHetcomm shuts
-// down in release_resources(), when its last strong reference goes, so nothing waits for that.
+// destructor to when the reference goes: ProcessGroupHetcomm shuts down in release_resources(),
+// when its last strong reference goes, and then forgets itself here (forgetLiveGroup), so that
+// it is freed at once.
 void registerLiveGroup(const c10::intrusive_ptr<ProcessGroupHetcomm>& group);
+void forgetLiveGroup(const ProcessGroupHetcomm* group);
 
 // Shuts down every group of this process still alive (gracefully when idle, else as abort()
 // does), then waits up to `maxWaitMs` for the threads that complete futures after a shutdown to

@@ -18,6 +18,7 @@
 #include "algorithms/emulated_device_ops.h"
 #include "backend/cuda_device_ops.h"
 #include "backend/device_streams.h"
+#include "backend/live_groups.h"
 #include "backend/tensor_checks.h"
 #include "common/env.h"
 #include "common/logging.h"
@@ -339,6 +340,11 @@ void ProcessGroupHetcomm::watchFailures(std::shared_ptr<FailureWatch> watch, c10
 }
 
 ProcessGroupHetcomm::~ProcessGroupHetcomm() { shutdown(); }
+
+void ProcessGroupHetcomm::release_resources() {
+  shutdown();
+  forgetLiveGroup(this);
+}
 
 uint64_t ProcessGroupHetcomm::getSequenceNumberForGroup() {
   std::lock_guard<std::mutex> lock(mu_);

@@ -130,9 +130,9 @@ class ProcessGroupHetcomm : public c10d::Backend {
 
  // Called when the last strong reference goes while weak ones remain (the registry of live
   // groups, backend/live_groups.h, holds one): the group is unused from here, so it shuts down
-  // now, as the destructor would (which then runs when the last weak reference goes). Public:
-  // c10::intrusive_ptr calls it through this type.
-  void release_resources() override { shutdown(); }
+  // now, as the destructor would, and drops the registry's reference (the object is then freed).
+  // Public: c10::intrusive_ptr calls it through this type.
+  void release_resources() override;
 
  private:
 

@@ -236,7 +236,8 @@ class Pulse:
                     and now - self._tried.get(n, -math.inf) >= self.RETRY]
         for name in todo:
             self._tried[name] = now
-            address = self._keys.get(f"addr/{name}")
+            # (a get of a key not there waits for the store's timeout: the heartbeat would stop)
+            address = self._keys.get(f"addr/{name}") if self._keys.has(f"addr/{name}") else ""
             if not address:
                 continue                          # it published none: the heartbeat decides
             host, port = address.rsplit(":", 1)

@@ -298,3 +298,41 @@ def test_a_rank_that_leaves_first_does_not_remove_addresses_others_still_need() 
     # Failed before the fix: rank 0 deleted every rank's address key when it shut down, and rank 1's
     # first send to rank 2 waited for rank 2's address until the 60 s timeout.
     assert run_ranks(3, rank_0_leaves_first, timeout=120)[1:] == ["ok", "ok"]
+
+
+EXIT_SCRIPT = r"""
+import os, sys, time
+import torch, torch.distributed as dist
+import hetcomm
+from hetcomm import _C
+store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+backend = _C.ProcessGroupHetcomm(dist.PrefixStore("exit/", store), 0, 1, 60000)
+backend.allreduce([torch.ones(10)]).wait()
+if sys.argv[1] == "fork":
+    pid = os.fork()
+    if pid == 0:            # the child has the parent's group, not its threads: it must exit at once
+        start = time.monotonic()
+        import atexit
+        atexit.register(lambda: print(f"child exit hook after {time.monotonic() - start:.2f} s", flush=True))
+        sys.exit(0)
+    _, status = os.waitpid(pid, 0)
+    print(f"child status {status}", flush=True)
+print("done", flush=True)
+"""
+
+
+@pytest.mark.parametrize("how", ["plain", "fork"])
+def test_exiting_after_the_last_operation_is_clean(how) -> None:
+    """An idle group at exit is shut down quietly (it used to be taken for busy once it had run an
+    operation: aborted, with an error in the log and its peers' last operation at risk); a forked
+    child, which inherits the group but not its threads, exits at once."""
+    import subprocess
+    import sys
+
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, "-c", EXIT_SCRIPT, how], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "done" in proc.stdout and "still queued or running" not in proc.stderr, proc.stdout + proc.stderr
+    if how == "fork":
+        assert "child status 0" in proc.stdout, proc.stdout + proc.stderr
+    assert time.monotonic() - start < HANG_BOUND_S, proc.stdout + proc.stderr

@@ -1,6 +1,6 @@
 #include "backend/completion_pool.h"
 
-#include <cxxabi.h>
+#include <pthread.h>
 
 #include "common/logging.h"
 #include "common/threads.h"
@@ -8,24 +8,53 @@
 namespace hetcomm {
 namespace {
 
-// The callback threads started after a stop() (detached): how many are running.
-struct Detached {
+// The threads that run future callbacks (the pools' and those started after a stop()): how many
+// are running, so that interpreter exit can wait until none can touch Python objects.
+struct CallbackThreads {
   std::mutex mu;
   std::condition_variable cv;
   int running = 0;
 };
 
-Detached& detached() {
-  static auto* d = new Detached;  // never destroyed: a detached thread may outlive static destructors
-  return *d;
+CallbackThreads* callbackThreadsNow = nullptr;
+
+void forgetCallbackThreadsInChild() {
+  // A forked child has none of the parent's threads, and may have inherited the mutex locked.
+  callbackThreadsNow = new CallbackThreads;  // the parent's copy is left as it is (never freed)
 }
+
+CallbackThreads& callbackThreads() {
+  static const bool ready = [] {
+    callbackThreadsNow = new CallbackThreads;  // never destroyed: threads may outlive static destructors
+    ::pthread_atfork(nullptr, nullptr, forgetCallbackThreadsInChild);
+    return true;
+  }();
+  (void)ready;
+  return *callbackThreadsNow;
+}
+
+// Counts a callback thread from before it starts (countThreadIn) until its last statement (~CountedOut).
+void countThreadIn() {
+  CallbackThreads& c = callbackThreads();
+  std::lock_guard<std::mutex> lock(c.mu);
+  ++c.running;
+}
+
+struct CountedOut {
+  ~CountedOut() {
+    CallbackThreads& c = callbackThreads();
+    std::lock_guard<std::mutex> lock(c.mu);
+    --c.running;
+    c.cv.notify_all();
+  }
+};
 
 void runGuarded(const std::function<void()>& fn) {
   try {
     fn();
-  } catch (const abi::__forced_unwind&) {
-    throw;  // the thread is being ended (pthread_exit): it must unwind
-  } catch (const std::exception& e) {
+  }
+  HETCOMM_RETHROW_FORCED_UNWIND
+  catch (const std::exception& e) {
     HC_LOG(kError, "a future callback threw: ", e.what());
   } catch (...) {
     HC_LOG(kError, "a future callback threw a non-standard exception");
@@ -41,29 +70,17 @@ void CompletionPool::post(std::function<void()> fn) {
     // error). Running fn here would run the future's callbacks on the caller's thread, which may
     // be one of the backend's own: a thread of its own does it, touching nothing of the pool.
     lock.unlock();
-    Detached& d = detached();
-    {
-      std::lock_guard<std::mutex> count(d.mu);
-      ++d.running;
-    }
-    struct Finished {
-      ~Finished() {
-        Detached& d = detached();
-        std::lock_guard<std::mutex> count(d.mu);
-        --d.running;
-        d.cv.notify_all();
-      }
-    };
+    countThreadIn();
     try {
       startThread("future callback", [fn = std::move(fn)]() mutable {
-        Finished finished;
+        CountedOut out;
         {
           std::function<void()> callback = std::move(fn);
           runGuarded(callback);
         }  // what it held is released here, before the thread counts itself out
       }).detach();
     } catch (...) {
-      Finished notStarted;
+      CountedOut notStarted;
       throw;
     }
     return;
@@ -72,15 +89,25 @@ void CompletionPool::post(std::function<void()> fn) {
   if (idle_ < queue_.size() && threads_.size() < maxThreads_) {
     // The thread keeps the pool alive: stop() called from a pool thread leaves that thread
     // running until it returns from its callback, and it must not find the pool freed.
-    threads_.push_back(startThread("completion", [self = shared_from_this()] { self->loop(); }));
+    countThreadIn();
+    try {
+      threads_.push_back(startThread("completion", [self = shared_from_this()]() mutable {
+        CountedOut out;
+        self->loop();
+        self.reset();  // the pool (what it still holds) goes before the thread counts itself out
+      }));
+    } catch (...) {
+      CountedOut notStarted;
+      throw;
+    }
   }
   cv_.notify_one();
 }
 
-void CompletionPool::waitForDetachedCallbacks(std::chrono::milliseconds limit) {
-  Detached& d = detached();
-  std::unique_lock<std::mutex> lock(d.mu);
-  d.cv.wait_for(lock, limit, [&] { return d.running == 0; });
+void CompletionPool::waitForCallbackThreads(std::chrono::milliseconds limit) {
+  CallbackThreads& c = callbackThreads();
+  std::unique_lock<std::mutex> lock(c.mu);
+  c.cv.wait_for(lock, limit, [&] { return c.running == 0; });
 }
 
 void CompletionPool::stop() {

@@ -32,9 +32,9 @@ class CompletionPool : public std::enable_shared_from_this<CompletionPool> {
   // that destroys the process group) that thread is left to finish on its own.
   void stop();
 
-  // Waits (up to `limit`) until every callback thread started after a stop() has finished: at
+  // Waits (up to `limit`) until no thread of any pool, nor any started after a stop(), runs: at
   // interpreter exit, none may still hold Python objects when Python finalizes.
-  static void waitForDetachedCallbacks(std::chrono::milliseconds limit);
+  static void waitForCallbackThreads(std::chrono::milliseconds limit);
 
  private:
   void loop();

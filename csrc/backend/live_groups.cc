@@ -1,7 +1,9 @@
 #include "backend/live_groups.h"
 
+#include <pthread.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <mutex>
 #include <utility>
@@ -18,66 +20,89 @@ struct Entry {
   c10::weak_intrusive_ptr<ProcessGroupHetcomm> group;
 };
 
-std::mutex& registryMutex() {
-  static auto* mu = new std::mutex;  // never destroyed: usable from any thread until the very end
-  return *mu;
+struct Registry {
+  std::mutex mu;
+  std::vector<Entry> entries;
+};
+
+Registry* registryNow = nullptr;
+
+void forgetRegistryInChild() {
+  // The parent's groups are not this process's (their threads are not here), and the mutex may
+  // have been inherited locked: a fresh registry; the parent's copy is left untouched.
+  registryNow = new Registry;
 }
 
-std::vector<Entry>& registry() {
-  static auto* entries = new std::vector<Entry>;
-  return *entries;
+Registry& registry() {
+  static const bool ready = [] {
+    registryNow = new Registry;  // never destroyed: usable from any thread until the very end
+    ::pthread_atfork(nullptr, nullptr, forgetRegistryInChild);
+    return true;
+  }();
+  (void)ready;
+  return *registryNow;
+}
+
+std::vector<c10::intrusive_ptr<ProcessGroupHetcomm>> aliveGroups() {
+  std::vector<c10::intrusive_ptr<ProcessGroupHetcomm>> groups;
+  Registry& r = registry();
+  std::lock_guard<std::mutex> lock(r.mu);
+  const pid_t me = ::getpid();
+  for (Entry& e : r.entries) {
+    if (e.pid != me) continue;
+    auto strong = e.group.lock();  // null for a group being released (it shuts down on its own)
+    if (strong) groups.push_back(std::move(strong));
+  }
+  return groups;
 }
 
 }  // namespace
 
 void registerLiveGroup(const c10::intrusive_ptr<ProcessGroupHetcomm>& group) {
-  std::lock_guard<std::mutex> lock(registryMutex());
-  auto& entries = registry();
-  std::vector<Entry> alive;
-  alive.reserve(entries.size() + 1);
-  for (Entry& e : entries) {
-    if (!e.group.expired()) alive.push_back(std::move(e));
-  }
-  alive.push_back({::getpid(), c10::weak_intrusive_ptr<ProcessGroupHetcomm>(group)});
-  entries.swap(alive);
+  Registry& r = registry();
+  std::lock_guard<std::mutex> lock(r.mu);
+  // Entries of groups already released go (they cannot be the last reference: see forget).
+  r.entries.erase(std::remove_if(r.entries.begin(), r.entries.end(), [](const Entry& e) { return e.group.expired(); }),
+                  r.entries.end());
+  r.entries.push_back({::getpid(), c10::weak_intrusive_ptr<ProcessGroupHetcomm>(group)});
 }
 
-void forgetLiveGroup(const ProcessGroupHetcomm* group) {
-  std::vector<Entry> gone;  // released after the lock: nothing runs under it
-  std::lock_guard<std::mutex> lock(registryMutex());
-  auto& entries = registry();
-  for (auto it = entries.begin(); it != entries.end();) {
-    if (it->group._unsafe_get_target() == group) {
-      gone.push_back(std::move(*it));
-      it = entries.erase(it);
-    } else {
-      ++it;
-    }
-  }
+void forgetLiveGroup(const ProcessGroupHetcomm* group) noexcept {
+  // Called from release_resources, inside c10::intrusive_ptr's release: the weak count still
+  // counts the strong side, so dropping this reference never deletes the group here.
+  Registry& r = registry();
+  std::lock_guard<std::mutex> lock(r.mu);
+  r.entries.erase(std::remove_if(r.entries.begin(), r.entries.end(),
+                                 [group](const Entry& e) { return e.group._unsafe_get_target() == group; }),
+                  r.entries.end());
 }
 
 void shutdownLiveGroupsAtExit(int64_t maxWaitMs) {
-  std::vector<c10::intrusive_ptr<ProcessGroupHetcomm>> groups;
-  {
-    std::lock_guard<std::mutex> lock(registryMutex());
-    const pid_t me = ::getpid();
-    for (Entry& e : registry()) {
-      if (e.pid != me) continue;
-      auto strong = e.group.lock();
-      if (strong) groups.push_back(std::move(strong));
+  const auto until = std::chrono::steady_clock::now() + std::chrono::milliseconds(maxWaitMs);
+  // Again while groups remain: a callback run by a shutdown may create one. Bounded, in case a
+  // group cannot be shut down (its shutdown throws).
+  for (int round = 0; round < 4; ++round) {
+    auto groups = aliveGroups();
+    if (groups.empty()) break;
+    // First fail every busy group, then shut them all down: a callback of one group waiting on
+    // an operation of another must not hold the exit for that operation's timeout.
+    for (auto& group : groups) {
+      try {
+        group->failIfBusyAtExit();
+      } catch (const std::exception&) {
+        // Exiting anyway.
+      }
+    }
+    for (auto& group : groups) {
+      try {
+        group->shutdown();
+      } catch (const std::exception&) {
+        // Exiting anyway; the group is gone either way.
+      }
     }
   }
-  // Outside the registry's lock: a group's shutdown joins threads that may create or destroy
-  // other groups.
-  for (auto& group : groups) {
-    try {
-      group->shutdownAtExit();
-    } catch (const std::exception&) {
-      // Exiting anyway; the group is gone either way.
-    }
-  }
-  groups.clear();
-  CompletionPool::waitForDetachedCallbacks(std::chrono::milliseconds(maxWaitMs));
+  const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(until - std::chrono::steady_clock::now());
+  CompletionPool::waitForCallbackThreads(std::max(left, std::chrono::milliseconds(0)));
 }
 
 }  // namespace hetcomm

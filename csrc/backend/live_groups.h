@@ -8,20 +8,22 @@
 // the process dies with std::terminate (SIGABRT) after the program itself succeeded.
 #include <c10/util/intrusive_ptr.h>
 
+#include <cstdint>
+
 namespace hetcomm {
 
 class ProcessGroupHetcomm;
 
 // Remembers `group` (weakly) as created by this process. A weak reference defers the object's
 // destructor to when the reference goes: ProcessGroupHetcomm shuts down in release_resources(),
-// when its last strong reference goes, and then forgets itself here (forgetLiveGroup), so that
-// it is freed at once.
+// when its last strong reference goes, and forgets itself there (forgetLiveGroup), so that it is
+// freed at once.
 void registerLiveGroup(const c10::intrusive_ptr<ProcessGroupHetcomm>& group);
-void forgetLiveGroup(const ProcessGroupHetcomm* group);
+void forgetLiveGroup(const ProcessGroupHetcomm* group) noexcept;
 
-// Shuts down every group of this process still alive (gracefully when idle, else as abort()
-// does), then waits up to `maxWaitMs` for the threads that complete futures after a shutdown to
-// finish. Call it without the GIL, before the interpreter finalizes.
+// Shuts down every group of this process still alive (the busy ones failed first, as abort()
+// does, then all of them shut down), then waits, for what is left of `maxWaitMs`, until no thread
+// that runs future callbacks is left. Call it without the GIL, before the interpreter finalizes.
 void shutdownLiveGroupsAtExit(int64_t maxWaitMs);
 
 }  // namespace hetcomm

@@ -105,18 +105,18 @@ void P2PEngine::runCallbacks(Finished& finished) {
   if (report) {
     try {
       report(first);
-    } catch (const abi::__forced_unwind&) {
-      throw;  // the thread is being ended (see common/threads.h)
-    } catch (...) {
+    }
+    HETCOMM_RETHROW_FORCED_UNWIND
+    catch (...) {
       HC_LOG(kError, "the point-to-point engine's failure handler threw");
     }
   }
   for (Finishing& f : finished) {
     try {
       f.done(f.error, f.peer);
-    } catch (const abi::__forced_unwind&) {
-      throw;
-    } catch (const std::exception& e) {
+    }
+    HETCOMM_RETHROW_FORCED_UNWIND
+    catch (const std::exception& e) {
       HC_LOG(kError, "a point-to-point completion callback threw: ", e.what());
     } catch (...) {
       HC_LOG(kError, "a point-to-point completion callback threw a non-standard exception");

@@ -342,6 +342,9 @@ void ProcessGroupHetcomm::watchFailures(std::shared_ptr<FailureWatch> watch, c10
 ProcessGroupHetcomm::~ProcessGroupHetcomm() { shutdown(); }
 
 void ProcessGroupHetcomm::release_resources() {
+  // In a forked child the object stays, unused and never freed: the parent's registry, copied
+  // into the child and abandoned there, keeps a weak reference to it (live_groups.cc).
+  if (::getpid() != creatorPid_) return;
   shutdown();
   forgetLiveGroup(this);
 }
@@ -502,11 +505,14 @@ void ProcessGroupHetcomm::runWorker() {
         error = distError(failWith(ctx, msg));
       }
     }
-    op.work->complete(error);
     {
+      // Idle before the caller can see the result: a program that exits right after waiting for
+      // its last operation must find the group idle (shutdownAtExit would abort it, failing the
+      // peers still finishing that operation).
       std::lock_guard<std::mutex> lock(mu_);
-      running_ = false;  // idle until the next operation (shutdownAtExit asks)
+      running_ = false;
     }
+    op.work->complete(error);
   }
 }
 
@@ -580,18 +586,18 @@ void ProcessGroupHetcomm::abort() {
   shutdown();
 }
 
-void ProcessGroupHetcomm::shutdownAtExit() {
+void ProcessGroupHetcomm::failIfBusyAtExit() {
   bool idle;
   {
     std::lock_guard<std::mutex> lock(mu_);
     idle = queue_.empty() && !running_;
   }
-  if (idle) {
-    shutdown();
-  } else {
-    failGroup("the process is exiting with operations of this group still queued or running");
-    shutdown();
-  }
+  if (!idle) failGroup("the process is exiting with operations of this group still queued or running");
+}
+
+void ProcessGroupHetcomm::shutdownAtExit() {
+  failIfBusyAtExit();
+  shutdown();
 }
 
 void ProcessGroupHetcomm::shutdown() {
@@ -772,7 +778,9 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupHetcomm::postReceive(std::vector<at::
                        } else if (!target.is_same(buffer)) {
                          const_cast<at::Tensor&>(target).copy_(buffer);
                        }
-                     } catch (...) {
+                     }
+                     HETCOMM_RETHROW_FORCED_UNWIND
+                     catch (...) {
                        e = std::current_exception();
                      }
                    }

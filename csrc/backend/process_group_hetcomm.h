@@ -16,6 +16,8 @@
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
+#include <unistd.h>
+
 #include <atomic>
 #include <condition_variable>
 #include <deque>
@@ -100,6 +102,8 @@ class ProcessGroupHetcomm : public c10d::Backend {
   // queued or running, else abort() (operations issued and never waited for would otherwise hold
   // the exit for up to their timeout).
   void shutdownAtExit();
+  // Its first half: fails the group (every pending operation ends) unless it is idle.
+  void failIfBusyAtExit();
 
   // hetcomm's own API (bound in Python).
   std::string listenAddress() const { return mesh_->listenAddress().str(); }
@@ -128,14 +132,13 @@ class ProcessGroupHetcomm : public c10d::Backend {
   // The group ranks this rank shares memory with (itself included), or empty.
   std::vector<int> localRanks() const;
 
- // Called when the last strong reference goes while weak ones remain (the registry of live
+  // Called when the last strong reference goes while weak ones remain (the registry of live
   // groups, backend/live_groups.h, holds one): the group is unused from here, so it shuts down
   // now, as the destructor would, and drops the registry's reference (the object is then freed).
   // Public: c10::intrusive_ptr calls it through this type.
   void release_resources() override;
 
  private:
-
   using Body = std::function<void(CollectiveContext&)>;
   struct Pending {
     c10::intrusive_ptr<WorkHetcomm> work;
@@ -224,6 +227,9 @@ class ProcessGroupHetcomm : public c10d::Backend {
   std::string workerError_;  // set if the worker died; guarded by mu_
   std::thread worker_;
   std::string incarnation_;  // this group's tag in failure reports (from its secret)
+  // The process that built the group: a child forked from it has a copy of the object but none of
+  // its threads, and must not shut it down (joining threads that are not there).
+  const pid_t creatorPid_ = ::getpid();
   std::shared_ptr<FailureWatch> watch_;  // null without a watcher
   std::mutex shutdownMu_;  // serialises shutdown(): an abort and the destructor may race
   bool shutDown_ = false;  // guarded by shutdownMu_

@@ -11,9 +11,19 @@
 //
 // One thing passes the guard: the forced unwinding of a thread that is being ended (pthread_exit;
 // a finalizing Python interpreter ends so a thread that asks for the GIL). Swallowing it aborts
-// the process ("exception not rethrown"), and so does meeting a noexcept frame on its way out, so
-// the guard rethrows it and the thread's function is not noexcept.
+// the process ("exception not rethrown"), so the guard rethrows it (HETCOMM_RETHROW_FORCED_UNWIND)
+// and the thread's function is not noexcept. That alone does not save such a thread: on its way
+// out it usually meets a destructor that needs the GIL again (a future's Python callback, a
+// tensor) and the process aborts there. What prevents it is that no hetcomm thread runs Python
+// once the interpreter finalizes: the exit hook (backend/live_groups.h) waits for them.
+#if defined(__GLIBCXX__)
 #include <cxxabi.h>
+// In a catch sequence before `catch (...)`: lets the forced unwinding of a thread pass (above).
+#define HETCOMM_RETHROW_FORCED_UNWIND \
+  catch (const abi::__forced_unwind&) { throw; }
+#else
+#define HETCOMM_RETHROW_FORCED_UNWIND
+#endif
 
 #include <exception>
 #include <functional>
@@ -59,9 +69,9 @@ template <typename Body>
 void runGuardedThread(const char* name, Body& body, const ThreadErrorHandler& onError = {}) {
   try {
     body();
-  } catch (const abi::__forced_unwind&) {
-    throw;  // the thread is being ended: let it unwind (see above)
-  } catch (...) {
+  }
+  HETCOMM_RETHROW_FORCED_UNWIND
+  catch (...) {
     try {
       detail::reportThreadError(name, onError);
     } catch (...) {

@@ -46,6 +46,7 @@ def main() -> int:
     p.add_argument("--stop-after", type=int, default=0, help="exit (without a word) after this round")
     p.add_argument("--batches", type=int, default=0, help="this worker's data ends after so many batches")
     p.add_argument("--compress", default="fp32")
+    p.add_argument("--hidden", type=int, default=16, help="the model's hidden width (another model: other than 16)")
     p.add_argument("--nan-at", type=int, default=-1, help="make this worker's parameters NaN in this round")
     p.add_argument("--raise-at", type=int, default=-1, help="raise an exception in the loop's body in this round")
     p.add_argument("--step-seconds", type=float, default=0.0, help="sleep this long in every step (a slow worker)")
@@ -100,7 +101,8 @@ def main() -> int:
         torch.distributed.broadcast_object_list = dying_broadcast
 
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    model = torch.nn.Sequential(torch.nn.Linear(8, args.hidden), torch.nn.Tanh(),
+                                torch.nn.Linear(args.hidden, 1))
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.5)
     diloco = hetcomm.ElasticDiLoCo(model, opt, store=args.store, worker_id=args.id, job=args.job,
                                    steps=args.steps, min_workers=args.min_workers, heartbeat=0.5, timeout=3.0,

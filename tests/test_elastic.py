@@ -31,8 +31,8 @@ class Run:
         self.store, self.port = start_store()
         self.procs: list[tuple[str, subprocess.Popen]] = []
 
-    def start(self, wid: str, *args: str) -> subprocess.Popen:
-        env = dict(os.environ, HETCOMM_PROBE="0")
+    def start(self, wid: str, *args: str, env: dict | None = None) -> subprocess.Popen:
+        env = dict(os.environ, HETCOMM_PROBE="0", **(env or {}))
         log = open(self.out / f"{wid}.{len(self.procs)}.log", "w")
         proc = subprocess.Popen([sys.executable, WORKER, "--store", f"127.0.0.1:{self.port}", "--id", wid,
                                  "--job", self.job, "--out", str(self.out), *args],
@@ -341,17 +341,71 @@ def test_a_worker_whose_update_is_not_finite_stops_and_the_others_go_on(run):
     assert all(rec["members"] == ["w0", "w2"] for rec in rounds_w0[2:]), rounds_w0
 
 
-def test_a_joiner_with_other_settings_is_refused_and_the_run_goes_on(run):
+@pytest.mark.parametrize("differs,expect", [
+    ({"args": ["--compress", "bf16"]}, "bf16"),
+    ({"args": ["--hidden", "12"]}, "its model is '4 tensors, 121 elements in float32"),
+    ({"env": {"HETCOMM_SEGMENT_BYTES": "65536"}}, "HETCOMM_SEGMENT_BYTES='65536'"),
+], ids=["compression", "model", "hetcomm-setting"])
+def test_a_joiner_with_other_settings_is_refused_and_the_run_goes_on(run, differs, expect):
     rounds = 8
     for w in IDS[:2]:
         run.start(w, "--rounds", str(rounds), "--min-workers", "2", "--step-seconds", "0.25")
     while len([r for r in run.records("w0") if "round" in r]) < 1:
         time.sleep(0.2)
-    run.start("w2", "--rounds", str(rounds), "--compress", "bf16")
+    run.start("w2", "--rounds", str(rounds), *differs.get("args", []), env=differs.get("env"))
     codes = run.wait_all()
     assert codes == {"w0": [0], "w1": [0], "w2": [1]}, f"{codes}\n{run.logs()}"
-    assert "this worker cannot join" in error(run, "w2") and "bf16" in error(run, "w2"), run.logs()
+    assert "this worker cannot join" in error(run, "w2") and expect in error(run, "w2"), run.logs()
     check_agreement(run, ["w0", "w1"], rounds)
+    # refused before any group formed with it: no synchronisation of the run failed for it
+    membership = final(run, "w0")["membership"]
+    assert any(expect in why for e in membership for why in e.get("refused", {}).values()), membership
+    assert not any("aborted" in e for e in membership), membership
+
+
+def test_a_founder_with_other_settings_is_refused_and_the_others_start_the_run(run):
+    rounds = 4
+    for w in IDS[:3]:
+        run.start(w, "--rounds", str(rounds), "--min-workers", "2",
+                  env={"HETCOMM_SEGMENT_BYTES": "65536"} if w == "w1" else None)
+    codes = run.wait_all()
+    assert codes == {"w0": [0], "w1": [1], "w2": [0]}, f"{codes}\n{run.logs()}"
+    assert "this worker cannot join" in error(run, "w1"), run.logs()
+    assert "HETCOMM_SEGMENT_BYTES='65536'" in error(run, "w1"), run.logs()
+    check_agreement(run, ["w0", "w2"], rounds)
+    assert not any("aborted" in e for e in final(run, "w0")["membership"]), run.logs()
+
+
+def test_a_join_request_is_refused_for_each_difference_and_for_a_malformed_one():
+    from hetcomm.train.elastic import ElasticDiLoCo
+
+    ours = {"model": "2 tensors, 3 elements in float32, shapes abc", "outer optimizer": "SGD",
+            "weighting": "batch", "compression": "compress='fp32', block=2048", "backend": "hetcomm",
+            "settings": {"HETCOMM_TLS": "", "HETCOMM_PROBE": "0"}}
+    assert ElasticDiLoCo._refusal(dict(ours), ours) is None
+    for key, value, expect in [("outer optimizer", "Adam", "its outer optimizer is 'Adam'"),
+                               ("weighting", "equal", "its weighting is 'equal'"),
+                               ("backend", "gloo", "its backend is 'gloo'"),
+                               ("settings", {"HETCOMM_TLS": "all", "HETCOMM_PROBE": "0"},
+                                "it was started with HETCOMM_TLS='all', the run's workers with HETCOMM_TLS=''"),
+                               ("settings", {"HETCOMM_TLS": ""}, "HETCOMM_PROBE=''")]:
+        why = ElasticDiLoCo._refusal(dict(ours, **{key: value}), ours)
+        assert why is not None and expect in why, (key, why)
+    for malformed in [None, "x", {"model": ours["model"]}, dict(ours, settings="x")]:
+        assert "does not describe its configuration" in ElasticDiLoCo._refusal(malformed, ours)
+
+
+@pytest.mark.parametrize("name,value", [("HETCOMM_SITES", "0,0,1"), ("HETCOMM_HOST_ID", "a,b"),
+                                        ("HETCOMM_LINK_MBIT", "800,100")])
+def test_per_rank_settings_are_refused_because_ranks_change_every_generation(monkeypatch, name, value):
+    import torch
+    import torch.distributed as dist
+
+    import hetcomm
+
+    monkeypatch.setenv(name, value)
+    with pytest.raises(ValueError, match=f"{name}=.*one value per rank"):
+        hetcomm.ElasticDiLoCo(torch.nn.Linear(2, 1), store=dist.HashStore())
 
 
 def test_an_exception_in_the_loop_body_leaves_without_synchronising_the_round(run):

@@ -132,12 +132,19 @@ def settings(labels: Sequence[int], error: str = "") -> dict[str, str]:
     """What every rank of a group must agree on: the hosts it computed (and whether its host
     setting was usable), and the settings that change the schedule or the layout of shared memory."""
     out = {"hosts": ",".join(map(str, labels)), "HETCOMM_HOST_ID is usable": "no: " + error if error else "yes"}
-    for name in ("HETCOMM_SHM", "HETCOMM_LOCAL", "HETCOMM_SHM_BYTES", "HETCOMM_SHM_SLOT_BYTES",
-                 "HETCOMM_SHM_SMALL_ALLREDUCE_BYTES", "HETCOMM_LINK_MBIT", "HETCOMM_SITES", "HETCOMM_PROBE",
-                 "HETCOMM_HIERARCHICAL", "HETCOMM_SEGMENT_BYTES", "HETCOMM_SMALL_ALLREDUCE_BYTES",
-                 "HETCOMM_SITE_PIECE_BYTES", "HETCOMM_TLS"):
-        out[name] = os.environ.get(name, "").strip()
+    out.update(environment_settings())
     return out
+
+
+def environment_settings() -> dict[str, str]:
+    """The environment variables that every rank of a group must set alike (unset reads as "")."""
+    return {name: os.environ.get(name, "").strip() for name in _AGREED_VARIABLES}
+
+
+_AGREED_VARIABLES = ("HETCOMM_SHM", "HETCOMM_LOCAL", "HETCOMM_SHM_BYTES", "HETCOMM_SHM_SLOT_BYTES",
+                     "HETCOMM_SHM_SMALL_ALLREDUCE_BYTES", "HETCOMM_LINK_MBIT", "HETCOMM_SITES", "HETCOMM_PROBE",
+                     "HETCOMM_HIERARCHICAL", "HETCOMM_SEGMENT_BYTES", "HETCOMM_SMALL_ALLREDUCE_BYTES",
+                     "HETCOMM_SITE_PIECE_BYTES", "HETCOMM_TLS")
 
 
 def check_agreement(backend, values: dict[str, str]) -> None:

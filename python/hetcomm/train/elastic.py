@@ -31,8 +31,10 @@ synchronisation attempt (an *epoch*) goes:
 3. **Admit.** When a decision admits workers without the state (new, restarted or dropped ones),
    the holders send them the global parameters and the outer optimizer's state, each holder one
    shard (the transfer is spread over every holder), and the round count and history. A joiner
-   whose model shapes or compression differ from the run's stops with a ValueError; the run goes
-   on without it. If every holder dies before a joiner has the state, the run's state is gone
+   whose configuration differs from the run's (model shapes and precision, outer optimizer,
+   weighting, compression, backend, the hetcomm settings every rank of a group must agree on) is
+   refused when its request is read, before any group forms with it: it stops with a ValueError
+   naming what differs; the run goes on without it. If every holder dies before a joiner has the state, the run's state is gone
    and the joiner raises (it never carries on from its own fresh model, except in an era that
    started from fresh models and has committed nothing yet).
 4. **Reduce.** The members agree on a table (steps, samples, losses, a fingerprint of their global
@@ -88,6 +90,7 @@ import torch
 import torch.distributed as dist
 
 from hetcomm import compress as _compress
+from hetcomm import hosts as _hosts
 from hetcomm.train import flat as _flat
 from hetcomm.train.diloco import _cpu_copy, default_outer_optimizer, outer_weights, WEIGHTINGS
 from hetcomm.train.membership import Keys, Pulse, StoreUnreachable, connect
@@ -107,6 +110,10 @@ def _fingerprint(flat: torch.Tensor) -> int:
     """52 bits of a hash of the exact bytes (an integer a float64 carries exactly)."""
     digest = hashlib.blake2b(flat.contiguous().numpy().tobytes(), digest_size=8).digest()
     return int.from_bytes(digest, "little") >> 12
+
+
+# Settings in the form of one value per global rank: meaningless when ranks change every generation.
+_PER_RANK_VARIABLES = ("HETCOMM_HOST_ID", "HETCOMM_SITES", "HETCOMM_LINK_MBIT")
 
 
 class _Poll:
@@ -175,6 +182,12 @@ class ElasticDiLoCo(_flat.FlatParameters):
             raise ValueError(f"{_PREFIX}: unknown weighting {weighting!r}; expected one of {', '.join(WEIGHTINGS)}")
         if not job or "/" in job:
             raise ValueError(f"{_PREFIX}: job must be a non-empty name without '/', got {job!r}")
+        if backend == "hetcomm":
+            for name in _PER_RANK_VARIABLES:
+                if "," in os.environ.get(name, ""):
+                    raise ValueError(f"{_PREFIX}: {name}={os.environ[name]!r} gives one value per rank, but ranks "
+                                     "change with every generation of workers: declare this process's own value "
+                                     "(HETCOMM_HOST_ID=<label>, HETCOMM_SITE=<label>) or let hetcomm measure the links")
         self.model, self.inner_optimizer = model, inner_optimizer
         self._params = [p for p in model.parameters() if p.is_floating_point()]
         if not self._params:
@@ -521,7 +534,14 @@ class ElasticDiLoCo(_flat.FlatParameters):
         if self._decision is None or now - self._scanned[1] < self._heartbeat:
             return
         regs, upto = self._registrations(self._keys, max(self._scanned[0], self._decision["admitted_upto"]))
-        self._pulse.watch([r["who"] for _, r in regs])
+        ours, watch = self._config(), []
+        for _, r in regs:
+            why = self._refusal(r.get("config"), ours)
+            if why:
+                self._refuse(self._keys, r["who"], why)
+            else:
+                watch.append(r["who"])
+        self._pulse.watch(watch)
         self._scanned = (upto, now)
 
     def _era(self) -> int:
@@ -568,6 +588,7 @@ class ElasticDiLoCo(_flat.FlatParameters):
         poll, watched = _Poll(), None
         while True:
             self._pulse.check()
+            self._raise_if_refused(keys)
             if keys.has("ended"):
                 ended = keys.get("ended")
                 self._stopped, self._stop_reason = True, f"the run ended at round {ended['round']} ({ended['reason']})"
@@ -576,6 +597,9 @@ class ElasticDiLoCo(_flat.FlatParameters):
                 return
             if keys.has(f"e{epoch}/decision"):
                 decision = keys.get(f"e{epoch}/decision")
+                if self._me in decision.get("refused", {}):
+                    raise ValueError(f"{_PREFIX}: this worker cannot join run {self.job!r}: "
+                                     f"{decision['refused'][self._me]}")
                 self._pulse.watch(decision["members"])
                 if self._me in decision["members"]:
                     self._count("idle", begin)
@@ -590,7 +614,9 @@ class ElasticDiLoCo(_flat.FlatParameters):
                     epoch = int(keys.get("latest"))
                     continue
                 if decision["admitted_upto"] > index:
-                    # passed over (thought dead when the decision was taken): ask again
+                    # passed over (thought dead when the decision was taken), or refused in an
+                    # earlier decision than this one: ask again unless refused
+                    self._raise_if_refused(keys)
                     self._new_incarnation()
                     index = self._register()
                 epoch += 1
@@ -607,13 +633,51 @@ class ElasticDiLoCo(_flat.FlatParameters):
 
     def _register(self) -> int:
         index = self._keys.add("joins", 1) - 1
-        self._keys.set(f"join/{index}", {"who": self._me, "holds": self._holds, "round": self._round})
+        self._keys.set(f"join/{index}", {"who": self._me, "holds": self._holds, "round": self._round,
+                                         "config": self._config()})
         return index
+
+    def _config(self) -> dict:
+        """What a worker must share with the run to be admitted: the model's layout, the outer
+        optimizer, the weighting, the compression, the backend and (for hetcomm) the settings
+        every rank of a group must agree on."""
+        shapes = ";".join(",".join(map(str, g.shape)) for g in self._global)
+        return {"model": f"{len(self._global)} tensors, {sum(g.numel() for g in self._global)} elements in "
+                         f"{str(self._master).removeprefix('torch.')}, shapes "
+                         f"{hashlib.sha256(shapes.encode()).hexdigest()[:12]}",
+                "outer optimizer": type(self.outer_optimizer).__name__, "weighting": self.weighting,
+                "compression": self._codec_name, "backend": self._backend,
+                "settings": _hosts.environment_settings() if self._backend == "hetcomm" else {}}
+
+    @staticmethod
+    def _refusal(theirs, ours: dict) -> str | None:
+        """Why a worker that registered ``theirs`` (its `_config`) cannot be admitted into a run
+        whose members have ``ours`` (None: it can)."""
+        if not isinstance(theirs, dict) or not all(k in theirs for k in ours) or \
+                not isinstance(theirs["settings"], dict):
+            return "its join request does not describe its configuration (another version of hetcomm?)"
+        problems = [f"its {k} is {theirs[k]!r}, the run's {ours[k]!r}" for k in ours
+                    if k != "settings" and theirs[k] != ours[k]]
+        for name in sorted(set(ours["settings"]) | set(theirs["settings"])):
+            value, other = ours["settings"].get(name, ""), theirs["settings"].get(name, "")
+            if other != value:
+                problems.append(f"it was started with {name}={other!r}, the run's workers with {name}={value!r}")
+        return "; ".join(problems) or None
+
+    def _refuse(self, keys: Keys, who: str, why: str) -> None:
+        """Tells a joiner at once that it is refused (it also reads it in the next decision)."""
+        keys.first(f"refused/{who}", why)
+
+    def _raise_if_refused(self, keys: Keys) -> None:
+        if keys.has(f"refused/{self._me}"):
+            raise ValueError(f"{_PREFIX}: this worker cannot join run {self.job!r}: {keys.get(f'refused/{self._me}')}")
 
     def _bootstrap(self, keys: Keys) -> None:
         """The first decision of an era: once ``min_workers`` asked to join, they are its members
         (sorted by worker id: a deterministic order of ranks), the holders of the latest
-        checkpoint its holders (else the first of them, whose fresh model everyone starts from)."""
+        checkpoint its holders (else the first of them, whose fresh model everyone starts from).
+        The run's configuration is the holders' (else the one most of them share, ties to the
+        first): one whose configuration differs is refused."""
         found, count = self._registrations(keys, 0)
         if count < keys.add("joins", 0):
             return                                   # a request not written yet: next poll
@@ -624,15 +688,27 @@ class ElasticDiLoCo(_flat.FlatParameters):
                 regs.append(r)
             elif self._pulse.silent(r["who"]) <= self._timeout:
                 return                               # not known to live yet (nor to be dead): wait
+        regs.sort(key=lambda r: r["who"])
+        latest = max((r["round"] for r in regs if r["holds"]), default=None)
+        refused: dict[str, str] = {}
+        if regs:
+            configs = [r.get("config") for r in regs]
+            held = next((r.get("config") for r in regs if r["holds"] and r["round"] == latest), None)
+            reference = held or max(configs, key=lambda c: (configs.count(c), -configs.index(c)))
+            if isinstance(reference, dict) and isinstance(reference.get("settings"), dict):
+                refused = {r["who"]: why for r in regs if (why := self._refusal(r.get("config"), reference))}
+            regs = [r for r in regs if r["who"] not in refused]
+            if held is None and len(regs) < self._min_workers:
+                return                               # the run's configuration is not settled yet
+            for who, why in refused.items():
+                self._refuse(keys, who, why)
         if len(regs) < self._min_workers:
             return
-        regs.sort(key=lambda r: r["who"])
         members = [r["who"] for r in regs]
-        latest = max((r["round"] for r in regs if r["holds"]), default=None)
         holders = [r["who"] for r in regs if r["holds"] and r["round"] == latest] or members[:1]
         keys.first("e1/decision", {"epoch": 1, "gen": 1, "round": latest or 0, "members": members,
-                                   "holders": holders, "left": {}, "joined": members, "admitted_upto": count,
-                                   "fresh": latest is None})
+                                   "holders": holders, "left": {}, "joined": members, "refused": refused,
+                                   "admitted_upto": count, "fresh": latest is None})
         keys.set("latest", 1)
 
     def _decide(self, epoch: int) -> dict:
@@ -665,7 +741,7 @@ class ElasticDiLoCo(_flat.FlatParameters):
                             for m in missing})
                 missing = []
             if not missing:
-                joiners, upto, pending = self._joiners(keys, prev, [m for m in members if m in arrivals])
+                joiners, refused, upto, pending = self._joiners(keys, prev, [m for m in members if m in arrivals])
                 if not pending:
                     break
             poll()
@@ -684,30 +760,37 @@ class ElasticDiLoCo(_flat.FlatParameters):
         changed = new_members != members or self._outcome != "commit"
         decision = {"epoch": epoch, "gen": prev["gen"] + (1 if changed else 0), "round": rounds.pop(),
                     "members": new_members, "holders": holders,
-                    "left": out, "joined": joiners, "admitted_upto": upto, "fresh": fresh}
+                    "left": out, "joined": joiners, "refused": refused, "admitted_upto": upto, "fresh": fresh}
         decision = keys.first(f"e{epoch}/decision", decision)
         keys.set("latest", epoch)
         return decision
 
-    def _joiners(self, keys: Keys, prev: dict, continuing: list[str]) -> tuple[list[str], int, bool]:
-        """The workers that asked to join and have shown they live, the join index after them, and
-        whether to wait a moment for one that asked just now (it had no time to show it lives).
-        One not known to live after that waits for the next decision (with those after it); one
-        silent for ``timeout`` is passed over (if alive, it asks again)."""
+    def _joiners(self, keys: Keys, prev: dict,
+                 continuing: list[str]) -> tuple[list[str], dict[str, str], int, bool]:
+        """The workers that asked to join and have shown they live, those refused (why: another
+        model, compression or hetcomm settings than the run's: they stop, the run goes on), the
+        join index after them, and whether to wait a moment for one that asked just now (it had
+        no time to show it lives). One not known to live after that waits for the next decision
+        (with those after it); one silent for ``timeout`` is passed over (if alive, it asks again)."""
         regs, upto = self._registrations(keys, prev["admitted_upto"])
         self._pulse.watch([r["who"] for _, r in regs])
-        joiners = []
+        joiners: list[str] = []
+        refused: dict[str, str] = {}
         for index, r in regs:
             who = r["who"]
-            if who in continuing or who in joiners:
+            if who in continuing or who in joiners or who in refused:
                 continue
-            if self._pulse.confirmed(who):
+            why = self._refusal(r.get("config"), self._config())
+            if why:
+                self._refuse(keys, who, why)
+                refused[who] = why
+            elif self._pulse.confirmed(who):
                 joiners.append(who)
             elif self._pulse.silent(who) <= self._timeout:
                 if self._pulse.silent(who) <= 2 * self._heartbeat + 0.5:
-                    return joiners, index, True
-                return joiners, index, False
-        return joiners, upto, False
+                    return joiners, refused, index, True
+                return joiners, refused, index, False
+        return joiners, refused, upto, False
 
     def _synchronise(self, delta: torch.Tensor | None, column: list[float], admitted: dict | None = None) -> bool:
         """Epochs until one commits (True) or a decision leaves this worker out (False)."""
@@ -732,6 +815,7 @@ class ElasticDiLoCo(_flat.FlatParameters):
     def _attempt(self, decision: dict, delta: torch.Tensor | None, column: list[float]) -> bool:
         self._pulse.watch(decision["members"])
         self._pulse.keep(decision["members"])
+        self._scanned = (decision["admitted_upto"], 0.0)     # watch the pending joiners again
         # The decision says who holds the state: a worker that loaded a checkpoint but is not
         # named (the run is past it) holds nothing until its transfer lands and a round commits.
         self._holds = self._me in decision["holders"]
@@ -802,16 +886,21 @@ class ElasticDiLoCo(_flat.FlatParameters):
         return "its process exited" if math.isinf(silent) else f"no heartbeat for {silent:.1f} s"
 
     def _note_membership(self, decision: dict) -> None:
-        if not decision["left"] and not decision["joined"]:
+        refused = decision.get("refused", {})
+        if not decision["left"] and not decision["joined"] and not refused:
             return
         names = self._names
         parts = [f"{names([m])} left ({why})" for m, why in decision["left"].items()]
         if decision["joined"]:
             parts.append(f"{names(decision['joined'])} joined")
-        self._event({"round": decision["round"], "epoch": decision["epoch"], "generation": decision["gen"],
-                     "left": {names([m]): why for m, why in decision["left"].items()},
-                     "joined": [names([m]) for m in decision["joined"]], "members": [names([m]) for m in
-                                                                                      decision["members"]]},
+        parts += [f"{names([m])} refused ({why})" for m, why in refused.items()]
+        record = {"round": decision["round"], "epoch": decision["epoch"], "generation": decision["gen"],
+                  "left": {names([m]): why for m, why in decision["left"].items()},
+                  "joined": [names([m]) for m in decision["joined"]],
+                  "members": [names([m]) for m in decision["members"]]}
+        if refused:
+            record["refused"] = {names([m]): why for m, why in refused.items()}
+        self._event(record,
                     f"round {decision['round']}: " + "; ".join(parts) +
                     f"; members {names(decision['members'])} (generation {decision['gen']})")
 

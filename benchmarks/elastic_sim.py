@@ -289,9 +289,9 @@ def main(argv=None) -> int:
             runs = {"four": [], "three": [], "kill": []}
             for i in range(args.repeats):
                 print(f"repeat {i + 1}/{args.repeats}", flush=True)
-                runs["four"].append(run_job(cluster, args, "four", range(len(quotas))))
-                runs["three"].append(run_job(cluster, args, "three", range(len(quotas) - 1)))
-                runs["kill"].append(run_job(cluster, args, "kill", range(len(quotas)), victim=len(quotas) - 1))
+                runs["four"].append(run_job(cluster, args, "four", list(range(len(quotas)))))
+                runs["three"].append(run_job(cluster, args, "three", list(range(len(quotas) - 1))))
+                runs["kill"].append(run_job(cluster, args, "kill", list(range(len(quotas))), victim=len(quotas) - 1))
             ratios = []
             for three, kill, four in zip(runs["three"], runs["kill"], runs["four"]):
                 ratios.append({

@@ -112,7 +112,8 @@ def _fingerprint(flat: torch.Tensor) -> int:
     return int.from_bytes(digest, "little") >> 12
 
 
-# Settings in the form of one value per global rank: meaningless when ranks change every generation.
+# Settings that describe the job by global rank (HETCOMM_HOST_ID only in its per-rank form, with
+# commas): meaningless when ranks change every generation.
 _PER_RANK_VARIABLES = ("HETCOMM_HOST_ID", "HETCOMM_SITES", "HETCOMM_LINK_MBIT")
 
 
@@ -184,10 +185,11 @@ class ElasticDiLoCo(_flat.FlatParameters):
             raise ValueError(f"{_PREFIX}: job must be a non-empty name without '/', got {job!r}")
         if backend == "hetcomm":
             for name in _PER_RANK_VARIABLES:
-                if "," in os.environ.get(name, ""):
-                    raise ValueError(f"{_PREFIX}: {name}={os.environ[name]!r} gives one value per rank, but ranks "
-                                     "change with every generation of workers: declare this process's own value "
-                                     "(HETCOMM_HOST_ID=<label>, HETCOMM_SITE=<label>) or let hetcomm measure the links")
+                value = os.environ.get(name, "").strip()
+                if value and (name != "HETCOMM_HOST_ID" or "," in value):
+                    raise ValueError(f"{_PREFIX}: {name}={value!r} describes the job by rank, but ranks change "
+                                     "with every generation of workers: let hetcomm measure the links and find "
+                                     "the sites (a single HETCOMM_HOST_ID=<label> for this process is fine)")
         self.model, self.inner_optimizer = model, inner_optimizer
         self._params = [p for p in model.parameters() if p.is_floating_point()]
         if not self._params:
@@ -698,17 +700,15 @@ class ElasticDiLoCo(_flat.FlatParameters):
             if isinstance(reference, dict) and isinstance(reference.get("settings"), dict):
                 refused = {r["who"]: why for r in regs if (why := self._refusal(r.get("config"), reference))}
             regs = [r for r in regs if r["who"] not in refused]
-            if held is None and len(regs) < self._min_workers:
-                return                               # the run's configuration is not settled yet
-            for who, why in refused.items():
-                self._refuse(keys, who, why)
         if len(regs) < self._min_workers:
-            return
+            return                                   # (refusals are told with the decision only)
         members = [r["who"] for r in regs]
         holders = [r["who"] for r in regs if r["holds"] and r["round"] == latest] or members[:1]
-        keys.first("e1/decision", {"epoch": 1, "gen": 1, "round": latest or 0, "members": members,
-                                   "holders": holders, "left": {}, "joined": members, "refused": refused,
-                                   "admitted_upto": count, "fresh": latest is None})
+        decision = keys.first("e1/decision", {"epoch": 1, "gen": 1, "round": latest or 0, "members": members,
+                                              "holders": holders, "left": {}, "joined": members,
+                                              "refused": refused, "admitted_upto": count, "fresh": latest is None})
+        for who, why in decision.get("refused", {}).items():
+            self._refuse(keys, who, why)
         keys.set("latest", 1)
 
     def _decide(self, epoch: int) -> dict:
@@ -773,14 +773,15 @@ class ElasticDiLoCo(_flat.FlatParameters):
         no time to show it lives). One not known to live after that waits for the next decision
         (with those after it); one silent for ``timeout`` is passed over (if alive, it asks again)."""
         regs, upto = self._registrations(keys, prev["admitted_upto"])
-        self._pulse.watch([r["who"] for _, r in regs])
+        ours = self._config()
+        self._pulse.watch([r["who"] for _, r in regs if self._refusal(r.get("config"), ours) is None])
         joiners: list[str] = []
         refused: dict[str, str] = {}
         for index, r in regs:
             who = r["who"]
             if who in continuing or who in joiners or who in refused:
                 continue
-            why = self._refusal(r.get("config"), self._config())
+            why = self._refusal(r.get("config"), ours)
             if why:
                 self._refuse(keys, who, why)
                 refused[who] = why

@@ -11,7 +11,7 @@ long on every worker. Default heartbeat 2 s and timeout 10 s (as INTELLECT-1).
 
 **Kill and restart** (per repeat, the three runs interleaved, same sample budget):
 ``four`` (uninterrupted), ``three`` (ranks 0-2 only), ``kill`` (four workers; the last is killed
-with SIGKILL halfway through round ``--kill-round`` and started again ``--restart-after`` seconds
+with SIGKILL ``--half-round`` seconds into round ``--kill-round`` and started again ``--restart-after`` seconds
 later in the same namespace and cgroup). Reported: the survivors' samples/s over the rounds
 without the victim (with and without the round in which its death was detected, which waits up
 to the timeout) against the ``three`` run's samples/s; how many rounds were committed between
@@ -263,7 +263,7 @@ def main(argv=None) -> int:
     ap.add_argument("--cpu-quota", default="0.8,0.4,0.2,0.2")
     ap.add_argument("--nic-mbit", default="100")
     ap.add_argument("--batches", default="32,16,8,8", help="per-rank batch (∝ quota: rounds of equal length)")
-    ap.add_argument("--steps", type=int, default=24, help="inner steps per round (~9 s rounds)")
+    ap.add_argument("--steps", type=int, default=24, help="inner steps per round (about 4.5-5 s rounds on a 2-core machine)")
     ap.add_argument("--samples", type=int, default=15360, help="sample budget of each run (0: --rounds): 10 rounds of four")
     ap.add_argument("--rounds", type=int, default=0)
     ap.add_argument("--heartbeat", type=float, default=2.0)

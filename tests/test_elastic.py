@@ -383,6 +383,23 @@ def test_a_founder_with_other_settings_is_refused_and_the_others_start_the_run(r
     assert any("w1" in e.get("refused", {}) for e in membership), membership
 
 
+@hetcomm_only("hetcomm's own settings: other backends ignore them")
+def test_founders_held_below_min_workers_by_a_misconfigured_one_say_why_they_wait(run):
+    for w in IDS[:3]:
+        run.start(w, "--rounds", "2", "--min-workers", "3",
+                  env={"HETCOMM_SEGMENT_BYTES": "65536"} if w == "w2" else None)
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline:
+        text = (run.out / "w0.0.log").read_text()
+        if "waiting for min_workers=3" in text:
+            break
+        assert all(proc.poll() is None for _, proc in run.procs), run.logs()
+        time.sleep(0.5)
+    else:
+        pytest.fail(f"w0 never said why it waits\n{run.logs()}")
+    assert "w2 differs (it was started with HETCOMM_SEGMENT_BYTES='65536'" in text, run.logs()
+
+
 def test_a_join_request_is_refused_for_each_difference_and_for_a_malformed_one():
     from hetcomm.train.elastic import ElasticDiLoCo
 

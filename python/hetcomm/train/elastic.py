@@ -183,7 +183,7 @@ class ElasticDiLoCo(_flat.FlatParameters):
             raise ValueError(f"{_PREFIX}: unknown weighting {weighting!r}; expected one of {', '.join(WEIGHTINGS)}")
         if not job or "/" in job:
             raise ValueError(f"{_PREFIX}: job must be a non-empty name without '/', got {job!r}")
-        if backend == "hetcomm":
+        if "hetcomm" in str(backend):                 # also a device map such as "cpu:hetcomm"
             for name in _PER_RANK_VARIABLES:
                 value = os.environ.get(name, "").strip()
                 if value and (name != "HETCOMM_HOST_ID" or "," in value):
@@ -649,7 +649,7 @@ class ElasticDiLoCo(_flat.FlatParameters):
                          f"{hashlib.sha256(shapes.encode()).hexdigest()[:12]}",
                 "outer optimizer": type(self.outer_optimizer).__name__, "weighting": self.weighting,
                 "compression": self._codec_name, "backend": self._backend,
-                "settings": _hosts.environment_settings() if self._backend == "hetcomm" else {}}
+                "settings": _hosts.environment_settings() if "hetcomm" in str(self._backend) else {}}
 
     @staticmethod
     def _refusal(theirs, ours: dict) -> str | None:
@@ -669,6 +669,11 @@ class ElasticDiLoCo(_flat.FlatParameters):
     def _refuse(self, keys: Keys, who: str, why: str) -> None:
         """Tells a joiner at once that it is refused (it also reads it in the next decision)."""
         keys.first(f"refused/{who}", why)
+
+    def _note_waiting(self, line: str) -> None:
+        if line != getattr(self, "_last_wait_note", None):
+            self._last_wait_note = line
+            self._log(line)
 
     def _raise_if_refused(self, keys: Keys) -> None:
         if keys.has(f"refused/{self._me}"):
@@ -701,7 +706,11 @@ class ElasticDiLoCo(_flat.FlatParameters):
                 refused = {r["who"]: why for r in regs if (why := self._refusal(r.get("config"), reference))}
             regs = [r for r in regs if r["who"] not in refused]
         if len(regs) < self._min_workers:
-            return                                   # (refusals are told with the decision only)
+            if refused:                              # refusals bind only with the decision: say why it waits
+                self._note_waiting(f"waiting for min_workers={self._min_workers} workers whose configuration "
+                                   f"agrees: {len(regs)} so far; " + "; ".join(
+                                       f"{self._names([w])} differs ({why})" for w, why in refused.items()))
+            return
         members = [r["who"] for r in regs]
         holders = [r["who"] for r in regs if r["holds"] and r["round"] == latest] or members[:1]
         decision = keys.first("e1/decision", {"epoch": 1, "gen": 1, "round": latest or 0, "members": members,

@@ -50,8 +50,10 @@ EXAMPLE = os.path.join(ROOT, "examples", "train_elastic.py")
 class Job:
     """Workers of one elastic run on the cluster, each a process started (and killed) on its own."""
 
-    def __init__(self, cluster: SimCluster, args: argparse.Namespace, name: str, out: str, ranks) -> None:
+    def __init__(self, cluster: SimCluster, args: argparse.Namespace, name: str, out: str, ranks,
+                 seed: int | None = None) -> None:
         self.cluster, self.args, self.name, self.out, self.ranks = cluster, args, name, out, list(ranks)
+        self.seed = args.seed if seed is None else seed
         self.procs: dict[int, subprocess.Popen] = {}
         self.starts: list[dict] = []
         self.kills: list[dict] = []
@@ -81,7 +83,7 @@ class Job:
         a = self.args
         argv = [sys.executable, EXAMPLE, "--store", self.address, "--id", f"w{rank}", "--job", self.name,
                 "--min-workers", str(len(self.ranks)), "--steps", str(a.steps), "--batch", str(self.batch(rank)),
-                "--samples", str(a.samples), "--rounds", str(a.rounds), "--seed", str(a.seed),
+                "--samples", str(a.samples), "--rounds", str(a.rounds), "--seed", str(self.seed),
                 "--heartbeat", str(a.heartbeat), "--timeout", str(a.timeout),
                 "--jsonl", os.path.join(self.out, f"w{rank}.jsonl"), *a.example_args.split()]
         env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", **self.cluster.rank_env(rank))
@@ -151,9 +153,9 @@ def rate(rounds: list[dict], first: int, last: int) -> float | None:
     return samples / (by[last]["t"] - by[first - 1]["t"])
 
 
-def run_job(cluster, args, name, ranks, victim=None) -> dict:
+def run_job(cluster, args, name, ranks, victim=None, seed=None) -> dict:
     out = tempfile.mkdtemp(prefix=f"elastic-{name}-")
-    job = Job(cluster, args, f"{name}-{os.getpid()}-{time.time_ns()}", out, ranks)
+    job = Job(cluster, args, f"{name}-{os.getpid()}-{time.time_ns()}", out, ranks, seed)
     started = time.time()
     for k in ranks:
         job.start(k)
@@ -198,6 +200,8 @@ def run_job(cluster, args, name, ranks, victim=None) -> dict:
             "survivors_samples_per_s_after_detection": (rate(rounds, gone[0] + 1, gone[-1])
                                                         if len(gone) > 1 else None),
             "contributes_in_round": back[0]["round"] if back else None,
+            "restarted_worker_joined_early": (finals[victim]["stats"].get("early_joins", 0) > 0
+                                              if victim in finals else None),
             "rounds_from_restart_to_contribution": (back[0]["round"] - max(before_restart, default=0)
                                                     if back else None),
             "rounds_from_join_request_to_contribution": (back[0]["round"] - max(before_ask, default=0)
@@ -289,9 +293,11 @@ def main(argv=None) -> int:
             runs = {"four": [], "three": [], "kill": []}
             for i in range(args.repeats):
                 print(f"repeat {i + 1}/{args.repeats}", flush=True)
-                runs["four"].append(run_job(cluster, args, "four", list(range(len(quotas)))))
-                runs["three"].append(run_job(cluster, args, "three", list(range(len(quotas) - 1))))
-                runs["kill"].append(run_job(cluster, args, "kill", list(range(len(quotas))), victim=len(quotas) - 1))
+                seed = args.seed + i         # the runs of a repeat share it: paired data and model
+                runs["four"].append(run_job(cluster, args, "four", list(range(len(quotas))), seed=seed))
+                runs["three"].append(run_job(cluster, args, "three", list(range(len(quotas) - 1)), seed=seed))
+                runs["kill"].append(run_job(cluster, args, "kill", list(range(len(quotas))), victim=len(quotas) - 1,
+                                            seed=seed))
             ratios = []
             for three, kill, four in zip(runs["three"], runs["kill"], runs["four"]):
                 ratios.append({

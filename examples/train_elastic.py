@@ -78,10 +78,11 @@ def main(argv=None) -> int:
             out.write(json.dumps(rec) + "\n")
             out.flush()
 
-    # This incarnation's own random windows (a restarted worker draws new ones).
-    rng = torch.Generator().manual_seed(zlib.crc32(f"{args.seed}/{diloco.worker_id}/{os.getpid()}".encode()))
-
     def windows():
+        # This worker's random windows, drawn from the round it joined at (the loop joins before
+        # the first batch): the same in every run with the same seed, so that runs compare
+        # paired; a restarted worker, joining at a later round, draws new ones.
+        rng = torch.Generator().manual_seed(zlib.crc32(f"{args.seed}/{diloco.worker_id}/{diloco.rounds}".encode()))
         while True:
             idx = torch.randint(len(train), (args.batch,), generator=rng).tolist()
             yield torch.stack([train[i][0] for i in idx]), torch.stack([train[i][1] for i in idx])

@@ -11,7 +11,10 @@ its all-reduce: the others are inside it), ``done`` (after counting itself done,
 outcome: the others commit without it), ``transfer`` (the first time, from round R on, that it
 sends the state to a joining worker: after the metadata, before the parameters), ``registered``
 (R ignored: right after asking to join, before the first round), ``formed`` (a member of a
-decision from round R on, just before forming its group: the others' group formation fails).
+decision from round R on, just before forming its group: the others' group formation fails),
+``offer`` (from round R on, when it is about to offer its shard of the state to a joiner: the
+offer is never complete). ``--wait-for FILE:R`` asks to join only once FILE (another worker's
+JSON lines) reports round R, right after a round began (it then has the whole round to join early).
 """
 from __future__ import annotations
 
@@ -51,6 +54,8 @@ def main() -> int:
     p.add_argument("--raise-at", type=int, default=-1, help="raise an exception in the loop's body in this round")
     p.add_argument("--step-seconds", type=float, default=0.0, help="sleep this long in every step (a slow worker)")
     p.add_argument("--backend", default=os.environ.get("HETCOMM_TEST_BACKEND", "hetcomm"))
+    p.add_argument("--no-early-join", action="store_true", help="ElasticDiLoCo(early_join=False)")
+    p.add_argument("--wait-for", default="", help="FILE:R: ask to join once FILE reports round R")
     args = p.parse_args()
 
     import hetcomm
@@ -90,6 +95,14 @@ def main() -> int:
                 kill_self()
             return real_form(self, decision)
         elastic.ElasticDiLoCo._form_group = dying_form
+    elif where == "offer":
+        real_offer = elastic.ElasticDiLoCo._offer_state
+
+        def dying_offer(self):
+            if self._round >= die_round and self._holds:
+                kill_self()
+            return real_offer(self)
+        elastic.ElasticDiLoCo._offer_state = dying_offer
     elif where == "transfer":
         real_broadcast = torch.distributed.broadcast_object_list
 
@@ -106,7 +119,13 @@ def main() -> int:
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.5)
     diloco = hetcomm.ElasticDiLoCo(model, opt, store=args.store, worker_id=args.id, job=args.job,
                                    steps=args.steps, min_workers=args.min_workers, heartbeat=0.5, timeout=3.0,
-                                   collective_timeout=30.0, compress=args.compress, backend=args.backend)
+                                   collective_timeout=30.0, compress=args.compress, backend=args.backend,
+                                   early_join=not args.no_early_join)
+    if args.wait_for:
+        path, _, wanted = args.wait_for.rpartition(":")
+        while not (os.path.exists(path) and any(json.loads(line).get("round", 0) >= int(wanted)
+                                                for line in open(path) if line.strip())):
+            time.sleep(0.02)
     if args.load:
         diloco.load_state_dict(torch.load(args.load, weights_only=False))
     truth = torch.linspace(-1, 1, 8)

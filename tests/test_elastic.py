@@ -159,7 +159,8 @@ def test_a_holder_killed_while_another_joins(run):
     procs = {w: run.start(w, "--rounds", str(rounds), "--min-workers", "4", "--step-seconds", "0.25",
                           *({"w1": ["--die", "2:local"], "w2": ["--die", "2:transfer"]}.get(w, []))) for w in IDS}
     wait_for(procs["w1"], run)
-    run.start("w1", "--rounds", str(rounds), "--step-seconds", "0.25")
+    # admitted at a boundary (with the state sent then), not early from an offer
+    run.start("w1", "--rounds", str(rounds), "--step-seconds", "0.25", "--no-early-join")
     wait_for(procs["w2"], run)
     assert procs["w2"].returncode == -9, run.logs()
     codes = run.wait_all()
@@ -260,6 +261,58 @@ def test_a_new_worker_joins_a_running_job(run):
     assert final(run, "w2")["final"] == prints[rounds]
     joined = [r for r in run.records("w0") if "round" in r and "w2" in r["members"]]
     assert joined and joined[-1]["members"] == ["w0", "w1", "w2"], run.records("w0")
+
+
+@pytest.mark.parametrize("early", [True, False], ids=["early-join", "at-the-boundary"])
+def test_a_joiner_trains_in_the_round_in_progress_from_the_state_the_members_offer(run, early):
+    """w3 asks to join right after round 3 was committed (--wait-for): the members offer it the
+    state that round 4 starts from and it contributes steps to round 4; with early_join=False it
+    is admitted at round 4's end and contributes from round 5."""
+    rounds = 7
+    for w in IDS[:3]:
+        run.start(w, "--rounds", str(rounds), "--min-workers", "3", "--steps", "8", "--step-seconds", "0.25")
+    run.start("w3", "--rounds", str(rounds), "--steps", "8", "--step-seconds", "0.25",
+              "--wait-for", f"{run.out / 'w0.jsonl'}:3", *([] if early else ["--no-early-join"]))
+    codes = run.wait_all()
+    assert all(c == [0] for c in codes.values()), f"{codes}\n{run.logs()}"
+    prints = check_agreement(run, IDS, rounds)
+    assert {final(run, w)["final"] for w in IDS} == {prints[rounds]}
+    first = next(r for r in run.records("w0") if "round" in r and "w3" in r["members"])
+    contributed = first["steps"][first["members"].index("w3")]
+    assert first["round"] == 4, (first, run.logs())
+    if early:
+        assert contributed > 0 and final(run, "w3")["stats"]["early_joins"] == 1, (first, run.logs())
+        assert "loaded the state of round 3 offered by 3 members" in run.logs()
+    else:
+        assert contributed == 0 and final(run, "w3")["stats"]["early_joins"] == 0, (first, run.logs())
+    # the offers are withdrawn once their round is over
+    import datetime
+
+    import torch.distributed as dist
+    store = dist.TCPStore("127.0.0.1", run.port, is_master=False, timeout=datetime.timedelta(seconds=10))
+    root = f"hetcomm/ft/{run.job}/era1/snap/"
+    assert store.check([root + "latest"]) == early, "offers are made only while a joiner waits"
+    left = [k for r in range(rounds + 1) for k in (f"r{r}/meta", *(f"r{r}/{i}" for i in range(4)))
+            if store.check([root + k])]
+    assert not left, left
+
+
+def test_a_member_dying_while_it_offers_the_state_leaves_the_joiner_to_the_boundary(run):
+    """w1 dies as it is about to offer its shard: the offer is never complete, so w3 is admitted
+    at the round's end (the state sent by the holders left), and everyone agrees."""
+    rounds = 7
+    procs = {w: run.start(w, "--rounds", str(rounds), "--min-workers", "3", "--steps", "8",
+                          "--step-seconds", "0.25", *(["--die", "3:offer"] if w == "w1" else [])) for w in IDS[:3]}
+    run.start("w3", "--rounds", str(rounds), "--steps", "8", "--step-seconds", "0.25",
+              "--wait-for", f"{run.out / 'w0.jsonl'}:3")
+    wait_for(procs["w1"], run)
+    assert procs["w1"].returncode == -9, run.logs()
+    codes = run.wait_all()
+    assert codes["w0"] == codes["w2"] == codes["w3"] == [0], f"{codes}\n{run.logs()}"
+    prints = check_agreement(run, ["w0", "w2", "w3"], rounds)
+    assert final(run, "w3")["final"] == prints[rounds] and final(run, "w3")["stats"]["early_joins"] == 0
+    left, joined = events(final(run, "w0"))
+    assert "w1" in left and "w3" in joined, final(run, "w0")["membership"]
 
 
 def test_arguments_and_misuse_raise_clearly():

@@ -37,6 +37,14 @@ synchronisation attempt (an *epoch*) goes:
    naming what differs; the run goes on without it. If every holder dies before a joiner has the state, the run's state is gone
    and the joiner raises (it never carries on from its own fresh model, except in an era that
    started from fresh models and has committed nothing yet).
+   **Joining early** (``early_join``, default): a worker need not wait for the boundary. As soon
+   as the members see its request (they look every half second), each offers its shard of the
+   state the round in progress started from as raw bytes on the store (sent from a thread,
+   once per round, withdrawn when a later round commits); the joiner loads it (checked against
+   the offer's fingerprint), trains in the round in progress and, named a holder by the round's
+   decision, contributes its steps at the round's end: no transfer, and one round sooner. If the
+   offer is not complete in time (a member died offering it, or the round ended first), it is
+   admitted at the boundary as above, its steps discarded.
 4. **Reduce.** The members agree on a table (steps, samples, losses, a fingerprint of their global
    parameters, which must match: it is compared every epoch) and all-reduce the sample-weighted
    pseudo-gradients (`hetcomm.compress`: fp32, bf16, fp16 or int8) into scratch space. Admitted
@@ -75,13 +83,16 @@ other default-group collective in the training script.
 """
 from __future__ import annotations
 
+import base64
 import collections
 import datetime
 import hashlib
 import zlib
 import math
 import os
+import pickle
 import socket
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -152,6 +163,11 @@ class ElasticDiLoCo(_flat.FlatParameters):
             rejoins when it gets there).
         collective_timeout: the generation group's operation timeout (a frozen peer).
         backend: the generation group's backend (``"hetcomm"`` or ``"gloo"``).
+        early_join: when this worker asks to join while a round runs, it loads the state that
+            round started from (offered by the members through the store as soon as they see
+            the request) and trains in it, contributing at its end; without (or when the offer
+            is not complete in time) it is admitted at the round's end and contributes from the
+            next. Members offer to the joiners that ask for it whatever their own setting.
         verbose: print one line per membership change (they are in `stats` either way).
     """
 
@@ -161,7 +177,8 @@ class ElasticDiLoCo(_flat.FlatParameters):
                  outer_optimizer: Callable[[Sequence[torch.Tensor]], torch.optim.Optimizer] | None = None,
                  weighting: str = "batch", compress: str = "fp32", block: int = 2048, min_workers: int = 1,
                  heartbeat: float = 2.0, timeout: float = 10.0, late_timeout: float = 600.0,
-                 collective_timeout: float = 60.0, backend: str = "hetcomm", verbose: bool = True) -> None:
+                 collective_timeout: float = 60.0, backend: str = "hetcomm", early_join: bool = True,
+                 verbose: bool = True) -> None:
         if dist.is_available() and dist.is_initialized():
             raise RuntimeError(f"{_PREFIX}: torch.distributed is already initialised; ElasticDiLoCo forms the "
                                "default process group itself, once per generation of workers (start the worker "
@@ -204,6 +221,7 @@ class ElasticDiLoCo(_flat.FlatParameters):
         self._min_workers, self._heartbeat, self._timeout = min_workers, float(heartbeat), float(timeout)
         self._late_timeout, self._collective_timeout = float(late_timeout), float(collective_timeout)
         self._backend, self._verbose, self.job = backend, verbose, job
+        self._early_join = bool(early_join)
         self.worker_id = worker_id or os.environ.get("HETCOMM_WORKER_ID") or f"{socket.gethostname()}:{os.getpid()}"
         if "#" in self.worker_id:
             raise ValueError(f"{_PREFIX}: worker_id must not contain '#', got {self.worker_id!r}")
@@ -241,6 +259,13 @@ class ElasticDiLoCo(_flat.FlatParameters):
         self._aborts: list[tuple[str, ...]] = []   # member lists of this round's failed attempts in a row
         self._scanned = (0, 0.0)                   # join requests watched up to, and when last looked
         self._step_calls = 0
+        self._early: dict | None = None            # joined early: trains in the round in progress
+        self._offered = -1                         # the round whose state this worker offered last
+        self._offers: list[tuple[int, int]] = []   # (round, shard) keys it wrote, deleted later
+        self._uploader: threading.Thread | None = None
+        self._snap_keys: Keys | None = None        # the uploader's own store connection
+        self._early_joins = 0
+        self._offer_refused = -1                   # an offered round whose model is not this one
         self._reset_round()
 
     # ---- the training loop's side ------------------------------------------------------------
@@ -286,12 +311,14 @@ class ElasticDiLoCo(_flat.FlatParameters):
         self._timeline.append(("compute", self._mark, now))
         over = (self._r_steps >= self._steps if self._round_seconds is None
                 else now - self._round_start >= self._round_seconds)
-        if over:
-            try:
+        try:
+            if self._early is not None:
+                over = self._early_step(over)
+            elif over:
                 self._end_round()
-            except BaseException:
-                self.close()
-                raise
+        except BaseException:
+            self.close()
+            raise
         self._mark = time.perf_counter()
         return over
 
@@ -342,8 +369,8 @@ class ElasticDiLoCo(_flat.FlatParameters):
         if self._closed:
             return
         try:
-            if synchronise and self._joined and not self._stopped and self._r_steps:
-                self._end_round()
+            if synchronise and self._joined and not self._stopped and self._r_steps and self._early is None:
+                self._end_round()     # (a worker that joined early and is not a member yet has no round to end)
             if self._keys is not None:
                 self._keys.set(f"leave/{self._me}", {"round": self._round, "why": why})
         finally:
@@ -358,6 +385,10 @@ class ElasticDiLoCo(_flat.FlatParameters):
         if self._pulse is not None:
             self._pulse.stop()
         self._destroy_group()
+        try:
+            self._withdraw_offers(everything=True)
+        except StoreUnreachable:
+            pass
 
     def __enter__(self) -> "ElasticDiLoCo":
         return self
@@ -408,7 +439,7 @@ class ElasticDiLoCo(_flat.FlatParameters):
         return {"rounds": self._round, "generation": self._gen, "members": [m.split("#")[0] for m in members],
                 "membership": self.membership, "samples_total": self._samples_total,
                 "compute_seconds": self._totals["compute"], "idle_seconds": self._totals["idle"],
-                "sync_seconds": self._totals["sync"]}
+                "sync_seconds": self._totals["sync"], "early_joins": self._early_joins}
 
     def timeline(self) -> list[tuple[str, float, float]]:
         """(kind, start, end) in time.time() seconds: compute, idle, sync and, at the instant of
@@ -466,12 +497,12 @@ class ElasticDiLoCo(_flat.FlatParameters):
         self._r_loss = 0.0
         self._round_start = time.perf_counter()
 
-    def _end_round(self) -> None:
+    def _end_round(self, admitted: dict | None = None) -> None:
         begin = time.perf_counter()
         delta = (self._start - self._flatten_model()).float()
         self._count("sync", begin)
         column = self._column(delta)
-        if not self._synchronise(delta, column):
+        if not self._synchronise(delta, column, admitted=admitted):
             self._event({"round": self._round, "worker": self.worker_id, "dropped": self._dropped_why},
                         f"round {self._round}: this worker was dropped ({self._dropped_why}); its "
                         f"{self._r_steps} steps are discarded and it joins again")
@@ -530,21 +561,186 @@ class ElasticDiLoCo(_flat.FlatParameters):
         return regs, i
 
     def _watch_joiners(self) -> None:
-        """Between synchronisations, about once a heartbeat: watch the workers that asked to join,
-        so that by the round's end they have shown they live and can be admitted at once."""
+        """Between synchronisations, every half second (or heartbeat, if shorter): watch the
+        workers that asked to join, so that by the round's end they have shown they live and can
+        be admitted at once, and offer the state to those that join early."""
         now = time.monotonic()
-        if self._decision is None or now - self._scanned[1] < self._heartbeat:
+        if self._decision is None or now - self._scanned[1] < min(self._heartbeat, 0.5):
             return
         regs, upto = self._registrations(self._keys, max(self._scanned[0], self._decision["admitted_upto"]))
-        ours, watch = self._config(), []
+        ours, watch, early = self._config(), [], False
         for _, r in regs:
             why = self._refusal(r.get("config"), ours)
             if why:
                 self._refuse(self._keys, r["who"], why)
             else:
                 watch.append(r["who"])
+                early = early or bool(r.get("early"))
         self._pulse.watch(watch)
         self._scanned = (upto, now)
+        if early:                    # (a member offers whatever its own early_join)
+            self._offer_state()
+
+    # ---- joining early: the state a round started from, offered through the store ------------
+
+    def _offer_state(self) -> None:
+        """A worker asked to join: offer it the state this round started from (the global
+        parameters, the outer optimizer's state, the round count and history), this member's
+        shard of it as raw bytes on the store, sent from a thread, so that the joiner can train in
+        the round in progress instead of waiting for its end. Every member offers its shard
+        (the transfer is spread over them); once per round."""
+        decision = self._decision
+        if (not self._holds or self._outcome != "commit" or decision is None or self._offered == self._round
+                or self._me not in decision["members"] or (self._uploader and self._uploader.is_alive())):
+            return
+        begin = time.perf_counter()
+        self._offered = rnd = self._round
+        members = decision["members"]
+        n, i = len(members), members.index(self._me)
+        extra: list[torch.Tensor] = []
+        skeleton = self._skeleton(self.outer_optimizer.state_dict(), extra)
+        tensors = [g.detach() for g in self._global] + [t.detach() for t in extra]
+        raw = [t.reshape(-1).contiguous().view(torch.uint8) for t in tensors]
+        total = sum(r.numel() for r in raw)
+        lo, hi = total * i // n, total * (i + 1) // n
+        mine = torch.cat(raw)[lo:hi].numpy().tobytes() if raw else b""
+        # the skeleton pickled: JSON would turn the optimizer state's integer keys into strings
+        meta = {"round": rnd, "shards": n, "bytes": total,
+                "skeleton": base64.b64encode(pickle.dumps(skeleton)).decode(),
+                "tensors": [[str(t.dtype), list(t.shape), r.numel()] for t, r in zip(tensors, raw)],
+                "globals": len(self._global), "fingerprint": _fingerprint(self._flatten_global()),
+                "samples_total": self._samples_total, "history": self._history, "membership": self._events,
+                "budgets": self._budgets, "codec": self._codec_name, "shapes": [list(g.shape) for g in self._global]}
+        if self._snap_keys is None:
+            self._snap_keys = self._keys.clone()
+        keys = self._snap_keys
+
+        def upload() -> None:
+            try:
+                keys.set_bytes(f"snap/r{rnd}/{i}", mine)
+                keys.first(f"snap/r{rnd}/meta", meta)
+                keys.set("snap/latest", rnd)
+                self._offers.append((rnd, i))
+                if self._round > rnd or self._closed:      # over while it was being sent
+                    keys.delete(f"snap/r{rnd}/{i}")
+                    keys.delete(f"snap/r{rnd}/meta")
+            except StoreUnreachable:
+                pass                 # the training thread's next store call says so
+        self._uploader = threading.Thread(target=upload, name="hetcomm-elastic-offer", daemon=True)
+        self._uploader.start()
+        self._count("sync", begin)
+
+    def _withdraw_offers(self, everything: bool = False) -> None:
+        """Deletes the shards this worker offered for rounds that are over (all of them when it
+        closes): a joiner that loaded one is past it, one still reading falls back."""
+        old = [(r, i) for r, i in list(self._offers) if everything or r < self._round]
+        if not old or self._keys is None:
+            return
+        for r, i in old:                # (an upload still under way deletes its own when it ends)
+            self._offers.remove((r, i))
+            self._keys.delete(f"snap/r{r}/{i}")
+            self._keys.delete(f"snap/r{r}/meta")
+
+    def _take_offer(self, index: int, epoch: int, last: dict) -> bool:
+        """A joiner, waiting (``last``: the latest decision, of epoch ``epoch - 1``): if the members
+        offer the state the round in progress started from, load it and train from it (True);
+        `_early_step` then watches for the round's decision."""
+        keys = self._keys
+        if not keys.has("snap/latest") or not keys.has(f"e{epoch - 1}/outcome"):
+            return False
+        rnd = int(keys.get("snap/latest"))
+        now = last["round"] + (1 if keys.get(f"e{epoch - 1}/outcome") == "commit" else 0)
+        if rnd != now or rnd == self._offer_refused or not keys.has(f"snap/r{rnd}/meta"):
+            return False              # none, or one for a round that is over
+        meta = keys.get(f"snap/r{rnd}/meta")
+        if not all(keys.has(f"snap/r{rnd}/{i}") for i in range(meta["shards"])):
+            return False                  # not all there yet (or a member died offering it)
+        if meta["shapes"] != [list(g.shape) for g in self._global] or meta["codec"] != self._codec_name:
+            self._offer_refused = rnd     # another model: the decision refuses this worker
+            return False
+        begin = time.perf_counter()
+        reader = keys.clone()
+        reader.set_timeout(max(2.0, self._heartbeat))
+        try:
+            blob = bytearray(b"".join(reader.get_bytes(f"snap/r{rnd}/{i}") for i in range(meta["shards"])))
+        except StoreUnreachable:
+            return False                  # withdrawn meanwhile (a round committed), or the store died
+        finally:
+            del reader
+        if len(blob) != meta["bytes"]:
+            return False
+        flat = torch.frombuffer(blob, dtype=torch.uint8) if blob else torch.empty(0, dtype=torch.uint8)
+        pieces, at = [], 0
+        for dtype, shape, nbytes in meta["tensors"]:
+            dtype = getattr(torch, dtype.removeprefix("torch."))
+            pieces.append(flat[at:at + nbytes].clone().view(dtype).view(shape))
+            at += nbytes
+        glob = torch.cat([p.reshape(-1).to(self._master) for p in pieces[:meta["globals"]]])
+        if _fingerprint(glob) != meta["fingerprint"]:
+            self._log(f"the state offered for round {rnd} does not match its fingerprint: waiting for the boundary")
+            return False
+        with torch.no_grad():
+            for g, piece in zip(self._global, pieces):
+                g.copy_(piece)
+        skeleton = pickle.loads(base64.b64decode(meta["skeleton"]))
+        self.outer_optimizer.load_state_dict(self._fill(skeleton, pieces[meta["globals"]:]))
+        self._round, self._samples_total = meta["round"], meta["samples_total"]
+        own = [e for e in self._events if e.get("worker") == self.worker_id and e not in meta["membership"]]
+        self._history, self._events = list(meta["history"]), list(meta["membership"]) + own
+        if meta["budgets"] and {k: self._budgets.get(k, 0) for k in meta["budgets"]} != meta["budgets"]:
+            self._log(f"the run's budgets are {meta['budgets']} (0 = none), not this worker's {self._budgets}: "
+                      "taking the run's")
+            self._budgets = dict(meta["budgets"])
+        self._start = self._flatten_global()
+        self._load_global()
+        self._holds = False                           # not a member until a decision names it
+        self._early = {"index": index, "epoch": epoch, "round": rnd, "watched": last["members"], "looked": 0.0}
+        keys.set(f"snapped/{self._me}", rnd)
+        self._early_joins += 1
+        self._count("sync", begin)
+        self._log(f"loaded the state of round {rnd} offered by {meta['shards']} members "
+                  f"({len(blob) / 1e6:.1f} MB): training in round {rnd + 1} until its decision")
+        return True
+
+    def _early_step(self, over: bool) -> bool:
+        """After each step of a worker that joined early: once the round's decision is out (waiting
+        for it if this worker's round is over), contribute to it when it names this worker a
+        holder of the state it loaded; else discard the steps and be admitted as usual. Returns
+        whether a synchronisation took place."""
+        early, keys = self._early, self._keys
+        poll, begin = _Poll(), time.perf_counter()
+        while True:
+            if keys.has(f"e{early['epoch']}/decision"):
+                decision = keys.get(f"e{early['epoch']}/decision")
+                break
+            now = time.monotonic()
+            if over or now - early["looked"] >= self._heartbeat:
+                early["looked"] = now
+                self._pulse.check()
+                self._raise_if_refused(keys)
+                if keys.has("ended"):
+                    decision = None
+                    break
+                if all(self._pulse.silent(m) > self._timeout for m in early["watched"]):
+                    raise RuntimeError(f"{_PREFIX}: every member of epoch {early['epoch'] - 1} "
+                                       f"({self._names(early['watched'])}) is gone, and the run's state with them: "
+                                       "restart the job from checkpoints (load_state_dict)")
+            if not over:
+                return False
+            poll()
+        if over:
+            self._count("idle", begin)
+        self._early = None
+        if decision is not None and self._me in decision["holders"]:
+            self._end_round(admitted=decision)        # its steps count in this round
+            return True
+        # left out, or named without the state it loaded (the round moved on): discard the steps
+        self._log(f"the round it joined early went on without it ({self._r_steps} steps discarded): "
+                  "joining at the boundary")
+        self._reset_round()
+        self._admit(resume=(early["index"], early["epoch"]))
+        self._reset_round()
+        return self._early is None and not self._stopped
 
     def _era(self) -> int:
         """The job's current era (1 at the first start). A worker that loaded a checkpoint and
@@ -580,14 +776,19 @@ class ElasticDiLoCo(_flat.FlatParameters):
                       f"{self._round}) starts era {era}")
         return era
 
-    def _admit(self) -> None:
-        """Asks to join and waits for a decision that admits this worker; then takes part in
-        epochs until one commits (this worker then holds the global state)."""
+    def _admit(self, resume: tuple[int, int] | None = None) -> None:
+        """Asks to join (or, with ``resume``, goes on waiting on the request it made: its join
+        index and the next epoch to read) and waits for a decision that admits this worker; then
+        takes part in epochs until one commits (this worker then holds the global state). Returns
+        early, with ``_early`` set, when it takes the state offered for the round in progress."""
         keys = self._keys
         begin = time.perf_counter()
-        index = self._register()
-        epoch = int(keys.get("latest")) if keys.has("latest") else 1
-        poll, watched = _Poll(), None
+        if resume is None:
+            index = self._register()
+            epoch = int(keys.get("latest")) if keys.has("latest") else 1
+        else:
+            index, epoch = resume
+        poll, watched, last = _Poll(), None, None
         while True:
             self._pulse.check()
             self._raise_if_refused(keys)
@@ -622,7 +823,7 @@ class ElasticDiLoCo(_flat.FlatParameters):
                     self._new_incarnation()
                     index = self._register()
                 epoch += 1
-                watched = decision["members"]
+                watched, last = decision["members"], decision
                 self._pulse.watch(watched)
                 self._pulse.keep(watched)
                 continue
@@ -631,12 +832,15 @@ class ElasticDiLoCo(_flat.FlatParameters):
             elif watched and all(self._pulse.silent(m) > self._timeout for m in watched):
                 raise RuntimeError(f"{_PREFIX}: every member of epoch {epoch - 1} ({self._names(watched)}) is gone, "
                                    "and the run's state with them: restart the job from checkpoints (load_state_dict)")
+            elif watched and self._early_join and self._take_offer(index, epoch, last):
+                self._count("idle", begin)
+                return
             poll()
 
     def _register(self) -> int:
         index = self._keys.add("joins", 1) - 1
         self._keys.set(f"join/{index}", {"who": self._me, "holds": self._holds, "round": self._round,
-                                         "config": self._config()})
+                                         "config": self._config(), "early": self._early_join})
         return index
 
     def _config(self) -> dict:
@@ -765,9 +969,12 @@ class ElasticDiLoCo(_flat.FlatParameters):
         if len(rounds) > 1:
             raise RuntimeError(f"{_PREFIX}: epoch {epoch}: members arrived at different rounds {sorted(rounds)} "
                                "(a bug: please report it)")
+        rnd = rounds.pop()
+        # joiners that loaded the state this round started from (`_take_offer`) hold it too
+        holders += [j for j in joiners if keys.has(f"snapped/{j}") and keys.get(f"snapped/{j}") == rnd]
         new_members = continuing + joiners
         changed = new_members != members or self._outcome != "commit"
-        decision = {"epoch": epoch, "gen": prev["gen"] + (1 if changed else 0), "round": rounds.pop(),
+        decision = {"epoch": epoch, "gen": prev["gen"] + (1 if changed else 0), "round": rnd,
                     "members": new_members, "holders": holders,
                     "left": out, "joined": joiners, "refused": refused, "admitted_upto": upto, "fresh": fresh}
         decision = keys.first(f"e{epoch}/decision", decision)
@@ -788,7 +995,7 @@ class ElasticDiLoCo(_flat.FlatParameters):
         refused: dict[str, str] = {}
         for index, r in regs:
             who = r["who"]
-            if who in continuing or who in joiners or who in refused:
+            if who in continuing or who in joiners or who in refused or keys.has(f"leave/{who}"):
                 continue
             why = self._refusal(r.get("config"), ours)
             if why:
@@ -868,6 +1075,7 @@ class ElasticDiLoCo(_flat.FlatParameters):
         self._aborts = []
         begin = time.perf_counter()
         self._apply(decision, table, reduced)
+        self._withdraw_offers()
         self._count("sync", begin)
         return True
 

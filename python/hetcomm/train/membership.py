@@ -20,6 +20,9 @@ under ``hetcomm/ft/<job>/``:
 * ``e<e>/done`` (a counter) and ``e<e>/outcome``: the two-phase end of an epoch (``commit`` once
   every member has the reduced update, else ``abort: why``; again the first writer wins).
 * ``latest``: a recent epoch, where a joiner starts looking; ``ended``: the run is over.
+* ``snap/r<round>/<i>``, ``snap/r<round>/meta``, ``snap/latest``: the state a round started from,
+  offered to waiting joiners, member i's shard of it (raw bytes) and how to read them (JSON);
+  deleted once a later round commits. ``snapped/<who>``: the round whose state a joiner loaded.
 
 ``who`` is an incarnation, ``<worker_id>#<nonce>``: a worker restarted under the same id is a new
 incarnation, so its heartbeat cannot keep its dead predecessor looking alive.
@@ -97,6 +100,15 @@ class Keys:
 
     def has(self, key: str) -> bool:
         return bool(self._call(f"check {key}", self.store.check, [self.root + key]))
+
+    def set_bytes(self, key: str, value: bytes) -> None:
+        self._call(f"set {key}", self.store.set, self.root + key, value)
+
+    def get_bytes(self, key: str) -> bytes:
+        return self._call(f"get {key}", self.store.get, self.root + key)
+
+    def delete(self, key: str) -> None:
+        self._call(f"delete {key}", self.store.delete_key, self.root + key)
 
     def add(self, key: str, n: int) -> int:
         return int(self._call(f"add {key}", self.store.add, self.root + key, n))

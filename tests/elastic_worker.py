@@ -54,6 +54,8 @@ def main() -> int:
     p.add_argument("--raise-at", type=int, default=-1, help="raise an exception in the loop's body in this round")
     p.add_argument("--step-seconds", type=float, default=0.0, help="sleep this long in every step (a slow worker)")
     p.add_argument("--backend", default=os.environ.get("HETCOMM_TEST_BACKEND", "hetcomm"))
+    p.add_argument("--ballast", type=int, default=0,
+                   help="a parameter of this many elements outside the forward pass (a large state to send)")
     p.add_argument("--no-early-join", action="store_true", help="ElasticDiLoCo(early_join=False)")
     p.add_argument("--wait-for", default="", help="FILE:R: ask to join once FILE reports round R")
     args = p.parse_args()
@@ -116,6 +118,8 @@ def main() -> int:
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, args.hidden), torch.nn.Tanh(),
                                 torch.nn.Linear(args.hidden, 1))
+    if args.ballast:
+        model.ballast = torch.nn.Parameter(torch.linspace(-1, 1, args.ballast))
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.5)
     diloco = hetcomm.ElasticDiLoCo(model, opt, store=args.store, worker_id=args.id, job=args.job,
                                    steps=args.steps, min_workers=args.min_workers, heartbeat=0.5, timeout=3.0,

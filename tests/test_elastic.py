@@ -267,11 +267,12 @@ def test_a_new_worker_joins_a_running_job(run):
 def test_a_joiner_trains_in_the_round_in_progress_from_the_state_the_members_offer(run, early):
     """w3 asks to join right after round 3 was committed (--wait-for): the members offer it the
     state that round 4 starts from and it contributes steps to round 4; with early_join=False it
-    is admitted at round 4's end and contributes from round 5."""
-    rounds = 7
+    is admitted at round 4's end and contributes from round 5. A ballast of 4 M parameters (32 MB
+    of state with the outer momentum) makes each member's shard larger than one store value."""
+    rounds, model = 6, ("--ballast", "4000000", "--steps", "20", "--step-seconds", "0.25")
     for w in IDS[:3]:
-        run.start(w, "--rounds", str(rounds), "--min-workers", "3", "--steps", "8", "--step-seconds", "0.25")
-    run.start("w3", "--rounds", str(rounds), "--steps", "8", "--step-seconds", "0.25",
+        run.start(w, "--rounds", str(rounds), "--min-workers", "3", *model)
+    run.start("w3", "--rounds", str(rounds), *model,
               "--wait-for", f"{run.out / 'w0.jsonl'}:3", *([] if early else ["--no-early-join"]))
     codes = run.wait_all()
     assert all(c == [0] for c in codes.values()), f"{codes}\n{run.logs()}"
@@ -292,7 +293,8 @@ def test_a_joiner_trains_in_the_round_in_progress_from_the_state_the_members_off
     store = dist.TCPStore("127.0.0.1", run.port, is_master=False, timeout=datetime.timedelta(seconds=10))
     root = f"hetcomm/ft/{run.job}/era1/snap/"
     assert store.check([root + "latest"]) == early, "offers are made only while a joiner waits"
-    left = [k for r in range(rounds + 1) for k in (f"r{r}/meta", *(f"r{r}/{i}" for i in range(4)))
+    left = [k for r in range(rounds + 1) for k in (f"r{r}/meta", *(f"r{r}/{i}/{c}" for i in range(4)
+                                                                   for c in ("sum", 0, 1, 2)))
             if store.check([root + k])]
     assert not left, left
 

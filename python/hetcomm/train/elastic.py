@@ -83,14 +83,13 @@ other default-group collective in the training script.
 """
 from __future__ import annotations
 
-import base64
 import collections
 import datetime
 import hashlib
 import zlib
 import math
+import json
 import os
-import pickle
 import socket
 import threading
 import time
@@ -115,6 +114,62 @@ _STEPS, _SAMPLES, _LOSS_SUM, _LOSS_N, _FINITE, _PRINT, _HOLDS, _MAX_ROUNDS, _MAX
 _MAX_ABORTS = 4               # attempts of one round in a row with the same members before giving up
 _TIMELINE = 100_000           # timeline entries kept (the latest)
 _POLL = (0.005, 0.1)          # the store is polled from every 5 ms, backing off to 100 ms
+
+
+_CHUNK = 4 << 20              # bytes per store value of an offer (the libuv TCPStore refuses over 8 MiB)
+
+
+def _offer_layout(total: int, shards: int, chunk: int = _CHUNK) -> list[tuple[int, int, int]]:
+    """An offer of ``total`` bytes in ``shards`` byte ranges: (lo, hi, values of ``chunk`` bytes)."""
+    out = []
+    for i in range(shards):
+        lo, hi = total * i // shards, total * (i + 1) // shards
+        out.append((lo, hi, -(-(hi - lo) // chunk)))
+    return out
+
+
+def _byte_range(raw: list[torch.Tensor], lo: int, hi: int) -> bytes:
+    """Bytes [lo, hi) of the concatenation of ``raw`` (uint8 tensors), copying only those."""
+    parts, at = [], 0
+    for r in raw:
+        a, b = max(lo, at), min(hi, at + r.numel())
+        if a < b:
+            parts.append(r[a - at:b - at].numpy().tobytes())
+        at += r.numel()
+    return b"".join(parts)
+
+
+def _delete_offer(keys, rnd: int, layout: list[tuple[int, int, int]]) -> None:
+    for i, (_, _, chunks) in enumerate(layout):
+        for k in range(chunks):
+            keys.delete(f"snap/r{rnd}/{i}/{k}")
+        keys.delete(f"snap/r{rnd}/{i}/sum")
+    keys.delete(f"snap/r{rnd}/meta")
+
+
+def _to_json(obj):
+    """An optimizer state's skeleton as JSON can carry it (integer keys and tuples kept)."""
+    if isinstance(obj, dict):
+        if all(isinstance(k, str) for k in obj):
+            return {k: _to_json(v) for k, v in obj.items()}
+        return {"__items__": [[k, _to_json(v)] for k, v in obj.items()]}
+    if isinstance(obj, tuple):
+        return {"__tuple__": [_to_json(v) for v in obj]}
+    if isinstance(obj, list):
+        return [_to_json(v) for v in obj]
+    return obj
+
+
+def _from_json(obj):
+    if isinstance(obj, dict):
+        if set(obj) == {"__items__"}:
+            return {k: _from_json(v) for k, v in obj["__items__"]}
+        if set(obj) == {"__tuple__"}:
+            return tuple(_from_json(v) for v in obj["__tuple__"])
+        return {k: _from_json(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_from_json(v) for v in obj]
+    return obj
 
 
 def _fingerprint(flat: torch.Tensor) -> int:
@@ -261,11 +316,13 @@ class ElasticDiLoCo(_flat.FlatParameters):
         self._step_calls = 0
         self._early: dict | None = None            # joined early: trains in the round in progress
         self._offered = -1                         # the round whose state this worker offered last
-        self._offers: list[tuple[int, int]] = []   # (round, shard) keys it wrote, deleted later
+        self._offers: list[tuple[int, list]] = []  # (round, layout) offers made, deleted later
         self._uploader: threading.Thread | None = None
         self._snap_keys: Keys | None = None        # the uploader's own store connection
         self._early_joins = 0
         self._offer_refused = -1                   # an offered round whose model is not this one
+        self._offer_wanted = -1                    # the round in which a joiner asked for an offer
+        self._snapped = False                      # this worker wrote snapped/<me>
         self._reset_round()
 
     # ---- the training loop's side ------------------------------------------------------------
@@ -335,7 +392,7 @@ class ElasticDiLoCo(_flat.FlatParameters):
         self._budgets = {"max_rounds": max_rounds or 0, "max_samples": max_samples or 0}
         self.join()
         try:
-            if not self._stopped:
+            if not self._stopped and self._early is None:     # (an early joiner is not a member yet)
                 self._check_budgets()
             for item in batches:
                 if self._stopped:
@@ -385,6 +442,8 @@ class ElasticDiLoCo(_flat.FlatParameters):
         if self._pulse is not None:
             self._pulse.stop()
         self._destroy_group()
+        if self._uploader is not None:
+            self._uploader.join(timeout=2.0)
         try:
             self._withdraw_offers(everything=True)
         except StoreUnreachable:
@@ -497,9 +556,15 @@ class ElasticDiLoCo(_flat.FlatParameters):
         self._r_loss = 0.0
         self._round_start = time.perf_counter()
 
-    def _end_round(self, admitted: dict | None = None) -> None:
+    def _end_round(self, admitted: dict | None = None, contribute: bool = True) -> None:
+        """Synchronises the round (``admitted``: in the decision already read); without
+        ``contribute`` this worker's steps are discarded (it takes part with none)."""
         begin = time.perf_counter()
-        delta = (self._start - self._flatten_model()).float()
+        if contribute:
+            delta = (self._start - self._flatten_model()).float()
+        else:
+            self._reset_round()
+            delta = None
         self._count("sync", begin)
         column = self._column(delta)
         if not self._synchronise(delta, column, admitted=admitted):
@@ -579,16 +644,18 @@ class ElasticDiLoCo(_flat.FlatParameters):
         self._pulse.watch(watch)
         self._scanned = (upto, now)
         if early:                    # (a member offers whatever its own early_join)
-            self._offer_state()
+            self._offer_wanted = self._round
+        if self._offer_wanted == self._round:
+            self._offer_state()      # (retried at the next look if an upload is still under way)
 
     # ---- joining early: the state a round started from, offered through the store ------------
 
     def _offer_state(self) -> None:
         """A worker asked to join: offer it the state this round started from (the global
-        parameters, the outer optimizer's state, the round count and history), this member's
-        shard of it as raw bytes on the store, sent from a thread, so that the joiner can train in
-        the round in progress instead of waiting for its end. Every member offers its shard
-        (the transfer is spread over them); once per round."""
+        parameters, the outer optimizer's state, the round count and history) so that it can
+        train in the round in progress instead of waiting for its end. Every member of the last
+        decision puts one shard of the raw bytes on the store (the transfer is spread over them),
+        in values of at most `_CHUNK` bytes, sent from a thread; once per round."""
         decision = self._decision
         if (not self._holds or self._outcome != "commit" or decision is None or self._offered == self._round
                 or self._me not in decision["members"] or (self._uploader and self._uploader.is_alive())):
@@ -601,112 +668,151 @@ class ElasticDiLoCo(_flat.FlatParameters):
         skeleton = self._skeleton(self.outer_optimizer.state_dict(), extra)
         tensors = [g.detach() for g in self._global] + [t.detach() for t in extra]
         raw = [t.reshape(-1).contiguous().view(torch.uint8) for t in tensors]
-        total = sum(r.numel() for r in raw)
-        lo, hi = total * i // n, total * (i + 1) // n
-        mine = torch.cat(raw)[lo:hi].numpy().tobytes() if raw else b""
-        # the skeleton pickled: JSON would turn the optimizer state's integer keys into strings
-        meta = {"round": rnd, "shards": n, "bytes": total,
-                "skeleton": base64.b64encode(pickle.dumps(skeleton)).decode(),
+        layout = _offer_layout(sum(r.numel() for r in raw), n)
+        lo, hi, chunks = layout[i]
+        mine = _byte_range(raw, lo, hi)
+        last = self._history[-1] if self._history else None
+        fingerprint = (last["fingerprint"] if last and last["round"] == rnd
+                       else _fingerprint(self._flatten_global()))
+        meta = {"round": rnd, "epoch": decision["epoch"], "shards": n, "bytes": layout[-1][1], "chunk": _CHUNK,
+                "skeleton": _to_json(skeleton), "globals": len(self._global), "fingerprint": fingerprint,
                 "tensors": [[str(t.dtype), list(t.shape), r.numel()] for t, r in zip(tensors, raw)],
-                "globals": len(self._global), "fingerprint": _fingerprint(self._flatten_global()),
                 "samples_total": self._samples_total, "history": self._history, "membership": self._events,
                 "budgets": self._budgets, "codec": self._codec_name, "shapes": [list(g.shape) for g in self._global]}
+        try:
+            json.dumps(meta)
+        except (TypeError, ValueError) as e:
+            self._log(f"cannot offer the state to joiners (the outer optimizer's state is not plain data: {e}); "
+                      "they are admitted at the round's end")
+            return
         if self._snap_keys is None:
             self._snap_keys = self._keys.clone()
         keys = self._snap_keys
+        self._offers.append((rnd, layout))        # withdrawn (every shard of it) once the round is over
 
         def upload() -> None:
             try:
-                keys.set_bytes(f"snap/r{rnd}/{i}", mine)
+                for k in range(chunks):
+                    keys.set_bytes(f"snap/r{rnd}/{i}/{k}", mine[k * _CHUNK:(k + 1) * _CHUNK])
+                keys.set(f"snap/r{rnd}/{i}/sum", hashlib.blake2b(mine, digest_size=16).hexdigest())
                 keys.first(f"snap/r{rnd}/meta", meta)
-                keys.set("snap/latest", rnd)
-                self._offers.append((rnd, i))
+                if self._round == rnd:
+                    keys.set("snap/latest", rnd)
                 if self._round > rnd or self._closed:      # over while it was being sent
-                    keys.delete(f"snap/r{rnd}/{i}")
-                    keys.delete(f"snap/r{rnd}/meta")
-            except StoreUnreachable:
-                pass                 # the training thread's next store call says so
+                    _delete_offer(keys, rnd, layout)
+            except StoreUnreachable as e:
+                self._log(f"could not offer the state of round {rnd} to a joiner: {e}")
         self._uploader = threading.Thread(target=upload, name="hetcomm-elastic-offer", daemon=True)
         self._uploader.start()
         self._count("sync", begin)
 
     def _withdraw_offers(self, everything: bool = False) -> None:
-        """Deletes the shards this worker offered for rounds that are over (all of them when it
-        closes): a joiner that loaded one is past it, one still reading falls back."""
-        old = [(r, i) for r, i in list(self._offers) if everything or r < self._round]
-        if not old or self._keys is None:
-            return
-        for r, i in old:                # (an upload still under way deletes its own when it ends)
-            self._offers.remove((r, i))
-            self._keys.delete(f"snap/r{r}/{i}")
-            self._keys.delete(f"snap/r{r}/meta")
+        """Deletes the offers of rounds that are over (all, when closing): every shard, a dead
+        member's too (a joiner that loaded one is past it; one still reading falls back)."""
+        old = [o for o in list(self._offers) if everything or o[0] < self._round]
+        if old and self._keys is not None:
+            for offer in old:
+                self._offers.remove(offer)
+                _delete_offer(self._keys, *offer)
+        if self._snapped and (everything or self._holds):
+            self._snapped = False
+            self._keys.delete(f"snapped/{self._me}")
 
     def _take_offer(self, index: int, epoch: int, last: dict) -> bool:
         """A joiner, waiting (``last``: the latest decision, of epoch ``epoch - 1``): if the members
-        offer the state the round in progress started from, load it and train from it (True);
-        `_early_step` then watches for the round's decision."""
+        offer the state that decision committed, load it and train from it (True); `_early_step`
+        then watches for the round's decision."""
         keys = self._keys
-        if not keys.has("snap/latest") or not keys.has(f"e{epoch - 1}/outcome"):
+        if (not keys.has("snap/latest") or not keys.has(f"e{epoch - 1}/outcome")
+                or keys.get(f"e{epoch - 1}/outcome") != "commit"):
             return False
         rnd = int(keys.get("snap/latest"))
-        now = last["round"] + (1 if keys.get(f"e{epoch - 1}/outcome") == "commit" else 0)
-        if rnd != now or rnd == self._offer_refused or not keys.has(f"snap/r{rnd}/meta"):
-            return False              # none, or one for a round that is over
-        meta = keys.get(f"snap/r{rnd}/meta")
-        if not all(keys.has(f"snap/r{rnd}/{i}") for i in range(meta["shards"])):
-            return False                  # not all there yet (or a member died offering it)
-        if meta["shapes"] != [list(g.shape) for g in self._global] or meta["codec"] != self._codec_name:
-            self._offer_refused = rnd     # another model: the decision refuses this worker
+        if rnd == self._offer_refused:
             return False
-        begin = time.perf_counter()
         reader = keys.clone()
-        reader.set_timeout(max(2.0, self._heartbeat))
+        if reader is not keys:
+            reader.set_timeout(max(2.0, self._heartbeat))    # (an offer withdrawn meanwhile: no long wait)
+        begin = time.perf_counter()
         try:
-            blob = bytearray(b"".join(reader.get_bytes(f"snap/r{rnd}/{i}") for i in range(meta["shards"])))
+            if not reader.has(f"snap/r{rnd}/meta"):
+                return False
+            meta = reader.get(f"snap/r{rnd}/meta")
+            if meta["epoch"] != epoch - 1:
+                return False                  # the state of an earlier decision
+            if not all(reader.has(f"snap/r{rnd}/{i}/sum") for i in range(meta["shards"])):
+                return False                  # not all there yet (or a member died offering it)
+            if meta["shapes"] != [list(g.shape) for g in self._global] or meta["codec"] != self._codec_name:
+                self._offer_refused = rnd     # another model: the decision refuses this worker
+                return False
+            buf = bytearray(meta["bytes"])
+            for i, (lo, hi, chunks) in enumerate(_offer_layout(meta["bytes"], meta["shards"], meta["chunk"])):
+                shard = b"".join(reader.get_bytes(f"snap/r{rnd}/{i}/{k}") for k in range(chunks))
+                if len(shard) != hi - lo or (hashlib.blake2b(shard, digest_size=16).hexdigest()
+                                             != reader.get(f"snap/r{rnd}/{i}/sum")):
+                    self._offer_refused = rnd
+                    self._log(f"the state offered for round {rnd} arrived damaged: waiting for the boundary")
+                    return False
+                buf[lo:hi] = shard
         except StoreUnreachable:
-            return False                  # withdrawn meanwhile (a round committed), or the store died
+            return False                      # withdrawn meanwhile, or the store died (the next call says)
         finally:
             del reader
-        if len(blob) != meta["bytes"]:
-            return False
-        flat = torch.frombuffer(blob, dtype=torch.uint8) if blob else torch.empty(0, dtype=torch.uint8)
+        flat = torch.frombuffer(buf, dtype=torch.uint8) if buf else torch.empty(0, dtype=torch.uint8)
         pieces, at = [], 0
         for dtype, shape, nbytes in meta["tensors"]:
-            dtype = getattr(torch, dtype.removeprefix("torch."))
-            pieces.append(flat[at:at + nbytes].clone().view(dtype).view(shape))
+            pieces.append(flat[at:at + nbytes].clone().view(getattr(torch, dtype.removeprefix("torch."))).view(shape))
             at += nbytes
-        glob = torch.cat([p.reshape(-1).to(self._master) for p in pieces[:meta["globals"]]])
-        if _fingerprint(glob) != meta["fingerprint"]:
+        if _fingerprint(torch.cat([p.reshape(-1).to(self._master) for p in pieces[:meta["globals"]]])) \
+                != meta["fingerprint"]:
+            self._offer_refused = rnd
             self._log(f"the state offered for round {rnd} does not match its fingerprint: waiting for the boundary")
+            return False
+        try:
+            self.outer_optimizer.load_state_dict(self._fill(_from_json(meta["skeleton"]), pieces[meta["globals"]:]))
+        except (ValueError, KeyError, TypeError, RuntimeError) as e:
+            self._offer_refused = rnd         # another outer optimizer: the decision refuses this worker
+            self._log(f"cannot load the outer optimizer's state offered for round {rnd} ({e}): waiting for the boundary")
             return False
         with torch.no_grad():
             for g, piece in zip(self._global, pieces):
                 g.copy_(piece)
-        skeleton = pickle.loads(base64.b64decode(meta["skeleton"]))
-        self.outer_optimizer.load_state_dict(self._fill(skeleton, pieces[meta["globals"]:]))
         self._round, self._samples_total = meta["round"], meta["samples_total"]
         own = [e for e in self._events if e.get("worker") == self.worker_id and e not in meta["membership"]]
         self._history, self._events = list(meta["history"]), list(meta["membership"]) + own
-        if meta["budgets"] and {k: self._budgets.get(k, 0) for k in meta["budgets"]} != meta["budgets"]:
-            self._log(f"the run's budgets are {meta['budgets']} (0 = none), not this worker's {self._budgets}: "
-                      "taking the run's")
-            self._budgets = dict(meta["budgets"])
+        run = {k: meta["budgets"].get(k, 0) for k in ("max_rounds", "max_samples")}
+        if {k: self._budgets.get(k, 0) for k in run} != run:
+            self._log(f"the run's budgets are {run} (0 = none), not this worker's {self._budgets}: taking the run's")
+            self._budgets = run
         self._start = self._flatten_global()
         self._load_global()
-        self._holds = False                           # not a member until a decision names it
-        self._early = {"index": index, "epoch": epoch, "round": rnd, "watched": last["members"], "looked": 0.0}
+        self._holds = False                   # not a member until a decision names it
         keys.set(f"snapped/{self._me}", rnd)
-        self._early_joins += 1
+        self._snapped = True
         self._count("sync", begin)
+        if keys.has(f"e{epoch}/decision"):
+            return False                      # the round ended meanwhile: its decision says what next
+        self._early = {"index": index, "epoch": epoch, "round": rnd, "watched": last["members"],
+                       "looked": 0.0, "began": time.perf_counter()}
         self._log(f"loaded the state of round {rnd} offered by {meta['shards']} members "
-                  f"({len(blob) / 1e6:.1f} MB): training in round {rnd + 1} until its decision")
+                  f"({len(buf) / 1e6:.1f} MB): training in round {rnd + 1} until its decision")
         return True
+
+    def _trained_enough(self) -> bool:
+        """Whether an early joiner's part of the round counts: under ``samples`` or ``normalized``
+        weighting its weight follows its steps; under ``batch`` or ``uniform`` (which weigh every
+        member as if it ran the whole round) only half a round or more, so that a few late steps
+        do not dilute the update."""
+        if self.weighting in ("samples", "normalized"):
+            return True
+        if self._round_seconds is None:
+            return 2 * self._r_steps >= self._steps
+        return 2 * (time.perf_counter() - self._early["began"]) >= self._round_seconds
 
     def _early_step(self, over: bool) -> bool:
         """After each step of a worker that joined early: once the round's decision is out (waiting
-        for it if this worker's round is over), contribute to it when it names this worker a
-        holder of the state it loaded; else discard the steps and be admitted as usual. Returns
-        whether a synchronisation took place."""
+        for it if this worker's round is over), take part in it as a holder of the state it
+        loaded, with its steps if it `_trained_enough`; if the decision does not name it a holder,
+        discard the steps and be admitted as usual. Returns whether a synchronisation took place."""
         early, keys = self._early, self._keys
         poll, begin = _Poll(), time.perf_counter()
         while True:
@@ -730,15 +836,24 @@ class ElasticDiLoCo(_flat.FlatParameters):
             poll()
         if over:
             self._count("idle", begin)
-        self._early = None
         if decision is not None and self._me in decision["holders"]:
-            self._end_round(admitted=decision)        # its steps count in this round
+            enough = self._trained_enough()
+            self._early = None
+            if enough:
+                self._early_joins += 1
+            else:
+                self._log(f"joined too late in round {decision['round'] + 1} for its {self._r_steps} steps to count: "
+                          "it takes part without them")
+            self._end_round(admitted=decision, contribute=enough)
             return True
         # left out, or named without the state it loaded (the round moved on): discard the steps
+        self._early = None
         self._log(f"the round it joined early went on without it ({self._r_steps} steps discarded): "
                   "joining at the boundary")
         self._reset_round()
         self._admit(resume=(early["index"], early["epoch"]))
+        if self._early is None and not self._stopped:
+            self._check_budgets()
         self._reset_round()
         return self._early is None and not self._stopped
 

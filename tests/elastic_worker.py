@@ -127,8 +127,12 @@ def main() -> int:
                                    early_join=not args.no_early_join)
     if args.wait_for:
         path, _, wanted = args.wait_for.rpartition(":")
-        while not (os.path.exists(path) and any(json.loads(line).get("round", 0) >= int(wanted)
-                                                for line in open(path) if line.strip())):
+        def reported() -> bool:
+            if not os.path.exists(path):
+                return False
+            lines = [line for line in open(path).read().split("\n")[:-1] if line.strip()]  # whole lines
+            return any(json.loads(line).get("round", 0) >= int(wanted) for line in lines)
+        while not reported():
             time.sleep(0.02)
     if args.load:
         diloco.load_state_dict(torch.load(args.load, weights_only=False))

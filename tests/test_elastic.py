@@ -299,6 +299,26 @@ def test_a_joiner_trains_in_the_round_in_progress_from_the_state_the_members_off
     assert not left, left
 
 
+def test_an_early_joiners_part_of_a_round_weighs_that_part_of_its_weight():
+    """Under batch/uniform weighting a member that trained a quarter of the round weighs a quarter
+    of what it would (its pseudo-gradient is a quarter of a round's); samples weighting follows
+    its samples already."""
+    from types import SimpleNamespace
+
+    from hetcomm.train import elastic
+
+    table = [[0.0] * 4 for _ in range(elastic._ROWS)]
+    table[elastic._STEPS], table[elastic._SAMPLES] = [8, 8, 8, 2], [64, 64, 64, 16]
+    table[elastic._SHARE] = [1.0, 1.0, 1.0, 0.25]
+    for weighting in ("batch", "uniform"):
+        w = elastic.ElasticDiLoCo._weights(SimpleNamespace(weighting=weighting), table)
+        assert w == pytest.approx([1 / 3.25] * 3 + [0.25 / 3.25]), (weighting, w)
+    w = elastic.ElasticDiLoCo._weights(SimpleNamespace(weighting="samples"), table)
+    assert w == pytest.approx([64 / 208] * 3 + [16 / 208])
+    table[elastic._SHARE] = [1.0] * 4
+    assert elastic.ElasticDiLoCo._weights(SimpleNamespace(weighting="batch"), table) == pytest.approx([0.25] * 4)
+
+
 def test_a_member_dying_while_it_offers_the_state_leaves_the_joiner_to_the_boundary(run):
     """w1 dies as it is about to offer its shard: the offer is never complete, so w3 is admitted
     at the round's end (the state sent by the holders left), and everyone agrees."""

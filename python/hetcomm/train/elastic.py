@@ -42,7 +42,8 @@ synchronisation attempt (an *epoch*) goes:
    state the round in progress started from as raw bytes on the store (sent from a thread,
    once per round, withdrawn when a later round commits); the joiner loads it (checked against
    the offer's fingerprint), trains in the round in progress and, named a holder by the round's
-   decision, contributes its steps at the round's end: no transfer, and one round sooner. If the
+   decision, contributes its steps at the round's end (weighed by the part of the round it
+   trained, `_weights`): no transfer, and one round sooner. If the
    offer is not complete in time (a member died offering it, or the round ended first), it is
    admitted at the boundary as above, its steps discarded.
 4. **Reduce.** The members agree on a table (steps, samples, losses, a fingerprint of their global
@@ -110,7 +111,8 @@ __all__ = ["ElasticDiLoCo", "StoreUnreachable"]
 
 _PREFIX = "hetcomm ElasticDiLoCo"
 # Rows of the table every member contributes a column to at each epoch.
-_STEPS, _SAMPLES, _LOSS_SUM, _LOSS_N, _FINITE, _PRINT, _HOLDS, _MAX_ROUNDS, _MAX_SAMPLES, _CONFIG, _ROWS = range(11)
+(_STEPS, _SAMPLES, _LOSS_SUM, _LOSS_N, _FINITE, _PRINT, _HOLDS, _MAX_ROUNDS, _MAX_SAMPLES, _CONFIG, _SHARE,
+ _ROWS) = range(12)
 _MAX_ABORTS = 4               # attempts of one round in a row with the same members before giving up
 _TIMELINE = 100_000           # timeline entries kept (the latest)
 _POLL = (0.005, 0.1)          # the store is polled from every 5 ms, backing off to 100 ms
@@ -139,12 +141,16 @@ def _byte_range(raw: list[torch.Tensor], lo: int, hi: int) -> bytes:
     return b"".join(parts)
 
 
-def _delete_offer(keys, rnd: int, layout: list[tuple[int, int, int]]) -> None:
+def _delete_offer(keys, rnd: int, layout: list[tuple[int, int, int]], only: int | None = None) -> None:
+    """Deletes an offer's keys: every shard's (a dead member's too), or only shard ``only``."""
     for i, (_, _, chunks) in enumerate(layout):
+        if only is not None and i != only:
+            continue
+        keys.delete(f"snap/r{rnd}/{i}/sum")
         for k in range(chunks):
             keys.delete(f"snap/r{rnd}/{i}/{k}")
-        keys.delete(f"snap/r{rnd}/{i}/sum")
-    keys.delete(f"snap/r{rnd}/meta")
+    if only is None:
+        keys.delete(f"snap/r{rnd}/meta")
 
 
 def _to_json(obj):
@@ -554,17 +560,13 @@ class ElasticDiLoCo(_flat.FlatParameters):
     def _reset_round(self) -> None:
         self._r_steps = self._r_samples = self._r_loss_n = 0
         self._r_loss = 0.0
+        self._r_share = 1.0            # the part of the round this worker trained (< 1: joined early)
         self._round_start = time.perf_counter()
 
-    def _end_round(self, admitted: dict | None = None, contribute: bool = True) -> None:
-        """Synchronises the round (``admitted``: in the decision already read); without
-        ``contribute`` this worker's steps are discarded (it takes part with none)."""
+    def _end_round(self, admitted: dict | None = None) -> None:
+        """Synchronises the round (``admitted``: in the decision already read)."""
         begin = time.perf_counter()
-        if contribute:
-            delta = (self._start - self._flatten_model()).float()
-        else:
-            self._reset_round()
-            delta = None
+        delta = (self._start - self._flatten_model()).float()
         self._count("sync", begin)
         column = self._column(delta)
         if not self._synchronise(delta, column, admitted=admitted):
@@ -582,6 +584,7 @@ class ElasticDiLoCo(_flat.FlatParameters):
     def _column(self, delta: torch.Tensor | None) -> list[float]:
         total = float(delta.double().sum()) if delta is not None and delta.numel() else 0.0
         col = [0.0] * _ROWS
+        col[_SHARE] = self._r_share
         col[_STEPS], col[_SAMPLES] = self._r_steps, self._r_samples
         col[_LOSS_SUM], col[_LOSS_N] = self._r_loss, self._r_loss_n
         col[_FINITE] = 1.0 if math.isfinite(total) else 0.0
@@ -607,6 +610,9 @@ class ElasticDiLoCo(_flat.FlatParameters):
         """A dropped worker joins again as a new incarnation: the others may have marked the old
         one dead, and must not mistake it for a member."""
         self._pulse.stop()
+        if self._snapped:
+            self._snapped = False
+            self._keys.delete(f"snapped/{self._me}")
         self._me = f"{self.worker_id}#{uuid.uuid4().hex[:8]}"
         self._pulse = Pulse(self._job_keys.clone(), self._me, self._heartbeat)
 
@@ -677,8 +683,9 @@ class ElasticDiLoCo(_flat.FlatParameters):
         meta = {"round": rnd, "epoch": decision["epoch"], "shards": n, "bytes": layout[-1][1], "chunk": _CHUNK,
                 "skeleton": _to_json(skeleton), "globals": len(self._global), "fingerprint": fingerprint,
                 "tensors": [[str(t.dtype), list(t.shape), r.numel()] for t, r in zip(tensors, raw)],
-                "samples_total": self._samples_total, "history": self._history, "membership": self._events,
-                "budgets": self._budgets, "codec": self._codec_name, "shapes": [list(g.shape) for g in self._global]}
+                "samples_total": self._samples_total, "history": list(self._history),
+                "membership": list(self._events), "budgets": dict(self._budgets), "codec": self._codec_name,
+                "shapes": [list(g.shape) for g in self._global]}
         try:
             json.dumps(meta)
         except (TypeError, ValueError) as e:
@@ -688,7 +695,7 @@ class ElasticDiLoCo(_flat.FlatParameters):
         if self._snap_keys is None:
             self._snap_keys = self._keys.clone()
         keys = self._snap_keys
-        self._offers.append((rnd, layout))        # withdrawn (every shard of it) once the round is over
+        self._offers.append((rnd, layout, i))     # withdrawn (every shard of it) once the round is over
 
         def upload() -> None:
             try:
@@ -699,7 +706,7 @@ class ElasticDiLoCo(_flat.FlatParameters):
                 if self._round == rnd:
                     keys.set("snap/latest", rnd)
                 if self._round > rnd or self._closed:      # over while it was being sent
-                    _delete_offer(keys, rnd, layout)
+                    _delete_offer(keys, rnd, layout, None if self._round > rnd else i)
             except StoreUnreachable as e:
                 self._log(f"could not offer the state of round {rnd} to a joiner: {e}")
         self._uploader = threading.Thread(target=upload, name="hetcomm-elastic-offer", daemon=True)
@@ -711,9 +718,11 @@ class ElasticDiLoCo(_flat.FlatParameters):
         member's too (a joiner that loaded one is past it; one still reading falls back)."""
         old = [o for o in list(self._offers) if everything or o[0] < self._round]
         if old and self._keys is not None:
-            for offer in old:
-                self._offers.remove(offer)
-                _delete_offer(self._keys, *offer)
+            for rnd, layout, i in old:
+                self._offers.remove((rnd, layout, i))
+                # the round in progress (closing): only its own shard; the others withdraw theirs,
+                # and a joiner finds the offer incomplete and joins at the boundary
+                _delete_offer(self._keys, rnd, layout, None if rnd < self._round else i)
         if self._snapped and (everything or self._holds):
             self._snapped = False
             self._keys.delete(f"snapped/{self._me}")
@@ -727,7 +736,7 @@ class ElasticDiLoCo(_flat.FlatParameters):
                 or keys.get(f"e{epoch - 1}/outcome") != "commit"):
             return False
         rnd = int(keys.get("snap/latest"))
-        if rnd == self._offer_refused:
+        if rnd == self._offer_refused or not keys.has(f"snap/r{rnd}/meta"):
             return False
         reader = keys.clone()
         if reader is not keys:
@@ -797,21 +806,17 @@ class ElasticDiLoCo(_flat.FlatParameters):
                   f"({len(buf) / 1e6:.1f} MB): training in round {rnd + 1} until its decision")
         return True
 
-    def _trained_enough(self) -> bool:
-        """Whether an early joiner's part of the round counts: under ``samples`` or ``normalized``
-        weighting its weight follows its steps; under ``batch`` or ``uniform`` (which weigh every
-        member as if it ran the whole round) only half a round or more, so that a few late steps
-        do not dilute the update."""
-        if self.weighting in ("samples", "normalized"):
-            return True
+    def _round_share(self) -> float:
+        """The part of the round an early joiner trained: its steps over ``steps``, or its time
+        over ``round_seconds`` (`_weights`)."""
         if self._round_seconds is None:
-            return 2 * self._r_steps >= self._steps
-        return 2 * (time.perf_counter() - self._early["began"]) >= self._round_seconds
+            return min(1.0, self._r_steps / self._steps)
+        return min(1.0, (time.perf_counter() - self._early["began"]) / self._round_seconds)
 
     def _early_step(self, over: bool) -> bool:
         """After each step of a worker that joined early: once the round's decision is out (waiting
         for it if this worker's round is over), take part in it as a holder of the state it
-        loaded, with its steps if it `_trained_enough`; if the decision does not name it a holder,
+        loaded, its steps weighed by the part of the round it trained; if the decision does not name it a holder,
         discard the steps and be admitted as usual. Returns whether a synchronisation took place."""
         early, keys = self._early, self._keys
         poll, begin = _Poll(), time.perf_counter()
@@ -837,14 +842,11 @@ class ElasticDiLoCo(_flat.FlatParameters):
         if over:
             self._count("idle", begin)
         if decision is not None and self._me in decision["holders"]:
-            enough = self._trained_enough()
+            self._r_share = self._round_share()
             self._early = None
-            if enough:
-                self._early_joins += 1
-            else:
-                self._log(f"joined too late in round {decision['round'] + 1} for its {self._r_steps} steps to count: "
-                          "it takes part without them")
-            self._end_round(admitted=decision, contribute=enough)
+            self._end_round(admitted=decision)
+            if self._holds and self._history and self._history[-1]["round"] == decision["round"] + 1:
+                self._early_joins += 1        # it contributed to the round it joined
             return True
         # left out, or named without the state it loaded (the round moved on): discard the steps
         self._early = None
@@ -1359,11 +1361,24 @@ class ElasticDiLoCo(_flat.FlatParameters):
                              f"(fingerprints {dict(zip(self._names(decision['members']).split(','), prints))}): "
                              "a bug, please report it")
         self._leave_out_offenders(decision, table)
-        weights = outer_weights(self.weighting, table[_SAMPLES], table[_STEPS])
+        weights = self._weights(table)
         if not any(s > 0 for s in table[_STEPS]) or not any(w != 0.0 for w in weights):
             return table, None
         x = delta if delta is not None else torch.zeros(self._start.numel(), dtype=torch.float32)
         return table, _compress.weighted_allreduce(x, weights, codec=self._codec, finite_checked=True)
+
+    def _weights(self, table: list[list[float]]) -> list[float]:
+        """The outer update's weights. Under ``batch`` and ``uniform``, which weigh every member
+        as if it trained the whole round, a member that joined early and trained a part of it
+        weighs that part of its weight (its pseudo-gradient covers that part of a round: at full
+        weight its few steps would dilute the update); ``samples`` and ``normalized`` follow the
+        samples and steps themselves."""
+        weights = outer_weights(self.weighting, table[_SAMPLES], table[_STEPS])
+        if self.weighting in ("batch", "uniform") and any(f < 1.0 for f in table[_SHARE]):
+            scaled = [w * min(1.0, max(0.0, f)) for w, f in zip(weights, table[_SHARE])]
+            total = sum(scaled)
+            weights = [w / total for w in scaled] if total > 0 else weights
+        return weights
 
     def _leave_out_offenders(self, decision: dict, table: list[list[float]]) -> None:
         """A member whose pseudo-gradient is not finite, or whose compression or model size is not
@@ -1414,7 +1429,7 @@ class ElasticDiLoCo(_flat.FlatParameters):
         if not any(s > 0 for s in table[_STEPS]):
             self._round = decision["round"]         # an admission of the first generation: no round
             return
-        weights = outer_weights(self.weighting, table[_SAMPLES], table[_STEPS])
+        weights = self._weights(table)
         self._round = decision["round"] + 1
         self._samples_total += round(sum(table[_SAMPLES]))
         self._history.append({

@@ -16,7 +16,10 @@ later in the same namespace and cgroup). Reported: the survivors' samples/s over
 without the victim (with and without the round in which its death was detected, which waits up
 to the timeout) against the ``three`` run's samples/s; how many rounds were committed between
 the restart and the first round the restarted worker contributed to (from the process start and
-from its join request, after Python and torch imported); final held-out loss against ``four``.
+from its join request, after Python and torch imported); final held-out loss against ``four``,
+and (``--eval-windows``) the held-out loss of the global parameters after every round (saved by
+the first worker, which is never killed, evaluated here after the run) as a curve over the
+samples, so that ``kill`` is compared with ``four`` at equal samples (linear between rounds).
 
 **Random kills** (``--random-kills N``): one long run; every ``--kill-every`` rounds a random live
 worker is killed at a random moment of the round and restarted 2-8 s later. Reported: hangs (a
@@ -86,6 +89,9 @@ class Job:
                 "--samples", str(a.samples), "--rounds", str(a.rounds), "--seed", str(self.seed),
                 "--heartbeat", str(a.heartbeat), "--timeout", str(a.timeout),
                 "--jsonl", os.path.join(self.out, f"w{rank}.jsonl"), *a.example_args.split()]
+        if rank == 0 and a.eval_windows:
+            os.makedirs(os.path.join(self.out, "globals"), exist_ok=True)
+            argv += ["--save-globals", os.path.join(self.out, "globals")]
         env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", **self.cluster.rank_env(rank))
         log = open(os.path.join(self.out, f"w{rank}.log"), "a")
         self.procs[rank] = subprocess.Popen(self.cluster.command_for(rank, argv), env=env, stdout=log,
@@ -153,6 +159,35 @@ def rate(rounds: list[dict], first: int, last: int) -> float | None:
     return samples / (by[last]["t"] - by[first - 1]["t"])
 
 
+def loss_curve(job: Job, rounds: list[dict], windows: int) -> list[tuple[int, float]]:
+    """(samples so far, held-out loss of the global parameters) after every round the first
+    worker saved (the example's model, corpus and seed)."""
+    sys.path.insert(0, os.path.join(ROOT, "examples"))
+    import torch
+    from char_gpt import build, evaluate
+    _, held_out, model = build(1_000_000, job.seed, 16, 256, 3, 4)
+    params = [p for p in model.parameters() if p.is_floating_point()]
+    curve, total = [(0, evaluate(model, held_out, min(len(held_out), windows)))], 0
+    for r in rounds:
+        total += sum(r["samples"])
+        path = os.path.join(job.out, "globals", f"round{r['round']}.pt")
+        if not os.path.exists(path):
+            continue
+        with torch.no_grad():
+            for p, g in zip(params, torch.load(path)):
+                p.copy_(g)
+        curve.append((total, evaluate(model, held_out, min(len(held_out), windows))))
+    return curve
+
+
+def at_samples(curve: list[tuple[int, float]], samples: int) -> float | None:
+    """The curve's loss at ``samples`` (linear between its points; None outside them)."""
+    for (s0, l0), (s1, l1) in zip(curve, curve[1:]):
+        if s0 <= samples <= s1:
+            return l0 + (l1 - l0) * (samples - s0) / (s1 - s0) if s1 > s0 else l1
+    return None
+
+
 def run_job(cluster, args, name, ranks, victim=None, seed=None) -> dict:
     out = tempfile.mkdtemp(prefix=f"elastic-{name}-")
     job = Job(cluster, args, f"{name}-{os.getpid()}-{time.time_ns()}", out, ranks, seed)
@@ -185,6 +220,8 @@ def run_job(cluster, args, name, ranks, victim=None, seed=None) -> dict:
               "out_dir": out}
     last = rounds[-1]["round"] if rounds else 0
     result["samples_per_s"] = rate(rounds, 2, last)
+    if args.eval_windows:
+        result["loss_curve"] = loss_curve(job, rounds, args.eval_windows)
     if victim is not None:
         vid = f"w{victim}"
         gone = [r["round"] for r in rounds if vid not in r["members"]]
@@ -281,6 +318,8 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--deadline", type=float, default=900.0, help="seconds after which a worker counts as hung")
     ap.add_argument("--example-args", default="", help="more flags for examples/train_elastic.py")
+    ap.add_argument("--eval-windows", type=int, default=512,
+                    help="held-out windows for the per-round loss curve (0: none; the example's final loss uses 256)")
     ap.add_argument("--json", default="")
     args = ap.parse_args(argv)
     quotas = [float(q) for q in args.cpu_quota.split(",")]
@@ -308,6 +347,12 @@ def main(argv=None) -> int:
                         if kill["survivors_samples_per_s_after_detection"] and three["samples_per_s"] else None),
                     "loss_kill_vs_four": (kill["final_loss"] / four["final_loss"]
                                           if kill["final_loss"] and four["final_loss"] else None),
+                    "samples_kill_vs_four": kill["samples"] / four["samples"] if four["samples"] else None,
+                    # both curves at the uninterrupted run's samples (the kill run ends past them)
+                    "loss_kill_vs_four_equal_samples": (
+                        at_samples(kill["loss_curve"], four["samples"]) / four["loss_curve"][-1][1]
+                        if kill.get("loss_curve") and four.get("loss_curve")
+                        and at_samples(kill["loss_curve"], four["samples"]) else None),
                     "rounds_from_restart_to_contribution": kill["rounds_from_restart_to_contribution"],
                     "rounds_from_join_request_to_contribution": kill["rounds_from_join_request_to_contribution"],
                 })

@@ -52,6 +52,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--outer-lr", type=float, default=0.7)
     p.add_argument("--jsonl", metavar="PATH", help="append this worker's records here")
     p.add_argument("--checkpoint", metavar="PATH", help="save after every round; resume from it if it exists")
+    p.add_argument("--save-globals", metavar="DIR",
+                   help="save the global parameters after every round as DIR/round<r>.pt (a loss curve, evaluated later)")
     return p.parse_args(argv)
 
 
@@ -104,6 +106,8 @@ def main(argv=None) -> int:
             write({"t": time.time(), "round": h["round"], "fp": h["fingerprint"], "members": h["members"],
                    "steps": h["steps"], "samples": h["samples"], "generation": h["generation"],
                    "id": diloco.worker_id, "pid": os.getpid()})
+            if args.save_globals:
+                torch.save(diloco.global_parameters(), os.path.join(args.save_globals, f"round{h['round']}.pt"))
             if args.checkpoint:
                 torch.save(diloco.state_dict(), args.checkpoint + ".tmp")
                 os.replace(args.checkpoint + ".tmp", args.checkpoint)

@@ -14,7 +14,8 @@ everywhere, fp32: the published recipes), ``speed``, ``time``, ``time-int8-overl
 update weighted by samples processed); ``--configs`` also knows ``*-uniform`` and ``*-normalized``,
 ``sites-*`` / ``flat-*`` (workers from hetcomm's sites against a worker per rank) and
 ``fixed-overlap-after{4,8,12}`` / ``fixed-overlap-end`` (the late update moves the replicas after
-that many steps of the next round, or never mid-round: deterministic). Reported per
+that many steps of the next round, or never mid-round: deterministic); ``*-f4``: overlap with the
+update reduced in 4 fragments. Reported per
 configuration (medians over repeats): samples/s, total idle seconds at synchronisation, compute
 utilisation (compute seconds / (ranks x wall seconds)), final held-out loss, bytes sent per round,
 and for runs without overlap the fraction of a round spent synchronising. Ratios: idle reduction
@@ -50,6 +51,7 @@ CONFIGS = {
     "time": ["--local-steps", "time"],
     "time-int8-overlap": ["--local-steps", "time", "--compress", "int8", "--overlap"],
     "time-int8": ["--local-steps", "time", "--compress", "int8"],
+    "time-int8-overlap-f4": ["--local-steps", "time", "--compress", "int8", "--overlap", "--fragments", "4"],
     "fixed-overlap": ["--local-steps", "fixed", "--overlap"],
     "fixed-int8-overlap": ["--local-steps", "fixed", "--compress", "int8", "--overlap"],
     # overlap whose late update moves the replicas after a set number of steps (deterministic
@@ -62,6 +64,11 @@ CONFIGS = {
     "sites-time-int8-overlap": ["--local-steps", "time", "--compress", "int8", "--overlap", "--workers", "sites"],
     "flat-time-int8-overlap": ["--local-steps", "time", "--compress", "int8", "--overlap", "--workers", "ranks"],
     "sites-time-int8": ["--local-steps", "time", "--compress", "int8", "--workers", "sites"],
+    "sites-time-int8-overlap-f4": ["--local-steps", "time", "--compress", "int8", "--overlap", "--fragments", "4",
+                                   "--workers", "sites"],
+    "flat-time-int8-overlap-f4": ["--local-steps", "time", "--compress", "int8", "--overlap", "--fragments", "4",
+                                  "--workers", "ranks"],
+    "fixed-int8-overlap-f4": ["--local-steps", "fixed", "--compress", "int8", "--overlap", "--fragments", "4"],
     "flat-time-int8": ["--local-steps", "time", "--compress", "int8", "--workers", "ranks"],
     "fixed-int8": ["--local-steps", "fixed", "--compress", "int8"],
     "speed-samples": ["--local-steps", "speed", "--weighting", "samples"],
@@ -232,7 +239,8 @@ def main(argv=None) -> int:
                                                         / figures["fixed-int8"]["bytes_sent_per_round"])
     # overlap against none, sites against flat workers: mean final loss over the repeats (seeds)
     pairs = [(n, n.split("-overlap")[0]) for n in names if "-overlap" in n]
-    pairs += [("sites-time-int8-overlap", "flat-time-int8-overlap"), ("sites-time-int8", "flat-time-int8")]
+    pairs += [("sites-time-int8-overlap", "flat-time-int8-overlap"), ("sites-time-int8", "flat-time-int8"),
+              ("sites-time-int8-overlap-f4", "flat-time-int8-overlap-f4")]
     for a, b in pairs:
         if a in figures and b in figures:
             ratios[f"mean_final_loss_{a}_over_{b}"] = (statistics.mean(figures[a]["final_loss_each"])

@@ -44,6 +44,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--overlap-steps", type=int, default=None,
                    help="with --overlap: apply the late update after this many steps of the next round "
                         "(default: as soon as it arrives)")
+    p.add_argument("--fragments", type=int, default=1,
+                   help="with --overlap: reduce the update in this many pieces, each moved onto as it lands")
     p.add_argument("--workers", default="sites",
                    help="sites (hetcomm's sites as workers, data parallel inside), ranks, or one label per rank (a,b,...)")
     add_model_arguments(p, block=16, d_model=256, layers=3)
@@ -81,7 +83,7 @@ def main(argv=None) -> int:
     diloco = hetcomm.DiLoCo(
         model, opt, local_steps=args.local_steps, steps=args.steps, weighting=args.weighting,
         compress=args.compress, error_feedback=args.error_feedback, overlap=args.overlap,
-        overlap_steps=args.overlap_steps, workers=args.workers.split(",") if "," in args.workers else args.workers,
+        overlap_steps=args.overlap_steps, fragments=args.fragments, workers=args.workers.split(",") if "," in args.workers else args.workers,
         outer_optimizer=lambda ps: torch.optim.SGD(ps, lr=args.outer_lr, momentum=0.9, nesterov=True))
     params = sum(p.numel() for p in model.parameters())
     say(f"train_diloco: {world} ranks on {args.backend}, {params} parameters ({4 * params / 1e6:.1f} MB fp32), "
@@ -135,6 +137,7 @@ def main(argv=None) -> int:
     summary = {
         "local_steps": args.local_steps, "steps": args.steps, "weighting": args.weighting,
         "compress": args.compress, "error_feedback": args.error_feedback, "overlap": args.overlap, "overlap_steps": args.overlap_steps,
+        "fragments": args.fragments,
         "backend": args.backend, "world_size": world, "parameters": params, "batches": batches,
         "rounds": stats["rounds"], "samples": samples, "wall_seconds": wall,
         "samples_per_second": samples / wall,

@@ -92,14 +92,17 @@ def reference_weights(weighting: str, n: list[int], tau: list[int]) -> list[floa
     return [pi * tau_eff / t for pi, t in zip(p, tau)]            # normalized (FedNova)
 
 
-def reference(weighting: str, world: int, overlap: bool, rebase: int | None = None) -> list[list[torch.Tensor]]:
+def reference(weighting: str, world: int, overlap: bool, rebase=None) -> list[list[torch.Tensor]]:
     """Global parameters after each applied outer update, float64, one process.
 
     With overlap (see DiLoCo's doc): round k's update is applied at the end of round k+1, and
     replica r starts round k+1 at one outer step, on a copy of the outer optimizer, from the newest
     global parameters with its own pseudo-gradient. With ``rebase`` = s, a replica that takes more
     than s steps in round k+1 is moved after its s-th step by θ^k − (its start), and measures its
-    pseudo-gradient from θ^k."""
+    pseudo-gradient from θ^k. ``rebase`` may also list (s, first tensor, end tensor) per
+    fragment: each fragment's parameters move after their own step."""
+    nparams = len(list(make_model().parameters()))
+    moves = [] if rebase is None else [(rebase, 0, nparams)] if isinstance(rebase, int) else list(rebase)
     theta = [p.detach().clone() for p in make_model().parameters()]
     glob = [nn.Parameter(t.clone()) for t in theta]
     outer = torch.optim.SGD(glob, lr=0.7, momentum=0.9, nesterov=True)
@@ -136,14 +139,16 @@ def reference(weighting: str, world: int, overlap: bool, rebase: int | None = No
             with torch.no_grad():
                 for p, s in zip(replicas[r].parameters(), starts[r]):
                     p.copy_(s)
-            moved = rebase is not None and k > 0 and rebase < tau[r]
-            inner_steps(replicas[r], inner[r], r, k, rebase if moved else tau[r])
-            if moved:
+            done = 0
+            for step, i, j in sorted(m for m in moves if k > 0 and m[0] < tau[r]):
+                inner_steps(replicas[r], inner[r], r, k, step - done, first=done)
+                done = step
                 with torch.no_grad():
-                    for p, s, t in zip(replicas[r].parameters(), starts[r], landed):
-                        p.add_(t - s)
-                starts[r] = [t.clone() for t in landed]
-                inner_steps(replicas[r], inner[r], r, k, tau[r] - rebase, first=rebase)
+                    params = list(replicas[r].parameters())
+                    for x in range(i, j):
+                        params[x].add_(landed[x] - starts[r][x])
+                        starts[r][x] = landed[x].clone()
+            inner_steps(replicas[r], inner[r], r, k, tau[r] - done, first=done)
             deltas.append([s - p.detach() for s, p in zip(starts[r], replicas[r].parameters())])
         w = reference_weights(weighting, n, tau)
         if overlap:
@@ -159,7 +164,47 @@ def reference(weighting: str, world: int, overlap: bool, rebase: int | None = No
     return history
 
 
-def train_scripted(rank: int, world: int, weighting: str, overlap: bool, rebase: int | None = None) -> dict:
+def gate_fragments(diloco, moves: list[int], state: dict):
+    """Holds fragment f of every background reduction until this rank's training loop has taken
+    ``moves[f]`` steps of the round (or ends the round, or ``state['open']``): with
+    `release`, the step at which each fragment lands, and so moves, is fixed."""
+    import threading
+
+    from hetcomm.train import diloco as diloco_module
+
+    original = diloco_module._compress.weighted_allreduce
+    gates = [threading.Event() for _ in moves]
+    state.update(calls=0, gates=gates, moves=moves, open=False, original=original)
+
+    def gated(*args, **kwargs):
+        if threading.current_thread() is not threading.main_thread():
+            f = state["calls"] % len(gates)
+            state["calls"] += 1
+            if not state["open"]:
+                assert gates[f].wait(60), "gate never opened"
+                gates[f].clear()
+        return original(*args, **kwargs)
+
+    diloco_module._compress.weighted_allreduce = gated
+
+
+def release(diloco, state: dict, step: int, last: bool) -> None:
+    """After this rank's ``step``-th step of a round with an update in flight: opens the gates of
+    the fragments due at this step (all of them at the round's last step) and waits until those
+    have landed."""
+    if diloco._pending is None or diloco._rebased:
+        return
+    due = [f for f, s in enumerate(state["moves"]) if s == step or (last and s > step)]
+    for f in due:
+        state["gates"][f].set()
+    deadline = time.monotonic() + 60
+    while not last and due and diloco._landed < max(due) + 1:
+        assert time.monotonic() < deadline, "fragment never landed"
+        time.sleep(0.001)
+
+
+def train_scripted(rank: int, world: int, weighting: str, overlap: bool, rebase=None, fragments: int = 1,
+                   moves: list[int] | None = None) -> dict:
     import hetcomm
 
     out = {}
@@ -172,7 +217,10 @@ def train_scripted(rank: int, world: int, weighting: str, overlap: bool, rebase:
                     p.add_(1.0)
         opt = torch.optim.SGD(net.parameters(), lr=INNER_LR)
         diloco = hetcomm.DiLoCo(net, opt, group=group, local_steps=scripted_policy(), weighting=weighting,
-                                overlap=overlap, overlap_steps=rebase)
+                                overlap=overlap, overlap_steps=rebase, fragments=fragments)
+        gate = {}
+        if moves is not None:
+            gate_fragments(diloco, moves, gate)
         snapshots = []
         for k in range(ROUNDS):
             tau = SCRIPT[k % len(SCRIPT)][rank]
@@ -181,24 +229,33 @@ def train_scripted(rank: int, world: int, weighting: str, overlap: bool, rebase:
                 nn.functional.mse_loss(net(x), y).backward()
                 opt.step()
                 opt.zero_grad()
+                if moves is not None:
+                    release(diloco, gate, i + 1, i == tau - 1)
                 synced = diloco.step(samples=len(x))
                 assert synced == (i == tau - 1), (k, i, synced)
             if not overlap:
                 snapshots.append([g.clone() for g in diloco.global_parameters()])
+        gate["open"] = True
+        for g in gate.get("gates", []):
+            g.set()
         diloco.finish()
+        if moves is not None:
+            from hetcomm.train import diloco as diloco_module
+            diloco_module._compress.weighted_allreduce = gate["original"]
         snapshots.append([g.clone() for g in diloco.global_parameters()])
         out[name] = {"snapshots": snapshots, "history": diloco.history, "stats": diloco.stats(),
                      "model": [p.detach().clone() for p in net.parameters()]}
     return out
 
 
-@pytest.mark.parametrize("weighting,overlap,rebase", [("batch", False, None), ("samples", False, None),
-                                                      ("uniform", False, None), ("normalized", False, None),
-                                                      ("batch", True, 99), ("batch", True, 1), ("batch", True, 2)])
-def test_outer_update_equals_the_float64_reference(weighting, overlap, rebase):
+@pytest.mark.parametrize("weighting,overlap,rebase,fragments", [
+    ("batch", False, None, 1), ("samples", False, None, 1), ("uniform", False, None, 1), ("normalized", False, None, 1),
+    ("batch", True, 99, 1), ("batch", True, 1, 1), ("batch", True, 2, 1), ("batch", True, 2, 2)])
+def test_outer_update_equals_the_float64_reference(weighting, overlap, rebase, fragments):
+    """(With fragments the outer step is taken fragment by fragment: the same update.)"""
     world = 3
     want = reference(weighting, world, overlap, rebase)
-    per_rank = run_ranks(world, train_scripted, weighting, overlap, rebase)
+    per_rank = run_ranks(world, train_scripted, weighting, overlap, rebase, fragments)
     for name in per_rank[0]:
         results = [r[name] for r in per_rank]
         for rank, res in enumerate(results):
@@ -226,6 +283,34 @@ def test_outer_update_equals_the_float64_reference(weighting, overlap, rebase):
         stats = results[0]["stats"]
         assert stats["rounds"] == ROUNDS
         assert stats["steps"] == [sum(SCRIPT[k % 3][r] for k in range(ROUNDS)) for r in range(world)]
+
+
+def test_fragments_move_as_they_land_and_equal_the_float64_reference():
+    """fragments=2, moved on arrival: the first fragment is made to land after a round's first
+    step, the second after its second. The global parameters equal the reference that moves each
+    fragment's parameters after its own step (a rank whose round is shorter never moves it), and
+    the history records the steps before the move, averaged over the elements."""
+    from hetcomm.train.diloco import _fragment_bounds
+
+    world, moves = 3, [1, 2]
+    sizes = [p.numel() for p in make_model().parameters()]
+    frags = _fragment_bounds(sizes, 2)
+    assert len(frags) == 2 and frags[0][1] < len(sizes)
+    want = reference("batch", world, True, [(s, i, j) for s, (i, j, _, _) in zip(moves, frags)])
+    per_rank = run_ranks(world, train_scripted, "batch", True, None, 2, moves)
+    n = sum(sizes)
+    expect = [[0] * world] + [[round(sum((b - a) * min(s, SCRIPT[k % 3][r]) for s, (_, _, a, b) in zip(moves, frags)) / n)
+                               for r in range(world)] for k in range(1, ROUNDS)]
+    for name in per_rank[0]:
+        results = [r[name] for r in per_rank]
+        for rank, res in enumerate(results):
+            for g, w in zip(res["snapshots"][-1], want[-1]):
+                torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-7, msg=lambda m: f"{name}, rank {rank}: {m}")
+            assert res["history"] == results[0]["history"]
+        assert [h["landed_after_steps"] for h in results[0]["history"]] == expect
+    # and it is not the reference of moving everything at once
+    whole = reference("batch", world, True, 1)
+    assert not all(torch.allclose(a, b, rtol=1e-6, atol=1e-7) for a, b in zip(whole[-1], want[-1]))
 
 
 # ---- policies --------------------------------------------------------------------------------

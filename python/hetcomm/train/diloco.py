@@ -99,6 +99,19 @@ Streaming DiLoCo (Douillard et al., 2025), with a start estimate in the spirit o
   global parameters only through θ^{k+1} = Opt(θ^k, Δ̄^{k+1}): no progress is counted twice or lost.
 * *Momentum and outer learning rate.* Unchanged: the global iteration is the synchronous one, whose
   pseudo-gradients are computed at starting points that scatter around θ^k, not lag behind it.
+* *Fragments* (``fragments=F``): the steps computed before the move are the ones computed away
+  from θ^k, so the sooner the update lands the better. The background thread reduces the
+  pseudo-gradient in F runs of whole parameter tensors, one after another, and takes the outer
+  step of each run's parameters alone as soon as it is reduced (an outer optimizer that treats
+  each parameter on its own, as SGD and Adam do, skips the others: the same θ^k as one step);
+  the replica moves each run as soon as it has landed. The first run lands after about 1/F of the
+  synchronisation, the last when the whole would have. As Streaming DiLoCo's fragments, but all
+  starting at the round boundary: the same bytes, in F collectives instead of one.
+* *No idling for it.* With the ``time`` policy a round lasts at least 1.1 times the longest time
+  (over the ranks) the previous background synchronisation took: a shorter round would only end
+  in waiting for it. Measurement rounds (nothing agreed yet to plan by) last until the previous
+  synchronisation has landed instead of a single step. The boundary's own work (the
+  pseudo-gradient, the estimate, the move) runs in place in buffers kept for the run.
 
 The step policy's decisions lag one more round. `finish` (and the end of `loop`) waits for the
 last background synchronisation and runs the last round's synchronously, so the final θ includes
@@ -148,12 +161,12 @@ WEIGHTINGS = ("batch", "samples", "uniform", "normalized")
 # Rows of the table exchanged at every synchronisation (one column per rank, exact and identical
 # on every rank: `hetcomm.partition.exchange_columns`).
 (_STEPS, _SAMPLES, _COMPUTE, _LOSS_SUM, _LOSS_N, _FINITE, _TOT_IDLE, _TOT_SYNC, _TOT_BYTES,
- _DONE, _ELAPSED, _MAX_ROUNDS, _MAX_SAMPLES, _MAX_SECONDS, _TOT_WAN, _REPLICA, _LANDED) = range(17)
-_ROWS = 17
+ _DONE, _ELAPSED, _MAX_ROUNDS, _MAX_SAMPLES, _MAX_SECONDS, _TOT_WAN, _REPLICA, _LANDED, _SYNC_WALL) = range(18)
+_ROWS = 18
 # How a worker of several ranks sums up its ranks' columns (`hetcomm.train.workers`): its ranks
 # step together, so steps and seconds are its slowest rank's; samples, losses and bytes add up.
 _AGGREGATE = ("max", "sum", "max", "sum", "sum", "min", "max", "max", "sum", "min", "max", "max", "max", "max", "sum",
-              "max", "max")
+              "max", "max", "max")
 _BUDGETS = {"max_rounds": _MAX_ROUNDS, "max_samples": _MAX_SAMPLES, "max_seconds": _MAX_SECONDS}
 
 
@@ -191,6 +204,26 @@ def outer_weights(weighting: str, samples: Sequence[float], steps: Sequence[floa
         tau_eff = sum(pr * t for pr, t in zip(p, steps))
         return [pr * tau_eff / t if t > 0 else 0.0 for pr, t in zip(p, steps)]
     raise ValueError(f"{_PREFIX}: unknown weighting {weighting!r}; expected one of {', '.join(WEIGHTINGS)}")
+
+
+def _fragment_bounds(sizes: Sequence[int], fragments: int) -> list[tuple[int, int, int, int]]:
+    """``fragments`` runs of consecutive tensors of about equal total size, as (first tensor,
+    end tensor, first element, end element); fewer when there are fewer tensors."""
+    total, out = sum(sizes), []
+    i = offset = 0
+    for f in range(min(fragments, len(sizes))):
+        left = min(fragments, len(sizes)) - f                  # fragments still to form
+        target = (total - offset) / left
+        j, end = i + 1, offset + sizes[i]
+        # take tensors while that brings the fragment closer to its share, leaving one per fragment
+        while j < len(sizes) - (left - 1) and abs(end + sizes[j] - offset - target) <= abs(end - offset - target):
+            end += sizes[j]
+            j += 1
+        if left == 1:
+            j, end = len(sizes), total
+        out.append((i, j, offset, end))
+        i, offset = j, end
+    return out
 
 
 def _known(values: Sequence[float]) -> list[float | None]:
@@ -244,6 +277,12 @@ class DiLoCo(_flat.FlatParameters):
             parameters: None (default) as soon as it has arrived (checked after every step), or
             after this many inner steps of the next round, waiting for it if need be (a schedule
             that does not depend on timing: with ``fixed``, the run is deterministic).
+        fragments: with overlap, reduce the pseudo-gradient in this many pieces (whole parameter
+            tensors, about equal sizes, one after another, each with its own outer step) and move
+            each piece of the replica as soon as it has landed (with ``overlap_steps``: all at
+            that step). The first piece lands after about 1/F of the synchronisation instead of
+            the whole (see the module doc). Needs an outer optimizer whose step treats every
+            parameter on its own (SGD, Adam, ...: a step skips parameters without a gradient).
         ema: weight of the newest measurement in the agreed step times.
         threshold: ``speed`` hysteresis: the predicted idle fraction must fall by this much.
         workers: what a DiLoCo worker is: ``"sites"`` (default: hetcomm's sites when the group
@@ -262,8 +301,8 @@ class DiLoCo(_flat.FlatParameters):
                  local_steps: str | LocalStepPolicy = "fixed", steps: int = 50,
                  round_seconds: float | None = None, weighting: str = "batch", compress: str = "fp32",
                  block: int = 2048, error_feedback: bool = False, overlap: bool = False,
-                 overlap_steps: int | None = None, ema: float = 0.3, threshold: float = 0.01, workers="sites", inner_sync: bool = True,
-                 worker_backend: str | None = None) -> None:
+                 overlap_steps: int | None = None, fragments: int = 1, ema: float = 0.3, threshold: float = 0.01,
+                 workers="sites", inner_sync: bool = True, worker_backend: str | None = None) -> None:
         if not (dist.is_available() and dist.is_initialized()):
             raise RuntimeError(f"{_PREFIX}: torch.distributed is not initialised "
                                "(call dist.init_process_group first)")
@@ -279,7 +318,7 @@ class DiLoCo(_flat.FlatParameters):
             raise ValueError(f"{_PREFIX}: unknown weighting {weighting!r}; expected one of {', '.join(WEIGHTINGS)}")
         self.weighting = weighting
         self._codec = _compress.get_codec(compress, block=block)
-        self._feedback = _compress.ErrorFeedback() if error_feedback else None
+        self._error_feedback = bool(error_feedback)
         self._policy = make_policy(local_steps, steps, round_seconds=round_seconds, threshold=threshold)
         self._policy.bind(self._col, self._nworkers)
         self._times = StepTimes(self._nworkers, ema=ema)
@@ -323,6 +362,16 @@ class DiLoCo(_flat.FlatParameters):
             raise ValueError(f"{_PREFIX}: overlap_steps must be an int >= 1, with overlap=True (got "
                              f"{overlap_steps!r}, overlap={overlap!r})")
         self._rebase_after = overlap_steps
+        if isinstance(fragments, bool) or not isinstance(fragments, int) or fragments < 1 or (fragments > 1
+                                                                                             and not self.overlap):
+            raise ValueError(f"{_PREFIX}: fragments must be an int >= 1, > 1 only with overlap=True (got "
+                             f"{fragments!r}, overlap={overlap!r})")
+        self._fragments = _fragment_bounds([p.numel() for p in self._params], fragments)
+        self._landed = 0                         # fragments of the update in flight that have landed
+        self._moved = 0                          # ... and that this replica has moved onto
+        self._moved_at: list[tuple[int, int]] = []     # (elements, steps taken) per move this round
+        # quantisation residuals: one per fragment (each is reduced as a vector of its own)
+        self._feedback = ([_compress.ErrorFeedback() for _ in self._fragments] if self._error_feedback else None)
         self._rebased = True                     # no late update is waiting to be applied
         self._sync_group = group
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
@@ -335,6 +384,14 @@ class DiLoCo(_flat.FlatParameters):
             whole = len(ranks) == dist.get_world_size()
             self._sync_group = dist.new_group(ranks, backend=backend, use_local_synchronization=not whole)
             self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="hetcomm-diloco")
+        # The round boundary works in place, in buffers of the model's size kept for the run: a
+        # fresh 10 MB tensor costs its page faults every round (measured: 9 ms for one
+        # subtraction of 2.4M floats, 0.4 ms in place), which a rank with a fifth of a core pays
+        # five times over. Pseudo-gradients alternate between two buffers with overlap: one
+        # travels while the next round's is computed; the idle one is the move's scratch.
+        self._deltas = [torch.empty_like(self._start) for _ in range(2 if self.overlap else 1)]
+        self._next_delta = 0
+        self._sync_wall = 0.0          # seconds the last background synchronisation took here
         self._workers = Workers(self._labels, group, worker_backend=worker_backend, background=self.overlap)
         self._hook = None
         if self._workers.size > 1 and inner_sync:
@@ -387,7 +444,7 @@ class DiLoCo(_flat.FlatParameters):
         totals of idle and sync seconds and bytes sent (hetcomm groups) as of that round's exchange,
         and ``landed_after_steps``: with overlap, the steps each worker had taken in the round when
         the previous round's update landed and moved it (its steps: at the round's end; 0: nothing
-        was in flight, or no overlap)."""
+        was in flight, or no overlap; with fragments, averaged over the elements)."""
         return self._history[:self._settled]
 
     @property
@@ -426,7 +483,12 @@ class DiLoCo(_flat.FlatParameters):
         self._own_step = dt if self._own_step is None else 0.7 * self._own_step + 0.3 * dt
         self._timeline.append(("compute", self._mark, now))
         synced = self._policy.round_over(self._r_steps, now, self._own_step)
-        if self._workers.size > 1 and not isinstance(self._policy, (FixedSteps, SpeedSteps)):
+        # With overlap a measurement round goes on until the previous synchronisation has landed:
+        # its length is only a measurement, and the steps train instead of idling at its end.
+        stretch = self._pending is not None and self._policy.measuring
+        if synced and stretch and not self._pending.done():
+            synced = False
+        if self._workers.size > 1 and (stretch or not isinstance(self._policy, (FixedSteps, SpeedSteps))):
             synced = self._workers.agree(synced)      # a worker's ranks end the round together
         if synced:
             self._synchronise()
@@ -607,7 +669,7 @@ class DiLoCo(_flat.FlatParameters):
             "model": self.model.state_dict(),
             "inner_optimizer": self.inner_optimizer.state_dict() if self.inner_optimizer is not None else None,
             "start": self._start,
-            "feedback": vars(self._feedback) if self._feedback is not None else None,
+            "feedback": [vars(f) for f in self._feedback] if self._feedback is not None else None,
             "pending": pending,
             "policy": self._policy.state_dict(),
             "step_times": self._times.state_dict(),
@@ -650,11 +712,15 @@ class DiLoCo(_flat.FlatParameters):
         self.model.load_state_dict(state["model"])
         if state["inner_optimizer"] is not None and self.inner_optimizer is not None:
             self.inner_optimizer.load_state_dict(state["inner_optimizer"])
-        self._start = state["start"].to("cpu", self._master).clone()
+        self._start.copy_(state["start"])
         own = state.get("rank") == self._rank
-        if self._feedback is not None and state["feedback"] is not None and own:
-            for k, v in state["feedback"].items():
-                setattr(self._feedback, k, v.to("cpu") if isinstance(v, torch.Tensor) else v)
+        saved = state["feedback"]
+        if isinstance(saved, dict):                   # one fragment
+            saved = [saved]
+        if self._feedback is not None and saved is not None and own and len(saved) == len(self._feedback):
+            for fb, values in zip(self._feedback, saved):
+                for k, v in values.items():
+                    setattr(fb, k, v.to("cpu") if isinstance(v, torch.Tensor) else v)
         self._policy.load_state_dict(state["policy"])
         self._times.load_state_dict(state["step_times"])
         self._history = copy.deepcopy(state["history"])
@@ -671,8 +737,10 @@ class DiLoCo(_flat.FlatParameters):
             # The synchronisation in flight had landed on the global parameters; its agreement
             # (and, unless it had moved already, the replica's move) is still to be applied.
             done: concurrent.futures.Future = concurrent.futures.Future()
-            done.set_result((state["pending"]["table"], None, None))
+            done.set_result((state["pending"]["table"], None))
             self._pending, self._rebased = done, bool(state["pending"]["moved"])
+            self._landed = len(self._fragments)
+            self._moved = self._landed if self._rebased else 0
         self._reset_round()
         self._policy.start_round(self._clock())
         self._mark = self._clock()
@@ -740,12 +808,13 @@ class DiLoCo(_flat.FlatParameters):
         self._r_loss = 0.0
         self._r_loss_n = 0
         # steps this round before the previous round's late update landed (0: none pending)
-        self._r_landed: int | None = None if self._pending is not None else 0
+        self._r_landed: float | None = None if self._pending is not None else 0
+        self._moved_at = []
 
     def _column(self, delta: torch.Tensor) -> list[float]:
         # One pass: the float64 sum of a float32 vector is finite iff every element is (it cannot
         # overflow; an Inf or NaN anywhere makes it Inf or NaN). It is also the replica's fingerprint.
-        total = float(delta.double().sum()) if delta.numel() else 0.0
+        total = float(torch.sum(delta, dtype=torch.float64)) if delta.numel() else 0.0
         finite = 1.0 if math.isfinite(total) else 0.0
         col = [0.0] * _ROWS
         col[_STEPS], col[_SAMPLES], col[_COMPUTE] = self._r_steps, self._r_samples, self._r_compute
@@ -754,7 +823,8 @@ class DiLoCo(_flat.FlatParameters):
         col[_TOT_BYTES] = self._bytes_sent() - self._bytes0
         col[_TOT_WAN] = self._workers.inter_worker_bytes(self._outer_groups()) - self._wan0
         col[_REPLICA] = total
-        col[_LANDED] = self._r_steps if self._r_landed is None else self._r_landed
+        col[_LANDED] = self._landed_steps()
+        col[_SYNC_WALL] = self._sync_wall
         col[_DONE] = 1.0 if self._exhausted else 0.0
         col[_ELAPSED] = self._clock() - self._t0
         for name, row in _BUDGETS.items():
@@ -775,7 +845,7 @@ class DiLoCo(_flat.FlatParameters):
         # This thread's own work at the boundary (flattening, the start estimate, loading the
         # parameters) counts as sync; waiting and the exchange count themselves.
         begin = self._clock()
-        progress = self._start - self._flatten_model()       # Δ_r in the master precision
+        progress = self._progress()                          # Δ_r in the master precision
         delta = progress.float()                             # what travels
         plan = self._policy.plan()
         self._count_sync(begin)
@@ -788,20 +858,21 @@ class DiLoCo(_flat.FlatParameters):
         # so that the policy's plans, recorded in the history, stay identical on every rank.)
         if not self.overlap or self._stopped:
             self._count_sync(begin)
-            table, _, _ = self._exchange_and_reduce(column, delta, timed=True, plan=plan)
+            table, _ = self._exchange_and_reduce(column, delta, timed=True, plan=plan)
             begin = self._clock()
             self._after_agreement(table)
             self._load_global()
-            self._start = self._flatten_global()
+            self._global_into(self._start)
             self._count_sync(begin)
             self._policy.start_round(self._clock())
         else:
             # The next round starts at Opt*(θ^{k-1}, Δ_r^k) (see the module doc), computed before
             # the background thread takes the outer optimizer.
-            estimate = self._start_estimate(progress)
+            # The old start is no longer needed: the estimate replaces it in place.
+            estimate = self._start_estimate(progress, out=self._start)
+            self._landed = self._moved = 0
             self._pending = self._executor.submit(self._exchange_and_reduce, column, delta, timed=False, plan=plan)
             self._load_flat(estimate)
-            self._start = estimate
             self._rebased = False
             self._count_sync(begin)
             now = self._clock()
@@ -816,12 +887,30 @@ class DiLoCo(_flat.FlatParameters):
         self._timeline.append(("sync", begin, end))
 
     @torch.no_grad()
-    def _start_estimate(self, progress: torch.Tensor) -> torch.Tensor:
-        """Opt*(θ^{k-1}, Δ_r^k): one outer step on a scratch copy of the outer optimizer's state
-        (for torch.optim.SGD in closed form, without copying its state)."""
+    def _progress(self) -> torch.Tensor:
+        """start − replica (Δ_r, master precision), in the next pseudo-gradient buffer."""
+        out = self._deltas[self._next_delta]
+        self._next_delta = (self._next_delta + 1) % len(self._deltas)
+        for p, s, o in zip(self._params, self._split(self._start), self._split(out)):
+            src = p.detach().reshape(-1)
+            if src.device.type != "cpu" or src.dtype != o.dtype:
+                o.copy_(src)                        # to the CPU and the master precision, no new tensor
+                src = o
+            torch.sub(s, src, out=o)
+        return out
+
+    @torch.no_grad()
+    def _global_into(self, out: torch.Tensor) -> None:
+        for g, o in zip(self._global, self._split(out)):
+            o.copy_(g.detach().reshape(-1))
+
+    @torch.no_grad()
+    def _start_estimate(self, progress: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """Opt*(θ^{k-1}, Δ_r^k) into ``out``: one outer step on a scratch copy of the outer
+        optimizer's state (for torch.optim.SGD in closed form, without copying its state)."""
         if type(self.outer_optimizer) is torch.optim.SGD:
-            return self._sgd_estimate(progress)
-        return self._scratch_estimate(progress)
+            return self._sgd_estimate(progress, out)
+        return out.copy_(self._scratch_estimate(progress))
 
     @torch.no_grad()
     def _scratch_estimate(self, progress: torch.Tensor) -> torch.Tensor:
@@ -839,35 +928,47 @@ class DiLoCo(_flat.FlatParameters):
         return estimate
 
     @torch.no_grad()
-    def _sgd_estimate(self, progress: torch.Tensor) -> torch.Tensor:
-        """torch.optim.SGD's step for gradient Δ_r, computed aside: d = ±Δ (− to maximize) + λθ;
-        b = μ b + (1 − τ) d (b = d on the first step); d = d + μ b (Nesterov) or b; θ − η d."""
+    def _sgd_estimate(self, progress: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """torch.optim.SGD's step for gradient Δ_r, computed aside (into ``out``, which may not
+        be ``progress``): d = ±Δ (− to maximize) + λθ; b = μ b + (1 − τ) d (b = d on the first
+        step); d = d + μ b (Nesterov) or b; θ − η d. As a step is affine in d given b, it is
+        θ − η (a d + c b_old) with a, c from the settings, computed in three passes and no
+        temporaries: (1 − η a λ) θ ∓ η a Δ − η c b_old."""
+        if out is None:
+            out = torch.empty_like(progress, dtype=self._master)
         settings = {id(p): group for group in self.outer_optimizer.param_groups for p in group["params"]}
-        out = []
-        for g, piece in zip(self._global, self._split(progress)):
+        for g, d, o in zip(self._global, self._split(progress), self._split(out)):
             group = settings[id(g)]
-            d = piece.view(g.shape).to(g.dtype)
-            if group.get("maximize", False):
-                d = -d
-            if group["weight_decay"]:
-                d = d + group["weight_decay"] * g
-            momentum = group["momentum"]
-            if momentum:
-                buf = self.outer_optimizer.state.get(g, {}).get("momentum_buffer")
-                buf = d if buf is None else buf * momentum + (1 - group["dampening"]) * d
-                d = d + momentum * buf if group["nesterov"] else buf
-            lr = float(group["lr"])
-            out.append((g - lr * d).reshape(-1))
-        return torch.cat(out)
+            lr, mu, wd = float(group["lr"]), group["momentum"], group["weight_decay"]
+            old = self.outer_optimizer.state.get(g, {}).get("momentum_buffer") if mu else None
+            if not mu:
+                a, c = 1.0, 0.0
+            elif old is None:                                   # the first step: b = d
+                a, c = (1.0 + mu if group["nesterov"] else 1.0), 0.0
+            else:
+                keep = 1.0 - group["dampening"]
+                a, c = ((1.0 + mu * keep, mu * mu) if group["nesterov"] else (keep, mu))
+            sign = -1.0 if group.get("maximize", False) else 1.0
+            o.copy_(g.detach().reshape(-1))
+            if wd:
+                o.mul_(1.0 - lr * a * wd)
+            o.add_(d, alpha=-lr * a * sign)
+            if c:
+                o.add_(old.reshape(-1), alpha=-lr * c)
+        return out
 
     def _maybe_rebase(self) -> None:
         """Moves the replica onto θ^k once round k's late update is in (see the module doc):
-        p ← p + θ^k − θ̂_r^k, so the steps taken since its start are kept."""
+        p ← p + θ^k − θ̂_r^k, so the steps taken since its start are kept; fragment by fragment
+        as they land (a worker's ranks agree on how many)."""
+        total = len(self._fragments)
         if self._rebase_after is None:
-            ready = self._pending.done()
+            landed = total if self._pending.done() and self._pending.exception() is None else self._landed
             if self._workers.size > 1:                 # a worker's replicas move at the same step
-                ready = self._workers.all_have(ready)
-            if not ready:
+                landed = int(self._workers.least(landed))
+            if landed > self._moved:
+                self._move_onto_global(landed)
+            if self._moved < total:
                 return
         elif self._r_steps < self._rebase_after:
             return
@@ -880,22 +981,40 @@ class DiLoCo(_flat.FlatParameters):
                 self._totals["idle"] += end - start
                 self._timeline.append(("idle", start, end))
         self._pending.result()                         # raises here if the synchronisation failed
-        self._move_onto_global()
+        self._move_onto_global(total)
+        self._rebased = True
 
     @torch.no_grad()
-    def _move_onto_global(self) -> None:
-        """p ← p + θ^k − start, start ← θ^k (θ^k: the global parameters, the late update landed);
-        its time counts as synchronisation."""
+    def _move_onto_global(self, upto: int) -> None:
+        """For the fragments landed since the last move (up to ``upto``): p ← p + θ^k − start,
+        start ← θ^k (θ^k: the global parameters, the late update landed); counts as sync."""
+        if upto <= self._moved:
+            return
         start = self._clock()
-        self._rebased = True
-        self._r_landed = self._r_steps
-        new = self._flatten_global()
-        for p, piece in zip(self._params, self._split(new - self._start)):
-            p.add_(piece.view(p.shape).to(p.device, p.dtype))
-        self._start = new
+        i, a = self._fragments[self._moved][0], self._fragments[self._moved][2]
+        j, b = self._fragments[upto - 1][1], self._fragments[upto - 1][3]
+        self._moved_at.append((b - a, self._r_steps))
+        self._moved = upto
+        # The pseudo-gradient buffer not in flight is free (its synchronisation was waited for).
+        scratch = self._deltas[self._next_delta][a:b]
+        params, glob = self._params[i:j], self._global[i:j]
+        for p, g, s, t in zip(params, glob, _flat.split(self._start[a:b], params), _flat.split(scratch, params)):
+            new = g.detach().reshape(-1)
+            torch.sub(new, s, out=t)
+            p.add_(t.view(p.shape).to(p.device, p.dtype))
+            s.copy_(new)
         end = self._clock()
         self._totals["sync"] += end - start
         self._timeline.append(("sync", start, end))
+
+    def _landed_steps(self) -> float:
+        """Steps this round before the late update moved the replica (per element, averaged over
+        its fragments; not yet moved: all of them; 0: nothing was in flight)."""
+        if self._r_landed is not None:
+            return self._r_landed
+        n = self._start.numel()
+        moved = sum(size for size, _ in self._moved_at)
+        return (sum(size * steps for size, steps in self._moved_at) + (n - moved) * self._r_steps) / n
 
     def _wait_pending(self) -> None:
         start = self._clock()
@@ -909,7 +1028,7 @@ class DiLoCo(_flat.FlatParameters):
         self._after_agreement(table, ahead=True)
 
     def _exchange_and_reduce(self, column: list[float], delta: torch.Tensor, *, timed: bool,
-                             plan: dict) -> tuple[list[list[float]], torch.Tensor | None, list[float]]:
+                             plan: dict) -> tuple[list[list[float]], list[float]]:
         group = self._sync_group
         start = self._clock()
         ranks = exchange_columns(column, group=group)
@@ -935,29 +1054,36 @@ class DiLoCo(_flat.FlatParameters):
         table = self._workers.aggregate(ranks, _AGGREGATE)
         any_steps = any(s > 0 for s in table[_STEPS])
         weights = outer_weights(self.weighting, table[_SAMPLES], table[_STEPS])
-        reduced = None
         if any_steps and any(w != 0.0 for w in weights):
-            if self._workers.single:
-                reduced = _compress.weighted_allreduce(delta, weights, codec=self._codec, group=group,
-                                                       feedback=self._feedback, finite_checked=True)
-            else:                              # each rank of a worker carries one shard across
-                reduced = self._workers.reduce(delta, weights, codec=self._codec, feedback=self._feedback)
-            for g, piece in zip(self._global, self._split(reduced)):
-                g.grad = piece.view(g.shape).to(g.dtype)
-            self.outer_optimizer.step()
-            self.outer_optimizer.zero_grad(set_to_none=True)
-            reduced = reduced.to(self._master)
+            for f, (i, j, a, b) in enumerate(self._fragments):
+                feedback = self._feedback[f] if self._feedback is not None else None
+                if self._workers.single:
+                    part = _compress.weighted_allreduce(delta[a:b], weights, codec=self._codec, group=group,
+                                                        feedback=feedback, finite_checked=True)
+                else:                          # each rank of a worker carries one shard across
+                    part = self._workers.reduce(delta[a:b], weights, codec=self._codec, feedback=feedback)
+                # The outer step of this fragment's parameters alone (the others have no gradient).
+                for g, piece in zip(self._global[i:j], _flat.split(part, self._global[i:j])):
+                    g.grad = piece.view(g.shape).to(g.dtype)
+                self.outer_optimizer.step()
+                self.outer_optimizer.zero_grad(set_to_none=True)
+                self._landed = f + 1           # the training thread may move onto these now
+        self._landed = len(self._fragments)
         end = self._clock()
         self._timeline.append(("sync", agreed, end))
         if timed:
             self._totals["sync"] += end - agreed
+        else:
+            self._sync_wall = end - start
         if any_steps:
             self._record(table, weights, round_index, plan)
-        return table, reduced, weights
+        return table, weights
 
     def _after_agreement(self, table: list[list[float]], ahead: bool = False) -> None:
         self._times.update(table[_COMPUTE], table[_STEPS])
         self._times.retire([d > 0 for d in table[_DONE]])
+        if self.overlap:
+            self._policy.sync_took(max(table[_SYNC_WALL]))
         self._policy.agreed(self._times)
         self._agreed_totals = {
             "compute": [0.0] * self._nworkers, "idle": table[_TOT_IDLE], "sync": table[_TOT_SYNC],

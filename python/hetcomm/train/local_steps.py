@@ -25,7 +25,10 @@ function of those agreed values, so all ranks decide the same without further co
   estimate, never late: nobody waits by construction beyond the last partial step. Until step
   times are agreed (the first round, or the first two with ``overlap``) its rounds are
   `MEASUREMENT_STEPS` long on every rank: short measurement rounds in which the fast ranks wait
-  for one slow step rather than for H of them (unless ``round_seconds`` is given).
+  for one slow step rather than for H of them (unless ``round_seconds`` is given; with overlap
+  the second lasts until the first synchronisation has landed, see `LocalStepPolicy.measuring`).
+  With overlap, T is at least `SYNC_MARGIN` times the agreed duration of the last background
+  synchronisation (`LocalStepPolicy.sync_took`): a shorter round ends in idling for it.
 
 Per-rank batch sizes (for example capped by memory with `hetcomm.partition.probe_max_batch`)
 combine with any policy: the policies count steps and time, whatever a step's batch.
@@ -38,6 +41,8 @@ from collections.abc import Sequence
 
 # Steps per rank in a round before step times are agreed.
 MEASUREMENT_STEPS = 1
+# ``time`` with overlap: a round lasts at least this many times the last synchronisation.
+SYNC_MARGIN = 1.1
 
 __all__ = ["StepTimes", "LocalStepPolicy", "FixedSteps", "SpeedSteps", "TimeSteps", "make_policy", "POLICIES"]
 
@@ -125,11 +130,22 @@ class LocalStepPolicy:
     def agreed(self, times: StepTimes) -> None:
         """New agreed step times (identical on every rank): re-plan."""
 
+    def sync_took(self, seconds: float) -> None:
+        """With overlap, before `agreed`: the longest time (agreed, over the ranks) that the last
+        background synchronisation took from a rank's round boundary until it landed there."""
+
     def start_round(self, now: float, start: float | None = None) -> None:
         """A round begins at ``now``; ``start`` is when it is deemed to start (``time`` chains deadlines)."""
 
     def round_over(self, steps_done: int, now: float, step_estimate: float) -> bool:
         raise NotImplementedError
+
+    @property
+    def measuring(self) -> bool:
+        """True in a measurement round (nothing agreed yet to plan it by): its length matters
+        only as a measurement, so with overlap DiLoCo stretches it until the previous
+        synchronisation has landed instead of idling for it."""
+        return False
 
     def plan(self) -> dict:
         """What this policy decided for the round: identical on every rank."""
@@ -206,6 +222,10 @@ class SpeedSteps(LocalStepPolicy):
     def round_over(self, steps_done: int, now: float, step_estimate: float) -> bool:
         return steps_done >= self.counts[self.rank]
 
+    @property
+    def measuring(self) -> bool:
+        return self._counts is None
+
     def plan(self) -> dict:
         return {"policy": self.name, "steps": self.counts}
 
@@ -220,13 +240,19 @@ class TimeSteps(LocalStepPolicy):
         self._fixed_seconds = round_seconds
         self.round_seconds: float | None = round_seconds
         self.deadline: float | None = None
+        self.sync_seconds = 0.0
+
+    def sync_took(self, seconds: float) -> None:
+        self.sync_seconds = float(seconds) if math.isfinite(seconds) and seconds > 0 else 0.0
 
     def agreed(self, times: StepTimes) -> None:
         if self._fixed_seconds is not None:
             return
         t = times.estimates()
         if t is not None:
-            self.round_seconds = self.steps * max(t)
+            # With overlap a round shorter than the synchronisation in flight ends in idling for
+            # it: a round lasts at least that long (with a margin for its spread).
+            self.round_seconds = max(self.steps * max(t), SYNC_MARGIN * self.sync_seconds)
 
     def start_round(self, now: float, start: float | None = None) -> None:
         if self.round_seconds is None:
@@ -238,6 +264,10 @@ class TimeSteps(LocalStepPolicy):
         if self.deadline is None:                        # no agreed round length yet: measure
             return steps_done >= MEASUREMENT_STEPS
         return steps_done >= 1 and now + step_estimate > self.deadline
+
+    @property
+    def measuring(self) -> bool:
+        return self.deadline is None
 
     def plan(self) -> dict:
         return {"policy": self.name, "round_seconds": self.round_seconds}

@@ -227,6 +227,12 @@ class Workers:
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.agree_group)
         return bool(flag.item() > 0)
 
+    def least(self, value: float) -> float:
+        """The smallest of the worker's ranks' ``value``s."""
+        flag = torch.tensor([float(value)], dtype=torch.float64)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.agree_group)
+        return float(flag.item())
+
     def all_have(self, have: bool) -> bool:
         """True if every rank of the worker has a batch for the next step."""
         flag = torch.tensor([1.0 if have else 0.0])

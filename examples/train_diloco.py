@@ -3,14 +3,14 @@
 Run under torchrun, or on the simulated cluster with unequal CPU shares and slow NICs (root)::
 
     python -m hetcomm.sim --nprocs 4 --cpu-quota 0.8,0.4,0.2,0.2 --nic-mbit 100 -- \\
-        python examples/train_diloco.py --local-steps time --compress int8 --overlap --json run.json
+        python examples/train_diloco.py --local-steps time --compress int8 --overlap --fragments 4 --json run.json
     torchrun --nproc-per-node 2 examples/train_diloco.py --local-steps speed
 
 Every rank trains its replica with AdamW on its own random windows of the corpus and
 synchronises every round through `hetcomm.DiLoCo`: ``--local-steps fixed`` (H steps each, the
 published recipes), ``speed`` (H_r by measured speed) or ``time`` (an agreed deadline);
-``--weighting``, ``--compress`` and ``--overlap`` choose the outer update's weights, the
-pseudo-gradient's format and background synchronisation. Training stops on every rank at the
+``--weighting``, ``--compress`` and ``--overlap`` (``--fragments``) choose the outer update's
+weights, the pseudo-gradient's format and background synchronisation (reduced in pieces). Training stops on every rank at the
 first round after which the ranks have processed ``--samples`` samples in all (or after
 ``--rounds`` rounds, or when every rank's ``--batches`` ran out): `hetcomm.DiLoCo.loop` takes
 that decision collectively. Rank 0

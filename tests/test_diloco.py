@@ -313,6 +313,100 @@ def test_fragments_move_as_they_land_and_equal_the_float64_reference():
     assert not all(torch.allclose(a, b, rtol=1e-6, atol=1e-7) for a, b in zip(whole[-1], want[-1]))
 
 
+def test_fragment_bounds():
+    from hetcomm.train.diloco import _fragment_bounds
+
+    assert _fragment_bounds([10, 10, 10, 10], 2) == [(0, 2, 0, 20), (2, 4, 20, 40)]
+    assert _fragment_bounds([10, 10, 10, 10], 1) == [(0, 4, 0, 40)]
+    assert _fragment_bounds([1, 2, 3], 5) == [(0, 1, 0, 1), (1, 2, 1, 3), (2, 3, 3, 6)]   # one tensor each
+    assert _fragment_bounds([0, 0, 10], 3) == [(0, 3, 0, 10)]                # no empty fragment
+    assert _fragment_bounds([3, 0, 0, 3], 2) == [(0, 1, 0, 3), (1, 4, 3, 6)]
+    g = torch.Generator().manual_seed(0)
+    for _ in range(300):
+        sizes = [int(x) for x in torch.randint(0, 50, (int(torch.randint(1, 9, (1,), generator=g)),), generator=g)]
+        f = int(torch.randint(1, 6, (1,), generator=g))
+        bounds = _fragment_bounds(sizes, f)
+        assert bounds[0][:3:2] == (0, 0) and bounds[-1][1] == len(sizes) and bounds[-1][3] == sum(sizes)
+        assert all(a[1] == b[0] and a[3] == b[2] for a, b in zip(bounds, bounds[1:]))
+        assert all(e - s == sum(sizes[i:j]) for i, j, s, e in bounds)
+        assert len(bounds) <= f and (sum(sizes) == 0 or all(e > s for _, _, s, e in bounds))
+
+
+def build_fragmented(rank: int, world: int, case: str) -> str:
+    import hetcomm
+
+    net = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
+    opt = torch.optim.SGD(net.parameters(), lr=0.01)
+    try:
+        if case == "no-overlap":
+            hetcomm.DiLoCo(net, opt, fragments=2)
+        elif case == "optimizer":
+            hetcomm.DiLoCo(net, opt, overlap=True, fragments=2,
+                           outer_optimizer=lambda ps: torch.optim.LBFGS(ps))
+        else:                                  # "mismatch": the ranks differ
+            diloco = hetcomm.DiLoCo(net, opt, local_steps="fixed", steps=1, overlap=True, fragments=1 + rank)
+            for _ in range(3):
+                net(torch.randn(2, 4)).sum().backward()
+                opt.step()
+                opt.zero_grad()
+                diloco.step()
+            diloco.finish()
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+@pytest.mark.parametrize("case,message", [("no-overlap", "fragments must be"), ("optimizer", "LBFGS"),
+                                          ("mismatch", "different numbers of fragments")])
+def test_fragments_that_cannot_work_raise_on_every_rank(case, message):
+    for got in run_ranks(2, build_fragmented, case, timeout=120):
+        assert message in got, got
+
+
+def train_failing_fragment(rank: int, world: int) -> dict:
+    """The background reduction fails at its second fragment (on every rank): the training thread
+    must raise at its next step, not only at the round's end."""
+    import threading
+
+    import hetcomm
+    from hetcomm.train import diloco as diloco_module
+
+    original = diloco_module._compress.weighted_allreduce
+    calls = {"n": 0}
+
+    def failing(*args, **kwargs):
+        if threading.current_thread() is not threading.main_thread():
+            calls["n"] += 1
+            if calls["n"] == 2:
+                raise RuntimeError("injected failure in fragment 2")
+        return original(*args, **kwargs)
+
+    diloco_module._compress.weighted_allreduce = failing
+    net = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
+    opt = torch.optim.SGD(net.parameters(), lr=0.01)
+    diloco = hetcomm.DiLoCo(net, opt, local_steps="fixed", steps=200, overlap=True, fragments=2)
+    steps = 0
+    try:
+        for _ in range(400):
+            net(torch.randn(2, 4)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+            time.sleep(0.002)
+            diloco.step()
+            steps += 1
+    except RuntimeError as e:
+        diloco.close()
+        return {"error": str(e), "steps": steps}
+    return {"error": None, "steps": steps}
+
+
+def test_a_fragment_that_fails_raises_at_the_next_step():
+    for res in run_ranks(2, train_failing_fragment, timeout=120):
+        assert res["error"] and "injected failure" in res["error"], res
+        # the first round ends after 200 steps; the failure is seen early in the second
+        assert 200 <= res["steps"] < 300, res
+
+
 # ---- policies --------------------------------------------------------------------------------
 
 SLEEP_S = [0.004, 0.016]          # rank 1 is 4x slower per step
@@ -529,7 +623,7 @@ def test_workers_of_two_ranks_equal_two_ranks_with_their_whole_batches(overlap):
     assert stats["workers"] == [[0, 1], [2, 3]] and stats["samples"] == [8 * WORKER_STEPS * WORKER_ROUNDS] * 2
     if BACKEND == "hetcomm":
         # Each worker sends one model's worth (fp32) across per round, split over its two ranks,
-        # plus the exchange of measurements (a column of 17 float64 per rank, a few collectives)
+        # plus the exchange of measurements (a column of 19 float64 per rank, a few collectives)
         # and the messages' headers: about 2 kB a round, which dwarfs this 37-parameter model.
         model_bytes = 4 * four[0]["params"]
         per_worker = [b / stats["rounds"] for b in stats["wan_bytes"]]
@@ -540,7 +634,7 @@ def test_workers_of_two_ranks_equal_two_ranks_with_their_whole_batches(overlap):
 ARRIVAL_STEPS, ARRIVAL_ROUNDS = 12, 4
 
 
-def train_arrival(rank: int, world: int) -> dict:
+def train_arrival(rank: int, world: int, fragments: int = 1) -> dict:
     """overlap_steps=None: the replicas move when the update arrives, which a delay in the
     background synchronisation puts in the middle of the next round."""
     import hetcomm
@@ -557,7 +651,8 @@ def train_arrival(rank: int, world: int) -> dict:
     torch.manual_seed(0)
     net = nn.Linear(6, 1)
     opt = torch.optim.SGD(net.parameters(), lr=0.05)
-    diloco = hetcomm.DiLoCo(net, opt, local_steps="fixed", steps=ARRIVAL_STEPS, workers=[0, 0, 1, 1], overlap=True)
+    diloco = hetcomm.DiLoCo(net, opt, local_steps="fixed", steps=ARRIVAL_STEPS, workers=[0, 0, 1, 1], overlap=True,
+                            fragments=fragments)
     g = torch.Generator().manual_seed(rank)
     for _ in range(ARRIVAL_STEPS * ARRIVAL_ROUNDS):
         x, y = torch.randn(4, 6, generator=g), torch.randn(4, 1, generator=g)
@@ -570,8 +665,10 @@ def train_arrival(rank: int, world: int) -> dict:
     return {"history": diloco.history, "global": [t.clone() for t in diloco.global_parameters()]}
 
 
-def test_on_arrival_the_replicas_of_a_worker_move_together_mid_round():
-    per_rank = run_ranks(4, train_arrival, timeout=240)
+@pytest.mark.parametrize("fragments", [1, 2])
+def test_on_arrival_the_replicas_of_a_worker_move_together_mid_round(fragments):
+    """(With fragments the worker's ranks agree on how many have landed before each move.)"""
+    per_rank = run_ranks(4, train_arrival, fragments, timeout=240)
     for res in per_rank:
         assert res["history"] == per_rank[0]["history"]
         for a, b in zip(per_rank[0]["global"], res["global"]):
@@ -731,6 +828,20 @@ def test_policy_arithmetic():
     assert not timed.round_over(1, 101.0, 0.5)
     assert timed.round_over(1, 101.6, 0.5)               # 101.6 + 0.5 > 102
     assert not timed.round_over(0, 105.0, 0.5)           # at least one step
+    # With overlap a round lasts at least SYNC_MARGIN times the agreed synchronisation.
+    from hetcomm.train.local_steps import SYNC_MARGIN
+    assert TimeSteps(5).measuring and not timed.measuring
+    timed.sync_took(3.0)
+    timed.agreed(times)
+    assert timed.round_seconds == pytest.approx(SYNC_MARGIN * 3.0)
+    timed.sync_took(float("nan"))                        # nothing measured: H steps again
+    timed.agreed(times)
+    assert timed.round_seconds == pytest.approx(2.0)
+    given = TimeSteps(5, round_seconds=1.0)
+    given.sync_took(3.0)
+    given.agreed(times)
+    assert given.round_seconds == 1.0 and not given.measuring    # a round length given wins
+    assert SpeedSteps(5).measuring
 
 
 # ---- the simulated cluster -------------------------------------------------------------------

@@ -43,19 +43,20 @@ def rounds(net, opt, diloco, rank: int, first: int, last: int) -> None:
             assert diloco.step(samples=len(x)) == (i == STEPS - 1)
 
 
-def build(seed: int, overlap: bool):
+def build(seed: int, overlap: bool, fragments: int = 1):
     import hetcomm
 
     net = make(seed)
     opt = torch.optim.AdamW(net.parameters(), lr=0.01)
     diloco = hetcomm.DiLoCo(net, opt, local_steps="fixed", steps=STEPS, compress="int8", block=16,
-                            error_feedback=True, overlap=overlap, overlap_steps=1 if overlap else None)
+                            error_feedback=True, overlap=overlap, overlap_steps=1 if overlap else None,
+                            fragments=fragments)
     return net, opt, diloco
 
 
-def train_interrupted(rank: int, world: int, overlap: bool) -> dict:
+def train_interrupted(rank: int, world: int, overlap: bool, fragments: int = 1) -> dict:
     def run(save: bool, resume: bytes | None = None) -> dict:
-        net, opt, diloco = build(5 if resume is None else 99, overlap)    # resumed: another init
+        net, opt, diloco = build(5 if resume is None else 99, overlap, fragments)    # resumed: another init
         saved = None
         if resume is not None:
             diloco.load_state_dict(torch.load(io.BytesIO(resume), weights_only=False))
@@ -83,9 +84,10 @@ def decisions(history: list[dict]) -> list[dict]:
             for h in history]
 
 
-@pytest.mark.parametrize("overlap", [False, True])
-def test_a_resumed_run_computes_what_the_uninterrupted_run_computes(overlap):
-    per_rank = run_ranks(2, train_interrupted, overlap, timeout=180)
+@pytest.mark.parametrize("overlap,fragments", [(False, 1), (True, 1), (True, 3)])
+def test_a_resumed_run_computes_what_the_uninterrupted_run_computes(overlap, fragments):
+    """(fragments=3: a quantisation residual per fragment goes into the checkpoint.)"""
+    per_rank = run_ranks(2, train_interrupted, overlap, fragments, timeout=180)
     for rank, res in enumerate(per_rank):
         whole = res["whole"]
         for name in ("saving", "resumed"):

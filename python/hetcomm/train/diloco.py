@@ -107,11 +107,13 @@ Streaming DiLoCo (Douillard et al., 2025), with a start estimate in the spirit o
   the replica moves each run as soon as it has landed. The first run lands after about 1/F of the
   synchronisation, the last when the whole would have. As Streaming DiLoCo's fragments, but all
   starting at the round boundary: the same bytes, in F collectives instead of one.
-* *No idling for it.* With the ``time`` policy a round lasts at least 1.1 times the longest time
-  (over the ranks) the previous background synchronisation took: a shorter round would only end
-  in waiting for it. Measurement rounds (nothing agreed yet to plan by) last until the previous
-  synchronisation has landed instead of a single step. The boundary's own work (the
-  pseudo-gradient, the estimate, the move) runs in place in buffers kept for the run.
+* *No idling for it.* With the ``time`` policy (unless ``round_seconds`` is given) a round lasts
+  at least 1.1 times the longest time (over the ranks) that the last background synchronisation
+  whose duration is agreed took from the agreement on its table to its last outer step: a shorter
+  round would only end in waiting for it. Measurement rounds (nothing agreed yet to plan by) last
+  until the previous synchronisation has landed instead of a single step. The boundary's own
+  work (the pseudo-gradient, the estimate, the move) runs in place in buffers kept for the run
+  (fp32 models; an fp64 model's pseudo-gradient is converted to travel).
 
 The step policy's decisions lag one more round. `finish` (and the end of `loop`) waits for the
 last background synchronisation and runs the last round's synchronously, so the final θ includes
@@ -139,9 +141,10 @@ makes every rank raise ValueError naming it at that synchronisation, instead of 
 from __future__ import annotations
 
 import concurrent.futures
+import copy
 import math
 import time
-import copy
+import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import torch
@@ -161,12 +164,13 @@ WEIGHTINGS = ("batch", "samples", "uniform", "normalized")
 # Rows of the table exchanged at every synchronisation (one column per rank, exact and identical
 # on every rank: `hetcomm.partition.exchange_columns`).
 (_STEPS, _SAMPLES, _COMPUTE, _LOSS_SUM, _LOSS_N, _FINITE, _TOT_IDLE, _TOT_SYNC, _TOT_BYTES,
- _DONE, _ELAPSED, _MAX_ROUNDS, _MAX_SAMPLES, _MAX_SECONDS, _TOT_WAN, _REPLICA, _LANDED, _SYNC_WALL) = range(18)
-_ROWS = 18
+ _DONE, _ELAPSED, _MAX_ROUNDS, _MAX_SAMPLES, _MAX_SECONDS, _TOT_WAN, _REPLICA, _LANDED, _SYNC_WALL,
+ _FRAGMENTS) = range(19)
+_ROWS = 19
 # How a worker of several ranks sums up its ranks' columns (`hetcomm.train.workers`): its ranks
 # step together, so steps and seconds are its slowest rank's; samples, losses and bytes add up.
 _AGGREGATE = ("max", "sum", "max", "sum", "sum", "min", "max", "max", "sum", "min", "max", "max", "max", "max", "sum",
-              "max", "max", "max")
+              "max", "max", "max", "max")
 _BUDGETS = {"max_rounds": _MAX_ROUNDS, "max_samples": _MAX_SAMPLES, "max_seconds": _MAX_SECONDS}
 
 
@@ -207,23 +211,29 @@ def outer_weights(weighting: str, samples: Sequence[float], steps: Sequence[floa
 
 
 def _fragment_bounds(sizes: Sequence[int], fragments: int) -> list[tuple[int, int, int, int]]:
-    """``fragments`` runs of consecutive tensors of about equal total size, as (first tensor,
-    end tensor, first element, end element); fewer when there are fewer tensors."""
-    total, out = sum(sizes), []
-    i = offset = 0
-    for f in range(min(fragments, len(sizes))):
-        left = min(fragments, len(sizes)) - f                  # fragments still to form
-        target = (total - offset) / left
-        j, end = i + 1, offset + sizes[i]
-        # take tensors while that brings the fragment closer to its share, leaving one per fragment
-        while j < len(sizes) - (left - 1) and abs(end + sizes[j] - offset - target) <= abs(end - offset - target):
-            end += sizes[j]
-            j += 1
-        if left == 1:
-            j, end = len(sizes), total
-        out.append((i, j, offset, end))
-        i, offset = j, end
-    return out
+    """Up to ``fragments`` runs of consecutive tensors of about equal total size, none empty, as
+    (first tensor, end tensor, first element, end element); fewer when fewer tensors hold
+    elements. Empty tensors go with a neighbour."""
+    n = len(sizes)
+    cum = [0]
+    for size in sizes:
+        cum.append(cum[-1] + size)
+    total = cum[-1]
+    cuts = [0]
+    for k in range(1, min(fragments, sum(1 for x in sizes if x > 0))):
+        # the tensor boundary nearest k/F of the elements that leaves both sides non-empty
+        options = [c for c in range(cuts[-1] + 1, n) if cum[cuts[-1]] < cum[c] < total]
+        if not options:
+            break
+        cuts.append(min(options, key=lambda c: abs(cum[c] - total * k / fragments)))
+    cuts.append(n)
+    return [(i, j, cum[i], cum[j]) for i, j in zip(cuts, cuts[1:])]
+
+
+# Outer optimizers whose step keeps per-parameter state only and skips parameters without a
+# gradient: stepping the fragments one by one is one step (fragments > 1 allows these only).
+_PER_PARAMETER = frozenset({torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.NAdam,
+                            torch.optim.RAdam, torch.optim.Adamax, torch.optim.Adagrad, torch.optim.RMSprop})
 
 
 def _known(values: Sequence[float]) -> list[float | None]:
@@ -367,6 +377,10 @@ class DiLoCo(_flat.FlatParameters):
             raise ValueError(f"{_PREFIX}: fragments must be an int >= 1, > 1 only with overlap=True (got "
                              f"{fragments!r}, overlap={overlap!r})")
         self._fragments = _fragment_bounds([p.numel() for p in self._params], fragments)
+        if len(self._fragments) > 1 and type(self.outer_optimizer) not in _PER_PARAMETER:
+            raise ValueError(f"{_PREFIX}: fragments={fragments} steps the outer optimizer once per fragment, which "
+                             f"only optimizers that treat each parameter on its own allow ({', '.join(sorted(c.__name__ for c in _PER_PARAMETER))}); "
+                             f"{type(self.outer_optimizer).__name__} may count steps per group: use fragments=1")
         self._landed = 0                         # fragments of the update in flight that have landed
         self._moved = 0                          # ... and that this replica has moved onto
         self._moved_at: list[tuple[int, int]] = []     # (elements, steps taken) per move this round
@@ -625,7 +639,7 @@ class DiLoCo(_flat.FlatParameters):
 
     # ---- checkpoints -------------------------------------------------------------------------
 
-    _STATE_VERSION = 1
+    _STATE_VERSION = 2              # 2: "feedback" is a list (one per fragment), "sync_wall"
 
     def state_dict(self) -> dict:
         """Everything a resumed run needs, for this rank (CPU copies): the global parameters and the
@@ -671,6 +685,7 @@ class DiLoCo(_flat.FlatParameters):
             "start": self._start,
             "feedback": [vars(f) for f in self._feedback] if self._feedback is not None else None,
             "pending": pending,
+            "sync_wall": self._sync_wall,
             "policy": self._policy.state_dict(),
             "step_times": self._times.state_dict(),
             "history": self._history,
@@ -694,8 +709,8 @@ class DiLoCo(_flat.FlatParameters):
         if self._step_calls or self._history:
             raise RuntimeError(f"{_PREFIX}: load_state_dict() after steps were taken: call it right after "
                                "constructing DiLoCo")
-        if state.get("version") != self._STATE_VERSION:
-            raise ValueError(f"{_PREFIX}: checkpoint version {state.get('version')!r}, expected {self._STATE_VERSION}")
+        if state.get("version") not in (1, self._STATE_VERSION):
+            raise ValueError(f"{_PREFIX}: checkpoint version {state.get('version')!r}, expected 1 or {self._STATE_VERSION}")
         if list(state["labels"]) != list(self._labels):
             raise ValueError(f"{_PREFIX}: the checkpoint's workers {resolve_members(state['labels'])} differ from "
                              f"this run's {resolve_members(self._labels)} (the same group and workers are needed)")
@@ -717,10 +732,15 @@ class DiLoCo(_flat.FlatParameters):
         saved = state["feedback"]
         if isinstance(saved, dict):                   # one fragment
             saved = [saved]
-        if self._feedback is not None and saved is not None and own and len(saved) == len(self._feedback):
-            for fb, values in zip(self._feedback, saved):
-                for k, v in values.items():
-                    setattr(fb, k, v.to("cpu") if isinstance(v, torch.Tensor) else v)
+        if self._feedback is not None and saved is not None and own:
+            if len(saved) == len(self._feedback):
+                for fb, values in zip(self._feedback, saved):
+                    for k, v in values.items():
+                        setattr(fb, k, v.to("cpu") if isinstance(v, torch.Tensor) else v)
+            else:
+                warnings.warn(f"{_PREFIX}: the checkpoint's quantisation residuals are of {len(saved)} fragment(s), "
+                              f"this run reduces in {len(self._feedback)}: they start from zero", stacklevel=2)
+        self._sync_wall = float(state.get("sync_wall", 0.0))
         self._policy.load_state_dict(state["policy"])
         self._times.load_state_dict(state["step_times"])
         self._history = copy.deepcopy(state["history"])
@@ -825,6 +845,7 @@ class DiLoCo(_flat.FlatParameters):
         col[_REPLICA] = total
         col[_LANDED] = self._landed_steps()
         col[_SYNC_WALL] = self._sync_wall
+        col[_FRAGMENTS] = len(self._fragments)
         col[_DONE] = 1.0 if self._exhausted else 0.0
         col[_ELAPSED] = self._clock() - self._t0
         for name, row in _BUDGETS.items():
@@ -932,7 +953,7 @@ class DiLoCo(_flat.FlatParameters):
         """torch.optim.SGD's step for gradient Δ_r, computed aside (into ``out``, which may not
         be ``progress``): d = ±Δ (− to maximize) + λθ; b = μ b + (1 − τ) d (b = d on the first
         step); d = d + μ b (Nesterov) or b; θ − η d. As a step is affine in d given b, it is
-        θ − η (a d + c b_old) with a, c from the settings, computed in three passes and no
+        θ − η (a d + c b_old) with a, c from the settings, computed in place without
         temporaries: (1 − η a λ) θ ∓ η a Δ − η c b_old."""
         if out is None:
             out = torch.empty_like(progress, dtype=self._master)
@@ -963,12 +984,14 @@ class DiLoCo(_flat.FlatParameters):
         as they land (a worker's ranks agree on how many)."""
         total = len(self._fragments)
         if self._rebase_after is None:
-            landed = total if self._pending.done() and self._pending.exception() is None else self._landed
+            # done: every fragment landed, or the synchronisation failed (raised below, before
+            # any move onto a partial update, once every rank of the worker knows it is done)
+            landed = total if self._pending.done() else self._landed
             if self._workers.size > 1:                 # a worker's replicas move at the same step
                 landed = int(self._workers.least(landed))
-            if landed > self._moved:
-                self._move_onto_global(landed)
-            if self._moved < total:
+            if landed < total:
+                if landed > self._moved:
+                    self._move_onto_global(landed)
                 return
         elif self._r_steps < self._rebase_after:
             return
@@ -1013,6 +1036,8 @@ class DiLoCo(_flat.FlatParameters):
         if self._r_landed is not None:
             return self._r_landed
         n = self._start.numel()
+        if n == 0:
+            return self._r_steps
         moved = sum(size for size, _ in self._moved_at)
         return (sum(size * steps for size, steps in self._moved_at) + (n - moved) * self._r_steps) / n
 
@@ -1045,6 +1070,10 @@ class DiLoCo(_flat.FlatParameters):
             if len(set(ranks[row])) > 1:
                 raise ValueError(f"{_PREFIX}: the ranks passed different {name} to loop(): "
                                  f"{dict(enumerate(ranks[row]))} (0 = none); every rank must pass the same")
+        if len(set(ranks[_FRAGMENTS])) > 1:             # the reduction would not line up
+            raise ValueError(f"{_PREFIX}: the ranks reduce in different numbers of fragments: "
+                             f"{dict(enumerate(int(x) for x in ranks[_FRAGMENTS]))}; construct DiLoCo with the same "
+                             "fragments (and model) everywhere")
         split = self._workers.diverged(ranks[_REPLICA], list(zip(ranks[_STEPS], ranks[_LANDED])))
         if split:
             raise ValueError(f"{_PREFIX}: round {round_index}: the ranks of worker(s) {split} hold different replicas "
@@ -1074,7 +1103,9 @@ class DiLoCo(_flat.FlatParameters):
         if timed:
             self._totals["sync"] += end - agreed
         else:
-            self._sync_wall = end - start
+            # From the agreement (not from this rank's boundary: waiting there for the last rank
+            # would feed the skew between the ranks back into the round length).
+            self._sync_wall = end - agreed
         if any_steps:
             self._record(table, weights, round_index, plan)
         return table, weights

@@ -267,7 +267,7 @@ class TimeSteps(LocalStepPolicy):
 
     @property
     def measuring(self) -> bool:
-        return self.deadline is None
+        return self.round_seconds is None
 
     def plan(self) -> dict:
         return {"policy": self.name, "round_seconds": self.round_seconds}

@@ -78,6 +78,31 @@ def train_interrupted(rank: int, world: int, overlap: bool, fragments: int = 1) 
     return {"whole": whole, "saving": saving, "resumed": resumed}
 
 
+def train_from_version_1(rank: int, world: int) -> dict:
+    """A checkpoint of the first format (a table of 17 rows in flight, one residual dict, no
+    sync duration), taken with overlap, resumes and synchronises."""
+    net, opt, diloco = build(5, True)
+    rounds(net, opt, diloco, rank, 0, 1)
+    state = diloco.state_dict()
+    diloco.finish()
+    state["version"] = 1
+    state["pending"]["table"] = state["pending"]["table"][:17]
+    state["feedback"] = state["feedback"][0]
+    del state["sync_wall"]
+    net, opt, resumed = build(99, True)
+    resumed.load_state_dict(state)
+    rounds(net, opt, resumed, rank, 1, 3)
+    resumed.finish()
+    return {"rounds": resumed.rounds, "global": [g.clone() for g in resumed.global_parameters()]}
+
+
+def test_a_checkpoint_of_the_first_format_resumes():
+    per_rank = run_ranks(2, train_from_version_1, timeout=180)
+    assert [r["rounds"] for r in per_rank] == [3, 3]
+    for a, b in zip(per_rank[0]["global"], per_rank[1]["global"]):
+        assert torch.equal(a, b)
+
+
 def decisions(history: list[dict]) -> list[dict]:
     """The history's agreed decisions and counts (its seconds differ from run to run)."""
     return [{k: h[k] for k in ("round", "plan", "steps", "samples", "weights", "landed_after_steps")}

@@ -756,8 +756,13 @@ class DiLoCo(_flat.FlatParameters):
         if state["pending"] is not None:
             # The synchronisation in flight had landed on the global parameters; its agreement
             # (and, unless it had moved already, the replica's move) is still to be applied.
+            table = [list(row) for row in state["pending"]["table"]]
+            width = len(table[0]) if table else self._world
+            defaults = {_SYNC_WALL: 0.0, _FRAGMENTS: float(len(self._fragments))}
+            while len(table) < _ROWS:                  # a version 1 table: the rows added since
+                table.append([defaults.get(len(table), 0.0)] * width)
             done: concurrent.futures.Future = concurrent.futures.Future()
-            done.set_result((state["pending"]["table"], None))
+            done.set_result((table, None))
             self._pending, self._rebased = done, bool(state["pending"]["moved"])
             self._landed = len(self._fragments)
             self._moved = self._landed if self._rebased else 0
@@ -869,6 +874,8 @@ class DiLoCo(_flat.FlatParameters):
         progress = self._progress()                          # Δ_r in the master precision
         delta = progress.float()                             # what travels
         plan = self._policy.plan()
+        if self._pending is not None and self._policy.measuring:
+            plan = {**plan, "until_landed": True}       # a measurement round stretched (see step)
         self._count_sync(begin)
         if self._pending is not None:          # overlap: the previous round's synchronisation
             self._wait_pending()
@@ -984,11 +991,17 @@ class DiLoCo(_flat.FlatParameters):
         as they land (a worker's ranks agree on how many)."""
         total = len(self._fragments)
         if self._rebase_after is None:
-            # done: every fragment landed, or the synchronisation failed (raised below, before
-            # any move onto a partial update, once every rank of the worker knows it is done)
-            landed = total if self._pending.done() else self._landed
+            # done: every fragment landed, or the synchronisation failed (-1: raised below on
+            # every rank of the worker at once, before any move onto a partial update)
+            done = self._pending.done()
+            landed = (-1 if self._pending.exception() is not None else total) if done else self._landed
             if self._workers.size > 1:                 # a worker's replicas move at the same step
                 landed = int(self._workers.least(landed))
+            if landed < 0:
+                if done and self._pending.exception() is not None:
+                    self._pending.result()
+                raise RuntimeError(f"{_PREFIX}: another rank of this worker failed its synchronisation "
+                                   "(its error names the cause)")
             if landed < total:
                 if landed > self._moved:
                     self._move_onto_global(landed)

@@ -26,7 +26,8 @@ function of those agreed values, so all ranks decide the same without further co
   times are agreed (the first round, or the first two with ``overlap``) its rounds are
   `MEASUREMENT_STEPS` long on every rank: short measurement rounds in which the fast ranks wait
   for one slow step rather than for H of them (unless ``round_seconds`` is given; with overlap
-  the second lasts until the first synchronisation has landed, see `LocalStepPolicy.measuring`).
+  the second lasts until the first synchronisation has landed, see `LocalStepPolicy.measuring`;
+  so do ``speed``'s: their plan then says ``until_landed``).
   With overlap, T is at least `SYNC_MARGIN` times the agreed duration of the last background
   synchronisation (`LocalStepPolicy.sync_took`): a shorter round ends in idling for it.
 
@@ -132,7 +133,8 @@ class LocalStepPolicy:
 
     def sync_took(self, seconds: float) -> None:
         """With overlap, before `agreed`: the longest time (agreed, over the ranks) that the last
-        background synchronisation took from a rank's round boundary until it landed there."""
+        background synchronisation whose duration is agreed took from the agreement on its
+        table to its last outer step (0 or NaN: none measured yet)."""
 
     def start_round(self, now: float, start: float | None = None) -> None:
         """A round begins at ``now``; ``start`` is when it is deemed to start (``time`` chains deadlines)."""

@@ -37,6 +37,10 @@ INNER_LR = 0.05
 SCRIPT = [[3, 1, 2], [2, 4, 1], [1, 1, 5]]
 BATCH = [4, 2, 3]                 # per-rank batch sizes: unequal
 ROUNDS = 4
+# The outer optimizers the exactness tests run: DiLoCo's recipe, and one with per-parameter state
+# that is not SGD (its start estimate is a scratch step, not the closed form).
+OUTER = {"nesterov": lambda ps: torch.optim.SGD(ps, lr=0.7, momentum=0.9, nesterov=True),
+         "adam": lambda ps: torch.optim.Adam(ps, lr=0.02, betas=(0.8, 0.9))}
 
 
 def make_model() -> nn.Module:
@@ -92,20 +96,21 @@ def reference_weights(weighting: str, n: list[int], tau: list[int]) -> list[floa
     return [pi * tau_eff / t for pi, t in zip(p, tau)]            # normalized (FedNova)
 
 
-def reference(weighting: str, world: int, overlap: bool, rebase=None) -> list[list[torch.Tensor]]:
+def reference(weighting: str, world: int, overlap: bool, rebase=None,
+              outer_name: str = "nesterov", early: float = 0.5) -> list[list[torch.Tensor]]:
     """Global parameters after each applied outer update, float64, one process.
 
     With overlap (see DiLoCo's doc): round k's update is applied at the end of round k+1, and
     replica r starts round k+1 at one outer step, on a copy of the outer optimizer, from the newest
     global parameters with its own pseudo-gradient. With ``rebase`` = s, a replica that takes more
-    than s steps in round k+1 is moved after its s-th step by θ^k − (its start), and measures its
+    than s steps in round k+1 is moved after its s-th step to θ^k + early × (itself − its start), and measures its
     pseudo-gradient from θ^k. ``rebase`` may also list (s, first tensor, end tensor) per
     fragment: each fragment's parameters move after their own step."""
     nparams = len(list(make_model().parameters()))
     moves = [] if rebase is None else [(rebase, 0, nparams)] if isinstance(rebase, int) else list(rebase)
     theta = [p.detach().clone() for p in make_model().parameters()]
     glob = [nn.Parameter(t.clone()) for t in theta]
-    outer = torch.optim.SGD(glob, lr=0.7, momentum=0.9, nesterov=True)
+    outer = OUTER[outer_name](glob)
     replicas = [make_model() for _ in range(world)]
     inner = [torch.optim.SGD(m.parameters(), lr=INNER_LR) for m in replicas]
     starts = [[t.clone() for t in theta] for _ in range(world)]   # where each replica starts a round
@@ -120,7 +125,7 @@ def reference(weighting: str, world: int, overlap: bool, rebase=None) -> list[li
 
     def one_outer_step_on_a_copy(guess):
         params = [nn.Parameter(g.detach().clone()) for g in glob]
-        scratch = torch.optim.SGD(params, lr=0.7, momentum=0.9, nesterov=True)
+        scratch = OUTER[outer_name](params)
         scratch.load_state_dict(copy.deepcopy(outer.state_dict()))
         for p, d in zip(params, guess):
             p.grad = d.clone()
@@ -146,7 +151,7 @@ def reference(weighting: str, world: int, overlap: bool, rebase=None) -> list[li
                 with torch.no_grad():
                     params = list(replicas[r].parameters())
                     for x in range(i, j):
-                        params[x].add_(landed[x] - starts[r][x])
+                        params[x].copy_(landed[x] + early * (params[x] - starts[r][x]))
                         starts[r][x] = landed[x].clone()
             inner_steps(replicas[r], inner[r], r, k, tau[r] - done, first=done)
             deltas.append([s - p.detach() for s, p in zip(starts[r], replicas[r].parameters())])
@@ -204,7 +209,7 @@ def release(diloco, state: dict, step: int, last: bool) -> None:
 
 
 def train_scripted(rank: int, world: int, weighting: str, overlap: bool, rebase=None, fragments: int = 1,
-                   moves: list[int] | None = None) -> dict:
+                   moves: list[int] | None = None, outer_name: str = "nesterov", early: float = 0.5) -> dict:
     import hetcomm
 
     out = {}
@@ -217,7 +222,8 @@ def train_scripted(rank: int, world: int, weighting: str, overlap: bool, rebase=
                     p.add_(1.0)
         opt = torch.optim.SGD(net.parameters(), lr=INNER_LR)
         diloco = hetcomm.DiLoCo(net, opt, group=group, local_steps=scripted_policy(), weighting=weighting,
-                                overlap=overlap, overlap_steps=rebase, fragments=fragments)
+                                overlap=overlap, overlap_steps=rebase, fragments=fragments,
+                                outer_optimizer=OUTER[outer_name], early_weight=early if overlap else None)
         gate = {}
         if moves is not None:
             gate_fragments(diloco, moves, gate)
@@ -248,14 +254,20 @@ def train_scripted(rank: int, world: int, weighting: str, overlap: bool, rebase=
     return out
 
 
-@pytest.mark.parametrize("weighting,overlap,rebase,fragments", [
-    ("batch", False, None, 1), ("samples", False, None, 1), ("uniform", False, None, 1), ("normalized", False, None, 1),
-    ("batch", True, 99, 1), ("batch", True, 1, 1), ("batch", True, 2, 1), ("batch", True, 2, 2)])
-def test_outer_update_equals_the_float64_reference(weighting, overlap, rebase, fragments):
-    """(With fragments the outer step is taken fragment by fragment: the same update.)"""
+@pytest.mark.parametrize("weighting,overlap,rebase,fragments,outer_name,early", [
+    ("batch", False, None, 1, "nesterov", 0.5), ("samples", False, None, 1, "nesterov", 0.5),
+    ("uniform", False, None, 1, "nesterov", 0.5), ("normalized", False, None, 1, "nesterov", 0.5),
+    ("batch", True, 99, 1, "nesterov", 0.5), ("batch", True, 1, 1, "nesterov", 0.5),
+    ("batch", True, 2, 1, "nesterov", 0.5), ("batch", True, 2, 1, "nesterov", 1.0),
+    ("batch", True, 2, 1, "nesterov", 0.0), ("batch", True, 2, 2, "nesterov", 0.5),
+    ("batch", False, None, 1, "adam", 0.5), ("batch", True, 2, 2, "adam", 0.5)])
+def test_outer_update_equals_the_float64_reference(weighting, overlap, rebase, fragments, outer_name, early):
+    """(With fragments the outer step is taken fragment by fragment: for an optimizer whose state
+    is per parameter, Adam too, the same update. ``early``: the share of the steps before the move
+    that the replica keeps.)"""
     world = 3
-    want = reference(weighting, world, overlap, rebase)
-    per_rank = run_ranks(world, train_scripted, weighting, overlap, rebase, fragments)
+    want = reference(weighting, world, overlap, rebase, outer_name, early)
+    per_rank = run_ranks(world, train_scripted, weighting, overlap, rebase, fragments, None, outer_name, early)
     for name in per_rank[0]:
         results = [r[name] for r in per_rank]
         for rank, res in enumerate(results):
@@ -340,6 +352,10 @@ def build_fragmented(rank: int, world: int, case: str) -> str:
     try:
         if case == "no-overlap":
             hetcomm.DiLoCo(net, opt, fragments=2)
+        elif case == "early-no-overlap":
+            hetcomm.DiLoCo(net, opt, early_weight=0.5)
+        elif case == "early-range":
+            hetcomm.DiLoCo(net, opt, overlap=True, early_weight=1.5)
         elif case == "optimizer":
             hetcomm.DiLoCo(net, opt, overlap=True, fragments=2,
                            outer_optimizer=lambda ps: torch.optim.LBFGS(ps))
@@ -357,7 +373,9 @@ def build_fragmented(rank: int, world: int, case: str) -> str:
 
 
 @pytest.mark.parametrize("case,message", [("no-overlap", "fragments must be"), ("optimizer", "LBFGS"),
-                                          ("mismatch", "different numbers of fragments")])
+                                          ("mismatch", "different numbers of fragments"),
+                                          ("early-no-overlap", "early_weight must be"),
+                                          ("early-range", "early_weight must be")])
 def test_fragments_that_cannot_work_raise_on_every_rank(case, message):
     for got in run_ranks(2, build_fragmented, case, timeout=120):
         assert message in got, got
@@ -410,6 +428,60 @@ def train_failing_fragment(rank: int, world: int) -> dict:
 def test_a_fragment_that_fails_raises_at_the_next_step():
     for res in run_ranks(2, train_failing_fragment, timeout=120):
         assert res["error"] and "injected failure" in res["error"], res
+
+
+def train_failing_in_one_rank_of_a_worker(rank: int, world: int) -> dict:
+    """Workers [0, 1] and [2, 3]. Only rank 0's background reduction fails, at its last fragment
+    (after that fragment's communication, so that no other rank is left waiting in it): rank 1,
+    whose own reduction succeeded, must raise at the same step as rank 0 (before either moves onto
+    a partial update), and the other worker must not raise."""
+    import hetcomm
+
+    net = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
+    opt = torch.optim.SGD(net.parameters(), lr=0.01)
+    diloco = hetcomm.DiLoCo(net, opt, local_steps="fixed", steps=3, overlap=True, fragments=2,
+                            workers=["a", "a", "b", "b"])
+    if rank == 0:
+        original, calls = diloco._workers.reduce, {"n": 0}
+
+        def failing(*args, **kwargs):
+            out = original(*args, **kwargs)
+            calls["n"] += 1
+            if calls["n"] == 2:
+                raise RuntimeError("injected failure after fragment 2")
+            return out
+
+        diloco._workers.reduce = failing
+
+    def one_step() -> bool:
+        torch.manual_seed(rank // 2)                 # a worker's ranks step on the same batch
+        net(torch.randn(2, 4)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        return diloco.step()
+
+    while not one_step():                            # round 1; its synchronisation goes to the background
+        pass
+    deadline = time.monotonic() + 60
+    while not diloco._pending.done():
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    own_failed = diloco._pending.exception() is not None
+    try:
+        one_step()                                   # the first step of round 2
+    except RuntimeError as e:
+        diloco.close()
+        return {"error": str(e), "own_failed": own_failed}
+    diloco.close()                                   # the other worker stops here (no collective)
+    return {"error": None, "own_failed": own_failed}
+
+
+def test_a_sync_that_fails_on_one_rank_of_a_worker_raises_on_all_its_ranks_at_once():
+    res = run_ranks(4, train_failing_in_one_rank_of_a_worker, timeout=180)
+    assert [r["own_failed"] for r in res] == [True, False, False, False], res
+    assert "injected failure after fragment 2" in (res[0]["error"] or ""), res[0]
+    assert "another rank of this worker failed" in (res[1]["error"] or ""), res[1]
+    assert res[2]["error"] is None and res[3]["error"] is None, res[2:]
 
 
 # ---- policies --------------------------------------------------------------------------------

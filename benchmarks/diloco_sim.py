@@ -14,7 +14,7 @@ everywhere, fp32: the published recipes), ``speed``, ``time``, ``time-int8-overl
 update weighted by samples processed); ``--configs`` also knows ``*-uniform`` and ``*-normalized``,
 ``sites-*`` / ``flat-*`` (workers from hetcomm's sites against a worker per rank) and
 ``fixed-overlap-after{4,8,12}`` / ``fixed-overlap-end`` (the late update moves the replicas after
-that many steps of the next round, or never mid-round: deterministic); ``*-f4``: overlap with the
+that many steps of the next round, or never mid-round: deterministic), ``fixed-int8-overlap-after4``; ``*-f4``: overlap with the
 update reduced in 4 fragments. Reported per
 configuration (medians over repeats): samples/s, total idle seconds at synchronisation, compute
 utilisation (compute seconds / (ranks x wall seconds)), final held-out loss, bytes sent per round,
@@ -60,6 +60,7 @@ CONFIGS = {
     "fixed-overlap-after8": ["--local-steps", "fixed", "--overlap", "--overlap-steps", "8"],
     "fixed-overlap-after12": ["--local-steps", "fixed", "--overlap", "--overlap-steps", "12"],
     "fixed-overlap-end": ["--local-steps", "fixed", "--overlap", "--overlap-steps", "1000000"],
+    "fixed-int8-overlap-after4": ["--local-steps", "fixed", "--compress", "int8", "--overlap", "--overlap-steps", "4"],
     # workers: hetcomm's sites (data parallel inside each) against every rank a worker
     "sites-time-int8-overlap": ["--local-steps", "time", "--compress", "int8", "--overlap", "--workers", "sites"],
     "flat-time-int8-overlap": ["--local-steps", "time", "--compress", "int8", "--overlap", "--workers", "ranks"],

@@ -55,7 +55,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                                                  "for the others (default: endless data)")
     p.add_argument("--batch", default="8", help="samples per step: one value, or one per rank (a,b,...)")
     p.add_argument("--lr", type=float, default=3e-3, help="inner AdamW learning rate")
+    p.add_argument("--early-weight", type=float, default=None,
+                   help="with --overlap: share of the steps before the late update landed that a replica keeps "
+                        "(default 0.5)")
     p.add_argument("--outer-lr", type=float, default=0.7)
+    p.add_argument("--outer-momentum", type=float, default=0.9, help="outer Nesterov momentum (0: plain SGD)")
     p.add_argument("--json", metavar="PATH", help="write the summary here (rank 0)")
     return p.parse_args(argv)
 
@@ -64,6 +68,8 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     if args.overlap_steps is not None and not args.overlap:
         raise SystemExit("train_diloco: --overlap-steps needs --overlap")
+    if args.early_weight is not None and not args.overlap:
+        raise SystemExit("train_diloco: --early-weight needs --overlap")
     torch.set_num_threads(args.threads)
     dist.init_process_group(args.backend)
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -83,8 +89,10 @@ def main(argv=None) -> int:
     diloco = hetcomm.DiLoCo(
         model, opt, local_steps=args.local_steps, steps=args.steps, weighting=args.weighting,
         compress=args.compress, error_feedback=args.error_feedback, overlap=args.overlap,
-        overlap_steps=args.overlap_steps, fragments=args.fragments, workers=args.workers.split(",") if "," in args.workers else args.workers,
-        outer_optimizer=lambda ps: torch.optim.SGD(ps, lr=args.outer_lr, momentum=0.9, nesterov=True))
+        overlap_steps=args.overlap_steps, fragments=args.fragments, early_weight=args.early_weight,
+        workers=args.workers.split(",") if "," in args.workers else args.workers,
+        outer_optimizer=lambda ps: torch.optim.SGD(ps, lr=args.outer_lr, momentum=args.outer_momentum,
+                                                   nesterov=args.outer_momentum > 0))
     params = sum(p.numel() for p in model.parameters())
     say(f"train_diloco: {world} ranks on {args.backend}, {params} parameters ({4 * params / 1e6:.1f} MB fp32), "
         f"local steps {args.local_steps} (H={args.steps}), weighting {args.weighting}, {args.compress}"
@@ -138,6 +146,8 @@ def main(argv=None) -> int:
         "local_steps": args.local_steps, "steps": args.steps, "weighting": args.weighting,
         "compress": args.compress, "error_feedback": args.error_feedback, "overlap": args.overlap, "overlap_steps": args.overlap_steps,
         "fragments": args.fragments,
+        "early_weight": (0.5 if args.early_weight is None else args.early_weight) if args.overlap else None,
+        "outer_lr": args.outer_lr, "outer_momentum": args.outer_momentum,
         "backend": args.backend, "world_size": world, "parameters": params, "batches": batches,
         "rounds": stats["rounds"], "samples": samples, "wall_seconds": wall,
         "samples_per_second": samples / wall,

@@ -5,6 +5,7 @@
 #include <numeric>
 
 #include "algorithms/device_ops.h"
+#include "algorithms/flow_pipeline.h"
 #include "algorithms/local_collectives.h"
 #include "algorithms/local_group.h"
 #include "algorithms/pipeline.h"
@@ -351,7 +352,24 @@ void alltoallv(CollectiveContext& ctx, const char* in, const std::vector<size_t>
     throw CommError(strCat(ctx.prefix(), ": sends ", sendBytes[r], " bytes to itself but expects ", recvBytes[r]));
   }
   copyLocal(ctx, out + recvOffsets[r], in + sendOffsets[r], sendBytes[r]);
-  // Step s: send to r+s while receiving from r-s; every link is used once in each direction.
+  if (ctx.device == nullptr) {
+    // Host memory: every peer at once, one send and one receive flow each. In P - 1 lockstep
+    // steps a step waits for its slowest partner, so a peer that is descheduled for a while
+    // (a throttled or busy CPU) delays every later step; with all flows in flight the kernel's
+    // socket buffers keep the links busy meanwhile.
+    FlowGraph g;
+    for (int s = 1; s < P; ++s) {
+      const int to = (r + s) % P, from = (r - s + P) % P;
+      Flow& send = g.flow(to, true);
+      if (sendBytes[to] > 0) send.items.push_back(g.add(const_cast<char*>(in + sendOffsets[to]), sendBytes[to], false, {}));
+      Flow& recv = g.flow(from, false);
+      if (recvBytes[from] > 0) recv.items.push_back(g.add(out + recvOffsets[from], recvBytes[from], false, {}));
+    }
+    runFlows(ctx, g);
+    return;
+  }
+  // Device memory (staged through the pipeline): step s sends to r+s while receiving from r-s;
+  // every link is used once in each direction.
   for (int s = 1; s < P; ++s) {
     const int to = (r + s) % P, from = (r - s + P) % P;
     exchange(ctx, to, in + sendOffsets[to], sendBytes[to], from, out + recvOffsets[from], recvBytes[from],

@@ -623,6 +623,36 @@ def test_a_budget_of_the_run_stops_every_rank_at_the_same_round(overlap):
     assert per_rank[0] == per_rank[1] and per_rank[0]["rounds"] == 2, per_rank
 
 
+def train_timed_rounds(rank: int, world: int) -> dict:
+    import time
+
+    import hetcomm
+
+    net = nn.Linear(3, 1)
+    opt = torch.optim.SGD(net.parameters(), lr=0.05)
+    diloco = hetcomm.DiLoCo(net, opt, local_steps="time", round_seconds=1.0, overlap=True)
+    forever = iter(lambda: torch.randn(2, 3), None)
+    for x in diloco.loop(forever, max_rounds=3):
+        net(x).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+        time.sleep(0.02)
+        diloco.step(samples=len(x))
+    return {"reason": diloco.stop_reason, "steps": [rec["steps"] for rec in diloco.history]}
+
+
+def test_with_time_and_overlap_the_last_round_ends_once_the_stop_is_known():
+    """The agreement that stops the run lands early in the last round (a tiny model on one
+    host): that round ends at the next step instead of running to its deadline."""
+    per_rank = run_ranks(2, train_timed_rounds)
+    assert per_rank[0] == per_rank[1], per_rank
+    steps = per_rank[0]["steps"]
+    assert per_rank[0]["reason"].startswith("max_rounds") and len(steps) == 3, per_rank
+    # About 50 steps of 20 ms fit in a 1 s round; the last one stops after the landing.
+    assert all(s >= 20 for s in steps[1]), steps
+    assert all(s <= steps[1][r] // 2 for r, s in enumerate(steps[2])), steps
+
+
 def test_budgets_that_differ_across_ranks_raise_on_every_rank():
     per_rank = run_ranks(2, train_budget, False, [{"max_rounds": 2}, {"max_rounds": 3}])
     for res in per_rank:
@@ -911,13 +941,24 @@ def test_policy_arithmetic():
     timed.sync_took(3.0)
     timed.agreed(times)
     assert timed.round_seconds == pytest.approx(SYNC_MARGIN * 3.0)
-    timed.sync_took(float("nan"))                        # nothing measured: H steps again
+    assert not timed.measuring
+    # Nothing measured yet (the first agreements with overlap): H steps, and the round goes on
+    # until the synchronisation in flight has landed (DiLoCo stretches measuring rounds).
+    timed.sync_took(float("nan"))
     timed.agreed(times)
-    assert timed.round_seconds == pytest.approx(2.0)
+    assert timed.round_seconds == pytest.approx(2.0) and timed.measuring
+    timed.sync_took(0.0)
+    assert timed.measuring
+    timed.sync_took(1.0)                                 # shorter than H steps: H steps
+    timed.agreed(times)
+    assert timed.round_seconds == pytest.approx(2.0) and not timed.measuring
     given = TimeSteps(5, round_seconds=1.0)
-    given.sync_took(3.0)
+    given.sync_took(0.0)
     given.agreed(times)
     assert given.round_seconds == 1.0 and not given.measuring    # a round length given wins
+    given.sync_took(3.0)
+    given.agreed(times)
+    assert given.round_seconds == 1.0 and not given.measuring
     assert SpeedSteps(5).measuring
 
 

@@ -123,8 +123,9 @@ Streaming DiLoCo (Douillard et al., 2025), with a start estimate in the spirit o
 * *No idling for it.* With the ``time`` policy (unless ``round_seconds`` is given) a round lasts
   at least 1.1 times the longest time (over the ranks) that the last background synchronisation
   whose duration is agreed took from the agreement on its table to its last outer step: a shorter
-  round would only end in waiting for it. Measurement rounds (nothing agreed yet to plan by) last
-  until the previous synchronisation has landed instead of a single step. The boundary's own
+  round would only end in waiting for it. Measurement rounds (nothing agreed yet to plan by), and
+  with ``time`` the rounds planned before any synchronisation's duration is agreed, last until
+  the previous synchronisation has landed instead of a single step (or H steps' time). The boundary's own
   work (the pseudo-gradient, the estimate, the move) runs in place in buffers kept for the run
   (fp32 models; an fp64 model's pseudo-gradient is converted to travel).
 
@@ -137,7 +138,8 @@ budget, stays in the rounds with no steps (its pseudo-gradient is zero and its w
 every rank is out; budgets of the run (``max_rounds``, ``max_samples``, ``max_seconds``) are
 checked against the agreed table of each synchronisation. Either way every rank takes the same
 decision at the same synchronisation, so all leave at the same round boundary whatever the
-policy (with overlap the decision is known one round later: that round is synchronised too).
+policy (with overlap the decision is known one round later: that round is synchronised too;
+with ``time`` it ends at the first step after the decision has landed instead of at its deadline).
 
 **Measurements** (per rank, agreed at every synchronisation, see `stats` and `history`):
 *compute* is the time between the rank's calls to `step` (the user's forward, backward, optimizer
@@ -166,7 +168,7 @@ import torch.distributed as dist
 
 from hetcomm import compress as _compress
 from hetcomm.train import flat as _flat
-from hetcomm.train.local_steps import FixedSteps, LocalStepPolicy, SpeedSteps, StepTimes, make_policy
+from hetcomm.train.local_steps import FixedSteps, LocalStepPolicy, SpeedSteps, StepTimes, TimeSteps, make_policy
 from hetcomm.train.workers import Workers, resolve_labels, resolve_members
 from hetcomm.train.partition import exchange_columns
 
@@ -521,7 +523,7 @@ class DiLoCo(_flat.FlatParameters):
             self._r_loss_n += n
         self._own_step = dt if self._own_step is None else 0.7 * self._own_step + 0.3 * dt
         self._timeline.append(("compute", self._mark, now))
-        synced = self._policy.round_over(self._r_steps, now, self._own_step)
+        synced = self._policy.round_over(self._r_steps, now, self._own_step) or self._last_round_cut
         # With overlap a measurement round goes on until the previous synchronisation has landed:
         # its length is only a measurement, and the steps train instead of idling at its end.
         stretch = self._pending is not None and self._policy.measuring
@@ -533,8 +535,25 @@ class DiLoCo(_flat.FlatParameters):
             self._synchronise()
         elif not self._rebased and self._pending is not None:
             self._maybe_rebase()
+            if self._rebased and isinstance(self._policy, TimeSteps) and self._stops_after_landed():
+                self._last_round_cut = True
         self._mark = self._clock()
         return synced
+
+    def _stops_after_landed(self) -> bool:
+        """With overlap, once the previous round's synchronisation has landed: whether its
+        agreement stops the run (what `_after_agreement` will decide for it at this round's end,
+        from the same agreed values). Then this round is the last, and with ``time`` it ends at the
+        next step instead of at its deadline: the steps after the decision would only lengthen the
+        final synchronous round and overshoot the budget (a long round at a slow link: by a whole
+        round's samples). ``fixed`` and ``speed`` keep their step counts."""
+        future = self._pending
+        if future is None or not future.done() or future.exception() is not None:
+            return False
+        table = future.result()[0]
+        settled = len(self._history)
+        samples = sum(sum(rec["samples"]) for rec in self._history)
+        return self._stop_decision(table, ahead=True, settled=settled, samples=samples) is not None
 
     def loop(self, batches: Iterable, *, max_rounds: int | None = None, max_samples: int | None = None,
              max_seconds: float | None = None, max_steps: int | None = None) -> Iterator:
@@ -860,6 +879,7 @@ class DiLoCo(_flat.FlatParameters):
         # steps this round before the previous round's late update landed (0: none pending)
         self._r_landed: float | None = None if self._pending is not None else 0
         self._moved_at = []
+        self._last_round_cut = False
 
     def _column(self, delta: torch.Tensor) -> list[float]:
         # One pass: the float64 sum of a float32 vector is finite iff every element is (it cannot
@@ -1175,7 +1195,8 @@ class DiLoCo(_flat.FlatParameters):
             self._stopped = self._stop_reason is not None
         self._last_elapsed = max(table[_ELAPSED])
 
-    def _stop_decision(self, table: list[list[float]], ahead: bool) -> str | None:
+    def _stop_decision(self, table: list[list[float]], ahead: bool, *, settled: int | None = None,
+                       samples: float | None = None) -> str | None:
         """Why every rank stops after this agreement (None: go on); a function of agreed values only.
 
         ``ahead`` (overlap): the table is the previous round's, and stopping now still synchronises
@@ -1183,7 +1204,9 @@ class DiLoCo(_flat.FlatParameters):
         (exact for a fixed schedule; a run whose rounds grow may stop one round late)."""
         if all(d > 0 for d in table[_DONE]):
             return "every rank is out of data (or called finish)"
-        rounds, samples, elapsed = self._settled, sum(self._agreed_totals["samples"]), max(table[_ELAPSED])
+        rounds = self._settled if settled is None else settled
+        samples = sum(self._agreed_totals["samples"]) if samples is None else samples
+        elapsed = max(table[_ELAPSED])
         if ahead:
             rounds += 1
             samples += sum(table[_SAMPLES])

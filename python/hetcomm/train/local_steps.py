@@ -29,7 +29,9 @@ function of those agreed values, so all ranks decide the same without further co
   the second lasts until the first synchronisation has landed, see `LocalStepPolicy.measuring`;
   so do ``speed``'s: their plan then says ``until_landed``).
   With overlap, T is at least `SYNC_MARGIN` times the agreed duration of the last background
-  synchronisation (`LocalStepPolicy.sync_took`): a shorter round ends in idling for it.
+  synchronisation (`LocalStepPolicy.sync_took`): a shorter round ends in idling for it. Until such
+  a duration is agreed (the third round) rounds also last until the synchronisation in flight
+  has landed.
 
 Per-rank batch sizes (for example capped by memory with `hetcomm.partition.probe_max_batch`)
 combine with any policy: the policies count steps and time, whatever a step's batch.
@@ -242,7 +244,7 @@ class TimeSteps(LocalStepPolicy):
         self._fixed_seconds = round_seconds
         self.round_seconds: float | None = round_seconds
         self.deadline: float | None = None
-        self.sync_seconds = 0.0
+        self.sync_seconds: float | None = None       # None: no overlap (never told)
 
     def sync_took(self, seconds: float) -> None:
         self.sync_seconds = float(seconds) if math.isfinite(seconds) and seconds > 0 else 0.0
@@ -254,7 +256,7 @@ class TimeSteps(LocalStepPolicy):
         if t is not None:
             # With overlap a round shorter than the synchronisation in flight ends in idling for
             # it: a round lasts at least that long (with a margin for its spread).
-            self.round_seconds = max(self.steps * max(t), SYNC_MARGIN * self.sync_seconds)
+            self.round_seconds = max(self.steps * max(t), SYNC_MARGIN * (self.sync_seconds or 0.0))
 
     def start_round(self, now: float, start: float | None = None) -> None:
         if self.round_seconds is None:
@@ -269,7 +271,10 @@ class TimeSteps(LocalStepPolicy):
 
     @property
     def measuring(self) -> bool:
-        return self.round_seconds is None
+        # With overlap, also while no synchronisation's duration is agreed yet (the first one's
+        # arrives two rounds after it started): a round planned without it may be far shorter
+        # than the synchronisation in flight (at 10 Mbit/s, 1.1 s of steps and 3.6 s of idling).
+        return self.round_seconds is None or (self._fixed_seconds is None and self.sync_seconds == 0.0)
 
     def plan(self) -> dict:
         return {"policy": self.name, "round_seconds": self.round_seconds}

@@ -526,8 +526,9 @@ def _non_contiguous(cases: Cases, rank: int, ws: int) -> None:
 _REPORTS: dict[tuple, object] = {}
 # The ranks of these jobs share one machine, so hetcomm runs their collectives through shared
 # memory (test_shm.py); these world sizes run the suite once more over TCP (HETCOMM_SHM=0), the
-# ring and recursive doubling that groups spread over hosts use.
-TCP_WORLD_SIZES = [3, 4]
+# ring and recursive doubling that groups spread over hosts use (2: the all-to-all's one peer
+# is both its send and its receive flow).
+TCP_WORLD_SIZES = [2, 3, 4]
 
 
 def _report(world_size: int, tcp: bool = False):

@@ -623,7 +623,7 @@ def test_a_budget_of_the_run_stops_every_rank_at_the_same_round(overlap):
     assert per_rank[0] == per_rank[1] and per_rank[0]["rounds"] == 2, per_rank
 
 
-def train_timed_rounds(rank: int, world: int) -> dict:
+def train_timed_rounds(rank: int, world: int, budget: int) -> dict:
     import time
 
     import hetcomm
@@ -632,25 +632,44 @@ def train_timed_rounds(rank: int, world: int) -> dict:
     opt = torch.optim.SGD(net.parameters(), lr=0.05)
     diloco = hetcomm.DiLoCo(net, opt, local_steps="time", round_seconds=1.0, overlap=True)
     forever = iter(lambda: torch.randn(2, 3), None)
-    for x in diloco.loop(forever, max_rounds=3):
+    for x in diloco.loop(forever, max_samples=budget):
         net(x).pow(2).mean().backward()
         opt.step()
         opt.zero_grad()
         time.sleep(0.02)
         diloco.step(samples=len(x))
-    return {"reason": diloco.stop_reason, "steps": [rec["steps"] for rec in diloco.history]}
+    return {"reason": diloco.stop_reason, "samples": sum(sum(rec["samples"]) for rec in diloco.history),
+            "steps": [rec["steps"] for rec in diloco.history]}
 
 
-def test_with_time_and_overlap_the_last_round_ends_once_the_stop_is_known():
-    """The agreement that stops the run lands early in the last round (a tiny model on one
-    host): that round ends at the next step instead of running to its deadline."""
-    per_rank = run_ranks(2, train_timed_rounds)
+def test_with_time_and_overlap_the_last_round_is_not_a_stub():
+    """The last round is decided on one round late; with ``time`` it is shortened to where the
+    sample budget is predicted to be reached (about half of it here: rounds of about 200 samples),
+    which the run then reaches, neither cut off at the decision nor run to the round's end."""
+    budget = 500
+    per_rank = run_ranks(2, train_timed_rounds, budget)
     assert per_rank[0] == per_rank[1], per_rank
-    steps = per_rank[0]["steps"]
-    assert per_rank[0]["reason"].startswith("max_rounds") and len(steps) == 3, per_rank
-    # About 50 steps of 20 ms fit in a 1 s round; the last one stops after the landing.
-    assert all(s >= 20 for s in steps[1]), steps
-    assert all(s <= steps[1][r] // 2 for r, s in enumerate(steps[2])), steps
+    assert per_rank[0]["reason"].startswith("max_samples"), per_rank
+    assert per_rank[0]["samples"] >= 0.9 * budget, per_rank
+
+
+def test_last_round_fraction_predicts_where_a_budget_is_reached():
+    from hetcomm.train import diloco as d
+
+    def table(max_samples=0.0, max_seconds=0.0):
+        t = [[0.0, 0.0] for _ in range(d._ROWS)]
+        t[d._SAMPLES], t[d._ELAPSED] = [120.0, 80.0], [10.0, 9.0]    # the last agreed round: 200 samples
+        t[d._MAX_SAMPLES], t[d._MAX_SECONDS] = [max_samples] * 2, [max_seconds] * 2
+        return t
+
+    # 400 samples agreed, 200 in the last agreed round, which ended at 10 s (the one before at 8 s).
+    assert d.last_round_fraction(table(max_samples=500), 400, 8.0) == pytest.approx(0.5)
+    assert d.last_round_fraction(table(max_samples=700), 400, 8.0) is None        # not reached
+    assert d.last_round_fraction(table(max_samples=300), 400, 8.0) == 0.0         # already past
+    assert d.last_round_fraction(table(max_seconds=11), 400, 8.0) == pytest.approx(0.5)
+    assert d.last_round_fraction(table(max_samples=550, max_seconds=11), 400, 8.0) == pytest.approx(0.5)
+    assert d.last_round_fraction(table(max_samples=500, max_seconds=11.5), 400, 8.0) == pytest.approx(0.5)
+    assert d.last_round_fraction(table(), 400, 8.0) is None                       # a round budget
 
 
 def test_budgets_that_differ_across_ranks_raise_on_every_rank():

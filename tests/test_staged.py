@@ -74,3 +74,30 @@ def test_medium_allreduces_through_staging(world_size: int, mode: str) -> None:
     env = ALL_STAGED if mode == "segments" else {**EMULATED, "HETCOMM_DEVICE_HOST_REDUCE_BYTES": str(1 << 22)}
     run_suite(world_size, medium_allreduces, families=["medium"], timeout=300, pg_timeout=60,
               env=env).assert_family("medium")
+
+
+def mixed_all_to_all(rank: int, world_size: int, path: str) -> list:
+    import os
+
+    # Rank 0 stages its tensors as a CUDA rank does (exchange by exchange); the others move host
+    # memory with every peer at once (collectives.cc): the headers must still match.
+    os.environ["HETCOMM_SHM"] = "0"
+    if rank == 0:
+        os.environ["HETCOMM_DEBUG_EMULATE_DEVICE"] = "1"
+    dist.init_process_group("hetcomm", init_method=f"file://{path}", rank=rank, world_size=world_size)
+    send = [10 * rank + j + 1 for j in range(world_size)]         # elements to rank j
+    recv = [10 * j + rank + 1 for j in range(world_size)]
+    inp = torch.cat([torch.full((n,), float(100 * rank + j)) for j, n in enumerate(send)])
+    out = torch.zeros(sum(recv))
+    dist.all_to_all_single(out, inp, output_split_sizes=recv, input_split_sizes=send)
+    expected = torch.cat([torch.full((n,), float(100 * j + rank)) for j, n in enumerate(recv)])
+    assert torch.equal(out, expected), (out, expected)
+    return recv
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_all_to_all_between_a_staged_rank_and_host_ranks(world_size: int, tmp_path) -> None:
+    from harness import run_ranks
+
+    results = run_ranks(world_size, mixed_all_to_all, str(tmp_path / "store"), init=None, timeout=120)
+    assert [sum(r) for r in results] == [sum(10 * j + r + 1 for j in range(world_size)) for r in range(world_size)]

@@ -358,11 +358,14 @@ void alltoallv(CollectiveContext& ctx, const char* in, const std::vector<size_t>
     // (a throttled or busy CPU) delays every later step; with all flows in flight the kernel's
     // socket buffers keep the links busy meanwhile.
     FlowGraph g;
+    g.flows.reserve(2 * static_cast<size_t>(P - 1));   // references below stay valid
     for (int s = 1; s < P; ++s) {
       const int to = (r + s) % P, from = (r - s + P) % P;
       Flow& send = g.flow(to, true);
+      send.step = s;   // the headers of the lockstep form (device tensors): mixed groups agree
       if (sendBytes[to] > 0) send.items.push_back(g.add(const_cast<char*>(in + sendOffsets[to]), sendBytes[to], false, {}));
       Flow& recv = g.flow(from, false);
+      recv.step = s;
       if (recvBytes[from] > 0) recv.items.push_back(g.add(out + recvOffsets[from], recvBytes[from], false, {}));
     }
     runFlows(ctx, g);

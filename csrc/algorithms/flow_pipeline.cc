@@ -73,7 +73,7 @@ void runFlows(const CollectiveContext& ctx, const FlowGraph& graph) {
     }
     s.spec.dtype = graph.dtype;
     s.spec.op = graph.op;
-    s.spec.step = graph.step;
+    s.spec.step = f.step >= 0 ? static_cast<uint32_t>(f.step) : graph.step;
     if (f.send) {
       s.spec.sendPeer = f.peer;
       s.spec.sendBytesField = total;
@@ -170,7 +170,7 @@ void runFlows(const CollectiveContext& ctx, const FlowGraph& graph) {
       }
     }
     if (events.empty()) {
-      throw CommError(strCat(ctx.prefix(), ": internal error: the hierarchical schedule stalled with nothing in "
+      throw CommError(strCat(ctx.prefix(), ": internal error: a dataflow schedule stalled with nothing in "
                                            "flight (a dependency cycle); please report it"));
     }
     std::vector<pollfd> fds;

@@ -39,6 +39,9 @@ struct Flow {
   int peer = -1;
   bool send = true;
   std::vector<uint32_t> items;     // indices into FlowGraph::items, in wire order
+  // The header's step field for this flow; -1: the graph's. The all-to-all sets the exchange
+  // step of its lockstep (device) form, so that CPU and CUDA ranks still read each other.
+  int64_t step = -1;
 };
 
 struct FlowGraph {

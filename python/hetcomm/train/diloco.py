@@ -139,7 +139,8 @@ every rank is out; budgets of the run (``max_rounds``, ``max_samples``, ``max_se
 checked against the agreed table of each synchronisation. Either way every rank takes the same
 decision at the same synchronisation, so all leave at the same round boundary whatever the
 policy (with overlap the decision is known one round later: that round is synchronised too;
-with ``time`` it ends at the first step after the decision has landed instead of at its deadline).
+with ``time`` and a sample or time budget it ends where the budget is predicted to be reached,
+`last_round_fraction`, instead of at its deadline).
 
 **Measurements** (per rank, agreed at every synchronisation, see `stats` and `history`):
 *compute* is the time between the rank's calls to `step` (the user's forward, backward, optimizer
@@ -224,6 +225,22 @@ def outer_weights(weighting: str, samples: Sequence[float], steps: Sequence[floa
         tau_eff = sum(pr * t for pr, t in zip(p, steps))
         return [pr * tau_eff / t if t > 0 else 0.0 for pr, t in zip(p, steps)]
     raise ValueError(f"{_PREFIX}: unknown weighting {weighting!r}; expected one of {', '.join(WEIGHTINGS)}")
+
+
+def last_round_fraction(table: Sequence[Sequence[float]], agreed_samples: float, last_elapsed: float) -> float | None:
+    """With overlap, the agreed table of the round before the last and what was agreed before it
+    (samples of every agreed round, the slowest clock at the previous agreement): the share of the
+    last round after which its sample or time budget is predicted to be reached, the last round
+    taken as long as the one before (as `DiLoCo._stop_decision` predicts it); the smaller of the
+    two when both are reached; None when neither is (a round budget, or data that ran out)."""
+    fractions = []
+    limit, last = table[_MAX_SAMPLES][0], sum(table[_SAMPLES])
+    if limit and last > 0 and agreed_samples + last >= limit:
+        fractions.append((limit - agreed_samples) / last)
+    limit, elapsed = table[_MAX_SECONDS][0], max(table[_ELAPSED])
+    if limit and elapsed - last_elapsed > 0 and 2 * elapsed - last_elapsed >= limit:
+        fractions.append((limit - elapsed) / (elapsed - last_elapsed))
+    return min(1.0, max(0.0, min(fractions))) if fractions else None
 
 
 def _fragment_bounds(sizes: Sequence[int], fragments: int) -> list[tuple[int, int, int, int]]:
@@ -523,7 +540,7 @@ class DiLoCo(_flat.FlatParameters):
             self._r_loss_n += n
         self._own_step = dt if self._own_step is None else 0.7 * self._own_step + 0.3 * dt
         self._timeline.append(("compute", self._mark, now))
-        synced = self._policy.round_over(self._r_steps, now, self._own_step) or self._last_round_cut
+        synced = self._policy.round_over(self._r_steps, now, self._own_step)
         # With overlap a measurement round goes on until the previous synchronisation has landed:
         # its length is only a measurement, and the steps train instead of idling at its end.
         stretch = self._pending is not None and self._policy.measuring
@@ -535,25 +552,29 @@ class DiLoCo(_flat.FlatParameters):
             self._synchronise()
         elif not self._rebased and self._pending is not None:
             self._maybe_rebase()
-            if self._rebased and isinstance(self._policy, TimeSteps) and self._stops_after_landed():
-                self._last_round_cut = True
+            if self._rebased and isinstance(self._policy, TimeSteps):
+                self._shorten_last_round()
         self._mark = self._clock()
         return synced
 
-    def _stops_after_landed(self) -> bool:
-        """With overlap, once the previous round's synchronisation has landed: whether its
-        agreement stops the run (what `_after_agreement` will decide for it at this round's end,
-        from the same agreed values). Then this round is the last, and with ``time`` it ends at the
-        next step instead of at its deadline: the steps after the decision would only lengthen the
-        final synchronous round and overshoot the budget (a long round at a slow link: by a whole
-        round's samples). ``fixed`` and ``speed`` keep their step counts."""
-        future = self._pending
-        if future is None or not future.done() or future.exception() is not None:
-            return False
+    def _shorten_last_round(self) -> None:
+        """With ``time`` and overlap, once the previous round's synchronisation has landed: if
+        its agreement will stop the run (`_stop_decision`, at this round's end, from the same agreed
+        values) on a sample or time budget, this round's deadline moves to where that budget is
+        predicted to be reached (`last_round_fraction`) instead of its end: a long round at a slow
+        link would otherwise overshoot it by up to a whole round. A ``max_rounds`` budget keeps the
+        round whole; ``fixed`` and ``speed`` keep their step counts."""
+        future, policy = self._pending, self._policy
+        if (future is None or not future.done() or future.exception() is not None or policy.deadline is None
+                or policy.round_seconds is None):
+            return
         table = future.result()[0]
-        settled = len(self._history)
         samples = sum(sum(rec["samples"]) for rec in self._history)
-        return self._stop_decision(table, ahead=True, settled=settled, samples=samples) is not None
+        if self._stop_decision(table, ahead=True, settled=len(self._history), samples=samples) is None:
+            return
+        fraction = last_round_fraction(table, samples, self._last_elapsed)
+        if fraction is not None:
+            policy.deadline -= (1.0 - fraction) * policy.round_seconds
 
     def loop(self, batches: Iterable, *, max_rounds: int | None = None, max_samples: int | None = None,
              max_seconds: float | None = None, max_steps: int | None = None) -> Iterator:
@@ -786,6 +807,8 @@ class DiLoCo(_flat.FlatParameters):
                               f"this run reduces in {len(self._feedback)}: they start from zero", stacklevel=2)
         self._sync_wall = float(state.get("sync_wall", 0.0))
         self._policy.load_state_dict(state["policy"])
+        if isinstance(self._policy, TimeSteps) and not self.overlap:
+            self._policy.sync_seconds = None   # no overlap: no sync duration (older checkpoints saved 0.0)
         self._times.load_state_dict(state["step_times"])
         self._history = copy.deepcopy(state["history"])
         self._settled = int(state["settled"])
@@ -879,7 +902,6 @@ class DiLoCo(_flat.FlatParameters):
         # steps this round before the previous round's late update landed (0: none pending)
         self._r_landed: float | None = None if self._pending is not None else 0
         self._moved_at = []
-        self._last_round_cut = False
 
     def _column(self, delta: torch.Tensor) -> list[float]:
         # One pass: the float64 sum of a float32 vector is finite iff every element is (it cannot

@@ -146,9 +146,10 @@ class LocalStepPolicy:
 
     @property
     def measuring(self) -> bool:
-        """True in a measurement round (nothing agreed yet to plan it by): its length matters
-        only as a measurement, so with overlap DiLoCo stretches it until the previous
-        synchronisation has landed instead of idling for it."""
+        """True in a measurement round (nothing agreed yet to plan it by; for ``time`` with
+        overlap, also no synchronisation's duration yet): its length matters only as a
+        measurement, so with overlap DiLoCo stretches it until the previous synchronisation has
+        landed instead of idling for it."""
         return False
 
     def plan(self) -> dict:

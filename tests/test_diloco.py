@@ -623,7 +623,7 @@ def test_a_budget_of_the_run_stops_every_rank_at_the_same_round(overlap):
     assert per_rank[0] == per_rank[1] and per_rank[0]["rounds"] == 2, per_rank
 
 
-def train_timed_rounds(rank: int, world: int, budget: int) -> dict:
+def train_timed_rounds(rank: int, world: int, budgets: dict) -> dict:
     import time
 
     import hetcomm
@@ -632,44 +632,54 @@ def train_timed_rounds(rank: int, world: int, budget: int) -> dict:
     opt = torch.optim.SGD(net.parameters(), lr=0.05)
     diloco = hetcomm.DiLoCo(net, opt, local_steps="time", round_seconds=1.0, overlap=True)
     forever = iter(lambda: torch.randn(2, 3), None)
-    for x in diloco.loop(forever, max_samples=budget):
+    for x in diloco.loop(forever, **budgets):
         net(x).pow(2).mean().backward()
         opt.step()
         opt.zero_grad()
         time.sleep(0.02)
         diloco.step(samples=len(x))
     return {"reason": diloco.stop_reason, "samples": sum(sum(rec["samples"]) for rec in diloco.history),
-            "steps": [rec["steps"] for rec in diloco.history]}
+            "steps": [sum(rec["steps"]) for rec in diloco.history]}
 
 
-def test_with_time_and_overlap_the_last_round_is_not_a_stub():
-    """The last round is decided on one round late; with ``time`` it is shortened to where the
-    sample budget is predicted to be reached (about half of it here: rounds of about 200 samples),
-    which the run then reaches, neither cut off at the decision nor run to the round's end."""
-    budget = 500
-    per_rank = run_ranks(2, train_timed_rounds, budget)
+def test_with_time_and_overlap_the_last_round_ends_near_the_sample_budget():
+    """The last round is decided on one round late; with ``time`` it ends where the sample
+    budget is predicted to be reached: rounds of about 200 samples here (1 s of 20 ms steps on 2
+    ranks), so a budget of 440 is reached about a fifth into the third round, which ran whole
+    before (about 600 samples). A round budget keeps the last round whole."""
+    budget = 440
+    per_rank = run_ranks(2, train_timed_rounds, {"max_samples": budget})
     assert per_rank[0] == per_rank[1], per_rank
     assert per_rank[0]["reason"].startswith("max_samples"), per_rank
-    assert per_rank[0]["samples"] >= 0.9 * budget, per_rank
+    assert 0.9 * budget <= per_rank[0]["samples"] <= 1.2 * budget, per_rank
+    per_rank = run_ranks(2, train_timed_rounds, {"max_rounds": 3})
+    assert per_rank[0] == per_rank[1] and per_rank[0]["reason"].startswith("max_rounds"), per_rank
+    steps = per_rank[0]["steps"]
+    assert len(steps) == 3 and steps[2] >= 0.7 * steps[1], per_rank
 
 
-def test_last_round_fraction_predicts_where_a_budget_is_reached():
+def test_last_round_seconds_predicts_where_a_budget_is_reached():
     from hetcomm.train import diloco as d
 
     def table(max_samples=0.0, max_seconds=0.0):
         t = [[0.0, 0.0] for _ in range(d._ROWS)]
-        t[d._SAMPLES], t[d._ELAPSED] = [120.0, 80.0], [10.0, 9.0]    # the last agreed round: 200 samples
+        # The last agreed round: 200 samples in 2 s of compute (the slowest rank), ending at 10 s.
+        t[d._SAMPLES], t[d._COMPUTE], t[d._ELAPSED] = [120.0, 80.0], [2.0, 1.5], [10.0, 9.0]
         t[d._MAX_SAMPLES], t[d._MAX_SECONDS] = [max_samples] * 2, [max_seconds] * 2
         return t
 
-    # 400 samples agreed, 200 in the last agreed round, which ended at 10 s (the one before at 8 s).
-    assert d.last_round_fraction(table(max_samples=500), 400, 8.0) == pytest.approx(0.5)
-    assert d.last_round_fraction(table(max_samples=700), 400, 8.0) is None        # not reached
-    assert d.last_round_fraction(table(max_samples=300), 400, 8.0) == 0.0         # already past
-    assert d.last_round_fraction(table(max_seconds=11), 400, 8.0) == pytest.approx(0.5)
-    assert d.last_round_fraction(table(max_samples=550, max_seconds=11), 400, 8.0) == pytest.approx(0.5)
-    assert d.last_round_fraction(table(max_samples=500, max_seconds=11.5), 400, 8.0) == pytest.approx(0.5)
-    assert d.last_round_fraction(table(), 400, 8.0) is None                       # a round budget
+    # 400 samples agreed before: a budget of 500 is 100 samples, 1 s, into the next round.
+    assert d.last_round_seconds(table(max_samples=500), 400) == pytest.approx(1.0)
+    assert d.last_round_seconds(table(max_samples=700), 400) is None         # not reached
+    assert d.last_round_seconds(table(max_samples=300), 400) == 0.0          # already past
+    assert d.last_round_seconds(table(max_seconds=10.5), 400) == pytest.approx(0.5)
+    assert d.last_round_seconds(table(max_seconds=9), 400) == 0.0
+    assert d.last_round_seconds(table(max_samples=550, max_seconds=10.5), 400) == pytest.approx(0.5)
+    assert d.last_round_seconds(table(max_samples=500, max_seconds=12), 400) == pytest.approx(1.0)
+    assert d.last_round_seconds(table(), 400) is None                        # a round budget
+    empty = table(max_samples=500)
+    empty[d._SAMPLES] = [0.0, 0.0]
+    assert d.last_round_seconds(empty, 400) is None                          # no rate to predict by
 
 
 def test_budgets_that_differ_across_ranks_raise_on_every_rank():

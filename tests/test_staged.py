@@ -85,19 +85,21 @@ def mixed_all_to_all(rank: int, world_size: int, path: str) -> list:
     if rank == 0:
         os.environ["HETCOMM_DEBUG_EMULATE_DEVICE"] = "1"
     dist.init_process_group("hetcomm", init_method=f"file://{path}", rank=rank, world_size=world_size)
-    send = [10 * rank + j + 1 for j in range(world_size)]         # elements to rank j
-    recv = [10 * j + rank + 1 for j in range(world_size)]
+    def size(src: int, dst: int) -> int:                          # rank 0 sends rank 1 nothing
+        return 0 if (src, dst) == (0, 1) else 10 * src + dst + 1
+
+    send = [size(rank, j) for j in range(world_size)]
+    recv = [size(j, rank) for j in range(world_size)]
     inp = torch.cat([torch.full((n,), float(100 * rank + j)) for j, n in enumerate(send)])
     out = torch.zeros(sum(recv))
     dist.all_to_all_single(out, inp, output_split_sizes=recv, input_split_sizes=send)
     expected = torch.cat([torch.full((n,), float(100 * j + rank)) for j, n in enumerate(recv)])
     assert torch.equal(out, expected), (out, expected)
-    return recv
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_all_to_all_between_a_staged_rank_and_host_ranks(world_size: int, tmp_path) -> None:
     from harness import run_ranks
 
-    results = run_ranks(world_size, mixed_all_to_all, str(tmp_path / "store"), init=None, timeout=120)
-    assert [sum(r) for r in results] == [sum(10 * j + r + 1 for j in range(world_size)) for r in range(world_size)]
+    # Fails (RankFailure) when a rank raises, e.g. on a header it did not expect, or gets wrong data.
+    run_ranks(world_size, mixed_all_to_all, str(tmp_path / "store"), init=None, timeout=120)

@@ -140,7 +140,7 @@ checked against the agreed table of each synchronisation. Either way every rank 
 decision at the same synchronisation, so all leave at the same round boundary whatever the
 policy (with overlap the decision is known one round later: that round is synchronised too;
 with ``time`` and a sample or time budget it ends where the budget is predicted to be reached,
-`last_round_fraction`, instead of at its deadline).
+`last_round_seconds`, if that is before its deadline).
 
 **Measurements** (per rank, agreed at every synchronisation, see `stats` and `history`):
 *compute* is the time between the rank's calls to `step` (the user's forward, backward, optimizer
@@ -227,20 +227,23 @@ def outer_weights(weighting: str, samples: Sequence[float], steps: Sequence[floa
     raise ValueError(f"{_PREFIX}: unknown weighting {weighting!r}; expected one of {', '.join(WEIGHTINGS)}")
 
 
-def last_round_fraction(table: Sequence[Sequence[float]], agreed_samples: float, last_elapsed: float) -> float | None:
-    """With overlap, the agreed table of the round before the last and what was agreed before it
-    (samples of every agreed round, the slowest clock at the previous agreement): the share of the
-    last round after which its sample or time budget is predicted to be reached, the last round
-    taken as long as the one before (as `DiLoCo._stop_decision` predicts it); the smaller of the
-    two when both are reached; None when neither is (a round budget, or data that ran out)."""
-    fractions = []
-    limit, last = table[_MAX_SAMPLES][0], sum(table[_SAMPLES])
-    if limit and last > 0 and agreed_samples + last >= limit:
-        fractions.append((limit - agreed_samples) / last)
+def last_round_seconds(table: Sequence[Sequence[float]], agreed_samples: float) -> float | None:
+    """With overlap, from the agreed table of the round before the last and the samples of every
+    agreed round: after how many seconds of the last round its sample or time budget is
+    predicted to be reached. Samples: the budget left at the previous round's rate (its samples
+    over its slowest rank's compute seconds, so idling does not count); time: the budget left
+    after the previous round's end (the slowest clock then). The sooner of the two when both are
+    set and reached; None when neither is (a round budget, or data that ran out)."""
+    seconds = []
+    limit, last, compute = table[_MAX_SAMPLES][0], sum(table[_SAMPLES]), max(table[_COMPUTE])
+    if limit and last > 0 and compute > 0 and agreed_samples + last >= limit:
+        seconds.append((limit - agreed_samples) * compute / last)
     limit, elapsed = table[_MAX_SECONDS][0], max(table[_ELAPSED])
-    if limit and elapsed - last_elapsed > 0 and 2 * elapsed - last_elapsed >= limit:
-        fractions.append((limit - elapsed) / (elapsed - last_elapsed))
-    return min(1.0, max(0.0, min(fractions))) if fractions else None
+    if limit and elapsed < limit:
+        seconds.append(limit - elapsed)
+    elif limit:
+        seconds.append(0.0)
+    return max(0.0, min(seconds)) if seconds else None
 
 
 def _fragment_bounds(sizes: Sequence[int], fragments: int) -> list[tuple[int, int, int, int]]:
@@ -561,7 +564,7 @@ class DiLoCo(_flat.FlatParameters):
         """With ``time`` and overlap, once the previous round's synchronisation has landed: if
         its agreement will stop the run (`_stop_decision`, at this round's end, from the same agreed
         values) on a sample or time budget, this round's deadline moves to where that budget is
-        predicted to be reached (`last_round_fraction`) instead of its end: a long round at a slow
+        predicted to be reached (`last_round_seconds`) if that is sooner: a long round at a slow
         link would otherwise overshoot it by up to a whole round. A ``max_rounds`` budget keeps the
         round whole; ``fixed`` and ``speed`` keep their step counts."""
         future, policy = self._pending, self._policy
@@ -572,9 +575,9 @@ class DiLoCo(_flat.FlatParameters):
         samples = sum(sum(rec["samples"]) for rec in self._history)
         if self._stop_decision(table, ahead=True, settled=len(self._history), samples=samples) is None:
             return
-        fraction = last_round_fraction(table, samples, self._last_elapsed)
-        if fraction is not None:
-            policy.deadline -= (1.0 - fraction) * policy.round_seconds
+        seconds = last_round_seconds(table, samples)
+        if seconds is not None:
+            policy.deadline = min(policy.deadline, policy.deadline - policy.round_seconds + seconds)
 
     def loop(self, batches: Iterable, *, max_rounds: int | None = None, max_samples: int | None = None,
              max_seconds: float | None = None, max_steps: int | None = None) -> Iterator:
@@ -835,6 +838,8 @@ class DiLoCo(_flat.FlatParameters):
             self._moved = self._landed if self._rebased else 0
         self._reset_round()
         self._policy.start_round(self._clock())
+        if self._pending is not None and self._rebased and isinstance(self._policy, TimeSteps):
+            self._shorten_last_round()                 # as if the update had landed at once
         self._mark = self._clock()
 
     # ---- results -----------------------------------------------------------------------------

@@ -139,7 +139,7 @@ every rank is out; budgets of the run (``max_rounds``, ``max_samples``, ``max_se
 checked against the agreed table of each synchronisation. Either way every rank takes the same
 decision at the same synchronisation, so all leave at the same round boundary whatever the
 policy (with overlap the decision is known one round later: that round is synchronised too;
-with ``time`` and a sample or time budget it ends where the budget is predicted to be reached,
+with ``time`` and a sample budget it ends where the budget is predicted to be reached,
 `last_round_seconds`, if that is before its deadline).
 
 **Measurements** (per rank, agreed at every synchronisation, see `stats` and `history`):
@@ -229,21 +229,14 @@ def outer_weights(weighting: str, samples: Sequence[float], steps: Sequence[floa
 
 def last_round_seconds(table: Sequence[Sequence[float]], agreed_samples: float) -> float | None:
     """With overlap, from the agreed table of the round before the last and the samples of every
-    agreed round: after how many seconds of the last round its sample or time budget is
-    predicted to be reached. Samples: the budget left at the previous round's rate (its samples
-    over its slowest rank's compute seconds, so idling does not count); time: the budget left
-    after the previous round's end (the slowest clock then). The sooner of the two when both are
-    set and reached; None when neither is (a round budget, or data that ran out)."""
-    seconds = []
+    agreed round: after how many seconds of computing in the last round its sample budget is
+    predicted to be reached, at the previous round's rate (its samples over its slowest rank's
+    compute seconds, so idling does not count). None when there is no sample budget, it is not
+    reached, or there is no rate to predict by."""
     limit, last, compute = table[_MAX_SAMPLES][0], sum(table[_SAMPLES]), max(table[_COMPUTE])
-    if limit and last > 0 and compute > 0 and agreed_samples + last >= limit:
-        seconds.append((limit - agreed_samples) * compute / last)
-    limit, elapsed = table[_MAX_SECONDS][0], max(table[_ELAPSED])
-    if limit and elapsed < limit:
-        seconds.append(limit - elapsed)
-    elif limit:
-        seconds.append(0.0)
-    return max(0.0, min(seconds)) if seconds else None
+    if not (limit and last > 0 and compute > 0 and agreed_samples + last >= limit):
+        return None
+    return max(0.0, (limit - agreed_samples) * compute / last)
 
 
 def _fragment_bounds(sizes: Sequence[int], fragments: int) -> list[tuple[int, int, int, int]]:
@@ -563,10 +556,11 @@ class DiLoCo(_flat.FlatParameters):
     def _shorten_last_round(self) -> None:
         """With ``time`` and overlap, once the previous round's synchronisation has landed: if
         its agreement will stop the run (`_stop_decision`, at this round's end, from the same agreed
-        values) on a sample or time budget, this round's deadline moves to where that budget is
-        predicted to be reached (`last_round_seconds`) if that is sooner: a long round at a slow
-        link would otherwise overshoot it by up to a whole round. A ``max_rounds`` budget keeps the
-        round whole; ``fixed`` and ``speed`` keep their step counts."""
+        values) and a sample budget is set, this round's deadline moves to where that budget is
+        predicted to be reached (`last_round_seconds` of computing, less what this rank has
+        computed so far, from now) if that is sooner: a long round at a slow link would otherwise
+        overshoot it by up to a whole round. Round and time budgets keep the round whole; ``fixed``
+        and ``speed`` keep their step counts."""
         future, policy = self._pending, self._policy
         if (future is None or not future.done() or future.exception() is not None or policy.deadline is None
                 or policy.round_seconds is None):
@@ -577,7 +571,7 @@ class DiLoCo(_flat.FlatParameters):
             return
         seconds = last_round_seconds(table, samples)
         if seconds is not None:
-            policy.deadline = min(policy.deadline, policy.deadline - policy.round_seconds + seconds)
+            policy.deadline = min(policy.deadline, self._clock() + max(0.0, seconds - self._r_compute))
 
     def loop(self, batches: Iterable, *, max_rounds: int | None = None, max_samples: int | None = None,
              max_seconds: float | None = None, max_steps: int | None = None) -> Iterator:
@@ -838,8 +832,6 @@ class DiLoCo(_flat.FlatParameters):
             self._moved = self._landed if self._rebased else 0
         self._reset_round()
         self._policy.start_round(self._clock())
-        if self._pending is not None and self._rebased and isinstance(self._policy, TimeSteps):
-            self._shorten_last_round()                 # as if the update had landed at once
         self._mark = self._clock()
 
     # ---- results -----------------------------------------------------------------------------

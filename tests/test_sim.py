@@ -64,6 +64,21 @@ def test_spec_world_size_and_validation():
     assert sim_main.tcp_cc_arg("reno") == "reno"
 
 
+def test_cpu_period_is_validated_and_described():
+    assert SimSpec(cpu_quota=[0.5, 0.25]).cpu_period_ms == 100.0
+    assert "period" not in SimSpec(cpu_quota=[0.5, 0.25]).describe()
+    assert "CPU quota 0.5,0.25 (period 10 ms)" in SimSpec(cpu_quota=[0.5, 0.25], cpu_period_ms=10).describe()
+    for bad in (0.5, 1001, float("nan")):
+        with pytest.raises(SimError, match="between 1 and 1000 ms"):
+            SimSpec(nprocs=2, cpu_period_ms=bad)
+    with pytest.raises(SimError, match=r"cpu_quota\[1\] = 0.05 .* below the kernel's 1 ms"):
+        SimSpec(cpu_quota=[1, 0.05], cpu_period_ms=10)        # 0.5 ms a period
+    spec = SimSpec(cpu_quota=[0.5, 0.25], cpu_period_ms=10)
+    assert SimSpec.from_json(spec.to_json()) == spec
+    args = sim_main.build_parser().parse_args(["--cpu-quota", "0.5,0.25", "--cpu-period-ms", "20", "--", "true"])
+    assert sim_main.spec_from_args(args).cpu_period_ms == 20
+
+
 @pytest.mark.parametrize("host, available, allowed, expected", [
     # a kernel that lets namespaces choose cubic (the common case): cubic, written
     ("bbr", "reno bbr cubic", "reno bbr cubic", ("cubic", True, "")),
@@ -430,6 +445,37 @@ def test_cpu_quota_slows_a_cpu_loop():
         pytest.skip(f"machine too busy to show the ratio: the unthrottled rank got only "
                     f"{full['share']:.2f} of a core (the 0.25 cap held: {quarter['share']:.2f})")
     assert ratio > 2
+
+
+@needs_netns
+def test_cpu_period_reaches_the_cgroups(monkeypatch):
+    """The period goes into every rank's cgroup and the quota scales with it (cpu.cfs_period_us and
+    cpu.cfs_quota_us on cgroup v1, cpu.max on v2); SimCluster passes the spec's period on."""
+    from hetcomm.sim import cgroups as sim_cgroups
+
+    cg = sim_cgroups.CpuCgroups(f"hcsim-t{secrets.token_hex(3)}", [0.5, 0.25], period_us=10000)
+    try:
+        cg.setup()
+        for d, quota_us in zip(cg.dirs, ("5000", "2500")):
+            if cg.version == 1:
+                got = [open(os.path.join(d, f)).read().split() for f in ("cpu.cfs_period_us", "cpu.cfs_quota_us")]
+                assert got == [["10000"], [quota_us]], got
+            else:
+                assert open(os.path.join(d, "cpu.max")).read().split() == [quota_us, "10000"]
+    finally:
+        assert cg.teardown() == []
+    seen = {}
+
+    class Recording(sim_cgroups.CpuCgroups):
+        def __init__(self, *args, **kwargs):
+            seen.update(kwargs)
+            super().__init__(*args, **kwargs)
+
+    import hetcomm.sim.cluster as sim_cluster
+    monkeypatch.setattr(sim_cluster, "CpuCgroups", Recording)
+    with SimCluster(SimSpec(cpu_quota=[0.5, 0.25], cpu_period_ms=20)):
+        pass
+    assert seen.get("period_us") == 20000, seen
 
 
 ENV_DUMP = ("import json, os\n"

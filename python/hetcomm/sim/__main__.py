@@ -85,6 +85,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "with at least two sites)")
     g.add_argument("--cpu-quota", metavar="LIST", help="per-rank CPU quota in cores, e.g. 1,1,0.5,0.25 "
                    "(cgroup cpu controller); must sum to at most the number of cores")
+    g.add_argument("--cpu-period-ms", type=float, default=100.0, metavar="MS",
+                   help="CFS period of the CPU quotas (default 100): a shorter one throttles in shorter "
+                        "pieces, so a rank's network thread waits less for its next share")
     g.add_argument("--allow-oversubscribe", action="store_true",
                    help="only warn when the quotas sum to more than the cores")
     g.add_argument("--latency-ms", type=float, default=0.0, help="one-way delay added on each rank's "
@@ -145,6 +148,7 @@ def spec_from_args(args: argparse.Namespace) -> SimSpec:
         inter_mbit=_parse_rate(args.inter_mbit, "--inter-mbit") if args.inter_mbit else None,
         wan_mbit=_parse_rate(wan, "--wan-mbit") if wan else None,
         cpu_quota=quota,
+        cpu_period_ms=getattr(args, "cpu_period_ms", 100.0),   # hetcomm.bench's namespace may not carry it
         latency_ms=args.latency_ms,
         nprocs=n,
         tcp_cc=tcp_cc_arg(getattr(args, "tcp_cc", None)),

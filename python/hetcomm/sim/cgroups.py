@@ -1,8 +1,9 @@
 """Per-rank CPU quotas with cgroups (v1 ``cpu`` controller, else cgroup v2 ``cpu.max``).
 
 Layout: one directory per run, ``<cpu hierarchy>/hcsim-<id>``, with one child per rank,
-``r<k>``. v1: ``cpu.cfs_period_us = 100000`` and ``cpu.cfs_quota_us = quota * 100000`` in the
-child. v2: ``cpu.max = "<quota*100000> 100000"`` (the ``cpu`` controller is enabled in the
+``r<k>``. v1: ``cpu.cfs_period_us = P`` and ``cpu.cfs_quota_us = quota * P`` in the child
+(P = 100000 µs unless the spec's ``cpu_period_ms`` says otherwise). v2: ``cpu.max = "<quota*P>
+P"`` (the ``cpu`` controller is enabled in the
 parents' ``cgroup.subtree_control`` first). A rank's process joins its cgroup before it execs
 anything (see :meth:`CpuCgroups.wrap`), so everything it starts is throttled too.
 
@@ -68,8 +69,9 @@ class CpuCgroups:
     """The CPU cgroups of one run: ``setup()``, ``procs_file(rank)``, ``teardown()``."""
 
     def __init__(self, run_name: str, quotas: Sequence[float], root: Optional[str] = None,
-                 version: Optional[int] = None):
+                 version: Optional[int] = None, period_us: int = PERIOD_US):
         self.quotas = list(quotas)
+        self.period_us = int(period_us)
         if root is None:
             root, version = find_cpu_hierarchy()
         self.root = root
@@ -92,13 +94,13 @@ class CpuCgroups:
             self._enable_cpu(self.base)
         for d, q in zip(self.dirs, self.quotas):
             self._mkdir(d)
-            quota_us = max(1000, int(round(q * PERIOD_US)))
+            quota_us = max(1000, int(round(q * self.period_us)))
             try:
                 if self.version == 1:
-                    _write(os.path.join(d, "cpu.cfs_period_us"), str(PERIOD_US))
+                    _write(os.path.join(d, "cpu.cfs_period_us"), str(self.period_us))
                     _write(os.path.join(d, "cpu.cfs_quota_us"), str(quota_us))
                 else:
-                    _write(os.path.join(d, "cpu.max"), f"{quota_us} {PERIOD_US}")
+                    _write(os.path.join(d, "cpu.max"), f"{quota_us} {self.period_us}")
             except OSError as e:
                 raise SimError(f"cannot set the CPU quota of {d}: {e}") from e
 

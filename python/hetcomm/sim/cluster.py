@@ -181,7 +181,8 @@ class SimCluster:
             self._claim_id()
             self._build_network()
             if self.spec.cpu_quota is not None:
-                self._cgroups = CpuCgroups(self.cgroup_name, self.spec.cpu_quota)
+                self._cgroups = CpuCgroups(self.cgroup_name, self.spec.cpu_quota,
+                                           period_us=int(round(self.spec.cpu_period_ms * 1000)))
                 self._cgroups.setup()
         except BaseException:
             self.teardown(reraise_deferred=False)

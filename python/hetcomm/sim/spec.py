@@ -163,6 +163,12 @@ class SimSpec:
         simulated network of a hosts cluster is :meth:`network_spec`, one node per host.
         None: every rank is its own host (its own namespace and NIC).
     cpu_quota: per-rank CPU quota in cores (1.0 = one core, 0.25 = a quarter); None = no cgroup.
+    cpu_period_ms: the CFS period of the quotas (1 to 1000 ms, default 100): every period a rank
+        may run quota × period of CPU time, then waits for the next. A rank that stands for a
+        slow GPU but whose network thread must also wait for the next period (up to
+        (1 − quota) × period each time) communicates slower than a host would; a shorter period
+        shrinks those waits at the same quota. quota × period must be at least 1 ms (the
+        kernel's smallest quota).
     latency_ms: one-way delay added on each rank's egress (netem; the kernel must have it).
     nprocs: world size when no per-rank list gives it.
     tcp_cc: TCP congestion control of every namespace of the cluster: a name, ``None`` (inherit
@@ -185,6 +191,7 @@ class SimSpec:
     inter_mbit: Optional[float] = None
     wan_mbit: Optional[float] = None
     cpu_quota: Optional[list[float]] = None
+    cpu_period_ms: float = 100.0
     latency_ms: float = 0.0
     nprocs: Optional[int] = None
     tcp_cc: Optional[str] = DEFAULT_TCP_CC
@@ -288,6 +295,14 @@ class SimSpec:
             for i, q in enumerate(self.cpu_quota):
                 if not (q > 0 and math.isfinite(q)) or q < 0.01:
                     raise SimError(f"cpu_quota[{i}] = {q}: must be a number of cores >= 0.01")
+        if not (math.isfinite(self.cpu_period_ms) and 1.0 <= self.cpu_period_ms <= 1000.0):
+            raise SimError(f"cpu_period_ms = {self.cpu_period_ms}: must be between 1 and 1000 ms")
+        if self.cpu_quota is not None:
+            for i, q in enumerate(self.cpu_quota):
+                if q * self.cpu_period_ms < 1.0:
+                    raise SimError(f"cpu_quota[{i}] = {q} with cpu_period_ms = {self.cpu_period_ms:g}: the quota "
+                                   f"per period ({q * self.cpu_period_ms:g} ms) is below the kernel's 1 ms; "
+                                   "use a longer period")
         if not (self.latency_ms >= 0 and math.isfinite(self.latency_ms)):
             raise SimError(f"latency_ms = {self.latency_ms}: must be >= 0")
         if self.tcp_cc is not None and not re.fullmatch(r"[a-z][a-z0-9_]{0,15}", self.tcp_cc):
@@ -432,7 +447,8 @@ class SimSpec:
         elif self.link_mbit is not None:
             parts.append("links Mbit/s " + format_matrix(self.links() or []))
         if self.cpu_quota is not None:
-            parts.append("CPU quota " + ",".join(f"{q:g}" for q in self.cpu_quota))
+            parts.append("CPU quota " + ",".join(f"{q:g}" for q in self.cpu_quota)
+                         + (f" (period {self.cpu_period_ms:g} ms)" if self.cpu_period_ms != 100.0 else ""))
         if self.latency_ms:
             parts.append(f"latency {self.latency_ms:g} ms one-way")
         if not self.shaped:

@@ -9,8 +9,8 @@ differ. Each ``--groupings`` entry is a value of the example's ``--workers`` (``
 a worker; ``a,a,b,b``: two workers of two ranks, data parallel inside; ``a,a,a,a``: one worker,
 plain data parallelism with an outer step on top)::
 
-    python benchmarks/diloco_local.py --seeds 1,2 --json benchmarks/results/diloco_local_outer.json \\
-        -- --outer-momentum 0 --outer-lr 1.0
+    python benchmarks/diloco_local.py --groupings 'ranks;a,a,b,b' --variants \\
+        '--outer-momentum 0.9 --outer-lr 0.7;--outer-momentum 0 --outer-lr 1.0;--outer-momentum 0.5 --outer-lr 0.5'
     python benchmarks/diloco_local.py --groupings ranks --variants \\
         ';--overlap --overlap-steps 4 --early-weight 1;--overlap --overlap-steps 4 --early-weight 0.5'
 

@@ -623,7 +623,7 @@ def test_a_budget_of_the_run_stops_every_rank_at_the_same_round(overlap):
     assert per_rank[0] == per_rank[1] and per_rank[0]["rounds"] == 2, per_rank
 
 
-def train_timed_rounds(rank: int, world: int, budgets: dict) -> dict:
+def train_timed_rounds(rank: int, world: int, budgets: dict, slow_reduction: bool = False) -> dict:
     import time
 
     import hetcomm
@@ -631,6 +631,15 @@ def train_timed_rounds(rank: int, world: int, budgets: dict) -> dict:
     net = nn.Linear(3, 1)
     opt = torch.optim.SGD(net.parameters(), lr=0.05)
     diloco = hetcomm.DiLoCo(net, opt, local_steps="time", round_seconds=1.0, overlap=True)
+    if slow_reduction:
+        # A slow link: the background reduction lands 0.9 s into each 1 s round.
+        from hetcomm import compress
+        reduce = compress.weighted_allreduce
+
+        def slow(*args, **kwargs):
+            time.sleep(0.9)
+            return reduce(*args, **kwargs)
+        compress.weighted_allreduce = slow
     forever = iter(lambda: torch.randn(2, 3), None)
     for x in diloco.loop(forever, **budgets):
         net(x).pow(2).mean().backward()
@@ -656,6 +665,17 @@ def test_with_time_and_overlap_the_last_round_ends_near_the_sample_budget():
     assert per_rank[0] == per_rank[1] and per_rank[0]["reason"].startswith("max_rounds"), per_rank
     steps = per_rank[0]["steps"]
     assert len(steps) == 3 and steps[2] >= 0.7 * steps[1], per_rank
+
+
+def test_the_last_round_is_shortened_from_the_agreement_not_the_landing():
+    """The decision to shorten the last round needs only the agreed table, which the background
+    synchronisation has at its start; its update lands 0.9 s into the round here, long after the
+    point where the budget is reached (about 0.2 s in): waiting for the landing overshot to about 580."""
+    budget = 440
+    per_rank = run_ranks(2, train_timed_rounds, {"max_samples": budget}, True)
+    assert per_rank[0] == per_rank[1], per_rank
+    assert per_rank[0]["reason"].startswith("max_samples"), per_rank
+    assert 0.9 * budget <= per_rank[0]["samples"] <= 1.2 * budget, per_rank
 
 
 def test_last_round_seconds_predicts_where_a_budget_is_reached():

@@ -77,6 +77,8 @@ def test_cpu_period_is_validated_and_described():
     assert SimSpec.from_json(spec.to_json()) == spec
     args = sim_main.build_parser().parse_args(["--cpu-quota", "0.5,0.25", "--cpu-period-ms", "20", "--", "true"])
     assert sim_main.spec_from_args(args).cpu_period_ms == 20
+    with pytest.raises(SimError, match="needs --cpu-quota"):
+        sim_main.spec_from_args(sim_main.build_parser().parse_args(["--nprocs", "2", "--cpu-period-ms", "10", "--", "true"]))
 
 
 @pytest.mark.parametrize("host, available, allowed, expected", [
@@ -463,7 +465,8 @@ def test_cpu_period_reaches_the_cgroups(monkeypatch):
             else:
                 assert open(os.path.join(d, "cpu.max")).read().split() == [quota_us, "10000"]
     finally:
-        assert cg.teardown() == []
+        left = cg.teardown()
+    assert left == [], left
     seen = {}
 
     class Recording(sim_cgroups.CpuCgroups):
@@ -473,7 +476,7 @@ def test_cpu_period_reaches_the_cgroups(monkeypatch):
 
     import hetcomm.sim.cluster as sim_cluster
     monkeypatch.setattr(sim_cluster, "CpuCgroups", Recording)
-    with SimCluster(SimSpec(cpu_quota=[0.5, 0.25], cpu_period_ms=20)):
+    with SimCluster(SimSpec(cpu_quota=[0.5, 0.25], cpu_period_ms=20), log=lambda s: None):
         pass
     assert seen.get("period_us") == 20000, seen
 

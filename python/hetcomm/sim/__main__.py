@@ -138,6 +138,9 @@ def spec_from_args(args: argparse.Namespace) -> SimSpec:
 
     nic = bcast(parse_rate_list(args.nic_mbit, "--nic-mbit")) if args.nic_mbit else None
     quota = bcast(parse_float_list(args.cpu_quota, "--cpu-quota")) if args.cpu_quota else None
+    period = getattr(args, "cpu_period_ms", 100.0)   # hetcomm.bench's namespace may not carry it
+    if quota is None and period != 100.0:
+        raise SimError("--cpu-period-ms sets the period of the CPU quotas: it needs --cpu-quota")
     wan = getattr(args, "wan_mbit", None)  # hetcomm.bench's namespace may not carry it
     hosts = getattr(args, "hosts", None)
     return SimSpec(
@@ -148,7 +151,7 @@ def spec_from_args(args: argparse.Namespace) -> SimSpec:
         inter_mbit=_parse_rate(args.inter_mbit, "--inter-mbit") if args.inter_mbit else None,
         wan_mbit=_parse_rate(wan, "--wan-mbit") if wan else None,
         cpu_quota=quota,
-        cpu_period_ms=getattr(args, "cpu_period_ms", 100.0),   # hetcomm.bench's namespace may not carry it
+        cpu_period_ms=period,
         latency_ms=args.latency_ms,
         nprocs=n,
         tcp_cc=tcp_cc_arg(getattr(args, "tcp_cc", None)),

@@ -72,6 +72,10 @@ CONFIGS = {
     "fixed-int8-overlap-f4": ["--local-steps", "fixed", "--compress", "int8", "--overlap", "--fragments", "4"],
     "flat-time-int8": ["--local-steps", "time", "--compress", "int8", "--workers", "ranks"],
     "fixed-int8": ["--local-steps", "fixed", "--compress", "int8"],
+    # int4: half int8's bytes, for links too slow for int8 to overlap a round
+    "time-int4": ["--local-steps", "time", "--compress", "int4"],
+    "time-int4-overlap-f4": ["--local-steps", "time", "--compress", "int4", "--overlap", "--fragments", "4"],
+    "fixed-int4": ["--local-steps", "fixed", "--compress", "int4"],
     "speed-samples": ["--local-steps", "speed", "--weighting", "samples"],
     "time-samples": ["--local-steps", "time", "--weighting", "samples"],
     "speed-uniform": ["--local-steps", "speed", "--weighting", "uniform"],

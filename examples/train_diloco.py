@@ -38,7 +38,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--local-steps", choices=["fixed", "speed", "time"], default="time")
     p.add_argument("--steps", type=int, default=8, help="H: steps per round (the slowest rank's)")
     p.add_argument("--weighting", choices=["batch", "samples", "uniform", "normalized"], default="batch")
-    p.add_argument("--compress", choices=["fp32", "bf16", "fp16", "int8"], default="fp32")
+    p.add_argument("--compress", choices=["fp32", "bf16", "fp16", "int8", "int4"], default="fp32")
     p.add_argument("--error-feedback", action="store_true")
     p.add_argument("--overlap", action="store_true", help="synchronise in the background while the next round runs")
     p.add_argument("--overlap-steps", type=int, default=None,
@@ -159,7 +159,7 @@ def main(argv=None) -> int:
         "sync_seconds": stats["sync_seconds"], "bytes_sent": stats["bytes_sent"],
         "steps_per_rank": stats["steps"], "samples_per_rank": stats["samples"],
         "workers": stats["workers"], "wan_bytes": stats["wan_bytes"], "wan_bytes_per_round": stats["wan_bytes_per_round"],
-        "sync_bytes_per_element": {"fp32": 4, "bf16": 2, "fp16": 2, "int8": 1}[args.compress],
+        "sync_bytes_per_element": {"fp32": 4, "bf16": 2, "fp16": 2, "int8": 1, "int4": 0.5}[args.compress],
         "compute_utilisation": compute / (world * wall),
         "final_loss": final_loss,
         "history": diloco.history,

@@ -41,7 +41,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=8, help="inner steps per round")
     p.add_argument("--round-seconds", type=float, default=None, help="rounds of this many seconds instead")
     p.add_argument("--min-workers", type=int, default=1, help="workers the first round waits for")
-    p.add_argument("--compress", choices=["fp32", "bf16", "fp16", "int8"], default="fp32")
+    p.add_argument("--compress", choices=["fp32", "bf16", "fp16", "int8", "int4"], default="fp32")
     p.add_argument("--heartbeat", type=float, default=2.0)
     p.add_argument("--timeout", type=float, default=10.0, help="seconds without a heartbeat before a worker is dropped")
     add_model_arguments(p, block=16, d_model=256, layers=3)

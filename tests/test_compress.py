@@ -39,7 +39,7 @@ pytestmark = pytest.mark.usefixtures("backend_importable")
 N = 30011                  # not a multiple of any world size or block
 SMALL_BLOCK = 64
 EF_ROUNDS = 8
-CODEC_NAMES = ("fp32", "bf16", "fp16", "int8")
+CODEC_NAMES = ("fp32", "bf16", "fp16", "int8", "int4")
 ZERO_SHARE_PLAN = {2: ((1, 0), (0.0, 1.0)), 4: ((0, 3, 1, 2), (0.0, 0.5, 0.2, 0.3))}
 
 
@@ -70,6 +70,7 @@ def cases_for(world_size: int) -> list[tuple[str, int, int]]:
     """(codec, n, block) of the plain calls."""
     cases = [(c, n, 2048) for c in CODEC_NAMES for n in (N, 0, 1, world_size - 1)]
     cases.append(("int8", 4099, SMALL_BLOCK))
+    cases.append(("int4", 4099, SMALL_BLOCK))       # odd chunks: a half-filled last byte
     return cases
 
 
@@ -117,7 +118,7 @@ def test_round_trip_within_bound(name, block):
             assert torch.equal(y, x), label
 
 
-@pytest.mark.parametrize("name", ["bf16", "fp16", "int8"])
+@pytest.mark.parametrize("name", ["bf16", "fp16", "int8", "int4"])
 def test_bounds_are_tight(name):
     from hetcomm.compress import get_codec
 
@@ -146,6 +147,19 @@ def test_encoded_length_and_layout():
     assert scales.tolist() == [torch.tensor(2.0 / 127).item(), 0.0]
     assert buf[8:].view(torch.int8).tolist() == [32, -127, 70, 0, 0, 0]
     assert get_codec("int8", block=3).decode(buf, 6)[3:].tolist() == [0.0, 0.0, 0.0]
+    # int4: scale = max|x| / 7; q + 8 two to a byte, the even element in the low nibble; an odd
+    # count's last high nibble is 8 (zero).
+    for n in (0, 1, 2047, 2048, 2049, 10 ** 6):
+        assert get_codec("int4").encoded_bytes(n) == (n + 1) // 2 + 4 * math.ceil(n / 2048)
+    assert 4 * 10 ** 6 / get_codec("int4").encoded_bytes(10 ** 6) > 7.9
+    x = torch.tensor([0.5, -2.0, 1.1, 0.0, 3.0])
+    buf = get_codec("int4", block=3).encode(x)
+    assert buf.numel() == 8 + 3
+    assert buf[:8].view(torch.float32).tolist() == [torch.tensor(2.0 / 7).item(), torch.tensor(3.0 / 7).item()]
+    q = [2, -7, 4, 0, 7]                        # round(x / scale)
+    assert buf[8:].tolist() == [(q[0] + 8) | (q[1] + 8) << 4, (q[2] + 8) | (q[3] + 8) << 4, (q[4] + 8) | 8 << 4]
+    assert get_codec("int4", block=3).decode(buf, 5).tolist() == \
+        [torch.tensor(v, dtype=torch.float32).mul(s).item() for v, s in zip(q, [2.0 / 7] * 3 + [3.0 / 7] * 2)]
     # fp16 saturates instead of overflowing; bf16 rounds to nearest even.
     assert get_codec("fp16").decode(get_codec("fp16").encode(torch.tensor([1e5, -1e9])), 2).tolist() == \
         [65504.0, -65504.0]
@@ -156,8 +170,8 @@ def test_encoded_length_and_layout():
 def test_codec_arguments():
     from hetcomm.compress import Codec, get_codec
 
-    with pytest.raises(ValueError, match="unknown codec 'int4'"):
-        get_codec("int4")
+    with pytest.raises(ValueError, match="unknown codec 'int2'"):
+        get_codec("int2")
     with pytest.raises(ValueError, match="block"):
         get_codec("int8", block=0)
     codec = get_codec("int8", block=16)

@@ -2,7 +2,7 @@
 
 DiLoCo synchronises pseudo-gradients ``Δ_r`` (one flat fp32 CPU tensor per rank) as a weighted sum
 ``Σ_r w_r Δ_r`` with weights every rank agreed on beforehand. `weighted_allreduce` computes that sum
-and moves it in one of four formats (`CODECS`)::
+and moves it in one of five formats (`CODECS`)::
 
     reduced = weighted_allreduce(delta, weights, codec="int8", group=group, feedback=ErrorFeedback())
 
@@ -14,7 +14,12 @@ Codecs (`get_codec`)
 round-to-nearest-even (2 bytes); ``int8`` is symmetric with one fp32 scale per block of ``block``
 elements (default 2048): ``scale_b = max_b|x| / 127``, ``q = round(x / scale_b)``, decoded as
 ``q * scale_b``; a buffer of n elements is ``4 ceil(n/block)`` bytes of scales followed by n bytes
-of q, ``n + 4 ceil(n/block)`` bytes in all (3.99x fewer than fp32 at block 2048).
+of q, ``n + 4 ceil(n/block)`` bytes in all (3.99x fewer than fp32 at block 2048). ``int4`` is the
+same with 7 in place of 127 (q in [-7, 7]) and q packed two to a byte (``q + 8``, the even element
+in the low nibble; an odd count's last high nibble is 8, a zero): ``ceil(n/2) + 4 ceil(n/block)``
+bytes (7.9x fewer than fp32). Its round-trip error is 18x int8's, so it is for links too slow to
+carry int8 in the time a round computes, where halving the bytes is worth more (with
+``ErrorFeedback`` the error does not accumulate over rounds).
 
 Round-trip error of one element x, ``e(x) = |decode(encode(x)) - x|`` (`Codec.error_bound`):
 
@@ -46,6 +51,10 @@ Round-trip error of one element x, ``e(x) = |decode(encode(x)) - x|`` (`Codec.er
   is within 2^-150 of m/127, t may exceed 127.5 and is clamped (error at most 127 * 2^-150), and
   the other roundings add at most 2^-149. An all-zero block has scale 0 and decodes to exact zeros. (Assumes torch does not
   flush subnormals to zero, its default.)
+* int4: the same argument with 7 in place of 127 (``|t| < 7.5``, ``|q - x/s| <= 1/2 + 14.1 u``,
+  the decode adds ``7 s u``; subnormal scales: at most ``7 * 2^-150 + 2^-149``)::
+
+      e(x) <= (m / 14) (1 + 2^-13) + 2^-136
 
 The reduction
 =============
@@ -54,7 +63,7 @@ torchft's scheme (design.md §7), so that the error does not grow with the numbe
 1. The flat vector is split into P contiguous chunks, chunk c owned by rank c (`chunk_counts`):
    on a hetcomm group sized by the group's plan shares (``Plan.counts``, shares indexed by rank;
    chunks laid out in rank order), elsewhere equal (the first ``n % P`` ranks get one more).
-   int8 blocks start at each chunk's first element, so every chunk encodes on its own.
+   int8 and int4 blocks start at each chunk's first element, so every chunk encodes on its own.
 2. Every rank encodes each chunk of its *unweighted* x once; one ``all_to_all_single`` of bytes
    sends chunk c to rank c (its own included).
 3. The owner decodes every rank's contribution ``d_r`` and sums ``s = Σ_r fl32(w_r) d_r`` in fp32,
@@ -63,7 +72,7 @@ torchft's scheme (design.md §7), so that the error does not grow with the numbe
    other backends: padded to the largest chunk) gives every rank every owner's bytes, and every
    rank, the owner included, decodes them. All ranks therefore hold the same bytes and run the
    same decode; decode is one correctly rounded fp32 operation per element (bf16/fp16 to fp32 is
-   exact, int8 is ``q * s``), so the results are bit-identical even across different machines.
+   exact, int8 and int4 are ``q * s``), so the results are bit-identical even across different machines.
 
 ``fp32`` skips all this: every rank multiplies x by fl32(w_rank) and calls the group's own
 ``all_reduce(SUM)`` (on a hetcomm group the weighted ring of its plan).
@@ -87,7 +96,7 @@ and at most P-1 additions, in any summation tree), so, per element::
                        + P 2^-149                             underflow (subnormal results)
 
 and ``|s| <= A = (1 + γ_P) Σ_r |v_r| (|x_r| + e1_r) + P 2^-149``. Every round-trip bound above is
-non-decreasing in |x| (int8: in the block maximum), so the second quantisation adds at most
+non-decreasing in |x| (int8, int4: in the block maximum), so the second quantisation adds at most
 ``e2 = error_bound(A)``, evaluated on A with the same chunk and block layout. The bound on
 ``|result - Σ_r w_r x_r|`` is the sum of the four lines and e2. For int8 and ``m_r = max_b|x_r|``
 that is about ``Σ_r |w_r| m_r / 254 + Σ_r |w_r| m_r / 254``: it depends on Σ|w_r|, not on P (only
@@ -152,14 +161,14 @@ __all__ = [
     "reduced_error_bound",
 ]
 
-CODECS = ("fp32", "bf16", "fp16", "int8")
+CODECS = ("fp32", "bf16", "fp16", "int8", "int4")
 DEFAULT_BLOCK = 2048
 _PREFIX = "hetcomm.compress"
 _FP32_U = 2.0 ** -24                  # unit roundoff of fp32
 _FP32_MAX = float(torch.finfo(torch.float32).max)
 _UNDERFLOW = 2.0 ** -149              # per-operation absolute slack where results are subnormal
-_INT8_REL = 1.0 + 2.0 ** -13          # fp32 slack of the int8 bound (module docstring)
-_INT8_ABS = 2.0 ** -136               # subnormal or zero scales
+_INT_REL = 1.0 + 2.0 ** -13           # fp32 slack of the int8 / int4 bound (module docstring)
+_INT_ABS = 2.0 ** -136                # subnormal or zero scales
 
 
 # --------------------------------------------------------------------------------------------
@@ -194,7 +203,7 @@ class Codec:
     """
 
     name: str = ""
-    block: int = 0       # elements per int8 scale; 0 for the other formats
+    block: int = 0       # elements per int8 / int4 scale; 0 for the other formats
 
     def encoded_bytes(self, n: int) -> int:
         raise NotImplementedError
@@ -222,7 +231,7 @@ class Codec:
         """Per-element bound (float64, flat) on ``|decode(encode(x)) - x|`` (module docstring).
 
         ``x`` may be any floating tensor: for float64 it is read as magnitudes and the bound of
-        any fp32 vector with ``|y| <= |x|`` element-wise (int8: with block maxima at most x's)
+        any fp32 vector with ``|y| <= |x|`` element-wise (int8, int4: with block maxima at most x's)
         is returned, which is how `reduced_error_bound` bounds the second quantisation.
         """
         if not isinstance(x, torch.Tensor) or not x.is_floating_point():
@@ -289,19 +298,25 @@ class _CastCodec(Codec):
         return torch.maximum(a * self.unit_roundoff + self.subnormal_half_gap, a - self.max_finite)
 
 
-class _Int8Codec(Codec):
-    """Symmetric int8, one fp32 scale per block; layout ``[scales: 4 nb bytes][q: n bytes]``."""
+class _IntCodec(Codec):
+    """Symmetric integers in [-levels, levels], one fp32 scale per block; layout
+    ``[scales: 4 nb bytes][q]``. int8: q one byte per element. int4: two elements per byte,
+    ``q + 8`` in the low nibble for the even element and in the high nibble for the odd one (an
+    odd chunk's last high nibble holds 8, a zero)."""
 
-    name = "int8"
-
-    def __init__(self, block: int):
+    def __init__(self, name: str, levels: int, block: int):
+        self.name = name
+        self.levels = levels
         self.block = block
 
     def _blocks(self, n: int) -> int:
         return -(-n // self.block)
 
+    def _q_bytes(self, n: int) -> int:
+        return n if self.levels > 7 else (n + 1) // 2
+
     def encoded_bytes(self, n: int) -> int:
-        return n + 4 * self._blocks(n)
+        return self._q_bytes(n) + 4 * self._blocks(n)
 
     def _encode_into(self, x: torch.Tensor, out: torch.Tensor) -> None:
         n, L = x.numel(), self.block
@@ -309,24 +324,29 @@ class _Int8Codec(Codec):
         if n == 0:
             return
         scales = torch.empty(nb, dtype=torch.float32)
-        q = out[4 * nb:].view(torch.int8)
+        q = out[4 * nb:].view(torch.int8) if self.levels > 7 else torch.empty(n, dtype=torch.int8)
         full = n // L
         if full:
             self._quantise(x[:full * L].view(full, L), scales[:full], q[:full * L].view(full, L))
         if full * L < n:
             self._quantise(x[full * L:].view(1, -1), scales[full:], q[full * L:].view(1, -1))
         out[:4 * nb].copy_(scales.view(torch.uint8))
+        if self.levels <= 7:                     # pack: q + 8 in [1, 15], two per byte
+            packed = out[4 * nb:]
+            u = q.add_(8).view(torch.uint8)
+            torch.bitwise_or(u[0::2][:n // 2], u[1::2].bitwise_left_shift(4), out=packed[:n // 2])
+            if n % 2:
+                packed[-1] = u[-1] | (8 << 4)
 
-    @staticmethod
-    def _quantise(xb: torch.Tensor, scales: torch.Tensor, q: torch.Tensor) -> None:
+    def _quantise(self, xb: torch.Tensor, scales: torch.Tensor, q: torch.Tensor) -> None:
         lo, hi = torch.aminmax(xb, dim=1)
-        torch.div(torch.maximum(hi, lo.neg()), 127.0, out=scales)
-        # A zero scale (all-zero block, or a maximum so small that m/127 underflows) divides by
+        torch.div(torch.maximum(hi, lo.neg()), float(self.levels), out=scales)
+        # A zero scale (all-zero block, or a maximum so small that m/levels underflows) divides by
         # 1 instead: q rounds to 0 and the block decodes to zeros.
         divisor = torch.where(scales > 0, scales, torch.ones_like(scales))
         t = xb / divisor.unsqueeze(1)
         # Clamping matters only for subnormal scales (module docstring).
-        q.copy_(t.round_().clamp_(-127.0, 127.0))
+        q.copy_(t.round_().clamp_(-float(self.levels), float(self.levels)))
 
     def _decode_into(self, buf: torch.Tensor, out: torch.Tensor) -> None:
         n, L = out.numel(), self.block
@@ -335,7 +355,14 @@ class _Int8Codec(Codec):
             return
         scales = torch.empty(nb, dtype=torch.float32)
         scales.view(torch.uint8).copy_(buf[:4 * nb])
-        q = buf[4 * nb:].view(torch.int8)
+        if self.levels > 7:
+            q = buf[4 * nb:].view(torch.int8)
+        else:                                    # unpack the nibbles
+            packed = buf[4 * nb:]
+            u = torch.empty(2 * packed.numel(), dtype=torch.uint8)
+            torch.bitwise_and(packed, 15, out=u[0::2])
+            torch.bitwise_right_shift(packed, 4, out=u[1::2])
+            q = u[:n].view(torch.int8).sub_(8)
         full = n // L
         if full:
             torch.mul(q[:full * L].view(full, L), scales[:full].unsqueeze(1), out=out[:full * L].view(full, L))
@@ -349,7 +376,7 @@ class _Int8Codec(Codec):
             return a.clone()
         padded = torch.zeros(nb * L, dtype=torch.float64)
         padded[:n] = a
-        per_block = padded.view(nb, L).amax(dim=1) / 254.0 * _INT8_REL + _INT8_ABS
+        per_block = padded.view(nb, L).amax(dim=1) / (2.0 * self.levels) * _INT_REL + _INT_ABS
         return per_block.repeat_interleave(L)[:n]
 
 
@@ -357,12 +384,13 @@ _CODEC_FACTORIES = {
     "fp32": lambda block: _Fp32Codec(),
     "bf16": lambda block: _CastCodec("bf16", torch.bfloat16, 2.0 ** -8, 2.0 ** -134),
     "fp16": lambda block: _CastCodec("fp16", torch.float16, 2.0 ** -11, 2.0 ** -25),
-    "int8": lambda block: _Int8Codec(block),
+    "int8": lambda block: _IntCodec("int8", 127, block),
+    "int4": lambda block: _IntCodec("int4", 7, block),
 }
 
 
 def get_codec(name: str, block: int = DEFAULT_BLOCK) -> Codec:
-    """The codec called ``name`` (one of `CODECS`); ``block``: elements per int8 scale."""
+    """The codec called ``name`` (one of `CODECS`); ``block``: elements per int8 / int4 scale."""
     if name not in _CODEC_FACTORIES:
         raise ValueError(f"{_PREFIX}: unknown codec {name!r}; expected one of {CODECS}")
     if isinstance(block, bool) or not isinstance(block, int) or block < 1:

@@ -48,7 +48,7 @@ synchronisation attempt (an *epoch*) goes:
    admitted at the boundary as above, its steps discarded.
 4. **Reduce.** The members agree on a table (steps, samples, losses, a fingerprint of their global
    parameters, which must match: it is compared every epoch) and all-reduce the sample-weighted
-   pseudo-gradients (`hetcomm.compress`: fp32, bf16, fp16 or int8) into scratch space. Admitted
+   pseudo-gradients (`hetcomm.compress`: fp32, bf16, fp16, int8 or int4) into scratch space. Admitted
    workers contribute nothing this epoch, and from the next round on.
 5. **Commit or abort.** Each member that has the reduced update counts itself done; once all have,
    the outcome is ``commit`` (compare_set again: the first outcome written is everyone's) and each

@@ -60,7 +60,7 @@ the simulator (benchmarks/diloco_sim.py, `benchmarks/results/diloco_weighting.js
 time policies, τ_r about 4:2:1:1), ``uniform`` = ``batch`` reached a clearly lower held-out loss
 than ``samples`` and ``normalized`` after the same samples, hence the default.
 
-**Compression** (``compress``): the pseudo-gradient travels as fp32, bf16, fp16 or int8 with one
+**Compression** (``compress``): the pseudo-gradient travels as fp32, bf16, fp16, int8 or int4 with one
 scale per block (`hetcomm.compress`): each rank quantises once, the owner of each chunk sums the
 dequantised contributions in fp32 and quantises the sum once, so the error does not grow with the
 number of ranks; on a hetcomm group chunk sizes and the all-gather's ring follow the group's plan.
@@ -135,7 +135,9 @@ Streaming DiLoCo (Douillard et al., 2025), with a start estimate in the spirit o
 * *No idling for it.* With the ``time`` policy (unless ``round_seconds`` is given) a round lasts
   at least 1.1 times the longest time (over the ranks) that the last background synchronisation
   whose duration is agreed took from the agreement on its table to its last outer step: a shorter
-  round would only end in waiting for it. Measurement rounds (nothing agreed yet to plan by), and
+  round would only end in waiting for it. The first background synchronisation's duration is not
+  reported: it pays for the group's first collectives (twice the next ones' at 20 Mbit/s).
+  Measurement rounds (nothing agreed yet to plan by, or only the warm-up step), and
   with ``time`` the rounds planned before any synchronisation's duration is agreed, last until
   the previous synchronisation has landed instead of a single step (or H steps' time). The boundary's own
   work (the pseudo-gradient, the estimate, the move) runs in place in buffers kept for the run
@@ -186,6 +188,10 @@ from hetcomm.train.workers import Workers, resolve_labels, resolve_members
 from hetcomm.train.partition import exchange_columns
 
 __all__ = ["DiLoCo", "WEIGHTINGS", "outer_weights", "default_outer_optimizer"]
+
+# With overlap and `time`, rounds stretched to at least this many times H steps by the
+# synchronisation in flight are reported once (`DiLoCo._warn_if_link_bound`).
+LINK_BOUND_WARNING = 1.25
 
 _PREFIX = "hetcomm DiLoCo"
 WEIGHTINGS = ("batch", "samples", "uniform", "normalized")
@@ -320,8 +326,8 @@ class DiLoCo(_flat.FlatParameters):
         round_seconds: ``time`` only: a fixed round length instead of H · t_slowest.
         weighting: ``"batch"`` (default), ``"samples"``, ``"uniform"`` or ``"normalized"`` (see the
             module doc).
-        compress: ``"fp32"``, ``"bf16"``, ``"fp16"`` or ``"int8"`` (`hetcomm.compress`).
-        block: elements per int8 scale.
+        compress: ``"fp32"``, ``"bf16"``, ``"fp16"``, ``"int8"`` or ``"int4"`` (`hetcomm.compress`).
+        block: elements per int8 / int4 scale.
         error_feedback: carry the quantisation residual to the next round.
         overlap: synchronise in the background while the next round runs (see the module doc).
         overlap_steps: with overlap, when the late update moves the replica onto the new global
@@ -440,7 +446,9 @@ class DiLoCo(_flat.FlatParameters):
         self._feedback = ([_compress.ErrorFeedback() for _ in self._fragments] if self._error_feedback else None)
         self._rebased = True                     # no late update is waiting to be applied
         self._shortening_checked = True          # `_shorten_last_round` ran for the round in flight
+        self._until_landed = False               # this round (the last, shortened) ends only once it landed
         self._pending_agreed = None              # (round, table) the one in flight agreed on
+        self._warned_link_bound = False
         self._sync_group = group
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._pending: concurrent.futures.Future | None = None
@@ -460,6 +468,7 @@ class DiLoCo(_flat.FlatParameters):
         self._deltas = [torch.empty_like(self._start) for _ in range(2 if self.overlap else 1)]
         self._next_delta = 0
         self._sync_wall = 0.0          # seconds the last background synchronisation took here
+        self._background_syncs = 0     # started by this object (the first one is a warm-up)
         self._workers = Workers(self._labels, group, worker_backend=worker_backend, background=self.overlap)
         self._hook = None
         if self._workers.size > 1 and inner_sync:
@@ -553,7 +562,7 @@ class DiLoCo(_flat.FlatParameters):
         synced = self._policy.round_over(self._r_steps, now, self._own_step)
         # With overlap a measurement round goes on until the previous synchronisation has landed:
         # its length is only a measurement, and the steps train instead of idling at its end.
-        stretch = self._pending is not None and self._policy.measuring
+        stretch = self._pending is not None and (self._policy.measuring or self._until_landed)
         if synced and stretch and not self._pending.done():
             synced = False
         if self._workers.size > 1 and (stretch or not isinstance(self._policy, (FixedSteps, SpeedSteps))):
@@ -580,8 +589,10 @@ class DiLoCo(_flat.FlatParameters):
         set, this round's deadline moves to where that budget is predicted to be reached
         (`last_round_seconds` of computing, less what this rank has computed so far, from now) if
         that is sooner: a long round at a slow link would otherwise overshoot it by up to a whole
-        round. Round and time budgets keep the round whole; ``fixed`` and ``speed`` keep their step
-        counts."""
+        round. It still lasts until the synchronisation in flight has landed: ending sooner would
+        only idle until then (the run ends at the same time either way), so the steps train
+        instead. Round and time budgets keep the round whole; ``fixed`` and ``speed`` keep their
+        step counts."""
         policy = self._policy
         if policy.deadline is None or policy.round_seconds is None:
             return
@@ -592,6 +603,9 @@ class DiLoCo(_flat.FlatParameters):
         seconds = last_round_seconds(table, samples)
         if seconds is not None:
             policy.deadline = min(policy.deadline, self._clock() + max(0.0, seconds - self._r_compute))
+            # Yet not before the synchronisation in flight has landed: the round would only wait
+            # for it (1 s of a 17 s run at 20 Mbit/s, int4), and its steps train instead.
+            self._until_landed = True
 
     def loop(self, batches: Iterable, *, max_rounds: int | None = None, max_samples: int | None = None,
              max_seconds: float | None = None, max_steps: int | None = None) -> Iterator:
@@ -990,6 +1004,7 @@ class DiLoCo(_flat.FlatParameters):
             self._load_flat(estimate)
             self._rebased = False
             self._shortening_checked = False
+            self._until_landed = False
             self._count_sync(begin)
             now = self._clock()
             # Deadlines chain: time a rank left unused before the last deadline is not lost.
@@ -1214,8 +1229,12 @@ class DiLoCo(_flat.FlatParameters):
             self._totals["sync"] += end - agreed
         else:
             # From the agreement (not from this rank's boundary: waiting there for the last rank
-            # would feed the skew between the ranks back into the round length).
-            self._sync_wall = end - agreed
+            # would feed the skew between the ranks back into the round length). Not the first
+            # one's: it pays for the group's first collectives and fresh connections (2.1 s
+            # against 1.1 s at 20 Mbit/s, int4), and a round planned from it would be twice as
+            # long as the link needs; unknown (0), the round lasts until the one in flight lands.
+            self._background_syncs += 1
+            self._sync_wall = end - agreed if self._background_syncs > 1 else 0.0
         if any_steps:
             self._record(table, weights, round_index, plan)
         return table, weights
@@ -1226,6 +1245,8 @@ class DiLoCo(_flat.FlatParameters):
         if self.overlap:
             self._policy.sync_took(max(table[_SYNC_WALL]))
         self._policy.agreed(self._times)
+        if self.overlap:
+            self._warn_if_link_bound()
         self._agreed_totals = {
             "compute": [0.0] * self._nworkers, "idle": table[_TOT_IDLE], "sync": table[_TOT_SYNC],
             "bytes": _known(table[_TOT_BYTES]), "wan": _known(table[_TOT_WAN]),
@@ -1239,6 +1260,22 @@ class DiLoCo(_flat.FlatParameters):
             self._stop_reason = self._stop_decision(table, ahead)
             self._stopped = self._stop_reason is not None
         self._last_elapsed = max(table[_ELAPSED])
+
+    def _warn_if_link_bound(self) -> None:
+        """Once per object (group rank 0): says so when the synchronisation in flight, not compute,
+        sets the length of `time`'s rounds. The replicas are then averaged less often per sample
+        than H steps a round would (README, "When the link sets the pace")."""
+        stretch = getattr(self._policy, "stretch", 1.0)
+        if self._warned_link_bound or stretch < LINK_BOUND_WARNING or self._rank != 0:
+            return
+        self._warned_link_bound = True
+        fewer = (f"; compress='int4' halves the bytes of {self._codec.name}"
+                 if self._codec.name in ("fp32", "bf16", "fp16", "int8") else "")
+        compute = self._policy.round_seconds / stretch
+        warnings.warn(f"{_PREFIX}: the background synchronisation takes {self._policy.sync_seconds:.2f} s, longer "
+                      f"than the {compute:.2f} s of {self._policy.steps} steps of the slowest worker: rounds last "
+                      f"{stretch:.1f}x longer, so the replicas are averaged {stretch:.1f}x less often per sample than without "
+                      f"overlap (the link, not compute, sets the pace){fewer}", RuntimeWarning, stacklevel=3)
 
     def _stop_decision(self, table: list[list[float]], ahead: bool, *, settled: int | None = None,
                        samples: float | None = None) -> str | None:

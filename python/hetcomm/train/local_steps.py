@@ -22,15 +22,17 @@ function of those agreed values, so all ranks decide the same without further co
   (``round_seconds``, or H · t_slowest from the agreed step times). A rank starts a step only
   if its own estimate of the step's duration says it ends by the deadline (at least one step per
   round), so it stops at most one step's time early and, unless a step runs longer than its
-  estimate, never late: nobody waits by construction beyond the last partial step. Until step
-  times are agreed (the first round, or the first two with ``overlap``) its rounds are
+  estimate, never late: nobody waits by construction beyond the last partial step. Until every
+  rank has two measured rounds agreed (the first holds the warm-up step, as for ``speed``: the
+  first two rounds, or the first three with ``overlap``) its rounds are
   `MEASUREMENT_STEPS` long on every rank: short measurement rounds in which the fast ranks wait
   for one slow step rather than for H of them (unless ``round_seconds`` is given; with overlap
-  the second lasts until the first synchronisation has landed, see `LocalStepPolicy.measuring`;
-  so do ``speed``'s: their plan then says ``until_landed``).
+  a measurement round after the first lasts until the synchronisation in flight has landed, see
+  `LocalStepPolicy.measuring`; so do ``speed``'s: their plan then says ``until_landed``).
   With overlap, T is at least `SYNC_MARGIN` times the agreed duration of the last background
   synchronisation (`LocalStepPolicy.sync_took`): a shorter round ends in idling for it. Until such
-  a duration is agreed (the third round) rounds also last until the synchronisation in flight
+  a duration is agreed (DiLoCo does not report its first background synchronisation's, a
+  warm-up: from the fourth round on) rounds also last until the synchronisation in flight
   has landed.
 
 Per-rank batch sizes (for example capped by memory with `hetcomm.partition.probe_max_batch`)
@@ -246,6 +248,9 @@ class TimeSteps(LocalStepPolicy):
         self.round_seconds: float | None = round_seconds
         self.deadline: float | None = None
         self.sync_seconds: float | None = None       # None: no overlap (never told)
+        # With overlap: how many times longer than H steps the synchronisation in flight made the
+        # round (1.0: not at all, compute sets the pace)
+        self.stretch: float = 1.0
 
     def sync_took(self, seconds: float) -> None:
         self.sync_seconds = float(seconds) if math.isfinite(seconds) and seconds > 0 else 0.0
@@ -254,10 +259,15 @@ class TimeSteps(LocalStepPolicy):
         if self._fixed_seconds is not None:
             return
         t = times.estimates()
-        if t is not None:
+        # Not from the warm-up step alone: it pays for allocations and caches (0.4-0.7 s against
+        # 0.15 s a step on the simulator's slowest rank) and would plan a round 3-4x too long,
+        # a quarter to two fifths of a short run's samples in it. Until then rounds measure.
+        if t is not None and min(times.windows) >= 2:
             # With overlap a round shorter than the synchronisation in flight ends in idling for
             # it: a round lasts at least that long (with a margin for its spread).
-            self.round_seconds = max(self.steps * max(t), SYNC_MARGIN * (self.sync_seconds or 0.0))
+            compute = self.steps * max(t)
+            self.round_seconds = max(compute, SYNC_MARGIN * (self.sync_seconds or 0.0))
+            self.stretch = self.round_seconds / compute if compute > 0 else 1.0
 
     def start_round(self, now: float, start: float | None = None) -> None:
         if self.round_seconds is None:

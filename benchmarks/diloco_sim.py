@@ -12,7 +12,7 @@ Configurations (example flags; the default weighting ``batch`` unless named): ``
 everywhere, fp32: the published recipes), ``speed``, ``time``, ``time-int8-overlap``,
 ``fixed-int8`` (bytes against ``fixed``), and ``speed-samples`` / ``time-samples`` (the outer
 update weighted by samples processed); ``--configs`` also knows ``*-uniform`` and ``*-normalized``,
-``sites-*`` / ``flat-*`` (workers from hetcomm's sites against a worker per rank) and
+``time-int4``, ``time-int4-overlap-f4`` and ``fixed-int4`` (int4: half int8's bytes), ``sites-*`` / ``flat-*`` (workers from hetcomm's sites against a worker per rank) and
 ``fixed-overlap-after{4,8,12}`` / ``fixed-overlap-end`` (the late update moves the replicas after
 that many steps of the next round, or never mid-round: deterministic), ``fixed-int8-overlap-after4``; ``*-f4``: overlap with the
 update reduced in 4 fragments. Reported per

@@ -1275,7 +1275,7 @@ class DiLoCo(_flat.FlatParameters):
         warnings.warn(f"{_PREFIX}: the background synchronisation takes {self._policy.sync_seconds:.2f} s, longer "
                       f"than the {compute:.2f} s of {self._policy.steps} steps of the slowest worker: rounds last "
                       f"{stretch:.1f}x longer, so the replicas are averaged {stretch:.1f}x less often per sample than without "
-                      f"overlap (the link, not compute, sets the pace){fewer}", RuntimeWarning, stacklevel=3)
+                      f"overlap (the link, not compute, sets the pace){fewer}", RuntimeWarning, stacklevel=6)
 
     def _stop_decision(self, table: list[list[float]], ahead: bool, *, settled: int | None = None,
                        samples: float | None = None) -> str | None:

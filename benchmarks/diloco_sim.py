@@ -15,7 +15,9 @@ update weighted by samples processed); ``--configs`` also knows ``*-uniform`` an
 ``time-int4``, ``time-int4-overlap-f4`` and ``fixed-int4`` (int4: half int8's bytes), ``sites-*`` / ``flat-*`` (workers from hetcomm's sites against a worker per rank) and
 ``fixed-overlap-after{4,8,12}`` / ``fixed-overlap-end`` (the late update moves the replicas after
 that many steps of the next round, or never mid-round: deterministic), ``fixed-int8-overlap-after4``; ``*-f4``: overlap with the
-update reduced in 4 fragments. Reported per
+update reduced in 4 fragments; ``*-b05``: keeping half the early steps (``--early-weight 0.5``)
+against the default quarter. Flags after the options go to the example (``--steps 20 --samples
+24576``) and apply to every configuration. Reported per
 configuration (medians over repeats): samples/s, total idle seconds at synchronisation, compute
 utilisation (compute seconds / (ranks x wall seconds)), final held-out loss, bytes sent per round,
 and for runs without overlap the fraction of a round spent synchronising. Ratios: idle reduction
@@ -76,6 +78,11 @@ CONFIGS = {
     "time-int4": ["--local-steps", "time", "--compress", "int4"],
     "time-int4-overlap-f4": ["--local-steps", "time", "--compress", "int4", "--overlap", "--fragments", "4"],
     "fixed-int4": ["--local-steps", "fixed", "--compress", "int4"],
+    # the share β of the early steps kept at the move (--early-weight), against the default
+    "time-int8-overlap-f4-b05": ["--local-steps", "time", "--compress", "int8", "--overlap", "--fragments", "4",
+                                 "--early-weight", "0.5"],
+    "time-int4-overlap-f4-b05": ["--local-steps", "time", "--compress", "int4", "--overlap", "--fragments", "4",
+                                 "--early-weight", "0.5"],
     "speed-samples": ["--local-steps", "speed", "--weighting", "samples"],
     "time-samples": ["--local-steps", "time", "--weighting", "samples"],
     "speed-uniform": ["--local-steps", "speed", "--weighting", "uniform"],

@@ -51,6 +51,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     add_model_arguments(p, block=16, d_model=256, layers=3)
     p.add_argument("--samples", type=int, default=6144, help="stop once this many samples were processed")
     p.add_argument("--rounds", type=int, default=0, help="stop after this many rounds (0: by --samples)")
+    p.add_argument("--seconds", type=float, default=0,
+                   help="also stop at the first round boundary after this many seconds (0: no time budget)")
     p.add_argument("--batches", default="", help="batches per rank (a,b,...): ranks whose data runs out wait "
                                                  "for the others (default: endless data)")
     p.add_argument("--batch", default="8", help="samples per step: one value, or one per rank (a,b,...)")
@@ -129,7 +131,7 @@ def main(argv=None) -> int:
     # The loop ends on every rank at the same round: when the budget is reached, or when every
     # rank's data has run out (a rank out of data waits in the rounds without steps).
     for x, y in diloco.loop(windows(), max_samples=None if args.rounds else args.samples,
-                            max_rounds=args.rounds or None):
+                            max_rounds=args.rounds or None, max_seconds=args.seconds or None):
         loss = mean_loss(model(x), y)
         loss.backward()
         opt.step()

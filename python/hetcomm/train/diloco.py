@@ -116,8 +116,14 @@ Streaming DiLoCo (Douillard et al., 2025), with a start estimate in the spirit o
   (`time`, int8, 4 fragments, 40 Mbit/s) β = 0.5 against β = 1 (separate runs, each against its own
   synchronous run): 1.13× against 1.27× with plain averaging, 0.92× against 1.01× with Nesterov.
   With Nesterov at lr 0.5, momentum 0.5 (3 seeds, against the synchronous runs' mean): β = 0.75
-  1.10×, β = 0.5 1.06×, β = 0.25 1.03×. Default β = 0.25: as low as the data allows while the
-  early steps still count.
+  1.10×, β = 0.5 1.06×, β = 0.25 1.03×; after the round-planning fixes, again 3 seeds in one
+  run, β = 0.5 1.07× against β = 0.25 1.00×. Default β = 0.25: as low as the data allows while
+  the early steps still count. (With `fixed`, moved after 4 of 8 steps, β = 0.5 ends at 0.998×
+  the synchronous loss and β = 0.25 at 0.955×.) Keeping the replica at θ^k + β d but counting the
+  dropped (1 − β) d in the next pseudo-gradient anyway (start θ^k − (1 − β) d, d = p − θ̂_r^k) is
+  worse: 1.17× (β = 0.5), 1.22× (0.25), 1.40× (0) on the local `fixed` example, 2 seeds (a variant
+  tried and removed): the early steps partly undo the start's own deviation, which the move has
+  already removed.
 * *How local progress is kept.* Round k+1's pseudo-gradient is measured from where the replica
   started it (θ^k once moved, else θ̂_r^k), Δ_r^{k+1} = start − θ_r^{k+1}: the round's local
   steps, those before the move weighted β. It enters the global parameters only through

@@ -649,6 +649,7 @@ def train_timed_rounds(rank: int, world: int, budgets: dict, slow_reduction: boo
         diloco.step(samples=len(x))
     return {"reason": diloco.stop_reason, "samples": sum(sum(rec["samples"]) for rec in diloco.history),
             "steps": [sum(rec["steps"]) for rec in diloco.history],
+            "shortened": [rec["plan"].get("last_round_seconds") for rec in diloco.history],
             "idle": sum(end - start for kind, start, end in diloco.timeline() if kind == "idle")}
 
 
@@ -663,11 +664,15 @@ def test_with_time_and_overlap_the_last_round_ends_near_the_sample_budget():
     assert per_rank[0] == per_rank[1], per_rank
     assert per_rank[0]["reason"].startswith("max_samples"), per_rank
     assert 0.9 * budget <= per_rank[0]["samples"] <= 1.2 * budget, per_rank
+    # The history says which round was shortened, and to how many seconds of computing.
+    shortened = per_rank[0]["shortened"]
+    assert shortened[:-1] == [None] * (len(shortened) - 1) and 0 < shortened[-1] < 0.9, per_rank
     per_rank = [{k: v for k, v in r.items() if k != "idle"} for r in
                 run_ranks(2, train_timed_rounds, {"max_rounds": 3})]
     assert per_rank[0] == per_rank[1] and per_rank[0]["reason"].startswith("max_rounds"), per_rank
     steps = per_rank[0]["steps"]
     assert len(steps) == 3 and steps[2] >= 0.7 * steps[1], per_rank
+    assert per_rank[0]["shortened"] == [None] * 3, per_rank
 
 
 def test_a_shortened_last_round_trains_until_the_update_in_flight_lands():

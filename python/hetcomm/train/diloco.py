@@ -453,6 +453,7 @@ class DiLoCo(_flat.FlatParameters):
         self._rebased = True                     # no late update is waiting to be applied
         self._shortening_checked = True          # `_shorten_last_round` ran for the round in flight
         self._until_landed = False               # this round (the last, shortened) ends only once it landed
+        self._shortened_to = None                # its predicted seconds of computing (`last_round_seconds`)
         self._pending_agreed = None              # (round, table) the one in flight agreed on
         self._warned_link_bound = False
         self._sync_group = group
@@ -522,7 +523,9 @@ class DiLoCo(_flat.FlatParameters):
 
     @property
     def history(self) -> list[dict]:
-        """One agreed record per settled round (identical on every rank): the policy's plan, each
+        """One agreed record per settled round (identical on every rank): the policy's plan (with
+        overlap, ``until_landed`` when the round lasted until the update in flight landed, and
+        ``last_round_seconds`` when it was the last, shortened to the sample budget), each
         rank's steps, samples, compute seconds and mean loss, the outer weights, the per-rank
         totals of idle and sync seconds and bytes sent (hetcomm groups) as of that round's exchange,
         and ``landed_after_steps``: with overlap, the steps each worker had taken in the round when
@@ -609,6 +612,7 @@ class DiLoCo(_flat.FlatParameters):
         seconds = last_round_seconds(table, samples)
         if seconds is not None:
             policy.deadline = min(policy.deadline, self._clock() + max(0.0, seconds - self._r_compute))
+            self._shortened_to = seconds                # agreed: the history's plan says so on every rank
             # Yet not before the synchronisation in flight has landed: the round would only wait
             # for it (1 s of a 17 s run at 20 Mbit/s, int4), and its steps train instead.
             self._until_landed = True
@@ -982,6 +986,9 @@ class DiLoCo(_flat.FlatParameters):
         plan = self._policy.plan()
         if self._pending is not None and self._policy.measuring:
             plan = {**plan, "until_landed": True}       # a measurement round stretched (see step)
+        if self._shortened_to is not None:              # the last round, shortened to the sample budget
+            plan = {**plan, "last_round_seconds": self._shortened_to, "until_landed": True}
+            self._shortened_to = None
         self._count_sync(begin)
         if self._pending is not None:          # overlap: the previous round's synchronisation
             self._wait_pending()

@@ -453,7 +453,6 @@ class DiLoCo(_flat.FlatParameters):
         self._rebased = True                     # no late update is waiting to be applied
         self._shortening_checked = True          # `_shorten_last_round` ran for the round in flight
         self._until_landed = False               # this round (the last, shortened) ends only once it landed
-        self._shortened_to = None                # its predicted seconds of computing (`last_round_seconds`)
         self._pending_agreed = None              # (round, table) the one in flight agreed on
         self._warned_link_bound = False
         self._sync_group = group
@@ -523,9 +522,7 @@ class DiLoCo(_flat.FlatParameters):
 
     @property
     def history(self) -> list[dict]:
-        """One agreed record per settled round (identical on every rank): the policy's plan (with
-        overlap, ``until_landed`` when the round lasted until the update in flight landed, and
-        ``last_round_seconds`` when it was the last, shortened to the sample budget), each
+        """One agreed record per settled round (identical on every rank): the policy's plan, each
         rank's steps, samples, compute seconds and mean loss, the outer weights, the per-rank
         totals of idle and sync seconds and bytes sent (hetcomm groups) as of that round's exchange,
         and ``landed_after_steps``: with overlap, the steps each worker had taken in the round when
@@ -612,7 +609,6 @@ class DiLoCo(_flat.FlatParameters):
         seconds = last_round_seconds(table, samples)
         if seconds is not None:
             policy.deadline = min(policy.deadline, self._clock() + max(0.0, seconds - self._r_compute))
-            self._shortened_to = seconds                # agreed: the history's plan says so on every rank
             # Yet not before the synchronisation in flight has landed: the round would only wait
             # for it (1 s of a 17 s run at 20 Mbit/s, int4), and its steps train instead.
             self._until_landed = True
@@ -761,7 +757,9 @@ class DiLoCo(_flat.FlatParameters):
         matter; `load_state_dict` on a freshly constructed object (same group, arguments and
         workers) resumes. A resumed run computes what the uninterrupted run computes, except that
         with overlap an update in flight that lands "as soon as it arrives" lands at the first
-        step after resuming (with ``overlap_steps``: at the same step)."""
+        step after resuming (with ``overlap_steps``: at the same step), and that with ``time`` the
+        first background synchronisation after resuming pays for new connections again: its
+        duration is not used (the one agreed before the checkpoint still plans the rounds)."""
         if self._closed and not self._finished:
             raise RuntimeError(f"{_PREFIX}: state_dict() after close()")
         if self._r_steps:
@@ -792,6 +790,7 @@ class DiLoCo(_flat.FlatParameters):
             "feedback": [vars(f) for f in self._feedback] if self._feedback is not None else None,
             "pending": pending,
             "sync_wall": self._sync_wall,
+            "warned_link_bound": self._warned_link_bound,
             "policy": self._policy.state_dict(),
             "step_times": self._times.state_dict(),
             "history": self._history,
@@ -847,6 +846,7 @@ class DiLoCo(_flat.FlatParameters):
                 warnings.warn(f"{_PREFIX}: the checkpoint's quantisation residuals are of {len(saved)} fragment(s), "
                               f"this run reduces in {len(self._feedback)}: they start from zero", stacklevel=2)
         self._sync_wall = float(state.get("sync_wall", 0.0))
+        self._warned_link_bound = bool(state.get("warned_link_bound", False))
         self._policy.load_state_dict(state["policy"])
         if isinstance(self._policy, TimeSteps) and not self.overlap:
             self._policy.sync_seconds = None   # no overlap: no sync duration (older checkpoints saved 0.0)
@@ -986,9 +986,6 @@ class DiLoCo(_flat.FlatParameters):
         plan = self._policy.plan()
         if self._pending is not None and self._policy.measuring:
             plan = {**plan, "until_landed": True}       # a measurement round stretched (see step)
-        if self._shortened_to is not None:              # the last round, shortened to the sample budget
-            plan = {**plan, "last_round_seconds": self._shortened_to, "until_landed": True}
-            self._shortened_to = None
         self._count_sync(begin)
         if self._pending is not None:          # overlap: the previous round's synchronisation
             self._wait_pending()
@@ -1282,8 +1279,11 @@ class DiLoCo(_flat.FlatParameters):
         if self._warned_link_bound or stretch < LINK_BOUND_WARNING or self._rank != 0:
             return
         self._warned_link_bound = True
-        fewer = (f"; compress='int4' halves the bytes of {self._codec.name}"
-                 if self._codec.name in ("fp32", "bf16", "fp16", "int8") else "")
+        # Bytes per element: fp32 4, bf16/fp16 2, int8 about 1, int4 about 0.5 (plus a scale per block).
+        fewer = {"fp32": "; compress='int8' sends about a quarter of fp32's bytes, 'int4' an eighth",
+                 "bf16": "; compress='int8' sends about half the bytes of bf16, 'int4' a quarter",
+                 "fp16": "; compress='int8' sends about half the bytes of fp16, 'int4' a quarter",
+                 "int8": "; compress='int4' halves int8's bytes"}.get(self._codec.name, "")
         compute = self._policy.round_seconds / stretch
         warnings.warn(f"{_PREFIX}: the background synchronisation takes {self._policy.sync_seconds:.2f} s, longer "
                       f"than the {compute:.2f} s of {self._policy.steps} steps of the slowest worker: rounds last "

@@ -31,9 +31,9 @@ function of those agreed values, so all ranks decide the same without further co
   `LocalStepPolicy.measuring`; so do ``speed``'s: their plan then says ``until_landed``).
   With overlap, T is at least `SYNC_MARGIN` times the agreed duration of the last background
   synchronisation (`LocalStepPolicy.sync_took`): a shorter round ends in idling for it. Until such
-  a duration is agreed (DiLoCo does not report its first background synchronisation's, a
-  warm-up: from the fourth round on) rounds also last until the synchronisation in flight
-  has landed.
+  a duration is agreed rounds also last until the synchronisation in flight has landed. DiLoCo
+  does not report its first background synchronisation's duration (a warm-up), so with overlap
+  rounds 2 to 4 last until the landing and round 5 is the first planned from an agreed one.
 
 Per-rank batch sizes (for example capped by memory with `hetcomm.partition.probe_max_batch`)
 combine with any policy: the policies count steps and time, whatever a step's batch.
@@ -138,7 +138,8 @@ class LocalStepPolicy:
     def sync_took(self, seconds: float) -> None:
         """With overlap, before `agreed`: the longest time (agreed, over the ranks) that the last
         background synchronisation whose duration is agreed took from the agreement on its
-        table to its last outer step (0 or NaN: none measured yet)."""
+        table to its last outer step (0 or NaN: no new measurement, the last one stands; none
+        before the first)."""
 
     def start_round(self, now: float, start: float | None = None) -> None:
         """A round begins at ``now``; ``start`` is when it is deemed to start (``time`` chains deadlines)."""
@@ -253,7 +254,12 @@ class TimeSteps(LocalStepPolicy):
         self.stretch: float = 1.0
 
     def sync_took(self, seconds: float) -> None:
-        self.sync_seconds = float(seconds) if math.isfinite(seconds) and seconds > 0 else 0.0
+        # A warm-up (DiLoCo's first background synchronisation, also the first after resuming
+        # from a checkpoint) reports 0: the duration agreed before it still plans the rounds.
+        if math.isfinite(seconds) and seconds > 0:
+            self.sync_seconds = float(seconds)
+        elif not self.sync_seconds:
+            self.sync_seconds = 0.0
 
     def agreed(self, times: StepTimes) -> None:
         if self._fixed_seconds is not None:
@@ -294,6 +300,7 @@ class TimeSteps(LocalStepPolicy):
         super().load_state_dict(state)
         if self._fixed_seconds is not None:          # a round length given to the constructor wins
             self.round_seconds = self._fixed_seconds
+            self.stretch = 1.0                       # and is never stretched by the link
 
 
 def make_policy(policy: str | LocalStepPolicy, steps: int, *, round_seconds: float | None = None,

@@ -91,6 +91,8 @@ def _codec_inputs() -> list[tuple[str, torch.Tensor]]:
     specials = torch.tensor([0.0, -0.0, 65504.0, 65519.0, -65520.0, 1e-8, 2.0 ** -24, 2.0 ** -126,
                              2.0 ** -149, 3.3e38, -3.4e38, 1.0, -1.0], dtype=torch.float32)
     out.append(("special values", specials))
+    fmax = torch.finfo(torch.float32).max           # int8: 127 · fl(FLT_MAX / 127) rounds past it
+    out.append(("the largest floats", torch.tensor([fmax, 1.0, -2.0, -fmax, 0.5], dtype=torch.float32)))
     return out
 
 

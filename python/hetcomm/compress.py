@@ -333,7 +333,7 @@ class _IntCodec(Codec):
         out[:4 * nb].copy_(scales.view(torch.uint8))
         if self.levels <= 7:                     # pack: q + 8 in [1, 15], two per byte
             packed = out[4 * nb:]
-            u = q.add_(8).view(torch.uint8)
+            u = q.add_(8).view(torch.uint8).bitwise_and_(15)   # the mask: never spill into the neighbour
             torch.bitwise_or(u[0::2][:n // 2], u[1::2].bitwise_left_shift(4), out=packed[:n // 2])
             if n % 2:
                 packed[-1] = u[-1] | (8 << 4)
@@ -341,6 +341,11 @@ class _IntCodec(Codec):
     def _quantise(self, xb: torch.Tensor, scales: torch.Tensor, q: torch.Tensor) -> None:
         lo, hi = torch.aminmax(xb, dim=1)
         torch.div(torch.maximum(hi, lo.neg()), float(self.levels), out=scales)
+        # levels · fl(m / levels) can round past FLT_MAX (int8 at m = FLT_MAX): the next scale
+        # down keeps every decoded value finite (q is clamped to ±levels below).
+        over = torch.isinf(scales * float(self.levels))
+        if bool(over.any()):
+            scales.copy_(torch.where(over, torch.nextafter(scales, torch.zeros_like(scales)), scales))
         # A zero scale (all-zero block, or a maximum so small that m/levels underflows) divides by
         # 1 instead: q rounds to 0 and the block decodes to zeros.
         divisor = torch.where(scales > 0, scales, torch.ones_like(scales))

@@ -1,9 +1,11 @@
 """Result files as records (hetcomm.bench.records): JSON Lines, one record per line, each with
-its command; the old single-document files still read; every file in benchmarks/results is in
-the new format."""
+its command; the old single-document files still read; a summary and its gzip trace join back
+into every record the writer gave, in order; every file in benchmarks/results is in the new
+format, small, and its trace (if any) is the one it names."""
 from __future__ import annotations
 
 import glob
+import gzip
 import importlib.util
 import json
 import math
@@ -130,6 +132,97 @@ def test_split_and_join_document_are_inverse(tmp_path):
     assert R.join_document(got, R.ROWS) == {"command": COMMAND, **document}
 
 
+TRACE_KINDS = ("round", "timeline", "kill")
+KEY = ("config", "repeat")
+
+
+def with_trace() -> list[dict]:
+    """A DiLoCo-like run: a header and one kill it owns, figures per configuration, and per
+    (config, repeat) a result followed by its rounds and timelines."""
+    out = [R.record(R.RUN, cpu_quota="0.8,0.2"), R.record("kill", rank=1, t=3.5),
+           R.record("figures", config="fixed", final_loss=1.5),
+           R.record("figures", config="time", final_loss=1.4)]
+    for config in ("fixed", "time"):
+        for repeat in (0, 1):
+            which = {"config": config, "repeat": repeat}
+            out.append(R.record(R.RESULT, which, final_loss=1.5 - repeat / 10, rounds=2))
+            out += [R.record("round", which, round=i, steps=[8, 2]) for i in (1, 2)]
+            out += [R.record("timeline", which, rank=r, segments=[["compute", 0.0, 1.0 + r]])
+                    for r in (0, 1)]
+    return out
+
+
+def stamped(records: list[dict]) -> list[dict]:
+    return [{"kind": rec["kind"], "command": COMMAND, **R.fields(rec)} for rec in records]
+
+
+def test_split_and_join_trace_give_back_every_record_in_order():
+    records = with_trace()
+    summary, trace = R.split_trace(records, TRACE_KINDS)
+    assert [rec["kind"] for rec in summary] == [R.RUN, "figures", "figures"] + [R.RESULT] * 4
+    assert {rec["kind"] for rec in trace} == set(TRACE_KINDS) and len(summary) + len(trace) == len(records)
+    assert R.join_trace(summary, trace, KEY) == records
+    assert R.join_trace(summary, [], KEY) == summary
+    with pytest.raises(ValueError, match="belong to no summary record"):       # its result is gone
+        R.join_trace([rec for rec in summary if rec.get("repeat") != 1], trace, KEY)
+
+
+def test_write_with_trace_keeps_the_summary_and_gzips_the_trace(tmp_path):
+    path = str(tmp_path / "diloco.json")
+    R.write_with_trace(path, with_trace(), COMMAND, TRACE_KINDS, KEY)
+    assert R.trace_path(path) == str(tmp_path / "traces" / "diloco.jsonl.gz")
+    assert sorted(os.listdir(tmp_path)) == ["diloco.json", "traces"]
+    summary = R.read_records(path)
+    assert not {rec["kind"] for rec in summary} & set(TRACE_KINDS)
+    about = summary[0][R.TRACE]
+    assert about["file"] == "traces/diloco.jsonl.gz" and about["key"] == list(KEY)
+    assert about["kinds"] == sorted(TRACE_KINDS) and about["records"] == 17
+    trace = R.read_records(R.trace_path(path))
+    assert len(trace) == 17 and all(rec["command"] == COMMAND for rec in trace)
+    assert R.read_with_trace(path) == stamped(with_trace())          # every record, in order
+    before = open(R.trace_path(path), "rb").read()
+    R.write_with_trace(path, with_trace(), COMMAND, TRACE_KINDS, KEY)
+    assert open(R.trace_path(path), "rb").read() == before            # same records, same bytes
+
+
+def test_a_trace_of_another_run_or_with_a_record_lost_does_not_join(tmp_path):
+    path = str(tmp_path / "r.json")
+    R.write_with_trace(path, with_trace(), COMMAND, TRACE_KINDS, KEY)
+    lines = gzip.decompress(open(R.trace_path(path), "rb").read()).splitlines(keepends=True)
+    with open(R.trace_path(path), "wb") as handle:
+        handle.write(gzip.compress(b"".join(lines[:-1])))
+    with pytest.raises(ValueError, match="SHA-256"):
+        R.read_with_trace(path)
+    other = str(tmp_path / "other.json")
+    R.write_with_trace(other, with_trace()[:-1], COMMAND, TRACE_KINDS, KEY)
+    os.replace(R.trace_path(other), R.trace_path(path))
+    with pytest.raises(ValueError, match="SHA-256"):
+        R.read_with_trace(path)
+
+
+def test_a_trace_record_out_of_place_is_refused_before_writing(tmp_path):
+    records = with_trace()
+    records.insert(2, records.pop(6))        # a round of ("fixed", 0) before the figures
+    path = str(tmp_path / "r.json")
+    with pytest.raises(ValueError, match="does not follow"):
+        R.write_with_trace(path, records, COMMAND, TRACE_KINDS, KEY)
+    with pytest.raises(ValueError, match="belong to no summary record"):
+        R.write_with_trace(path, [rec for rec in with_trace() if rec["kind"] != R.RESULT],
+                           COMMAND, TRACE_KINDS, KEY)
+    with pytest.raises(ValueError, match="needs a 'run' record"):
+        R.write_with_trace(path, [{**with_trace()[0], "kind": "head"}, *with_trace()[1:]], COMMAND,
+                           ["kill"], KEY)
+    assert os.listdir(tmp_path) == []
+
+
+def test_without_trace_records_the_summary_stands_alone(tmp_path):
+    path = str(tmp_path / "r.json")
+    R.write_with_trace(path, with_trace(), COMMAND, TRACE_KINDS, KEY)
+    R.write_with_trace(path, sample(), COMMAND, TRACE_KINDS, KEY)
+    assert os.listdir(tmp_path / "traces") == []                      # the old trace is gone
+    assert R.read_records(path) == R.read_with_trace(path) == stamped(sample())
+
+
 def test_records_command_line_prints_one_document(tmp_path, capsys):
     path = str(tmp_path / "r.json")
     R.write_document(path, {"x": 1, "benchmarks": [{"name": "a"}]}, COMMAND,
@@ -139,6 +232,10 @@ def test_records_command_line_prints_one_document(tmp_path, capsys):
                                                    "benchmarks": [{"name": "a"}]}
     assert R.main([]) == 2 and R.main([path, "nokind"]) == 2
     assert R.main([str(tmp_path / "missing.json")]) == 2
+    R.write_with_trace(path, with_trace(), COMMAND, TRACE_KINDS, KEY)
+    assert R.main([path, "rounds=round"]) == 0                        # trace records included
+    printed = json.loads(capsys.readouterr().out)
+    assert len(printed["rounds"]) == 8 and R.TRACE not in printed
 
 
 def test_pytest_benchmark_file_is_rewritten_as_records(tmp_path):

@@ -238,23 +238,33 @@ def test_records_command_line_prints_one_document(tmp_path, capsys):
     assert len(printed["rounds"]) == 8 and R.TRACE not in printed
 
 
-def test_pytest_benchmark_file_is_rewritten_as_records(tmp_path):
+def test_pytest_benchmark_file_is_rewritten_as_a_summary_and_its_timings(tmp_path):
     spec = importlib.util.spec_from_file_location("benchmarks_conftest",
                                                   os.path.join(ROOT, "benchmarks", "conftest.py"))
     conftest = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(conftest)
     path = tmp_path / "kernels.json"
-    document = {"machine_info": {"cpu": "x"}, "benchmarks": [{"name": "a", "stats": {"data": [1.0]}},
-                                                             {"name": "b", "stats": {"data": [2.0]}}]}
+    document = {"machine_info": {"cpu": "x"},
+                "benchmarks": [{"name": "a", "fullname": "t.py::a", "stats": {"median": 1.0, "data": [1.0, 1.5]}},
+                               {"name": "b", "fullname": "t.py::b", "stats": {"median": 2.0, "data": [2.0]}}]}
     path.write_text(json.dumps(document, indent=4))      # as pytest-benchmark writes it
     options = {"benchmark_json": types.SimpleNamespace(name=str(path))}
     config = types.SimpleNamespace(getoption=options.get,
                                    invocation_params=types.SimpleNamespace(args=("benchmarks",)))
     conftest.pytest_sessionfinish(types.SimpleNamespace(config=config))
-    got = R.read_records(str(path))
-    assert [rec["kind"] for rec in got] == [R.RUN, R.RESULT, R.RESULT]
-    assert got[0]["command"].endswith("-m pytest benchmarks")
-    assert R.join_document(got, conftest.BENCHMARKS) == {"command": got[0]["command"], **document}
+    summary = R.read_records(str(path))
+    assert [rec["kind"] for rec in summary] == [R.RUN, R.RESULT, R.RESULT]
+    command = summary[0]["command"]
+    assert command.endswith("-m pytest benchmarks")
+    assert [rec["stats"] for rec in summary[1:]] == [{"median": 1.0}, {"median": 2.0}]
+    timings = R.read_records(R.trace_path(str(path)))
+    assert [(rec["kind"], rec["command"], rec["fullname"], rec["data"]) for rec in timings] == \
+        [(conftest.TIMINGS, command, "t.py::a", [1.0, 1.5]), (conftest.TIMINGS, command, "t.py::b", [2.0])]
+    joined = R.read_with_trace(str(path))
+    assert [rec["kind"] for rec in joined] == [R.RUN, R.RESULT, conftest.TIMINGS, R.RESULT, conftest.TIMINGS]
+    for result, data in zip(R.of_kind(joined, R.RESULT), R.of_kind(joined, conftest.TIMINGS)):
+        result["stats"]["data"] = data["data"]
+    assert {**R.header(joined), "benchmarks": R.of_kind(joined, R.RESULT)} == {"command": command, **document}
     path.write_text("")                                  # no benchmark ran: left alone
     conftest.pytest_sessionfinish(types.SimpleNamespace(config=config))
     assert path.read_text() == ""

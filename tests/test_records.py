@@ -270,11 +270,13 @@ def test_pytest_benchmark_file_is_rewritten_as_a_summary_and_its_timings(tmp_pat
     assert path.read_text() == ""
 
 
-RESULT_FILES = sorted(glob.glob(os.path.join(ROOT, "benchmarks", "results", "*.json")))
+RESULTS = os.path.join(ROOT, "benchmarks", "results")
+RESULT_FILES = sorted(glob.glob(os.path.join(RESULTS, "*.json")))
+SUMMARY_MAX_BYTES = 128 * 1024      # a summary reads in a diff; per-round series go to the trace
 
 
 @pytest.mark.parametrize("path", RESULT_FILES, ids=os.path.basename)
-def test_every_result_file_is_records(path):
+def test_every_result_file_is_a_summary_of_records(path):
     with open(path) as handle:
         lines = handle.read().splitlines()
     records = [json.loads(line) for line in lines]
@@ -283,3 +285,18 @@ def test_every_result_file_is_records(path):
     assert len({rec["command"] for rec in records}) == 1
     if records[0]["command"] is None:
         assert records[0]["note"] == R.NOT_RECORDED
+    assert os.path.getsize(path) <= SUMMARY_MAX_BYTES
+    about = records[0].get(R.TRACE)
+    if about is None:
+        return
+    assert R.trace_path(path) == os.path.join(RESULTS, about["file"])
+    assert not {rec["kind"] for rec in records} & set(about["kinds"])
+    joined = R.read_with_trace(path)                  # the digest: the trace is this run's
+    trace = [rec for rec in joined if rec["kind"] in about["kinds"]]
+    assert len(trace) == about["records"] == len(joined) - len(records)
+    assert all(rec["command"] == records[0]["command"] for rec in trace)
+
+
+def test_every_trace_belongs_to_a_summary():
+    named = {R.trace_path(path) for path in RESULT_FILES if R.TRACE in R.read_records(path)[0]}
+    assert sorted(glob.glob(os.path.join(RESULTS, R.TRACES_DIR, "*"))) == sorted(named)

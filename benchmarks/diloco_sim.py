@@ -24,11 +24,15 @@ and for runs without overlap the fraction of a round spent synchronising. Ratios
 of ``speed`` and ``time`` against ``fixed``, samples/s against ``fixed``, fp32/int8 bytes per round.
 The PNG shows one timeline per configuration: a row per rank, compute / idle / sync per round.
 
-The JSON file holds one record per line (hetcomm.bench.records), each with the command: a ``run``
-header (``cpu_quota``, ``nic_mbit``, ``example_args``, ``ratios``), one ``figures`` per
+The JSON file is the summary, one record per line (hetcomm.bench.records), each with the command:
+a ``run`` header (``cpu_quota``, ``nic_mbit``, ``example_args``, ``ratios``), one ``figures`` per
 configuration (``config``, the medians), then per run (``config``, ``repeat``) one ``result`` (the
-example's summary and ``example_command``), one ``round`` per round of its history and one
-``timeline`` per rank (``rank``, ``segments``: [phase, start, end] in seconds).
+example's summary and ``example_command``). The trace, ``traces/NAME.jsonl.gz`` beside it
+(hetcomm.bench.records.write_with_trace), holds per run one ``round`` per round of its history and
+one ``timeline`` per rank (``rank``, ``segments``: [phase, start, end] in seconds). Draw the PNG
+again from a saved file, without running anything::
+
+    python benchmarks/diloco_sim.py --from-json benchmarks/results/diloco_sim.json --plot /tmp/t.png
 """
 from __future__ import annotations
 
@@ -42,7 +46,8 @@ import sys
 import tempfile
 import time
 
-from hetcomm.bench.records import RESULT, RUN, command_line, read_records, record, write_records
+from hetcomm.bench.records import (RESULT, RUN, command_line, fields, read_records, read_with_trace, record,
+                                   write_with_trace)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLE = os.path.join(ROOT, "examples", "train_diloco.py")
@@ -118,6 +123,10 @@ def run_once(name: str, args: argparse.Namespace, example_args: list[str], seed:
     return summary
 
 
+TRACE_KINDS = ("round", "timeline")     # per round of a run, per rank of a run: the trace
+RUN_KEY = ("config", "repeat")          # what ties a trace record to its run's result
+
+
 def diloco_records(document: dict) -> list[dict]:
     """The records of the whole benchmark (``figures`` and ``runs`` by configuration, as main()
     gathers them); a run's own ``command`` (the example's) becomes ``example_command``."""
@@ -133,6 +142,26 @@ def diloco_records(document: dict) -> list[dict]:
             out += [record("timeline", which, rank=rank, segments=segments)
                     for rank, segments in enumerate(run["timelines"])]
     return out
+
+
+def diloco_runs(records: list[dict]) -> dict[str, list[dict]]:
+    """The runs by configuration, as main() gathered them, from the records of a file (summary
+    and trace: :func:`hetcomm.bench.records.read_with_trace`)."""
+    runs: dict[str, list[dict]] = {}
+    by_run: dict[tuple, dict] = {}
+    for rec in records:
+        data = fields(rec)
+        which = tuple(data.pop(name, None) for name in RUN_KEY)
+        if rec["kind"] == RESULT:
+            command = data.pop("example_command")
+            run = {**data, "command": command, "history": [], "timelines": []}
+            by_run[which] = run
+            runs.setdefault(which[0], []).append(run)
+        elif rec["kind"] == "round":
+            by_run[which]["history"].append(data)
+        elif rec["kind"] == "timeline":
+            by_run[which]["timelines"].append(data["segments"])
+    return runs
 
 
 def derived(run: dict) -> dict:
@@ -203,6 +232,7 @@ def plot(runs: dict[str, list[dict]], path: str) -> None:
                  x=0.3)
     fig.tight_layout(rect=(0, 0, 1, 0.96))
     fig.savefig(path, dpi=110)
+    print(f"diloco_sim: timeline written to {path}")
 
 
 def main(argv=None) -> int:
@@ -218,7 +248,13 @@ def main(argv=None) -> int:
     p.add_argument("--timeout", type=float, default=900, help="seconds per run")
     p.add_argument("--json", metavar="PATH", help="write all runs and the ratios here")
     p.add_argument("--plot", metavar="PNG", help="draw the timelines of the first repeat here")
+    p.add_argument("--from-json", metavar="PATH", help="run nothing: draw --plot from this saved --json file")
     args, example_args = p.parse_known_args(argv)
+    if args.from_json:
+        if not args.plot:
+            p.error("--from-json draws a PNG: give --plot")
+        plot(diloco_runs(read_with_trace(args.from_json)), args.plot)
+        return 0
     if os.geteuid() != 0:
         print("diloco_sim: needs root (hetcomm.sim creates network namespaces and cgroups)", file=sys.stderr)
         return 2
@@ -269,12 +305,12 @@ def main(argv=None) -> int:
         print(f"diloco_sim: {k} = {v:.3f}", flush=True)
     if args.plot:
         plot(runs, args.plot)
-        print(f"diloco_sim: timeline written to {args.plot}")
     if args.json:
-        write_records(args.json, diloco_records({"cpu_quota": args.cpu_quota, "nic_mbit": args.nic_mbit,
-                                                 "sim_args": args.sim_args,
-                                                 "example_args": example_args, "ratios": ratios,
-                                                 "figures": figures, "runs": runs}), command_line())
+        write_with_trace(args.json, diloco_records({"cpu_quota": args.cpu_quota, "nic_mbit": args.nic_mbit,
+                                                    "sim_args": args.sim_args,
+                                                    "example_args": example_args, "ratios": ratios,
+                                                    "figures": figures, "runs": runs}),
+                         command_line(), TRACE_KINDS, RUN_KEY)
     return 0
 
 

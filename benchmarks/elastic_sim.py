@@ -26,6 +26,14 @@ worker is killed at a random moment of the round and restarted 2-8 s later. Repo
 process still running past the deadline), rounds whose fingerprints of the global parameters
 differ between any two reports (every incarnation of every worker reports every round it
 committed), and the membership changes.
+
+``--json`` writes the summary, one record per line (hetcomm.bench.records), each with the command:
+a ``run`` header (the options; kill and restart: ``summary``, ``per_repeat``, ``hangs``,
+``split_rounds``; random kills: the run's figures), then one ``result`` per run (``name``,
+``repeat``, its figures). The trace, ``traces/NAME.jsonl.gz`` beside it
+(hetcomm.bench.records.write_with_trace), holds per run (``name``, ``repeat``) a ``round`` per
+committed round (``t``, ``members``, ``samples``), a ``membership`` per membership event and a
+``loss`` per point of the loss curve (``samples``, ``loss``); random kills: a ``kill`` per kill.
 """
 from __future__ import annotations
 
@@ -43,7 +51,7 @@ import tempfile
 import threading
 import time
 
-from hetcomm.bench.records import command_line, write_document
+from hetcomm.bench.records import RESULT, RUN, command_line, record, write_with_trace
 from hetcomm.sim import SimCluster, SimSpec
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -299,6 +307,28 @@ def random_kills(cluster, args) -> dict:
     return result
 
 
+TRACE_KINDS = ("round", "membership", "loss", "kill")   # per round, per event, per curve point, per kill
+RUN_KEY = ("name", "repeat")                             # what ties a trace record to its run's result
+_TRACED = ("round_table", "membership", "loss_curve")    # a run's series, one trace record per element
+
+
+def elastic_records(doc: dict) -> list[dict]:
+    """The records of main()'s document: the header, then per run its ``result`` and its trace
+    records (the random-kills run's kills follow the header)."""
+    out = [record(RUN, {k: v for k, v in doc.items() if k not in ("runs", "kill_log")})]
+    out += [record("kill", kill) for kill in doc.get("kill_log", ())]
+    for name, runs in doc.get("runs", {}).items():
+        for repeat, run in enumerate(runs):
+            which = {"name": name, "repeat": repeat}
+            figures = {k: v for k, v in run.items() if k not in (*_TRACED, "name")}
+            out.append(record(RESULT, which, **figures))
+            out += [record("round", which, **r) for r in run["round_table"]]
+            out += [record("membership", which, **event) for event in run["membership"]]
+            out += [record("loss", which, samples=samples, loss=loss)
+                    for samples, loss in run.get("loss_curve", ())]
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--cpu-quota", default="0.8,0.4,0.2,0.2")
@@ -368,7 +398,7 @@ def main(argv=None) -> int:
             print(json.dumps(summary, indent=1))
             ok = not hung and not split
     if args.json:
-        write_document(args.json, doc, command_line())
+        write_with_trace(args.json, elastic_records(doc), command_line(), TRACE_KINDS, RUN_KEY)
     return 0 if ok else 1
 
 

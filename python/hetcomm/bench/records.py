@@ -7,6 +7,15 @@ so that the diff of a rerun shows which measurement changed. Every record carrie
 ``"command"``, the exact command line that produced the file (``null`` where an old file did
 not record it; its header then says so in ``"note"``).
 
+Summary and trace: a writer whose records include per-round or per-step series (a *trace*:
+DiLoCo's ``round`` and ``timeline`` records, say) writes them with :func:`write_with_trace`. The
+file itself keeps the summary, one record per configuration (and repeat); the trace records go,
+stamped with the same command, to ``traces/NAME.jsonl.gz`` beside it (:func:`trace_path`), and the
+header's ``"trace"`` names that file, the trace's kinds, the ``key`` fields that tie each trace
+record to its summary record, the number of records and the SHA-256 of the uncompressed text.
+:func:`read_with_trace` gives back the writer's records, in the writer's order; a summary and a
+trace from different runs fail its digest check instead of being joined.
+
 JSON has no NaN or infinity: :func:`write_records` writes them as ``null``, on purpose, so that
 every line stays valid JSON for any reader. The file is written atomically (a temporary file
 beside it, then ``os.replace``): a reader never sees half a file.
@@ -22,22 +31,26 @@ compare``)::
 
     python -m hetcomm.bench.records FILE.json [KEY=KIND ...]
 
-prints the header's fields plus, for each ``KEY=KIND``, the records of that kind as a list
-under ``KEY`` (without their ``kind`` and ``command``).
+prints the header's fields plus, for each ``KEY=KIND``, the records of that kind (trace records
+included) as a list under ``KEY`` (without their ``kind`` and ``command``).
 """
 from __future__ import annotations
 
+import gzip
+import hashlib
 import json
 import math
 import os
 import shlex
 import sys
-from typing import Any, Iterable, Mapping, Optional, Sequence
+from typing import Any, Collection, Iterable, Mapping, Optional, Sequence
 
 RUN = "run"
 RESULT = "result"
 ROWS = {"rows": RESULT}     # the common document: a header plus "rows", one "result" record each
 NOT_RECORDED = "the command that produced this file was not recorded"
+TRACE = "trace"             # the header's field that names the trace file
+TRACES_DIR = "traces"       # the trace of DIR/NAME.json is DIR/traces/NAME.jsonl.gz
 _STAMP = ("kind", "command")
 
 
@@ -76,6 +89,24 @@ def _line(rec: Mapping[str, Any], command: Optional[str]) -> str:
     return json.dumps(_finite(stamped), separators=(",", ":"), allow_nan=False)
 
 
+def _text(records: Iterable[Mapping[str, Any]], command: Optional[str]) -> str:
+    return "".join(_line(rec, command) + "\n" for rec in records)
+
+
+def _write_atomically(path: str, data: bytes) -> None:
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    temporary = os.path.join(directory, f".{os.path.basename(path)}.tmp.{os.getpid()}")
+    try:
+        with open(temporary, "wb") as handle:
+            handle.write(data)
+        os.replace(temporary, path)
+    except BaseException:
+        if os.path.exists(temporary):
+            os.unlink(temporary)
+        raise
+
+
 def write_records(path: str, records: Iterable[Mapping[str, Any]], command: Optional[str]) -> None:
     """Writes ``records`` to ``path`` as JSON Lines, each stamped with ``command``, atomically.
 
@@ -83,18 +114,7 @@ def write_records(path: str, records: Iterable[Mapping[str, Any]], command: Opti
     infinities become null. The parent directory is created if missing. Everything is
     serialised before the file is opened: a record that is not JSON leaves nothing behind.
     """
-    text = "".join(_line(rec, command) + "\n" for rec in records)
-    directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
-    temporary = os.path.join(directory, f".{os.path.basename(path)}.tmp.{os.getpid()}")
-    try:
-        with open(temporary, "w") as handle:
-            handle.write(text)
-        os.replace(temporary, path)
-    except BaseException:
-        if os.path.exists(temporary):
-            os.unlink(temporary)
-        raise
+    _write_atomically(path, _text(records, command).encode())
 
 
 def write_document(path: str, document: Mapping[str, Any], command: Optional[str],
@@ -103,10 +123,19 @@ def write_document(path: str, document: Mapping[str, Any], command: Optional[str
     write_records(path, split_document(document, lists), command)
 
 
+def _read_bytes(path: str) -> bytes:
+    with (gzip.open if path.endswith(".gz") else open)(path, "rb") as handle:
+        return handle.read()
+
+
 def read_records(path: str) -> list[dict[str, Any]]:
-    """The records of a result file; an old single-document file reads as ``[document]``."""
-    with open(path) as handle:
-        text = handle.read()
+    """The records of a result file (gzip if ``path`` ends in ``.gz``: a trace); an old
+    single-document file reads as ``[document]``. A summary's trace is not joined: see
+    :func:`read_with_trace`."""
+    return _parse(_read_bytes(path).decode(), path)
+
+
+def _parse(text: str, path: str) -> list[dict[str, Any]]:
     records = []
     try:
         for line in text.splitlines():
@@ -159,6 +188,100 @@ def join_document(records: Sequence[Mapping[str, Any]], lists: Mapping[str, str]
     return {**header(records), **{key: of_kind(records, kind) for key, kind in lists.items()}}
 
 
+def trace_path(path: str) -> str:
+    """Where the trace of the summary ``DIR/NAME.json`` goes: ``DIR/traces/NAME.jsonl.gz``."""
+    directory, name = os.path.split(path)
+    stem = name[:-len(".json")] if name.endswith(".json") else name
+    return os.path.join(directory, TRACES_DIR, f"{stem}.jsonl.gz")
+
+
+def split_trace(records: Iterable[Mapping[str, Any]],
+                kinds: Collection[str]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """``(summary, trace)``: the records of the ``kinds`` (per round, per step, time series)
+    and the rest, each in its order."""
+    summary: list[dict[str, Any]] = []
+    trace: list[dict[str, Any]] = []
+    for rec in records:
+        (trace if rec.get("kind") in kinds else summary).append(rec)
+    return summary, trace
+
+
+def _key(rec: Mapping[str, Any], key: Sequence[str]) -> str:
+    return json.dumps([rec.get(name) for name in key])
+
+
+def join_trace(summary: Sequence[Mapping[str, Any]], trace: Sequence[Mapping[str, Any]],
+               key: Sequence[str]) -> list[dict[str, Any]]:
+    """The inverse of :func:`split_trace`: each trace record, in trace order, right after the
+    first summary record with the same ``key`` fields (a record without them: the header).
+    ValueError if a trace record has no such summary record: it would be lost."""
+    owned: dict[str, list[Mapping[str, Any]]] = {}
+    for rec in trace:
+        owned.setdefault(_key(rec, key), []).append(rec)
+    joined: list[dict[str, Any]] = []
+    for rec in summary:
+        joined.append(rec)
+        joined += owned.pop(_key(rec, key), [])
+    if owned:
+        orphans = sum(len(recs) for recs in owned.values())
+        raise ValueError(f"{orphans} trace record(s) belong to no summary record: "
+                         f"{key} = {', '.join(sorted(owned))}")
+    return joined
+
+
+def write_with_trace(path: str, records: Sequence[Mapping[str, Any]], command: Optional[str],
+                     kinds: Collection[str], key: Sequence[str]) -> None:
+    """:func:`write_records` of the summary to ``path`` and of the records of the ``kinds``, gzip,
+    to :func:`trace_path`; the header (the ``run`` record) gets a ``"trace"`` field that names the
+    trace file, ``kinds``, ``key``, the number of trace records and their text's SHA-256.
+
+    Each trace record must follow the summary record it belongs to (the one with the same
+    ``key`` fields; the header for one without them), so that :func:`read_with_trace` gives
+    ``records`` back in their order: ValueError otherwise, before anything is written. Without
+    trace records the summary is written alone, and an earlier trace at that path removed.
+    """
+    records = list(records)
+    summary, trace = split_trace(records, kinds)
+    joined = join_trace(summary, trace, key)
+    if any(a is not b for a, b in zip(joined, records)):
+        raise ValueError(f"{path}: a trace record does not follow the summary record with its "
+                         f"key {list(key)}; reading the files back would reorder them")
+    where = trace_path(path)
+    if trace:
+        heads = [i for i, rec in enumerate(summary) if rec.get("kind") == RUN]
+        if not heads or TRACE in summary[heads[0]]:
+            raise ValueError(f"{path}: a trace needs a {RUN!r} record without a {TRACE!r} field")
+        data = _text(trace, command).encode()
+        # mtime 0 and no file name in the gzip header: the same records give the same bytes
+        _write_atomically(where, gzip.compress(data, compresslevel=9, mtime=0))
+        summary[heads[0]] = {**summary[heads[0]], TRACE: {
+            "file": os.path.relpath(where, os.path.dirname(path) or "."), "kinds": sorted(kinds),
+            "key": list(key), "records": len(trace),
+            "sha256": hashlib.sha256(data).hexdigest()}}
+    write_records(path, summary, command)
+    if not trace and os.path.exists(where):
+        os.unlink(where)
+
+
+def read_with_trace(path: str) -> list[dict[str, Any]]:
+    """The records of a result file joined with its trace (:func:`write_with_trace`), without
+    the header's ``"trace"`` field: what the writer wrote. A file without a trace reads as
+    :func:`read_records`. ValueError if the trace is not the one the summary names."""
+    summary = read_records(path)
+    heads = [i for i, rec in enumerate(summary) if rec.get("kind") == RUN and TRACE in rec]
+    if not heads:
+        return summary
+    head = dict(summary[heads[0]])
+    about = head.pop(TRACE)
+    where = os.path.join(os.path.dirname(path), about["file"])
+    data = _read_bytes(where)
+    if hashlib.sha256(data).hexdigest() != about["sha256"]:
+        raise ValueError(f"{path}: its trace {where} is not the one it was written with "
+                         f"(SHA-256 differs): a summary and a trace of different runs")
+    summary[heads[0]] = head
+    return join_trace(summary, _parse(data.decode(), where), about["key"])
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or any("=" not in arg for arg in argv[1:]):
@@ -166,7 +289,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 2
     lists = dict(arg.split("=", 1) for arg in argv[1:])
     try:
-        json.dump(join_document(read_records(argv[0]), lists), sys.stdout, indent=1)
+        json.dump(join_document(read_with_trace(argv[0]), lists), sys.stdout, indent=1)
     except (OSError, ValueError, KeyError) as error:
         print(f"hetcomm.bench.records: {error}", file=sys.stderr)
         return 2

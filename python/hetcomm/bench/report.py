@@ -16,7 +16,7 @@ from __future__ import annotations
 import sys
 from typing import Any, Optional, Sequence, TextIO
 
-from hetcomm.bench.records import (RESULT, RUN, fields, header, is_legacy, read_records, record,
+from hetcomm.bench.records import (RESULT, RUN, fields, header, is_legacy, read_with_trace, record,
                                    write_records)
 from hetcomm.bench.results import (RATIO_DENOMINATOR, RATIO_NUMERATOR, BenchReport, SizeResult,
                                    average_busbw, busbw_ratio, speedup)
@@ -283,8 +283,9 @@ def report_document(records: Sequence[dict[str, Any]]) -> dict[str, Any]:
 
 
 def read_report(path: str) -> dict[str, Any]:
-    """The document of a run saved by ``--json`` (either format)."""
-    return report_document(read_records(path))
+    """The document of a run saved by ``--json`` (either format; a trace, if the file names one,
+    joined: :func:`~hetcomm.bench.records.read_with_trace`)."""
+    return report_document(read_with_trace(path))
 
 
 def write_json(bench_report: BenchReport, path: str) -> None:

@@ -7,7 +7,7 @@
 #    torch, numpy, scipy and pytest must already be installed), and the C++ tests and the CUDA
 #    kernel benchmark with CMake;
 # 2. runs ctest (the CUDA reduce kernels bit for bit against the CPU ones) and the CUDA pytest
-#    suite (tests/test_cuda.py, with HETCOMM_REQUIRE_CUDA=1 so that nothing skips silently);
+#    suite (tests/backend/test_cuda.py, with HETCOMM_REQUIRE_CUDA=1 so that nothing skips silently);
 # 3. runs the CUDA benchmarks: reduce kernel vs device-to-device copy (bench_reduce), allreduce of
 #    CUDA tensors, 2 ranks on one GPU, hetcomm beside gloo (python -m hetcomm.bench --device cuda),
 #    a DDP training step, hetcomm beside gloo (benchmarks/ddp_step_cuda.py), and the staging
@@ -79,7 +79,7 @@ phase bench_reduce_kernel "$OUT/bench.log" 300 bash -c "build-gpu/benchmarks/cud
 phase bench_allreduce_cuda "$OUT/bench.log" 300 "$PY" -m hetcomm.bench --device cuda --nprocs 2 \
   --backends hetcomm,gloo --sizes 8,32K,1M,16M,64M,256M --seconds-per-size 1.0 --min-iters 5 --timeout 60 \
   --json "$OUT/allreduce_cuda_2ranks_1gpu.json"
-phase pytest_cuda "$OUT/tests.log" 420 env HETCOMM_REQUIRE_CUDA=1 "$PY" -m pytest -q -rs tests/test_cuda.py
+phase pytest_cuda "$OUT/tests.log" 420 env HETCOMM_REQUIRE_CUDA=1 "$PY" -m pytest -q -rs tests/backend/test_cuda.py
 phase bench_ddp_step_cuda "$OUT/bench.log" 300 "$PY" benchmarks/ddp_step_cuda.py --nprocs 2 --rounds 5 \
   --timeout 60 --json "$OUT/ddp_step_cuda_2ranks_1gpu.json"
 phase bench_staging_sweep "$OUT/bench.log" 300 benchmarks/cuda/staging_sweep.sh "$OUT/staging_sweep.txt"

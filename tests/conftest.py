@@ -1,5 +1,10 @@
 """Shared pytest configuration for the hetcomm suite.
 
+Tests mirror the package: tests/<package>/ holds the tests of python/hetcomm/<package>
+(backend/ and transport/ those of the C++ backend through torch.distributed); tests/support/
+holds the multi-process harness and the helpers several test modules share, and is put on
+sys.path here (spawned ranks inherit it).
+
 The backend under test is ``HETCOMM_TEST_BACKEND`` (default "hetcomm"). Running the suite with
 ``HETCOMM_TEST_BACKEND=gloo`` checks the tests themselves against PyTorch's reference backend;
 tests that only make sense for hetcomm (its wire protocol, its Python API) skip under gloo and
@@ -13,7 +18,7 @@ import sys
 
 import pytest
 
-sys.path.insert(0, os.path.dirname(__file__))  # for `import harness` in spawned ranks too
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "support"))
 
 from harness import BACKEND  # noqa: E402
 
@@ -44,9 +49,3 @@ def backend_importable() -> str:
 @pytest.fixture
 def backend() -> str:
     return BACKEND
-
-
-def hetcomm_only(reason: str):
-    """Skip marker for tests of hetcomm's own API or wire protocol when running under gloo."""
-    return pytest.mark.skipif(BACKEND != "hetcomm",
-                              reason=f"hetcomm-only ({reason}); backend under test is {BACKEND}")

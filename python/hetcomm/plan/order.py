@@ -44,14 +44,14 @@ cost none. The best then gets a short, bounded refinement: at the narrowest ring
 head next to the ranks it has the widest links with, or reverse the segment up to them
 (``REFINE_TRIES`` tries, first improvement kept), unless it already meets its lower bound. The
 search is deterministic and takes a number of LPs that does not grow with P
-(tests/test_plan_scale.py checks it against every order of the hosts, and against the bound at
+(tests/plan/test_plan_scale.py checks it against every order of the hosts, and against the bound at
 1,024 ranks).
 
 Hosts of several ranks (`level_units`): up to 6 hosts (and 64 ranks), every order of the hosts
 is tried, each host's ranks kept together, then rings of up to 16 ranks get a local search of
 their ranks (every move of one rank, reversal and swap: a fast host split around a slow one can
 be faster); on every host topology of up to 8 ranks that matches trying every order of the ranks
-within 1% (tests/test_plan_scale.py).
+within 1% (tests/plan/test_plan_scale.py).
 
 Orders whose T is within a relative ``ORDER_TIE_RTOL`` (1e-6) of the best are ties: the identity
 order wins if it is among them, else the lexicographically smallest.

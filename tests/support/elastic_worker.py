@@ -1,0 +1,191 @@
+"""One worker of an elastic DiLoCo run, for tests/train/test_elastic.py (a process of its own).
+
+    python tests/support/elastic_worker.py --store 127.0.0.1:PORT --id w0 --job J --out DIR [--die round:where]
+
+A small regression model on data that depends only on (worker id, round, step): a worker that is
+restarted, or a whole run resumed from checkpoints, sees the same batches as an uninterrupted one.
+Every committed round appends a JSON line to DIR/<id>.jsonl (round, fingerprint, members); the
+end writes a line with ``final``. ``--die R:where`` kills this process (SIGKILL) at round R:
+``local`` (halfway through the round's steps), ``reduce`` (at the synchronisation, just before
+its all-reduce: the others are inside it), ``done`` (after counting itself done, before the
+outcome: the others commit without it), ``transfer`` (the first time, from round R on, that it
+sends the state to a joining worker: after the metadata, before the parameters), ``registered``
+(R ignored: right after asking to join, before the first round), ``formed`` (a member of a
+decision from round R on, just before forming its group: the others' group formation fails),
+``offer`` (from round R on, when it is about to offer its shard of the state to a joiner: the
+offer is never complete). ``--wait-for FILE:R`` asks to join only once FILE (another worker's
+JSON lines) reports round R, right after a round began (it then has the whole round to join early).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import time
+import zlib
+
+import torch
+
+
+def kill_self() -> None:
+    sys.stdout.flush()
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--store", required=True)
+    p.add_argument("--id", required=True)
+    p.add_argument("--job", required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--rounds", type=int, default=8)
+    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--min-workers", type=int, default=1)
+    p.add_argument("--die", default="")
+    p.add_argument("--save", default="", help="save a checkpoint here after every round")
+    p.add_argument("--load", default="", help="resume from this checkpoint")
+    p.add_argument("--stop-after", type=int, default=0, help="exit (without a word) after this round")
+    p.add_argument("--batches", type=int, default=0, help="this worker's data ends after so many batches")
+    p.add_argument("--compress", default="fp32")
+    p.add_argument("--hidden", type=int, default=16, help="the model's hidden width (another model: other than 16)")
+    p.add_argument("--nan-at", type=int, default=-1, help="make this worker's parameters NaN in this round")
+    p.add_argument("--raise-at", type=int, default=-1, help="raise an exception in the loop's body in this round")
+    p.add_argument("--step-seconds", type=float, default=0.0, help="sleep this long in every step (a slow worker)")
+    p.add_argument("--backend", default=os.environ.get("HETCOMM_TEST_BACKEND", "hetcomm"))
+    p.add_argument("--ballast", type=int, default=0,
+                   help="a parameter of this many elements outside the forward pass (a large state to send)")
+    p.add_argument("--no-early-join", action="store_true", help="ElasticDiLoCo(early_join=False)")
+    p.add_argument("--wait-for", default="", help="FILE:R: ask to join once FILE reports round R")
+    args = p.parse_args()
+
+    import hetcomm
+    from hetcomm.train import elastic
+
+    die_round, _, where = args.die.partition(":")
+    die_round = int(die_round) if die_round else -1
+    if where == "reduce":
+        real = elastic._compress.weighted_allreduce
+
+        def dying_allreduce(*a, **k):
+            if diloco.rounds == die_round:
+                kill_self()
+            return real(*a, **k)
+        elastic._compress.weighted_allreduce = dying_allreduce
+    elif where == "done":
+        real_outcome = elastic.ElasticDiLoCo._outcome_of
+
+        def dying_outcome(self, decision, failure):
+            if self.rounds == die_round and failure is None:
+                self._keys.add(f"e{decision['epoch']}/done", 1)
+                kill_self()
+            return real_outcome(self, decision, failure)
+        elastic.ElasticDiLoCo._outcome_of = dying_outcome
+    elif where == "registered":
+        real_register = elastic.ElasticDiLoCo._register
+
+        def dying_register(self):
+            real_register(self)
+            kill_self()
+        elastic.ElasticDiLoCo._register = dying_register
+    elif where == "formed":
+        real_form = elastic.ElasticDiLoCo._form_group
+
+        def dying_form(self, decision):
+            if decision["round"] >= die_round:
+                kill_self()
+            return real_form(self, decision)
+        elastic.ElasticDiLoCo._form_group = dying_form
+    elif where == "offer":
+        real_offer = elastic.ElasticDiLoCo._offer_state
+
+        def dying_offer(self):
+            if self._round >= die_round and self._holds:
+                kill_self()
+            return real_offer(self)
+        elastic.ElasticDiLoCo._offer_state = dying_offer
+    elif where == "transfer":
+        real_broadcast = torch.distributed.broadcast_object_list
+
+        def dying_broadcast(box, src, *a, **k):
+            result = real_broadcast(box, src, *a, **k)
+            if diloco.rounds >= die_round and diloco._holds:          # a holder, sending
+                kill_self()
+            return result
+        torch.distributed.broadcast_object_list = dying_broadcast
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, args.hidden), torch.nn.Tanh(),
+                                torch.nn.Linear(args.hidden, 1))
+    if args.ballast:
+        model.ballast = torch.nn.Parameter(torch.linspace(-1, 1, args.ballast))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.5)
+    diloco = hetcomm.ElasticDiLoCo(model, opt, store=args.store, worker_id=args.id, job=args.job,
+                                   steps=args.steps, min_workers=args.min_workers, heartbeat=0.5, timeout=3.0,
+                                   collective_timeout=30.0, compress=args.compress, backend=args.backend,
+                                   early_join=not args.no_early_join)
+    if args.wait_for:
+        path, _, wanted = args.wait_for.rpartition(":")
+        def reported() -> bool:
+            if not os.path.exists(path):
+                return False
+            lines = [line for line in open(path).read().split("\n")[:-1] if line.strip()]  # whole lines
+            return any(json.loads(line).get("round", 0) >= int(wanted) for line in lines)
+        while not reported():
+            time.sleep(0.02)
+    if args.load:
+        diloco.load_state_dict(torch.load(args.load, weights_only=False))
+    truth = torch.linspace(-1, 1, 8)
+    out = open(os.path.join(args.out, f"{args.id}.jsonl"), "a")
+
+    def batches():
+        step, taken = 0, 0
+        while not args.batches or taken < args.batches:
+            taken += 1
+            g = torch.Generator().manual_seed(zlib.crc32(f"{args.id}/{diloco.rounds}/{step}".encode()))
+            x = torch.randn(16, 8, generator=g)
+            yield x, (x @ truth).unsqueeze(1) + 0.01 * torch.randn(16, 1, generator=g)
+            step = (step + 1) % args.steps
+
+    try:
+        step_in_round = 0
+        for x, y in diloco.loop(batches(), max_rounds=args.rounds):
+            if diloco.rounds == args.nan_at:
+                with torch.no_grad():
+                    model[0].weight.fill_(float("nan"))
+            if diloco.rounds == args.raise_at and step_in_round == 1:
+                raise RuntimeError("an exception in the body of the loop")
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            time.sleep(args.step_seconds)
+            step_in_round += 1
+            if diloco.rounds == die_round and where == "local" and step_in_round == args.steps // 2:
+                kill_self()
+            if diloco.step(samples=len(x), loss=loss.item()):
+                step_in_round = 0
+                rec = diloco.history[-1]
+                out.write(json.dumps({"round": rec["round"], "fp": rec["fingerprint"], "members": rec["members"],
+                                      "steps": rec["steps"], "gen": rec["generation"], "pid": os.getpid()}) + "\n")
+                out.flush()
+                if args.save:
+                    torch.save(diloco.state_dict(), args.save)
+                if args.stop_after and diloco.rounds >= args.stop_after:
+                    diloco.close()
+                    out.write(json.dumps({"stopped": diloco.rounds, "fp": diloco.fingerprint()}) + "\n")
+                    return 0
+        out.write(json.dumps({"final": diloco.fingerprint(), "rounds": diloco.rounds,
+                              "reason": diloco.stop_reason, "membership": diloco.membership,
+                              "stats": {k: v for k, v in diloco.stats().items() if k != "membership"}}) + "\n")
+    except Exception as e:  # noqa: BLE001 - reported to the test
+        out.write(json.dumps({"error": f"{type(e).__name__}: {e}"}) + "\n")
+        raise
+    finally:
+        out.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,535 @@
+"""Fault-tolerant DiLoCo (`hetcomm.ElasticDiLoCo`): workers are separate processes (tests/support/elastic_worker.py)
+around a store of its own (`python -m hetcomm.store`); they are killed with SIGKILL mid-round, inside
+the synchronisation and while another joins, restarted, and the store itself is killed.
+
+What is asserted every time: no process hangs (each has a deadline), every worker that reports a
+round reports the same fingerprint of the global parameters for it (restarted incarnations
+included), the survivors reach the last round, and the membership records say who left and joined.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from marks import hetcomm_only
+from stores import start_store
+
+pytestmark = pytest.mark.usefixtures("backend_importable")
+
+WORKER = str(Path(__file__).parents[1] / "support" / "elastic_worker.py")
+DEADLINE = 180
+
+
+class Run:
+    def __init__(self, tmp_path: Path, job: str) -> None:
+        self.out, self.job = tmp_path, job
+        self.store, self.port = start_store()
+        self.procs: list[tuple[str, subprocess.Popen]] = []
+
+    def start(self, wid: str, *args: str, env: dict | None = None) -> subprocess.Popen:
+        env = dict(os.environ, HETCOMM_PROBE="0", **(env or {}))
+        log = open(self.out / f"{wid}.{len(self.procs)}.log", "w")
+        proc = subprocess.Popen([sys.executable, WORKER, "--store", f"127.0.0.1:{self.port}", "--id", wid,
+                                 "--job", self.job, "--out", str(self.out), *args],
+                                stdout=log, stderr=subprocess.STDOUT, env=env)
+        self.procs.append((wid, proc))
+        return proc
+
+    def wait_all(self) -> dict[str, list[int]]:
+        codes: dict[str, list[int]] = {}
+        deadline = time.monotonic() + DEADLINE
+        for wid, proc in self.procs:
+            try:
+                codes.setdefault(wid, []).append(proc.wait(timeout=max(1.0, deadline - time.monotonic())))
+            except subprocess.TimeoutExpired:
+                self.close()
+                pytest.fail(f"worker {wid} hung (still running after {DEADLINE} s)\n{self.logs()}")
+        return codes
+
+    def records(self, wid: str) -> list[dict]:
+        path = self.out / f"{wid}.jsonl"
+        return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+    def logs(self) -> str:
+        return "\n".join(f"--- {p.name}\n{p.read_text()[-3000:]}" for p in sorted(self.out.glob("*.log")))
+
+    def close(self) -> None:
+        for _, proc in self.procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        if self.store.poll() is None:
+            self.store.kill()
+            self.store.wait()
+
+
+@pytest.fixture
+def run(tmp_path, request):
+    r = Run(tmp_path, request.node.name[:40])
+    yield r
+    r.close()
+
+
+def check_agreement(run: Run, ids, rounds: int) -> dict[int, int]:
+    """Every report of a round has one fingerprint; returns round -> fingerprint."""
+    prints: dict[int, set] = {}
+    for wid in ids:
+        for rec in run.records(wid):
+            assert "error" not in rec, f"{wid}: {rec['error']}\n{run.logs()}"
+            if "round" in rec:
+                prints.setdefault(rec["round"], set()).add(rec["fp"])
+    split = {r: fps for r, fps in prints.items() if len(fps) > 1}
+    assert not split, f"workers hold different global parameters after rounds {split}\n{run.logs()}"
+    assert sorted(prints) == list(range(1, rounds + 1)), f"rounds reported: {sorted(prints)}\n{run.logs()}"
+    return {r: fps.pop() for r, fps in prints.items()}
+
+
+def final(run: Run, wid: str) -> dict:
+    ends = [rec for rec in run.records(wid) if "final" in rec]
+    assert ends, f"{wid} did not finish\n{run.logs()}"
+    return ends[-1]
+
+
+def events(record: dict) -> tuple[set, set]:
+    left = {w for e in record["membership"] for w in e.get("left", {})}
+    joined = {w for e in record["membership"] if e["round"] > 0 for w in e.get("joined", [])}
+    return left, joined
+
+
+def wait_for(proc: subprocess.Popen, run: Run) -> None:
+    try:
+        proc.wait(timeout=DEADLINE)
+    except subprocess.TimeoutExpired:
+        run.close()
+        pytest.fail(f"the worker meant to die did not\n{run.logs()}")
+
+
+IDS = ["w0", "w1", "w2", "w3"]
+
+
+@pytest.mark.parametrize("victim,where", [("w2", "local"), ("w1", "reduce"), ("w3", "done"), ("w0", "local")],
+                         ids=["mid-round", "inside-the-all-reduce", "after-counting-itself-done", "first-member"])
+def test_a_killed_worker_is_dropped_and_its_restart_rejoins(run, victim, where):
+    rounds = 10         # ~1 s rounds: the restarted worker (a new Python, ~5 s) finds the run going on
+    procs = {w: run.start(w, "--rounds", str(rounds), "--min-workers", "4", "--step-seconds", "0.25",
+                          *(["--die", f"2:{where}"] if w == victim else [])) for w in IDS}
+    wait_for(procs[victim], run)
+    assert procs[victim].returncode == -9, run.logs()
+    time.sleep(1.0)
+    run.start(victim, "--rounds", str(rounds), "--step-seconds", "0.25")
+    codes = run.wait_all()
+    assert all(c[-1] == 0 for c in codes.values()), f"{codes}\n{run.logs()}"
+    prints = check_agreement(run, IDS, rounds)
+    for w in IDS:
+        end = final(run, w)
+        assert end["rounds"] == rounds and end["final"] == prints[rounds], (w, end)
+    left, joined = events(final(run, "w0" if victim != "w0" else "w1"))
+    assert victim in left and victim in joined, final(run, "w1")
+    # the restarted incarnation contributed steps to at least one round after joining
+    late = [rec for rec in run.records(victim) if "round" in rec and rec["round"] > 2]
+    assert any(rec["steps"][rec["members"].index(victim)] > 0 for rec in late), run.records(victim)
+
+
+def test_two_killed_at_once(run):
+    rounds = 6
+    procs = {w: run.start(w, "--rounds", str(rounds), "--min-workers", "4",
+                          *(["--die", "2:local"] if w in ("w1", "w2") else [])) for w in IDS}
+    for w in ("w1", "w2"):
+        wait_for(procs[w], run)
+    codes = run.wait_all()
+    assert codes["w0"] == [0] and codes["w3"] == [0], f"{codes}\n{run.logs()}"
+    prints = check_agreement(run, IDS, rounds)
+    assert final(run, "w0")["final"] == final(run, "w3")["final"] == prints[rounds]
+    left, _ = events(final(run, "w0"))
+    assert left == {"w1", "w2"}
+    after = [rec for rec in run.records("w0") if "round" in rec and rec["round"] > 3]
+    assert all(rec["members"] == ["w0", "w3"] for rec in after), after
+
+
+def test_a_holder_killed_while_another_joins(run):
+    """w1 dies and restarts; w2 dies in the middle of sending w1 the state: the admission is
+    redone from the remaining holders and everyone still agrees."""
+    rounds = 10
+    procs = {w: run.start(w, "--rounds", str(rounds), "--min-workers", "4", "--step-seconds", "0.25",
+                          *({"w1": ["--die", "2:local"], "w2": ["--die", "2:transfer"]}.get(w, []))) for w in IDS}
+    wait_for(procs["w1"], run)
+    # admitted at a boundary (with the state sent then), not early from an offer
+    run.start("w1", "--rounds", str(rounds), "--step-seconds", "0.25", "--no-early-join")
+    wait_for(procs["w2"], run)
+    assert procs["w2"].returncode == -9, run.logs()
+    codes = run.wait_all()
+    assert codes["w0"] == [0] and codes["w3"] == [0] and codes["w1"][-1] == 0, f"{codes}\n{run.logs()}"
+    prints = check_agreement(run, IDS, rounds)
+    assert final(run, "w1")["final"] == prints[rounds]
+    aborted = [e for e in final(run, "w0")["membership"] if "aborted" in e]
+    assert aborted, final(run, "w0")["membership"]
+
+
+def test_checkpoints_resume_a_whole_job_to_the_uninterrupted_parameters(tmp_path):
+    rounds = 6
+    (tmp_path / "whole").mkdir()
+    whole = Run(tmp_path / "whole", "whole")
+    try:
+        for w in IDS:
+            whole.start(w, "--rounds", str(rounds), "--min-workers", "4")
+        assert all(c == [0] for c in whole.wait_all().values()), whole.logs()
+        target = check_agreement(whole, IDS, rounds)[rounds]
+    finally:
+        whole.close()
+    (tmp_path / "parts").mkdir()
+    parts = Run(tmp_path / "parts", "parts")
+    try:
+        ckpt = {w: str(tmp_path / f"{w}.pt") for w in IDS}
+        for w in IDS:
+            parts.start(w, "--rounds", str(rounds), "--min-workers", "4", "--save", ckpt[w], "--stop-after", "3")
+        assert all(c == [0] for c in parts.wait_all().values()), parts.logs()
+        for w in IDS:           # the same job on the same store: the dead era is replaced by a new one
+            parts.start(w, "--rounds", str(rounds), "--min-workers", "4", "--load", ckpt[w])
+        assert all(c[-1] == 0 for c in parts.wait_all().values()), parts.logs()
+        ends = {final(parts, w)["final"] for w in IDS}
+        assert ends == {target}, f"resumed {ends}, uninterrupted {target}\n{parts.logs()}"
+    finally:
+        parts.close()
+
+
+def test_the_store_dying_raises_on_every_worker_naming_it(run):
+    procs = {w: run.start(w, "--rounds", "10000", "--steps", "50", "--min-workers", "3") for w in IDS[:3]}
+    deadline = time.monotonic() + DEADLINE
+    while not all(any("round" in r for r in run.records(w)) for w in procs):
+        assert time.monotonic() < deadline and all(p.poll() is None for p in procs.values()), run.logs()
+        time.sleep(0.2)
+    killed = time.monotonic()
+    run.store.kill()
+    run.store.wait()
+    for w, proc in procs.items():
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            run.close()
+            pytest.fail(f"{w} did not notice the store's death within 60 s\n{run.logs()}")
+        assert proc.returncode != 0
+        errors = [r["error"] for r in run.records(w) if "error" in r]
+        assert errors and "StoreUnreachable" in errors[-1] and f"127.0.0.1:{run.port}" in errors[-1], \
+            (w, errors, run.logs())
+    # generous: the heartbeat (0.5 s) notices at once; the rest is the processes' exit
+    assert time.monotonic() - killed < 30
+
+
+def test_a_frozen_worker_is_dropped_by_its_heartbeat_and_rejoins_when_it_thaws(run):
+    """SIGSTOP closes no connection: the heartbeat timeout (3 s here) drops the worker; thawed, it
+    finds the run gone on without it, discards its round and joins again."""
+    import signal
+
+    rounds = 10
+    procs = {w: run.start(w, "--rounds", str(rounds), "--min-workers", "4", "--step-seconds", "0.25") for w in IDS}
+    deadline = time.monotonic() + DEADLINE
+    while not any(r.get("round", 0) >= 2 for r in run.records("w3")):
+        assert time.monotonic() < deadline and procs["w3"].poll() is None, run.logs()
+        time.sleep(0.1)
+    procs["w3"].send_signal(signal.SIGSTOP)
+    time.sleep(6.0)
+    procs["w3"].send_signal(signal.SIGCONT)
+    codes = run.wait_all()
+    assert all(c == [0] for c in codes.values()), f"{codes}\n{run.logs()}"
+    prints = check_agreement(run, IDS, rounds)
+    assert final(run, "w3")["final"] == prints[rounds]
+    left = [e["left"] for e in final(run, "w0")["membership"] if e.get("left")]
+    assert any("no heartbeat" in why for e in left for w, why in e.items() if w == "w3"), left
+    assert "dropped" in (run.out / "w3.3.log").read_text(), run.logs()
+
+
+def test_a_new_worker_joins_a_running_job(run):
+    """Elastic growth: w2 was never part of the job; it is admitted at a boundary, receives the
+    state from both holders and contributes from the next round."""
+    rounds = 10
+    for w in ("w0", "w1"):
+        run.start(w, "--rounds", str(rounds), "--min-workers", "2", "--step-seconds", "0.25")
+    deadline = time.monotonic() + DEADLINE
+    while not any(r.get("round", 0) >= 2 for r in run.records("w0")):
+        assert time.monotonic() < deadline, run.logs()
+        time.sleep(0.1)
+    run.start("w2", "--rounds", str(rounds), "--step-seconds", "0.25")
+    codes = run.wait_all()
+    assert all(c == [0] for c in codes.values()), f"{codes}\n{run.logs()}"
+    prints = check_agreement(run, ["w0", "w1", "w2"], rounds)
+    assert final(run, "w2")["final"] == prints[rounds]
+    joined = [r for r in run.records("w0") if "round" in r and "w2" in r["members"]]
+    assert joined and joined[-1]["members"] == ["w0", "w1", "w2"], run.records("w0")
+
+
+@pytest.mark.parametrize("early", [True, False], ids=["early-join", "at-the-boundary"])
+def test_a_joiner_trains_in_the_round_in_progress_from_the_state_the_members_offer(run, early):
+    """w3 asks to join right after round 3 was committed (--wait-for): the members offer it the
+    state that round 4 starts from and it contributes steps to round 4; with early_join=False it
+    is admitted at round 4's end and contributes from round 5. A ballast of 4 M parameters (32 MB
+    of state with the outer momentum) makes each member's shard larger than one store value."""
+    rounds, model = 6, ("--ballast", "4000000", "--steps", "20", "--step-seconds", "0.25")
+    for w in IDS[:3]:
+        run.start(w, "--rounds", str(rounds), "--min-workers", "3", *model)
+    run.start("w3", "--rounds", str(rounds), *model,
+              "--wait-for", f"{run.out / 'w0.jsonl'}:3", *([] if early else ["--no-early-join"]))
+    codes = run.wait_all()
+    assert all(c == [0] for c in codes.values()), f"{codes}\n{run.logs()}"
+    prints = check_agreement(run, IDS, rounds)
+    assert {final(run, w)["final"] for w in IDS} == {prints[rounds]}
+    first = next(r for r in run.records("w0") if "round" in r and "w3" in r["members"])
+    contributed = first["steps"][first["members"].index("w3")]
+    assert first["round"] == 4, (first, run.logs())
+    if early:
+        assert contributed > 0 and final(run, "w3")["stats"]["early_joins"] == 1, (first, run.logs())
+        assert "loaded the state of round 3 offered by 3 members" in run.logs()
+    else:
+        assert contributed == 0 and final(run, "w3")["stats"]["early_joins"] == 0, (first, run.logs())
+    # the offers are withdrawn once their round is over
+    import datetime
+
+    import torch.distributed as dist
+    store = dist.TCPStore("127.0.0.1", run.port, is_master=False, timeout=datetime.timedelta(seconds=10))
+    root = f"hetcomm/ft/{run.job}/era1/snap/"
+    assert store.check([root + "latest"]) == early, "offers are made only while a joiner waits"
+    left = [k for r in range(rounds + 1) for k in (f"r{r}/meta", *(f"r{r}/{i}/{c}" for i in range(4)
+                                                                   for c in ("sum", 0, 1, 2)))
+            if store.check([root + k])]
+    assert not left, left
+
+
+def test_an_early_joiners_part_of_a_round_weighs_that_part_of_its_weight():
+    """Under batch/uniform weighting a member that trained a quarter of the round weighs a quarter
+    of what it would (its pseudo-gradient is a quarter of a round's); samples weighting follows
+    its samples already."""
+    from types import SimpleNamespace
+
+    from hetcomm.train import elastic
+
+    table = [[0.0] * 4 for _ in range(elastic._ROWS)]
+    table[elastic._STEPS], table[elastic._SAMPLES] = [8, 8, 8, 2], [64, 64, 64, 16]
+    table[elastic._SHARE] = [1.0, 1.0, 1.0, 0.25]
+    for weighting in ("batch", "uniform"):
+        w = elastic.ElasticDiLoCo._weights(SimpleNamespace(weighting=weighting), table)
+        assert w == pytest.approx([1 / 3.25] * 3 + [0.25 / 3.25]), (weighting, w)
+    w = elastic.ElasticDiLoCo._weights(SimpleNamespace(weighting="samples"), table)
+    assert w == pytest.approx([64 / 208] * 3 + [16 / 208])
+    table[elastic._SHARE] = [1.0] * 4
+    assert elastic.ElasticDiLoCo._weights(SimpleNamespace(weighting="batch"), table) == pytest.approx([0.25] * 4)
+
+
+def test_a_member_dying_while_it_offers_the_state_leaves_the_joiner_to_the_boundary(run):
+    """w1 dies as it is about to offer its shard: the offer is never complete, so w3 is admitted
+    at the round's end (the state sent by the holders left), and everyone agrees."""
+    rounds = 7
+    procs = {w: run.start(w, "--rounds", str(rounds), "--min-workers", "3", "--steps", "8",
+                          "--step-seconds", "0.25", *(["--die", "3:offer"] if w == "w1" else [])) for w in IDS[:3]}
+    run.start("w3", "--rounds", str(rounds), "--steps", "8", "--step-seconds", "0.25",
+              "--wait-for", f"{run.out / 'w0.jsonl'}:3")
+    wait_for(procs["w1"], run)
+    assert procs["w1"].returncode == -9, run.logs()
+    codes = run.wait_all()
+    assert codes["w0"] == codes["w2"] == codes["w3"] == [0], f"{codes}\n{run.logs()}"
+    prints = check_agreement(run, ["w0", "w2", "w3"], rounds)
+    assert final(run, "w3")["final"] == prints[rounds] and final(run, "w3")["stats"]["early_joins"] == 0
+    left, joined = events(final(run, "w0"))
+    assert "w1" in left and "w3" in joined, final(run, "w0")["membership"]
+
+
+def test_arguments_and_misuse_raise_clearly():
+    import torch
+    import torch.distributed as dist
+
+    import hetcomm
+
+    store = dist.HashStore()
+    model = torch.nn.Linear(2, 1)
+    with pytest.raises(ValueError, match="timeout"):
+        hetcomm.ElasticDiLoCo(model, store=store, heartbeat=2.0, timeout=5.0)
+    with pytest.raises(ValueError, match="steps"):
+        hetcomm.ElasticDiLoCo(model, store=store, steps=0)
+    with pytest.raises(ValueError, match="job"):
+        hetcomm.ElasticDiLoCo(model, store=store, job="a/b")
+    with pytest.raises(ValueError, match="store must be"):
+        hetcomm.ElasticDiLoCo(model, store="nohostport")
+    with pytest.raises(hetcomm.StoreUnreachable, match="127.0.0.1:1"):
+        hetcomm.ElasticDiLoCo(model, store="127.0.0.1:1", heartbeat=1.0, timeout=4.0)
+    d = hetcomm.ElasticDiLoCo(model, store=store, job="misuse")
+    with pytest.raises(RuntimeError, match="before join"):
+        d.step()
+    with pytest.raises(RuntimeError, match="before this worker was admitted"):
+        d.state_dict()
+    d.close()
+
+
+@pytest.mark.parametrize("where", ["registered", "formed"])
+def test_a_worker_dead_before_the_first_round_is_left_out(run, where):
+    """w0 (the first by name: the one whose fresh model everyone would start from) dies right after
+    asking to join (its death may be known before the first decision), or as a member of its
+    first decision, before forming the group (the others' group formation fails): either way no
+    round that commits includes it, and the run starts from a survivor's model (a failed group
+    formation once left the next group's store keys misnamed on the survivors: they waited on
+    each other until the deadline)."""
+    procs = {w: run.start(w, "--rounds", "4", "--min-workers", "3", *(["--die", f"0:{where}"] if w == "w0" else []))
+             for w in IDS}
+    wait_for(procs["w0"], run)
+    codes = run.wait_all()
+    assert codes["w0"] == [-9] and all(codes[w] == [0] for w in IDS[1:]), f"{codes}\n{run.logs()}"
+    check_agreement(run, IDS[1:], 4)
+    rounds = [rec for rec in run.records("w1") if "round" in rec]
+    assert all("w0" not in rec["members"] for rec in rounds), f"{rounds}\n{run.logs()}"
+    # the first decision takes the first three to ask: the fourth is admitted a round later; in
+    # the end all three survivors take part
+    assert sorted(rounds[-1]["members"]) == ["w1", "w2", "w3"], f"{rounds}\n{run.logs()}"
+
+
+def test_a_worker_whose_data_ends_leaves_and_the_others_go_on(run):
+    rounds = 6
+    for w in IDS[:3]:
+        run.start(w, "--rounds", str(rounds), "--min-workers", "3", *(["--batches", "10"] if w == "w2" else []))
+    codes = run.wait_all()
+    assert all(c == [0] for c in codes.values()), f"{codes}\n{run.logs()}"
+    prints = check_agreement(run, IDS[:3], rounds)
+    assert final(run, "w0")["final"] == final(run, "w1")["final"] == prints[rounds]
+    left = [e["left"] for e in final(run, "w0")["membership"] if e.get("left")]
+    assert left == [{"w2": "left: its data ended"}], left
+    # its last partial round (10 batches = 2 rounds of 4 + 2 steps) was synchronised before it left
+    third = [rec for rec in run.records("w0") if rec.get("round") == 3]
+    assert third and third[0]["steps"][third[0]["members"].index("w2")] == 2, third
+
+
+def error(run: Run, wid: str) -> str:
+    errors = [rec["error"] for rec in run.records(wid) if "error" in rec]
+    assert errors, f"{wid} reported no error\n{run.logs()}"
+    return errors[-1]
+
+
+def test_a_worker_whose_update_is_not_finite_stops_and_the_others_go_on(run):
+    rounds = 5
+    for w in IDS[:3]:
+        run.start(w, "--rounds", str(rounds), "--min-workers", "3", *(["--nan-at", "2"] if w == "w1" else []))
+    codes = run.wait_all()
+    assert codes == {"w0": [0], "w1": [1], "w2": [0]}, f"{codes}\n{run.logs()}"
+    assert "this worker stops: its pseudo-gradient is not finite" in error(run, "w1"), run.logs()
+    check_agreement(run, ["w0", "w2"], rounds)
+    rounds_w0 = [rec for rec in run.records("w0") if "round" in rec]
+    assert all(rec["members"] == ["w0", "w2"] for rec in rounds_w0[2:]), rounds_w0
+
+
+@pytest.mark.parametrize("differs,expect", [
+    ({"args": ["--compress", "bf16"]}, "bf16"),
+    ({"args": ["--hidden", "12"]}, "its model is '4 tensors, 121 elements in float32"),
+    pytest.param({"env": {"HETCOMM_SEGMENT_BYTES": "65536"}}, "HETCOMM_SEGMENT_BYTES='65536'",
+                 marks=hetcomm_only("hetcomm's own settings: other backends ignore them")),
+], ids=["compression", "model", "hetcomm-setting"])
+def test_a_joiner_with_other_settings_is_refused_and_the_run_goes_on(run, differs, expect):
+    rounds = 12
+    for w in IDS[:2]:
+        run.start(w, "--rounds", str(rounds), "--min-workers", "2", "--step-seconds", "0.25")
+    while len([r for r in run.records("w0") if "round" in r]) < 1:
+        time.sleep(0.2)
+    run.start("w2", "--rounds", str(rounds), *differs.get("args", []), env=differs.get("env"))
+    codes = run.wait_all()
+    assert codes == {"w0": [0], "w1": [0], "w2": [1]}, f"{codes}\n{run.logs()}"
+    assert "this worker cannot join" in error(run, "w2") and expect in error(run, "w2"), run.logs()
+    check_agreement(run, ["w0", "w1"], rounds)
+    # refused before any group formed with it: no synchronisation of the run failed for it
+    membership = final(run, "w0")["membership"]
+    assert any(expect in why for e in membership for why in e.get("refused", {}).values()), membership
+    assert not any("aborted" in e for e in membership), membership
+
+
+@hetcomm_only("hetcomm's own settings: other backends ignore them")
+def test_a_founder_with_other_settings_is_refused_and_the_others_start_the_run(run):
+    rounds = 4
+    # w1 (misconfigured) asks first; w0 and w2 make a majority of the three and start the run
+    run.start("w1", "--rounds", str(rounds), "--min-workers", "2", env={"HETCOMM_SEGMENT_BYTES": "65536"})
+    time.sleep(2.0)
+    for w in ("w0", "w2"):
+        run.start(w, "--rounds", str(rounds), "--min-workers", "2", "--step-seconds", "0.25")
+    codes = run.wait_all()
+    assert codes == {"w0": [0], "w1": [1], "w2": [0]}, f"{codes}\n{run.logs()}"
+    assert "this worker cannot join" in error(run, "w1"), run.logs()
+    assert "HETCOMM_SEGMENT_BYTES='65536'" in error(run, "w1"), run.logs()
+    check_agreement(run, ["w0", "w2"], rounds)
+    membership = final(run, "w0")["membership"]
+    assert not any("aborted" in e for e in membership), membership
+    assert any("w1" in e.get("refused", {}) for e in membership), membership
+
+
+@hetcomm_only("hetcomm's own settings: other backends ignore them")
+def test_founders_held_below_min_workers_by_a_misconfigured_one_say_why_they_wait(run):
+    for w in IDS[:3]:
+        run.start(w, "--rounds", "2", "--min-workers", "3",
+                  env={"HETCOMM_SEGMENT_BYTES": "65536"} if w == "w2" else None)
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline:
+        text = (run.out / "w0.0.log").read_text()
+        if "waiting for min_workers=3" in text:
+            break
+        assert all(proc.poll() is None for _, proc in run.procs), run.logs()
+        time.sleep(0.5)
+    else:
+        pytest.fail(f"w0 never said why it waits\n{run.logs()}")
+    assert "w2 differs (it was started with HETCOMM_SEGMENT_BYTES='65536'" in text, run.logs()
+
+
+def test_a_join_request_is_refused_for_each_difference_and_for_a_malformed_one():
+    from hetcomm.train.elastic import ElasticDiLoCo
+
+    ours = {"model": "2 tensors, 3 elements in float32, shapes abc", "outer optimizer": "SGD",
+            "weighting": "batch", "compression": "compress='fp32', block=2048", "backend": "hetcomm",
+            "settings": {"HETCOMM_TLS": "", "HETCOMM_PROBE": "0"}}
+    assert ElasticDiLoCo._refusal(dict(ours), ours) is None
+    for key, value, expect in [("outer optimizer", "Adam", "its outer optimizer is 'Adam'"),
+                               ("weighting", "equal", "its weighting is 'equal'"),
+                               ("backend", "gloo", "its backend is 'gloo'"),
+                               ("settings", {"HETCOMM_TLS": "all", "HETCOMM_PROBE": "0"},
+                                "it was started with HETCOMM_TLS='all', the run's workers with HETCOMM_TLS=''"),
+                               ("settings", {"HETCOMM_TLS": ""}, "HETCOMM_PROBE=''")]:
+        why = ElasticDiLoCo._refusal(dict(ours, **{key: value}), ours)
+        assert why is not None and expect in why, (key, why)
+    for malformed in [None, "x", {"model": ours["model"]}, dict(ours, settings="x")]:
+        assert "does not describe its configuration" in ElasticDiLoCo._refusal(malformed, ours)
+
+
+@pytest.mark.parametrize("name,value", [("HETCOMM_SITES", "0,0,1"), ("HETCOMM_SITES", "0"),
+                                        ("HETCOMM_HOST_ID", "a,b"), ("HETCOMM_LINK_MBIT", "800,100"),
+                                        ("HETCOMM_LINK_MBIT", "800")])
+def test_per_rank_settings_are_refused_because_ranks_change_every_generation(monkeypatch, name, value):
+    import torch
+    import torch.distributed as dist
+
+    import hetcomm
+
+    monkeypatch.setenv(name, value)
+    with pytest.raises(ValueError, match=f"{name}=.*describes the job by rank"):
+        hetcomm.ElasticDiLoCo(torch.nn.Linear(2, 1), store=dist.HashStore())
+
+
+def test_an_exception_in_the_loop_body_leaves_without_synchronising_the_round(run):
+    rounds = 5
+    for w in IDS[:3]:
+        run.start(w, "--rounds", str(rounds), "--min-workers", "3", *(["--raise-at", "2"] if w == "w2" else []))
+    codes = run.wait_all()
+    assert codes == {"w0": [0], "w1": [0], "w2": [1]}, f"{codes}\n{run.logs()}"
+    assert "an exception in the body of the loop" in error(run, "w2"), run.logs()
+    check_agreement(run, ["w0", "w1"], rounds)
+    left = [e["left"] for e in final(run, "w0")["membership"] if e.get("left")]
+    assert left == [{"w2": "left: it stopped inside its loop (its partial round is not synchronised)"}], left
+    third = [rec for rec in run.records("w0") if rec.get("round") == 3]
+    assert third and third[0]["members"] == ["w0", "w1"], third
+
+
+def test_when_every_holder_dies_while_a_new_worker_joins_it_raises_instead_of_restarting_the_run(run):
+    """w1, new, is being sent the state by w0, the only holder, when w0 dies: w1 holds nothing
+    the run computed, so it must not carry on from its own fresh model."""
+    w0 = run.start("w0", "--rounds", "20", "--step-seconds", "0.25", "--die", "2:transfer")
+    while len([r for r in run.records("w0") if "round" in r]) < 2 and w0.poll() is None:
+        time.sleep(0.2)
+    run.start("w1", "--rounds", "20", "--no-early-join")     # admitted with a transfer, not from an offer
+    codes = run.wait_all()
+    assert codes == {"w0": [-9], "w1": [1]}, f"{codes}\n{run.logs()}"
+    assert "holds the run's state" in error(run, "w1"), run.logs()
+    assert not [r for r in run.records("w1") if "round" in r], run.records("w1")

@@ -43,6 +43,7 @@ import re
 import shutil
 import signal
 import socket
+import sys
 import tempfile
 import time
 import traceback
@@ -86,6 +87,7 @@ class RankOutcome:
     exitcode: int | None = None
     teardown: str | None = None   # None: never reported; "": clean; else the teardown error
     stack_dump: str = ""          # faulthandler output (crash or hang)
+    output: str = ""              # what the rank wrote to its stdout and stderr (C++ logging too)
     cases: list[dict] = dataclasses.field(default_factory=list)
 
     @property
@@ -126,6 +128,8 @@ class RankOutcome:
             text += f"\n  it was running case [{case['family']}] {case['label']}"
         if self.stack_dump.strip() and not self.clean:
             text += "\n  faulthandler dump:\n" + _indent(_tail(self.stack_dump, 60), "    ")
+        if self.output.strip() and not self.clean:
+            text += "\n  its output (last lines):\n" + _indent(_tail(self.output, 30), "    ")
         return text
 
 
@@ -170,6 +174,7 @@ class _RankSpec:
     pg_timeout_s: float
     workdir: str
     destroy: bool
+    environ: dict  # the whole environment the rank runs with (the parent's, plus the job's env)
 
 
 _CASE_LOG = None     # the open case log of this rank (child processes only)
@@ -178,6 +183,16 @@ _JOB_BACKEND = None  # the backend this rank's job runs on (child processes only
 
 def _rank_main(rank: int, world_size: int, spec: _RankSpec, conn) -> None:
     global _CASE_LOG, _JOB_BACKEND
+    # A rank forked from the fork server starts with the server's environment: take the job's
+    # (os.environ writes through to the C library's, which the extension reads).
+    os.environ.clear()
+    os.environ.update(spec.environ)
+    # Its stdout and stderr go to a file of the job, which the parent reads into the outcome (a
+    # forked rank would otherwise write to whatever the fork server inherited).
+    out = os.open(os.path.join(spec.workdir, f"rank{rank}.out"), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(out, 1)
+    os.dup2(out, 2)
+    os.close(out)
     _JOB_BACKEND = spec.backend
     trace_file = open(os.path.join(spec.workdir, f"rank{rank}.trace"), "w")
     faulthandler.enable(file=trace_file, all_threads=True)
@@ -253,6 +268,20 @@ def die(sig: int = signal.SIGKILL) -> None:
     time.sleep(60)  # not reached for SIGKILL; keeps other signals from returning
 
 
+def wait_until_gone(pid: int, limit_s: float = 60.0) -> None:
+    """Until the process has exited (gone, or a zombie: either way its sockets are closed)."""
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+                    return
+        except (FileNotFoundError, ProcessLookupError):
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"process {pid} did not exit within {limit_s} s")
+
+
 def default_store():
     """The store of the default group, for out-of-band coordination inside a rank."""
     import torch.distributed as dist
@@ -306,21 +335,21 @@ class Cases:
 # The parent side
 # --------------------------------------------------------------------------------------------
 
-@contextlib.contextmanager
-def _patched_environ(env: dict[str, str] | None):
-    if not env:
-        yield
-        return
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update({k: str(v) for k, v in env.items()})
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+# Ranks are forked from a fork server that has imported torch and hetcomm once, instead of
+# spawned as fresh interpreters that each import them again (about 2 s of a core per rank, which
+# was most of the suite's time). Every rank is still a new process with its own state: the fork
+# server never runs a rank's code, and it forks before any thread exists. HETCOMM_TEST_START=spawn
+# goes back to fresh interpreters.
+START_METHOD = os.environ.get("HETCOMM_TEST_START", "forkserver")
+PRELOAD = ["torch", "torch.distributed", "numpy", "pytest", "harness"]
+
+
+def _context():
+    ctx = multiprocessing.get_context(START_METHOD)
+    if START_METHOD == "forkserver":
+        preload = PRELOAD + (["hetcomm"] if BACKEND == "hetcomm" else [])
+        ctx.set_forkserver_preload(preload)  # takes effect when the server starts (once)
+    return ctx
 
 
 def run_ranks_outcomes(world_size: int, fn: Callable, *args: Any, backend: str | None = None,
@@ -345,22 +374,27 @@ def run_ranks_outcomes(world_size: int, fn: Callable, *args: Any, backend: str |
         init_arg = os.path.join(workdir, "filestore")
     else:
         init_arg = None
+    environ = dict(os.environ)
+    for k, v in (env or {}).items():  # None unsets a variable
+        if v is None:
+            environ.pop(k, None)
+        else:
+            environ[k] = str(v)
     spec = _RankSpec(fn=fn, args=args, backend=backend, init=init, init_arg=init_arg,
-                     pg_timeout_s=pg_timeout, workdir=workdir, destroy=destroy)
+                     pg_timeout_s=pg_timeout, workdir=workdir, destroy=destroy, environ=environ)
 
-    ctx = multiprocessing.get_context("spawn")
+    ctx = _context()
     procs, conns = [], []
     outcomes = [RankOutcome(rank=r) for r in range(world_size)]
     try:
-        with _patched_environ(env):
-            for rank in range(world_size):
-                parent_end, child_end = ctx.Pipe(duplex=False)
-                p = ctx.Process(target=_rank_main, args=(rank, world_size, spec, child_end),
-                                name=f"rank{rank}", daemon=True)
-                p.start()
-                child_end.close()  # else the parent never sees EOF from a dead child
-                procs.append(p)
-                conns.append(parent_end)
+        for rank in range(world_size):
+            parent_end, child_end = ctx.Pipe(duplex=False)
+            p = ctx.Process(target=_rank_main, args=(rank, world_size, spec, child_end),
+                            name=f"rank{rank}", daemon=True)
+            p.start()
+            child_end.close()  # else the parent never sees EOF from a dead child
+            procs.append(p)
+            conns.append(parent_end)
         _collect(procs, conns, outcomes, deadline=time.monotonic() + timeout)
     finally:
         for p in procs:
@@ -372,6 +406,10 @@ def run_ranks_outcomes(world_size: int, fn: Callable, *args: Any, backend: str |
         for o in outcomes:
             o.exitcode = procs[o.rank].exitcode if o.rank < len(procs) else None
             o.stack_dump = _read(os.path.join(workdir, f"rank{o.rank}.trace"))
+            o.output = _read(os.path.join(workdir, f"rank{o.rank}.out"))
+            if o.output.strip():  # to pytest's captured output of the test that ran the job
+                print(f"--- rank {o.rank} of {getattr(fn, '__name__', fn)}:\n{_tail(o.output, 200)}",
+                      file=sys.stderr)
             o.cases = _read_cases(os.path.join(workdir, f"rank{o.rank}.cases"))
         del store
         shutil.rmtree(workdir, ignore_errors=True)
@@ -600,6 +638,20 @@ def _cached_pattern(n: int, dtype, rank: int, salt: int):
     if n <= period:
         return one_period
     return one_period.repeat((n + period - 1) // period)[:n].clone()
+
+
+def exact_counts(total: int, shares) -> list[int]:
+    """``total`` elements split by ``shares`` in exact arithmetic, for a total that every share
+    divides (asserted): the expected counts of a test then need no rounding rule, so they do not
+    depend on the engine's own (``sharesToCounts``, which has hand-computed cases of its own in
+    tests/cpp/test_ring_schedule.cc and tests/plan/test_planner.py). Shares are read as the short
+    fractions they stand for (0.3 as 3/10, 1/3 as 1/3)."""
+    from fractions import Fraction
+
+    parts = [Fraction(s).limit_denominator(1000) for s in shares]
+    counts = [total * p / sum(parts) for p in parts]
+    assert all(c.denominator == 1 for c in counts), f"{total} does not split exactly by {list(shares)}"
+    return [int(c) for c in counts]
 
 
 def product_pattern(n: int, dtype, rank: int, salt: int = 0):

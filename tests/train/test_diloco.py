@@ -487,27 +487,30 @@ def test_a_sync_that_fails_on_one_rank_of_a_worker_raises_on_all_its_ranks_at_on
 
 # ---- policies --------------------------------------------------------------------------------
 
-SLEEP_S = [0.004, 0.016]          # rank 1 is 4x slower per step
+STEP_S = [0.02, 0.08]             # declared compute per step (clock.DeclaredClock): rank 1 is 4x slower
 
 
 def train_policy(rank: int, world: int, policy: str, overlap: bool) -> dict:
     import hetcomm
+    from clock import DeclaredClock, install
 
     torch.manual_seed(0)
     net = nn.Linear(8, 1)
     opt = torch.optim.SGD(net.parameters(), lr=0.01)
-    diloco = hetcomm.DiLoCo(net, opt, local_steps=policy, steps=4, overlap=overlap, compress="bf16")
+    clock = DeclaredClock()
+    with install(clock):
+        diloco = hetcomm.DiLoCo(net, opt, local_steps=policy, steps=4, overlap=overlap, compress="bf16")
     starts = []                   # (step start, step end, deadline in force) for the time policy
     syncs = 0
     while syncs < 6:              # every rank synchronises exactly 6 times, then finishes
-        begin = time.perf_counter()
+        begin = clock()
         deadline = getattr(diloco.policy, "deadline", None)
         x = torch.randn(16, 8)
         net(x).pow(2).mean().backward()
         opt.step()
         opt.zero_grad()
-        time.sleep(SLEEP_S[rank])
-        end = time.perf_counter()
+        clock.compute(STEP_S[rank])
+        end = clock()
         syncs += diloco.step(samples=16)
         starts.append((begin, end, deadline))
     diloco.finish()
@@ -516,6 +519,9 @@ def train_policy(rank: int, world: int, policy: str, overlap: bool) -> dict:
 
 @pytest.mark.parametrize("policy", ["speed", "time"])
 def test_policies_agree_and_give_the_slow_rank_fewer_steps(policy):
+    """Step times are declared on a clock that nothing else moves (clock.DeclaredClock: 20 ms
+    against 80 ms), not slept: with sleeps of 4 and 16 ms a loaded machine could stretch a fast
+    step past a slow one and break "fewer steps every round"."""
     per_rank = run_ranks(2, train_policy, policy, False)
     history = per_rank[0]["history"]
     assert per_rank[1]["history"] == history, "ranks disagreed on the agreed history (decisions)"
@@ -544,21 +550,24 @@ def test_time_policy_with_overlap_runs_and_agrees():
 # ---- stopping together ----------------------------------------------------------------------
 
 UNEVEN_BATCHES = [24, 12]          # rank 1 has half the batches of rank 0
-UNEVEN_SLEEP_S = [0.002, 0.008]    # and is slower: under speed and time it runs fewer steps a round
+UNEVEN_STEP_S = [0.02, 0.08]      # and is slower (declared compute): under speed and time it runs fewer steps a round
 
 
 def train_uneven(rank: int, world: int, policy: str, overlap: bool, style: str) -> dict:
     import hetcomm
+    from clock import DeclaredClock, install
 
     torch.manual_seed(0)
     net = nn.Linear(6, 1)
     opt = torch.optim.SGD(net.parameters(), lr=0.05)
-    diloco = hetcomm.DiLoCo(net, opt, local_steps=policy, steps=3, overlap=overlap)
+    clock = DeclaredClock()
+    with install(clock):
+        diloco = hetcomm.DiLoCo(net, opt, local_steps=policy, steps=3, overlap=overlap)
     g = torch.Generator().manual_seed(rank)
     loader = [(torch.randn(4, 6, generator=g), torch.randn(4, 1, generator=g)) for _ in range(UNEVEN_BATCHES[rank])]
 
     def one_step(x, y):
-        time.sleep(UNEVEN_SLEEP_S[rank])
+        clock.compute(UNEVEN_STEP_S[rank])
         loss = nn.functional.mse_loss(net(x), y)
         loss.backward()
         opt.step()
@@ -624,106 +633,118 @@ def test_a_budget_of_the_run_stops_every_rank_at_the_same_round(overlap):
     assert per_rank[0] == per_rank[1] and per_rank[0]["rounds"] == 2, per_rank
 
 
-def train_timed_rounds(rank: int, world: int, budgets: dict, slow_reduction: bool = False) -> dict:
-    import time
+ROUND_S, TIMED_STEP_S = 2.5, 0.05     # declared compute: 50 steps a round, 2 samples each, on each of 2 ranks
+LANDS_AFTER = 45                      # a slow link: an update lands 0.9 of a round after it left
 
+
+def train_timed_rounds(rank: int, world: int, budgets: dict, slow_reduction: bool = False) -> dict:
     import hetcomm
+    from clock import DeclaredClock, SlowLink, install
+    from hetcomm.train import diloco as diloco_module
 
     net = nn.Linear(3, 1)
     opt = torch.optim.SGD(net.parameters(), lr=0.05)
-    diloco = hetcomm.DiLoCo(net, opt, local_steps="time", round_seconds=1.0, overlap=True)
-    if slow_reduction:
-        # A slow link: the background reduction lands 0.9 s into each 1 s round.
-        from hetcomm import compress
-        reduce = compress.weighted_allreduce
-
-        def slow(*args, **kwargs):
-            time.sleep(0.9)
-            return reduce(*args, **kwargs)
-        compress.weighted_allreduce = slow
+    clock = DeclaredClock()
+    with install(clock):
+        diloco = hetcomm.DiLoCo(net, opt, local_steps="time", round_seconds=ROUND_S, overlap=True)
+    gate = SlowLink(clock, LANDS_AFTER * TIMED_STEP_S if slow_reduction else 0.0)   # 0: lands at the next step
+    gate.wrap(diloco_module._compress, "weighted_allreduce", diloco)
     forever = iter(lambda: torch.randn(2, 3), None)
     for x in diloco.loop(forever, **budgets):
         net(x).pow(2).mean().backward()
         opt.step()
         opt.zero_grad()
-        time.sleep(0.02)
-        diloco.step(samples=len(x))
+        clock.compute(TIMED_STEP_S)
+        gate.stepped(diloco.step(samples=len(x)))
     return {"reason": diloco.stop_reason, "samples": sum(sum(rec["samples"]) for rec in diloco.history),
-            "steps": [sum(rec["steps"]) for rec in diloco.history],
-            "idle": sum(end - start for kind, start, end in diloco.timeline() if kind == "idle")}
+            "steps": [rec["steps"] for rec in diloco.history], "idle": gate.idle,
+            "diloco_idle": diloco.stats()["idle_seconds"]}
 
 
 def test_with_time_and_overlap_the_last_round_ends_near_the_sample_budget():
     """The last round is decided on one round late; with ``time`` it ends where the sample
-    budget is predicted to be reached: rounds of about 200 samples here (1 s of 20 ms steps on 2
-    ranks), so a budget of 440 is reached about a fifth into the third round, which ran whole
-    before (about 600 samples). A round budget keeps the last round whole."""
+    budget is predicted to be reached: rounds of 200 samples here (50 steps of 2 samples on 2
+    ranks), so a budget of 440 is reached a fifth into the third round, which ran whole before
+    (600 samples). A round budget keeps the last round whole. Step times are declared on a clock
+    nothing else moves (clock.DeclaredClock), not slept: a loaded machine no longer changes the
+    rate the prediction is made from, which sleeps of 20 ms let it do; the counts are exact."""
     budget = 440
-    per_rank = [{k: v for k, v in r.items() if k != "idle"} for r in
-                run_ranks(2, train_timed_rounds, {"max_samples": budget})]
+    per_rank = run_ranks(2, train_timed_rounds, {"max_samples": budget})
     assert per_rank[0] == per_rank[1], per_rank
     assert per_rank[0]["reason"].startswith("max_samples"), per_rank
-    assert 0.9 * budget <= per_rank[0]["samples"] <= 1.2 * budget, per_rank
-    per_rank = [{k: v for k, v in r.items() if k != "idle"} for r in
-                run_ranks(2, train_timed_rounds, {"max_rounds": 3})]
+    # 400 samples in two rounds, then 10 steps of 2 ranks x 2 samples: the budget to the sample
+    assert per_rank[0]["steps"] == [[50, 50], [50, 50], [10, 10]] and per_rank[0]["samples"] == budget, per_rank
+    per_rank = run_ranks(2, train_timed_rounds, {"max_rounds": 3})
     assert per_rank[0] == per_rank[1] and per_rank[0]["reason"].startswith("max_rounds"), per_rank
-    steps = per_rank[0]["steps"]
-    assert len(steps) == 3 and steps[2] >= 0.7 * steps[1], per_rank
+    assert per_rank[0]["steps"] == [[50, 50]] * 3, per_rank
 
 
 def test_a_shortened_last_round_trains_until_the_update_in_flight_lands():
-    """The update in flight lands 0.9 s into each 1 s round here, after the point where the budget
-    is reached (about 0.2 s into the third round). Ending the round there would idle 0.7 s for the
-    landing before the final synchronisation (the run ends no sooner): the round trains until it
-    lands instead, short of its whole second (about 560 samples against 600)."""
+    """A slow link: each update lands 0.9 of a round after it left (clock.SlowLink: 45 steps of
+    the 50 a round has), after the point where the budget is reached (a fifth into the third
+    round). Ending the round there would wait for the landing before the final synchronisation
+    (the run ends no sooner): the round trains until it lands instead, short of its whole length.
+    On the simulated clock the idle time is exact: a rank that stopped training to wait for the
+    landing would idle the rest of its way to it (clock.SlowLink counts it, and so does DiLoCo's
+    own ``stats()["idle"]``); the old test bounded idle seconds against sleeps of a loaded
+    machine."""
     budget = 440
     per_rank = run_ranks(2, train_timed_rounds, {"max_samples": budget}, True)
-    samples = per_rank[0]["samples"]
-    assert [{**r, "idle": 0} for r in per_rank] == [{**per_rank[0], "idle": 0}] * 2, per_rank
-    assert per_rank[0]["reason"].startswith("max_samples"), per_rank
-    assert budget <= samples <= 1.45 * budget, per_rank
-    assert all(r["idle"] < 0.35 for r in per_rank), per_rank
+    assert per_rank[0] == per_rank[1], per_rank
+    first = per_rank[0]
+    assert first["reason"].startswith("max_samples"), per_rank
+    assert first["idle"] == 0 and first["diloco_idle"] == [0.0, 0.0], \
+        f"a rank waited for the update in flight instead of training: {per_rank}"
+    # the last round trained until the landing (after 45 steps; the 46th moves onto it), not the
+    # 10 steps the budget needed
+    assert first["steps"] == [[50, 50], [50, 50], [LANDS_AFTER + 1] * 2], per_rank
+    assert first["samples"] == 400 + 4 * (LANDS_AFTER + 1), per_rank
 
 
-def train_link_bound(rank: int, world: int, slow: float) -> dict:
-    import time
+def train_link_bound(rank: int, world: int, slow_steps: int) -> dict:
     import warnings
 
     import hetcomm
-    from hetcomm import compress
+    from clock import DeclaredClock, SlowLink, install
+    from hetcomm.train import diloco as diloco_module
 
     net = nn.Linear(3, 1)
     opt = torch.optim.SGD(net.parameters(), lr=0.05)
-    diloco = hetcomm.DiLoCo(net, opt, local_steps="time", steps=5, overlap=True, compress="int8")
-    reduce = compress.weighted_allreduce
-
-    def slow_reduce(*args, **kwargs):                   # a slow link
-        time.sleep(slow)
-        return reduce(*args, **kwargs)
-    compress.weighted_allreduce = slow_reduce
-    forever = iter(lambda: torch.randn(2, 3), None)
+    clock = DeclaredClock()
+    with install(clock):
+        diloco = hetcomm.DiLoCo(net, opt, local_steps="time", steps=5, overlap=True, compress="int8")
+    gate = SlowLink(clock, slow_steps * 0.02)
+    gate.wrap(diloco_module._compress, "weighted_allreduce", diloco)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        for x in diloco.loop(forever, max_rounds=6):
+        rounds = 0
+        while rounds < 6:
+            x = torch.randn(2, 3)
             net(x).pow(2).mean().backward()
             opt.step()
             opt.zero_grad()
-            time.sleep(0.02)
-            diloco.step(samples=len(x))
+            clock.compute(0.02)
+            synced = diloco.step(samples=len(x))
+            gate.stepped(synced)
+            rounds += synced
+        diloco.finish()
     return {"warnings": [str(w.message) for w in caught if "sets the pace" in str(w.message)],
             "stretch": diloco.policy.stretch}
 
 
 def test_rounds_stretched_by_the_link_are_reported_once():
     """With overlap, `time`'s rounds last at least the synchronisation in flight; when that is
-    what sets their length (0.5 s of reduction against 5 steps of 20 ms) the replicas average
-    less often per sample, and group rank 0 says so, once, naming int4. A link that keeps up
-    (no delay) is not reported."""
-    per_rank = run_ranks(2, train_link_bound, 0.5)
+    what sets their length (an update lands 25 steps after it left, against 5 steps a round)
+    the replicas average less often per sample, and group rank 0 says so, once, naming int4. A
+    link that keeps up (no delay) is not reported. On the simulated clock (clock.py) a round's
+    compute and the link's delay are counts of steps: with 20 ms sleeps, an unloaded link had
+    to synchronise within ~110 ms of real time not to be reported, which a loaded machine does
+    not promise; here real time does not count."""
+    per_rank = run_ranks(2, train_link_bound, 25)
     assert per_rank[0]["stretch"] > 2 and per_rank[1]["stretch"] > 2, per_rank
     assert len(per_rank[0]["warnings"]) == 1 and per_rank[1]["warnings"] == [], per_rank
     assert "less often per sample" in per_rank[0]["warnings"][0] and "int4" in per_rank[0]["warnings"][0]
-    per_rank = run_ranks(2, train_link_bound, 0.0)
+    per_rank = run_ranks(2, train_link_bound, 0)       # lands at the step after it left
     assert per_rank[0]["warnings"] == [] and per_rank[0]["stretch"] < 1.25, per_rank
 
 
@@ -838,34 +859,34 @@ ARRIVAL_STEPS, ARRIVAL_ROUNDS = 12, 4
 
 
 def train_arrival(rank: int, world: int, fragments: int = 1) -> dict:
-    """overlap_steps=None: the replicas move when the update arrives, which a delay in the
-    background synchronisation puts in the middle of the next round."""
+    """overlap_steps=None: the replicas move when the update arrives, which a slow link (the
+    background synchronisation lands half a round of steps after it left: clock.SlowLink) puts in the middle
+    of the next round."""
     import hetcomm
+    from clock import DeclaredClock, SlowLink, install
     from hetcomm.train import diloco as diloco_module
 
-    original = diloco_module.DiLoCo._exchange_and_reduce
-
-    def slowed(self, *args, **kwargs):
-        if not kwargs.get("timed", True):            # the background synchronisation only
-            time.sleep(0.12)
-        return original(self, *args, **kwargs)
-
-    diloco_module.DiLoCo._exchange_and_reduce = slowed
+    clock = DeclaredClock()
+    gate = SlowLink(clock, ARRIVAL_STEPS // 2 * 0.05)    # half a round of steps
     torch.manual_seed(0)
     net = nn.Linear(6, 1)
     opt = torch.optim.SGD(net.parameters(), lr=0.05)
-    diloco = hetcomm.DiLoCo(net, opt, local_steps="fixed", steps=ARRIVAL_STEPS, workers=[0, 0, 1, 1], overlap=True,
-                            fragments=fragments)
+    with install(clock):
+        diloco = hetcomm.DiLoCo(net, opt, local_steps="fixed", steps=ARRIVAL_STEPS, workers=[0, 0, 1, 1],
+                                overlap=True, fragments=fragments)
+    gate.wrap(diloco_module.DiLoCo, "_exchange_and_reduce", diloco)   # off the main thread: the background one
     g = torch.Generator().manual_seed(rank)
     for _ in range(ARRIVAL_STEPS * ARRIVAL_ROUNDS):
         x, y = torch.randn(4, 6, generator=g), torch.randn(4, 1, generator=g)
         nn.functional.mse_loss(net(x), y).backward()
         opt.step()
         opt.zero_grad()
-        time.sleep(0.02)
-        diloco.step(samples=4)
+        clock.compute(0.05)
+        gate.stepped(diloco.step(samples=4))
+    gate.open_all()
     diloco.finish()
-    return {"history": diloco.history, "global": [t.clone() for t in diloco.global_parameters()]}
+    return {"history": diloco.history, "global": [t.clone() for t in diloco.global_parameters()],
+            "idle": gate.idle}
 
 
 @pytest.mark.parametrize("fragments", [1, 2])
@@ -876,10 +897,13 @@ def test_on_arrival_the_replicas_of_a_worker_move_together_mid_round(fragments):
         assert res["history"] == per_rank[0]["history"]
         for a, b in zip(per_rank[0]["global"], res["global"]):
             assert torch.equal(a, b)
+    assert [r["idle"] for r in per_rank] == [0] * 4, per_rank
     landed = [h["landed_after_steps"] for h in per_rank[0]["history"]]
     assert landed[0] == [0, 0]                          # nothing in flight in the first round
-    # (a worker whose ranks moved at different steps would have raised at the synchronisation)
-    assert any(0 < x < ARRIVAL_STEPS for row in landed[1:] for x in row), landed
+    # (a worker whose ranks moved at different steps would have raised at the synchronisation);
+    # held for half a round of steps, every update lands there and moves the replicas at the
+    # next step, mid-round
+    assert all(x == ARRIVAL_STEPS // 2 + 1 for row in landed[1:] for x in row), landed
 
 
 WORKER_BATCHES = [10, 14, 20, 20]   # worker 0's ranks disagree on how much data there is
@@ -887,15 +911,18 @@ WORKER_BATCHES = [10, 14, 20, 20]   # worker 0's ranks disagree on how much data
 
 def train_workers_uneven(rank: int, world: int, policy: str, overlap: bool) -> dict:
     import hetcomm
+    from clock import DeclaredClock, install
 
     torch.manual_seed(0)
     net = nn.Linear(6, 1)
     opt = torch.optim.SGD(net.parameters(), lr=0.05)
-    diloco = hetcomm.DiLoCo(net, opt, local_steps=policy, steps=3, workers=[0, 0, 1, 1], overlap=overlap)
+    clock = DeclaredClock()
+    with install(clock):
+        diloco = hetcomm.DiLoCo(net, opt, local_steps=policy, steps=3, workers=[0, 0, 1, 1], overlap=overlap)
     g = torch.Generator().manual_seed(rank)
     loader = [(torch.randn(4, 6, generator=g), torch.randn(4, 1, generator=g)) for _ in range(WORKER_BATCHES[rank])]
     for x, y in diloco.loop(loader):
-        time.sleep(0.004 if rank < 2 else 0.001)
+        clock.compute(0.04 if rank < 2 else 0.01)
         loss = nn.functional.mse_loss(net(x), y)
         loss.backward()
         opt.step()
@@ -1163,13 +1190,15 @@ def test_the_closed_form_sgd_start_estimate_equals_a_scratch_step():
 
 def train_one_rank_drains(rank: int, world: int) -> list:
     import itertools
-    import time
 
     import hetcomm
+    from clock import DeclaredClock, install
 
     net = nn.Linear(3, 1)
     opt = torch.optim.SGD(net.parameters(), lr=0.05)
-    diloco = hetcomm.DiLoCo(net, opt, local_steps="time", round_seconds=0.5, overlap=True)
+    clock = DeclaredClock()
+    with install(clock):
+        diloco = hetcomm.DiLoCo(net, opt, local_steps="time", round_seconds=0.5, overlap=True)
     data = iter(lambda: torch.randn(2, 3), None)
     if rank == 1:
         data = itertools.islice(data, 5)                 # out of data early: it drains, never steps again
@@ -1177,7 +1206,7 @@ def train_one_rank_drains(rank: int, world: int) -> list:
         net(x).pow(2).mean().backward()
         opt.step()
         opt.zero_grad()
-        time.sleep(0.02)
+        clock.compute(0.02)
         diloco.step(samples=len(x))
     return [{k: rec[k] for k in ("round", "plan", "steps", "samples", "weights")} for rec in diloco.history]
 

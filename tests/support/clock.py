@@ -1,0 +1,152 @@
+"""Simulated time for tests of time-driven training policies, so that what they assert does not
+depend on how busy the machine is.
+
+``DeclaredClock`` advances only by the compute a test declares: a training step calls
+``clock.compute(0.1)`` instead of sleeping 0.1 s. Nothing else moves it: a collective, waiting for
+a background synchronisation or a loaded machine takes no time on it. So the steps per round, the
+rounds' lengths and the budgets a time policy computes are the same on every run, and the test
+takes a fraction of the wall time its sleeps took. ``install(clock)`` makes a ``DiLoCo`` built
+inside the ``with`` read it (DiLoCo takes ``time.perf_counter`` when it is constructed).
+
+``SlowLink`` is a link on that clock: each background synchronisation lands ``seconds`` of the
+clock after its round ended. While the rank trains, it is let through at the first step that
+reaches that time (the loop reports its steps with ``stepped``), and lands at that very step on
+every rank; a rank that waits for it instead (idles) moves the clock to that time, and the wait
+is counted in ``idle``, in declared seconds. ``seconds=0`` is a fast link, landing at the next
+step. Without it, a background synchronisation would land after however many steps a rank races
+through (in no declared time) while the collective runs in real time: a count that depends on
+the machine.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import functools
+import threading
+import time
+
+_real_perf_counter = time.perf_counter
+_real_wait = concurrent.futures.wait
+_real_result = concurrent.futures.Future.result
+_real_exception = concurrent.futures.Future.exception
+
+
+class DeclaredClock:
+    def __init__(self) -> None:
+        self._now = 1000.0
+        self._lock = threading.Lock()
+
+    def __call__(self) -> float:
+        return self._now
+
+    def compute(self, seconds: float) -> None:
+        """A step's compute: the clock moves by ``seconds``."""
+        with self._lock:
+            self._now += seconds
+
+    def advance_to(self, t: float) -> None:
+        with self._lock:
+            self._now = max(self._now, t)
+
+
+@contextlib.contextmanager
+def install(clock):
+    """``time.perf_counter`` reads ``clock`` inside the block (construct DiLoCo here)."""
+    time.perf_counter = clock
+    try:
+        yield clock
+    finally:
+        time.perf_counter = _real_perf_counter
+
+
+class SlowLink:
+    def __init__(self, clock: DeclaredClock, seconds: float, limit_s: float = 60.0) -> None:
+        self.clock, self.seconds, self.limit_s = clock, seconds, limit_s
+        self.idle = 0.0          # declared seconds a rank spent waiting for a landing
+        self._opened: list[threading.Event] = []
+        self._due: list[float] = []   # when each synchronisation lands, on the clock
+        self._calls = 0
+        self._diloco = None
+        self._lock = threading.Lock()
+
+    def _event(self, index: int) -> threading.Event:
+        with self._lock:
+            while len(self._opened) <= index:
+                self._opened.append(threading.Event())
+            return self._opened[index]
+
+    def wrap(self, owner, name: str, diloco) -> None:
+        """Holds the calls of ``owner.name`` made off the training (main) thread, one per
+        background synchronisation of ``diloco`` (e.g. ``DiLoCo._exchange_and_reduce``, or the
+        compressed collective of a single-rank worker with one fragment), until they are due. A
+        wait of the training thread for one (``concurrent.futures.wait``) is idle time: the clock
+        moves to when it is due, and the wait is added to ``idle``. (The waits are seen through
+        ``concurrent.futures``, patched in this process: only a rank of a test uses this.)"""
+        original = getattr(owner, name)
+        self._diloco = diloco
+
+        @functools.wraps(original)
+        def held(*args, **kwargs):
+            if threading.current_thread() is not threading.main_thread():
+                with self._lock:
+                    index = self._calls
+                    self._calls += 1
+                if not self._event(index).wait(self.limit_s):
+                    raise TimeoutError(f"clock.SlowLink: synchronisation {index} never came due")
+            return original(*args, **kwargs)
+
+        setattr(owner, name, held)
+
+        # The training thread waiting for a synchronisation in flight: that wait is idle time.
+        def idling(fs) -> None:
+            if threading.current_thread() is threading.main_thread() and not all(f.done() for f in fs):
+                self._land_due(idle=True)
+
+        def wait(fs, *args, **kwargs):
+            idling(fs)
+            return _real_wait(fs, *args, **kwargs)
+
+        def result(future, timeout=None):
+            idling([future])
+            return _real_result(future, timeout)
+
+        def exception(future, timeout=None):
+            idling([future])
+            return _real_exception(future, timeout)
+
+        concurrent.futures.wait = wait
+        concurrent.futures.Future.result = result
+        concurrent.futures.Future.exception = exception
+
+    def _land_due(self, idle: bool) -> None:
+        """Lets through the synchronisations due by now (with ``idle``: every one started, the
+        clock moving on to the last one's due time)."""
+        for index, due in enumerate(self._due):
+            event = self._event(index)
+            if event.is_set():
+                continue
+            if idle and self.clock() < due:
+                self.idle += due - self.clock()
+                self.clock.advance_to(due)
+            if self.clock() >= due - 1e-9:       # sums of declared steps carry rounding
+                event.set()
+
+    def stepped(self, synced: bool) -> None:
+        """After each step: ``synced`` is what ``DiLoCo.step()`` returned (True: a round ended and
+        its synchronisation went to the background, due ``seconds`` from now). Lets through what
+        is due, and waits (in real time, not on the clock) until it has landed, so that it lands
+        at this very step on every rank, however the machine schedules them."""
+        if synced:
+            self._due.append(self.clock() + self.seconds)
+            return
+        before = sum(e.is_set() for e in self._opened)
+        self._land_due(idle=False)
+        pending = getattr(self._diloco, "_pending", None)
+        if pending is not None and sum(e.is_set() for e in self._opened) > before:
+            _real_exception(pending, self.limit_s)      # waits until it has landed
+
+    def open_all(self) -> None:
+        """Lets every synchronisation through from now on."""
+        self._due = [0.0] * len(self._due)
+        for i in range(len(self._due) + 1):
+            self._event(i).set()

@@ -15,7 +15,6 @@
 """
 from __future__ import annotations
 
-import math
 import time
 
 import pytest
@@ -23,45 +22,25 @@ import torch
 import torch.distributed as dist
 
 from marks import hetcomm_only
-from harness import default_store, run_ranks
+from harness import default_store, exact_counts, run_ranks
 
 pytestmark = [pytest.mark.usefixtures("backend_importable"), hetcomm_only("hetcomm.stats")]
 
 # csrc/transport/framing.h: CollectiveHeader::kBytes, P2PHeader::kBytes.
 COLLECTIVE_HEADER_BYTES = 40
 P2P_HEADER_BYTES = 24
-# float32: 480 KB, above the 32 KB recursive-doubling limit (the ring runs); divisible by 2 and 3.
+# float32: 480 KB, above the 32 KB recursive-doubling limit (the ring runs); every share the
+# plans below give divides it (harness.exact_counts).
 NUMEL = 120_000
 LATE_S = 0.3
 KEYS = {"rank", "world_size", "peers", "bytes_sent", "bytes_received", "collectives", "collective_seconds",
         "p2p_sent_messages", "p2p_received_messages", "collectives_by_path", "shared_memory_bytes"}
 
 
-def shares_to_counts(total: int, shares: list[float]) -> list[int]:
-    """csrc/algorithms/ring_schedule.cc sharesToCounts, operation for operation."""
-    s = 0.0
-    for x in shares:
-        s += x
-    counts, remainders, assigned = [], [], 0
-    for i, x in enumerate(shares):
-        exact = float(total) * (x / s)
-        counts.append(min(math.floor(exact), total - assigned))
-        assigned += counts[-1]
-        remainders.append((exact - math.floor(exact), i))
-    remainders.sort(key=lambda r: -r[0])  # stable, as std::stable_sort
-    k = 0
-    while assigned < total:
-        if shares[remainders[k][1]] > 0:
-            counts[remainders[k][1]] += 1
-            assigned += 1
-        k = (k + 1) % len(remainders)
-    return counts
-
-
 def ring_link_bytes(numel: int, element_size: int, order: list[int], shares: list[float]) -> dict:
     """{(sender, receiver): bytes} of one ring allreduce over the plan (order, shares)."""
     p = len(order)
-    counts = shares_to_counts(numel, [shares[order[pos]] for pos in range(p)])
+    counts = exact_counts(numel, [shares[order[pos]] for pos in range(p)])
     return {(order[i], order[(i + 1) % p]):
             COLLECTIVE_HEADER_BYTES + element_size * (2 * numel - counts[i] - counts[(i + 1) % p])
             for i in range(p)}

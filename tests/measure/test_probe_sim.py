@@ -10,7 +10,7 @@ from hetcomm.bench.analysis import _planner_model, physical_model
 from hetcomm.plan import Plan, SitePlan, predict_allreduce_seconds
 from hetcomm.sim import SimSpec
 from marks import needs_netns
-from simrun import rank_json, run_sim
+from simrun import assert_shaped, rank_json, run_sim
 
 HOSTS = "0,0,1,1,2,2,3,3"
 NICS = "100,100,100,25"
@@ -54,10 +54,11 @@ def predicted(got: dict) -> float:
 @needs_netns
 def test_level_probe_finds_the_nics_and_plans_no_worse_than_every_pair(tmp_path):
     levels = probe(tmp_path, {"HETCOMM_LOG_LEVEL": "1"})
-    # between hosts: the NICs (wire rates 12.5 and 3.125 MB/s; TCP gets ~95%, timing +-25%)
+    # between hosts: the NICs (wire rates 12.5 and 3.125 MB/s; TCP gets ~95%); the probe's
+    # timing shares two cores with eight ranks, so only the shaper's bound is held tightly
     bw = levels["bw"]
-    assert 0.75 * 12.5e6 <= bw[0][2] <= 1.3 * 12.5e6, bw[0][2]
-    assert 0.75 * 3.125e6 <= bw[6][0] <= 1.3 * 3.125e6, bw[6][0]
+    assert_shaped(bw[0][2], 12.5e6, "probed fast NIC", slack=1.3)
+    assert_shaped(bw[6][0], 3.125e6, "probed slow NIC", slack=1.3)
     # the host level, and the slow host reduces no piece of it
     assert levels["sites"] is not None and levels["sites"]["local_inner"]
     assert levels["sites"]["site_shares"][3] == 0.0
@@ -73,5 +74,5 @@ def test_a_host_declared_as_a_site_of_its_own_is_measured(tmp_path):
     bw = got["bw"]
     # The slow NIC's rate, not the fast NICs' (12.5 MB/s) nor loopback's. One flow timed by a
     # receiver that shares two cores with seven other ranks reads up to ~60% fast here.
-    assert 0.75 * 3.125e6 <= bw[6][0] <= 2.0 * 3.125e6, bw[6][0]
-    assert 0.75 * 3.125e6 <= bw[0][6] <= 2.0 * 3.125e6, bw[0][6]
+    assert_shaped(bw[6][0], 3.125e6, "probed lone host, out", slack=2.0)
+    assert_shaped(bw[0][6], 3.125e6, "probed lone host, in", slack=2.0)

@@ -28,7 +28,7 @@ from hetcomm.sim import __main__ as sim_main
 from hetcomm.sim import shaping
 from hetcomm.sim.spec import effective_link_mbit, effective_uplinks
 from marks import needs_netns
-from simrun import FLOWS, assert_clean, run_flows, uplink_delta
+from simrun import FLOWS, assert_clean, assert_shaped, run_flows, uplink_delta
 
 WAN_MBIT = 100.0
 WAN_PAYLOAD_BPS = WAN_MBIT * 1e6 / 8 * TCP_GOODPUT_FRACTION   # 11.95 MB/s of TCP payload
@@ -183,9 +183,8 @@ def test_uplinks_never_raise_a_cut_capacity():
 
 
 def test_planner_model_gets_the_uplinks():
-    from hetcomm.planner import LinkModel
-    if "uplinks" not in LinkModel.__dataclass_fields__:
-        pytest.skip("hetcomm.planner.LinkModel has no uplinks field in this tree")
+    """The planner's model of a shared-WAN cluster carries its uplinks (this test used to skip
+    when LinkModel had no such field, which turned a regression into a skip; now it fails)."""
     sim = physical_model(SimSpec(sites=[0, 0, 1, 1], intra_mbit=1000, wan_mbit=100))
     model = _planner_model(sim)
     assert model.uplinks == (((0, 1), 12.5e6, 12.5e6), ((2, 3), 12.5e6, 12.5e6))
@@ -306,14 +305,14 @@ def test_uplink_limits_a_cross_site_flow_and_is_shared(tmp_path):
         assert 0.99 * wire <= moved[1]["in"] <= 1.03 * wire, moved
         assert moved[1]["out"] < 0.05 * wire and moved[0]["in"] < 0.05 * wire, moved   # ACKs only
         rate = n / (one["t1"] - one["t0"])
-        assert rate == pytest.approx(WAN_PAYLOAD_BPS, rel=0.2), f"{rate / 1e6:.2f} MB/s"
+        assert_shaped(rate, WAN_PAYLOAD_BPS, "one flow across the uplink")
 
         two, moved = run_flows(cluster, script, f"0>2:{n},1>3:{n}")
         assert sorted((r["src"], r["dst"], r["bytes"]) for r in two) == [(0, 2, n), (1, 3, n)]
         assert 0.99 * 2 * wire <= moved[0]["out"] <= 1.03 * 2 * wire, moved
         assert 0.99 * 2 * wire <= moved[1]["in"] <= 1.03 * 2 * wire, moved
         together = 2 * n / (max(r["t1"] for r in two) - min(r["t0"] for r in two))
-        assert together == pytest.approx(WAN_PAYLOAD_BPS, rel=0.2), f"{together / 1e6:.2f} MB/s together"
+        assert_shaped(together, WAN_PAYLOAD_BPS, "two flows across the uplink together")
         for r in two:   # each got about half while both ran: well below the uplink alone
             assert n / (r["t1"] - r["t0"]) < 0.8 * WAN_PAYLOAD_BPS, two
 

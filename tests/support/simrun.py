@@ -115,3 +115,12 @@ def run_flows(cluster, script, flows: str) -> tuple[list[dict], dict]:
     records = [r for rs in rank_json(out.getvalue().decode()).values() for r in rs]
     assert len(records) == len(flows.split(",")), out.getvalue().decode()
     return records, moved
+
+
+def assert_shaped(rate: float, want: float, what: str = "", slack: float = 1.2) -> None:
+    """A rate measured through a shaped link: at most ``slack`` x the shaped rate (token-bucket
+    bursts allow a little more), which holds however busy the machine is, since load can only
+    slow a flow; and at least half of it, which catches a shaper set to the wrong rate without
+    asking a loaded two-core machine to keep within 20% of the wire (it did not always)."""
+    assert rate <= slack * want, f"{what}: {rate / 1e6:.2f} MB/s through a link shaped to {want / 1e6:.2f}"
+    assert rate >= 0.5 * want, f"{what}: {rate / 1e6:.2f} MB/s, under half of the shaped {want / 1e6:.2f}"

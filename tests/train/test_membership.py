@@ -1,5 +1,11 @@
 """The heartbeat thread of ElasticDiLoCo (`hetcomm.train.membership.Pulse`) on its own, in one
-process: whom it confirms alive, whom it takes for dead, and what it does not conclude from."""
+process: whom it confirms alive, whom it takes for dead, and what it does not conclude from.
+
+What is asserted is which path decided (a closed connection makes a worker infinitely silent at
+once; the heartbeat only ever makes it finitely silent, for longer and longer), never how many
+seconds it took: the tests wait for the watcher's own heartbeats (its counter in the store) to
+know that its thread has had its turns, so a loaded machine only makes them take longer. The
+waits' limits are there to end a hang, not to judge speed."""
 from __future__ import annotations
 
 import math
@@ -14,14 +20,19 @@ from hetcomm.train.membership import Keys, Pulse, StoreUnreachable, connect
 INTERVAL = 0.2
 
 
-def until(condition, seconds: float = 5.0) -> float:
-    """Seconds it took ``condition`` to hold; fails after ``seconds``."""
+def until(condition, seconds: float = 60.0) -> None:
+    """Waits for ``condition``; fails after ``seconds`` (a hang, not a slow machine)."""
     start = time.monotonic()
     while not condition():
         if time.monotonic() - start > seconds:
             pytest.fail(f"not within {seconds} s")
         time.sleep(0.01)
-    return time.monotonic() - start
+
+
+def beats(keys: Keys, who: str, n: int = 3) -> None:
+    """Waits until ``who``'s heartbeat thread has run ``n`` more times (its counter moved n)."""
+    start = keys.counters([f"hb/{who}"])[0]
+    until(lambda: keys.counters([f"hb/{who}"])[0] >= start + n)
 
 
 @pytest.fixture
@@ -43,13 +54,16 @@ def cluster():
 
 
 def test_a_watched_worker_is_confirmed_through_its_connection_and_dead_once_it_closes(cluster):
-    pulse, _ = cluster
+    pulse, keys = cluster
     a, b = pulse("a#1"), pulse("b#1")
     a.watch(["b#1"])
-    until(lambda: a.confirmed("b#1"), 2 * INTERVAL + 2)
-    assert a.silent("b#1") < 2 * INTERVAL
+    until(lambda: a.confirmed("b#1"))
+    beats(keys, "a#1")
+    assert a.silent("b#1") < math.inf and a.confirmed("b#1")
     b.stop()                                   # its listener and connections close, as at death
-    assert until(lambda: math.isinf(a.silent("b#1")), 2.0) < 1.0
+    # Infinite silence comes only from the closed connection (the heartbeat path gives finite
+    # values): the death was known from the connection, not waited out.
+    until(lambda: math.isinf(a.silent("b#1")))
     assert not a.confirmed("b#1")
     a.check()
 
@@ -63,10 +77,10 @@ def test_a_stranger_on_the_address_is_not_taken_for_the_worker(cluster):
     a.watch(["c#1"])
     conn, _ = stranger.accept()
     conn.sendall(b"x#9\n")                      # someone else's greeting
-    time.sleep(3 * INTERVAL)
+    beats(keys, "a#1")
     assert not a.confirmed("c#1") and a.silent("c#1") < math.inf
     conn.close()                               # and its going away proves nothing either
-    time.sleep(3 * INTERVAL)
+    beats(keys, "a#1")
     assert a.silent("c#1") < math.inf
     stranger.close()
 
@@ -80,11 +94,14 @@ def test_a_refused_port_is_left_to_the_heartbeat(cluster):
     keys.add("hb/d#1", 1)
     a = pulse("a#1")
     a.watch(["d#1"])
-    time.sleep(5 * INTERVAL)
-    assert not a.confirmed("d#1") and 4 * INTERVAL < a.silent("d#1") < math.inf
+    beats(keys, "a#1")
+    before = a.silent("d#1")
+    beats(keys, "a#1")
+    silent = a.silent("d#1")                   # the heartbeat's verdict: silent, longer and longer
+    assert not a.confirmed("d#1") and before < silent < math.inf
     keys.add("hb/d#1", 1)                       # its heartbeat moves: alive after all
-    until(lambda: a.confirmed("d#1"), 3 * INTERVAL + 2)
-    assert a.silent("d#1") < 2 * INTERVAL
+    until(lambda: a.confirmed("d#1"))
+    assert a.silent("d#1") < silent             # and its silence starts over
 
 
 def test_a_worker_that_publishes_no_address_is_judged_by_its_heartbeat(cluster):
@@ -104,7 +121,7 @@ def test_keep_forgets_the_others_and_closes_their_connections(cluster):
     a.watch(["b#1", "c#1"])
     until(lambda: a.confirmed("b#1") and a.confirmed("c#1"))
     a.keep(["c#1"])
-    until(lambda: list(a._links) == ["c#1"], 2.0)
+    until(lambda: list(a._links) == ["c#1"])
     assert a.silent("b#1") == 0.0 and not a.confirmed("b#1")    # unwatched
     a.watch(["b#1"])                                            # watched again: judged afresh
     until(lambda: a.confirmed("b#1"))
@@ -118,5 +135,5 @@ def test_the_store_dying_is_raised_on_the_training_thread():
     a.check()
     del server                                 # the store's process is this one: its server stops
     with pytest.raises(StoreUnreachable, match=r"the store at 127\.0\.0\.1:\d+ failed"):
-        until(lambda: a.check() or False, 10.0)
+        until(lambda: a.check() or False)
     a.stop()

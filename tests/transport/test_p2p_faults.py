@@ -6,6 +6,7 @@ break, never performance claims; benchmarks/fault_latency.py measures the actual
 """
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
@@ -13,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from marks import hetcomm_only
-from harness import assert_same, default_store, die, pattern, run_ranks
+from harness import assert_same, default_store, die, pattern, run_ranks, wait_until_gone
 
 pytestmark = pytest.mark.usefixtures("backend_importable")
 
@@ -32,10 +33,10 @@ def peer_exits_then_p2p(rank: int, world_size: int, op: str) -> dict | None:
     destroys the group."""
     dist.all_reduce(torch.ones(10))  # the group works, and a collective connection exists
     if rank == 1:
-        default_store().set("exiting", "1")
+        default_store().set("exiting", str(os.getpid()))
         die()
     _wait_for_key("exiting")
-    time.sleep(0.5)  # the process is gone (killed processes release their sockets at once)
+    wait_until_gone(int(default_store().get("exiting")))
     t = torch.ones(1000)
     start = time.monotonic()
     try:
@@ -183,11 +184,22 @@ def any_source_in_arrival_order(rank: int, world_size: int) -> list | None:
             dist.send(torch.full((4,), 1.0), dst=0, tag=8)
         store.set("rank1_sent", "1")
         return None
+    import hetcomm
+
+    def arrived(n: int) -> None:
+        # The engine reads point-to-point messages as they come, claimed or not, and counts each
+        # one wholly read (hetcomm.stats): waiting on the count, not on a sleep, is what makes
+        # "arrived first" true on a loaded machine too.
+        deadline = time.monotonic() + 60
+        while hetcomm.stats()["p2p_received_messages"] < n:
+            assert time.monotonic() < deadline, f"{n} messages never arrived"
+            time.sleep(0.001)
+
     _wait_for_key("rank2_sent")
-    time.sleep(0.5)  # rank 2's message is here, unclaimed
+    arrived(1)       # rank 2's message is here, unclaimed
     store.set("rank2_arrived", "1")
     _wait_for_key("rank1_sent")
-    time.sleep(0.5)  # and rank 1's too
+    arrived(51)      # and rank 1's 50 too
     sources = []
     for _ in range(51):
         t = torch.empty(4)
@@ -199,6 +211,8 @@ def any_source_in_arrival_order(rank: int, world_size: int) -> list | None:
 
 @hetcomm_only("the order of receives from any source is hetcomm's")
 def test_receives_from_any_source_take_messages_in_arrival_order() -> None:
+    """Rank 0 waits for the messages to have arrived by its own counters (hetcomm.stats), not
+    for half a second, which a loaded machine could outlast."""
     # Failed before the fix: rank 1's 50 messages were taken first (peer order), rank 2's last.
     sources = run_ranks(3, any_source_in_arrival_order, timeout=120)[0]
     assert sources[0] == 2, sources

@@ -129,7 +129,9 @@ def _labels(text: str, what: str = "--sites") -> list:
 
 
 def spec_from_args(args: argparse.Namespace) -> SimSpec:
-    n = args.nprocs
+    hosts = getattr(args, "hosts", None)  # hetcomm.bench's namespace may not carry it
+    # One value of a per-rank list applies to every rank: as many as --nprocs, else --hosts names.
+    n = args.nprocs if args.nprocs is not None else (len(_labels(hosts, "--hosts")) if hosts else None)
 
     def bcast(xs):
         if xs is not None and n is not None and len(xs) == 1 and n > 1:
@@ -142,7 +144,6 @@ def spec_from_args(args: argparse.Namespace) -> SimSpec:
     if quota is None and period != 100.0:
         raise SimError("--cpu-period-ms sets the period of the CPU quotas: it needs --cpu-quota")
     wan = getattr(args, "wan_mbit", None)  # hetcomm.bench's namespace may not carry it
-    hosts = getattr(args, "hosts", None)
     return SimSpec(
         nic_mbit=nic,
         link_mbit=parse_matrix(args.link_mbit) if args.link_mbit else None,
@@ -153,7 +154,7 @@ def spec_from_args(args: argparse.Namespace) -> SimSpec:
         cpu_quota=quota,
         cpu_period_ms=period,
         latency_ms=args.latency_ms,
-        nprocs=n,
+        nprocs=args.nprocs,
         tcp_cc=tcp_cc_arg(getattr(args, "tcp_cc", None)),
         hosts=_labels(hosts, "--hosts") if hosts else None,
     )

@@ -210,6 +210,8 @@ class SimSpec:
             return None
         nics = list(self.nic_mbit)
         p, h = len(self.hosts), max(self.hosts, default=-1) + 1
+        if len(nics) == 1:                      # one rate: every host's NIC, as for every rank without hosts
+            return nics * p
         if len(nics) == p:
             for host, ranks in self.host_groups():
                 rates = {nics[k] for k in ranks}
@@ -223,7 +225,7 @@ class SimSpec:
             return [nics[host] for host in self.hosts]
         raise SimError(f"nic_mbit (--nic-mbit) has {len(nics)} rates, but hosts (--hosts) "
                        f"{','.join(map(str, self.hosts))} has {h} host{'s' if h != 1 else ''} and {p} ranks: "
-                       f"give one rate per host ({h}) or one per rank ({p})")
+                       f"give one rate for all, one per host ({h}) or one per rank ({p})")
 
     # -- size and validation ----------------------------------------------------------------
     @property

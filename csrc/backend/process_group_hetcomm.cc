@@ -71,6 +71,26 @@ std::string chooseListenIp(const c10::intrusive_ptr<c10d::Store>& store) {
   return localAddressReaching(host);
 }
 
+// Whether the group's store can still be reached, asked without using it. A TCPStore served by
+// a rank's own process (rank 0's, under env:// or a plain torchrun) goes when that rank exits,
+// often before the others shut down; the first operation on a client whose server is gone logs
+// a warning with a C++ stack trace before it throws, on every rank that tries. A fresh
+// connection to the store's port tells instead: refused means nothing serves it any more (and
+// the group's keys went with it). Other stores do not die with a rank.
+bool storeReachable(const c10::intrusive_ptr<c10d::Store>& store) {
+  c10::intrusive_ptr<c10d::Store> s = store;
+  while (auto* prefix = dynamic_cast<c10d::PrefixStore*>(s.get())) s = prefix->getUnderlyingStore();
+  auto* tcp = dynamic_cast<c10d::TCPStore*>(s.get());
+  if (tcp == nullptr) return true;
+  try {
+    connectTo({tcp->getHost(), static_cast<uint16_t>(tcp->getPort())}, Clock::now() + std::chrono::seconds(2),
+              /*retryRefused=*/false);
+    return true;
+  } catch (const std::exception&) {
+    return false;
+  }
+}
+
 // This process's site for HETCOMM_TLS=inter-site: HETCOMM_SITE, else its entry of HETCOMM_SITES
 // (by the job's RANK, as torchrun and the simulator set it), else its host (boot id and network
 // namespace): without a declaration of sites, every link that leaves a host is encrypted.
@@ -623,9 +643,10 @@ void ProcessGroupHetcomm::shutdown() {
   completions_->stop();
   // The last rank to leave cleans the group's keys: before that, a rank still in the group may look
   // a peer's address up (lazily, at its first message to that peer), or still be starting. A rank
-  // that crashed never leaves, and its group's keys stay until the store goes.
+  // that crashed never leaves, and its group's keys stay until the store goes. A store that has
+  // already gone (its host rank exited first) is left alone, quietly: see storeReachable.
   try {
-    if (store_->add(kLeftKey, 1) >= size_) {
+    if (storeReachable(store_) && store_->add(kLeftKey, 1) >= size_) {
       for (int r = 0; r < size_; ++r) {
         store_->deleteKey(addressKey(r));
         store_->deleteKey(siteKey(r));

@@ -336,3 +336,32 @@ def test_exiting_after_the_last_operation_is_clean(how) -> None:
     if how == "fork":
         assert "child status 0" in proc.stdout, proc.stdout + proc.stderr
     assert time.monotonic() - start < HANG_BOUND_S, proc.stdout + proc.stderr
+
+
+def store_host_leaves_first(rank: int, world_size: int) -> str:
+    """init="tcp": rank 0's process serves the store. It leaves at once; the others shut down
+    once it has gone (the harness destroys the group after this returns)."""
+    import os
+
+    from harness import wait_until_gone
+
+    dist.all_reduce(torch.ones(4))
+    pid = torch.tensor([os.getpid()])
+    dist.broadcast(pid, src=0)
+    if rank != 0:
+        wait_until_gone(int(pid))
+    return "ok"
+
+
+def test_a_group_ends_quietly_when_the_rank_that_served_the_store_left_first() -> None:
+    """Shutting down touched the store (who leaves last cleans the group's keys): where rank 0's
+    process served it and had exited, every other rank logged a TCPStore "recvValue failed"
+    warning with a C++ stack trace (32 ranks on the simulator: 31 of them). A store that is gone
+    is now left alone, silently: its keys went with it."""
+    from harness import run_ranks_outcomes
+
+    outcomes = run_ranks_outcomes(3, store_host_leaves_first, init="tcp", timeout=120)
+    for o in outcomes:
+        assert o.clean and o.value == "ok", o.describe()
+    for o in outcomes[1:]:
+        assert "recvValue" not in o.output and "TCPStore" not in o.output, o.output[-3000:]

@@ -34,7 +34,7 @@ def kill_self() -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--store", required=True)
     p.add_argument("--id", required=True)
@@ -58,7 +58,12 @@ def main() -> int:
                    help="a parameter of this many elements outside the forward pass (a large state to send)")
     p.add_argument("--no-early-join", action="store_true", help="ElasticDiLoCo(early_join=False)")
     p.add_argument("--wait-for", default="", help="FILE:R: ask to join once FILE reports round R")
-    args = p.parse_args()
+    p.add_argument("--timeout", type=float, default=10.0,
+                   help="ElasticDiLoCo(timeout=): a worker silent this long is dropped. Deaths close the "
+                        "liveness connection and are known at once; only a frozen worker waits this out, so "
+                        "the default is long enough that a starved one is not dropped")
+    p.add_argument("--collective-timeout", type=float, default=30.0, help="ElasticDiLoCo(collective_timeout=)")
+    args = p.parse_args(argv)
 
     import hetcomm
     from hetcomm.train import elastic
@@ -122,8 +127,8 @@ def main() -> int:
         model.ballast = torch.nn.Parameter(torch.linspace(-1, 1, args.ballast))
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.5)
     diloco = hetcomm.ElasticDiLoCo(model, opt, store=args.store, worker_id=args.id, job=args.job,
-                                   steps=args.steps, min_workers=args.min_workers, heartbeat=0.5, timeout=3.0,
-                                   collective_timeout=30.0, compress=args.compress, backend=args.backend,
+                                   steps=args.steps, min_workers=args.min_workers, heartbeat=0.5, timeout=args.timeout,
+                                   collective_timeout=args.collective_timeout, compress=args.compress, backend=args.backend,
                                    early_join=not args.no_early_join)
     if args.wait_for:
         path, _, wanted = args.wait_for.rpartition(":")

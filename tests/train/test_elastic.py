@@ -9,35 +9,34 @@ included), the survivors reach the last round, and the membership records say wh
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
 from marks import hetcomm_only
+import forked
 from stores import start_store
 
 pytestmark = pytest.mark.usefixtures("backend_importable")
 
-WORKER = str(Path(__file__).parents[1] / "support" / "elastic_worker.py")
 DEADLINE = 180
 
 
 class Run:
     def __init__(self, tmp_path: Path, job: str) -> None:
         self.out, self.job = tmp_path, job
-        self.store, self.port = start_store()
-        self.procs: list[tuple[str, subprocess.Popen]] = []
+        self.store, self.port = start_store(str(tmp_path))
+        self.procs: list[tuple[str, forked.Forked]] = []
 
-    def start(self, wid: str, *args: str, env: dict | None = None) -> subprocess.Popen:
-        env = dict(os.environ, HETCOMM_PROBE="0", **(env or {}))
-        log = open(self.out / f"{wid}.{len(self.procs)}.log", "w")
-        proc = subprocess.Popen([sys.executable, WORKER, "--store", f"127.0.0.1:{self.port}", "--id", wid,
-                                 "--job", self.job, "--out", str(self.out), *args],
-                                stdout=log, stderr=subprocess.STDOUT, env=env)
+    def start(self, wid: str, *args: str, env: dict | None = None) -> forked.Forked:
+        """Starts worker ``wid`` (tests/support/elastic_worker.py), forked: it is training within
+        a fraction of a second, where a new interpreter took seconds."""
+        log = self.out / f"{wid}.{len(self.procs)}.log"
+        proc = forked.start("elastic_worker", ["--store", f"127.0.0.1:{self.port}", "--id", wid, "--job", self.job,
+                                               "--out", str(self.out), *args],
+                            log, env={"HETCOMM_PROBE": "0", **(env or {})})
         self.procs.append((wid, proc))
         return proc
 
@@ -102,7 +101,7 @@ def events(record: dict) -> tuple[set, set]:
     return left, joined
 
 
-def wait_for(proc: subprocess.Popen, run: Run) -> None:
+def wait_for(proc: forked.Forked, run: Run) -> None:
     try:
         proc.wait(timeout=DEADLINE)
     except subprocess.TimeoutExpired:
@@ -113,9 +112,11 @@ def wait_for(proc: subprocess.Popen, run: Run) -> None:
 IDS = ["w0", "w1", "w2", "w3"]
 
 
-@pytest.mark.parametrize("victim,where", [("w2", "local"), ("w1", "reduce"), ("w3", "done"), ("w0", "local")],
-                         ids=["mid-round", "inside-the-all-reduce", "after-counting-itself-done", "first-member"])
+@pytest.mark.parametrize("victim,where", [("w0", "local"), ("w1", "reduce"), ("w3", "done")],
+                         ids=["first-member-mid-round", "inside-the-all-reduce", "after-counting-itself-done"])
 def test_a_killed_worker_is_dropped_and_its_restart_rejoins(run, victim, where):
+    """(A kill mid-round of another member than the first was a case of its own; it took the same
+    path as the first member's and was dropped as a duplicate.)"""
     rounds = 10         # ~1 s rounds: the restarted worker (a new Python, ~5 s) finds the run going on
     procs = {w: run.start(w, "--rounds", str(rounds), "--min-workers", "4", "--step-seconds", "0.25",
                           *(["--die", f"2:{where}"] if w == victim else [])) for w in IDS}
@@ -227,7 +228,8 @@ def test_a_frozen_worker_is_dropped_by_its_heartbeat_and_rejoins_when_it_thaws(r
     import signal
 
     rounds = 10
-    procs = {w: run.start(w, "--rounds", str(rounds), "--min-workers", "4", "--step-seconds", "0.25") for w in IDS}
+    procs = {w: run.start(w, "--rounds", str(rounds), "--min-workers", "4", "--step-seconds", "0.25",
+                          "--timeout", "3") for w in IDS}
     deadline = time.monotonic() + DEADLINE
     while not any(r.get("round", 0) >= 2 for r in run.records("w3")):
         assert time.monotonic() < deadline and procs["w3"].poll() is None, run.logs()
@@ -371,7 +373,10 @@ def test_a_worker_dead_before_the_first_round_is_left_out(run, where):
     round that commits includes it, and the run starts from a survivor's model (a failed group
     formation once left the next group's store keys misnamed on the survivors: they waited on
     each other until the deadline)."""
-    procs = {w: run.start(w, "--rounds", "4", "--min-workers", "3", *(["--die", f"0:{where}"] if w == "w0" else []))
+    # The others' group formation with a dead member fails at the collective timeout: 8 s here,
+    # not the 30 s the test waited out before.
+    procs = {w: run.start(w, "--rounds", "4", "--min-workers", "3", "--collective-timeout", "8",
+                          *(["--die", f"0:{where}"] if w == "w0" else []))
              for w in IDS}
     wait_for(procs["w0"], run)
     codes = run.wait_all()
@@ -418,12 +423,15 @@ def test_a_worker_whose_update_is_not_finite_stops_and_the_others_go_on(run):
 
 
 @pytest.mark.parametrize("differs,expect", [
-    ({"args": ["--compress", "bf16"]}, "bf16"),
     ({"args": ["--hidden", "12"]}, "its model is '4 tensors, 121 elements in float32"),
-    pytest.param({"env": {"HETCOMM_SEGMENT_BYTES": "65536"}}, "HETCOMM_SEGMENT_BYTES='65536'",
-                 marks=hetcomm_only("hetcomm's own settings: other backends ignore them")),
-], ids=["compression", "model", "hetcomm-setting"])
+], ids=["model"])
 def test_a_joiner_with_other_settings_is_refused_and_the_run_goes_on(run, differs, expect):
+    """One difference end to end (the refusal reaches the joiner, the run goes on, no round is
+    aborted); every other difference (compression, optimizer, weighting, backend, settings) is
+    refused by the same function, checked for each in
+    test_a_join_request_is_refused_for_each_difference_and_for_a_malformed_one, and a founder with
+    another setting in test_a_founder_with_other_settings_is_refused_and_the_others_start_the_run.
+    (Compression and a hetcomm setting had an end-to-end run each, which added nothing.)"""
     rounds = 12
     for w in IDS[:2]:
         run.start(w, "--rounds", str(rounds), "--min-workers", "2", "--step-seconds", "0.25")
@@ -465,7 +473,8 @@ def test_founders_held_below_min_workers_by_a_misconfigured_one_say_why_they_wai
                   env={"HETCOMM_SEGMENT_BYTES": "65536"} if w == "w2" else None)
     deadline = time.monotonic() + 90
     while time.monotonic() < deadline:
-        text = (run.out / "w0.0.log").read_text()
+        log = run.out / "w0.0.log"             # the worker's process creates it
+        text = log.read_text() if log.exists() else ""
         if "waiting for min_workers=3" in text:
             break
         assert all(proc.poll() is None for _, proc in run.procs), run.logs()

@@ -78,10 +78,12 @@ def test_training_modules_keep_their_old_names() -> None:
 
 @hetcomm_only("checks hetcomm's registration")
 def test_backend_registers_cuda_only_when_built_with_cuda() -> None:
+    """Registration reads the devices from the extension's file without loading it
+    (hetcomm._engine.supported_devices); the loaded extension must agree."""
     import hetcomm
-    from hetcomm import _C
+    from hetcomm import _engine
 
-    expected = ["cpu", "cuda"] if _C.built_with_cuda() else ["cpu"]
+    expected = ["cpu", "cuda"] if _engine.extension().built_with_cuda() else ["cpu"]
     assert hetcomm.supported_devices() == expected
     assert dist.Backend.backend_capability["hetcomm"] == expected
 
@@ -96,8 +98,9 @@ def test_extension_links_the_shared_cpp_runtime() -> None:
     """
     import shutil
 
-    from hetcomm import _C
+    from hetcomm import _engine
 
+    _C = _engine.extension()
     objdump = shutil.which("objdump")
     if objdump is None:
         pytest.skip("needs objdump (binutils) to read the extension's dynamic section")

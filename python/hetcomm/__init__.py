@@ -14,7 +14,7 @@ from `hetcomm.local_steps` and `hetcomm.compress`; `hetcomm.stats` shows what cr
 import sys as _sys
 
 from hetcomm._backend import (backend_of, get_plan, link_model, listen_address, monitored_barrier, probe,
-                              register_backend, set_plan, stats, supported_devices)
+                              register_backend, set_plan, stats, supported_devices, tls_available)
 # What creating a group runs (hosts, the probe, the planner but its LP solver), loaded with the
 # package: otherwise every rank imports it inside init_process_group, at once, and 32 ranks on
 # two cores took seconds there.
@@ -38,12 +38,6 @@ from hetcomm import plan as _plan  # noqa: E402
 sites, site_planner = _plan.levels, _plan
 _sys.modules["hetcomm.sites"], _sys.modules["hetcomm.site_planner"] = sites, site_planner
 
-
-
-def tls_available() -> tuple[bool, str]:
-    """(True, "") when OpenSSL 3 can be loaded for HETCOMM_TLS, else (False, why not)."""
-    from hetcomm import _C
-    return _C.tls_available()
 
 
 __version__ = "0.1.0"

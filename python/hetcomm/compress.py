@@ -417,14 +417,14 @@ def _as_codec(codec: Union[str, Codec]) -> Codec:
 
 def _hetcomm_backend(group: Optional[dist.ProcessGroup]):
     """The group's hetcomm backend object, or None when its CPU backend is something else."""
-    from hetcomm import _C
+    from hetcomm import _engine
 
     pg = group if group is not None else dist.group.WORLD
     try:
         backend = pg._get_backend(torch.device("cpu"))
     except Exception:  # noqa: BLE001 - a group without a CPU backend is simply not hetcomm
         return None
-    return backend if isinstance(backend, _C.ProcessGroupHetcomm) else None
+    return backend if _engine.is_backend(backend) else None
 
 
 def _equal_counts(n: int, world_size: int) -> list[int]:

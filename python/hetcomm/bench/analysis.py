@@ -79,13 +79,9 @@ import json
 import math
 from typing import Any, Optional, Sequence
 
-from hetcomm._C import engine_settings as _engine_settings
-
 SIM_ALPHA_S = 1e-4                 # seconds per message on the simulated links (veth, TCP)
 UNSHAPED_BYTES_PER_S = 10e9        # stand-in rate of a link nothing shapes (planner needs finite)
 MAX_CUT_RANKS = 16                 # every cut is tried up to this world size (2^(P-1) - 1 cuts)
-# The engine's default, for records written before they stored the value the engine used.
-HETCOMM_SMALL_ALLREDUCE_BYTES = int(_engine_settings()["default_small_allreduce_bytes"])
 
 
 def _finite_or_none(value: float) -> Optional[float]:
@@ -409,7 +405,11 @@ def predict_seconds(sim: dict[str, Any], record: dict[str, Any], nbytes: int) ->
     plan, segment = effective_plan(record, nbytes, P)
     if record.get("kind") == "hetcomm":
         env_segment = int(record.get("env_segment_bytes") or 0)
-        small = int(record.get("small_allreduce_bytes", HETCOMM_SMALL_ALLREDUCE_BYTES))
+        small = record.get("small_allreduce_bytes")
+        if small is None:  # a record from before records kept it: the engine's default
+            from hetcomm.plan.model import engine_setting
+            small = engine_setting("default_small_allreduce_bytes")
+        small = int(small)
         model = _planner_model(sim, env_segment or segment, small)
     else:
         model = _planner_model(sim, 0, 0)   # gloo: a ring at every size, adaptive segments

@@ -120,7 +120,7 @@ def record_plan(backend: str, world_size: int) -> dict[str, Any]:
         return uniform_record(backend, world_size,
                               f"{backend} does not plan: modelled as a uniform ring")
     import hetcomm
-    from hetcomm._C import engine_settings
+    from hetcomm._engine import engine_settings
     from hetcomm.planner import format_plan
     engine = engine_settings()
     plan = hetcomm.get_plan()
@@ -133,7 +133,7 @@ def record_plan(backend: str, world_size: int) -> dict[str, Any]:
         "topology": None if plan.topology is None else plan.topology.describe(),
         "text": format_plan(plan, model), "model": model_json(model),
         # engine settings that decide which algorithm and segment size an allreduce gets, as the
-        # engine itself reads them (hetcomm._C.engine_settings)
+        # engine itself reads them (hetcomm._C.engine_settings, through hetcomm._engine)
         "env_segment_bytes": int(engine["segment_bytes"]),
         "small_allreduce_bytes": int(engine["small_allreduce_bytes"]),
     }

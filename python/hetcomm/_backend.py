@@ -57,7 +57,9 @@ def _create_backend(dist_backend_opts, backend_options) -> "hetcomm._C.ProcessGr
 
     Besides building the C++ backend it measures the links (or reads the declared ones) and
     installs the ring plan, since every rank of the group is here at the same time. The first
-    group of a process loads the extension.
+    group of a process loads what creation runs (hosts, the probe, the planner but its LP
+    solver) and the extension, before the backend connects: every rank has them loaded before
+    any link is measured.
     """
     from hetcomm.topology import configure_group
 

@@ -14,13 +14,29 @@ import sys
 
 import pytest
 
-# levels.py needs neither torch nor the extension; loading it by path keeps this file well under a
-# second (``import hetcomm`` imports torch: 2-3 s).
-_path = os.path.join(os.path.dirname(__file__), os.pardir, "python", "hetcomm", "plan", "levels.py")
-_spec = importlib.util.spec_from_file_location("hetcomm_sites_standalone", _path)
-sites = importlib.util.module_from_spec(_spec)
-sys.modules[_spec.name] = sites
-_spec.loader.exec_module(sites)
+# levels.py needs neither torch nor the extension; of hetcomm it imports only hetcomm.labels (pure).
+# Loading both by path keeps this file well under a second (``import hetcomm`` imports torch: 2-3 s);
+# hetcomm.labels stands in sys.modules only while levels.py is loaded, so the rest of a session
+# imports the real package.
+_HETCOMM = os.path.join(os.path.dirname(__file__), os.pardir, "python", "hetcomm")
+
+
+def _load_by_path(name: str, path: str):
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+_labels_before = sys.modules.get("hetcomm.labels")
+if _labels_before is None:
+    _load_by_path("hetcomm.labels", os.path.join(_HETCOMM, "labels.py"))
+try:
+    sites = _load_by_path("hetcomm_sites_standalone", os.path.join(_HETCOMM, "plan", "levels.py"))
+finally:
+    if _labels_before is None:
+        del sys.modules["hetcomm.labels"]
 
 Topology = sites.Topology
 detect_sites = sites.detect_sites

@@ -83,6 +83,7 @@ from typing import Iterable, Optional, Sequence
 
 import numpy as np
 
+from hetcomm.labels import ranks_by_label
 from hetcomm.plan import levels as levels_mod
 from hetcomm.plan.cost import predict_allreduce_seconds, ring_seconds_per_byte
 from hetcomm.plan.levels import Topology
@@ -270,7 +271,7 @@ def level_units(P: int, topology: Optional[Topology]) -> list[list[int]]:
     topology has hosts of several ranks, else single ranks; units by lowest rank."""
     if topology is None or topology.num_hosts == P:
         return [[r] for r in range(P)]
-    return _groups(topology.hosts)
+    return ranks_by_label(topology.hosts)
 
 
 def _greedy_tour(rates: np.ndarray, start: int = 0) -> list[int]:
@@ -285,14 +286,6 @@ def _greedy_tour(rates: np.ndarray, start: int = 0) -> list[int]:
         order.append(nxt)
         left[nxt] = False
     return order
-
-
-def _groups(labels: Sequence[int]) -> list[list[int]]:
-    """Members of each label, labels by lowest member, members ascending."""
-    out: dict[int, list[int]] = {}
-    for r, label in enumerate(labels):
-        out.setdefault(label, []).append(r)
-    return list(out.values())
 
 
 def _mean_rates(bw: np.ndarray, groups: list[list[int]]) -> np.ndarray:
@@ -320,8 +313,8 @@ def structured_orders(model: LinkModel, topology: Optional[Topology] = None) -> 
     site_labels = topology.sites if topology is not None else levels_mod.detect_sites(model.bw)
     host_labels = topology.hosts if topology is not None else tuple(range(P))
     candidates = [tuple(range(P)), tuple(_greedy_tour(model.bw))]
-    sites = _groups(site_labels)
-    hosts_of_site = [_groups([host_labels[r] for r in site]) for site in sites]
+    sites = ranks_by_label(site_labels)
+    hosts_of_site = [ranks_by_label([host_labels[r] for r in site]) for site in sites]
     # hosts_of_site[s]: lists of indices into sites[s]; turn them into ranks.
     hosts_of_site = [[[site[i] for i in host] for host in hosts] for site, hosts in zip(sites, hosts_of_site)]
     S = len(sites)

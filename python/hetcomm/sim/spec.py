@@ -22,6 +22,8 @@ import os
 import re
 from typing import Any, Mapping, Optional, Sequence
 
+from hetcomm.labels import renumber
+
 #: payload bytes per shaped byte for a bulk TCP stream over the simulated (MTU 1500) links
 TCP_GOODPUT_FRACTION = 1448 / 1514
 
@@ -199,7 +201,7 @@ class SimSpec:
 
     def __post_init__(self) -> None:
         if self.hosts is not None:
-            self.hosts = _renumber(self.hosts)
+            self.hosts = list(renumber(self.hosts))
             self.nic_mbit = self._per_rank_nics()
         self.validate()
 
@@ -562,12 +564,6 @@ def hosts_allreduce_bound_seconds(out_bps: Sequence[float], nbytes: float,
     rate = min(min(out_bps), min(in_bps), math.fsum(out_bps) / (2 * (h - 1)),
                math.fsum(in_bps) / (2 * (h - 1)))
     return 0.0 if math.isinf(rate) else nbytes / rate
-
-
-def _renumber(labels: Sequence[Any]) -> list[int]:
-    """Labels -> 0, 1, ... in order of first appearance (``["b", "a", "b"]`` -> ``[0, 1, 0]``)."""
-    index: dict[Any, int] = {}
-    return [index.setdefault(label, len(index)) for label in labels]
 
 
 def ring_allreduce_seconds(bw: Sequence[Sequence[float]], nbytes: float,

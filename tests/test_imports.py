@@ -4,19 +4,24 @@
   training classes (they load on first use, and the extension with the first hetcomm group);
 * the planner, the simulator's spec, the benchmark's CLI and its analysis import neither torch
   nor the extension (data flows probe -> model -> plan -> backend; nothing in plan/ imports torch);
-* a gloo-only benchmark run never loads the extension, in any of its processes.
+* a gloo-only benchmark run never loads the extension, in any of its processes;
+* one module, ``hetcomm/_engine.py``, imports the extension, and the codecs do not use
+  torch.distributed (read from the sources).
 
 Each check runs in a fresh interpreter: what a module imports is only visible before anything
 else has imported it.
 """
 from __future__ import annotations
 
+import ast
+import glob
 import os
 import subprocess
 import sys
 import textwrap
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir)
+PACKAGE = os.path.join(ROOT, "python", "hetcomm")
 
 
 def _run(code: str, env: dict | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
@@ -109,3 +114,27 @@ def test_a_gloo_only_benchmark_never_loads_the_extension(tmp_path) -> None:
     started = {line.split()[0] for line in lines if line.endswith("started")}
     assert len(started) >= 3, f"the recorder ran in {len(started)} processes, expected the launcher and 2 ranks: {lines}"
     assert not [line for line in lines if "hetcomm._C" in line], lines
+
+
+def _imported_names(path: str) -> set[str]:
+    """Every module an ``import`` or ``from ... import`` in the file names (``from a import b``:
+    ``a`` and ``a.b``, since b may be a module)."""
+    names = set()
+    for node in ast.walk(ast.parse(open(path).read(), path)):
+        if isinstance(node, ast.Import):
+            names |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names |= {node.module} | {f"{node.module}.{alias.name}" for alias in node.names}
+    return names
+
+
+def test_only_the_engine_module_imports_the_extension() -> None:
+    importers = sorted(os.path.relpath(path, PACKAGE)
+                       for path in glob.glob(os.path.join(PACKAGE, "**", "*.py"), recursive=True)
+                       if any(name == "hetcomm._C" or name.startswith("hetcomm._C.") for name in _imported_names(path)))
+    assert importers == ["_engine.py"], importers
+
+
+def test_the_codecs_do_not_use_torch_distributed() -> None:
+    names = _imported_names(os.path.join(PACKAGE, "compress", "codecs.py"))
+    assert not [name for name in names if name.startswith(("torch.distributed", "hetcomm"))], names

@@ -116,6 +116,17 @@ def _hetcomm_backend(group: Optional[dist.ProcessGroup], caller: str) -> "hetcom
     return backend
 
 
+def backend_or_none(group: Optional[dist.ProcessGroup] = None) -> Optional["hetcomm._C.ProcessGroupHetcomm"]:
+    """The hetcomm backend object behind ``group``, or None when its CPU backend is another one or
+    it has none (never raises, loads nothing)."""
+    pg = group if group is not None else dist.group.WORLD
+    try:
+        backend = pg._get_backend(torch.device("cpu"))
+    except Exception:  # noqa: BLE001 - no CPU backend (or no group): simply not hetcomm
+        return None
+    return backend if _engine.is_backend(backend) else None
+
+
 def backend_of(group: Optional[dist.ProcessGroup] = None) -> "hetcomm._C.ProcessGroupHetcomm":
     """The hetcomm backend object behind ``group`` (default: the world group)."""
     return _hetcomm_backend(group, "hetcomm")

@@ -51,8 +51,9 @@ def test_import_hetcomm_registers_the_backend_and_loads_nothing_else() -> None:
 
 # hetcomm/__init__ registers the backend, which imports torch.distributed: a stand-in package
 # takes its place, so that what is checked is the modules themselves and what they import.
-PURE_MODULES = ("hetcomm.plan", "hetcomm.planner", "hetcomm.sim", "hetcomm.sim.spec", "hetcomm.bench.cli",
-                "hetcomm.bench.analysis", "hetcomm.bench.report", "hetcomm._engine")
+PURE_MODULES = ("hetcomm.plan", "hetcomm.planner", "hetcomm.rates", "hetcomm.labels", "hetcomm.sim",
+                "hetcomm.sim.spec", "hetcomm.bench.cli", "hetcomm.bench.analysis", "hetcomm.bench.report",
+                "hetcomm._engine")
 PURE_SCRIPT = """
     import importlib, importlib.abc, importlib.util, sys, types
 

@@ -26,6 +26,7 @@ import time
 
 import pytest
 
+from hetcomm.rates import RateError
 from hetcomm.sim import (SimCluster, SimError, SimSpec, TCP_GOODPUT_FRACTION, effective_bandwidth,
                          effective_link_mbit, parse_matrix, ring_allreduce_seconds)
 from hetcomm.sim import __main__ as sim_main
@@ -113,10 +114,14 @@ def test_parse_matrix_inline_and_file(tmp_path):
     f = tmp_path / "links.txt"
     f.write_text("# from\\to\n0 800 100\n800 0 -\n100, 100, 0\n")
     assert parse_matrix(str(f)) == m
-    with pytest.raises(SimError, match="row 1 has 2 values"):
+    # rate parsing is hetcomm.rates' (shared with HETCOMM_LINK_MBIT): a ValueError, RateError
+    with pytest.raises(RateError, match="row 1 has 2 values"):
         parse_matrix("0,1,2;1,0;1,2,0")
-    with pytest.raises(SimError, match="positive"):
+    with pytest.raises(RateError, match="positive"):
         parse_matrix("0,0;1,0")
+    # the command line names the option in a SimError
+    with pytest.raises(SimError, match=r"--link-mbit: row 1 has 2 values"):
+        sim_main.spec_from_args(sim_main.build_parser().parse_args(["--link-mbit", "0,1,2;1,0;1,2,0", "--", "true"]))
 
 
 def test_effective_bandwidth_is_min_of_nics_and_link():

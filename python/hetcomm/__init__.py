@@ -37,8 +37,8 @@ _LAZY_NAMES = {
     "ElasticDiLoCo": ("hetcomm.train.elastic", "ElasticDiLoCo"),
     "StoreUnreachable": ("hetcomm.train.membership", "StoreUnreachable"),
 }
-_SUBMODULES = ("bench", "compress", "hosts", "labels", "measure", "plan", "planner", "sim", "store", "tls_certs",
-               "topology", "train")
+_SUBMODULES = ("bench", "compress", "hosts", "labels", "measure", "plan", "planner", "rates", "sim", "store",
+               "tls_certs", "topology", "train")
 # Former names of modules that moved, kept for users' imports and for pickles naming them: the
 # training modules now live in hetcomm.train (hetcomm.hooks is hetcomm.train.hooks); hetcomm.sites
 # is hetcomm.plan.levels (site detection) and hetcomm.site_planner is hetcomm.plan (site and host

@@ -241,7 +241,8 @@ def physical_model(spec) -> dict[str, Any]:
 def _node_bound(spec, node: str = "rank") -> tuple[float, str, str, float, Optional[str]]:
     """``(rate, kind, text, aggregate rate, aggregate note)`` of a network whose nodes are the
     "ranks" of ``spec`` (ranks, or hosts: ``SimSpec.network_spec()``); rates in bytes/s."""
-    from hetcomm.sim.spec import effective_bandwidth, effective_uplinks, mbit_to_bytes_per_s
+    from hetcomm.rates import mbit_to_bytes_per_s
+    from hetcomm.sim.spec import effective_bandwidth, effective_uplinks
 
     P = spec.world_size
     if P < 2:
@@ -304,8 +305,8 @@ def _hosts_as_nodes_rate(net) -> tuple[float, str]:
     uplink are narrower) and receives at most ``in_h``; with those,
     :func:`hetcomm.sim.spec.hosts_allreduce_bound_seconds` (2(H-1) N bytes leave hosts and as
     many enter hosts in all; N leave and enter each host)."""
-    from hetcomm.sim.spec import (effective_bandwidth, effective_uplinks, hosts_allreduce_bound_seconds,
-                                  mbit_to_bytes_per_s)
+    from hetcomm.rates import mbit_to_bytes_per_s
+    from hetcomm.sim.spec import effective_bandwidth, effective_uplinks, hosts_allreduce_bound_seconds
 
     H = net.world_size
     bw = effective_bandwidth(net)

@@ -38,8 +38,9 @@ from hetcomm.sim.cgroups import CpuCgroups, find_cpu_hierarchy, remove_cgroup_tr
 from hetcomm.sim.launcher import (RankProcess, RunResult, SimInterrupted, binary_writer, start_pump,
                                   stop_ranks, supervise)
 from hetcomm.sim.netns import RANK_IFNAME, Runner, enter_netns
+from hetcomm.rates import format_matrix, format_rate
 from hetcomm.sim.spec import (AUTO_TCP_CC, SimError, SimSpec, choose_tcp_cc, effective_bandwidth,
-                              effective_link_mbit, format_matrix, format_rate)
+                              effective_link_mbit)
 
 REGISTRY_DIR = "/run/hetcomm-sim"
 PREFIX = "hcsim"

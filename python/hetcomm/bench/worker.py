@@ -71,18 +71,19 @@ def backend_environment(backend: str) -> Iterator[dict[str, Optional[str]]]:
     overrides = variant_environment(backend, os.environ)
     saved = {key: os.environ.get(key) for key in overrides}
     try:
-        for key, value in overrides.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
+        _set_environment(overrides)
         yield overrides
     finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
+        _set_environment(saved)
+
+
+def _set_environment(values: dict[str, Optional[str]]) -> None:
+    """Sets each variable to its value; None unsets it."""
+    for key, value in values.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
 
 
 def _finite(value: float) -> Optional[float]:

@@ -241,6 +241,22 @@ def _pick_order(candidates: Iterable[tuple[tuple[int, ...], float]], P: int,
     return preferred if preferred in tied else min(tied)
 
 
+def _scored_by_bound(search: RingSearch, orders: Sequence[tuple[int, ...]],
+                     bounded: Sequence[tuple[float, int]]) -> list[tuple[tuple[int, ...], float]]:
+    """(order, tau) for ``orders`` taken by increasing lower bound (``bounded``: sorted (bound,
+    index) pairs), until a bound exceeds the best tau found: a bound is a valid lower bound of
+    tau, so no later order can win or tie (within ORDER_TIE_RTOL)."""
+    scored: list[tuple[tuple[int, ...], float]] = []
+    best = math.inf
+    for lb, i in bounded:
+        if lb > best * (1.0 + ORDER_TIE_RTOL):
+            break
+        t = search.tau(orders[i])
+        scored.append((orders[i], t))
+        best = min(best, t)
+    return scored
+
+
 def exhaustive_order(search: RingSearch, units: Optional[Sequence[Sequence[int]]] = None) -> tuple[int, ...]:
     """The best ring over every order of ``units`` (groups of ranks kept together in their order;
     default every rank alone), the first unit first."""
@@ -254,16 +270,7 @@ def exhaustive_order(search: RingSearch, units: Optional[Sequence[Sequence[int]]
     natural = orders[0]
     if search.tau(natural) <= bounded[0][0] * (1.0 + ORDER_TIE_RTOL):
         return natural
-    evaluated: list[tuple[tuple[int, ...], float]] = []
-    best = math.inf
-    for lb, i in bounded:
-        # The bound is a valid lower bound of T, so no later order can tie with the best.
-        if lb > best * (1.0 + ORDER_TIE_RTOL):
-            break
-        t = search.tau(orders[i])
-        evaluated.append((orders[i], t))
-        best = min(best, t)
-    return _pick_order(evaluated, P, natural)
+    return _pick_order(_scored_by_bound(search, orders, bounded), P, natural)
 
 
 def level_units(P: int, topology: Optional[Topology]) -> list[list[int]]:
@@ -417,14 +424,7 @@ def structured_order(search: RingSearch, topology: Optional[Topology] = None) ->
     """The best of `structured_orders` after `_refine`; LPs bounded whatever P."""
     candidates = structured_orders(search.model, topology)
     bounds = search.lower_bounds(candidates).tolist()
-    scored: list[tuple[tuple[int, ...], float]] = []
-    best = math.inf
-    for lb, k in sorted(zip(bounds, range(len(candidates)))):   # by bound: stop once none can win
-        if lb > best * (1.0 + ORDER_TIE_RTOL):
-            break
-        t = search.tau(candidates[k])
-        scored.append((candidates[k], t))
-        best = min(best, t)
+    scored = _scored_by_bound(search, candidates, sorted(zip(bounds, range(len(candidates)))))
     order = _pick_order(scored, search.P)
     tau = dict(scored)[order]
     # An order that meets its own lower bound cannot be improved: no refinement (uniform sites).

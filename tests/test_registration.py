@@ -111,6 +111,24 @@ def test_extension_links_the_shared_cpp_runtime() -> None:
         f"{_C.__file__} does not link the shared libstdc++ (NEEDED: {needed})"
 
 
+@hetcomm_only("inspects hetcomm's extension module")
+def test_engine_reads_the_libraries_the_extension_needs_as_objdump_does() -> None:
+    """Registration decides the devices from the extension's NEEDED entries without loading it
+    (hetcomm._engine._needed_libraries); objdump must list the same ones."""
+    import shutil
+
+    from hetcomm import _engine
+
+    objdump = shutil.which("objdump")
+    if objdump is None:
+        pytest.skip("needs objdump (binutils) to read the extension's dynamic section")
+    path = _engine.extension().__file__
+    out = subprocess.run([objdump, "-p", path], capture_output=True, text=True, timeout=60, check=True).stdout
+    needed = [line.split()[-1] for line in out.splitlines() if line.strip().startswith("NEEDED")]
+    assert _engine._needed_libraries(path) == needed
+    assert _engine._needed_libraries(__file__) is None      # not an ELF file
+
+
 def env_init(rank: int, world_size: int) -> str:
     assert os.environ["RANK"] == str(rank) and os.environ["WORLD_SIZE"] == str(world_size)
     _allreduce_is_right(rank, world_size)

@@ -56,9 +56,9 @@ def supported_devices() -> tuple[str, ...]:
     With no extension built at all: CPU only, and creating a group says what is missing.
     """
     spec = importlib.util.find_spec(_NAME)
-    if spec is None or not spec.origin:
+    if spec is None:
         return ("cpu",)
-    needed = _needed_libraries(spec.origin)
+    needed = _needed_libraries(spec.origin) if spec.origin else None
     if needed is None:
         cuda = bool(extension().built_with_cuda())
     else:

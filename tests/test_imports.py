@@ -78,9 +78,10 @@ def test_planner_simulator_and_bench_cli_import_neither_torch_nor_the_extension(
 
 
 # Put first on PYTHONPATH, it runs in every process of the run (the launcher and the ranks it
-# spawns): it notes each process, and each import of the extension, the moment it happens.
+# spawns): it notes each process, and each import of the extension the moment it happens (the
+# "import" audit event; registration only looks for the extension's file, which is no import).
 RECORDER = """
-import importlib.abc, os, sys
+import os, sys
 
 _LOG = os.environ["HETCOMM_TEST_IMPORT_LOG"]
 
@@ -90,15 +91,13 @@ def _note(line):
         f.write(f"{os.getpid()} {line}\\n")
 
 
-class _Recorder(importlib.abc.MetaPathFinder):
-    def find_spec(self, name, path=None, target=None):
-        if name == "hetcomm._C":
-            _note("loads hetcomm._C")
-        return None
+def _audit(event, args):
+    if event == "import" and args[0] == "hetcomm._C":
+        _note("imports hetcomm._C")
 
 
 _note("started")
-sys.meta_path.insert(0, _Recorder())
+sys.addaudithook(_audit)
 """
 
 

@@ -358,8 +358,10 @@ def _sites_as_nodes_rate(spec, bw, uplinks) -> float:
     from hetcomm.plan import cut_bound_seconds
 
     P = spec.world_size
+    # (The cut bound does not depend on the engine's settings: 0 keeps the engine unasked.)
     model = LinkModel(bw=[[0.0 if i == j else (bw[i][j] if math.isfinite(bw[i][j]) else UNSHAPED_BYTES_PER_S)
-                           for j in range(P)] for i in range(P)], uplinks=tuple(uplinks))
+                           for j in range(P)] for i in range(P)], uplinks=tuple(uplinks),
+                      segment_bytes=0, small_allreduce_bytes=0)
     return 1.0 / cut_bound_seconds(model, 1, [spec.sites[r] for r in range(P)])
 
 

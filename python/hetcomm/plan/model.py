@@ -49,6 +49,7 @@ def __getattr__(name: str) -> int:
 def __dir__() -> list[str]:
     return sorted(set(globals()) | set(_ENGINE_ATTRIBUTES))
 
+
 Uplink = tuple[tuple[int, ...], float, float]
 
 
@@ -134,8 +135,9 @@ class LinkModel:
     site behind one WAN uplink are the examples. Groups must be laminar (disjoint or nested);
     they are stored largest first. ``segment_bytes``: the engine's ``HETCOMM_SEGMENT_BYTES``
     (0: adaptive, as the engine). ``small_allreduce_bytes``: the engine's
-    ``HETCOMM_SMALL_ALLREDUCE_BYTES``. Both default (None) to the engine's own values. Invalid values raise ValueError naming them. Immutable,
-    hashable, and equal to another model with the same values.
+    ``HETCOMM_SMALL_ALLREDUCE_BYTES``. Both default (None) to the engine's own values. Invalid
+    values raise ValueError naming them. Immutable, hashable, and equal to another model with the
+    same values.
     """
 
     bw: np.ndarray

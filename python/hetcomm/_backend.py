@@ -8,12 +8,15 @@ from __future__ import annotations
 import atexit
 import datetime
 import os
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 import torch.distributed as dist
 
 from hetcomm import _engine
+
+if TYPE_CHECKING:  # for the annotations only: the extension is loaded by _engine, when needed
+    from hetcomm._C import ProcessGroupHetcomm
 
 BACKEND_NAME = "hetcomm"
 # torch's own default for non-NCCL groups; used when the creator is given no timeout.
@@ -52,7 +55,7 @@ def _shut_down_all() -> None:
         pass
 
 
-def _create_backend(dist_backend_opts, backend_options) -> "hetcomm._C.ProcessGroupHetcomm":
+def _create_backend(dist_backend_opts, backend_options) -> "ProcessGroupHetcomm":
     """Extended-API creator: torch calls it in every process of a new group.
 
     Besides building the C++ backend it measures the links (or reads the declared ones) and
@@ -100,7 +103,7 @@ def register_backend() -> None:
                                   devices=supported_devices())
 
 
-def _hetcomm_backend(group: Optional[dist.ProcessGroup], caller: str) -> "hetcomm._C.ProcessGroupHetcomm":
+def _hetcomm_backend(group: Optional[dist.ProcessGroup], caller: str) -> "ProcessGroupHetcomm":
     """``group``'s hetcomm backend object, or a RuntimeError that starts with ``caller``."""
     pg = group if group is not None else dist.group.WORLD
     if pg is None:
@@ -116,7 +119,7 @@ def _hetcomm_backend(group: Optional[dist.ProcessGroup], caller: str) -> "hetcom
     return backend
 
 
-def backend_or_none(group: Optional[dist.ProcessGroup] = None) -> Optional["hetcomm._C.ProcessGroupHetcomm"]:
+def backend_or_none(group: Optional[dist.ProcessGroup] = None) -> Optional["ProcessGroupHetcomm"]:
     """The hetcomm backend object behind ``group``, or None when its CPU backend is another one or
     it has none (never raises, loads nothing)."""
     pg = group if group is not None else dist.group.WORLD
@@ -127,7 +130,7 @@ def backend_or_none(group: Optional[dist.ProcessGroup] = None) -> Optional["hetc
     return backend if _engine.is_backend(backend) else None
 
 
-def backend_of(group: Optional[dist.ProcessGroup] = None) -> "hetcomm._C.ProcessGroupHetcomm":
+def backend_of(group: Optional[dist.ProcessGroup] = None) -> "ProcessGroupHetcomm":
     """The hetcomm backend object behind ``group`` (default: the world group)."""
     return _hetcomm_backend(group, "hetcomm")
 

@@ -76,7 +76,8 @@ def hetcomm_C():
     """The compiled extension; skips when it is missing or has no reduce_into (build it first:
     ``pip install --no-build-isolation -e .``)."""
     try:
-        from hetcomm import _C
+        from hetcomm._engine import extension
+        _C = extension()
     except ImportError as e:
         pytest.skip(f"hetcomm._C is not importable: {e}")
     if not hasattr(_C, "reduce_into"):

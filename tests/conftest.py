@@ -29,8 +29,8 @@ def pytest_report_header(config) -> str:
 
 @pytest.fixture(scope="session")
 def backend_importable() -> str:
-    """Fails every test that uses it at once, with the import error, when hetcomm cannot be
-    imported (the multi-process test modules use it through ``pytestmark``).
+    """Fails every test that uses it at once, with the import error, when hetcomm or its compiled
+    extension cannot be imported (the multi-process test modules use it through ``pytestmark``).
 
     Checked in a separate interpreter so that a crash while loading the extension cannot take
     pytest down with it.
@@ -38,10 +38,12 @@ def backend_importable() -> str:
     if BACKEND not in ("hetcomm", "gloo"):
         pytest.fail(f"HETCOMM_TEST_BACKEND={BACKEND!r}: expected 'hetcomm' or 'gloo'")
     if BACKEND == "hetcomm":
-        proc = subprocess.run([sys.executable, "-c", "import hetcomm"], capture_output=True,
+        # `import hetcomm` alone does not load the extension (the first group does): load it.
+        code = "import hetcomm, hetcomm._engine as e; e.extension()"
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True,
                               text=True, timeout=120)
         if proc.returncode != 0:
-            pytest.fail("`import hetcomm` failed (exit status "
+            pytest.fail("`import hetcomm` or loading its extension failed (exit status "
                         f"{proc.returncode}):\n{proc.stderr[-3000:]}", pytrace=False)
     return BACKEND
 

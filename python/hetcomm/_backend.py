@@ -1,15 +1,22 @@
-"""Registration of the ``"hetcomm"`` torch.distributed backend and access to its C++ object."""
+"""Registration of the ``"hetcomm"`` torch.distributed backend and access to its C++ object.
+
+Registering loads nothing but torch.distributed: the compiled extension is loaded by the creator,
+when the first hetcomm group is created (`hetcomm._engine`).
+"""
 from __future__ import annotations
 
 import atexit
 import datetime
 import os
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 import torch.distributed as dist
 
-from hetcomm import _C
+from hetcomm import _engine
+
+if TYPE_CHECKING:  # for the annotations only: the extension is loaded by _engine, when needed
+    from hetcomm._C import ProcessGroupHetcomm
 
 BACKEND_NAME = "hetcomm"
 # torch's own default for non-NCCL groups; used when the creator is given no timeout.
@@ -39,21 +46,27 @@ def _shut_down_all() -> None:
     backend was built (a planning error), and backends built directly. Then the threads that
     complete the futures of operations issued after a shutdown are given a moment to finish.
     """
+    extension = _engine.loaded()
+    if extension is None:  # never loaded: no group was created
+        return
     try:
-        _C.shutdown_live_groups_at_exit(5000)
+        extension.shutdown_live_groups_at_exit(5000)
     except Exception:  # noqa: BLE001 - exiting anyway
         pass
 
 
-def _create_backend(dist_backend_opts, backend_options) -> _C.ProcessGroupHetcomm:
+def _create_backend(dist_backend_opts, backend_options) -> "ProcessGroupHetcomm":
     """Extended-API creator: torch calls it in every process of a new group.
 
     Besides building the C++ backend it measures the links (or reads the declared ones) and
-    installs the ring plan, since every rank of the group is here at the same time.
+    installs the ring plan, since every rank of the group is here at the same time. The first
+    group of a process loads what creation runs (hosts, the probe, the planner but its LP
+    solver) and the extension, before the backend connects: every rank has them loaded before
+    any link is measured.
     """
     from hetcomm.topology import configure_group
 
-    backend = _C.ProcessGroupHetcomm(
+    backend = _engine.extension().ProcessGroupHetcomm(
         dist_backend_opts.store,
         dist_backend_opts.group_rank,
         dist_backend_opts.group_size,
@@ -66,8 +79,14 @@ def _create_backend(dist_backend_opts, backend_options) -> _C.ProcessGroupHetcom
 
 def supported_devices() -> list[str]:
     """The device types this build of hetcomm moves: ``["cpu", "cuda"]`` when it was compiled
-    against a CUDA build of torch with nvcc present, else ``["cpu"]``."""
-    return ["cpu", "cuda"] if _C.built_with_cuda() else ["cpu"]
+    against a CUDA build of torch with nvcc present, else ``["cpu"]``. Does not load the
+    extension (`hetcomm._engine.supported_devices`)."""
+    return list(_engine.supported_devices())
+
+
+def tls_available() -> tuple[bool, str]:
+    """(True, "") when OpenSSL 3 can be loaded for HETCOMM_TLS, else (False, why not)."""
+    return _engine.extension().tls_available()
 
 
 def register_backend() -> None:
@@ -84,7 +103,7 @@ def register_backend() -> None:
                                   devices=supported_devices())
 
 
-def _hetcomm_backend(group: Optional[dist.ProcessGroup], caller: str) -> _C.ProcessGroupHetcomm:
+def _hetcomm_backend(group: Optional[dist.ProcessGroup], caller: str) -> "ProcessGroupHetcomm":
     """``group``'s hetcomm backend object, or a RuntimeError that starts with ``caller``."""
     pg = group if group is not None else dist.group.WORLD
     if pg is None:
@@ -94,13 +113,24 @@ def _hetcomm_backend(group: Optional[dist.ProcessGroup], caller: str) -> _C.Proc
     except RuntimeError as e:  # a group with no CPU backend (NCCL only)
         raise RuntimeError(f"{caller}: the group has no CPU backend, so no hetcomm one "
                            f"(its backend is {dist.get_backend(pg)})") from e
-    if not isinstance(backend, _C.ProcessGroupHetcomm):
+    if not _engine.is_backend(backend):
         name = backend.name() if hasattr(backend, "name") else type(backend).__name__
         raise RuntimeError(f"{caller}: the group's backend is {name}, not hetcomm")
     return backend
 
 
-def backend_of(group: Optional[dist.ProcessGroup] = None) -> _C.ProcessGroupHetcomm:
+def backend_or_none(group: Optional[dist.ProcessGroup] = None) -> Optional["ProcessGroupHetcomm"]:
+    """The hetcomm backend object behind ``group``, or None when its CPU backend is another one or
+    it has none (never raises, loads nothing)."""
+    pg = group if group is not None else dist.group.WORLD
+    try:
+        backend = pg._get_backend(torch.device("cpu"))
+    except Exception:  # noqa: BLE001 - no CPU backend (or no group): simply not hetcomm
+        return None
+    return backend if _engine.is_backend(backend) else None
+
+
+def backend_of(group: Optional[dist.ProcessGroup] = None) -> "ProcessGroupHetcomm":
     """The hetcomm backend object behind ``group`` (default: the world group)."""
     return _hetcomm_backend(group, "hetcomm")
 

@@ -37,6 +37,8 @@ from typing import Optional, Sequence
 
 import torch
 
+from hetcomm.labels import renumber
+
 log = logging.getLogger("hetcomm")
 
 DEFAULT_SHM_BYTES = 64 << 20
@@ -67,11 +69,6 @@ def host_identity() -> str:
     except OSError:
         shm = "no-dev-shm"
     return f"{boot}/{netns}/{shm}"
-
-
-def _renumber(labels: Sequence) -> tuple[int, ...]:
-    index: dict = {}
-    return tuple(index.setdefault(label, len(index)) for label in labels)
 
 
 def declared_labels(global_ranks: Sequence[int]) -> Optional[tuple[str, ...]]:
@@ -124,8 +121,8 @@ def host_labels(backend, global_ranks: Sequence[int]) -> tuple[tuple[int, ...], 
     try:
         declared = declared_labels(global_ranks)
     except ValueError as e:
-        return _renumber(identities), str(e)
-    return _renumber(declared if declared is not None else identities), ""
+        return renumber(identities), str(e)
+    return renumber(declared if declared is not None else identities), ""
 
 
 def settings(labels: Sequence[int], error: str = "") -> dict[str, str]:

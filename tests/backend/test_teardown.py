@@ -25,7 +25,9 @@ HANG_BOUND_S = 15.0
 
 
 def _backend(prefix: str, rank: int, size: int, secret: bytes = b""):
-    from hetcomm import _C
+    from hetcomm._engine import extension
+
+    _C = extension()
 
     store = dist.PrefixStore(prefix, default_store())
     if secret:
@@ -304,7 +306,8 @@ EXIT_SCRIPT = r"""
 import os, sys, time
 import torch, torch.distributed as dist
 import hetcomm
-from hetcomm import _C
+from hetcomm._engine import extension
+_C = extension()
 store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
 backend = _C.ProcessGroupHetcomm(dist.PrefixStore("exit/", store), 0, 1, 60000)
 backend.allreduce([torch.ones(10)]).wait()

@@ -5,22 +5,15 @@ Rates are in Mbit/s here: detection only compares ratios. Noise is multiplicativ
 """
 from __future__ import annotations
 
-import importlib.util
 import itertools
 import math
-import os
 import random
-import sys
 
 import pytest
 
-# levels.py needs neither torch nor the extension; loading it by path keeps this file well under a
-# second (``import hetcomm`` imports torch: 2-3 s).
-_path = os.path.join(os.path.dirname(__file__), os.pardir, os.pardir, "python", "hetcomm", "plan", "levels.py")
-_spec = importlib.util.spec_from_file_location("hetcomm_sites_standalone", _path)
-sites = importlib.util.module_from_spec(_spec)
-sys.modules[_spec.name] = sites
-_spec.loader.exec_module(sites)
+# (levels.py needs neither torch nor the extension: tests/test_imports.py checks that plan/ stays
+# so; the suite's process imports torch anyway, so loading it here by path saved nothing.)
+from hetcomm.plan import levels as sites
 
 Topology = sites.Topology
 detect_sites = sites.detect_sites

@@ -342,12 +342,15 @@ class Cases:
 # goes back to fresh interpreters.
 START_METHOD = os.environ.get("HETCOMM_TEST_START", "forkserver")
 PRELOAD = ["torch", "torch.distributed", "numpy", "pytest", "harness"]
+# What a hetcomm group and the training tests load (the extension's settings are read from the
+# environment on first use, in the rank, not when it is loaded).
+HETCOMM_PRELOAD = ["hetcomm", "hetcomm._C", "hetcomm.topology", "hetcomm.train.diloco", "hetcomm.train.elastic"]
 
 
 def _context():
     ctx = multiprocessing.get_context(START_METHOD)
     if START_METHOD == "forkserver":
-        preload = PRELOAD + (["hetcomm"] if BACKEND == "hetcomm" else [])
+        preload = PRELOAD + (HETCOMM_PRELOAD if BACKEND == "hetcomm" else [])
         ctx.set_forkserver_preload(preload)  # takes effect when the server starts (once)
     return ctx
 

@@ -26,7 +26,8 @@ new reporter, not a change to the measurement):
              prediction for the plan each group used (no torch)
 ``plot``     ``--plot``: busbw against size from the JSON document (matplotlib, Agg)
 
-Nothing here imports :mod:`hetcomm` itself at module level: ``hetcomm/__init__`` loads the
-compiled extension, and a gloo-only run must work without it. Workers import it only when
-``hetcomm`` is among the requested backends.
+A gloo-only run never loads the compiled extension (``tests/test_imports.py`` checks every
+process of one): ``hetcomm/__init__`` registers the backend without it, and the extension is
+loaded only by the first hetcomm group. Workers import :mod:`hetcomm` only when ``hetcomm`` is
+among the requested backends.
 """

@@ -79,13 +79,9 @@ import json
 import math
 from typing import Any, Optional, Sequence
 
-from hetcomm._C import engine_settings as _engine_settings
-
 SIM_ALPHA_S = 1e-4                 # seconds per message on the simulated links (veth, TCP)
 UNSHAPED_BYTES_PER_S = 10e9        # stand-in rate of a link nothing shapes (planner needs finite)
 MAX_CUT_RANKS = 16                 # every cut is tried up to this world size (2^(P-1) - 1 cuts)
-# The engine's default, for records written before they stored the value the engine used.
-HETCOMM_SMALL_ALLREDUCE_BYTES = int(_engine_settings()["default_small_allreduce_bytes"])
 
 
 def _finite_or_none(value: float) -> Optional[float]:
@@ -245,7 +241,8 @@ def physical_model(spec) -> dict[str, Any]:
 def _node_bound(spec, node: str = "rank") -> tuple[float, str, str, float, Optional[str]]:
     """``(rate, kind, text, aggregate rate, aggregate note)`` of a network whose nodes are the
     "ranks" of ``spec`` (ranks, or hosts: ``SimSpec.network_spec()``); rates in bytes/s."""
-    from hetcomm.sim.spec import effective_bandwidth, effective_uplinks, mbit_to_bytes_per_s
+    from hetcomm.rates import mbit_to_bytes_per_s
+    from hetcomm.sim.spec import effective_bandwidth, effective_uplinks
 
     P = spec.world_size
     if P < 2:
@@ -308,8 +305,8 @@ def _hosts_as_nodes_rate(net) -> tuple[float, str]:
     uplink are narrower) and receives at most ``in_h``; with those,
     :func:`hetcomm.sim.spec.hosts_allreduce_bound_seconds` (2(H-1) N bytes leave hosts and as
     many enter hosts in all; N leave and enter each host)."""
-    from hetcomm.sim.spec import (effective_bandwidth, effective_uplinks, hosts_allreduce_bound_seconds,
-                                  mbit_to_bytes_per_s)
+    from hetcomm.rates import mbit_to_bytes_per_s
+    from hetcomm.sim.spec import effective_bandwidth, effective_uplinks, hosts_allreduce_bound_seconds
 
     H = net.world_size
     bw = effective_bandwidth(net)
@@ -361,8 +358,10 @@ def _sites_as_nodes_rate(spec, bw, uplinks) -> float:
     from hetcomm.plan import cut_bound_seconds
 
     P = spec.world_size
+    # (The cut bound does not depend on the engine's settings: 0 keeps the engine unasked.)
     model = LinkModel(bw=[[0.0 if i == j else (bw[i][j] if math.isfinite(bw[i][j]) else UNSHAPED_BYTES_PER_S)
-                           for j in range(P)] for i in range(P)], uplinks=tuple(uplinks))
+                           for j in range(P)] for i in range(P)], uplinks=tuple(uplinks),
+                      segment_bytes=0, small_allreduce_bytes=0)
     return 1.0 / cut_bound_seconds(model, 1, [spec.sites[r] for r in range(P)])
 
 
@@ -409,7 +408,11 @@ def predict_seconds(sim: dict[str, Any], record: dict[str, Any], nbytes: int) ->
     plan, segment = effective_plan(record, nbytes, P)
     if record.get("kind") == "hetcomm":
         env_segment = int(record.get("env_segment_bytes") or 0)
-        small = int(record.get("small_allreduce_bytes", HETCOMM_SMALL_ALLREDUCE_BYTES))
+        small = record.get("small_allreduce_bytes")
+        if small is None:  # a record from before records kept it: the engine's default
+            from hetcomm.plan.model import engine_setting
+            small = engine_setting("default_small_allreduce_bytes")
+        small = int(small)
         model = _planner_model(sim, env_segment or segment, small)
     else:
         model = _planner_model(sim, 0, 0)   # gloo: a ring at every size, adaptive segments

@@ -71,18 +71,19 @@ def backend_environment(backend: str) -> Iterator[dict[str, Optional[str]]]:
     overrides = variant_environment(backend, os.environ)
     saved = {key: os.environ.get(key) for key in overrides}
     try:
-        for key, value in overrides.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
+        _set_environment(overrides)
         yield overrides
     finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
+        _set_environment(saved)
+
+
+def _set_environment(values: dict[str, Optional[str]]) -> None:
+    """Sets each variable to its value; None unsets it."""
+    for key, value in values.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
 
 
 def _finite(value: float) -> Optional[float]:
@@ -120,7 +121,7 @@ def record_plan(backend: str, world_size: int) -> dict[str, Any]:
         return uniform_record(backend, world_size,
                               f"{backend} does not plan: modelled as a uniform ring")
     import hetcomm
-    from hetcomm._C import engine_settings
+    from hetcomm._engine import engine_settings
     from hetcomm.planner import format_plan
     engine = engine_settings()
     plan = hetcomm.get_plan()
@@ -133,7 +134,7 @@ def record_plan(backend: str, world_size: int) -> dict[str, Any]:
         "topology": None if plan.topology is None else plan.topology.describe(),
         "text": format_plan(plan, model), "model": model_json(model),
         # engine settings that decide which algorithm and segment size an allreduce gets, as the
-        # engine itself reads them (hetcomm._C.engine_settings)
+        # engine itself reads them (hetcomm._C.engine_settings, through hetcomm._engine)
         "env_segment_bytes": int(engine["segment_bytes"]),
         "small_allreduce_bytes": int(engine["small_allreduce_bytes"]),
     }

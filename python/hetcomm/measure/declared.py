@@ -6,6 +6,7 @@ import os
 from typing import Optional, Sequence
 
 from hetcomm.plan.model import LinkModel
+from hetcomm.rates import RateError, parse_matrix, parse_rate_list
 
 
 def model_from_declared(size: int, nic_mbit: Optional[Sequence[float]] = None,
@@ -27,11 +28,10 @@ def model_from_declared(size: int, nic_mbit: Optional[Sequence[float]] = None,
 def parse_mbit(text: str) -> tuple[Optional[list[float]], Optional[list[list[float]]]]:
     """``"800,800,100"`` -> NIC rates; ``"0,800;800,0"`` (or a file) -> a link matrix; Mbit/s.
 
-    The same formats as the simulator's ``--nic-mbit`` / ``--link-mbit`` (one parser for both),
-    except that every rate must be given: a declared model has no "unshaped" links.
+    The same formats as the simulator's ``--nic-mbit`` / ``--link-mbit`` (one parser for both,
+    `hetcomm.rates`), except that every rate must be given: a declared model has no "unshaped"
+    links.
     """
-    from hetcomm.sim.spec import SimError, parse_matrix, parse_rate_list
-
     try:
         if ";" in text or os.path.isfile(text):
             matrix = parse_matrix(text, "HETCOMM_LINK_MBIT")
@@ -43,5 +43,5 @@ def parse_mbit(text: str) -> tuple[Optional[list[float]], Optional[list[list[flo
         if any(v is None for v in nics):
             raise ValueError("hetcomm: HETCOMM_LINK_MBIT: every NIC needs a rate in Mbit/s")
         return nics, None
-    except SimError as e:
+    except RateError as e:
         raise ValueError(f"hetcomm: {e}") from None

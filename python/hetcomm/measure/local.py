@@ -6,20 +6,21 @@ import time
 
 import torch
 
-from hetcomm import _C
+from hetcomm import _engine
 from hetcomm.measure.rounds import allreduce
 
 
 def measure_reduce_bps(nbytes: int = 1 << 20, repeats: int = 3) -> float:
     """This process's reduce-kernel throughput: the rate of its own kernel on a 1 MB fp32 SUM, in
     bytes of incoming data per second (what the reduce-scatter asks of it)."""
+    reduce_into = _engine.extension().reduce_into
     dst = torch.zeros(nbytes // 4)
     src = torch.ones(nbytes // 4)
-    _C.reduce_into(dst, src, "sum")  # warm up (page faults, caches)
+    reduce_into(dst, src, "sum")  # warm up (page faults, caches)
     best = float("inf")
     for _ in range(repeats):
         t0 = time.perf_counter()
-        _C.reduce_into(dst, src, "sum")
+        reduce_into(dst, src, "sum")
         best = min(best, time.perf_counter() - t0)
     return nbytes / best
 

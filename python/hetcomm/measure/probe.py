@@ -12,7 +12,8 @@ import numpy as np
 from hetcomm.measure import schedule
 from hetcomm.measure.local import gather_reduce_and_latency
 from hetcomm.measure.rounds import SendBuffer, _transfer, run_round
-from hetcomm.plan.levels import _renumber, detect_sites
+from hetcomm.labels import renumber
+from hetcomm.plan.levels import detect_sites
 from hetcomm.plan.model import LinkModel
 
 
@@ -66,7 +67,7 @@ def measure_levels(backend, host_labels: Sequence[int], declared_sites: Optional
     """The level probe (`hetcomm.measure.schedule`): loopback and NIC rounds, the sites (declared,
     else detected from the host pairs), then the cross-site and uplink rounds. ``shared_memory``:
     the ranks of each host share memory (no loopback round)."""
-    hosts = _renumber(host_labels)
+    hosts = renumber(host_labels)
     H = max(hosts) + 1
     send_buf = SendBuffer()
     sizes = dict(target_seconds=target_seconds, max_bytes=max_bytes)
@@ -81,7 +82,7 @@ def measure_levels(backend, host_labels: Sequence[int], declared_sites: Optional
         _connect(backend, [confirm], send_buf, log)
         _run(backend, [confirm], rates, per_flow, log, send_buf, **sizes)
     if declared_sites is not None:
-        sites, measured_pairs = _renumber(declared_sites), None
+        sites, measured_pairs = renumber(declared_sites), None
     else:
         host_sites = detect_sites(schedule.host_pair_rates(H, rates)) if H > 1 else (0,)
         sites = tuple(host_sites[h] for h in hosts)
@@ -115,7 +116,7 @@ def measure_pairs(backend, declared_sites: Optional[Sequence[int]] = None, host_
     bw = np.zeros((P, P))
     for (_, i, j), rate in rates.items():
         bw[i, j] = rate
-    sites = (_renumber(declared_sites) if declared_sites is not None
+    sites = (renumber(declared_sites) if declared_sites is not None
              else detect_sites(bw, hosts=host_labels) if P > 1 else (0,))
     reduce_bps, alpha = gather_reduce_and_latency(backend, send_buf.fastest_allreduce)
     model = LinkModel(bw=bw + np.eye(P), reduce_bps=reduce_bps, alpha=alpha)

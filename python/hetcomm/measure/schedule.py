@@ -67,7 +67,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from hetcomm.plan.levels import _renumber
+from hetcomm.labels import ranks_by_label, renumber
 from hetcomm.plan.model import LinkModel
 
 UNMEASURED_LOOPBACK_FACTOR = 10.0
@@ -99,13 +99,6 @@ class Round:
         return [f for u in self.units for f in u.flows]
 
 
-def _members(labels: Sequence[int]) -> list[list[int]]:
-    out: dict[int, list[int]] = {}
-    for r, label in enumerate(labels):
-        out.setdefault(label, []).append(r)
-    return list(out.values())
-
-
 def nic_shifts(m: int) -> list[int]:
     """The host-ring shifts of the NIC rounds for a site of ``m`` hosts."""
     return [d for d in (1, 2, 3) if d < m]
@@ -118,7 +111,7 @@ def _host_pair_unit(label: tuple, src: Sequence[int], dst: Sequence[int]) -> Uni
 
 def loopback_round(hosts: Sequence[int]) -> Optional[Round]:
     units = []
-    for h, ranks in enumerate(_members(_renumber(hosts))):
+    for h, ranks in enumerate(ranks_by_label(renumber(hosts))):
         L = len(ranks)
         if L > 1:
             units.append(Unit(("loopback", h), tuple((ranks[k], ranks[(k + 1) % L]) for k in range(L))))
@@ -127,13 +120,13 @@ def loopback_round(hosts: Sequence[int]) -> Optional[Round]:
 
 def nic_rounds(hosts: Sequence[int], sites: Optional[Sequence[int]] = None) -> list[Round]:
     """Host rings per site (one ring of every host without sites), shifts of `nic_shifts`."""
-    host_labels = _renumber(hosts)
-    ranks_of = _members(host_labels)
+    host_labels = renumber(hosts)
+    ranks_of = ranks_by_label(host_labels)
     site_of_host = [0] * len(ranks_of)
     if sites is not None:
         for r, h in enumerate(host_labels):
             site_of_host[h] = sites[r]
-    rings = _members(site_of_host)                        # hosts of each site, ascending
+    rings = ranks_by_label(site_of_host)                        # hosts of each site, ascending
     per_ring = [nic_shifts(len(ring)) for ring in rings]
     rounds = []
     for j in range(max((len(d) for d in per_ring), default=0)):
@@ -151,15 +144,15 @@ def nic_rounds(hosts: Sequence[int], sites: Optional[Sequence[int]] = None) -> l
 def repair_round(hosts: Sequence[int], sites: Sequence[int], measured: Sequence[tuple[int, int]]) -> Optional[Round]:
     """For hosts with no measured out- (in-) pair inside their site among ``measured`` host pairs,
     a flow to (from) the next (previous) host of their site."""
-    host_labels = _renumber(hosts)
-    ranks_of = _members(host_labels)
+    host_labels = renumber(hosts)
+    ranks_of = ranks_by_label(host_labels)
     site_of_host = [0] * len(ranks_of)
     for r, h in enumerate(host_labels):
         site_of_host[h] = sites[r]
     has_out = {a for a, b in measured if site_of_host[a] == site_of_host[b]}
     has_in = {b for a, b in measured if site_of_host[a] == site_of_host[b]}
     pairs = []
-    for ring in _members(site_of_host):
+    for ring in ranks_by_label(site_of_host):
         m = len(ring)
         if m < 2:
             continue
@@ -181,8 +174,8 @@ def confirm_round(hosts: Sequence[int], sites: Optional[Sequence[int]], rates: d
     the probe's noise, so that timing errors alone do not add the round); likewise for in-rates.
     Each host sends at most once and receives at most once in the round. None when no NIC is in
     doubt."""
-    host_labels = _renumber(hosts)
-    ranks_of = _members(host_labels)
+    host_labels = renumber(hosts)
+    ranks_of = ranks_by_label(host_labels)
     H = len(ranks_of)
     pair = host_pair_rates(H, rates)
     out_est = np.array([nic_estimate(pair[h]) for h in range(H)])
@@ -226,7 +219,7 @@ def confirm_round(hosts: Sequence[int], sites: Optional[Sequence[int]], rates: d
 
 
 def cross_rounds(sites: Sequence[int]) -> list[Round]:
-    ranks_of = _members(_renumber(sites))
+    ranks_of = ranks_by_label(renumber(sites))
     S = len(ranks_of)
     return [Round("cross", tuple(Unit(("cross", s, (s + d) % S), ((ranks_of[s][0], ranks_of[(s + d) % S][0]),))
                                  for s in range(S)))
@@ -243,7 +236,7 @@ def _site_flows(src: Sequence[int], dst_sites: Sequence[Sequence[int]]) -> tuple
 
 
 def uplink_rounds(sites: Sequence[int], hosts: Optional[Sequence[int]] = None) -> list[Round]:
-    ranks_of = _members(_renumber(sites))
+    ranks_of = ranks_by_label(renumber(sites))
     S = len(ranks_of)
     if S < 2:
         return []
@@ -284,9 +277,9 @@ def needs_site_rounds(hosts: Sequence[int], sites: Sequence[int]) -> bool:
     other site, so its NIC units are the cross-site rates, and the other site's uplink toward one
     host is bounded by that host's NIC. (Declared sites keep the NIC rounds inside each site, so
     a lone host there is measured by the site rounds alone: they always run.)"""
-    host_labels = _renumber(hosts)
+    host_labels = renumber(hosts)
     per_site: dict[int, set[int]] = {}
-    for r, s in enumerate(_renumber(sites)):
+    for r, s in enumerate(renumber(sites)):
         per_site.setdefault(s, set()).add(host_labels[r])
     return len(per_site) > 2 or min(len(h) for h in per_site.values()) > 1
 
@@ -357,8 +350,8 @@ def model_from_rates(hosts: Sequence[int], sites: Sequence[int], rates: dict[tup
     NIC). Cross-site: the single flow's rate, capped by the NICs. Site uplinks: the units'
     aggregate rates; with two sites what leaves one enters the other; not measured: unlimited
     (the NICs alone)."""
-    host_labels = np.asarray(_renumber(hosts))
-    site_labels = np.asarray(_renumber(sites))
+    host_labels = np.asarray(renumber(hosts))
+    site_labels = np.asarray(renumber(sites))
     H, S = int(host_labels.max()) + 1, int(site_labels.max()) + 1
     pair = host_pair_rates(H, rates)
     out_h = np.array([nic_estimate(pair[h]) for h in range(H)])

@@ -21,8 +21,8 @@ from hetcomm.plan.cost import (cut_bound_seconds, cut_capacity, predict_allreduc
                                ring_seconds_per_byte, site_cuts, site_plan_seconds_per_byte, uplink_seconds_per_byte)
 from hetcomm.plan.hierarchy import best_site_plan, host_plan, site_shares_for
 from hetcomm.plan.levels import Topology, detect_sites, parse_sites, topology_from
-from hetcomm.plan.model import (DEFAULT_ALPHA_SECONDS, MAX_SEGMENT_BYTES, MIN_SEGMENT_BYTES, SEGMENT_BYTES,
-                                SMALL_ALLREDUCE_BYTES, LinkModel)
+from hetcomm.plan import model as _model
+from hetcomm.plan.model import DEFAULT_ALPHA_SECONDS, LinkModel
 from hetcomm.plan.order import (DEFAULT_MIN_GAIN, MAX_EXHAUSTIVE_RANKS, ORDER_TIE_RTOL, best_plan, crossover_bytes,
                                 make_plan, uniform_plan)
 from hetcomm.plan.schedules import Plan, SitePlan, shares_to_counts
@@ -39,3 +39,15 @@ __all__ = [
     "DEFAULT_ALPHA_SECONDS", "DEFAULT_MIN_GAIN", "DECLARED_MIN_GAIN", "MEASURED_MIN_GAIN", "MAX_EXHAUSTIVE_RANKS",
     "ORDER_TIE_RTOL", "SHARE_TIE_RTOL", "SHARE_QUANTUM",
 ]
+
+
+def __getattr__(name: str):
+    # SMALL_ALLREDUCE_BYTES, SEGMENT_BYTES, MIN_SEGMENT_BYTES, MAX_SEGMENT_BYTES: the engine's,
+    # asked from it on first use (hetcomm.plan.model), so that importing the planner loads nothing.
+    if name in _model._ENGINE_ATTRIBUTES:
+        return getattr(_model, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_model._ENGINE_ATTRIBUTES))

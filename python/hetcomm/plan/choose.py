@@ -24,7 +24,8 @@ import numpy as np
 from hetcomm.plan.cost import (predict_allreduce_seconds, sites_bound_seconds_per_byte, predict_site_plan_seconds,
                                ring_seconds_per_byte, site_plan_seconds_per_byte)
 from hetcomm.plan.hierarchy import best_site_plan, host_plan
-from hetcomm.plan.levels import Topology, _renumber
+from hetcomm.labels import renumber
+from hetcomm.plan.levels import Topology
 from hetcomm.plan.model import LinkModel
 from hetcomm.plan.order import DEFAULT_MIN_GAIN, crossover_bytes, make_plan, uniform_plan
 from hetcomm.plan.schedules import Plan
@@ -114,7 +115,7 @@ def snap_measured(model: LinkModel, tolerance: float = MEASURED_RATE_TOLERANCE) 
 
 
 def _same_partition(a: Sequence[int], b: Sequence[int]) -> bool:
-    return _renumber(a) == _renumber(b)
+    return renumber(a) == renumber(b)
 
 
 def with_host_plan(ring: Plan, host_labels: Sequence[int], model: Optional[LinkModel] = None) -> Plan:

@@ -71,7 +71,7 @@ from typing import Optional, Sequence, Union
 
 import numpy as np
 
-from hetcomm.plan.model import MAX_SEGMENT_BYTES, MIN_SEGMENT_BYTES, LinkModel
+from hetcomm.plan.model import LinkModel, engine_setting
 from hetcomm.plan.schedules import Plan, SitePlan, ring_loads
 
 MAX_CUT_RANKS = 14       # cut_bound_seconds enumerates every cut up to this world size
@@ -161,7 +161,8 @@ def segment_bytes(model: LinkModel, largest_chunk_bytes: float) -> float:
     """The engine's segment size for a ring whose largest chunk has this many bytes."""
     if model.segment_bytes > 0:
         return float(model.segment_bytes)
-    return float(min(MAX_SEGMENT_BYTES, max(MIN_SEGMENT_BYTES, int(largest_chunk_bytes) // 4)))
+    return float(min(engine_setting("max_segment_bytes"),
+                     max(engine_setting("min_segment_bytes"), int(largest_chunk_bytes) // 4)))
 
 
 def recursive_doubling_steps(P: int) -> int:

@@ -76,6 +76,7 @@ from typing import Optional, Sequence
 import numpy as np
 import scipy.sparse as sparse
 
+from hetcomm.labels import ranks_by_label
 from hetcomm.plan.cost import cut_capacity
 from hetcomm.plan.levels import Topology
 from hetcomm.plan.model import LinkModel
@@ -241,12 +242,10 @@ def best_site_plan(model: LinkModel, site_labels: Sequence[int],
     site. ``host_labels``: the hosts, which keep their ranks together in each site's ring."""
     if len(site_labels) != model.world_size:
         raise ValueError(f"hetcomm site plan: {len(site_labels)} site labels for {model.world_size} ranks")
-    groups: dict[int, list[int]] = {}
-    for r, label in enumerate(site_labels):
-        groups.setdefault(label, []).append(r)
+    groups = ranks_by_label(site_labels)
     if len(groups) < 2:
         return None
-    sites = [_site_order(model, members, host_labels) for members in sorted(groups.values())]
+    sites = [_site_order(model, ranks, host_labels) for ranks in groups]
     w = site_shares_for(model, sites)
     blocks = _candidate_blocks(sites)
     x = snap_shares(_solve_blocks(model, sites, blocks, w))
@@ -275,10 +274,7 @@ def host_plan(host_labels: Sequence[int], model: Optional[LinkModel] = None) -> 
     """Hosts as the inner level of the schedule (module docstring): a `SitePlan` with
     ``local_inner`` whose sites are the hosts (``host_labels``: one per rank), or None unless
     there are several hosts and one of them holds several ranks."""
-    groups: dict[int, list[int]] = {}
-    for r, label in enumerate(host_labels):
-        groups.setdefault(label, []).append(r)
-    hosts = sorted(groups.values())
+    hosts = ranks_by_label(host_labels)
     if len(hosts) < 2 or max(len(h) for h in hosts) < 2:
         return None
     if model is not None and model.world_size != len(host_labels):

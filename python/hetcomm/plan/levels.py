@@ -33,6 +33,8 @@ import numpy as np
 import scipy.sparse as sparse
 from scipy.sparse.csgraph import connected_components
 
+from hetcomm.labels import ranks_by_label, renumber
+
 # Two links whose rates are within this factor are "equally fast". 3 is about the geometric middle
 # of 1x (one site) and the 10x at which sites start to matter (design.md §8: WAN links 10-100x
 # slower than LAN links), so it leaves a factor of ~3 of measurement error on either side; see
@@ -40,12 +42,6 @@ from scipy.sparse.csgraph import connected_components
 DEFAULT_SITE_RATIO = 3.0
 
 Matrix = Sequence[Sequence[Optional[float]]]
-
-
-def _renumber(labels: Sequence[Hashable]) -> tuple[int, ...]:
-    """Labels -> indices numbered by first appearance, i.e. by lowest rank."""
-    index: dict[Hashable, int] = {}
-    return tuple(index.setdefault(label, len(index)) for label in labels)
 
 
 def _directed_rates(rates: Matrix) -> np.ndarray:
@@ -154,14 +150,14 @@ def detect_sites(rates: Matrix, *, hosts: Optional[Sequence[Hashable]] = None,
     ratio = _check_ratio(ratio)
     pair = _pair_rates(_directed_rates(rates))
     P = len(pair)
-    host_of = np.asarray(_renumber(hosts) if hosts is not None else tuple(range(P)))
+    host_of = np.asarray(renumber(hosts) if hosts is not None else tuple(range(P)))
     if len(host_of) != P:
         raise ValueError(f"hetcomm sites: {len(host_of)} hosts given for {P} ranks")
     same_host = host_of[:, None] == host_of[None, :]
     best = np.where(same_host, 0.0, pair).max(axis=1)
     intra = same_host | ((pair > 0) & (pair * ratio >= np.maximum(best[:, None], best[None, :])))
     _, components = connected_components(sparse.csr_matrix(intra), directed=False)
-    return _renumber(components.tolist())
+    return renumber(components.tolist())
 
 
 _INTEGER = re.compile(r"[+-]?\d+")
@@ -188,14 +184,11 @@ def parse_sites(text: str, world_size: int) -> tuple[int, ...]:
     if len(items) != world_size:
         raise ValueError(f"hetcomm: HETCOMM_SITES={text!r} gives {len(items)} site labels for {world_size} ranks: "
                          f"give one per rank")
-    return _renumber([int(item) if _INTEGER.fullmatch(item) else item for item in items])
+    return renumber([int(item) if _INTEGER.fullmatch(item) else item for item in items])
 
 
 def _format_groups(labels: Sequence[int]) -> str:
-    groups: dict[int, list[int]] = {}
-    for rank, label in enumerate(labels):
-        groups.setdefault(label, []).append(rank)
-    return " ".join("{" + ",".join(map(str, ranks)) + "}" for ranks in groups.values())
+    return " ".join("{" + ",".join(map(str, ranks)) + "}" for ranks in ranks_by_label(labels))
 
 
 @dataclass(frozen=True)
@@ -212,10 +205,10 @@ class Topology:
     hosts: Optional[tuple[int, ...]] = None
 
     def __post_init__(self) -> None:
-        sites = _renumber(self.sites)
+        sites = renumber(self.sites)
         if not sites:
             raise ValueError("hetcomm sites: a topology needs at least one rank")
-        hosts = tuple(range(len(sites))) if self.hosts is None else _renumber(self.hosts)
+        hosts = tuple(range(len(sites))) if self.hosts is None else renumber(self.hosts)
         if len(hosts) != len(sites):
             raise ValueError(f"hetcomm sites: {len(sites)} sites but {len(hosts)} hosts given; one of each per rank")
         site_of_host: dict[int, int] = {}
@@ -289,7 +282,7 @@ def topology_from(rates: Optional[Matrix] = None, *, declared: Optional[str] = N
         for rank, address in enumerate(addresses):
             if not isinstance(address, str) or not address.strip():
                 raise ValueError(f"hetcomm sites: rank {rank} has no host address ({address!r})")
-        hosts = _renumber([a.strip() for a in addresses])
+        hosts = renumber([a.strip() for a in addresses])
 
     if declared is not None:
         sites = parse_sites(declared, world_size)

@@ -22,17 +22,33 @@ from typing import Optional, Sequence
 import numpy as np
 import scipy.sparse as sparse
 
-from hetcomm._C import engine_settings as _engine_settings
+from hetcomm import _engine
 
 # The engine's own settings, as this process's engine uses them (HETCOMM_SMALL_ALLREDUCE_BYTES and
 # HETCOMM_SEGMENT_BYTES applied): models default to them, so predictions and the crossover size
-# follow whatever the engine will do.
-_ENGINE = _engine_settings()
-SMALL_ALLREDUCE_BYTES = int(_ENGINE["small_allreduce_bytes"])
-SEGMENT_BYTES = int(_ENGINE["segment_bytes"])            # 0: adaptive
-MIN_SEGMENT_BYTES = int(_ENGINE["min_segment_bytes"])    # CollectiveContext::segmentBytesFor clamps
-MAX_SEGMENT_BYTES = int(_ENGINE["max_segment_bytes"])
+# follow whatever the engine will do. Asked from the engine when first needed (`engine_setting`),
+# so that importing the planner loads neither torch nor the extension; the module attributes
+# SMALL_ALLREDUCE_BYTES, SEGMENT_BYTES (0: adaptive), MIN_SEGMENT_BYTES and MAX_SEGMENT_BYTES
+# (CollectiveContext::segmentBytesFor clamps to them) read them likewise.
+_ENGINE_ATTRIBUTES = {"SMALL_ALLREDUCE_BYTES": "small_allreduce_bytes", "SEGMENT_BYTES": "segment_bytes",
+                      "MIN_SEGMENT_BYTES": "min_segment_bytes", "MAX_SEGMENT_BYTES": "max_segment_bytes"}
 DEFAULT_ALPHA_SECONDS = 50e-6          # one TCP message on a LAN, order of magnitude
+
+
+def engine_setting(name: str) -> int:
+    """One of the engine's settings (a key of ``hetcomm._C.engine_settings()``), as an int."""
+    return int(_engine.engine_settings()[name])
+
+
+def __getattr__(name: str) -> int:
+    if name in _ENGINE_ATTRIBUTES:
+        return engine_setting(_ENGINE_ATTRIBUTES[name])
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_ENGINE_ATTRIBUTES))
+
 
 Uplink = tuple[tuple[int, ...], float, float]
 
@@ -119,15 +135,16 @@ class LinkModel:
     site behind one WAN uplink are the examples. Groups must be laminar (disjoint or nested);
     they are stored largest first. ``segment_bytes``: the engine's ``HETCOMM_SEGMENT_BYTES``
     (0: adaptive, as the engine). ``small_allreduce_bytes``: the engine's
-    ``HETCOMM_SMALL_ALLREDUCE_BYTES``. Invalid values raise ValueError naming them. Immutable,
-    hashable, and equal to another model with the same values.
+    ``HETCOMM_SMALL_ALLREDUCE_BYTES``. Both default (None) to the engine's own values. Invalid
+    values raise ValueError naming them. Immutable, hashable, and equal to another model with the
+    same values.
     """
 
     bw: np.ndarray
     reduce_bps: Optional[tuple[float, ...]] = None
     alpha: float = DEFAULT_ALPHA_SECONDS
-    segment_bytes: int = SEGMENT_BYTES
-    small_allreduce_bytes: int = SMALL_ALLREDUCE_BYTES
+    segment_bytes: Optional[int] = None
+    small_allreduce_bytes: Optional[int] = None
     uplinks: tuple[Uplink, ...] = ()
 
     def __post_init__(self) -> None:
@@ -146,6 +163,9 @@ class LinkModel:
             raise ValueError(f"hetcomm planner: alpha must be finite and >= 0 seconds, got {self.alpha!r}")
         for name in ("segment_bytes", "small_allreduce_bytes"):
             value = getattr(self, name)
+            if value is None:
+                value = engine_setting(name)
+                object.__setattr__(self, name, value)
             if int(value) != value or value < 0:
                 raise ValueError(f"hetcomm planner: {name} must be a non-negative integer, got {value!r}")
         object.__setattr__(self, "uplinks", _laminar_uplinks(self.uplinks, P))

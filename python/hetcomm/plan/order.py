@@ -83,6 +83,7 @@ from typing import Iterable, Optional, Sequence
 
 import numpy as np
 
+from hetcomm.labels import ranks_by_label
 from hetcomm.plan import levels as levels_mod
 from hetcomm.plan.cost import predict_allreduce_seconds, ring_seconds_per_byte
 from hetcomm.plan.levels import Topology
@@ -240,6 +241,22 @@ def _pick_order(candidates: Iterable[tuple[tuple[int, ...], float]], P: int,
     return preferred if preferred in tied else min(tied)
 
 
+def _scored_by_bound(search: RingSearch, orders: Sequence[tuple[int, ...]],
+                     bounded: Sequence[tuple[float, int]]) -> list[tuple[tuple[int, ...], float]]:
+    """(order, tau) for ``orders`` taken by increasing lower bound (``bounded``: sorted (bound,
+    index) pairs), until a bound exceeds the best tau found: a bound is a valid lower bound of
+    tau, so no later order can win or tie (within ORDER_TIE_RTOL)."""
+    scored: list[tuple[tuple[int, ...], float]] = []
+    best = math.inf
+    for lb, i in bounded:
+        if lb > best * (1.0 + ORDER_TIE_RTOL):
+            break
+        t = search.tau(orders[i])
+        scored.append((orders[i], t))
+        best = min(best, t)
+    return scored
+
+
 def exhaustive_order(search: RingSearch, units: Optional[Sequence[Sequence[int]]] = None) -> tuple[int, ...]:
     """The best ring over every order of ``units`` (groups of ranks kept together in their order;
     default every rank alone), the first unit first."""
@@ -253,16 +270,7 @@ def exhaustive_order(search: RingSearch, units: Optional[Sequence[Sequence[int]]
     natural = orders[0]
     if search.tau(natural) <= bounded[0][0] * (1.0 + ORDER_TIE_RTOL):
         return natural
-    evaluated: list[tuple[tuple[int, ...], float]] = []
-    best = math.inf
-    for lb, i in bounded:
-        # The bound is a valid lower bound of T, so no later order can tie with the best.
-        if lb > best * (1.0 + ORDER_TIE_RTOL):
-            break
-        t = search.tau(orders[i])
-        evaluated.append((orders[i], t))
-        best = min(best, t)
-    return _pick_order(evaluated, P, natural)
+    return _pick_order(_scored_by_bound(search, orders, bounded), P, natural)
 
 
 def level_units(P: int, topology: Optional[Topology]) -> list[list[int]]:
@@ -270,7 +278,7 @@ def level_units(P: int, topology: Optional[Topology]) -> list[list[int]]:
     topology has hosts of several ranks, else single ranks; units by lowest rank."""
     if topology is None or topology.num_hosts == P:
         return [[r] for r in range(P)]
-    return _groups(topology.hosts)
+    return ranks_by_label(topology.hosts)
 
 
 def _greedy_tour(rates: np.ndarray, start: int = 0) -> list[int]:
@@ -285,14 +293,6 @@ def _greedy_tour(rates: np.ndarray, start: int = 0) -> list[int]:
         order.append(nxt)
         left[nxt] = False
     return order
-
-
-def _groups(labels: Sequence[int]) -> list[list[int]]:
-    """Members of each label, labels by lowest member, members ascending."""
-    out: dict[int, list[int]] = {}
-    for r, label in enumerate(labels):
-        out.setdefault(label, []).append(r)
-    return list(out.values())
 
 
 def _mean_rates(bw: np.ndarray, groups: list[list[int]]) -> np.ndarray:
@@ -320,8 +320,8 @@ def structured_orders(model: LinkModel, topology: Optional[Topology] = None) -> 
     site_labels = topology.sites if topology is not None else levels_mod.detect_sites(model.bw)
     host_labels = topology.hosts if topology is not None else tuple(range(P))
     candidates = [tuple(range(P)), tuple(_greedy_tour(model.bw))]
-    sites = _groups(site_labels)
-    hosts_of_site = [_groups([host_labels[r] for r in site]) for site in sites]
+    sites = ranks_by_label(site_labels)
+    hosts_of_site = [ranks_by_label([host_labels[r] for r in site]) for site in sites]
     # hosts_of_site[s]: lists of indices into sites[s]; turn them into ranks.
     hosts_of_site = [[[site[i] for i in host] for host in hosts] for site, hosts in zip(sites, hosts_of_site)]
     S = len(sites)
@@ -424,14 +424,7 @@ def structured_order(search: RingSearch, topology: Optional[Topology] = None) ->
     """The best of `structured_orders` after `_refine`; LPs bounded whatever P."""
     candidates = structured_orders(search.model, topology)
     bounds = search.lower_bounds(candidates).tolist()
-    scored: list[tuple[tuple[int, ...], float]] = []
-    best = math.inf
-    for lb, k in sorted(zip(bounds, range(len(candidates)))):   # by bound: stop once none can win
-        if lb > best * (1.0 + ORDER_TIE_RTOL):
-            break
-        t = search.tau(candidates[k])
-        scored.append((candidates[k], t))
-        best = min(best, t)
+    scored = _scored_by_bound(search, candidates, sorted(zip(bounds, range(len(candidates)))))
     order = _pick_order(scored, search.P)
     tau = dict(scored)[order]
     # An order that meets its own lower bound cannot be improved: no refinement (uniform sites).

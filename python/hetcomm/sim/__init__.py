@@ -27,10 +27,10 @@ Python::
 Pure parts (:mod:`hetcomm.sim.spec`, :mod:`hetcomm.sim.shaping`) import without root;
 building a cluster needs root, ``ip`` and ``tc``.
 """
-from hetcomm.sim.spec import (MBIT, TCP_GOODPUT_FRACTION, SimError, SimSpec, effective_bandwidth,
-                              effective_host_nics, effective_link_mbit, effective_uplinks,
-                              hosts_allreduce_bound_seconds, mbit_to_bytes_per_s, parse_matrix,
-                              parse_rate_list, ring_allreduce_seconds)
+from hetcomm.rates import MBIT, mbit_to_bytes_per_s, parse_matrix, parse_rate_list
+from hetcomm.sim.spec import (TCP_GOODPUT_FRACTION, SimError, SimSpec, effective_bandwidth, effective_host_nics,
+                              effective_link_mbit, effective_uplinks, hosts_allreduce_bound_seconds,
+                              ring_allreduce_seconds)
 from hetcomm.sim.launcher import RankProcess, RunResult, SimInterrupted
 from hetcomm.sim.cluster import SimCluster, cleanup_stale
 from hetcomm.sim.netns import check_prerequisites

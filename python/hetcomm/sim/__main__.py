@@ -6,10 +6,10 @@ import signal
 import sys
 from typing import Optional, Sequence
 
+from hetcomm.rates import RateError, parse_matrix, parse_rate, parse_rate_list
 from hetcomm.sim.cluster import DEFAULT_MASTER_PORT, SimCluster, cleanup_stale
 from hetcomm.sim.launcher import SimInterrupted
-from hetcomm.sim.spec import (DEFAULT_TCP_CC, SimError, SimSpec, parse_float_list, parse_matrix,
-                              parse_rate_list, _parse_rate)
+from hetcomm.sim.spec import DEFAULT_TCP_CC, SimError, SimSpec, parse_float_list
 
 EXIT_USAGE = 2
 
@@ -129,6 +129,14 @@ def _labels(text: str, what: str = "--sites") -> list:
 
 
 def spec_from_args(args: argparse.Namespace) -> SimSpec:
+    """The cluster the options describe; a malformed option raises SimError naming it."""
+    try:
+        return _spec_from_args(args)
+    except RateError as e:
+        raise SimError(str(e)) from None
+
+
+def _spec_from_args(args: argparse.Namespace) -> SimSpec:
     hosts = getattr(args, "hosts", None)  # hetcomm.bench's namespace may not carry it
     # One value of a per-rank list applies to every rank: as many as --nprocs, else --hosts names.
     n = args.nprocs if args.nprocs is not None else (len(_labels(hosts, "--hosts")) if hosts else None)
@@ -148,9 +156,9 @@ def spec_from_args(args: argparse.Namespace) -> SimSpec:
         nic_mbit=nic,
         link_mbit=parse_matrix(args.link_mbit) if args.link_mbit else None,
         sites=_labels(args.sites) if args.sites else None,
-        intra_mbit=_parse_rate(args.intra_mbit, "--intra-mbit") if args.intra_mbit else None,
-        inter_mbit=_parse_rate(args.inter_mbit, "--inter-mbit") if args.inter_mbit else None,
-        wan_mbit=_parse_rate(wan, "--wan-mbit") if wan else None,
+        intra_mbit=parse_rate(args.intra_mbit, "--intra-mbit") if args.intra_mbit else None,
+        inter_mbit=parse_rate(args.inter_mbit, "--inter-mbit") if args.inter_mbit else None,
+        wan_mbit=parse_rate(wan, "--wan-mbit") if wan else None,
         cpu_quota=quota,
         cpu_period_ms=period,
         latency_ms=args.latency_ms,

@@ -125,6 +125,15 @@ class CpuCgroups:
         except OSError as e:
             raise SimError(f"cannot enable the cgroup v2 cpu controller in {ctl}: {e}") from e
 
+    def cpu_stat(self, rank: int) -> dict[str, int]:
+        """The kernel's CFS counters of rank's cgroup (cpu.stat: nr_periods, nr_throttled, and
+        throttled_time in ns on v1 or throttled_usec on v2); {} when it cannot be read."""
+        try:
+            with open(os.path.join(self.dirs[rank], "cpu.stat")) as f:
+                return {k: int(v) for k, v in (line.split() for line in f if len(line.split()) == 2)}
+        except (OSError, ValueError):
+            return {}
+
     def pids(self) -> list[int]:
         out: list[int] = []
         for d in self.dirs + [self.base]:

@@ -38,8 +38,9 @@ from hetcomm.sim.cgroups import CpuCgroups, find_cpu_hierarchy, remove_cgroup_tr
 from hetcomm.sim.launcher import (RankProcess, RunResult, SimInterrupted, binary_writer, start_pump,
                                   stop_ranks, supervise)
 from hetcomm.sim.netns import RANK_IFNAME, Runner, enter_netns
+from hetcomm.rates import format_matrix, format_rate
 from hetcomm.sim.spec import (AUTO_TCP_CC, SimError, SimSpec, choose_tcp_cc, effective_bandwidth,
-                              effective_link_mbit, format_matrix, format_rate)
+                              effective_link_mbit)
 
 REGISTRY_DIR = "/run/hetcomm-sim"
 PREFIX = "hcsim"
@@ -593,6 +594,11 @@ class SimCluster:
                 parts.append(f"## site {label} uplink {direction} ({self.hub_namespace} {dev})\n"
                              f"{p.stdout.rstrip()}")
         return "\n".join(parts)
+
+    def cpu_stat(self, rank: int) -> dict[str, int]:
+        """How the kernel throttled rank's CPU quota so far (its cgroup's cpu.stat: nr_periods,
+        nr_throttled, throttled time); {} without --cpu-quota."""
+        return {} if self._cgroups is None else self._cgroups.cpu_stat(rank)
 
     def uplink_bytes(self) -> dict[Any, dict[str, int]]:
         """Bytes each site's shared uplink has sent so far: ``{site label: {"out": n, "in": n}}``.

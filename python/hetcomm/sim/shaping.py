@@ -76,7 +76,8 @@ from __future__ import annotations
 import math
 from typing import Optional, Sequence
 
-from hetcomm.sim.spec import SimSpec, MBIT
+from hetcomm.rates import MBIT
+from hetcomm.sim.spec import SimSpec
 
 BURST_SECONDS = 0.002
 MIN_BURST_BYTES = 4000

@@ -1,4 +1,4 @@
-"""What a simulated cluster looks like: :class:`SimSpec`, its parsing, and the bandwidths it implies.
+"""What a simulated cluster looks like: :class:`SimSpec`, its validation, and the bandwidths it implies.
 
 Everything here is pure (no root, no ``ip``/``tc``), so the planner and the benchmark can compute
 the physical bound of a simulated cluster without building it.
@@ -6,7 +6,8 @@ the physical bound of a simulated cluster without building it.
 Units
 -----
 Rates are given in Mbit/s as ``tc`` understands them: 1 Mbit = 10**6 bit, so 100 Mbit/s is
-12.5e6 bytes/s. :func:`effective_bandwidth` returns bytes/s. A TCP stream moves payload at about
+12.5e6 bytes/s (rates as text are parsed by :mod:`hetcomm.rates`, which the links a user declares
+share). :func:`effective_bandwidth` returns bytes/s. A TCP stream moves payload at about
 ``TCP_GOODPUT_FRACTION`` of the shaped rate (1448 payload bytes per 1514-byte frame: headers are
 shaped too); measured on the development VM: 100 Mbit -> 11.9-12.0 MB/s, 400 -> 47.7-48.0 MB/s,
 800 -> 94.4-94.9 MB/s, 1000 -> 117-120 MB/s.
@@ -22,10 +23,11 @@ import os
 import re
 from typing import Any, Mapping, Optional, Sequence
 
+from hetcomm.labels import renumber
+from hetcomm.rates import format_matrix, format_rate, mbit_to_bytes_per_s
+
 #: payload bytes per shaped byte for a bulk TCP stream over the simulated (MTU 1500) links
 TCP_GOODPUT_FRACTION = 1448 / 1514
-
-MBIT = 1e6 / 8  # bytes per second in one Mbit/s
 
 #: SimSpec.tcp_cc unless told otherwise: the best algorithm this kernel lets a namespace use,
 #: chosen when the cluster is built (see choose_tcp_cc)
@@ -36,42 +38,8 @@ DEFAULT_TCP_CC = AUTO_TCP_CC
 #: README, "Simulated heterogeneous cluster"); else the host's own default
 TCP_CC_PREFERENCE = ("cubic", "reno")
 
-_UNSHAPED_WORDS = ("inf", "-", "none", "unlimited", "")
-
-
 class SimError(RuntimeError):
     """A simulated cluster cannot be described, built or run (the message says why)."""
-
-
-def mbit_to_bytes_per_s(mbit: Optional[float]) -> float:
-    """Mbit/s (``None`` = unshaped) to bytes/s (``math.inf`` = unshaped)."""
-    return math.inf if mbit is None else float(mbit) * MBIT
-
-
-def _parse_rate(text: str, what: str, *, allow_zero: bool = False) -> Optional[float]:
-    t = text.strip().lower()
-    if t.endswith("mbit"):
-        t = t[:-4]
-    if t in _UNSHAPED_WORDS:
-        return None
-    try:
-        v = float(t)
-    except ValueError:
-        raise SimError(f"{what}: {text!r} is not a rate in Mbit/s "
-                       "(a number, or 'inf' for unshaped)") from None
-    if math.isinf(v) and v > 0:
-        return None
-    if not (v > 0 or (allow_zero and v == 0)) or math.isnan(v):
-        raise SimError(f"{what}: {text!r} must be a positive rate in Mbit/s ('inf' for unshaped)")
-    return v
-
-
-def parse_rate_list(text: str, what: str = "--nic-mbit") -> list[Optional[float]]:
-    """``"800,800,800,100"`` -> ``[800.0, 800.0, 800.0, 100.0]`` (``inf`` -> None)."""
-    items = [s for s in text.replace(" ", "").split(",")]
-    if not items or items == [""]:
-        raise SimError(f"{what}: empty list")
-    return [_parse_rate(s, f"{what} item {i}") for i, s in enumerate(items)]
 
 
 def parse_float_list(text: str, what: str) -> list[float]:
@@ -85,53 +53,6 @@ def parse_float_list(text: str, what: str) -> list[float]:
             raise SimError(f"{what}: item {i} {s!r} must be a positive finite number")
         out.append(v)
     return out
-
-
-def parse_matrix(text: str, what: str = "--link-mbit") -> list[list[Optional[float]]]:
-    """A PxP matrix of directed link rates in Mbit/s: row i = from rank i, column j = to rank j.
-
-    ``text`` is either inline (rows separated by ``;``, values by ``,``:
-    ``"0,800,100;800,0,100;100,100,0"``) or the path of a file (rows on lines or separated by
-    ``;``, values separated by commas and/or blanks, ``#`` starts a comment). The diagonal is
-    ignored (write 0). Off the diagonal a value must be positive, or ``inf``/``-`` for a link
-    that is limited only by the two NICs.
-    """
-    if os.path.isfile(text):
-        with open(text) as f:
-            lines = [ln.split("#", 1)[0] for ln in f.read().splitlines()]
-        body = ";".join(ln for ln in lines if ln.strip())
-    else:
-        body = text
-    rows_txt = [r for r in body.replace("\n", ";").split(";") if r.strip()]
-    rows = [[v for v in r.replace(",", " ").split()] for r in rows_txt]
-    p = len(rows)
-    if p == 0:
-        raise SimError(f"{what}: empty matrix")
-    for i, r in enumerate(rows):
-        if len(r) != p:
-            raise SimError(f"{what}: row {i} has {len(r)} values, expected {p} (a {p}x{p} matrix)")
-    out: list[list[Optional[float]]] = []
-    for i, r in enumerate(rows):
-        row: list[Optional[float]] = []
-        for j, v in enumerate(r):
-            if i == j:
-                row.append(None)
-            else:
-                row.append(_parse_rate(v, f"{what}[{i}][{j}]"))
-        out.append(row)
-    return out
-
-
-def format_rate(v: Optional[float]) -> str:
-    if v is None or math.isinf(v):
-        return "inf"
-    return f"{v:g}"
-
-
-def format_matrix(m: Sequence[Sequence[Optional[float]]]) -> str:
-    """Inverse of :func:`parse_matrix`: rows joined by ``;``, diagonal written ``0``."""
-    return ";".join(",".join("0" if i == j else format_rate(v) for j, v in enumerate(row))
-                    for i, row in enumerate(m))
 
 
 @dataclasses.dataclass
@@ -199,7 +120,7 @@ class SimSpec:
 
     def __post_init__(self) -> None:
         if self.hosts is not None:
-            self.hosts = _renumber(self.hosts)
+            self.hosts = list(renumber(self.hosts))
             self.nic_mbit = self._per_rank_nics()
         self.validate()
 
@@ -564,12 +485,6 @@ def hosts_allreduce_bound_seconds(out_bps: Sequence[float], nbytes: float,
     rate = min(min(out_bps), min(in_bps), math.fsum(out_bps) / (2 * (h - 1)),
                math.fsum(in_bps) / (2 * (h - 1)))
     return 0.0 if math.isinf(rate) else nbytes / rate
-
-
-def _renumber(labels: Sequence[Any]) -> list[int]:
-    """Labels -> 0, 1, ... in order of first appearance (``["b", "a", "b"]`` -> ``[0, 1, 0]``)."""
-    index: dict[Any, int] = {}
-    return [index.setdefault(label, len(index)) for label in labels]
 
 
 def ring_allreduce_seconds(bw: Sequence[Sequence[float]], nbytes: float,

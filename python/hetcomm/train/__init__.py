@@ -10,7 +10,8 @@
 * `workers`: DiLoCo workers of several ranks (a site): their process groups, the table per worker
   and the outer reduction spread over a worker's ranks.
 * `diloco`: `DiLoCo` = `local_steps` + `workers` + the compressed all-reduce of
-  `hetcomm.compress` (a collective, kept at the top level) for the outer synchronisation.
+  `hetcomm.compress` (its codecs and the collective, a package at the top level) for the outer
+  synchronisation.
 * `membership`, `elastic`: `ElasticDiLoCo`, DiLoCo over workers that die and come back
   (heartbeats, liveness connections and compare-and-set decisions on an outside store); `flat`:
   parameters as one flat vector, for both.

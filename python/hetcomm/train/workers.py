@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from hetcomm import compress as _compress
+from hetcomm.labels import ranks_by_label, renumber
 
 __all__ = ["Workers", "labels_from_sites", "resolve_labels", "resolve_members"]
 
@@ -79,13 +80,11 @@ def resolve_labels(workers, group: dist.ProcessGroup | None, world: int) -> list
         labels = list(workers)
         if len(labels) != world:
             raise ValueError(f"{_PREFIX}: workers has {len(labels)} labels for a group of {world} ranks")
-    first: dict = {}
-    return [first.setdefault(label, len(first)) for label in labels]
+    return list(renumber(labels))
 
 
-def resolve_members(labels: Sequence[int]) -> list[list[int]]:
-    """The ranks of each worker, from renumbered labels."""
-    return [[r for r, w in enumerate(labels) if w == k] for k in range(max(labels) + 1)]
+# The ranks of each worker, from its labels.
+resolve_members = ranks_by_label
 
 
 def _shard_bounds(n: int, shards: int) -> list[int]:

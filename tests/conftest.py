@@ -20,6 +20,14 @@ import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "support"))
 
+# torch's TCPStore looks up the name of every peer that connects to it (its sockets are IPv6 with
+# IPv4-mapped addresses, which /etc/hosts does not answer for, so the lookup goes to DNS). Where
+# the resolver is unreachable or drops a query -- our CI machines' does, for about one connection
+# in ten -- glibc waits its 5 s timeout, and a store connection made during group creation stalls
+# that long: a test with a 5 s collective timeout then fails, and every other waits. One second,
+# one attempt, for the tests and every process they start.
+os.environ.setdefault("RES_OPTIONS", "timeout:1 attempts:1")
+
 from harness import BACKEND  # noqa: E402
 
 

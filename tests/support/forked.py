@@ -45,10 +45,11 @@ class Forked:
         environ = dict(os.environ)
         environ.update(env or {})
         self.args = [module, *argv]
-        self._proc = harness._context().Process(target=_run_program, name=module,
+        self._proc = harness._context(environ).Process(target=_run_program, name=module,
                                                  args=(module, list(argv), str(log_path), environ),
                                                  daemon=True)
-        self._proc.start()
+        with harness._environment_of_new_interpreters(environ):
+            self._proc.start()
         self.pid = self._proc.pid
 
     @property

@@ -347,7 +347,39 @@ PRELOAD = ["torch", "torch.distributed", "numpy", "pytest", "harness"]
 HETCOMM_PRELOAD = ["hetcomm", "hetcomm._C", "hetcomm.topology", "hetcomm.train.diloco", "hetcomm.train.elastic"]
 
 
-def _context():
+# Variables that torch, OpenMP or the C++ runtime read when torch is imported (the debug level of
+# torch.distributed, its C++ log level and stack traces, thread pools): a job that sets one of
+# them differently needs a fresh interpreter, since the fork server imported torch under its own.
+_READ_AT_IMPORT = ("TORCH_", "PYTORCH_", "OMP_", "MKL_", "KMP_", "GOMP_", "CUDA_", "NCCL_", "GLOO_", "LD_")
+_SERVER_ENVIRON: dict[str, str] = {}
+
+
+def _read_at_import(environ: dict) -> dict[str, str]:
+    return {k: v for k, v in environ.items() if k.startswith(_READ_AT_IMPORT)}
+
+
+@contextlib.contextmanager
+def _environment_of_new_interpreters(environ: dict):
+    """While a process is started: the environment it is given, for a spawned interpreter, which
+    reads some of it (torch's import) before the rank's code can set it."""
+    saved = dict(os.environ)
+    os.environ.clear()
+    os.environ.update(environ)
+    try:
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+def _context(environ: dict | None = None):
+    """The context a job's ranks start from: the fork server, unless the job's environment
+    differs from the server's in something read at import (then fresh interpreters)."""
+    if START_METHOD == "forkserver":
+        if not _SERVER_ENVIRON:
+            _SERVER_ENVIRON.update(os.environ)          # what the server starts with (once)
+        if environ is not None and _read_at_import(environ) != _read_at_import(_SERVER_ENVIRON):
+            return multiprocessing.get_context("spawn")
     ctx = multiprocessing.get_context(START_METHOD)
     if START_METHOD == "forkserver":
         preload = PRELOAD + (HETCOMM_PRELOAD if BACKEND == "hetcomm" else [])
@@ -386,7 +418,7 @@ def run_ranks_outcomes(world_size: int, fn: Callable, *args: Any, backend: str |
     spec = _RankSpec(fn=fn, args=args, backend=backend, init=init, init_arg=init_arg,
                      pg_timeout_s=pg_timeout, workdir=workdir, destroy=destroy, environ=environ)
 
-    ctx = _context()
+    ctx = _context(environ)
     procs, conns = [], []
     outcomes = [RankOutcome(rank=r) for r in range(world_size)]
     try:
@@ -394,7 +426,8 @@ def run_ranks_outcomes(world_size: int, fn: Callable, *args: Any, backend: str |
             parent_end, child_end = ctx.Pipe(duplex=False)
             p = ctx.Process(target=_rank_main, args=(rank, world_size, spec, child_end),
                             name=f"rank{rank}", daemon=True)
-            p.start()
+            with _environment_of_new_interpreters(environ):
+                p.start()
             child_end.close()  # else the parent never sees EOF from a dead child
             procs.append(p)
             conns.append(parent_end)

@@ -233,7 +233,7 @@ def send_marker(rank: int, world_size: int, port: Optional[int], certs: str, mod
 # come from the simulator; the secret goes to a file for the test to look for on the wire.
 MARKER_RANK = r'''
 import os, sys
-sys.path.insert(0, sys.argv[1])
+sys.path[:0] = [sys.argv[1], os.path.join(sys.argv[1], os.pardir, "support")]
 import test_tls
 rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
 secret = test_tls.send_marker(rank, world, None, sys.argv[2], sys.argv[3])

@@ -406,7 +406,7 @@ def test_a_rank_that_segfaults_after_the_others_exited_is_reported_as_crashed(tm
     and the harness must get every interleaving of the exit right."""
     with pytest.raises(RankFailure) as info:
         run_ranks(2, _segfault_after_rank0_exited, str(tmp_path / "rank0.pid"), init=None,
-                  timeout=60)
+                  timeout=60, fresh=True)
     message = str(info.value)
     assert re.search(r"rank 1 died without a result \(killed by SIGSEGV\)", message), \
         message[:3000]

@@ -143,7 +143,7 @@ def test_exiting_while_a_callback_of_an_aborted_group_runs_waits_for_it(tmp_path
     happened to a test of this file and to a planning-failure test under load). At exit hetcomm
     shuts down every group it created, registered with torch or not, and waits for such threads."""
     marker = tmp_path / "callback"
-    (result,) = run_ranks(1, exit_with_a_callback_still_running, str(marker), timeout=60)
+    (result,) = run_ranks(1, exit_with_a_callback_still_running, str(marker), timeout=60, fresh=True)
     assert result == "returned"
     assert marker.read_text() == "finished"
 
@@ -230,7 +230,8 @@ def test_exit_without_destroy_after_a_failure_does_not_abort() -> None:
     SIGABRT in about one exit of three here. hetcomm now shuts its groups down at exit. The
     harness fails the test if a surviving rank exits with a signal."""
     for _ in range(3):
-        results = run_ranks(3, _fail_then_exit_without_destroy, expect_dead=[1], pg_timeout=20, destroy=False)
+        results = run_ranks(3, _fail_then_exit_without_destroy, expect_dead=[1], pg_timeout=20, destroy=False,
+                           fresh=True)
         assert all("rank 1" in results[r] for r in (0, 2)), results
 
 
@@ -263,7 +264,7 @@ def test_exit_with_an_operation_in_flight_does_not_wait_for_its_timeout() -> Non
     gracefully, which would wait for the operation while its peer lives: up to the 60 s timeout
     here (rank 1 waits for rank 0's process to end)."""
     start = time.monotonic()
-    results = run_ranks(2, _leave_an_operation_hanging, pg_timeout=60, destroy=False, timeout=150)
+    results = run_ranks(2, _leave_an_operation_hanging, pg_timeout=60, destroy=False, timeout=150, fresh=True)
     assert results == ["left", "left"]
     assert time.monotonic() - start < 45, "the exit waited for the operation's timeout"
 

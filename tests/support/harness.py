@@ -1,9 +1,12 @@
 """Multi-process test harness for hetcomm (and any other torch.distributed backend).
 
-``run_ranks(world_size, fn, *args)`` starts ``world_size`` fresh interpreters (multiprocessing
-"spawn"), initialises a process group in each and returns ``[fn(rank, world_size, *args) for each
-rank]``. ``fn`` must be a module-level function (it is pickled by reference) and its result must
-be picklable.
+``run_ranks(world_size, fn, *args)`` starts ``world_size`` processes, initialises a process group
+in each and returns ``[fn(rank, world_size, *args) for each rank]``. ``fn`` must be a module-level
+function (it is pickled by reference) and its result must be picklable. The processes are forked
+from a fork server that imported torch and hetcomm once (a new interpreter costs about 2 s of a
+core per rank, which was most of the suite's time); ``fresh=True`` spawns new interpreters instead,
+for tests of how a process exits, and a job whose environment changes what torch reads when it
+is imported gets them too.
 
 Why the harness looks the way it does:
 
@@ -30,6 +33,7 @@ whole suite against PyTorch's reference CPU backend, which is how the suite itse
 """
 from __future__ import annotations
 
+import atexit
 import contextlib
 import dataclasses
 import datetime
@@ -175,6 +179,7 @@ class _RankSpec:
     workdir: str
     destroy: bool
     environ: dict  # the whole environment the rank runs with (the parent's, plus the job's env)
+    forked: bool = False  # forked from the fork server (not a new interpreter)
 
 
 _CASE_LOG = None     # the open case log of this rank (child processes only)
@@ -235,6 +240,10 @@ def _rank_main(rank: int, world_size: int, spec: _RankSpec, conn) -> None:
             teardown = f"{type(e).__name__}: {first_lines(str(e))}"
     send("teardown", teardown)
     conn.close()
+    if spec.forked:
+        # A forked process ends in os._exit, which skips the exit handlers a program runs
+        # (hetcomm shuts its groups down in one): run them, as a program's exit would.
+        atexit._run_exitfuncs()
 
 
 def _init_process_group(rank: int, world_size: int, spec: _RankSpec) -> None:
@@ -391,8 +400,12 @@ def run_ranks_outcomes(world_size: int, fn: Callable, *args: Any, backend: str |
                        timeout: float = DEFAULT_TIMEOUT_S,
                        pg_timeout: float = DEFAULT_PG_TIMEOUT_S,
                        env: dict[str, str] | None = None, init: str | None = "store",
-                       destroy: bool = True) -> list[RankOutcome]:
-    """Runs the job and returns what happened on every rank; never raises for a rank's fate."""
+                       destroy: bool = True, fresh: bool = False) -> list[RankOutcome]:
+    """Runs the job and returns what happened on every rank; never raises for a rank's fate.
+
+    ``fresh``: every rank a new interpreter (spawned), for a test of how a process exits: a
+    forked rank runs the program's exit handlers but then ends with ``os._exit``, without the
+    interpreter's finalization (threads that outlive it, destructors at exit)."""
     backend = backend or BACKEND
     workdir = tempfile.mkdtemp(prefix="hetcomm-test-")
     store = None
@@ -418,7 +431,8 @@ def run_ranks_outcomes(world_size: int, fn: Callable, *args: Any, backend: str |
     spec = _RankSpec(fn=fn, args=args, backend=backend, init=init, init_arg=init_arg,
                      pg_timeout_s=pg_timeout, workdir=workdir, destroy=destroy, environ=environ)
 
-    ctx = _context(environ)
+    ctx = multiprocessing.get_context("spawn") if fresh else _context(environ)
+    spec.forked = ctx.get_start_method() != "spawn"
     procs, conns = [], []
     outcomes = [RankOutcome(rank=r) for r in range(world_size)]
     try:

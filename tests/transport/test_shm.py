@@ -106,6 +106,7 @@ def _path_report(rank: int, ws: int) -> dict:
             "segments": glob.glob(SEGMENTS)}
 
 
+@pytest.mark.serial  # looks at every hetcomm segment in /dev/shm: no other job may run
 def test_one_host_takes_shared_memory_and_no_socket_bytes() -> None:
     for res in run_ranks(3, _path_report):
         assert res["paths"]["shm"] == 3 and res["paths"]["tcp"] == 0, res
@@ -273,6 +274,7 @@ def _killed_mid_collective(rank: int, ws: int, victim: int = 1) -> dict:
     return {"message": "no error", "elapsed": time.monotonic() - start}
 
 
+@pytest.mark.serial  # looks at every hetcomm segment in /dev/shm: no other job may run
 @pytest.mark.parametrize("victim", [0, 1, 2])
 def test_rank_killed_mid_collective_is_named_and_leaks_nothing(victim: int) -> None:
     before = set(glob.glob(SEGMENTS))
@@ -316,6 +318,7 @@ def _segment_error(rank: int, ws: int) -> None:
     raise RuntimeError("boom")
 
 
+@pytest.mark.serial  # looks at every hetcomm segment in /dev/shm: no other job may run
 def test_no_segment_left_after_exit_or_exception() -> None:
     before = set(glob.glob(SEGMENTS))
     run_ranks(2, _job, 3)

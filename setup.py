@@ -66,9 +66,25 @@ def shared_libstdcxx() -> list:
 LINK_FLAGS = shared_libstdcxx()
 
 
+# The torch-free part of the core (CMakeLists.txt: hetcomm_base). scripts/test.sh builds it once
+# with CMake, for the C++ tests, and points HETCOMM_PREBUILT_BASE at the archive so that the
+# extension links it instead of compiling the same files a second time.
+BASE_DIRS = ("kernels", "algorithms", "transport")
+PREBUILT_BASE = os.environ.get("HETCOMM_PREBUILT_BASE", "")
+
+
 def cpp_sources():
     sources = sorted(glob.glob(os.path.join("csrc", "**", "*.cc"), recursive=True))
+    if PREBUILT_BASE:
+        if not os.path.isfile(PREBUILT_BASE):
+            raise SystemExit(f"HETCOMM_PREBUILT_BASE={PREBUILT_BASE}: no such file (build hetcomm_base with CMake first)")
+        base = tuple(os.path.join("csrc", d) + os.sep for d in BASE_DIRS)
+        sources = [s for s in sources if not s.startswith(base)]
     return sources + ["csrc/bindings.cpp"]
+
+
+def prebuilt_base_link_args() -> list:
+    return [os.path.abspath(PREBUILT_BASE), "-ldl"] if PREBUILT_BASE else []
 
 
 def with_cuda() -> bool:
@@ -96,7 +112,7 @@ else:
         sources=cpp_sources(),
         include_dirs=[os.path.join(ROOT, "csrc")],
         extra_compile_args=CXX_FLAGS,
-        extra_link_args=LINK_FLAGS,
+        extra_link_args=prebuilt_base_link_args() + LINK_FLAGS,
     )
 
 setup(

@@ -5,16 +5,12 @@
     import hetcomm, torch.distributed as dist
     dist.init_process_group("hetcomm")
 
-For unequal ranks in data-parallel training: `hetcomm.AdaptiveDataParallel` (per-rank batches
-proportional to measured speed, sample-weighted gradients), built from `hetcomm.partition`,
-`hetcomm.data` and `hetcomm.hooks`. For geo-distributed training: `hetcomm.DiLoCo` (local steps set
-by measured speed, sample-weighted outer update, compressed and overlapped synchronisation), built
-from `hetcomm.local_steps` and `hetcomm.compress`; `hetcomm.stats` shows what crossed each link.
-
-The import itself is light: it loads torch.distributed and registers the backend; the compiled
-extension and what group creation runs (hosts, probe, planner) load with the first hetcomm group,
-the training classes and the other submodules on first use (``hetcomm.DiLoCo`` imports
-`hetcomm.train.diloco` then).
+For unequal ranks: `hetcomm.AdaptiveDataParallel` (built from `hetcomm.partition`, `hetcomm.data`,
+`hetcomm.hooks`). Across sites: `hetcomm.DiLoCo` (from `hetcomm.local_steps`, `hetcomm.compress`)
+and `hetcomm.ElasticDiLoCo`. `hetcomm.stats` shows what crossed each link. The import itself is
+light: the compiled extension and what group creation runs (hosts, probe, planner) load with the
+first hetcomm group, the training classes and the other submodules on first use (``hetcomm.DiLoCo``
+imports `hetcomm.train.diloco` then). Documentation: README.md and docs/.
 """
 import importlib as _importlib
 import importlib.abc as _importlib_abc

@@ -1,31 +1,14 @@
 """Hosts: which ranks of a group share a machine, and the shared memory between them.
 
-At group creation (`hetcomm.topology.configure_group`) every rank of the group:
+At group creation (`hetcomm.topology.configure_group`) every rank of the group publishes its
+host identity (`host_identity`: boot id, network namespace, ``/dev/shm``; ``HETCOMM_HOST_ID``
+overrides it) and learns the hosts (`host_labels`); checks that every rank agrees on the hosts
+and on the settings that shape the schedule (`check_agreement`); and sets up shared memory among
+the ranks of each host (`setup_shared_memory`), or keeps the whole group on TCP if any host
+cannot.
 
-1. publishes its *host identity* (`host_identity`): the kernel's boot id plus the inode of its
-   network namespace, so that two containers, or two simulated hosts (`python -m hetcomm.sim
-   --hosts`), on one machine are two hosts; ``HETCOMM_HOST_ID`` overrides it, either as one
-   label for this process (containers, tests) or as a comma-separated label per *global* rank
-   (``HETCOMM_HOST_ID=0,0,1,1``, like ``HETCOMM_SITES``). The identity also holds the device and
-   inode of ``/dev/shm``: containers that share the network namespace (host networking) but not
-   ``/dev/shm`` are different hosts, since they cannot share memory. Ranks with the same identity
-   form a host (`host_labels`); hosts are numbered by lowest rank. Every group gathers its ranks'
-   identities afresh (32 bytes a rank), so a rank that re-joins in the same process, or a
-   subgroup, never works from stale ones;
-2. checks that every rank agrees on the hosts and on the settings that shape the schedule
-   (`check_agreement`): a rank launched with another ``HETCOMM_SHM`` or ``HETCOMM_LINK_MBIT``
-   fails group creation on every rank, naming the setting and the ranks, instead of failing in
-   the first collective with an error that names neither;
-3. sets up shared memory among the ranks of each host (`setup_shared_memory`): one segment per
-   host and group, fixed-size slots (``HETCOMM_SHM_BYTES`` per host, 64 MB by default;
-   ``HETCOMM_SHM_SLOT_BYTES`` per slot), unlinked once every rank of the host mapped it. If any
-   host cannot (``HETCOMM_SHM=0``, ``HETCOMM_LOCAL=tcp``, /dev/shm too small or not shared), the
-   whole group stays on TCP; when that is not the user's own setting, rank 0 says why, once per
-   process.
-
-Collectives of a group whose ranks all share one host then go through shared memory; a group
-spread over several hosts runs its allreduce hierarchically (reduce-scatter in each host's shared
-memory, the weighted schedule between hosts, all-gather in shared memory).
+What a host is, what must agree and how the shared memory is laid out:
+docs/hosts-and-sites.md#ranks-on-one-host-shared-memory-and-hosts-as-the-inner-level.
 """
 from __future__ import annotations
 

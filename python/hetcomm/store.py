@@ -1,32 +1,12 @@
 """A c10d store that lives outside the workers: ``python -m hetcomm.store --port 29400``.
 
-The rendezvous store (a `torch.distributed.TCPStore`) is where ranks find each other and where
-hetcomm keeps a group's addresses and secret. By default it lives inside a worker (the process of
-rank 0, or torchrun's agent on the first node), so a worker that dies takes it along and every
-other worker loses its rendezvous. For runs that must survive their workers (DiLoCo across sites,
-elastic jobs), serve it from a process of its own on a machine that does not run workers::
+The rendezvous store (a `torch.distributed.TCPStore`) holds a group's addresses and secret; by
+default it lives inside a worker, which takes it along when it dies. Served from a process of its
+own, on a machine that runs no worker, it outlives them (DiLoCo across sites, elastic jobs). It has
+no authentication and listens on every interface, whatever ``--host`` says: firewall its port.
 
-    python -m hetcomm.store --port 29400                       # on the store's machine
-    torchrun --nnodes 1:4 --rdzv-backend c10d --rdzv-endpoint STORE_HOST:29400 \\
-        --rdzv-conf is_host=false ... train.py                 # on every worker machine
-
-(``is_host=false``: torchrun's agents rendezvous through this store instead of hosting their own.)
-Mind that torchrun (torch 2.13) then still serves the workers' *process-group* store from the first
-node's agent (``TORCHELASTIC_USE_AGENT_STORE``): the rendezvous outlives node 0, the group's store
-does not. For groups whose store outlives every worker, initialise torch.distributed yourself:
-``dist.TCPStore(STORE_HOST, 29400, is_master=False)`` and ``init_process_group(..., store=...)``.
-
-The store has no authentication and holds hetcomm's group secrets (see the README's security
-section): it listens on every interface, whatever ``--host`` says, so keep its port behind a
-firewall that admits only the job's machines.
-
-What happens when the store dies: groups already formed keep working (collectives do not use it),
-but every later store operation (a new group, a rendezvous, a key) raises
-``torch.distributed.DistNetworkError`` (a RuntimeError: "Connection was likely closed. Did the
-remote server shutdown or crash?") at once, or within the store's timeout when the store's machine
-is unreachable; torchrun's agents stop the job; `hetcomm.ElasticDiLoCo` (which drops and
-re-admits workers through this store) raises `StoreUnreachable` naming it on every worker. Restart
-the store and the job from checkpoints (`hetcomm.DiLoCo.state_dict`, `ElasticDiLoCo.state_dict`).
+With torchrun (``--rdzv-conf is_host=false``), what happens when the store dies, and how to
+restart: docs/diloco.md#a-store-outside-the-workers.
 """
 from __future__ import annotations
 

@@ -1,27 +1,13 @@
 """A group's creation, from its ranks to its installed plan: probe -> model -> plan -> backend.
 
-At group creation (`configure_group`, called by the backend creator), every rank:
+`configure_group` (called by the backend creator) runs on every rank: find the hosts and check
+the settings agree (`hetcomm.hosts`), get a `LinkModel` (declared, or measured by
+`hetcomm.measure`), and let rank 0 plan and broadcast the plan, which every rank installs.
+Users re-run the probe with `hetcomm.probe(group)` (`probe_backend` here) or set their own plan
+(`hetcomm.set_plan`, `install_plan`). A measured model is kept by the group's global ranks, so a
+later group (a subgroup) whose ranks it covers reuses it instead of probing again.
 
-1. finds the group's hosts and checks that every rank runs with the same settings
-   (`hetcomm.hosts`), and sets up shared memory inside each host;
-2. gets a `LinkModel`: declared bandwidths (``HETCOMM_LINK_MBIT``: per-rank NIC rates
-   ``"800,800,800,100"`` or a matrix ``"0,800;800,0"``), else measured by the level probe
-   (`hetcomm.measure`: per host NIC, site uplink and loopback, a constant number of rounds;
-   ``HETCOMM_PROBE=pairs``: every pair; ``HETCOMM_PROBE=0``: no model, the uniform plan or the
-   host level with equal pieces);
-3. rank 0 plans (`hetcomm.plan.plan_for_group`: the ring, the host or site schedule, the sizes
-   from which each pays) and broadcasts the plan, so all ranks hold the same plan even if their
-   numerics differed; every rank installs it. If rank 0 cannot plan, every rank fails.
-
-Users can re-run this (`hetcomm.probe(group)`), read the plan (`get_plan`), or set their own
-(`set_plan`): every rank must then set the same plan at the same point of its program.
-
-Subgroups (``new_group``, DeviceMesh): links are a property of pairs of *global* ranks. Declared
-rates (``HETCOMM_LINK_MBIT``) describe the whole job, indexed by global rank, and a subgroup takes
-its rows and columns. A measured model is kept, by the group's global ranks, and a later group
-whose ranks it covers takes its model from there instead of probing again. Whether a group probes
-is decided the same way on all its ranks: every rank measured the same model for the same
-earlier groups.
+The steps, and subgroups: docs/planner.md#group-creation-step-by-step.
 """
 from __future__ import annotations
 
@@ -80,7 +66,7 @@ def declared_model(ranks: Sequence[int]) -> Optional[planner.LinkModel]:
     return model_from_declared(declared, nic_mbit=nic, link_mbit=matrix).restricted(ranks)
 
 
-# Measured models by the global ranks of their group, newest last (see the module docstring).
+# Measured models by the global ranks of their group, newest last (docs/planner.md#group-creation-step-by-step).
 _measured: dict[tuple[int, ...], planner.LinkModel] = {}
 
 

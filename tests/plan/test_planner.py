@@ -43,7 +43,7 @@ def orders_rank0_first(P):
 
 
 def assert_satisfies_lp(order, shares, model, T_per_byte, rtol=1e-7):
-    """Every constraint of the LP of the module docstring, in bytes/s units (N = 1 byte)."""
+    """Every constraint of LP 1 (docs/planner.md#shares-two-linear-programs), in bytes/s (N = 1 byte)."""
     P = len(order)
     assert all(s >= 0 for s in shares)
     assert math.fsum(shares) == pytest.approx(1.0, abs=1e-12)

@@ -154,7 +154,7 @@ def test_tc_plans():
     addrs = ["10.1.2.1", "10.1.2.2", "10.1.2.3"]
     spec = SimSpec(nic_mbit=[100, 400, 800])
     # NIC only: still a leaf per destination under the NIC's class (a per-flow NIC queue, not
-    # one FIFO: see the module docstring), every leaf allowed the whole NIC.
+    # one FIFO: docs/simulator.md#why-a-queue-per-destination), every leaf allowed the whole NIC.
     plan = [" ".join(c) for c in shaping.egress_plan(spec, 0, "eth0", addrs)]
     assert plan[0] == "qdisc add dev eth0 root handle 1: htb default 2"
     assert any(c.startswith("class add dev eth0 parent 1: classid 1:1 htb rate 100000kbit ceil 100000kbit")

@@ -4,73 +4,12 @@ AllReduce, and the planner's prediction for the plan each backend's group actual
 Only rank 0 calls this, after the measurements, with plain data: the ``SimSpec`` the ranks run in
 (``HETCOMM_SIM_SPEC``) and the plan records the worker took right after each group's creation.
 No torch; :mod:`hetcomm.planner` and :mod:`hetcomm.sim.spec` are imported when first needed.
+The physical model is the shaped *wire* rate, so even a perfect run shows about 1.05
+(``TCP_GOODPUT_FRACTION``); the bound is N over the narrowest cut of the ranks (of the hosts,
+with ``--sim-hosts``).
 
-Physical model
---------------
-``bw[i][j] = effective_bandwidth(spec)[i][j]`` (bytes/s): ``min(NIC_i, link_ij, NIC_j)`` (and
-the uplink rate between sites that share uplinks), the shaped *wire* rate. TCP payload gets
-about ``TCP_GOODPUT_FRACTION`` (95.6%) of it, so even a perfect implementation measures
-``time_over_bound`` and ``pred_ratio`` of about 1.05. A link that nothing shapes gets
-``UNSHAPED_BYTES_PER_S`` (a stand-in for a veth between namespaces), since the planner's model
-needs finite rates. ``alpha`` is ``SIM_ALPHA_S`` per message. Shared WAN uplinks
-(``--sim-wan-mbit``) are ``uplinks`` of the model (``effective_uplinks(spec)``, wire rates too):
-all traffic out of a site to other sites shares its out-uplink, all traffic into it its
-in-uplink (``hetcomm.planner.LinkModel.uplinks``).
-
-Physical bound
---------------
-In any AllReduce algorithm (without in-network reduction), for every element each side of a cut
-of the ranks into S and its complement must receive information from the other side: at least N
-bytes cross the cut in each direction. A cut's capacity in one direction is at most the sum of
-the senders' NICs, the sum of the receivers' NICs and the sum of the crossing links; with shared
-uplinks, the crossing links between sites together carry at most the out-uplinks of the sites
-with a sender and at most the in-uplinks of the sites with a receiver (the crossing links
-within a site add to that), so
-
-    time >= max over cuts, both directions, of N / capacity
-
-Two sites behind 100 Mbit/s uplinks: N over the 100 Mbit/s uplink of a site (N / 12.5 MB/s),
-whatever the links inside the sites; with independent per-pair links (``--sim-inter-mbit``) the
-site cut has the sum of its crossing links instead.
-
-When only NICs are shaped the tightest cut is the slowest rank alone: ``N / slowest NIC`` (the
-slow rank must receive and send N bytes at least once; design.md section 2). That is the bound
-the table shows. When NICs are alike the classic total-traffic bound is tighter (every element
-needs P-1 combining and P-1 spreading transfers: ``2(P-1) N / sum of NICs``, i.e. the uniform
-ring's ``2(P-1)/P N / NIC``); the report then says so in a note instead of changing the bound. With shaped links
-(``--sim-sites``, ``--sim-link-mbit``, ``--sim-wan-mbit``) every cut is tried (up to
-``MAX_CUT_RANKS`` ranks; above, single ranks and sites only, which keeps the bound valid but
-maybe looser).
-
-Hosts
------
-With ``--sim-hosts`` several ranks share a host: one namespace, one NIC, loopback between them.
-Loopback is not shaped, so a cut that splits a host crosses unlimited links and never binds:
-the bound is that of the hosts as nodes, computed on ``spec.network_spec()`` (a node per host,
-its NIC, its site) exactly as above, cut by cut, and then also (H hosts, host h able to send
-``out_h`` and receive ``in_h``, its NIC unless the others' NICs or its site's uplink are
-narrower; :func:`hetcomm.sim.spec.hosts_allreduce_bound_seconds` derives it)::
-
-    time >= max( max_h N / out_h, max_h N / in_h, 2(H-1) N / sum out_h, 2(H-1) N / sum in_h )
-
-Each host sends and receives N at least (its cut), and 2(H-1) N bytes leave and enter hosts in
-all (merging an element's H host partials and spreading the sum takes 2(H-1) one-way messages).
-Two hosts: ``N / slowest NIC``; H equal NICs: ``2(H-1)/H N / NIC``, shown as bound kind
-``hosts`` when tighter than the cuts (unlike the ranks' note above, since with hosts the
-design's host cut bound is this). For the planner's predictions each host's NIC is an uplink of
-its ranks (``uplinks`` with a ``host`` key; see :func:`_model_uplinks` for hosts with sites).
-It was also possible to ask :func:`hetcomm.plan.cut_bound_seconds` with the host NICs
-as uplinks and hosts as its "sites"; for NICs alone it gives the same number (tests check it),
-but the planner's uplink groups must be disjoint, which hosts inside sites behind WAN uplinks
-are not, so the bound is computed on the host-level network instead.
-
-Predictions
------------
-``predict_allreduce_seconds(plan, model, N)`` of :mod:`hetcomm.planner` on the physical model,
-with the plan the engine uses for N bytes: the group's plan, or the uniform plan in rank order
-below the plan's ``min_bytes`` (the engine's rule), the plan's segment size unless the rank had
-``HETCOMM_SEGMENT_BYTES``, and the rank's ``HETCOMM_SMALL_ALLREDUCE_BYTES`` (recursive doubling
-at or below it). Gloo is predicted as a uniform ring at every size.
+The model, the bound (with hosts) and the predictions, derived:
+docs/bench-cli.md#physical-model-bound-and-predictions.
 """
 from __future__ import annotations
 

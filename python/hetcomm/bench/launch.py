@@ -1,32 +1,12 @@
 """How ranks come to exist: N local worker processes, or this process as one rank of torchrun.
 
-Local mode (default)
---------------------
-The launcher hosts the ``TCPStore`` itself on ``127.0.0.1``, port 0 (the OS picks a free port,
-so there is no window in which another program can take a port we probed), and spawns
-``--nprocs`` workers with exactly the environment torchrun would give them (``RANK``,
-``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``, ``TORCHELASTIC_USE_AGENT_STORE=True``), so both
-modes share one code path (:func:`hetcomm.bench.worker.run_rank`). Because the launcher holds the
-store, it outlives any worker, and a worker that exits early cannot pull it from under the others.
+Local mode (`launch_local`): the launcher hosts the ``TCPStore`` (so it outlives any worker) and
+spawns ``--nprocs`` workers with the environment torchrun would give them, so both modes share
+one code path (`hetcomm.bench.worker.run_rank`). Workers report ``alive``/``done``/``error`` over
+a pipe each, and the launcher never hangs: a failed or silent worker ends the run. Env mode
+(``RANK`` and ``WORLD_SIZE`` set): this process is that one rank, and failures are torchrun's.
 
-Each worker reports over its own pipe: ``("alive", seconds)`` before each phase (process group
-init, warm-up, timed loop, check) with the longest that phase may take, ``("done", status)`` at
-the end, ``("error", message, traceback, time)`` if it raised. The launcher never hangs:
-
-* a worker that raised or exited without ``done`` fails the run: the launcher waits a moment
-  for the consequent failures of its peers, prints every failed rank (the earliest first: it is
-  most likely the cause), terminates the rest and exits non-zero;
-* a worker silent for longer than its last ``alive`` allowed (plus slack) is declared hung and
-  likewise ends the run. Normally a peer's ``--timeout`` fires first; this catches a backend that
-  ignores its timeout on every rank at once.
-
-Env mode (``RANK`` and ``WORLD_SIZE`` set, e.g. by torchrun)
-------------------------------------------------------------
-This process is that one rank; rendezvous is ``env://``. Failures and hangs are torchrun's to
-handle; every process group still has ``--timeout``.
-
-A later ``--sim-nic-mbit`` launcher fits beside :func:`launch_local`: it would place each worker
-in its shaped network namespace and hand it the same environment.
+The protocol and the failure rules: docs/bench-cli.md#how-ranks-come-to-exist.
 """
 from __future__ import annotations
 

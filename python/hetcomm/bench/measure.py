@@ -1,41 +1,12 @@
 """One AllReduce measurement: warm-up, an iteration count all ranks agree on, timing, a check.
 
-Two planes
-----------
-The backend under test carries only the measured ``allreduce(SUM)`` of the measured dtype, on the
-default process group. Everything else -- the barrier before timing, agreeing on the iteration
-count (MAX), the slowest rank's time (MAX), the wrong-element count (SUM) -- runs on a *control
-plane*: a standalone ``ProcessGroupGloo`` built once per rank on the shared store, outside the
-default group. So a backend only needs the one collective it is benchmarked on, the numbers that
-judge a backend are never computed by it, and a rank stuck in a broken backend is noticed by its
-peers' control-plane timeout instead of hanging them.
+The backend under test carries only the measured ``allreduce(SUM)``; barriers and the small
+reductions that judge it (iteration count, slowest rank's time, #wrong) run on a gloo *control
+plane* of their own. Timed calls reduce zeros in place (the buffer must stay zero), then one
+checked call reduces a per-rank pattern whose sums are exact in the dtype.
 
-Timing (as nccl-tests)
-----------------------
-Barrier, then ``iters`` back-to-back synchronous allreduces; each rank's mean time per call; the
-row reports the slowest rank (the collective is not done until the last rank is). The per-rank
-times are kept too: on a heterogeneous cluster their spread is the point. With ``--device cuda``
-the clock stops only once the caller's stream has the result (a synchronous ``all_reduce`` of a
-CUDA tensor may return before the last copy to the device has run): the stream, not the whole
-device, is synchronised.
-
-What is timed, what is checked
-------------------------------
-Timed calls reduce a buffer of zeros in place: a SUM of zeros stays zero, so repeated reduction
-cannot overflow, round, or reach NaN/denormal slow paths, and no refill sits inside the timed
-loop. Afterwards the buffer must still be all zeros (any non-zero counts as wrong), and one
-separate *checked* call reduces a known pattern ``x[i] = (i + 3*rank) % m``. Every partial sum
-of that pattern is an integer at most ``(m-1)*n``; ``m`` is chosen so that this stays exactly
-representable in the dtype (bfloat16 is exact only up to 256), hence the result must match the
-expected integer sums *exactly*. The pattern differs per rank (3 is coprime to the default
-``m = 8``), so a missing or doubled contribution shows up as wrong elements.
-
-Iteration count
----------------
-With a fixed ``--iters`` every rank runs exactly that. Otherwise each rank times its warm-up
-calls, the median (robust to a cold first call) is MAX-reduced on the control plane, and every
-rank derives the count from that one agreed number with :func:`iterations_for_budget` -- a pure
-function, so all ranks issue the same number of collectives.
+The two planes, the timing, the check's pattern and the iteration count:
+docs/bench-cli.md#one-measurement.
 """
 from __future__ import annotations
 
@@ -78,7 +49,7 @@ def torch_dtype(name: str) -> torch.dtype:
 
 
 class ControlPlane:
-    """Barrier and small reductions on a gloo group of its own (see the module docstring)."""
+    """Barrier and small reductions on a gloo group of its own (docs/bench-cli.md#one-measurement)."""
 
     def __init__(self, store: dist.Store, rank: int, world_size: int, timeout: timedelta) -> None:
         prefixed = dist.PrefixStore("hetcomm.bench/control/", store)

@@ -1,38 +1,16 @@
 """Result files as data: JSON Lines, one record per line, each with the command that made it.
 
-A result file (``benchmarks/results/*.json``, ``python -m hetcomm.bench --json``) holds one compact
-JSON object per line. The first record is the run's header (``"kind": "run"``: configuration,
-machine, ...), then one record per measurement (``"kind": "result"``, or a kind the writer names),
-so that the diff of a rerun shows which measurement changed. Every record carries ``"kind"`` and
-``"command"``, the exact command line that produced the file (``null`` where an old file did
-not record it; its header then says so in ``"note"``).
-
-Summary and trace: a writer whose records include per-round or per-step series (a *trace*:
-DiLoCo's ``round`` and ``timeline`` records, say) writes them with :func:`write_with_trace`. The
-file itself keeps the summary, one record per configuration (and repeat); the trace records go,
-stamped with the same command, to ``traces/NAME.jsonl.gz`` beside it (:func:`trace_path`), and the
-header's ``"trace"`` names that file, the trace's kinds, the ``key`` fields that tie each trace
-record to its summary record, the number of records and the SHA-256 of the uncompressed text.
-:func:`read_with_trace` gives back the writer's records, in the writer's order; a summary and a
-trace from different runs fail its digest check instead of being joined.
-
-JSON has no NaN or infinity: :func:`write_records` writes them as ``null``, on purpose, so that
-every line stays valid JSON for any reader. The file is written atomically (a temporary file
-beside it, then ``os.replace``): a reader never sees half a file.
-
-:func:`read_records` also reads the earlier format, one JSON document (pretty-printed): it comes
-back as a list of one record, the document itself, which has no ``"kind"``
-(:func:`is_legacy`).
-
-No torch import: tools that only read results use this module alone.
-
-Turn a file back into one document (for tools that want one, such as ``pytest-benchmark
-compare``)::
+A result file holds a ``"kind": "run"`` header, then one record per measurement, every record
+with ``"kind"`` and ``"command"``. `write_records` / `read_records`; `write_with_trace` /
+`read_with_trace` keep per-round series in a gzip trace beside the summary (`trace_path`),
+checked by digest; `is_legacy` marks the earlier one-document format. No torch import: tools
+that only read results use this module alone. As a command::
 
     python -m hetcomm.bench.records FILE.json [KEY=KIND ...]
 
 prints the header's fields plus, for each ``KEY=KIND``, the records of that kind (trace records
-included) as a list under ``KEY`` (without their ``kind`` and ``command``).
+included) as a list under ``KEY``. The format: benchmarks/README.md#result-files,
+benchmarks/results/README.md and docs/bench-cli.md#result-files.
 """
 from __future__ import annotations
 

@@ -1,22 +1,12 @@
 """``--sim-*``: run the benchmark on a simulated heterogeneous cluster (:mod:`hetcomm.sim`).
 
-The launcher builds a :class:`~hetcomm.sim.SimCluster` (a network namespace per rank, ``tc``
-shaping of NICs and links, cgroup CPU quotas; root only) and starts, in each rank's namespace,
-``python -m hetcomm.bench`` with every resolved option spelled out
-(:func:`hetcomm.bench.config.worker_argv`) -- i.e. the env-mode rank of the ordinary CLI, with the
-``RANK``/``WORLD_SIZE``/``MASTER_ADDR``/``MASTER_PORT``/``GLOO_SOCKET_IFNAME`` and
-``HETCOMM_SIM_*`` variables the cluster gives it. So the ranks run exactly the worker code of a
-local run; only where they run differs. The user's command line travels in
-``HETCOMM_BENCH_ARGV`` so that the JSON records what was typed.
+The launcher builds a :class:`~hetcomm.sim.SimCluster` (root only) and starts, in each rank's
+namespace, ``python -m hetcomm.bench`` with every resolved option spelled out
+(:func:`hetcomm.bench.config.worker_argv`): the env-mode rank of the ordinary CLI, so the ranks
+run exactly the worker code of a local run. Failures follow
+:func:`hetcomm.sim.launcher.supervise` (``GRACE_S``); the cluster is removed on every exit path.
 
-Rank 0 prints the progress, the table (with predictions and the physical bound: it finds the
-cluster in ``HETCOMM_SIM_SPEC``) and writes the JSON and the plot; its output is passed through
-as is, other ranks' lines (normally only errors) are prefixed ``[rank k]``.
-
-Failures follow :func:`hetcomm.sim.launcher.supervise`: a rank that fails gives the others
-``GRACE_S`` seconds, then they are terminated; the exit status is the worst status of the ranks
-that failed on their own. Ctrl-C, SIGTERM and SIGHUP stop the ranks; the cluster is removed on
-every exit path.
+Details: docs/bench-cli.md#how-ranks-come-to-exist.
 """
 from __future__ import annotations
 

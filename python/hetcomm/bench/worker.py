@@ -1,31 +1,13 @@
 """What every rank does, however it was launched.
 
-Process groups: one per backend, in turn, in the same processes
------------------------------------------------------------------
-For each backend: ``init_process_group(backend)``, all sizes, ``destroy_process_group()``, next
-backend. Same processes, because a fresh set of processes per backend would pay process start
-and ``import torch`` again and lose the control plane. Re-initialising is made robust by not
-reusing anything between groups: every group gets its own key space on the store
-(``PrefixStore("hetcomm.bench/pg/<i>.<backend>/")``), so keys a previous group left behind
-(rank addresses, barrier counters) can never be read by the next one; and the store itself
-outlives all groups (the launcher's, or torchrun's agent's, or rank 0's), so no port is reused.
+For each backend in turn, in the same processes: ``init_process_group`` (its own key space on
+the store, so nothing leaks between groups), every size (`hetcomm.bench.measure`),
+``destroy_process_group``. Rank 0 records the plan each group uses, evaluates it against the
+physical model inside a simulated cluster (`hetcomm.bench.analysis`), and reports. Every rank
+returns the same exit status.
 
-The store comes from the ``env://`` rendezvous in both launch modes: under torchrun the agent
-hosts it; in local mode the launcher hosts it and sets the same variables torchrun would. Every
-group has ``timeout = --timeout``.
-
-Backend variants (``hetcomm-uniform``, ``hetcomm-declared``; see
-:data:`hetcomm.bench.config.BACKEND_VARIANTS`) create a ``hetcomm`` group with one environment
-variable set for the creation only (hetcomm reads it there) and restored right after.
-
-Right after each group's creation rank 0 records the plan the group uses
-(``hetcomm.get_plan()``, with ``hetcomm.link_model()`` behind it; a uniform ring for gloo), and
-prints it. Inside a simulated cluster (``HETCOMM_SIM_SPEC``, set by ``hetcomm.sim``) rank 0 also
-evaluates every measurement against the physical model (:mod:`hetcomm.bench.analysis`).
-
-Rank 0 reports: progress on stderr as each (backend, size) finishes, and at the end the table,
-the JSON file and the plot. Every rank returns the same exit status (all know the global #wrong),
-except that a plot rank 0 could not write fails rank 0.
+Why the same processes, the key spaces, backend variants and the exit status:
+docs/bench-cli.md#what-every-rank-does.
 """
 from __future__ import annotations
 

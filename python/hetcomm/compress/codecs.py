@@ -1,105 +1,14 @@
-"""The wire formats of the compressed weighted allreduce, in pure torch (no torch.distributed):
-each codec's encode and decode and the bound on its round-trip error, the bound on the error of
-a whole reduction (`reduced_error_bound`), and the residuals that error feedback carries from one
-call to the next (`ErrorFeedback`). The collective that moves these bytes is
-`hetcomm.compress.collective`.
+"""The wire formats of the compressed weighted allreduce, in pure torch (no torch.distributed).
 
-Codecs (`get_codec`)
-====================
-``fp32`` sends ``x`` unchanged (4 bytes per element); ``bf16`` and ``fp16`` cast with
-round-to-nearest-even (2 bytes); ``int8`` is symmetric with one fp32 scale per block of ``block``
-elements (default 2048): ``scale_b = max_b|x| / 127``, ``q = round(x / scale_b)``, decoded as
-``q * scale_b``; a buffer of n elements is ``4 ceil(n/block)`` bytes of scales followed by n bytes
-of q, ``n + 4 ceil(n/block)`` bytes in all (3.99x fewer than fp32 at block 2048). ``int4`` is the
-same with 7 in place of 127 (q in [-7, 7]) and q packed two to a byte (``q + 8``, the even element
-in the low nibble; an odd count's last high nibble is 8, a zero): ``ceil(n/2) + 4 ceil(n/block)``
-bytes (7.9x fewer than fp32). Its round-trip error is 18x int8's, so it is for links too slow to
-carry int8 in the time a round computes, where halving the bytes is worth more (with
-``ErrorFeedback`` the error does not accumulate over rounds).
+* `get_codec` / `Codec`: fp32, bf16, fp16, int8 and int4 (one fp32 scale per block of 2048):
+  encode, decode, and the bound on each round-trip error (`Codec.error_bound`);
+* `reduced_error_bound`: the bound on the error of a whole reduction;
+* `ErrorFeedback`: the residuals that error feedback carries from one call to the next.
 
-Round-trip error of one element x, ``e(x) = |decode(encode(x)) - x|`` (`Codec.error_bound`):
+The collective that moves these bytes is `hetcomm.compress.collective`.
 
-* fp32: 0.
-* bf16 (8 significand bits, smallest normal 2^-126, largest finite ``M = (2 - 2^-7) 2^127``). For
-  ``2^k <= |x| < 2^(k+1)``, ``k >= -126``, neighbouring bf16 numbers are ``2^(k-7)`` apart, so
-  rounding to the nearest moves x by at most ``2^(k-8) <= 2^-8 |x|``. Below 2^-126 (subnormals) the
-  spacing is 2^-133, so the error is at most 2^-134. Values beyond M would round to infinity; the
-  encoder clamps them to ±M instead, an error of ``|x| - M``. Together::
-
-      e(x) <= max(2^-8 |x| + 2^-134, |x| - M)
-
-* fp16 (11 significand bits, smallest normal 2^-14, ``M = 65504``), by the same argument::
-
-      e(x) <= max(2^-11 |x| + 2^-25, |x| - 65504)
-
-  fp16 is a relative format only below 65504; larger values saturate (1e5 comes back as 65504),
-  and the bound says so. Use bf16 for data that may be large.
-* int8, block b with ``m = max_b |x|``, in fp32 arithmetic (u = 2^-24, each operation rounds
-  once with relative error at most u; the division is allowed 2u): ``s = fl(m/127) <=
-  (m/127)(1 + u)``; ``t = fl(x/s)`` is within ``|x/s| 2u <= 127 (1 + 2^-22) 2u`` of ``x/s``, and
-  ``|t| < 127.5``, so ``q = round(t)`` needs no clamping and ``|q - x/s| <= 1/2 + 254.1 u``; the
-  decode ``fl(q s)`` adds ``|q| s u <= 127 s u``. So ``|q s - x| <= s (1/2 + 382 u) <=
-  s (1/2 + 2^-15)``, and with the bound on s::
-
-      e(x) <= (m / 254) (1 + 2^-13) + 2^-136
-
-  The absolute term covers blocks whose scale is subnormal or zero (``m < 127 * 2^-126``): then s
-  is within 2^-150 of m/127, t may exceed 127.5 and is clamped (error at most 127 * 2^-150), and
-  the other roundings add at most 2^-149. An all-zero block has scale 0 and decodes to exact zeros. (Assumes torch does not
-  flush subnormals to zero, its default.)
-* int4: the same argument with 7 in place of 127 (``|t| < 7.5``, ``|q - x/s| <= 1/2 + 14.1 u``,
-  the decode adds ``7 s u``; subnormal scales: at most ``7 * 2^-150 + 2^-149``)::
-
-      e(x) <= (m / 14) (1 + 2^-13) + 2^-136
-
-
-Error of the reduced result
-===========================
-`reduced_error_bound`: one call of the collective without feedback (the reduction is described
-in `hetcomm.compress.collective`: every rank quantises its input once, the owner of each chunk
-sums in fp32 and quantises the sum once more). Let ``e1_r`` be the round-trip bound of rank r's
-input (its blocks laid out in the chunks), ``v_r = fl32(w_r)``, and ``γ_P = P u / (1 - P u)``. Each term ``v_r d_r`` goes through at most P roundings (its product
-and at most P-1 additions, in any summation tree), so, per element::
-
-    |s - Σ_r w_r x_r| <= Σ_r |w_r - v_r| (|x_r| + e1_r)      weights rounded to fp32
-                       + Σ_r |v_r| e1_r                       first quantisation
-                       + γ_P Σ_r |v_r| (|x_r| + e1_r)         fp32 products and sums
-                       + P 2^-149                             underflow (subnormal results)
-
-and ``|s| <= A = (1 + γ_P) Σ_r |v_r| (|x_r| + e1_r) + P 2^-149``. Every round-trip bound above is
-non-decreasing in |x| (int8, int4: in the block maximum), so the second quantisation adds at most
-``e2 = error_bound(A)``, evaluated on A with the same chunk and block layout. The bound on
-``|result - Σ_r w_r x_r|`` is the sum of the four lines and e2. For int8 and ``m_r = max_b|x_r|``
-that is about ``Σ_r |w_r| m_r / 254 + Σ_r |w_r| m_r / 254``: it depends on Σ|w_r|, not on P (only
-the fp32 term ``γ_P ≈ P 2^-24`` grows with P). Re-quantising the partial sum at every ring hop
-instead adds one quantisation per hop, P-1 of them, each as large as the partial sum's block
-maximum: an error that grows linearly with P. The fp32 codec obeys the same bound with
-``e1 = e2 = 0``.
-
-Error feedback (`ErrorFeedback`)
-================================
-Quantisation is deterministic, so sending the same x every round repeats the same error, and the
-sum over T rounds is off by T times the one-round error. Error feedback carries the residual into
-the next round instead (Seide et al. 2014; Karimireddy et al. 2019):
-
-* sender (every rank, whole vector): ``x' = x + e``; send ``Q(x')``; ``e <- x' - deQ(Q(x'))``;
-* owner (its chunk of the weighted sum): ``s' = s + f``; send ``Q(s')``; ``f <- s' - deQ(Q(s'))``.
-
-Then ``Σ_{t<=T} deQ(Q(x'_t)) = T x - e_T`` (the residuals telescope, e_0 = 0) and likewise for
-the owner, so with the same inputs every round::
-
-    |Σ_{t<=T} result_t - T Σ_r w_r x_r| <= Σ_r |w_r| |e_T,r| + |f_T| + T (fp32 rounding terms)
-
-The quantisation part is one round's worth, whatever T: the mean of the results converges to
-the exact weighted sum as 1/T. The residuals are bounded by the round-trip bounds of x' and s'
-(slightly larger than x and s, since they include the previous residual). The sender residual is
-kept per element of the whole vector and reset only when its length changes; it stays meaningful
-when chunks move. The owner residual belongs to one chunk and is dropped (reset to zero) when the
-chunk's offset or size, the vector's length, the rank or the world size changes (a new plan),
-which loses at most one round's second-quantisation error. The weights are applied at the owner,
-so a sender residual is re-weighted by the next round's weight. With the fp32 codec any residual
-left from earlier rounds is folded into the call (sender: into x, owner: into its chunk) and the
-state becomes zero. A feedback object belongs to one call site: one vector, one group.
+Formats, error bounds (derived) and error feedback: docs/compression.md#codecs,
+docs/compression.md#round-trip-error-of-one-element, docs/compression.md#error-feedback.
 """
 from __future__ import annotations
 
@@ -115,7 +24,7 @@ _PREFIX = "hetcomm.compress"
 _FP32_U = 2.0 ** -24                  # unit roundoff of fp32
 _FP32_MAX = float(torch.finfo(torch.float32).max)
 _UNDERFLOW = 2.0 ** -149              # per-operation absolute slack where results are subnormal
-_INT_REL = 1.0 + 2.0 ** -13           # fp32 slack of the int8 / int4 bound (module docstring)
+_INT_REL = 1.0 + 2.0 ** -13           # fp32 slack of the int8 / int4 bound (docs/compression.md)
 _INT_ABS = 2.0 ** -136                # subnormal or zero scales
 
 
@@ -176,7 +85,9 @@ class Codec:
         return out
 
     def error_bound(self, x: torch.Tensor) -> torch.Tensor:
-        """Per-element bound (float64, flat) on ``|decode(encode(x)) - x|`` (module docstring).
+        """Per-element bound (float64, flat) on ``|decode(encode(x)) - x|``.
+
+        Derivation: docs/compression.md#round-trip-error-of-one-element.
 
         ``x`` may be any floating tensor: for float64 it is read as magnitudes and the bound of
         any fp32 vector with ``|y| <= |x|`` element-wise (int8, int4: with block maxima at most x's)
@@ -298,7 +209,7 @@ class _IntCodec(Codec):
         # 1 instead: q rounds to 0 and the block decodes to zeros.
         divisor = torch.where(scales > 0, scales, torch.ones_like(scales))
         t = xb / divisor.unsqueeze(1)
-        # Clamping matters only for subnormal scales (module docstring).
+        # Clamping matters only for subnormal scales (docs/compression.md#round-trip-error-of-one-element).
         q.copy_(t.round_().clamp_(-float(self.levels), float(self.levels)))
 
     def _decode_into(self, buf: torch.Tensor, out: torch.Tensor) -> None:
@@ -402,8 +313,8 @@ class ErrorFeedback:
     """Quantisation residuals carried from one `weighted_allreduce` call to the next.
 
     ``sender_residual``: this rank's residual for its whole input (fp32, None until the first
-    call). ``owner_residual``: the residual of the reduced chunk this rank owns. See "Error
-    feedback" in the module docstring for the update rules and when each is reset. One object per
+    call). ``owner_residual``: the residual of the reduced chunk this rank owns. The update rules
+    and when each is reset: docs/compression.md#error-feedback. One object per
     call site (one vector, one group); `reset` forgets both.
     """
 
@@ -449,7 +360,7 @@ def reduced_error_bound(inputs: Sequence[torch.Tensor], weights: Sequence[float]
 
     ``inputs[r]``: rank r's input; ``counts``: the chunk sizes the call used (`chunk_counts` on
     the group; default equal chunks). For one call without error feedback; the derivation is in
-    the module docstring. Pure: no communication.
+    docs/compression.md#error-of-the-reduced-result. Pure: no communication.
     """
     codec = _as_codec(codec)
     P = len(inputs)

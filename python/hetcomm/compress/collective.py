@@ -1,54 +1,16 @@
 """The compressed weighted allreduce: quantise once, sum in fp32 at the chunk owner, quantise once more.
 
 DiLoCo synchronises pseudo-gradients ``Δ_r`` (one flat fp32 CPU tensor per rank) as a weighted sum
-``Σ_r w_r Δ_r`` with weights every rank agreed on beforehand. `weighted_allreduce` computes that sum
-and moves it in one of five formats (`CODECS`)::
+``Σ_r w_r Δ_r`` with weights every rank agreed on beforehand::
 
     reduced = weighted_allreduce(delta, weights, codec="int8", group=group, feedback=ErrorFeedback())
 
 The result is bit-identical on every rank and within `reduced_error_bound` of the exact sum.
+`chunk_counts` is the chunk layout on a group. The formats are `hetcomm.compress.codecs`.
 
-The formats (`CODECS`), their error bounds and error feedback are `hetcomm.compress.codecs`.
-
-The reduction
-=============
-torchft's scheme (design.md §7), so that the error does not grow with the number of ranks P:
-
-1. The flat vector is split into P contiguous chunks, chunk c owned by rank c (`chunk_counts`):
-   on a hetcomm group sized by the group's plan shares (``Plan.counts``, shares indexed by rank;
-   chunks laid out in rank order), elsewhere equal (the first ``n % P`` ranks get one more).
-   int8 and int4 blocks start at each chunk's first element, so every chunk encodes on its own.
-2. Every rank encodes each chunk of its *unweighted* x once; one ``all_to_all_single`` of bytes
-   sends chunk c to rank c (its own included).
-3. The owner decodes every rank's contribution ``d_r`` and sums ``s = Σ_r fl32(w_r) d_r`` in fp32,
-   in rank order 0..P-1 (deterministic).
-4. The owner encodes s once; an all-gather (hetcomm: unequal sizes, along the plan's ring order;
-   other backends: padded to the largest chunk) gives every rank every owner's bytes, and every
-   rank, the owner included, decodes them. All ranks therefore hold the same bytes and run the
-   same decode; decode is one correctly rounded fp32 operation per element (bf16/fp16 to fp32 is
-   exact, int8 and int4 are ``q * s``), so the results are bit-identical even across different machines.
-
-``fp32`` skips all this: every rank multiplies x by fl32(w_rank) and calls the group's own
-``all_reduce(SUM)`` (on a hetcomm group the weighted ring of its plan).
-
-Traffic. With B the encoded bytes of the whole vector and o_r rank r's share, the all-to-all has
-rank r send ``(1 - o_r) B`` and receive ``(P - 1) o_r B``; the all-gather along the ring has it
-receive ``(1 - o_r) B`` and send ``(1 - o_next) B``. The plan's shares were chosen for the ring
-AllReduce, where owning a large share costs a rank no extra ingress; here a share o costs its
-owner ``(P - 1) o B`` of ingress. A plan that gives a slow rank the whole buffer (planner.py's
-worked example, o = 0, 0, 0, 1) is therefore the worst layout for this exchange: that rank
-receives 3B in the all-to-all where the ring sent it B. Shares near zero for slow ranks suit both.
-
-Checks
-======
-Unless ``finite_checked=True``, a call starts with one small all_reduce (MAX) of a 3 x P int64
-table in which each rank fills its own column: a status (ok, non-finite input, invalid
-arguments), its element count, and a fingerprint of its weights and codec. Every rank then raises
-the same ValueError, naming the offending ranks, for non-finite inputs, invalid arguments on some
-rank, unequal lengths or disagreeing weights or codecs, before any data is sent; no rank is left
-waiting. With ``finite_checked=True`` (the caller has already agreed that every input is finite,
-e.g. DiLoCo's exchange of measurements) the table is skipped, and so are these checks: invalid
-local arguments still raise, on that rank only.
+The reduction step by step, its traffic and its checks: docs/compression.md#the-reduction,
+docs/compression.md#traffic, docs/compression.md#checks; its error bound:
+docs/compression.md#error-of-the-reduced-result.
 """
 from __future__ import annotations
 
@@ -170,7 +132,7 @@ def weighted_allreduce(x: torch.Tensor, weights: Sequence[float], *, codec: Unio
     residuals between calls (`ErrorFeedback`). ``finite_checked``: skip the agreement step
     (the caller guarantees finite inputs and equal lengths, weights and codecs on every rank).
     Raises ValueError (on every rank, unless ``finite_checked``) for non-finite or invalid
-    inputs; see the module docstring for the algorithm and its error bounds.
+    inputs. The algorithm and its error bounds: docs/compression.md#the-reduction.
     """
     codec = _as_codec(codec)
     if feedback is not None and not isinstance(feedback, ErrorFeedback):

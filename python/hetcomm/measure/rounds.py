@@ -1,29 +1,13 @@
 """Running one probe round over a group: every flow of the round at once, timed at its receiver.
 
-A round (`hetcomm.measure.schedule.Round`) is a set of flows, grouped into units measured
-together. Every rank of the group runs `run_round` with the same round (it is a collective: ranks
-outside the round's flows still take part in its agreements).
+Every rank of the group runs `run_round` with the same round (`hetcomm.measure.schedule.Round`):
+it is a collective, and ranks outside the round's flows still take part in its agreements. A
+short warm-up sizes each unit's flows to take about ``target_seconds``; three timed transfers
+follow, and the median is kept. Every size and time is agreed by an allreduce, so every rank
+holds identical numbers.
 
-A flow is timed at its receiver: a one-byte "start" message, then the payload on the same
-connection; a receiver notes when the last of its start messages arrived and when the last byte
-of its payloads did. A unit whose receivers are on one host (their clocks compare: NIC, loopback
-and cross-site units) takes from its first start to its last end, so flows that started late
-(processes scheduled apart on a busy host) do not make the NIC look faster than it is; other
-units take the longest of their receivers' own intervals. A unit's rate is all of its bytes
-over its time. Errors go both ways: interference (other
-processes, other flows) makes a transfer look slower, while the clock starting late (the start
-message is noticed a little after it arrived, and payload that came meanwhile looks instantaneous;
-token-bucket bursts too) makes it look faster. Long transfers shrink both; the median of three
-discards one outlier of either kind. (Seen on the simulated two-site cluster with 20 ms transfers
-and best-of-two: a 100 Mbit/s link measured 151% of its rate.)
-
-Sizes: a short warm-up (``warmup_bytes`` a unit, grown while it fits in the socket buffers)
-gives every unit a rate; each unit's flows then get the size that takes it about ``target_seconds`` (a unit moves at most ``4 * max_bytes``, and
-at least ``min_bytes`` for each of its first four flows; a flow at most ``max_bytes`` and at least
-a 4 KB page), and three timed transfers follow. So a slow
-link and a fast one are each timed for about the target, in one round, instead of doubling sizes
-until the fastest flow takes long enough while the slow ones take ten times longer. Every size
-and time is agreed by an allreduce, so every rank holds identical numbers.
+How a flow is timed, which errors that leaves, and the sizes:
+docs/planner.md#timing-a-probe-round.
 """
 from __future__ import annotations
 

@@ -1,64 +1,14 @@
 """What the probe measures, round by round: a pure schedule over hosts and sites, and the model
 it builds.
 
-The planner (`hetcomm.plan`) needs a rate for every link a schedule may use and the rate of every
-link that several flows share (``LinkModel.uplinks``). On a cluster of hosts in sites those are a
-few *classes*, not P^2 pairs:
+The planner needs the rate of a few *classes* of link, not P^2 pairs: loopback inside a host,
+host NICs, cross-site links and site uplinks. Each class is measured with all of its flows at
+once, in rounds whose number does not grow with the ranks: `loopback_round`, `nic_rounds` (and
+`confirm_round`, `repair_round`), `cross_rounds`, `uplink_rounds`; at most 13 for four sites
+(`round_count`). `model_from_rates` turns the rates into the planner's `LinkModel`.
 
-* **loopback**: ranks of one host talk through the host (shared memory or loopback TCP);
-* **host NICs**: every flow between two hosts of a site leaves one NIC and enters another, so a
-  link between hosts a and b runs at ``min(out_a, in_b)`` and the host's flows together share
-  ``out_a`` / ``in_a``;
-* **cross-site links**: a flow from site s to site t also crosses what joins them, one flow at
-  ``cross[s][t]``;
-* **site uplinks**: all of a site's cross-site flows together get ``site_out[s]`` (``site_in[s]``)
-  when the site sits behind one shared WAN link, or the sum of independent paths when it does not.
-
-So the probe measures each class *with all of its flows at once* (what the schedules do: the
-host-level and site-level AllReduce move every rank's share through a NIC at the same time), in a
-number of rounds that does not grow with the number of ranks. Rounds, in order:
-
-1. ``loopback`` (one round, when a host has several ranks and they do not share memory): in
-   every host, local rank k sends to local rank k + 1. One unit per host: the rate of one flow
-   while all of them run. With shared memory the schedules never send between the ranks of a
-   host over TCP, and the model takes ten times the fastest NIC (`UNMEASURED_LOOPBACK_FACTOR`).
-2. ``nic`` (at most three rounds): in every site, the hosts in a ring; round j sends host i's
-   ranks to host i + j (j = 1, 2, 3: `nic_shifts`), every local rank to one rank of that host.
-   One unit per host pair: all its flows together, so the unit's rate is ``min(out_a, in_b)`` of
-   the two NICs. A host's ``out`` comes from its (up to three) out-units, its ``in`` from its
-   in-units (`nic_estimate`: the median of those near the fastest): a NIC is underestimated only
-   if all its partners' NICs are slower than it, and then a ``confirm`` round (`confirm_round`,
-   only when some NIC is in doubt) pairs it with a host known to be at least twice as fast.
-   When sites are not declared, the hosts form one ring and the host-pair rates also show the
-   sites (`hetcomm.plan.levels.detect_sites` on the host-level matrix; unknown pairs join
-   nothing): shifts 1, 2 and 3 see sites that alternate with a period of up to three hosts.
-3. ``repair`` (at most one round, only for detected sites): hosts that met no host of their own
-   site in step 2 (the host at a site's border, whose shifts all left the site) send to and
-   receive from their site's next host, so their NIC is not read off the WAN.
-Rounds 4 and 5 are skipped for two *detected* sites one of which is a single host
-(`needs_site_rounds`): a slow NIC looks like that, and the NIC rounds, which then ran over every
-host, already measured what crosses. A lone host of a declared site is measured by them.
-
-4. ``cross`` (S - 1 rounds for S sites): in round d, the first rank of every site s sends to the
-   first rank of site s + d, one flow per site pair: ``cross[s][s + d]``, what one ring link
-   across the sites gets.
-5. ``uplink`` (one round for two sites, S rounds for S >= 3): every rank of site s sends to the
-   ranks of the other sites (all of them when the site plan would pair them all, at most
-   `ALL_PAIRS_FLOWS` flows, else round robin, one partner in each other site) and they send back
-   at once; for S >= 3 one site at a time. Units: what leaves site s, what enters it. Measured
-   with the flow pattern of the site schedule, so a shared WAN uplink shows as one rate and
-   independent paths as their sum.
-
-Rounds: at most ``1 + 3 + 1 + 1 + (S - 1) + S``, 13 for four sites, whatever P (`round_count`
-counts all but the confirmation round, which depends on the rates).
-
-The model (`model_from_rates`) is `LinkModel.from_levels`: ``bw`` from the classes above and one
-shared link per host NIC and per site; that is the matrix the planner needs, because every
-schedule it plans moves data over exactly these classes: a ring link is one flow between two
-hosts (NIC rates, plus the cross-site rate when it crosses), the hierarchical schedules move
-all of a host's (site's) shares through its NIC (uplink) at once.
-
-Pure: no torch, no processes; `hetcomm.measure.probe` runs the rounds.
+Pure: no torch, no processes; `hetcomm.measure.probe` runs the rounds. Each round, and why it
+suffices: docs/planner.md#the-probes-rounds.
 """
 from __future__ import annotations
 

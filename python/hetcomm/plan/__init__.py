@@ -1,19 +1,13 @@
 """hetcomm's planner: which schedule an AllReduce runs, from what is known about the links.
 
 Data flows one way, probe -> model -> plan -> backend, and nothing here imports torch. One room
-per idea, each importing only the rooms above it:
+per idea, each importing only the rooms above it: `model` (`LinkModel`), `levels` (`Topology`:
+hosts and sites), `schedules` (`Plan`, `SitePlan`), `cost` (predicted times, the cut bound),
+`shares` (two LPs for one ring order), `order` (the ring order), `hierarchy` (site and host
+schedules), `choose` (the plan a group installs, per message size).
 
-* `model` — `LinkModel`: link rates, reducers, and shared links by level (host NIC, site uplink);
-* `levels` — `Topology`: the host and site of every rank, declared or detected from the rates;
-* `schedules` — `Plan` (ring order and shares) and `SitePlan` (hierarchical), and their loads;
-* `cost` — predicted times of those schedules, and the cut bound that no schedule beats;
-* `shares` — the best shares for one ring order (two small LPs, HiGHS);
-* `order` — the ring order: every order up to 8 ranks, orders drawn from the levels above;
-* `hierarchy` — site and host schedules (blocks, their shares, the pieces each level reduces);
-* `choose` — the plan a group installs: ring, host level or site level, per message size.
-
-Each module's docstring derives its part of the model. `hetcomm.planner` keeps the public names
-of the earlier single-module planner.
+`hetcomm.planner` keeps the public names of the earlier single-module planner. The derivations:
+docs/planner.md#the-cost-model and docs/hosts-and-sites.md#the-site-schedules-cost-model.
 """
 from hetcomm.plan.choose import (DECLARED_MIN_GAIN, MEASURED_MIN_GAIN, choose_plan, format_plan,
                                  hierarchical_enabled, plan_for_group, segment_bytes_for, snap_measured, with_host_plan)

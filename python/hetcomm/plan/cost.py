@@ -1,68 +1,14 @@
 """The cost model: predicted times of the engine's schedules, and lower bounds for any schedule.
 
-Inputs (`hetcomm.plan.model.LinkModel`): P ranks, directed link bandwidths ``bw[i][j]`` (bytes/s,
-i -> j), per-rank reduce throughput ``reduce_bps[i]`` (bytes/s reduced into the local buffer;
-``inf`` = free), a per-message latency ``alpha`` (s), and shared links (``uplinks``, laminar:
-host NICs inside site uplinks).
+Any schedule puts a *load* on every link it uses (bytes per byte of buffer); segments are
+pipelined, so a collective lasts as long as its busiest resource (link, shared link or reducer),
+plus latency and pipeline fill. Here:
 
-Any schedule (`hetcomm.plan.schedules`) puts a *load* on every link it uses, in bytes per byte of
-buffer (the ring's ``2 - o_A - o_B`` on link A -> B; the site plan's, derived in
-`hetcomm.plan.hierarchy`). Segments are pipelined (a rank forwards a segment as soon as it has
-received and reduced it), so links work concurrently and a collective lasts as long as its busiest
-resource::
+* `predict_allreduce_seconds` (ring and recursive doubling), `predict_site_plan_seconds`;
+* `cut_capacity` and `cut_bound_seconds`: at least N bytes cross every cut of the ranks each way,
+  so ``max over cuts of N / capacity`` bounds any AllReduce.
 
-    T_bw = max( over links: load / bw,
-                over shared links: (summed loads of the links leaving / entering the group) / rate,
-                over ranks: bytes reduced / reduce_bps )
-
-For the ring, rank A adds every reduce-scatter chunk it receives, all chunks except its
-predecessor's: ``(1 - o_pred(A)) N``, so a slow reducer is relieved by giving its *predecessor*
-a larger share. Summing the P link constraints gives ``T >= 2 (P-1) N / sum(ring bw)``; each
-single link gives ``T >= N / bw`` because ``o_A + o_B <= 1``.
-
-Predicted AllReduce time (`predict_allreduce_seconds`), for messages above
-``small_allreduce_bytes`` (the engine's ``HETCOMM_SMALL_ALLREDUCE_BYTES``, 32 KiB)::
-
-    N * T_bw/N  +  2 (P-1) alpha  +  (P-1) seg * mean over ring links of 1/bw
-
-The second term is the 2(P-1) dependent ring steps (reduce-scatter then all-gather), one
-message latency each. The third is pipeline fill and drain: one segment crossing P-1 hops, each
-at the ring's mean per-hop time. ``seg`` is the engine's segment size: ``HETCOMM_SEGMENT_BYTES``
-when set (``LinkModel.segment_bytes``), else a quarter of the largest chunk clamped to
-[32 KiB, 1 MiB] (``CollectiveContext::segmentBytesFor``). Both latency terms are nearly the same
-for every plan of a given P, so they hardly affect which plan wins; they matter for comparing
-predictions with measurements. (Walking the dataflow of the worked example below with 1 MiB
-segments: the chain plan pays about one segment on a slow link plus four fast hops, 0.12 s; the
-uniform plan keeps its slow links busy from the start and pays less; the term says 0.14 s for
-both, where "P-1 hops at the slowest link" would say 0.25 s.)
-
-Worked example (design.md §2): P = 4, full-duplex NICs of 800/800/800/100 Mbit/s
-(100, 100, 100, 12.5 MB/s; ``bw[i][j] = min(nic_i, nic_j)``), N = 16 MB (4e6 fp32). Uniform
-shares put 1.5 N = 24 MB on the two links of the slow rank: 24 / 12.5 = 1.92 s. The LP
-(`hetcomm.plan.shares`) gives the slow rank everything (o = 0, 0, 0, 1): its two links carry N
-each (16 / 12.5 = 1.28 s) and the fast links 2N at 100 MB/s (0.32 s). 1.28 s is optimal for any
-algorithm, since the slow rank must receive and send N at least once.
-
-Small messages (``N <= small_allreduce_bytes``) use recursive doubling in the engine, which
-ignores the plan. Its prediction is ``steps * (alpha + N / min(bw) + N / min(reduce_bps))`` with
-``steps = log2(p2) + (2 if P != p2 else 0)``, p2 the largest power of two <= P (the engine folds
-the extra ranks in before and out after). ``min`` over *all* links is a conservative stand-in for
-"the slowest pair that exchanges in some step".
-
-The cut bound (`cut_bound_seconds`)
-===================================
-Every element of the result depends on every rank's input, so at least N bytes cross every cut
-(A, B) of the ranks in each direction: ``max over cuts of N / capacity`` bounds any AllReduce.
-A cut's capacity (`cut_capacity`) is bounded through the laminar tree of shared links: what
-leaves a group G of the sending side (to ranks outside G) is at most its out-rate and at most
-what its parts can send; what moves between the parts inside G at most what leaves the parts and
-at most their links (derivation in `cut_capacity`); the same from the receiving side with
-in-rates, and the smaller of the two. Cuts are enumerated for P <= `MAX_CUT_RANKS`, else single
-ranks, shared-link groups and sites. With S >= 3 sites the classic bound with sites as nodes is
-tighter: S site partials of an element need S - 1 cross-site transfers to be combined and S - 1
-to spread the result (for algorithms that send values, not codes), so ``2 (S - 1) N / min(sum of
-the sites' out-cuts, sum of their in-cuts)``; three equal sites: 4/3 N through each site's cut,
-which the hierarchical schedule moves.
+Derivations and the worked example: docs/planner.md#the-cost-model, docs/planner.md#the-cut-bound.
 """
 from __future__ import annotations
 
@@ -197,7 +143,9 @@ def predict_site_plan_seconds(plan: SitePlan, model: LinkModel, nbytes: int) -> 
 
 
 def predict_allreduce_seconds(plan: Plan, model: LinkModel, nbytes: int) -> float:
-    """Predicted seconds for an AllReduce of ``nbytes`` bytes under ``plan`` (module docstring).
+    """Predicted seconds for an AllReduce of ``nbytes`` bytes under ``plan``.
+
+    Derivation: docs/planner.md#the-cost-model.
 
     Ring (``nbytes > small_allreduce_bytes``)::
 
@@ -324,7 +272,10 @@ def site_cuts(model: LinkModel, site_labels: Sequence[int]) -> list[tuple[float,
 
 
 def cut_bound_seconds(model: LinkModel, nbytes: int, site_labels: Optional[Sequence[int]] = None) -> float:
-    """``max over cuts of nbytes / capacity``, both directions (module docstring)."""
+    """``max over cuts of nbytes / capacity``, both directions.
+
+    Derivation: docs/planner.md#the-cut-bound.
+    """
     P = model.world_size
     if P == 1 or nbytes <= 0:
         return 0.0

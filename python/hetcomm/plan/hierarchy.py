@@ -1,71 +1,16 @@
 """Hierarchical schedules over levels: sites (`best_site_plan`) and hosts (`host_plan`).
 
-The engine's site-aware AllReduce (``csrc/algorithms/hierarchical.h``) takes a
-`hetcomm.plan.schedules.SitePlan` and runs, in one pipelined dataflow: a reduce-scatter inside
-each site (a rank's chunk is the union of the blocks it owns there), then for every block a
-direct reduce-scatter and all-gather between the block's owners (one per site, so sites of
-unequal sizes need no root), then an all-gather inside each site. With ``local_inner`` the sites
-are the hosts of the group and the steps inside each run through shared memory.
+Both return a `hetcomm.plan.schedules.SitePlan` for the engine's site-aware AllReduce
+(``csrc/algorithms/hierarchical.h``): a reduce-scatter inside each site, then every block reduced
+and gathered directly between its owners (one per site, so sites of unequal sizes need no root),
+then an all-gather inside each site. `best_site_plan` picks each site's ring, the site shares that
+equalise the sites' cross-site times, and the block shares (an LP); `host_plan` makes the hosts
+the sites, with shared memory inside each (``local_inner``).
 
-Cost model (derived from the schedule; N bytes, all fractions normalised to sum 1)
-=====================================================================================
-Let ``o_r = sum of x_b over blocks r owns`` (its chunk in its site), ``x_b`` the block shares and
-``w_k`` the site shares, and S the number of sites.
-
-* Ring link a -> b inside site s (a site of m >= 2 ranks): the ring of ``ring_schedule.h`` over
-  the site's chunks, so ``(2 - o_a - o_b) N`` (for m = 2 that is N whatever the shares).
-* Link r -> q between sites s and t: r sends q piece t of every block they both own in the
-  reduce-scatter and piece s in the all-gather: ``sum of x_b (w_t + w_s) N`` over those blocks;
-  q -> r carries the same.
-* Out of site s in all: ``(1 - w_s) N`` in the reduce-scatter (the pieces others reduce) and
-  ``(S - 1) w_s N`` in the all-gather, i.e. ``(1 + (S - 2) w_s) N``; the same comes in. Two
-  sites: N each way, the least any algorithm can move across a site's cut. A shared link
-  (``LinkModel.uplinks``: a site's WAN uplink, a host's NIC) carries the sum of the loads of the
-  links that leave (enter) its group.
-* Reduce at r: the site ring's ``(1 - o_pred(r)) N`` plus ``(S - 1) w_s o_r N`` from the others.
-
-As for the ring, the stages are pipelined segment by segment, so the time is the busiest
-resource's load over its capacity, plus latency: ``2 (m_max - 1) + 2`` dependent messages and one
-segment's fill (`hetcomm.plan.cost.predict_site_plan_seconds`).
-
-Worked example: sites {0, 2} and {1, 3}, 1000 Mbit/s inside (125 MB/s), 100 Mbit/s (12.5 MB/s)
-on each of the four cross-site pairs, N = 16 MB. Blocks (0,1), (0,3), (2,1), (2,3) with x = 1/4
-each: every cross-site link carries N/4 = 4 MB each way: 0.32 s; the ring links inside a site
-carry N = 16 MB at 125 MB/s: 0.128 s. T = 0.32 s, which is the cut bound: N over the 4 x 12.5
-MB/s crossing the cut. The flat ring crosses the WAN on every link of the ring order 0>1>2>3:
-1.5 N over 12.5 MB/s = 1.92 s.
-
-Choosing the site plan (`best_site_plan`)
-=========================================
-Each site's ring order is the ring planner's best ring for the site alone (`order.best_plan` on
-the restricted model, with the site's hosts as its levels: structured above 8 ranks). Site shares
-equalise the sites' cross-site time when S >= 3: site s moves ``(1 + (S - 2) w_s) N`` through a
-cut of capacity ``C_s``, and ``w_s = ((2S - 2) C_s / sum C - 1) / (S - 2)`` (from ``(1 + (S - 2)
-w_s) / C_s = tau`` and ``sum w = 1``) makes those equal; a negative w_s becomes 0 and the rest is
-solved again over the others (``(S - 2 + |A|) C_s / sum over A of C`` for the set A left). With
-two sites the cut's load is N whatever w, and w = 1/2. Blocks are every combination of one owner
-per site (up to `MAX_BLOCKS`; beyond, one block per rank of the largest site, owners taken round
-robin) and their shares come from a linear program, HiGHS dual simplex as for the ring::
-
-    minimise T   subject to   load(link) <= T rate(link) for every resource above,
-                              sum x = 1, x >= 0
-
-(all loads are linear in x once w is fixed; the constraint matrix is sparse, one row a link, so
-sites of hundreds of ranks solve in well under a second). Among optimal x a second LP picks the
-one that minimises the largest cross-site link time, so that a shared uplink (where any split is
-optimal) still spreads blocks over all cross-site pairs. Shares are snapped like the ring's.
-
-Hosts as the inner level (`host_plan`)
-======================================
-A `SitePlan` with ``local_inner`` whose sites are the hosts: each host's ranks split the buffer
-equally (a rank's chunk is the part it reduces in shared memory and carries across the NIC); the
-blocks are the intersections of the hosts' partitions, so every rank's blocks are one contiguous
-range in every host, as the engine needs, and a block pairs the ranks of the hosts whose chunks
-overlap on it: hosts of 3 and 1 ranks make three blocks, each with the lone rank as its second
-owner (no root). Host h reduces the piece ``w_h`` of every block; with a model the pieces
-equalise the hosts' NIC times (the site formula above over the hosts' NICs), without one they are
-equal. Each host's NIC then carries ``(1 + (H - 2) w_h) N`` out and in: N for two hosts,
-``2 (H - 1) / H N`` for equal shares, the least any schedule moves through it (design.md §9).
+The cost model (with a worked example), the site shares, the block LP and the host plan:
+docs/hosts-and-sites.md#the-site-schedules-cost-model,
+docs/hosts-and-sites.md#choosing-the-site-plan,
+docs/hosts-and-sites.md#hosts-as-the-inner-level-the-host-plan.
 """
 from __future__ import annotations
 
@@ -96,7 +41,10 @@ def _site_capacity(model: LinkModel, members: Sequence[int]) -> float:
 
 
 def _equalising_shares(capacities: Sequence[float]) -> tuple[float, ...]:
-    """Site shares equalising ``(1 + (S - 2) w_s) / C_s`` (module docstring); 1/S for S <= 2."""
+    """Site shares equalising ``(1 + (S - 2) w_s) / C_s``; 1/S for S <= 2.
+
+    Derivation: docs/hosts-and-sites.md#choosing-the-site-plan.
+    """
     S = len(capacities)
     if S <= 2:
         return (1.0 / S,) * S
@@ -118,7 +66,10 @@ def _equalising_shares(capacities: Sequence[float]) -> tuple[float, ...]:
 
 
 def site_shares_for(model: LinkModel, sites: Sequence[Sequence[int]]) -> tuple[float, ...]:
-    """Site shares equalising the sites' cross-site times (module docstring); 1/S for S <= 2."""
+    """Site shares equalising the sites' cross-site times; 1/S for S <= 2.
+
+    Derivation: docs/hosts-and-sites.md#choosing-the-site-plan.
+    """
     if len(sites) <= 2:
         return _equalising_shares([1.0] * len(sites))
     return _equalising_shares([_site_capacity(model, s) for s in sites])
@@ -271,9 +222,12 @@ def _host_capacity(model: LinkModel, members: Sequence[int]) -> float:
 
 
 def host_plan(host_labels: Sequence[int], model: Optional[LinkModel] = None) -> Optional[SitePlan]:
-    """Hosts as the inner level of the schedule (module docstring): a `SitePlan` with
-    ``local_inner`` whose sites are the hosts (``host_labels``: one per rank), or None unless
-    there are several hosts and one of them holds several ranks."""
+    """Hosts as the inner level of the schedule: a `SitePlan` with ``local_inner`` whose sites
+    are the hosts (``host_labels``: one per rank), or None unless there are several hosts and one
+    of them holds several ranks.
+
+    Derivation: docs/hosts-and-sites.md#hosts-as-the-inner-level-the-host-plan.
+    """
     hosts = ranks_by_label(host_labels)
     if len(hosts) < 2 or max(len(h) for h in hosts) < 2:
         return None

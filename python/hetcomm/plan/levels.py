@@ -1,26 +1,12 @@
 """Levels: the host and the site of every rank, from measured rates or a declaration.
 
-A *host* is the ranks of one machine (`hetcomm.hosts` finds them; they share memory and one NIC).
-A *site* is a cluster of hosts joined by fast links (a data centre, a lab); sites are joined by
-links ten to a hundred times slower (design.md §8). The ranks of one host are always in one site.
-Levels are what the planner searches over (`hetcomm.plan.order`, `hetcomm.plan.hierarchy`): the
-ranks of a host stay together in a ring, the hosts of a site too, and the hierarchical allreduce
-reduces inside each level and crosses between them once (its cost is set by the cut around each
-site, `hetcomm.plan.cost.cut_capacity`).
+A *host* is the ranks of one machine; a *site* a cluster of hosts joined by fast links. The ranks
+of one host are always in one site. `detect_sites` finds sites in a rate matrix (links within
+``DEFAULT_SITE_RATIO`` of each other), ``HETCOMM_SITES`` declares them; sites and hosts are
+numbered by lowest rank. Pure and deterministic: numpy, no torch, no processes, no environment.
 
-Pure and deterministic: numpy, no torch, no processes, no environment. The caller passes what
-it has:
-
-* ``rates``: a P x P matrix of directed link rates, ``rates[i][j]`` for i -> j, in any one unit
-  (a `LinkModel`'s ``bw`` in bytes/s, or Mbit/s as declared in ``HETCOMM_LINK_MBIT``):
-  detection only compares ratios. The diagonal is ignored. An off-diagonal ``None``, NaN or 0
-  means *unknown* (not measured, or no link): see `detect_sites` for what that does. A negative
-  or infinite rate is a ValueError.
-* ``declared``: the text of ``HETCOMM_SITES`` (``"0,0,1,1"``), which wins over any measurement.
-* ``addresses``: a host label for every rank (what `hetcomm.hosts.host_labels` finds).
-
-Numbering, for sites and hosts alike: by lowest rank. Rank 0 is in site 0, and site a < site b
-iff a's lowest rank is lower than b's. Labels in a declaration are renumbered so.
+What the levels are for, the inputs and the numbering:
+docs/hosts-and-sites.md#levels-hosts-and-sites-found-or-declared.
 """
 from __future__ import annotations
 
@@ -36,9 +22,9 @@ from scipy.sparse.csgraph import connected_components
 from hetcomm.labels import ranks_by_label, renumber
 
 # Two links whose rates are within this factor are "equally fast". 3 is about the geometric middle
-# of 1x (one site) and the 10x at which sites start to matter (design.md §8: WAN links 10-100x
-# slower than LAN links), so it leaves a factor of ~3 of measurement error on either side; see
-# `detect_sites` for the exact margins.
+# of 1x (one site) and the 10x at which sites start to matter (WAN links 10-100x slower than LAN
+# links: docs/hosts-and-sites.md#levels-hosts-and-sites-found-or-declared), so it leaves a factor
+# of ~3 of measurement error on either side; see `detect_sites` for the exact margins.
 DEFAULT_SITE_RATIO = 3.0
 
 Matrix = Sequence[Sequence[Optional[float]]]

@@ -1,78 +1,14 @@
 """Ring order: which rank follows which, and the best ring plan (`best_plan`, `make_plan`).
 
-Links are directed, so a ring and its reverse are different candidates. Fixing rank 0 at
-position 0 removes rotations (they are the same ring). Every candidate order is scored by LP 1 of
-`hetcomm.plan.shares` (its least time T with the best shares).
+Every candidate order is scored by LP 1 of `hetcomm.plan.shares`. Up to ``MAX_EXHAUSTIVE_RANKS``
+(8) ranks every order is a candidate, pruned by lower bounds (`RingSearch`); beyond, the
+candidates are drawn from the levels of the cluster (`structured_orders`, `level_units`: hosts
+together, sites in every cyclic order, greedy tours) and the best gets a bounded refinement.
+`make_plan` keeps the identity order with uniform shares unless weighting gains more than
+``min_gain``. The search is deterministic: ties are broken by explicit rules, so ranks with
+identical inputs get bit-identical plans.
 
-Up to ``MAX_EXHAUSTIVE_RANKS`` (8) ranks: every order
-====================================================
-All (P-1)! orders are candidates; three cheap devices keep this fast without changing the answer:
-
-* orders whose ring data (the cyclic sequence of link bandwidths and reducer speeds, up to
-  rotation) are identical have the same optimum, so the LP is solved once per distinct sequence
-  (uniform links: one LP in all);
-* each order has a lower bound (`RingSearch.lower_bounds`, computed for all orders at once): the
-  sum of all link constraints ``2(P-1)/sum(ring bw)``, the sum of the k finite reducers'
-  ``(k-1)/sum(R)``, and the best *packing* of links that share no rank and reducer constraints on
-  other shares, ``(2 links + reducers - 1) / (their bw + their R)`` (their shares are distinct,
-  so they add up to at most 1); one link gives ``1/bw``, and two disjoint crossings of a slow
-  link give ``3/(b1 + b2)``, which is exactly what two sites joined by a WAN cost; if the identity
-  order comes within ``ORDER_TIE_RTOL`` of the smallest bound, it ties with the best and wins at
-  once (one slow NIC: every order ties);
-* otherwise orders are visited by increasing bound and the search stops once the bound exceeds
-  the best T found by more than ``ORDER_TIE_RTOL``.
-
-An LP costs about 1-3 ms. At P = 8 with noisy measured links choosing a plan takes 0.03-0.2 s on
-a 2-core development machine; without the packing bound two sites needed 4897 LPs of 5040 orders.
-
-More ranks: orders drawn from the structure (`structured_orders`)
-=================================================================
-Trying every 2-opt move costs O(P^2) LPs a pass (over 100 s at 128 ranks). The orders worth
-trying follow from the levels of the cluster (`hetcomm.plan.levels`): the ranks of a host stay
-together (its links are the fastest), the hosts of a site too, and a ring that crosses between
-sites as few times as possible: once into and once out of each site. So the candidates are
-
-* the identity, and the greedy tour that always takes the widest link to a rank not yet visited;
-* *level orders*: ranks grouped by host, hosts by site; every cyclic order of the sites (up to
-  ``MAX_SITE_PERMUTATIONS`` of them; beyond, the sites by lowest rank and by a greedy tour over
-  the sites' mean links), with the hosts of each site in rank order or in a greedy tour over the
-  hosts' mean links; the ranks of a host in rank order (their order is fixed by the level);
-
-where the sites are the topology's, or else clusters of similar links (`levels.detect_sites`).
-Each costs one LP, and candidates are visited by increasing lower bound, so those that cannot win
-cost none. The best then gets a short, bounded refinement: at the narrowest ring link, move its
-head next to the ranks it has the widest links with, or reverse the segment up to them
-(``REFINE_TRIES`` tries, first improvement kept), unless it already meets its lower bound. The
-search is deterministic and takes a number of LPs that does not grow with P
-(tests/plan/test_plan_scale.py checks it against every order of the hosts, and against the bound at
-1,024 ranks).
-
-Hosts of several ranks (`level_units`): up to 6 hosts (and 64 ranks), every order of the hosts
-is tried, each host's ranks kept together, then rings of up to 16 ranks get a local search of
-their ranks (every move of one rank, reversal and swap: a fast host split around a slow one can
-be faster); on every host topology of up to 8 ranks that matches trying every order of the ranks
-within 1% (tests/plan/test_plan_scale.py).
-
-Orders whose T is within a relative ``ORDER_TIE_RTOL`` (1e-6) of the best are ties: the identity
-order wins if it is among them, else the lexicographically smallest.
-
-Keep uniform where weighting gains nothing (`make_plan`)
-========================================================
-A weighted plan costs nothing at run time but is one more thing that can differ between ranks
-and surprise a reader. `make_plan` returns the identity order with uniform shares unless the best
-plan's predicted time for the given message size beats the uniform plan's by more than
-``min_gain`` (default 3%); messages of at most ``small_allreduce_bytes`` always get the uniform
-plan, since recursive doubling ignores the plan anyway.
-
-Determinism across ranks
-========================
-No randomness, no iteration over unordered containers, fixed scan orders, and ties broken by
-explicit rules. HiGHS is deterministic for identical inputs, so ranks that run the same code
-(same numpy/scipy) on identical ``LinkModel`` values get bit-identical plans; snapping removes
-LP noise below ~1e-9. Inputs measured independently on each rank are *not* identical: agree on
-the model first (hetcomm's probe all-gathers every measurement, and rank 0 plans and broadcasts
-the plan). As a last line of defence the engine puts a fingerprint of the plan in every ring
-header, so ranks holding different plans fail loudly instead of computing garbage.
+The search, its bounds and the determinism rules: docs/planner.md#ring-order.
 """
 from __future__ import annotations
 
@@ -313,7 +249,10 @@ def _rotate_to_zero(order: Sequence[int]) -> tuple[int, ...]:
 
 
 def structured_orders(model: LinkModel, topology: Optional[Topology] = None) -> list[tuple[int, ...]]:
-    """The candidate orders of the module docstring, rank 0 first, without repeats."""
+    """The candidate orders, rank 0 first, without repeats.
+
+    Which, and why: docs/planner.md#more-ranks-orders-drawn-from-the-levels.
+    """
     P = model.world_size
     if topology is not None and topology.world_size != P:
         raise ValueError(f"hetcomm planner: topology of {topology.world_size} ranks for a model of {P}")
@@ -346,7 +285,10 @@ def structured_orders(model: LinkModel, topology: Optional[Topology] = None) -> 
 
 
 def _refine(search: RingSearch, order: tuple[int, ...], tau: float) -> tuple[tuple[int, ...], float]:
-    """Bounded improvement of ``order`` at its binding link (module docstring)."""
+    """Bounded improvement of ``order`` at its binding link.
+
+    The rule: docs/planner.md#more-ranks-orders-drawn-from-the-levels.
+    """
     P = search.P
     if P < 4:
         return order, tau

@@ -1,47 +1,13 @@
 """Best shares for a given ring order: two small linear programs, and snapping their noise away.
 
-Normalise N = 1 (the optimum is a fraction vector independent of N); in ring-position space
-(``y_p`` is the share of rank ``order[p]``, ``b_p`` the bandwidth of link p -> p+1, ``r_p`` the
-reduce throughput of the rank at p) LP 1 is::
+LP 1 finds the least time T of the ring with its best shares (the cost model of
+`hetcomm.plan.cost`, whole, shared links included); among the plans within ``SHARE_TIE_RTOL`` of
+T, LP 2 picks the one closest to uniform, so weighting appears only where it buys time. Both are
+solved with HiGHS' dual simplex; any solver status other than success raises `PlanningError`
+(there is no fallback). The shares are then snapped to 1/P or to the dyadic grid
+``SHARE_QUANTUM``, so LP noise never reaches the plan and they sum to exactly 1.0.
 
-    minimise    T
-    subject to  y_p + y_{p+1} + T b_p >= 2       for each ring link p -> p+1
-                y_{p-1} + T r_p >= 1             for each position p with finite r_p
-                sum(y) = 1,  0 <= y <= 1
-
-and, for every link that several ranks share (``LinkModel.uplinks``: a site's WAN uplink, a host's
-NIC) and that the ring crosses, ``sum over the ring links crossing it of (2 - y_p - y_{p+1}) <= T
-rate`` (a shared link of one rank caps its one crossing link: folded into ``b_p``). That is the
-cost model of `hetcomm.plan.cost`, whole. Bandwidths are divided by the largest one before solving,
-so coefficients are O(1) and T is in units of (1 / largest bandwidth) per byte. The constraint
-matrix is sparse (two or three entries a row), so a ring of a thousand ranks solves in
-milliseconds. The LP is solved with HiGHS' dual simplex (``scipy.optimize.linprog(method=
-"highs-ds")``): a vertex solution, deterministic for identical inputs. Any solver status other
-than success raises `PlanningError`; there is no fallback.
-
-The optimum is often not unique (uniform links and an even P admit alternating shares). Among
-plans whose T is within a relative ``SHARE_TIE_RTOL`` (1e-10) of the optimum T*, LP 2 picks the
-one closest to uniform::
-
-    minimise    sum |y_i - 1/P|        (linearised with d_i >= +-(y_i - 1/P))
-    subject to  the constraints above with T fixed at T* (1 + SHARE_TIE_RTOL)
-
-so uniform links give exactly uniform shares, and weighting appears only where it buys time.
-Where the optimum is unique, the slack lets LP 2 move shares by about SHARE_TIE_RTOL towards
-uniform, which the snapping below removes again; so the tolerance is kept tiny. It is still well
-above the solver's error on O(1)-scaled data (dual simplex solves its final basis to machine
-precision, and LP 1's solution is feasible for LP 2 under the same feasibility tolerance), and
-far below anything measurable. Where the L1 objective itself ties (e.g. moving share between two
-ranks that are both below 1/P), HiGHS returns one vertex, deterministically.
-
-Shares are then snapped so that LP noise cannot leak into the plan: if every share is within
-``SHARE_QUANTUM`` of 1/P, all become exactly ``1/P`` (the engine's uniform plan); otherwise they
-are apportioned on the grid ``SHARE_QUANTUM = 2**-30`` (~9.3e-10) with the engine's own largest-
-remainder rule, so they are dyadic, exactly representable, and sum to exactly 1.0 in floating
-point. The rounding moves a load by at most 2**-29 of N: relative to a link load (always >= N)
-below 2e-9; relative to a binding reduce load ``(1 - o_pred) N``, which is at least
-``reduce_bps / bw`` of N, below ``2e-9 * bw / reduce_bps``. The returned time is recomputed from
-the returned shares, never taken from the LP.
+The LPs, the tolerances and the snapping's error: docs/planner.md#shares-two-linear-programs.
 """
 from __future__ import annotations
 
@@ -219,8 +185,8 @@ def solve_shares(order: Sequence[int], model: LinkModel,
 
     LP 1 finds the least time T* (or takes ``tau_star``, LP 1's value for this order, when the
     caller has it); LP 2 picks, among shares within ``SHARE_TIE_RTOL`` of T*, the ones closest to
-    uniform; the result is snapped (module docstring). The returned time is recomputed from the
-    returned shares. Raises PlanningError if HiGHS fails.
+    uniform; the result is snapped (docs/planner.md#shares-two-linear-programs). The returned
+    time is recomputed from the returned shares. Raises PlanningError if HiGHS fails.
     """
     P = model.world_size
     order = validate_order(order, P)

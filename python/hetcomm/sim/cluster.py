@@ -7,13 +7,8 @@
     with SimCluster(spec) as cluster:
         status = cluster.run([sys.executable, "train.py"])
 
-Clean-up guarantees: ``__exit__`` (any exception included), ``atexit``, and, while the cluster is
-up in the main thread, SIGTERM/SIGHUP handlers that raise :class:`SimInterrupted` (a
-``KeyboardInterrupt``) so that the ``with`` block unwinds; SIGINT raises ``KeyboardInterrupt``
-as usual. During teardown SIGINT/SIGTERM/SIGHUP are deferred (re-raised afterwards), so a second
-Ctrl-C cannot leave half a cluster behind. Only SIGKILL of the simulator leaves resources; every
-run records its resources in ``/run/hetcomm-sim/<id>.json`` and
-``python -m hetcomm.sim --cleanup`` removes those of runs whose owner process is gone.
+Only SIGKILL of the simulator leaves resources behind (``python -m hetcomm.sim --cleanup``
+removes them). The clean-up guarantees, signal by signal: docs/simulator.md#clean-up.
 """
 from __future__ import annotations
 
@@ -67,7 +62,7 @@ def _pid_alive(pid: int) -> bool:
 
 
 class SimCluster:
-    """One simulated cluster (see the module docstring).
+    """One simulated cluster (docs/simulator.md).
 
     Attributes after :meth:`setup`: ``run_id``, ``subnet``, ``addresses`` (rank k's IPv4),
     ``hub_address`` (the bridge in the hub namespace), ``namespaces`` (per rank),

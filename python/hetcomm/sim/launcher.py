@@ -1,19 +1,8 @@
 """Running one command per rank: output prefixing, waiting, failure grace, termination.
 
-Rules of :func:`supervise`:
-
-* every rank's stdout/stderr line goes to our stdout/stderr prefixed with ``[rank k] ``;
-* a rank that exits non-zero or is killed by a signal fails the run; the others get ``grace_s``
-  seconds to finish (they usually fail too, with a more telling message, or notice the peer is
-  gone), then SIGTERM, then after ``kill_wait_s`` SIGKILL (whole process group), so a run never
-  hangs on a peer of a dead rank;
-* ``timeout_s`` (optional) bounds the whole run the same way (status 124);
-* an exception in the supervising thread (KeyboardInterrupt from SIGINT, or
-  :class:`SimInterrupted` from SIGTERM/SIGHUP) forwards that signal to every rank, SIGKILLs them
-  after ``kill_wait_s`` and propagates;
-* the status is the worst (largest) status among ranks that failed on their own, a death by
-  signal n counting as 128+n; ranks the launcher terminated do not count (so "rank 1 exits 3"
-  gives 3, not the 143 of the peer we terminated). 0 when every rank exited 0.
+`supervise` never lets a run hang on a peer of a dead rank: a rank that fails gives the others
+``grace_s`` seconds, then they are terminated; its status is the worst status of the ranks that
+failed on their own. The rules: docs/simulator.md#when-a-rank-fails.
 """
 from __future__ import annotations
 

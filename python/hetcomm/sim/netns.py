@@ -1,25 +1,12 @@
 """Network namespaces, the hub bridge and veth pairs of a simulated cluster (``ip``/``tc``).
 
-Names (``<id>`` = 6 hex digits chosen per run, so that concurrent runs never collide):
+One namespace per rank (``hcsim-<id>-r<k>``, or per host, ``hcsim-<id>-h<n>``) with one ``eth0``,
+joined by a bridge in a hub namespace (``hcsim-<id>-hub``); with shared WAN uplinks, one bridge
+per site joined to a core bridge by a veth pair. ``<id>`` is chosen per run, so that concurrent
+runs never collide. Veth peers are created directly in the rank's namespace, so the root
+namespace's interfaces, routes and addresses are never touched.
 
-* ``hcsim-<id>-hub``: the hub namespace; holds the bridge ``hc<id>br`` (address ``.254`` of
-  the run's /24, so a launcher thread can host a store there, see :func:`enter_netns`) and
-  the hub-side veth ends ``hc<id>p<k>``, one per rank, enslaved to the bridge.
-* ``hcsim-<id>-r<k>``: rank k's namespace; holds ``lo`` (up) and ``eth0`` (address ``.k+1``).
-* with hosts (``SimSpec.hosts``), ``hcsim-<id>-h<n>`` instead: host n's namespace, which all of
-  the host's ranks share (one ``eth0``, address ``.n+1``, and one hub-side ``hc<id>p<n>``); they
-  reach each other over its ``lo``. Everything below then holds with "host" for "rank".
-
-With shared WAN uplinks (``wan_mbit``) the hub holds one bridge per site, ``hc<id>s<n>`` (n = the
-site's index in ``SimSpec.site_groups()``), whose ports are the site's ranks' ``hc<id>p<k>``;
-``hc<id>br`` (still the hub address's) becomes the core bridge, and each site bridge joins it
-through a veth pair with both ends in the hub: ``hc<id>o<n>`` on the site bridge (its egress is
-the site's traffic out) and ``hc<id>i<n>`` on the core bridge (its egress is the traffic into
-the site). One L2 subnet throughout, so nothing is routed; the names fit IFNAMSIZ (15).
-
-The veth pairs are created inside the hub with their peer created directly in the rank's
-namespace, so no interface ever exists in the root namespace, and the root namespace's
-interfaces, routes and addresses are never touched.
+Every name and address: docs/simulator.md#namespaces-bridges-and-names.
 """
 from __future__ import annotations
 

@@ -1,75 +1,13 @@
 """Which ``tc`` commands shape a simulated cluster, and where (pure: builds argument lists only).
 
-Topology (see :mod:`hetcomm.sim.netns`): rank k lives in namespace ``hcsim-<id>-r<k>`` with one
-interface ``eth0``; its veth peer ``hc<id>p<k>`` is a port of the bridge in the hub namespace.
-A packet from rank i to rank j leaves i's ``eth0`` (rank i's egress), crosses the bridge and
-leaves the hub through ``hc<id>p<j>`` towards j (rank j's ingress). So every packet passes
-exactly two shaping points: the sender's ``eth0`` and the receiver's hub-side port.
+Every packet passes two shaping points: the sender's ``eth0`` (HTB: a parent class at the NIC
+rate, one leaf per destination capped at the link rate, a default leaf) and the receiver's
+hub-side port (``tbf`` at the NIC rate). Shared WAN uplinks get the same HTB on both ends of the
+site's uplink veth (`uplink_plan`); hosts are shaped as the ranks of ``spec.network_spec()``;
+``--latency-ms`` adds netem on each egress. Burst: ``max(2 ms * rate, 4000 bytes)``.
 
-What is shaped where
---------------------
-Egress, ``eth0`` in rank i's namespace (with a NIC rate, per-link rates, or both): HTB, root ``1:``
-
-* ``1:1``    parent class, rate = ceil = NIC_i (absent when NIC_i is unshaped)
-* ``1:<10+j>`` (hex minor) one leaf per destination j, ``ceil = min(link_ij, NIC_i)``,
-  guaranteed ``rate = min(ceil, NIC_i/P)`` so that the guarantees sum to at most NIC_i and
-  every byte above them is borrowed from ``1:1`` (an HTB leaf below its own ``rate`` never
-  asks its parent, so a leaf rate above NIC_i would escape the NIC cap)
-* ``1:2``    default class for everything else (ARP, traffic to the hub address), ceil NIC_i
-* u32 filters ``match ip dst <addr_j>/32 flowid 1:<10+j>``
-
--> i's egress: each flow i->j at most link_ij, all of i's flows together at most NIC_i.
-
-Ingress, ``hc<id>p<j>`` in the hub: ``tbf rate NIC_j`` -> all flows into j at most NIC_j.
-
-Shared WAN uplinks (``--wan-mbit``; :mod:`hetcomm.sim.netns` has the layout): a packet between
-sites also leaves its site's bridge through the site-side end of the site's uplink veth,
-``hc<id>o<s>`` (egress: the site's *out* direction), and enters the destination site from the
-core bridge through the core-side end ``hc<id>i<t>`` (egress: site t's *in* direction). Each end
-gets the HTB of a NIC at ``wan_mbit`` (a leaf per destination rank under a parent at the uplink
-rate, :func:`uplink_plan`), so all of a site's cross-site flows share one rate per direction.
-Per-pair rates (``--inter-mbit``) still apply at the sender's ``eth0``, on top.
-
-Why a queue per destination even for a NIC-only cluster: a host's NIC queue is not one FIFO
-(Linux's default qdisc, fq_codel, keeps a queue per flow). With one FIFO, a rank that sends and
-receives at full rate at once -- the slow rank of a weighted ring does exactly that -- has the
-ACKs of what it receives wait behind up to ``latency`` (100 ms) of what it sends, and full
-throughput in both directions then needs both queues full: every allreduce ends 100 ms after its
-last byte was sent. Measured on 800/800/800/100 Mbit/s, 4 ranks, 16 MB: hetcomm at 1.16x and
-1.19x the bound in two runs with one egress FIFO (tbf), 1.07x and 1.13x with a leaf per
-destination (this kernel has no fq_codel); gloo stayed 1.45-1.5x slower than hetcomm.
-
-Hosts (``SimSpec.hosts``): the cluster shapes ``spec.network_spec()``, whose ranks are the
-hosts, with these same plans: host h's ``eth0`` (egress, a leaf per destination host) and its
-hub-side port (ingress) carry the NIC of all of h's ranks together; traffic between ranks of
-one host stays on the namespace's loopback and is never shaped.
-
-The link rate is enforced at the sender only; a flow i->j therefore gets
-``min(NIC_i, link_ij, NIC_j)`` (:func:`hetcomm.sim.spec.effective_bandwidth`).
-
-Latency (``--latency-ms``): a netem qdisc adds a one-way delay on each rank's egress (the leaf
-qdisc of every HTB class, or the root qdisc of an unshaped rank); the round trip is
-twice the value. It needs CONFIG_NET_SCH_NETEM: on a kernel without it setup fails with a clear
-message (the development VM's kernel has no netem).
-
-Burst
------
-``tbf``'s bucket is ``burst = max(2 ms * rate, 4000 bytes)``. The 32 kbit (4000 B) bucket that
-shapes 100 Mbit/s correctly is far too small at high rates (at 800 Mbit/s TCP got only 49 MB/s
-of 100). Measured TCP goodput through one tbf on a veth, on the 2-core development VM:
-
-=========  ============  ==========  =========  ============
-rate       burst 32kbit  1 ms worth  2 ms worth 4 ms worth
-=========  ============  ==========  =========  ============
-100 Mbit   11.7 MB/s     11.96       11.98      12.00
-400 Mbit   -             47.1        48.0       48.0
-800 Mbit   49.0          93.4        94.9       88.0 (noise)
-1000 Mbit  54.6          119.1       116.9      120.1
-=========  ============  ==========  =========  ============
-
-(the TCP ceiling is 1448/1514 = 95.6 % of the rate: 11.95, 47.8, 95.6, 119.5 MB/s). 2 ms keeps
-the error below the noise while the extra burst is tiny (25 kB at 100 Mbit/s). ``latency 100ms``
-bounds the queue (limit = burst + 100 ms of traffic), as in design.md.
+What is shaped where, why a queue per destination even for a NIC-only cluster (measured), and
+the burst measurements: docs/simulator.md#what-is-shaped-where.
 """
 from __future__ import annotations
 
@@ -185,7 +123,7 @@ def uplink_plan(spec: SimSpec, site: int, direction: str, dev: str, addrs: Seque
     (the core-side end: everything other sites send to it). The same HTB as a NIC: a parent at
     ``wan_mbit``, a leaf per destination rank (out: every rank of the other sites; in: the site's
     own ranks) and a default leaf, so that the ACKs a site returns for what it receives do not
-    queue behind what it sends (see the module docstring).
+    queue behind what it sends (docs/simulator.md#why-a-queue-per-destination).
     """
     wan = spec.wan_mbit
     if wan is None:

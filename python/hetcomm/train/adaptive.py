@@ -2,35 +2,16 @@
 
 ::
 
-    import hetcomm, torch.distributed as dist
-    dist.init_process_group("hetcomm")                 # or "gloo", "nccl"
     adp = hetcomm.AdaptiveDataParallel(model, dataset, global_batch=256)
     opt = torch.optim.AdamW(adp.module.parameters())
     for epoch in range(epochs):
         for x, y in adp.batches(epoch):                # this rank's share of each global batch
-            loss = loss_fn(adp.module(x), y)           # a mean over this rank's samples
-            loss.backward()
+            loss_fn(adp.module(x), y).backward()       # a mean over this rank's samples
             opt.step(); opt.zero_grad()
-    print(adp.stats())
-
-What it does for each global step:
-
-* the sampler (`hetcomm.data.HeteroBatchSampler`) cuts the step's global batch into the current
-  partition, so the ranks see disjoint slices covering the epoch;
-* before the step it tells the hook (`hetcomm.hooks.SampleWeightState`) how many samples this
-  rank and all ranks process, so DDP's allreduce yields the full-batch mean gradient;
-* it times the step: *compute* is the step's wall time minus *idle*, the time from the moment
-  this rank's last gradient bucket was handed to the hook (its backward is done) until the last
-  bucket's allreduce completed (waiting for slower ranks and for the network);
-* it feeds both to the `hetcomm.partition.Partitioner`, which every ``interval`` steps agrees on
-  every rank's speed and re-partitions when that pays (``partition="adaptive"``), or only keeps
-  the statistics (``partition="equal"``, the plain DDP split, for comparison).
-
-The first ``interval`` steps run the declared ``speeds`` (equal by default): they are the start-up
-profile from which the first re-partition is computed.
 
 The step's work between two iterations of `batches` must be the forward, backward and optimizer
-step of that batch, exactly once: the timing and the hook's sample counts assume it.
+step of that batch, exactly once: the timing and the hook's sample counts assume it. What it does
+each step (sampler, hook, timing, `Partitioner`): docs/training.md#what-adaptivedataparallel-does-each-step.
 """
 # No `from __future__ import annotations`: DDP.register_comm_hook checks the hook's annotations
 # against dist.GradBucket and torch.futures.Future[torch.Tensor] objects, not strings.

@@ -3,84 +3,16 @@
 ::
 
     python -m hetcomm.store --port 29400                    # once, on a machine that runs no worker
-
-    # every worker (one process each; start it again with the same command after a failure):
     diloco = hetcomm.ElasticDiLoCo(model, opt, store="STORE_HOST:29400", worker_id="w3", job="run7",
-                                   steps=50)                 # or round_seconds=30
+                                   steps=50)                 # every worker; restart with the same command
     for x, y in diloco.loop(loader, max_rounds=1000):
         loss = loss_fn(model(x), y); loss.backward(); opt.step(); opt.zero_grad()
         diloco.step(samples=len(x), loss=loss.item())
 
-DiLoCo's workers depend on each other only at a round's synchronisation, so that is where
-membership changes (as INTELLECT-1 and torchft do). The workers share a c10d store that lives
-outside them (`hetcomm.store`) and, per *generation*, a process group (the default one, formed by
-``init_process_group`` over the store under ``.../g<generation>``: this class owns it). Every
-synchronisation attempt (an *epoch*) goes:
-
-1. **Arrive.** A worker whose round is over writes that it has arrived, then waits until every
-   member of the last epoch has arrived, left in good order (its data ended), died (its liveness
-   connection closed: known at once, `hetcomm.train.membership.Pulse`), gone silent (no heartbeat
-   for ``timeout`` seconds: a frozen process, a vanished machine, a cut link) or is later than
-   ``late_timeout``.
-2. **Decide.** The first worker to see that writes a decision (compare_set: exactly one per epoch):
-   the members (those who arrived, then the workers that asked to join and have shown they live:
-   watched from the moment they ask, a worker is admitted once its liveness connection answered
-   with its name or its heartbeat moved), which of them hold the global state, who left and why. A changed membership, or a failed previous attempt, starts a
-   new generation: its members form a new process group under a new store prefix. A worker left
-   out of a decision (it was late, or thought dead) joins again like a new one.
-3. **Admit.** When a decision admits workers without the state (new, restarted or dropped ones),
-   the holders send them the global parameters and the outer optimizer's state, each holder one
-   shard (the transfer is spread over every holder), and the round count and history. A joiner
-   whose configuration differs from the run's (model shapes and precision, outer optimizer,
-   weighting, compression, backend, the hetcomm settings every rank of a group must agree on) is
-   refused when its request is read, before any group forms with it: it stops with a ValueError
-   naming what differs; the run goes on without it. If every holder dies before a joiner has the state, the run's state is gone
-   and the joiner raises (it never carries on from its own fresh model, except in an era that
-   started from fresh models and has committed nothing yet).
-   **Joining early** (``early_join``, default): a worker need not wait for the boundary. As soon
-   as the members see its request (they look every half second), each offers its shard of the
-   state the round in progress started from as raw bytes on the store (sent from a thread,
-   once per round, withdrawn when a later round commits); the joiner loads it (checked against
-   the offer's fingerprint), trains in the round in progress and, named a holder by the round's
-   decision, contributes its steps at the round's end (weighed by the part of the round it
-   trained, `_weights`): no transfer, and one round sooner. If the
-   offer is not complete in time (a member died offering it, or the round ended first), it is
-   admitted at the boundary as above, its steps discarded.
-4. **Reduce.** The members agree on a table (steps, samples, losses, a fingerprint of their global
-   parameters, which must match: it is compared every epoch) and all-reduce the sample-weighted
-   pseudo-gradients (`hetcomm.compress`: fp32, bf16, fp16, int8 or int4) into scratch space. Admitted
-   workers contribute nothing this epoch, and from the next round on.
-5. **Commit or abort.** Each member that has the reduced update counts itself done; once all have,
-   the outcome is ``commit`` (compare_set again: the first outcome written is everyone's) and each
-   applies the outer step (so every member holds the same new global parameters). A member whose
-   collective failed, or a member that went silent before everyone was done, makes it ``abort``:
-   nobody applies anything, and the round is synchronised again, without the dead, in a new
-   generation (each survivor still holds its own pseudo-gradient, and the state of the round
-   before). The round either completes everywhere or is redone. A member whose pseudo-gradient is
-   not finite stops with a ValueError and the others redo the round without it; four failed
-   attempts in a row with the same members raise on every member (a failure that does not go
-   away). The keys of past epochs stay on the store (a few small keys per member and epoch: a
-   worker frozen for any length of time must still find the decision that left it out).
-
-The outer update is weighted by the samples each member actually processed in the round
-(``weighting``, as `hetcomm.DiLoCo`), so dropping a worker re-weights the rest. A round ends after
-``steps`` inner steps, or with ``round_seconds`` after that much time on each worker's own clock
-(rounds then stay aligned whatever the workers' speeds).
-
-**The store** must outlive every worker. If it dies, every worker raises `StoreUnreachable`
-(naming the store's address) within about ``heartbeat`` seconds during its inner steps, or at the
-synchronisation it is in; restart the store and the job from checkpoints (`state_dict`).
-A new run needs a new ``job`` name (or a fresh store): the keys of the old one stay in the store;
-a worker that loaded a checkpoint (`load_state_dict`) and finds the job's last members all gone
-starts a new *era* of the job (keys under ``.../era<n>``) in which the checkpoint holders with
-the latest round provide the state: a whole-job restart resumes at the last checkpointed round.
-
-A loop body that raises (or breaks before calling `step`) leaves the run without synchronising
-its partial round (its model may be half-updated); the others are told at once.
-
-Limits: one process per worker (a worker of several ranks, a site, is not elastic yet); no
-overlap of the synchronisation with the next round; ranks are assigned per generation, so use no
-other default-group collective in the training script.
+Membership changes only at a round's synchronisation. Every attempt (an *epoch*) goes arrive,
+decide (compare_set on the store), admit, reduce, then commit or abort, so a round either
+completes on every member or is redone (membership on the store: `hetcomm.train.membership`).
+The protocol: docs/elastic.md#a-synchronisation-attempt-step-by-step; behaviour: docs/elastic.md.
 """
 from __future__ import annotations
 

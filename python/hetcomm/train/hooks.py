@@ -1,35 +1,15 @@
 """DDP communication hooks that weight each rank's gradient by the samples it processed.
 
-On a heterogeneous cluster rank r processes ``b_r`` samples of a global batch of
-``B = sum_r b_r`` samples (design.md section 3: batches proportional to speed). With the loss a
-per-rank mean, rank r's gradient is the mean over its own samples::
-
-    g_r = (1 / b_r) * sum_{i in batch r} grad l_i
-
-and the gradient of the whole global batch is::
-
-    g = (1 / B) * sum_i grad l_i = sum_r (b_r / B) * g_r
-
-So if every rank scales its gradient by ``w_r = b_r / B`` and the ranks SUM, the result is
-exactly the full-batch mean gradient. DDP's default (and ``allreduce_hook``) uses
-``w_r = 1 / world_size`` instead, which is only right when all ``b_r`` are equal; with batches
-of 3 and 13 samples it gives the 3 samples as much weight as the 13.
-
-Usage::
+With per-rank batches ``b_r`` of a global batch ``B`` and a per-rank mean loss, scaling each
+rank's gradient by ``b_r / B`` and summing gives exactly the full-batch mean gradient; DDP's
+default ``1 / world_size`` is right only when every ``b_r`` is equal::
 
     state = SampleWeightState(process_group)          # None: the default group
     ddp.register_comm_hook(state, weighted_allreduce_hook)
-    for x, y in loader:                                # this rank's b_r samples
-        state.set_samples(len(x), global_batch_size)   # every step, before backward
-        loss_fn(ddp(x), y).backward()                  # loss: mean over this rank's samples
-        opt.step(); opt.zero_grad()
+    state.set_samples(len(x), global_batch_size)      # every step, before backward
 
-``global_batch_size`` is known without communication when the ranks agreed on a partition (it
-is the B the planner split). ``state.agree_samples(len(x))`` computes it with one allreduce
-instead, for callers that do not know it.
-
-A rank with no samples this step must still run forward and backward (DDP needs every rank's
-buckets); it calls ``set_samples(0, B)`` and contributes zeros.
+A rank with no samples still runs forward and backward, with ``set_samples(0, B)``. The
+derivation and the full usage: docs/training.md#why-proportional-batches-and-why-weight-by-samples.
 """
 # No `from __future__ import annotations`: DDP.register_comm_hook compares the hooks' annotations
 # with the objects dist.GradBucket and torch.futures.Future[torch.Tensor], not with strings.
@@ -183,7 +163,8 @@ def weighted_allreduce_hook(state: SampleWeightState,
 
     Scales the bucket in place by ``local_samples / global_samples`` and allreduces it with SUM.
     With the loss a mean over each rank's own samples, the result is the gradient of the mean
-    loss over the whole global batch (see the module docstring for the derivation).
+    loss over the whole global batch (derivation:
+    docs/training.md#why-proportional-batches-and-why-weight-by-samples).
     """
     buffer = bucket.buffer()
     _scale_in_place(state, buffer)

@@ -1,42 +1,14 @@
 """How many inner steps each rank runs in a DiLoCo round: the ``fixed``, ``speed`` and ``time`` policies.
 
 A policy answers one question after every inner step of this rank: *is the round over for me?*
-(`LocalStepPolicy.round_over`). Its inputs are this rank's own clock and step count, and
-per-rank step times that every rank holds bit for bit identically (`StepTimes`, updated from the
-table exchanged at every synchronisation, see `hetcomm.partition.exchange_columns`). Every
-decision that involves other ranks (``speed``'s step counts, ``time``'s round length) is a pure
-function of those agreed values, so all ranks decide the same without further communication.
+(`LocalStepPolicy.round_over`), from this rank's own clock and step count and the per-rank step
+times every rank holds identically (`StepTimes`). Every decision that involves other ranks is a
+pure function of those agreed values, so all ranks decide the same without further communication.
+``fixed``: H steps everywhere; ``speed``: H_r ∝ measured speed, with hysteresis; ``time``: steps
+until an agreed deadline. Both adaptive policies start with `MEASUREMENT_STEPS` rounds.
 
-* ``fixed``: H steps on every rank (what OpenDiLoCo, prime and torchft do). Fast ranks idle at
-  every synchronisation until the slowest has done its H steps.
-* ``speed``: H_r = max(1, round(H · t_slowest / t_r)) with t_r the agreed EMA of rank r's
-  seconds per inner step: the slowest rank does H steps and the others as many as fit in the same
-  time. Hysteresis as the Partitioner's: the step counts change only when the predicted idle
-  fraction, Σ_r (max_j H_j t_j − H_r t_r) / (P · max_j H_j t_j), falls by more than ``threshold``.
-  Rounding leaves each rank at most half a step of idle per round, plus whatever the speeds drift
-  between agreements. Until every rank has two measured rounds (the first holds the run's
-  warm-up step, whose time would skew the ratios) its rounds are `MEASUREMENT_STEPS` long on
-  every rank: measurement rounds, as ``time``'s. Changing
-  H_r costs nothing, so the hysteresis is small (``threshold`` 0.01: one percent of the round).
-* ``time``: every rank steps until a deadline T seconds after the round started, T agreed
-  (``round_seconds``, or H · t_slowest from the agreed step times). A rank starts a step only
-  if its own estimate of the step's duration says it ends by the deadline (at least one step per
-  round), so it stops at most one step's time early and, unless a step runs longer than its
-  estimate, never late: nobody waits by construction beyond the last partial step. Until every
-  rank has two measured rounds agreed (the first holds the warm-up step, as for ``speed``: the
-  first two rounds, or the first three with ``overlap``) its rounds are
-  `MEASUREMENT_STEPS` long on every rank: short measurement rounds in which the fast ranks wait
-  for one slow step rather than for H of them (unless ``round_seconds`` is given; with overlap
-  a measurement round after the first lasts until the synchronisation in flight has landed, see
-  `LocalStepPolicy.measuring`; so do ``speed``'s: their plan then says ``until_landed``).
-  With overlap, T is at least `SYNC_MARGIN` times the agreed duration of the last background
-  synchronisation (`LocalStepPolicy.sync_took`): a shorter round ends in idling for it. Until such
-  a duration is agreed rounds also last until the synchronisation in flight has landed. DiLoCo
-  does not report its first background synchronisation's duration (a warm-up), so with overlap
-  rounds 2 to 4 last until the landing and round 5 is the first planned from an agreed one.
-
-Per-rank batch sizes (for example capped by memory with `hetcomm.partition.probe_max_batch`)
-combine with any policy: the policies count steps and time, whatever a step's batch.
+Each policy's rule, the measurement rounds and the rounds with overlap:
+docs/diloco.md#how-the-policies-decide.
 """
 from __future__ import annotations
 

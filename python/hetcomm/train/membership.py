@@ -1,31 +1,14 @@
 """Who is in an elastic DiLoCo run: heartbeats, arrivals and decisions on a c10d store.
 
 The store (`hetcomm.store`, a TCPStore served outside the workers) is the only thing the workers
-share besides their process group, and the only place where they agree on membership. Keys,
-under ``hetcomm/ft/<job>/``:
+share besides their process group, and the only place where they agree on membership: keys under
+``hetcomm/ft/<job>/`` for the era, each incarnation's heartbeat and liveness address, join
+requests, arrivals, the decision and outcome of each epoch (written once with compare_set: the
+first writer wins), and the state offered to joiners. `Pulse` is a worker's heartbeat and the
+liveness connections that tell a death at once. ``who`` is an incarnation, ``<worker_id>#<nonce>``, so a restarted
+worker's heartbeat cannot keep its dead predecessor looking alive.
 
-* ``era``: the job's current era (a whole-job restart from checkpoints starts a new one). The
-  keys from ``joins`` on live under ``era<n>/``, as do ``g<gen>/``, the rendezvous of each
-  generation's process group; ``hb/`` and ``addr/`` do not (they name incarnations, unique in every era).
-* ``addr/<who>``: where its liveness listener accepts connections ("" when it found no address
-  the others can reach: the heartbeat alone then decides).
-* ``hb/<who>``: a counter its worker adds to every ``heartbeat`` seconds. Observers judge it by
-  their own clock (when they last saw it change), so the machines' clocks need not agree.
-* ``joins`` (a counter) and ``join/<i>``: the i-th registration of a worker that wants in (a new
-  worker, a restarted one, or one dropped while it was alive), as JSON.
-* ``leave/<who>``: a worker that finished its data and left in good order.
-* ``e<e>/arrive/<who>``: a member reached synchronisation attempt ("epoch") e.
-* ``e<e>/decision``: who takes part in epoch e, written once with compare_set: the first proposal
-  wins and every worker reads the same one. Its members' ranks are their order in it.
-* ``e<e>/done`` (a counter) and ``e<e>/outcome``: the two-phase end of an epoch (``commit`` once
-  every member has the reduced update, else ``abort: why``; again the first writer wins).
-* ``latest``: a recent epoch, where a joiner starts looking; ``ended``: the run is over.
-* ``snap/r<round>/<i>``, ``snap/r<round>/meta``, ``snap/latest``: the state a round started from,
-  offered to waiting joiners, member i's shard of it (raw bytes) and how to read them (JSON);
-  deleted once a later round commits. ``snapped/<who>``: the round whose state a joiner loaded.
-
-``who`` is an incarnation, ``<worker_id>#<nonce>``: a worker restarted under the same id is a new
-incarnation, so its heartbeat cannot keep its dead predecessor looking alive.
+Every key: docs/elastic.md#store-keys.
 """
 from __future__ import annotations
 

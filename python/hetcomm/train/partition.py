@@ -1,36 +1,15 @@
 """Adaptive batch partitioning: per-rank batch sizes proportional to speed, within memory caps.
 
-On a heterogeneous cluster equal batches make every step last as long as the slowest rank's
-compute; the fast ranks idle at the gradient synchronisation. Giving rank r a batch ``b_r``
-proportional to its speed ``s_r`` (samples/s) equalises compute times::
+Batches proportional to speed equalise the ranks' compute times; the update must then weight each
+rank's mean gradient by its samples (`hetcomm.hooks`). Here:
 
-    step compute time  = max over r of b_r * t_r        (t_r = 1 / s_r, seconds per sample)
-    proportional split : b_r = B * s_r / sum(s)  gives  b_r * t_r = B / sum(s) for every r
-
-which is the smallest possible max (any other split puts more samples on some rank than its
-share of the total speed can absorb in B / sum(s) seconds).
-
-Gradient weighting
-==================
-With uneven batches the update must be the *sample-weighted* mean of the per-rank mean gradients
-``g_r`` (each the mean over the rank's ``b_r`` samples)::
-
-    g = sum over r of b_r * g_r / B        (B = sum of b_r)
-
-which equals the mean gradient over all B samples, i.e. the full-batch update. DDP's default
-``sum(g_r) / P`` weights every *rank* equally, so a sample on a rank with a small batch counts
-``B / (P * b_r)`` times as much as it should. With DDP, register
-`hetcomm.hooks.weighted_allreduce_hook` and give it the samples actually processed in the step
-(they differ from the partition in an epoch's last partial step), or scale each rank's mean loss
-by ``b_r * P / B`` before ``backward()``.
-
-Contents
-========
 * `split_batch` -- the pure, deterministic integer split (the rule is in its docstring).
 * `probe_max_batch` -- a rank's memory cap, by doubling until out-of-memory, then bisection.
 * `profile_speed` -- samples/s from a short start-up profile.
 * `predicted_step_seconds`, `rebalanced_sizes` -- the pure decision rule of `Partitioner`.
 * `Partitioner` -- online re-balancing; every rank takes the same decisions at the same step.
+
+Why proportional, and the gradient weighting: docs/training.md#why-proportional-batches-and-why-weight-by-samples.
 """
 from __future__ import annotations
 

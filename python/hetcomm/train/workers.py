@@ -2,27 +2,13 @@
 data parallelism inside and takes part in DiLoCo's rounds as one worker.
 
 `Workers` holds the process groups and does the two things that change when a worker has several
-ranks (`hetcomm.DiLoCo` does the rest):
+ranks (`hetcomm.DiLoCo` does the rest): the round's table becomes one column per worker
+(`Workers.aggregate`), and the outer reduction is spread over the worker's ranks, one shard each
+across the WAN, then an all-gather over the LAN (`Workers.reduce`). Workers come from hetcomm's
+sites by default (`labels_from_sites`).
 
-* *The table of a round* (steps, samples, seconds, ... one column per rank, agreed by every rank)
-  becomes one column per worker (`Workers.aggregate`): its ranks step together, so steps and
-  seconds are the worker's slowest rank's, samples and losses add up.
-* *The outer reduction is spread over the worker's ranks* (`Workers.reduce`): the pseudo-gradient
-  is cut into S shards (S = the smallest worker's size); local rank i of every worker carries
-  shard i across the WAN in a weighted all-reduce among the i-th ranks of all workers (the *cross*
-  group i), then the worker's ranks all-gather the reduced shards over the LAN. Each worker sends
-  one model's worth across the WAN per round (for two workers; 2(W-1)/W of it for W workers in a
-  ring), split over its ranks instead of funnelled through a leader. Every rank ends with the
-  same reduced pseudo-gradient and runs the same outer step, so global parameters and outer
-  optimizer state stay identical everywhere.
-
-Inside a worker the ranks must train identical replicas: by default `hetcomm.DiLoCo` averages
-the gradients over the worker's ranks before every inner optimizer step (a pre-step hook); with
-DDP (or FSDP) over `DiLoCo.worker_group` pass ``inner_sync=False``.
-
-Workers come from hetcomm's sites by default (`labels_from_sites`): the site of every rank, as the
-world group's probe or ``HETCOMM_SITES``/``HETCOMM_SITE`` found them, when there are at least two
-sites; otherwise every rank is a worker of its own, as in plain DiLoCo.
+The table, the sharded reduction and its traffic, and replicas inside a worker:
+docs/diloco.md#sites-as-workers.
 """
 from __future__ import annotations
 

@@ -115,6 +115,17 @@ else:
         extra_link_args=prebuilt_base_link_args() + LINK_FLAGS,
     )
 
+def record_build(cuda: bool) -> None:
+    """What the build contains, where `import hetcomm` reads it without loading the extension
+    (the backend registers for the device types the build moves): python/hetcomm/_build_info.py,
+    written by every build (git-ignored)."""
+    with open(os.path.join(ROOT, "python", "hetcomm", "_build_info.py"), "w") as f:
+        f.write('"""Written by setup.py when it built hetcomm._C: what the build contains."""\n'
+                f"WITH_CUDA = {cuda!r}\n")
+
+
+record_build(with_cuda())
+
 setup(
     name="hetcomm",
     version="0.1.0",

@@ -79,7 +79,7 @@ def test_planner_simulator_and_bench_cli_import_neither_torch_nor_the_extension(
 
 # Put first on PYTHONPATH, it runs in every process of the run (the launcher and the ranks it
 # spawns): it notes each process, and each import of the extension the moment it happens (the
-# "import" audit event; registration only looks for the extension's file, which is no import).
+# "import" audit event; registration reads hetcomm._build_info, not the extension).
 RECORDER = """
 import os, sys
 

@@ -401,6 +401,7 @@ def _bench(args: list[str], timeout: float) -> subprocess.CompletedProcess:
                           text=True, timeout=timeout)
 
 
+@pytest.mark.slow
 def test_end_to_end_local(tmp_path):
     out = tmp_path / "local.json"
     proc = _bench(["--nprocs", "2", "--sizes", "8,64K", "--backends", "hetcomm,gloo",

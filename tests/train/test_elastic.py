@@ -112,6 +112,7 @@ def wait_for(proc: forked.Forked, run: Run) -> None:
 IDS = ["w0", "w1", "w2", "w3"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("victim,where", [("w0", "local"), ("w1", "reduce"), ("w3", "done")],
                          ids=["first-member-mid-round", "inside-the-all-reduce", "after-counting-itself-done"])
 def test_a_killed_worker_is_dropped_and_its_restart_rejoins(run, victim, where):
@@ -155,6 +156,7 @@ def test_two_killed_at_once(run):
     assert all(rec["members"] == ["w0", "w3"] for rec in after), after
 
 
+@pytest.mark.slow
 def test_a_holder_killed_while_another_joins(run):
     """w1 dies and restarts; w2 dies in the middle of sending w1 the state: the admission is
     redone from the remaining holders and everyone still agrees."""
@@ -174,6 +176,7 @@ def test_a_holder_killed_while_another_joins(run):
     assert aborted, final(run, "w0")["membership"]
 
 
+@pytest.mark.slow
 def test_checkpoints_resume_a_whole_job_to_the_uninterrupted_parameters(tmp_path):
     rounds = 6
     (tmp_path / "whole").mkdir()
@@ -224,6 +227,7 @@ def test_the_store_dying_raises_on_every_worker_naming_it(run):
     assert time.monotonic() - killed < 30
 
 
+@pytest.mark.slow
 def test_a_frozen_worker_is_dropped_by_its_heartbeat_and_rejoins_when_it_thaws(run):
     """SIGSTOP closes no connection: the heartbeat timeout (3 s here) drops the worker; thawed, it
     finds the run gone on without it, discards its round and joins again."""
@@ -248,6 +252,7 @@ def test_a_frozen_worker_is_dropped_by_its_heartbeat_and_rejoins_when_it_thaws(r
     assert "dropped" in (run.out / "w3.3.log").read_text(), run.logs()
 
 
+@pytest.mark.slow
 def test_a_new_worker_joins_a_running_job(run):
     """Elastic growth: w2 was never part of the job; it is admitted at a boundary, receives the
     state from both holders and contributes from the next round."""
@@ -267,6 +272,7 @@ def test_a_new_worker_joins_a_running_job(run):
     assert joined and joined[-1]["members"] == ["w0", "w1", "w2"], run.records("w0")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("early", [True, False], ids=["early-join", "at-the-boundary"])
 def test_a_joiner_trains_in_the_round_in_progress_from_the_state_the_members_offer(run, early):
     """w3 asks to join right after round 2 was committed (--wait-for): the members offer it the
@@ -324,6 +330,7 @@ def test_an_early_joiners_part_of_a_round_weighs_that_part_of_its_weight():
     assert elastic.ElasticDiLoCo._weights(SimpleNamespace(weighting="batch"), table) == pytest.approx([0.25] * 4)
 
 
+@pytest.mark.slow
 def test_a_member_dying_while_it_offers_the_state_leaves_the_joiner_to_the_boundary(run):
     """w1 dies as it is about to offer its shard: the offer is never complete, so w3 is admitted
     at the round's end (the state sent by the holders left), and everyone agrees."""
@@ -368,6 +375,7 @@ def test_arguments_and_misuse_raise_clearly():
     d.close()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("where", ["registered", "formed"])
 def test_a_worker_dead_before_the_first_round_is_left_out(run, where):
     """w0 (the first by name: the one whose fresh model everyone would start from) dies right after
@@ -428,6 +436,7 @@ def test_a_worker_whose_update_is_not_finite_stops_and_the_others_go_on(run):
 @pytest.mark.parametrize("differs,expect", [
     ({"args": ["--hidden", "12"]}, "its model is '4 tensors, 121 elements in float32"),
 ], ids=["model"])
+@pytest.mark.slow
 def test_a_joiner_with_other_settings_is_refused_and_the_run_goes_on(run, differs, expect):
     """One difference end to end (the refusal reaches the joiner, the run goes on, no round is
     aborted); every other difference (compression, optimizer, weighting, backend, settings) is
@@ -451,6 +460,7 @@ def test_a_joiner_with_other_settings_is_refused_and_the_run_goes_on(run, differ
     assert not any("aborted" in e for e in membership), membership
 
 
+@pytest.mark.slow
 @hetcomm_only("hetcomm's own settings: other backends ignore them")
 def test_a_founder_with_other_settings_is_refused_and_the_others_start_the_run(run):
     rounds = 4
@@ -534,6 +544,7 @@ def test_an_exception_in_the_loop_body_leaves_without_synchronising_the_round(ru
     assert third and third[0]["members"] == ["w0", "w1"], third
 
 
+@pytest.mark.slow
 def test_when_every_holder_dies_while_a_new_worker_joins_it_raises_instead_of_restarting_the_run(run):
     """w1, new, is being sent the state by w0, the only holder, when w0 dies: w1 holds nothing
     the run computed, so it must not carry on from its own fresh model."""

@@ -13,7 +13,9 @@
 #include <cstdio>
 #include <future>
 #include <limits>
+#include <mutex>
 #include <random>
+#include <set>
 
 #include "algorithms/emulated_device_ops.h"
 #include "backend/cuda_device_ops.h"
@@ -71,20 +73,42 @@ std::string chooseListenIp(const c10::intrusive_ptr<c10d::Store>& store) {
   return localAddressReaching(host);
 }
 
-// Whether the group's store can still be reached, asked without using it. A TCPStore served by
-// a rank's own process (rank 0's, under env:// or a plain torchrun) goes when that rank exits,
-// often before the others shut down; the first operation on a client whose server is gone logs
-// a warning with a C++ stack trace before it throws, on every rank that tries. A fresh
-// connection to the store's port tells instead: refused means nothing serves it any more (and
-// the group's keys went with it). Other stores do not die with a rank.
-bool storeReachable(const c10::intrusive_ptr<c10d::Store>& store) {
+// The TCPStore's address, numeric, resolved now (while the group is made, when the store surely
+// answers); empty for other stores, or where it cannot be resolved.
+HostPort numericStoreAddress(const c10::intrusive_ptr<c10d::Store>& store) {
   c10::intrusive_ptr<c10d::Store> s = store;
   while (auto* prefix = dynamic_cast<c10d::PrefixStore*>(s.get())) s = prefix->getUnderlyingStore();
   auto* tcp = dynamic_cast<c10d::TCPStore*>(s.get());
-  if (tcp == nullptr) return true;
+  if (tcp == nullptr) return {};
   try {
-    connectTo({tcp->getHost(), static_cast<uint16_t>(tcp->getPort())}, Clock::now() + std::chrono::seconds(2),
-              /*retryRefused=*/false);
+    return {numericAddress(tcp->getHost()), static_cast<uint16_t>(tcp->getPort())};
+  } catch (const std::exception&) {
+    return {};
+  }
+}
+
+// Whether nothing serves the group's store any more. A TCPStore served by a rank's own process
+// (rank 0's, under env:// or a plain torchrun) goes when that rank exits, often before the others
+// shut down; the first operation on a client whose server is gone logs a warning with a C++ stack
+// trace before it throws, on every rank that tries. A fresh connection to the store's address as
+// resolved at creation tells instead, without that client: refused means gone (and the group's
+// keys with it). Anything else -- it answers, a timeout, an error of this process -- counts as
+// serving, so that the last rank out cleans the keys as before; only a refusal skips that. A
+// store found gone stays gone: the next group of this process to shut down does not ask again.
+bool storeGone(const HostPort& address) {
+  if (address.host.empty()) return false;
+  static std::mutex mu;
+  static std::set<std::string> gone;
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    if (gone.count(address.str()) != 0) return true;
+  }
+  try {
+    connectTo(address, Clock::now() + std::chrono::seconds(2), /*retryRefused=*/false);
+    return false;
+  } catch (const ConnectionRefusedError&) {
+    std::lock_guard<std::mutex> lock(mu);
+    gone.insert(address.str());
     return true;
   } catch (const std::exception&) {
     return false;
@@ -201,6 +225,7 @@ ProcessGroupHetcomm::ProcessGroupHetcomm(const c10::intrusive_ptr<c10d::Store>& 
   }
   try {
     const std::string ip = options_.listenIp.empty() ? chooseListenIp(store_) : options_.listenIp;
+    storeAddress_ = numericStoreAddress(store_);
     TcpMesh::Secret secret{};
     if (rank == 0) {
       std::random_device rd;
@@ -644,9 +669,12 @@ void ProcessGroupHetcomm::shutdown() {
   // The last rank to leave cleans the group's keys: before that, a rank still in the group may look
   // a peer's address up (lazily, at its first message to that peer), or still be starting. A rank
   // that crashed never leaves, and its group's keys stay until the store goes. A store that has
-  // already gone (its host rank exited first) is left alone, quietly: see storeReachable.
+  // already gone (its host rank exited first) is left alone, quietly: see storeGone.
   try {
-    if (storeReachable(store_) && store_->add(kLeftKey, 1) >= size_) {
+    if (storeGone(storeAddress_)) {
+      HC_LOG(kInfo, "hetcomm: rank ", rank_, ": the store at ", storeAddress_.str(),
+             " has gone (refused); the group's keys went with it");
+    } else if (store_->add(kLeftKey, 1) >= size_) {
       for (int r = 0; r < size_; ++r) {
         store_->deleteKey(addressKey(r));
         store_->deleteKey(siteKey(r));

@@ -201,6 +201,7 @@ class ProcessGroupHetcomm : public c10d::Backend {
   void stopFailureWatch();
 
   c10::intrusive_ptr<c10d::Store> store_;
+  HostPort storeAddress_;  // the TCPStore's numeric address, resolved at creation (empty: another store)
   Options options_;
   std::shared_ptr<CompletionPool> completions_;
   // Declared before the engine and the worker that write to it, so that it outlives them.

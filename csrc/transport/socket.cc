@@ -292,4 +292,14 @@ std::string localAddressReaching(const std::string& host) {
   return boundAddress(s.fd()).host;
 }
 
+std::string numericAddress(const std::string& host) {
+  AddrInfo ai;
+  resolve(host, 0, 0, ai);
+  if (ai.head == nullptr) throw CommError(strCat("hetcomm: cannot resolve '", host, "'"));
+  char text[NI_MAXHOST];
+  int rc = getnameinfo(ai.head->ai_addr, ai.head->ai_addrlen, text, sizeof(text), nullptr, 0, NI_NUMERICHOST);
+  if (rc != 0) throw CommError(strCat("hetcomm: getnameinfo failed for '", host, "': ", gai_strerror(rc)));
+  return text;
+}
+
 }  // namespace hetcomm

@@ -78,5 +78,7 @@ void recvAll(int fd, void* data, size_t len, Deadline deadline, const std::funct
 std::string interfaceAddress(const std::string& ifname);
 // The local address the kernel would use to reach host (no packet is sent).
 std::string localAddressReaching(const std::string& host);
+// The numeric form of host's first address (resolved now, once); throws CommError if none.
+std::string numericAddress(const std::string& host);
 
 }  // namespace hetcomm

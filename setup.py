@@ -104,7 +104,7 @@ if with_cuda():
         include_dirs=[os.path.join(ROOT, "csrc")],
         define_macros=[("HETCOMM_WITH_CUDA", None)],
         extra_compile_args={"cxx": CXX_FLAGS, "nvcc": ["-O3", "-std=c++17", "-Xcompiler=-Wall,-Wno-unused-parameter"]},
-        extra_link_args=LINK_FLAGS,
+        extra_link_args=prebuilt_base_link_args() + LINK_FLAGS,
     )
 else:
     ext = CppExtension(
@@ -115,16 +115,20 @@ else:
         extra_link_args=prebuilt_base_link_args() + LINK_FLAGS,
     )
 
-def record_build(cuda: bool) -> None:
-    """What the build contains, where `import hetcomm` reads it without loading the extension
-    (the backend registers for the device types the build moves): python/hetcomm/_build_info.py,
-    written by every build (git-ignored)."""
-    with open(os.path.join(ROOT, "python", "hetcomm", "_build_info.py"), "w") as f:
-        f.write('"""Written by setup.py when it built hetcomm._C: what the build contains."""\n'
-                f"WITH_CUDA = {cuda!r}\n")
+class BuildAndRecord(BuildExtension.with_options(use_ninja=True)):
+    """Builds hetcomm._C, then records what the build contains beside it (hetcomm/_build_info.py,
+    git-ignored), where `import hetcomm` reads it without loading the extension: the backend
+    registers for the device types the build moves. Written only by a build that succeeded, next
+    to the extension it describes (in the source tree for an editable install, in the wheel
+    otherwise)."""
 
+    def run(self):
+        super().run()
+        target = os.path.dirname(self.get_ext_fullpath("hetcomm._C"))
+        with open(os.path.join(target, "_build_info.py"), "w") as f:
+            f.write('"""Written by setup.py when it built hetcomm._C: what the build contains."""\n'
+                    f"WITH_CUDA = {with_cuda()!r}\n")
 
-record_build(with_cuda())
 
 setup(
     name="hetcomm",
@@ -133,7 +137,7 @@ setup(
     package_dir={"": "python"},
     packages=find_packages("python"),
     ext_modules=[ext],
-    cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
+    cmdclass={"build_ext": BuildAndRecord},
     python_requires=">=3.9",
     install_requires=["numpy", "scipy"],
     extras_require={"test": ["pytest", "pytest-benchmark", "expecttest"]},

@@ -79,7 +79,9 @@ phase bench_reduce_kernel "$OUT/bench.log" 300 bash -c "build-gpu/benchmarks/cud
 phase bench_allreduce_cuda "$OUT/bench.log" 300 "$PY" -m hetcomm.bench --device cuda --nprocs 2 \
   --backends hetcomm,gloo --sizes 8,32K,1M,16M,64M,256M --seconds-per-size 1.0 --min-iters 5 --timeout 60 \
   --json "$OUT/allreduce_cuda_2ranks_1gpu.json"
-phase pytest_cuda "$OUT/tests.log" 420 env HETCOMM_REQUIRE_CUDA=1 "$PY" -m pytest -q -rs tests/backend/test_cuda.py
+# HETCOMM_TEST_START=spawn: every rank a new interpreter, not a fork of the harness's fork server,
+# which has the CUDA build of the extension loaded (CUDA must not be initialised before a fork).
+phase pytest_cuda "$OUT/tests.log" 420 env HETCOMM_REQUIRE_CUDA=1 HETCOMM_TEST_START=spawn "$PY" -m pytest -q -rs tests/backend/test_cuda.py
 phase bench_ddp_step_cuda "$OUT/bench.log" 300 "$PY" benchmarks/ddp_step_cuda.py --nprocs 2 --rounds 5 \
   --timeout 60 --json "$OUT/ddp_step_cuda_2ranks_1gpu.json"
 phase bench_staging_sweep "$OUT/bench.log" 300 benchmarks/cuda/staging_sweep.sh "$OUT/staging_sweep.txt"

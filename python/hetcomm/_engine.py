@@ -21,6 +21,9 @@ def extension():
     module = sys.modules.get(_NAME)
     if module is None:
         import torch  # noqa: F401  (before the extension: it needs torch's libraries and types)
+        if importlib.util.find_spec(_NAME) is None:
+            raise ImportError("hetcomm: the compiled extension hetcomm._C is not built: run "
+                              "`pip install --no-build-isolation -e .` in the source tree (README)")
         from hetcomm import _C as module
     return module
 

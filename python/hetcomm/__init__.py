@@ -84,7 +84,9 @@ class _FormerNames(_importlib_abc.MetaPathFinder, _importlib_abc.Loader):
         _sys.modules[module.__name__] = _importlib.import_module(_FORMER_NAMES[module.__name__])
 
 
-if not any(type(finder).__name__ == "_FormerNames" for finder in _sys.meta_path):  # once, even on reload
-    _sys.meta_path.append(_FormerNames())
+# First on the path, so that a stale file under a former name (build/lib keeps them, a copied
+# tree may) cannot shadow the module it stands for; once, even on reload.
+if not any(type(finder).__name__ == "_FormerNames" for finder in _sys.meta_path):
+    _sys.meta_path.insert(0, _FormerNames())
 
 register_backend()

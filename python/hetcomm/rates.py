@@ -14,6 +14,7 @@ from typing import Optional, Sequence
 MBIT = 1e6 / 8  # bytes per second in one Mbit/s
 
 _UNSHAPED_WORDS = ("inf", "-", "none", "unlimited", "")
+MAX_MBIT = 1e9   # 1 Pbit/s: a finite rate beyond it is a typo (and 1e400 would read as inf)
 
 
 class RateError(ValueError):
@@ -38,10 +39,10 @@ def parse_rate(text: str, what: str) -> Optional[float]:
     except ValueError:
         raise RateError(f"{what}: {text!r} is not a rate in Mbit/s "
                         "(a number, or 'inf' for unshaped)") from None
-    if math.isinf(v) and v > 0:
-        return None
     if not v > 0 or math.isnan(v):
         raise RateError(f"{what}: {text!r} must be a positive rate in Mbit/s ('inf' for unshaped)")
+    if v > MAX_MBIT:          # 1e400 reads as inf: a number that large is a mistake, not a word
+        raise RateError(f"{what}: {text!r} is more than {MAX_MBIT:g} Mbit/s; write 'inf' for unshaped")
     return v
 
 
@@ -63,8 +64,11 @@ def parse_matrix(text: str, what: str = "--link-mbit") -> list[list[Optional[flo
     that is limited only by the two NICs.
     """
     if os.path.isfile(text):
-        with open(text) as f:
-            lines = [ln.split("#", 1)[0] for ln in f.read().splitlines()]
+        try:
+            with open(text) as f:
+                lines = [ln.split("#", 1)[0] for ln in f.read().splitlines()]
+        except (OSError, UnicodeDecodeError) as e:
+            raise RateError(f"{what}: cannot read the matrix file {text!r}: {e}") from None
         body = ";".join(ln for ln in lines if ln.strip())
     else:
         body = text

@@ -119,6 +119,17 @@ def test_parse_matrix_inline_and_file(tmp_path):
     # the command line names the option in a SimError
     with pytest.raises(SimError, match=r"--link-mbit: row 1 has 2 values"):
         sim_main.spec_from_args(sim_main.build_parser().parse_args(["--link-mbit", "0,1,2;1,0;1,2,0", "--", "true"]))
+    # a number too large to be a rate (1e400 reads as inf) is an error, not "unshaped"; only the
+    # words mean that; an unreadable matrix file is a RateError naming the setting
+    with pytest.raises(RateError, match=r"is more than 1e\+09 Mbit/s; write 'inf'"):
+        parse_matrix("0,1e400;1,0")
+    with pytest.raises(RateError, match="more than"):
+        parse_matrix("0,2e9;1,0")
+    assert parse_matrix("0,1e9;unlimited,0") == [[None, 1e9], [None, None]]
+    bad = tmp_path / "binary.txt"
+    bad.write_bytes(b"\xff\xfe\x00")
+    with pytest.raises(RateError, match=r"HETCOMM_LINK_MBIT: cannot read the matrix file"):
+        parse_matrix(str(bad), "HETCOMM_LINK_MBIT")
 
 
 def test_effective_bandwidth_is_min_of_nics_and_link():
@@ -267,7 +278,9 @@ def _expected_mbps(spec: SimSpec, src: int, dst: int) -> float:
 
 @needs_netns
 def test_nic_shaping_both_directions(tmp_path):
-    """--nic-mbit 100,400: 0->1 limited by rank 0's egress, 1->0 by rank 0's ingress: ~12 MB/s."""
+    """--nic-mbit 100,400: 0->1 limited by rank 0's egress, 1->0 by rank 0's ingress: ~12 MB/s.
+    (Rates: at most the shaper's, at least half of it -- simrun.assert_shaped -- where ±20% did
+    not hold on a loaded two-core machine.)"""
     script = tmp_path / "pair.py"
     script.write_text(PAIR)
     proc = run_sim(["--nic-mbit", "100,400"], [sys.executable, str(script), "4e6"])
@@ -284,7 +297,9 @@ def test_nic_shaping_both_directions(tmp_path):
 
 @needs_netns
 def test_per_link_shaping_with_sites(tmp_path):
-    """--sites 0,0,1: 0->1 within a site at 400 Mbit/s, 0->2 across sites at 100 Mbit/s."""
+    """--sites 0,0,1: 0->1 within a site at 400 Mbit/s, 0->2 across sites at 100 Mbit/s.
+    (Rates: at most the shaper's, at least half of it -- simrun.assert_shaped -- where ±20% did
+    not hold on a loaded two-core machine.)"""
     script = tmp_path / "fan.py"
     script.write_text(FAN)
     args = ["--nic-mbit", "1000,1000,1000", "--sites", "0,0,1", "--intra-mbit", "400",
@@ -391,8 +406,12 @@ def test_cpu_quota_slows_a_cpu_loop():
     got = rank_json(out.getvalue().decode())
     full, quarter = got[0][0], got[1][0]
     assert quarter["share"] < 0.25 * 1.3, f"quota 0.25 not enforced: {quarter}"
-    assert stats[1].get("nr_throttled", 0) > 0, f"the kernel never throttled the 0.25 rank: {stats}"
+    # The kernel's own account: a busy loop under a quarter of a core is throttled in most of its
+    # periods; under a whole core (one thread cannot use more) in few, however busy the machine.
+    throttled = [s.get("nr_throttled", 0) / max(s.get("nr_periods", 0), 1) for s in stats]
     assert stats[0].get("nr_periods", 0) > 0, f"the 1.0 rank is not under a CFS quota: {stats}"
+    assert throttled[1] > 0.5, f"the kernel seldom throttled the 0.25 rank: {stats}"
+    assert throttled[0] < 0.2, f"the 1.0 rank was throttled like a capped one: {stats}"
     assert full["share"] > quarter["share"], f"quota 1.0 got less than quota 0.25: {full} {quarter}"
 
 

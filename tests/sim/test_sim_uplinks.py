@@ -291,7 +291,9 @@ def test_uplinks_carry_what_the_model_says(tmp_path, backend, per_allreduce, env
 def test_uplink_limits_a_cross_site_flow_and_is_shared(tmp_path):
     """One flow 0->2 goes out through site 0's uplink and in through site 1's at the uplink rate;
     two flows out of site 0 at once (0->2, 1->3) share that uplink; a flow inside site 0 (0->1)
-    crosses no uplink and runs faster than one."""
+    crosses no uplink and runs faster than one. (Rates: at most the shaper's, at least half of
+    it -- simrun.assert_shaped -- where ±20% did not hold on a loaded two-core machine; the bytes
+    on the uplinks are counted exactly.)"""
     script = tmp_path / "flows.py"
     script.write_text(FLOWS)
     n = 6_000_000

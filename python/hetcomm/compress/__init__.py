@@ -14,6 +14,7 @@ from hetcomm.compress.collective import chunk_counts, weighted_allreduce
 
 __all__ = [
     "CODECS",
+    "DEFAULT_BLOCK",
     "Codec",
     "get_codec",
     "ErrorFeedback",

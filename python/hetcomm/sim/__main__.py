@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import re
 import signal
 import sys
 from typing import Optional, Sequence
@@ -9,7 +10,7 @@ from typing import Optional, Sequence
 from hetcomm.rates import RateError, parse_matrix, parse_rate, parse_rate_list
 from hetcomm.sim.cluster import DEFAULT_MASTER_PORT, SimCluster, cleanup_stale
 from hetcomm.sim.launcher import SimInterrupted
-from hetcomm.sim.spec import DEFAULT_TCP_CC, SimError, SimSpec, parse_float_list
+from hetcomm.sim.spec import DEFAULT_TCP_CC, MAX_RANKS, SimError, SimSpec, parse_float_list
 
 EXIT_USAGE = 2
 
@@ -30,8 +31,9 @@ what is shaped where:
                     site) and --inter-mbit (each cross-site pair, on top); --inter-mbit alone
                     gives every cross-site pair its own link instead.
   --hosts LIST      several ranks per host: the ranks of a host share one namespace, address
-                    and veth pair, so --nic-mbit (one rate per host, or per rank equal within a
-                    host) shapes the host's NIC for all of them, both directions; they talk over
+                    and veth pair, so --nic-mbit (one rate for every host, one per host, or one
+                    per rank equal within a host) shapes the host's NIC for all of them, both
+                    directions (one --cpu-quota value, likewise, every rank's); they talk over
                     the namespace's loopback, unshaped. Combines with --cpu-quota (per rank),
                     --latency-ms and --sites + --wan-mbit (each host in one site); not with
                     --link-mbit, --intra-mbit or --inter-mbit. hetcomm finds the hosts itself
@@ -120,11 +122,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _labels(text: str, what: str = "--sites") -> list:
+    """Comma-separated labels: integers where they are ones (ASCII digits), else the text."""
     out = []
     for s in text.replace(" ", "").split(","):
         if s == "":
             raise SimError(f"{what}: empty item")
-        out.append(int(s) if s.lstrip("-").isdigit() else s)
+        out.append(int(s) if re.fullmatch(r"-?[0-9]+", s) else s)
+    if len(out) > MAX_RANKS:
+        raise SimError(f"{what}: {len(out)} items; the simulator makes at most {MAX_RANKS} ranks")
     return out
 
 
@@ -140,6 +145,8 @@ def _spec_from_args(args: argparse.Namespace) -> SimSpec:
     hosts = getattr(args, "hosts", None)  # hetcomm.bench's namespace may not carry it
     # One value of a per-rank list applies to every rank: as many as --nprocs, else --hosts names.
     n = args.nprocs if args.nprocs is not None else (len(_labels(hosts, "--hosts")) if hosts else None)
+    if n is not None and not 1 <= n <= MAX_RANKS:     # before a value is repeated n times
+        raise SimError(f"--nprocs {n}: the simulator makes 1 to {MAX_RANKS} ranks")
 
     def bcast(xs):
         if xs is not None and n is not None and len(xs) == 1 and n > 1:

@@ -26,6 +26,9 @@ from typing import Any, Mapping, Optional, Sequence
 from hetcomm.labels import renumber
 from hetcomm.rates import format_matrix, format_rate, mbit_to_bytes_per_s
 
+MAX_RANKS = 250  # one /24 of addresses
+
+
 #: payload bytes per shaped byte for a bulk TCP stream over the simulated (MTU 1500) links
 TCP_GOODPUT_FRACTION = 1448 / 1514
 
@@ -181,8 +184,8 @@ class SimSpec:
         p = next(iter(sizes.values()))
         if p < 1:
             raise SimError(f"the world size must be at least 1, got {p}")
-        if p > 250:
-            raise SimError(f"at most 250 ranks can be simulated (one /24), got {p}")
+        if p > MAX_RANKS:
+            raise SimError(f"at most {MAX_RANKS} ranks can be simulated (one /24), got {p}")
         if self.link_mbit is not None and self.sites is not None:
             raise SimError("give either link_mbit (--link-mbit) or sites (--sites), not both")
         if self.hosts is not None:

@@ -5,8 +5,7 @@ depend on how busy the machine is.
 ``clock.compute(0.1)`` instead of sleeping 0.1 s. Nothing else moves it: a collective, waiting for
 a background synchronisation or a loaded machine takes no time on it. So the steps per round, the
 rounds' lengths and the budgets a time policy computes are the same on every run, and the test
-takes a fraction of the wall time its sleeps took. ``install(clock)`` makes a ``DiLoCo`` built
-inside the ``with`` read it (DiLoCo takes ``time.perf_counter`` when it is constructed).
+takes a fraction of the wall time its sleeps took. ``DiLoCo(..., clock=clock)`` reads it.
 
 ``SlowLink`` is a link on that clock: each background synchronisation lands ``seconds`` of the
 clock after its round ended. While the rank trains, it is let through at the first step that
@@ -20,12 +19,9 @@ the machine.
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
 import functools
 import threading
-import time
 
-_real_perf_counter = time.perf_counter
 _real_wait = concurrent.futures.wait
 _real_result = concurrent.futures.Future.result
 _real_exception = concurrent.futures.Future.exception
@@ -49,23 +45,18 @@ class DeclaredClock:
             self._now = max(self._now, t)
 
 
-@contextlib.contextmanager
-def install(clock):
-    """``time.perf_counter`` reads ``clock`` inside the block (construct DiLoCo here)."""
-    time.perf_counter = clock
-    try:
-        yield clock
-    finally:
-        time.perf_counter = _real_perf_counter
-
-
 class SlowLink:
-    def __init__(self, clock: DeclaredClock, seconds: float, limit_s: float = 60.0) -> None:
+    def __init__(self, clock: DeclaredClock, seconds: float, calls_per_sync: int = 1,
+                 limit_s: float = 60.0) -> None:
+        """``calls_per_sync``: how many calls of the held function one synchronisation makes
+        (``DiLoCo._exchange_and_reduce``: 1; the compressed collective: one per fragment)."""
         self.clock, self.seconds, self.limit_s = clock, seconds, limit_s
+        self.calls_per_sync = calls_per_sync
         self.idle = 0.0          # declared seconds a rank spent waiting for a landing
         self._opened: list[threading.Event] = []
         self._due: list[float] = []   # when each synchronisation lands, on the clock
         self._calls = 0
+        self._all_open = False
         self._diloco = None
         self._lock = threading.Lock()
 
@@ -83,13 +74,16 @@ class SlowLink:
         moves to when it is due, and the wait is added to ``idle``. (The waits are seen through
         ``concurrent.futures``, patched in this process: only a rank of a test uses this.)"""
         original = getattr(owner, name)
+        # stepped() waits for the landing through it: a rename must fail here, not silently
+        # make landings depend on the machine again
+        assert hasattr(diloco, "_pending"), "DiLoCo no longer has _pending: update tests/support/clock.py"
         self._diloco = diloco
 
         @functools.wraps(original)
         def held(*args, **kwargs):
-            if threading.current_thread() is not threading.main_thread():
+            if threading.current_thread() is not threading.main_thread() and not self._all_open:
                 with self._lock:
-                    index = self._calls
+                    index = self._calls // self.calls_per_sync
                     self._calls += 1
                 if not self._event(index).wait(self.limit_s):
                     raise TimeoutError(f"clock.SlowLink: synchronisation {index} never came due")
@@ -146,7 +140,10 @@ class SlowLink:
             _real_exception(pending, self.limit_s)      # waits until it has landed
 
     def open_all(self) -> None:
-        """Lets every synchronisation through from now on."""
+        """Lets every synchronisation through from now on, held or still to come."""
+        self._all_open = True
         self._due = [0.0] * len(self._due)
-        for i in range(len(self._due) + 1):
-            self._event(i).set()
+        with self._lock:
+            events = list(self._opened)
+        for event in events:
+            event.set()

@@ -492,14 +492,13 @@ STEP_S = [0.02, 0.08]             # declared compute per step (clock.DeclaredClo
 
 def train_policy(rank: int, world: int, policy: str, overlap: bool) -> dict:
     import hetcomm
-    from clock import DeclaredClock, install
+    from clock import DeclaredClock
 
     torch.manual_seed(0)
     net = nn.Linear(8, 1)
     opt = torch.optim.SGD(net.parameters(), lr=0.01)
     clock = DeclaredClock()
-    with install(clock):
-        diloco = hetcomm.DiLoCo(net, opt, local_steps=policy, steps=4, overlap=overlap, compress="bf16")
+    diloco = hetcomm.DiLoCo(net, opt, local_steps=policy, steps=4, overlap=overlap, compress="bf16", clock=clock)
     starts = []                   # (step start, step end, deadline in force) for the time policy
     syncs = 0
     while syncs < 6:              # every rank synchronises exactly 6 times, then finishes
@@ -555,14 +554,13 @@ UNEVEN_STEP_S = [0.02, 0.08]      # and is slower (declared compute): under spee
 
 def train_uneven(rank: int, world: int, policy: str, overlap: bool, style: str) -> dict:
     import hetcomm
-    from clock import DeclaredClock, install
+    from clock import DeclaredClock
 
     torch.manual_seed(0)
     net = nn.Linear(6, 1)
     opt = torch.optim.SGD(net.parameters(), lr=0.05)
     clock = DeclaredClock()
-    with install(clock):
-        diloco = hetcomm.DiLoCo(net, opt, local_steps=policy, steps=3, overlap=overlap)
+    diloco = hetcomm.DiLoCo(net, opt, local_steps=policy, steps=3, overlap=overlap, clock=clock)
     g = torch.Generator().manual_seed(rank)
     loader = [(torch.randn(4, 6, generator=g), torch.randn(4, 1, generator=g)) for _ in range(UNEVEN_BATCHES[rank])]
 
@@ -639,14 +637,13 @@ LANDS_AFTER = 45                      # a slow link: an update lands 0.9 of a ro
 
 def train_timed_rounds(rank: int, world: int, budgets: dict, slow_reduction: bool = False) -> dict:
     import hetcomm
-    from clock import DeclaredClock, SlowLink, install
+    from clock import DeclaredClock, SlowLink
     from hetcomm.train import diloco as diloco_module
 
     net = nn.Linear(3, 1)
     opt = torch.optim.SGD(net.parameters(), lr=0.05)
     clock = DeclaredClock()
-    with install(clock):
-        diloco = hetcomm.DiLoCo(net, opt, local_steps="time", round_seconds=ROUND_S, overlap=True)
+    diloco = hetcomm.DiLoCo(net, opt, local_steps="time", round_seconds=ROUND_S, overlap=True, clock=clock)
     gate = SlowLink(clock, LANDS_AFTER * TIMED_STEP_S if slow_reduction else 0.0)   # 0: lands at the next step
     gate.wrap(diloco_module._compress, "weighted_allreduce", diloco)
     forever = iter(lambda: torch.randn(2, 3), None)
@@ -705,14 +702,13 @@ def train_link_bound(rank: int, world: int, slow_steps: int) -> dict:
     import warnings
 
     import hetcomm
-    from clock import DeclaredClock, SlowLink, install
+    from clock import DeclaredClock, SlowLink
     from hetcomm.train import diloco as diloco_module
 
     net = nn.Linear(3, 1)
     opt = torch.optim.SGD(net.parameters(), lr=0.05)
     clock = DeclaredClock()
-    with install(clock):
-        diloco = hetcomm.DiLoCo(net, opt, local_steps="time", steps=5, overlap=True, compress="int8")
+    diloco = hetcomm.DiLoCo(net, opt, local_steps="time", steps=5, overlap=True, compress="int8", clock=clock)
     gate = SlowLink(clock, slow_steps * 0.02)
     gate.wrap(diloco_module._compress, "weighted_allreduce", diloco)
     with warnings.catch_warnings(record=True) as caught:
@@ -863,7 +859,7 @@ def train_arrival(rank: int, world: int, fragments: int = 1) -> dict:
     background synchronisation lands half a round of steps after it left: clock.SlowLink) puts in the middle
     of the next round."""
     import hetcomm
-    from clock import DeclaredClock, SlowLink, install
+    from clock import DeclaredClock, SlowLink
     from hetcomm.train import diloco as diloco_module
 
     clock = DeclaredClock()
@@ -871,9 +867,8 @@ def train_arrival(rank: int, world: int, fragments: int = 1) -> dict:
     torch.manual_seed(0)
     net = nn.Linear(6, 1)
     opt = torch.optim.SGD(net.parameters(), lr=0.05)
-    with install(clock):
-        diloco = hetcomm.DiLoCo(net, opt, local_steps="fixed", steps=ARRIVAL_STEPS, workers=[0, 0, 1, 1],
-                                overlap=True, fragments=fragments)
+    diloco = hetcomm.DiLoCo(net, opt, local_steps="fixed", steps=ARRIVAL_STEPS, workers=[0, 0, 1, 1],
+                            overlap=True, fragments=fragments, clock=clock)
     gate.wrap(diloco_module.DiLoCo, "_exchange_and_reduce", diloco)   # off the main thread: the background one
     g = torch.Generator().manual_seed(rank)
     for _ in range(ARRIVAL_STEPS * ARRIVAL_ROUNDS):
@@ -911,14 +906,13 @@ WORKER_BATCHES = [10, 14, 20, 20]   # worker 0's ranks disagree on how much data
 
 def train_workers_uneven(rank: int, world: int, policy: str, overlap: bool) -> dict:
     import hetcomm
-    from clock import DeclaredClock, install
+    from clock import DeclaredClock
 
     torch.manual_seed(0)
     net = nn.Linear(6, 1)
     opt = torch.optim.SGD(net.parameters(), lr=0.05)
     clock = DeclaredClock()
-    with install(clock):
-        diloco = hetcomm.DiLoCo(net, opt, local_steps=policy, steps=3, workers=[0, 0, 1, 1], overlap=overlap)
+    diloco = hetcomm.DiLoCo(net, opt, local_steps=policy, steps=3, workers=[0, 0, 1, 1], overlap=overlap, clock=clock)
     g = torch.Generator().manual_seed(rank)
     loader = [(torch.randn(4, 6, generator=g), torch.randn(4, 1, generator=g)) for _ in range(WORKER_BATCHES[rank])]
     for x, y in diloco.loop(loader):
@@ -1192,13 +1186,12 @@ def train_one_rank_drains(rank: int, world: int) -> list:
     import itertools
 
     import hetcomm
-    from clock import DeclaredClock, install
+    from clock import DeclaredClock
 
     net = nn.Linear(3, 1)
     opt = torch.optim.SGD(net.parameters(), lr=0.05)
     clock = DeclaredClock()
-    with install(clock):
-        diloco = hetcomm.DiLoCo(net, opt, local_steps="time", round_seconds=0.5, overlap=True)
+    diloco = hetcomm.DiLoCo(net, opt, local_steps="time", round_seconds=0.5, overlap=True, clock=clock)
     data = iter(lambda: torch.randn(2, 3), None)
     if rank == 1:
         data = itertools.islice(data, 5)                 # out of data early: it drains, never steps again

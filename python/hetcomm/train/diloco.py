@@ -201,6 +201,8 @@ class DiLoCo(_flat.FlatParameters):
         inner_sync: with workers of several ranks, average the gradients over the worker before
             every step of ``inner_optimizer``; False when DDP or FSDP over `worker_group` does it.
         worker_backend: the backend of the groups inside a worker (default: the group's).
+        clock: the clock DiLoCo times steps, rounds and synchronisations by, in seconds
+            (default ``time.perf_counter``); a simulation, or a test, may give one of its own.
     """
 
     def __init__(self, model: torch.nn.Module, inner_optimizer: torch.optim.Optimizer | None = None, *,
@@ -211,10 +213,13 @@ class DiLoCo(_flat.FlatParameters):
                  block: int = 2048, error_feedback: bool = False, overlap: bool = False,
                  overlap_steps: int | None = None, fragments: int = 1, early_weight: float | None = None,
                  ema: float = 0.3, threshold: float = 0.01,
-                 workers="sites", inner_sync: bool = True, worker_backend: str | None = None) -> None:
+                 workers="sites", inner_sync: bool = True, worker_backend: str | None = None,
+                 clock: Callable[[], float] = time.perf_counter) -> None:
         if not (dist.is_available() and dist.is_initialized()):
             raise RuntimeError(f"{_PREFIX}: torch.distributed is not initialised "
                                "(call dist.init_process_group first)")
+        if not callable(clock):
+            raise TypeError(f"{_PREFIX}: clock must be a callable that returns seconds, got {type(clock).__name__}")
         self._group = group
         self._rank = dist.get_rank(group)
         if self._rank < 0:
@@ -325,7 +330,7 @@ class DiLoCo(_flat.FlatParameters):
         # Round 1 starts together everywhere: a rank still receiving the broadcast (or still
         # starting up) must not count as a slow rank that the others idle for.
         dist.barrier(group=group)
-        self._clock = time.perf_counter
+        self._clock = clock
         self._wall_offset = time.time() - self._clock()
         self._reset_round()
         self._own_step: float | None = None

@@ -3,7 +3,8 @@
 # unit tests (ctest) and the Python multi-process tests (pytest), printing the 30 slowest.
 #
 #   bash scripts/test.sh                 everything (what CI runs)
-#   bash scripts/test.sh -m "not slow and not sim"   extra arguments go to pytest: a quick loop
+#   bash scripts/test.sh -x              extra arguments are pytest options, given to both passes
+#   HETCOMM_TEST_MARK="not slow" bash scripts/test.sh     narrows both passes by marker
 set -euo pipefail
 cd "$(dirname "$0")/.."
 start=$(date +%s)
@@ -45,8 +46,9 @@ export HETCOMM_REQUIRE_SIM=${HETCOMM_REQUIRE_SIM:-1}
 # measure shaped rates and CPU shares) and those marked serial (they look at what every job
 # shares). Both passes run whatever the first found.
 status=0
-python -m pytest -q tests -n 2 --dist loadfile -m "not sim and not serial" --durations=30 "$@" || status=$?
+also=${HETCOMM_TEST_MARK:+ and ($HETCOMM_TEST_MARK)}
+python -m pytest -q tests -n 2 --dist loadfile -m "(not sim and not serial)$also" --durations=30 "$@" || status=$?
 stamp "pytest (parallel pass) done"
-python -m pytest -q tests -m "sim or serial" --durations=30 "$@" || status=$?
+python -m pytest -q tests -m "(sim or serial)$also" --durations=30 "$@" || status=$?
 stamp "pytest (serial pass) done"
 exit $status

@@ -1,10 +1,10 @@
 """Every collective, every dtype, awkward sizes, exact expected values, 1 to 4 ranks.
 
-One spawned job per world size runs every check (spawning costs seconds, a small collective
+One job per world size runs every check (a job forms a group, a small collective takes
 microseconds); each family of checks is then reported as its own test, e.g.
 ``test_collective[3-reduce_scatter]``, so a failure names the collective, and the message names
 rank, op, dtype and size. Inputs follow ``x[i] = (i % period) * STRIDE + rank`` (see
-``harness.pattern``), chosen so that every expected result is exactly representable in its dtype
+``values.pattern``), chosen so that every expected result is exactly representable in its dtype
 whatever the reduction order; expected values are computed with plain torch. The suite itself
 is tests/support/collective_suite.py (test_cuda.py runs it on CUDA tensors).
 """

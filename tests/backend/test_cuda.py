@@ -28,7 +28,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from harness import Cases, assert_same, run_suite
+from harness import Cases, run_suite
+from values import assert_same
 from collective_suite import FAMILIES, NEEDS_PEER, collective_suite, family_params
 from ddp_suite import VARIANTS, ddp_suite
 

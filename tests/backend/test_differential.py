@@ -19,7 +19,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from harness import Cases, reduce_op_names, run_suite
+from harness import Cases, run_suite
+from values import reduce_op_names
 
 pytestmark = pytest.mark.usefixtures("backend_importable")
 

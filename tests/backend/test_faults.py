@@ -18,8 +18,8 @@ import torch
 import torch.distributed as dist
 
 from marks import hetcomm_only
-from harness import (RankFailure, assert_same, default_store, die, expected_reduce, is_hetcomm,
-                     pattern, run_ranks)
+from harness import RankFailure, START_METHOD, default_store, die, is_hetcomm, run_ranks, wait_for_key
+from values import assert_same, expected_reduce, pattern
 
 pytestmark = pytest.mark.usefixtures("backend_importable")
 
@@ -40,10 +40,6 @@ def _attempt(fn) -> dict:
     return {"raised": False, "elapsed": time.monotonic() - start}
 
 
-def _wait_for_key(key: str, limit_s: float = 60.0) -> None:
-    store, deadline = default_store(), time.monotonic() + limit_s
-    while not store.check([key]) and time.monotonic() < deadline:
-        time.sleep(0.05)
 
 
 def _describe(results: list) -> str:
@@ -58,7 +54,7 @@ def absent_rank(rank: int, world_size: int):
     if rank == absent:
         # Keep the connections open (a dead process would be case (b)) until the others are done.
         for r in range(absent):
-            _wait_for_key(f"survivors_done_{r}")
+            wait_for_key(f"survivors_done_{r}")
         return None
     t = torch.ones(1000)
     result = _attempt(lambda: dist.all_reduce(t))
@@ -280,7 +276,7 @@ def intruders(rank: int, world_size: int) -> dict:
         for what, payload in probes.items():
             problems[what] = _probe(host, port, payload, limit_s=PG_TIMEOUT_S + 15)
         store.set("probes_done", "1")
-    _wait_for_key("probes_done", 120)
+    wait_for_key("probes_done", 120)
     rejected = None
     if rank == 0:
         # The counter may be bumped just after the close that the prober saw.
@@ -291,7 +287,7 @@ def intruders(rank: int, world_size: int) -> dict:
         store.set("counted", "1")
     # Rank 1 must not start the collective while rank 0 may still be counting (up to 10 s,
     # longer than the group timeout).
-    _wait_for_key("counted", 60)
+    wait_for_key("counted", 60)
     # The group must still work, collective and point-to-point, in both directions.
     inputs = [pattern(1031, torch.float32, r) for r in range(world_size)]
     t = inputs[rank].clone()
@@ -364,7 +360,9 @@ def test_harness_turns_hangs_and_crashes_into_failures(how: str, expected: str) 
     start = time.monotonic()
     with pytest.raises(RankFailure) as info:
         # 5 s: ranks forked from the harness's fork server start in well under a second
-        run_ranks(2, _hang_or_crash, how, init=None, timeout=5 if how == "hang" else 60)
+        # (spawned interpreters take seconds to import torch)
+        hang_deadline = 5 if START_METHOD == "forkserver" else 15
+        run_ranks(2, _hang_or_crash, how, init=None, timeout=hang_deadline if how == "hang" else 60)
     message = str(info.value)
     assert re.search(expected, message), message[:3000]
     assert "rank 0 " not in message, message[:3000]

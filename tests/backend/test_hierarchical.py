@@ -16,8 +16,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from harness import (Cases, assert_close_avg, assert_same, exact_counts, expected_reduce, inputs_for,
-                     ops_for, reduce_op_names, run_ranks, run_suite)
+from harness import Cases, run_ranks, run_suite
+from values import (assert_close_avg, assert_same, exact_counts, expected_reduce, inputs_for,
+                   ops_for, reduce_op_names)
 
 pytestmark = pytest.mark.usefixtures("backend_importable")
 
@@ -119,9 +120,15 @@ _TRAFFIC: list = []
 
 
 def traffic() -> list[dict[str, list[int]]]:
-    """One 4-rank job measures every plan's traffic; the tests below read it."""
+    """One 4-rank job measures every plan's traffic; the tests below read it (a job that failed
+    fails them all with its error, without running again)."""
     if not _TRAFFIC:
-        _TRAFFIC.append(run_ranks(4, _traffic, TRAFFIC_PLANS, TRAFFIC_NUMEL, env=ENV))
+        try:
+            _TRAFFIC.append(run_ranks(4, _traffic, TRAFFIC_PLANS, TRAFFIC_NUMEL, env=ENV))
+        except Exception as e:  # noqa: BLE001 - kept for every test that reads the job
+            _TRAFFIC.append(e)
+    if isinstance(_TRAFFIC[0], Exception):
+        raise _TRAFFIC[0]
     return _TRAFFIC[0]
 
 

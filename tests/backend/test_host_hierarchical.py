@@ -20,8 +20,9 @@ import torch
 import torch.distributed as dist
 
 from marks import hetcomm_only
-from harness import (Cases, assert_close_avg, assert_same, expected_reduce, inputs_for, ops_for,
-                     reduce_op_names, run_ranks, run_suite)
+from harness import Cases, run_ranks, run_suite
+from values import (assert_close_avg, assert_same, expected_reduce, inputs_for, ops_for,
+                   reduce_op_names)
 
 pytestmark = [pytest.mark.usefixtures("backend_importable"), hetcomm_only("host-level schedule")]
 
@@ -218,10 +219,11 @@ def test_rank_killed_mid_host_level_allreduce_fails_every_rank() -> None:
     # Rank 1 dies: rank 0 can see it in shared memory and rank 3 (its partner across hosts,
     # blocks (0,2) and (1,3)) on its socket; the others learn it from a rank that gave up (which
     # one first, and whether its reason is in the store yet, depends on timing). Every survivor
-    # raises long before the 20 s timeout, and the first to know names rank 1.
+    # raises from the death, not at the 20 s timeout (no error says it timed out: asserted on the
+    # path, not on seconds), and the first to know names rank 1.
     results = run_ranks(4, _killed_mid_allreduce, expect_dead=[1], pg_timeout=20, env=_env("0,0,1,1"))
     for rank in (0, 2, 3):
         res = results[rank]
-        assert res["message"] != "no error" and res["elapsed"] < 12, (rank, res)
+        assert res["message"] != "no error" and "timed out" not in res["message"], (rank, res)
     assert any("rank 1" in results[r]["message"] for r in (0, 3)), results
 

@@ -13,8 +13,8 @@ import torch
 import torch.distributed as dist
 
 from marks import hetcomm_only
-from harness import (BACKEND, assert_same, expected_reduce, free_port, is_hetcomm, job_backend,
-                     pattern, run_ranks)
+from harness import BACKEND, free_port, is_hetcomm, job_backend, run_ranks
+from values import assert_same, expected_reduce, pattern
 
 pytestmark = pytest.mark.usefixtures("backend_importable")
 

@@ -21,7 +21,8 @@ import torch
 import torch.distributed as dist
 
 from marks import hetcomm_only
-from harness import Cases, assert_same, expected_reduce, inputs_for, run_suite
+from harness import Cases, run_suite
+from values import assert_same, expected_reduce, inputs_for
 from collective_suite import FAMILIES, collective_suite, family_params
 
 pytestmark = [pytest.mark.usefixtures("backend_importable"),

@@ -21,8 +21,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from hetcomm import planner
 from marks import hetcomm_only
-from harness import default_store, exact_counts, run_ranks
+from harness import default_store, run_ranks
+from values import exact_counts
 
 pytestmark = [pytest.mark.usefixtures("backend_importable"), hetcomm_only("hetcomm.stats")]
 
@@ -30,17 +32,18 @@ pytestmark = [pytest.mark.usefixtures("backend_importable"), hetcomm_only("hetco
 COLLECTIVE_HEADER_BYTES = 40
 P2P_HEADER_BYTES = 24
 # float32: 480 KB, above the 32 KB recursive-doubling limit (the ring runs); every share the
-# plans below give divides it (harness.exact_counts).
+# plans below give divides it (values.exact_counts).
 NUMEL = 120_000
+NUMEL_ODD = 120_007  # prime: no share divides it
 LATE_S = 0.3
 KEYS = {"rank", "world_size", "peers", "bytes_sent", "bytes_received", "collectives", "collective_seconds",
         "p2p_sent_messages", "p2p_received_messages", "collectives_by_path", "shared_memory_bytes"}
 
 
-def ring_link_bytes(numel: int, element_size: int, order: list[int], shares: list[float]) -> dict:
+def ring_link_bytes(numel: int, element_size: int, order: list[int], shares: list[float], counts=exact_counts) -> dict:
     """{(sender, receiver): bytes} of one ring allreduce over the plan (order, shares)."""
     p = len(order)
-    counts = exact_counts(numel, [shares[order[pos]] for pos in range(p)])
+    counts = counts(numel, [shares[order[pos]] for pos in range(p)])
     return {(order[i], order[(i + 1) % p]):
             COLLECTIVE_HEADER_BYTES + element_size * (2 * numel - counts[i] - counts[(i + 1) % p])
             for i in range(p)}
@@ -81,17 +84,19 @@ def _traffic(rank: int, world_size: int, plans: list, extras: bool) -> dict:
     import hetcomm
 
     out = {"start": hetcomm.stats(), "allreduce": []}
-    for plan in plans:  # None: the plan the group was created with
+    for plan in plans:  # None: the plan the group was created with; else (order, shares, numel)
+        numel = NUMEL
         if plan is not None:
             hetcomm.backend_of().set_plan(plan[0], plan[1], 0, 0)
+            numel = plan[2]
         p = hetcomm.get_plan()
-        t = torch.full((NUMEL,), float(rank + 1))
+        t = torch.full((numel,), float(rank + 1))
         before = hetcomm.stats()
         dist.all_reduce(t)
         after = hetcomm.stats()
         assert t[0].item() == world_size * (world_size + 1) / 2
         out["allreduce"].append({"order": list(p.order), "shares": list(p.shares), "min_bytes": p.min_bytes,
-                                 "delta": delta(after, before)})
+                                 "numel": numel, "delta": delta(after, before)})
 
     # Four collectives, one of each kind; a small allreduce runs recursive doubling.
     before = hetcomm.stats()
@@ -154,13 +159,17 @@ def check_job(results: list[dict], world_size: int) -> None:
         assert len(start["bytes_sent"]) == len(start["bytes_received"]) == world_size
 
         for ar in r["allreduce"]:
-            d = ar["delta"]
-            assert NUMEL * 4 >= ar["min_bytes"]  # the plan applies at this size
-            expected = ring_link_bytes(NUMEL, 4, ar["order"], ar["shares"])
+            d, numel = ar["delta"], ar["numel"]
+            assert numel * 4 >= ar["min_bytes"]  # the plan applies at this size
+            # A total every share divides: the counts by hand. Another (prime) one: the engine's
+            # rounding (sharesToCounts) must be the planner's model of it, the Python twin
+            # (checked by itself against exact apportionment in tests/plan/test_planner.py).
+            counts = exact_counts if numel == NUMEL else planner.shares_to_counts
+            expected = ring_link_bytes(numel, 4, ar["order"], ar["shares"], counts)
             for peer in range(world_size):
                 assert d["bytes_sent"][peer] == expected.get((rank, peer), 0), (rank, peer, ar)
                 assert d["bytes_received"][peer] == expected.get((peer, rank), 0), (rank, peer, ar)
-            if world_size == 2 or ar["shares"] == [1 / world_size] * world_size:
+            if numel == NUMEL and (world_size == 2 or ar["shares"] == [1 / world_size] * world_size):
                 # Uniform shares: the classic 2(P-1)/P of the buffer, plus one header.
                 payload = 2 * (world_size - 1) * NUMEL * 4 // world_size
                 assert sum(d["bytes_sent"]) == payload + COLLECTIVE_HEADER_BYTES
@@ -198,9 +207,13 @@ def check_job(results: list[dict], world_size: int) -> None:
 @pytest.mark.parametrize("world_size,emulate_device", [(2, False), (2, True), (3, False)],
                          ids=["2ranks", "2ranks-staged", "3ranks"])
 def test_counts_match_the_algorithms(world_size: int, emulate_device: bool) -> None:
+    """Every link's bytes, byte for byte, against the ring's schedule: counts by hand where the
+    total divides every share, and the planner's model of the engine's rounding where it does not
+    (this test used to rebuild sharesToCounts operation for operation: the code against itself)."""
     plans = [None]
     if world_size == 3:
-        plans.append(([2, 0, 1], [0.5, 0.3, 0.2]))  # another order, unequal shares
+        plans.append(([2, 0, 1], [0.5, 0.3, 0.2], NUMEL))       # another order, unequal shares
+        plans.append(([2, 0, 1], [0.5, 0.3, 0.2], NUMEL_ODD))   # and a total they do not divide
     # The algorithms over TCP: these ranks share one machine, whose collectives would otherwise go
     # through shared memory (test_shm.py checks that no socket byte moves then).
     env = {"HETCOMM_SHM": "0", **({"HETCOMM_DEBUG_EMULATE_DEVICE": "1"} if emulate_device else {})}

@@ -304,6 +304,8 @@ def test_sim_table_has_prediction_bound_and_speedups():
 
 
 def test_sim_json_records_spec_plans_predictions():
+    """The JSON of a simulated run: spec, plans, bounds, and a prediction checked against the
+    hand-derived value of the plan (it was checked for being positive)."""
     document = json.loads(json.dumps(synthetic_report().to_json(), allow_nan=False))
     assert document["sim"]["spec"]["nic_mbit"] == [800, 800, 800, 100]
     assert document["plans"]["hetcomm"]["order"] == [0, 3, 2, 1]
@@ -312,7 +314,7 @@ def test_sim_json_records_spec_plans_predictions():
     assert row["bound_s"] == pytest.approx(16 * MB / 12.5e6)
     hc = row["backends"]["hetcomm"]
     # The plan gives the 100 Mbit/s rank all of the buffer: its NIC carries N each way and every
-    # other link less (design.md's worked example), so the prediction is N / 12.5 MB/s plus the
+    # other link less (docs/planner.md's worked example), so the prediction is N / 12.5 MB/s plus the
     # pipeline's start-up (well under 1%), computed here by hand rather than only "positive".
     assert hc["predicted_s"] == pytest.approx(16 * MB / 12.5e6, rel=0.01)
     assert hc["pred_ratio"] == pytest.approx(1.4 / hc["predicted_s"])
@@ -403,6 +405,8 @@ def _bench(args: list[str], timeout: float) -> subprocess.CompletedProcess:
 
 @pytest.mark.slow
 def test_end_to_end_local(tmp_path):
+    """A real run on 2 local ranks; its figures checked against their definitions (algbw,
+    busbw, the hetcomm/gloo ratio), not merely for being positive as they were."""
     out = tmp_path / "local.json"
     proc = _bench(["--nprocs", "2", "--sizes", "8,64K", "--backends", "hetcomm,gloo",
                    "--json", str(out)], E2E_TIMEOUT_S)

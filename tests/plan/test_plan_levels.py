@@ -11,7 +11,7 @@ import random
 
 import pytest
 
-# (levels.py needs neither torch nor the extension: tests/test_imports.py checks that plan/ stays
+# (levels.py needs neither torch nor the extension: tests/backend/test_imports.py checks that plan/ stays
 # so; the suite's process imports torch anyway, so loading it here by path saved nothing.)
 from hetcomm.plan import levels as sites
 

@@ -20,7 +20,8 @@ import torch
 import torch.distributed as dist
 
 from marks import hetcomm_only
-from harness import assert_same, expected_reduce, pattern, run_ranks
+from harness import run_ranks
+from values import assert_same, expected_reduce, pattern
 
 from hetcomm import planner, topology
 

@@ -2,7 +2,7 @@
 
 ``collective_suite(rank, world_size, device)`` runs every family of checks in one job (spawning
 costs seconds, a small collective microseconds), recording each with ``harness.Cases``; inputs
-follow ``x[i] = (i % period) * STRIDE + rank`` (see ``harness.pattern``), so that every expected
+follow ``x[i] = (i % period) * STRIDE + rank`` (see ``values.pattern``), so that every expected
 result is exactly representable whatever the reduction order, and expected values are computed
 with plain torch. Run on the CPU by tests/backend/test_collectives.py (shared memory and TCP),
 test_staged.py (the staged device path), transport/test_shm.py (small slots), and on CUDA by
@@ -16,8 +16,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from harness import (Cases, assert_close_avg, assert_same, default_store, expected_reduce,
-                     inputs_for, is_hetcomm, ops_for, pattern, poison_like, reduce_op_names)
+from harness import Cases, default_store, is_hetcomm
+from values import (assert_close_avg, assert_same, expected_reduce, inputs_for, ops_for, pattern,
+                   poison_like, reduce_op_names)
 
 R = dist.ReduceOp
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.uint8,

@@ -20,13 +20,8 @@ import sys
 import harness
 
 
-def _run_program(module: str, argv: list[str], log_path: str, environ: dict) -> None:
-    os.environ.clear()
-    os.environ.update(environ)
-    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-    os.dup2(fd, 1)
-    os.dup2(fd, 2)
-    os.close(fd)
+def _run_program(module: str, argv: list[str], log_path: str, environ: dict, forked: bool) -> None:
+    harness.enter_process(environ, log_path)
     # The fork server runs with SIGINT ignored (multiprocessing's default); a program expects it.
     signal.signal(signal.SIGINT, signal.default_int_handler)
     sys.argv = [module, *argv]
@@ -35,6 +30,8 @@ def _run_program(module: str, argv: list[str], log_path: str, environ: dict) -> 
     finally:
         sys.stdout.flush()
         sys.stderr.flush()
+        if forked:                      # a spawned interpreter exits as a program does by itself
+            harness.exit_like_a_program()
     sys.exit(code or 0)
 
 
@@ -43,12 +40,17 @@ class Forked:
 
     def __init__(self, module: str, argv: list[str], log_path: str, env: dict | None = None) -> None:
         environ = dict(os.environ)
-        environ.update(env or {})
+        for k, v in (env or {}).items():   # None unsets a variable
+            if v is None:
+                environ.pop(k, None)
+            else:
+                environ[k] = str(v)
         self.args = [module, *argv]
-        self._proc = harness._context(environ).Process(target=_run_program, name=module,
-                                                 args=(module, list(argv), str(log_path), environ),
-                                                 daemon=True)
-        with harness._environment_of_new_interpreters(environ):
+        ctx = harness._context(environ)
+        self._proc = ctx.Process(target=_run_program, name=module,
+                                 args=(module, list(argv), str(log_path), environ,
+                                       ctx.get_start_method() != "spawn"), daemon=True)
+        with harness.environment_for(ctx, environ):
             self._proc.start()
         self.pid = self._proc.pid
 

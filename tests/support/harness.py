@@ -15,8 +15,8 @@ Why the harness looks the way it does:
   a rank that is still running at the harness deadline gets SIGUSR1 (faulthandler dumps every
   Python thread's stack to a file), then SIGKILL, and the dump goes into the failure message.
   Pytest never waits on a child without a deadline.
-* Starting a set of processes costs seconds (every child imports torch), so suites run many
-  checks in one job. ``Cases`` lets a rank run hundreds of named checks, keep going after a
+* Starting a set of processes still costs something (a group to form, a store to reach), so
+  suites run many checks in one job. ``Cases`` lets a rank run hundreds of named checks, keep going after a
   failed one, and log each one to a per-rank file *as it happens*. If the job then crashes or
   hangs, ``run_suite`` still knows which checks passed, which failed and which one was running
   when the job died, and reports them per family of checks.
@@ -38,7 +38,6 @@ import contextlib
 import dataclasses
 import datetime
 import faulthandler
-import functools
 import json
 import multiprocessing
 import os
@@ -49,6 +48,7 @@ import signal
 import socket
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from multiprocessing.connection import wait as wait_for_objects
@@ -186,18 +186,39 @@ _CASE_LOG = None     # the open case log of this rank (child processes only)
 _JOB_BACKEND = None  # the backend this rank's job runs on (child processes only)
 
 
-def _rank_main(rank: int, world_size: int, spec: _RankSpec, conn) -> None:
-    global _CASE_LOG, _JOB_BACKEND
-    # A rank forked from the fork server starts with the server's environment: take the job's
-    # (os.environ writes through to the C library's, which the extension reads).
+def enter_process(environ: dict, output: str) -> None:
+    """What a process the harness starts does first, before it imports any code of the test: take
+    the job's environment (a forked one starts with the fork server's; os.environ writes through
+    to the C library's, which the extension reads) and send its stdout and stderr to ``output``
+    (a forked one would otherwise write to whatever the fork server inherited)."""
     os.environ.clear()
-    os.environ.update(spec.environ)
-    # Its stdout and stderr go to a file of the job, which the parent reads into the outcome (a
-    # forked rank would otherwise write to whatever the fork server inherited).
-    out = os.open(os.path.join(spec.workdir, f"rank{rank}.out"), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.environ.update(environ)
+    out = os.open(output, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     os.dup2(out, 1)
     os.dup2(out, 2)
     os.close(out)
+
+
+def exit_like_a_program() -> None:
+    """What the interpreter does when a program ends, for a forked process (which multiprocessing
+    ends in os._exit): join the threads that are not daemons (an executor's workers among them),
+    then run the exit handlers (hetcomm shuts its groups down in one), in that order. The
+    interpreter's finalization itself cannot be had in a fork: tests of it use fresh=True."""
+    threading._shutdown()
+    atexit._run_exitfuncs()
+
+
+def _rank_entry(rank: int, world_size: int, environ: dict, workdir: str, spec_bytes: bytes, conn) -> None:
+    """The target of a rank's process: the job's environment and output first, then its spec,
+    whose unpickling imports the test module (which then sees that environment, and whose
+    import errors go to the rank's output)."""
+    enter_process(environ, os.path.join(workdir, f"rank{rank}.out"))
+    spec = pickle.loads(spec_bytes)
+    _rank_main(rank, world_size, spec, conn)
+
+
+def _rank_main(rank: int, world_size: int, spec: _RankSpec, conn) -> None:
+    global _CASE_LOG, _JOB_BACKEND
     _JOB_BACKEND = spec.backend
     trace_file = open(os.path.join(spec.workdir, f"rank{rank}.trace"), "w")
     faulthandler.enable(file=trace_file, all_threads=True)
@@ -241,9 +262,7 @@ def _rank_main(rank: int, world_size: int, spec: _RankSpec, conn) -> None:
     send("teardown", teardown)
     conn.close()
     if spec.forked:
-        # A forked process ends in os._exit, which skips the exit handlers a program runs
-        # (hetcomm shuts its groups down in one): run them, as a program's exit would.
-        atexit._run_exitfuncs()
+        exit_like_a_program()
 
 
 def _init_process_group(rank: int, world_size: int, spec: _RankSpec) -> None:
@@ -289,6 +308,16 @@ def wait_until_gone(pid: int, limit_s: float = 60.0) -> None:
             return
         time.sleep(0.01)
     raise AssertionError(f"process {pid} did not exit within {limit_s} s")
+
+
+def wait_for_key(key: str, limit_s: float = 60.0) -> None:
+    """Until ``key`` is in the default group's store, polled (a wait that an abort of the group
+    cannot turn into an error); raises after ``limit_s``."""
+    store, deadline = default_store(), time.monotonic() + limit_s
+    while not store.check([key]):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the key {key!r} did not appear in the store within {limit_s} s")
+        time.sleep(0.05)
 
 
 def default_store():
@@ -347,10 +376,11 @@ class Cases:
 # Ranks are forked from a fork server that has imported torch and hetcomm once, instead of
 # spawned as fresh interpreters that each import them again (about 2 s of a core per rank, which
 # was most of the suite's time). Every rank is still a new process with its own state: the fork
-# server never runs a rank's code, and it forks before any thread exists. HETCOMM_TEST_START=spawn
-# goes back to fresh interpreters.
+# server never runs a rank's code, and it forks before any thread of ours exists (a library's
+# thread pool, such as OpenBLAS's, is rebuilt in the child by its fork handlers).
+# HETCOMM_TEST_START=spawn goes back to fresh interpreters.
 START_METHOD = os.environ.get("HETCOMM_TEST_START", "forkserver")
-PRELOAD = ["torch", "torch.distributed", "numpy", "pytest", "harness"]
+PRELOAD = ["torch", "torch.distributed", "numpy", "pytest", "harness", "values"]
 # What a hetcomm group and the training tests load (the extension's settings are read from the
 # environment on first use, in the rank, not when it is loaded).
 HETCOMM_PRELOAD = ["hetcomm", "hetcomm._C", "hetcomm.topology", "hetcomm.train.diloco", "hetcomm.train.elastic"]
@@ -368,22 +398,44 @@ def _read_at_import(environ: dict) -> dict[str, str]:
 
 
 @contextlib.contextmanager
-def _environment_of_new_interpreters(environ: dict):
-    """While a process is started: the environment it is given, for a spawned interpreter, which
-    reads some of it (torch's import) before the rank's code can set it."""
-    saved = dict(os.environ)
-    os.environ.clear()
-    os.environ.update(environ)
+def environment_for(ctx, environ: dict):
+    """While a process of ``ctx`` is started: for a spawned interpreter, which reads some of its
+    environment (torch's import) before any code of ours runs, the variables in which ``environ``
+    differs from this process's, set here for the moment (only those: the job's TCPStore server
+    thread of this process reads the environment meanwhile). A forked process takes its
+    environment itself (enter_process), and the fork server keeps the one it started with."""
+    if ctx.get_start_method() != "spawn":
+        yield
+        return
+    changed = {k: os.environ.get(k) for k in set(environ) | set(os.environ) if environ.get(k) != os.environ.get(k)}
+    for k in changed:
+        if k in environ:
+            os.environ[k] = environ[k]
+        else:
+            del os.environ[k]
     try:
         yield
     finally:
-        os.environ.clear()
-        os.environ.update(saved)
+        for k, v in changed.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _forkserver_is_private() -> bool:
+    """Whether the fork server listens where only this user can connect: a socket file in a
+    private directory. Before Python 3.9.16/3.10.9/3.11.1 it used an abstract socket any local
+    user could reach (CVE-2022-42919), and the suite runs as root in CI: spawn there instead."""
+    from multiprocessing import connection
+    return not connection.arbitrary_address("AF_UNIX").startswith("\0")
 
 
 def _context(environ: dict | None = None):
     """The context a job's ranks start from: the fork server, unless the job's environment
     differs from the server's in something read at import (then fresh interpreters)."""
+    if START_METHOD == "forkserver" and not _forkserver_is_private():
+        return multiprocessing.get_context("spawn")
     if START_METHOD == "forkserver":
         if not _SERVER_ENVIRON:
             _SERVER_ENVIRON.update(os.environ)          # what the server starts with (once)
@@ -433,14 +485,15 @@ def run_ranks_outcomes(world_size: int, fn: Callable, *args: Any, backend: str |
 
     ctx = multiprocessing.get_context("spawn") if fresh else _context(environ)
     spec.forked = ctx.get_start_method() != "spawn"
+    spec_bytes = pickle.dumps(spec)
     procs, conns = [], []
     outcomes = [RankOutcome(rank=r) for r in range(world_size)]
     try:
         for rank in range(world_size):
             parent_end, child_end = ctx.Pipe(duplex=False)
-            p = ctx.Process(target=_rank_main, args=(rank, world_size, spec, child_end),
+            p = ctx.Process(target=_rank_entry, args=(rank, world_size, environ, workdir, spec_bytes, child_end),
                             name=f"rank{rank}", daemon=True)
-            with _environment_of_new_interpreters(environ):
+            with environment_for(ctx, environ):
                 p.start()
             child_end.close()  # else the parent never sees EOF from a dead child
             procs.append(p)
@@ -635,177 +688,3 @@ def run_suite(world_size: int, fn: Callable, *args: Any, families: Sequence[str]
                     f"rank {o.rank}: not reached, the job ended earlier:\n{first_lines(story, 8)}")
     return SuiteReport(failures=failures, passed=passed, job_problems=problems,
                        values=[o.value if o.status == "ok" else None for o in outcomes])
-
-
-# --------------------------------------------------------------------------------------------
-# Values with exactly known results
-# --------------------------------------------------------------------------------------------
-
-MAX_WORLD_SIZE = 4
-STRIDE = 4  # >= MAX_WORLD_SIZE, so that i * STRIDE + rank tells both i and rank apart
-
-# The largest magnitude up to which every integer is representable (floats) or which does not
-# overflow (integers). Patterns keep |x| <= LIMIT / MAX_WORLD_SIZE so that every partial sum of
-# up to four ranks' values is an exactly representable integer, in any reduction order.
-_EXACT_LIMIT = {
-    "torch.float16": 2048, "torch.bfloat16": 256, "torch.float32": 2 ** 24,
-    "torch.float64": 2 ** 53, "torch.int8": 127, "torch.uint8": 255,
-    "torch.int32": 2 ** 31 - 1, "torch.int64": 2 ** 62,
-}
-
-
-def is_signed(dtype) -> bool:
-    return dtype.is_floating_point or dtype.is_signed
-
-
-def pattern(n: int, dtype, rank: int, salt: int = 0):
-    """``x[i] = (i % period) * STRIDE + rank - offset``: exact under SUM/MIN/MAX of <= 4 ranks.
-
-    ``salt`` shifts i, so that one rank can hold several distinct tensors (one per peer in
-    reduce_scatter, all_to_all, scatter). Signed dtypes are centred on zero, so that MIN and
-    MAX see negative values. bool: bit ``rank`` of i, so that AND, OR and XOR all vary.
-    Returns a fresh tensor the caller may modify.
-    """
-    return _cached_pattern(n, dtype, rank, salt).clone()
-
-
-@functools.lru_cache(maxsize=32)
-def _cached_pattern(n: int, dtype, rank: int, salt: int):
-    # Cached, and built from one period tiled in the target dtype, because the suites build
-    # every rank's 16 MiB input again and again to compute expected values, and filling fresh
-    # int64 memory is slow on small machines.
-    import torch
-
-    if dtype == torch.bool:
-        i = torch.arange(n, dtype=torch.int64) + 7 * salt
-        return ((i >> rank) & 1).bool()
-    per_rank = _EXACT_LIMIT[str(dtype)] // MAX_WORLD_SIZE
-    span = 2 * per_rank if is_signed(dtype) else per_rank
-    period = min((span - STRIDE) // STRIDE, 1_000_003)
-    offset = (period * STRIDE) // 2 if is_signed(dtype) else 0
-    k = (torch.arange(min(n, period), dtype=torch.int64) + 7 * salt) % period
-    one_period = (k * STRIDE + rank - offset).to(dtype)
-    if n <= period:
-        return one_period
-    return one_period.repeat((n + period - 1) // period)[:n].clone()
-
-
-def exact_counts(total: int, shares) -> list[int]:
-    """``total`` elements split by ``shares`` in exact arithmetic, for a total that every share
-    divides (asserted): the expected counts of a test then need no rounding rule, so they do not
-    depend on the engine's own (``sharesToCounts``, which has hand-computed cases of its own in
-    tests/cpp/test_ring_schedule.cc and tests/plan/test_planner.py). Shares are read as the short
-    fractions they stand for (0.3 as 3/10, 1/3 as 1/3)."""
-    from fractions import Fraction
-
-    parts = [Fraction(s).limit_denominator(1000) for s in shares]
-    counts = [total * p / sum(parts) for p in parts]
-    assert all(c.denominator == 1 for c in counts), f"{total} does not split exactly by {list(shares)}"
-    return [int(c) for c in counts]
-
-
-def product_pattern(n: int, dtype, rank: int, salt: int = 0):
-    """Values in {0, 1, 2, 3} (and -1, -2 when signed): a product of four fits int8 and bf16."""
-    import torch
-
-    if dtype == torch.bool:
-        return pattern(n, dtype, rank, salt)
-    choices = [1, 2, -1, 1, 0, -2, 3] if is_signed(dtype) else [1, 2, 3, 1, 0, 2, 1]
-    i = torch.arange(n, dtype=torch.int64) * 3 + rank * 2 + salt
-    return torch.tensor(choices, dtype=torch.int64)[i % len(choices)].to(dtype)
-
-
-def reduce_op_names():
-    import torch.distributed as dist
-
-    R = dist.ReduceOp
-    return {R.SUM: "SUM", R.AVG: "AVG", R.PRODUCT: "PRODUCT", R.MIN: "MIN", R.MAX: "MAX",
-            R.BAND: "BAND", R.BOR: "BOR", R.BXOR: "BXOR"}
-
-
-def ops_for(dtype) -> list:
-    """The reductions that are defined for a dtype (AVG for floats, bitwise ops for integers)."""
-    import torch
-    import torch.distributed as dist
-
-    R = dist.ReduceOp
-    if dtype == torch.bool:
-        return [R.SUM, R.MIN, R.MAX, R.BAND, R.BOR, R.BXOR]
-    if dtype.is_floating_point:
-        return [R.SUM, R.AVG, R.PRODUCT, R.MIN, R.MAX]
-    return [R.SUM, R.PRODUCT, R.MIN, R.MAX, R.BAND, R.BOR, R.BXOR]
-
-
-def inputs_for(op, n: int, dtype, rank: int, salt: int = 0):
-    import torch.distributed as dist
-
-    if op == dist.ReduceOp.PRODUCT:
-        return product_pattern(n, dtype, rank, salt)
-    return pattern(n, dtype, rank, salt)
-
-
-def expected_reduce(tensors: Sequence, op):
-    """The reduction of ``tensors`` computed with plain torch in their own dtype."""
-    import torch
-    import torch.distributed as dist
-
-    R = dist.ReduceOp
-    dtype = tensors[0].dtype
-    if op == R.AVG:
-        total = functools.reduce(torch.add, [t.double() for t in tensors])
-        return (total / len(tensors)).to(dtype)
-    if dtype == torch.bool:
-        fold = {R.SUM: torch.logical_or, R.PRODUCT: torch.logical_and, R.MIN: torch.logical_and,
-                R.MAX: torch.logical_or, R.BAND: torch.logical_and, R.BOR: torch.logical_or,
-                R.BXOR: torch.logical_xor}[op]
-    else:
-        fold = {R.SUM: torch.add, R.PRODUCT: torch.mul, R.MIN: torch.minimum,
-                R.MAX: torch.maximum, R.BAND: torch.bitwise_and, R.BOR: torch.bitwise_or,
-                R.BXOR: torch.bitwise_xor}[op]
-    return functools.reduce(fold, tensors)
-
-
-def poison_like(expected):
-    """A buffer that differs from ``expected`` in every element: unwritten output shows up."""
-    import torch
-
-    if expected.dtype == torch.bool:
-        return ~expected
-    return expected + 1  # integer overflow wraps, and still differs
-
-
-def assert_same(got, expected, what: str = "") -> None:
-    """Exact equality of dtype, shape and every element, with a message that shows where."""
-    import torch
-
-    prefix = f"{what}: " if what else ""
-    got, expected = got.cpu(), expected.cpu()  # results of CUDA collectives are checked here too
-    assert got.dtype == expected.dtype, f"{prefix}dtype {got.dtype} != expected {expected.dtype}"
-    assert got.shape == expected.shape, \
-        f"{prefix}shape {tuple(got.shape)} != expected {tuple(expected.shape)}"
-    if torch.equal(got, expected):
-        return
-    g, e = got.reshape(-1), expected.reshape(-1)
-    wrong = (g != e).nonzero().reshape(-1)
-    first = wrong[:5].tolist()
-    raise AssertionError(
-        f"{prefix}{wrong.numel()} of {e.numel()} elements wrong; first at "
-        + ", ".join(f"[{i}] got {g[i].item()} expected {e[i].item()}" for i in first))
-
-
-def assert_close_avg(got, expected_sum_exact, world_size: int, what: str = "") -> None:
-    """AVG may divide before or after summing: allow a few ulps of the result."""
-    import torch
-
-    got, expected_sum_exact = got.cpu(), expected_sum_exact.cpu()
-    exact = expected_sum_exact.double() / world_size
-    eps = torch.finfo(got.dtype).eps
-    tol = world_size * eps * (exact.abs() + 1)
-    err = (got.double() - exact).abs()
-    assert got.dtype == expected_sum_exact.dtype and got.shape == exact.shape, \
-        f"{what}: dtype/shape {got.dtype}{tuple(got.shape)}"
-    if bool((err <= tol).all()):
-        return
-    i = int(torch.argmax(err - tol))
-    raise AssertionError(f"{what}: {(err > tol).sum().item()} elements off; worst [{i}] got "
-                         f"{got.reshape(-1)[i].item()} expected {exact.reshape(-1)[i].item()}")

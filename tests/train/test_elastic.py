@@ -5,6 +5,11 @@ the synchronisation and while another joins, restarted, and the store itself is 
 What is asserted every time: no process hangs (each has a deadline), every worker that reports a
 round reports the same fingerprint of the global parameters for it (restarted incarnations
 included), the survivors reach the last round, and the membership records say who left and joined.
+
+Workers and the store are forked (tests/support/forked.py): a restart trains within a fraction of
+a second instead of the seconds a new interpreter took. A worker's heartbeat timeout is 10 s
+(elastic_worker.py --timeout): deaths close its liveness connection and are known at once, and a
+starved worker is no longer dropped at 3 s; only the frozen-worker test sets 3 s.
 """
 from __future__ import annotations
 

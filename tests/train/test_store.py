@@ -40,8 +40,8 @@ def ranks_through_the_store(rank: int, world: int, port: int) -> dict:
     return {"before": x.tolist(), "after": y.tolist(), "error": error}
 
 
-def test_a_store_of_its_own_serves_a_group_and_its_death_raises():
-    proc, port = start_store()
+def test_a_store_of_its_own_serves_a_group_and_its_death_raises(tmp_path):
+    proc, port = start_store(str(tmp_path))
     try:
         client = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=30))
         import threading

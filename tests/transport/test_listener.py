@@ -18,7 +18,8 @@ import torch
 import torch.distributed as dist
 
 from marks import hetcomm_only
-from harness import assert_same, default_store, expected_reduce, pattern, run_ranks
+from harness import default_store, run_ranks, wait_for_key
+from values import assert_same, expected_reduce, pattern
 
 pytestmark = [pytest.mark.usefixtures("backend_importable"),
               hetcomm_only("floods hetcomm's own listening port")]
@@ -28,10 +29,6 @@ IDLE_S = 2.0
 BUSY_LOOP_CPU_PER_S = 0.5  # an idle rank uses ~0; a spinning listener ~1 core
 
 
-def _wait_for_key(key: str, limit_s: float = 60.0) -> None:
-    store, deadline = default_store(), time.monotonic() + limit_s
-    while not store.check([key]) and time.monotonic() < deadline:
-        time.sleep(0.05)
 
 
 def _exact_allreduces(rank: int, world_size: int) -> None:
@@ -53,7 +50,7 @@ def flooded(rank: int, world_size: int, limit: str) -> dict | None:
         soft = 512 if limit == "512" else open_now + 16
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
         store.set("flood_target", hetcomm.listen_address())
-        _wait_for_key("flooded")
+        wait_for_key("flooded")
         before, start = resource.getrusage(resource.RUSAGE_SELF), time.monotonic()
         time.sleep(IDLE_S)
         after, elapsed = resource.getrusage(resource.RUSAGE_SELF), time.monotonic() - start
@@ -68,7 +65,7 @@ def flooded(rank: int, world_size: int, limit: str) -> dict | None:
                 "limit": soft}
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, min(hard, FLOOD + 500)), hard))
-    _wait_for_key("flood_target")
+    wait_for_key("flood_target")
     host, port = store.get("flood_target").decode().rsplit(":", 1)
     sockets = []
     for _ in range(FLOOD):
@@ -79,7 +76,7 @@ def flooded(rank: int, world_size: int, limit: str) -> dict | None:
     time.sleep(0.5)
     store.set("flooded", "1")
     _exact_allreduces(rank, world_size)
-    _wait_for_key("flood_done")
+    wait_for_key("flood_done")
     for s in sockets:
         s.close()
     return None

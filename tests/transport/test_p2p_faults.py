@@ -14,7 +14,8 @@ import torch
 import torch.distributed as dist
 
 from marks import hetcomm_only
-from harness import assert_same, default_store, die, pattern, run_ranks, wait_until_gone
+from harness import default_store, die, run_ranks, wait_for_key, wait_until_gone
+from values import assert_same, pattern
 
 pytestmark = pytest.mark.usefixtures("backend_importable")
 
@@ -22,10 +23,6 @@ PG_TIMEOUT_S = 30.0
 HANG_BOUND_S = 15.0  # well under PG_TIMEOUT_S: only waiting for the timeout can exceed it
 
 
-def _wait_for_key(key: str, limit_s: float = 60.0) -> None:
-    store, deadline = default_store(), time.monotonic() + limit_s
-    while not store.check([key]) and time.monotonic() < deadline:
-        time.sleep(0.05)
 
 
 def peer_exits_then_p2p(rank: int, world_size: int, op: str) -> dict | None:
@@ -35,7 +32,7 @@ def peer_exits_then_p2p(rank: int, world_size: int, op: str) -> dict | None:
     if rank == 1:
         default_store().set("exiting", str(os.getpid()))
         die()
-    _wait_for_key("exiting")
+    wait_for_key("exiting")
     wait_until_gone(int(default_store().get("exiting")))
     t = torch.ones(1000)
     start = time.monotonic()
@@ -78,7 +75,7 @@ def sender_runs_ahead(rank: int, world_size: int) -> dict | None:
     big = pattern(BIG // 4, torch.float32, 0)
     small = pattern(100, torch.float32, 0, salt=5)
     if rank == 0:
-        _wait_for_key("receiver_ready")
+        wait_for_key("receiver_ready")
         # Start late enough that the receiver's stuck receive (posted before "receiver_ready")
         # times out well before these sends would.
         time.sleep(2.0)
@@ -158,7 +155,7 @@ def monitored(rank: int, world_size: int) -> dict:
             result["error"] = str(e)
     default_store().set(f"monitored_done_{rank}", "1")
     for r in range(world_size):
-        _wait_for_key(f"monitored_done_{r}")
+        wait_for_key(f"monitored_done_{r}")
     return result
 
 
@@ -179,7 +176,7 @@ def any_source_in_arrival_order(rank: int, world_size: int) -> list | None:
         store.set("rank2_sent", "1")
         return None
     if rank == 1:
-        _wait_for_key("rank2_arrived")
+        wait_for_key("rank2_arrived")
         for i in range(50):
             dist.send(torch.full((4,), 1.0), dst=0, tag=8)
         store.set("rank1_sent", "1")
@@ -195,10 +192,10 @@ def any_source_in_arrival_order(rank: int, world_size: int) -> list | None:
             assert time.monotonic() < deadline, f"{n} messages never arrived"
             time.sleep(0.001)
 
-    _wait_for_key("rank2_sent")
+    wait_for_key("rank2_sent")
     arrived(1)       # rank 2's message is here, unclaimed
     store.set("rank2_arrived", "1")
-    _wait_for_key("rank1_sent")
+    wait_for_key("rank1_sent")
     arrived(51)      # and rank 1's 50 too
     sources = []
     for _ in range(51):

@@ -30,7 +30,8 @@ import torch
 import torch.distributed as dist
 
 from marks import hetcomm_only
-from harness import RankFailure, assert_same, expected_reduce, pattern, run_ranks, run_suite
+from harness import RankFailure, run_ranks, run_suite
+from values import assert_same, expected_reduce, pattern
 from harness import free_port as free_port_
 import collective_suite
 
@@ -282,7 +283,7 @@ def test_rank_killed_mid_collective_is_named_and_leaks_nothing(victim: int) -> N
     for rank in {0, 1, 2} - {victim}:
         res = results[rank]
         assert f"rank {victim}" in res["message"], res
-        assert res["elapsed"] < 10, res  # the liveness check, not the 20 s timeout
+        assert "timed out" not in res["message"], res   # the liveness check, not the 20 s timeout
     assert set(glob.glob(SEGMENTS)) <= before
 
 

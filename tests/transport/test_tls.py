@@ -17,7 +17,8 @@ import torch
 import torch.distributed as dist
 
 from marks import hetcomm_only
-from harness import assert_same, free_port, pattern, run_ranks
+from harness import free_port, run_ranks
+from values import assert_same, pattern
 from marks import needs_netns
 from simrun import assert_clean
 

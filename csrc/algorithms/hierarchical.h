@@ -33,7 +33,7 @@
 // the site). Per rank:
 //   1. host reduce-scatter through shared memory: each holder gets its blocks summed over its host;
 //   2. site reduce: every holder of b that is not b's owner in its site sends b to the owner, which
-//      adds the other hosts' sums in increasing host order;
+//      adds the other hosts' sums to its own host's in increasing host order;
 //   3-4. across sites, between the owners, as steps 2-3 above;
 //   5. site gather: the owner sends the final b to the site's other holders of b;
 //   6. host all-gather through shared memory.
@@ -72,7 +72,9 @@ struct SitePlan {
   std::vector<std::vector<int>> holders;
 
   // Throws CommError unless the sites partition 0..size-1, every block names one rank of each
-  // site, and the shares are finite, non-negative and not all zero.
+  // site, and the shares are finite, non-negative and not all zero; with hosts, unless the hosts
+  // partition the ranks inside the sites, every block names one holder of each host (contiguous
+  // per rank) and every owner holds its block.
   void validate(int size) const;
   uint64_t fingerprint() const;
 };

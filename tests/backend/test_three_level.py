@@ -47,32 +47,87 @@ CLUSTERS = {
 }
 
 
-def _three_level_suite(rank: int, ws: int, subgroup: list) -> dict:
+def _three_level_suite(rank: int, ws: int, subgroup: list, sub_level: str) -> dict:
     import hetcomm
+    from harness import Cases
     out = level_suite(rank, ws, "three")
-    # A subgroup with some ranks of each host and site plans for itself.
+    # A subgroup with some ranks of each host and site plans for itself (``sub_level``).
+    cases = Cases(rank)
     group = dist.new_group(subgroup)
     if rank in subgroup:
-        sub = hetcomm.get_plan(group)
-        assert sub.sites is not None and sub.sites.three_level, sub
-        for n in (1, 1031, 300_007):
-            t = torch.arange(n, dtype=torch.float64) * (rank + 1)
-            dist.all_reduce(t, group=group)
-            expected = torch.arange(n, dtype=torch.float64) * sum(r + 1 for r in subgroup)
-            assert torch.equal(t, expected), (n, (t - expected).abs().max())
+        with cases.case("subgroup", f"{subgroup}: the {sub_level} plan, exact sums"):
+            sub = hetcomm.get_plan(group)
+            assert sub.sites is not None, sub
+            assert sub.sites.three_level if sub_level == "three" else sub.sites.local_inner, sub
+            for n in (1, 1031, 300_007):
+                t = torch.arange(n, dtype=torch.float64) * (rank + 1)
+                dist.all_reduce(t, group=group)
+                expected = torch.arange(n, dtype=torch.float64) * sum(r + 1 for r in subgroup)
+                assert torch.equal(t, expected), (n, (t - expected).abs().max())
     dist.barrier()
     return out
 
 
-@pytest.mark.parametrize("name,subgroup", [("2+1 hosts", [0, 2, 3, 4]), ("3+1 hosts", [0, 1, 3, 5]),
-                                           ("1-rank hosts", [0, 1, 3])])
-def test_three_level_allreduce(name: str, subgroup: list) -> None:
+# Subgroups keep a host of two ranks (else no shared memory, and no host level to plan).
+@pytest.mark.parametrize("name,subgroup,sub_level", [
+    ("2+1 hosts", [0, 2, 3, 4], "three"),      # site 0: hosts {0} {2,3}; site 1: {4}
+    ("3+1 hosts", [0, 1, 2, 5], "three"),      # site 0: hosts {0} {1,2}; site 1: {5}
+    ("1-rank hosts", [0, 2, 3], "host")])      # one host per site: the host plan
+def test_three_level_allreduce(name: str, subgroup: list, sub_level: str) -> None:
     hosts, sites = CLUSTERS[name]
     ws = len(hosts.split(","))
-    report = run_suite(ws, _three_level_suite, subgroup, families=["all_reduce", "identical", "path"],
+    families = ["all_reduce", "identical", "path", "subgroup"]
+    report = run_suite(ws, _three_level_suite, subgroup, sub_level, families=families,
                        env=_env(hosts, sites, **SLOT_ENV), timeout=300)
-    for family in ("all_reduce", "identical", "path"):
+    for family in families:
         report.assert_family(family)
+    assert not report.job_problems, report.job_problems
+
+
+def _weighted_three_sites(rank: int, ws: int) -> dict:
+    """A hand-built plan: 3 sites, site 0 of hosts {0,1} and {2}, where host {2} owns nothing
+    (y = 1, 0), site shares 0.2/0.3/0.5; pieces of 64 KB."""
+    import hetcomm
+    from hetcomm.plan.hierarchy import _three_level_layout
+    sites, hosts = [[0, 1, 2], [3], [4]], [[0, 1], [2], [3], [4]]
+    blocks, holders, shares = _three_level_layout(sites, hosts, [(1.0, 0.0), (1.0,), (1.0,)])
+    assert all(b[0] in (0, 1) for b in blocks)      # the owners in site 0 are host {0,1}'s ranks
+    hetcomm.backend_of().set_site_plan(sites, [list(b) for b in blocks], shares, [0.2, 0.3, 0.5], 0, 0, False,
+                                       hosts, [list(h) for h in holders])
+    before = hetcomm.stats()["bytes_sent"]
+    out = {}
+    for dtype in (torch.float64, torch.int32, torch.bfloat16):
+        for n in (0, 1, 7, 1031, 500_009):
+            t = (torch.arange(n, dtype=torch.float64) % 13 + rank).to(dtype)   # sums exact in bfloat16
+            dist.all_reduce(t)
+            expected = (torch.arange(n, dtype=torch.float64) % 13 * ws + sum(range(ws))).to(dtype)
+            assert torch.equal(t, expected), (dtype, n)
+    n = 1_000_000
+    before = hetcomm.stats()["bytes_sent"]
+    dist.all_reduce(torch.ones(n, dtype=torch.float64))
+    after = hetcomm.stats()["bytes_sent"]
+    out["sent"] = [after[p] - before[p] for p in range(ws)]
+    out["bytes"] = n * 8
+    return out
+
+
+def test_three_sites_with_a_host_that_owns_nothing() -> None:
+    """By hand: host {2} owns nothing, so it sends its whole buffer (N) to the owners in site 0 and
+    gets N back, and no byte goes from it across sites. Sites cross-reduce as the site plan does:
+    site k's owners send each other site t its piece (w_t of their blocks) and return their own
+    (w_k): site k sends (1 - w_k) N + 2 w_k N across, 1.2 N, 1.3 N and 1.5 N. Headers: one per
+    message, 40 bytes, and a message per piece of 64 KB and flow: under 1% of N."""
+    results = run_ranks(5, _weighted_three_sites,
+                        env={"HETCOMM_HOST_ID": "0,0,1,2,3", "HETCOMM_PROBE": "0",
+                             "HETCOMM_SMALL_ALLREDUCE_BYTES": "0", "HETCOMM_SITE_PIECE_BYTES": str(64 << 10)})
+    sent = [results[r]["sent"] for r in range(5)]
+    N = results[0]["bytes"]
+    site_of = [0, 0, 0, 1, 2]
+    assert N <= sum(sent[2][b] for b in (0, 1)) <= 1.01 * N, sent[2]
+    assert sum(sent[2][b] for b in (3, 4)) == 0, sent[2]
+    for s, want in ((0, 1.2), (1, 1.3), (2, 1.5)):
+        across = sum(sent[a][b] for a in range(5) for b in range(5) if site_of[a] == s != site_of[b])
+        assert want * N - 64 <= across <= (want + 0.01) * N, (s, across, want * N)
 
 
 def _bytes_sent(rank: int, ws: int, numel: int) -> dict:
@@ -209,3 +264,67 @@ def test_a_slow_host_nic_owns_less_only_when_it_is_the_limit() -> None:
         assert got == pytest.approx(y, abs=1e-6), (wan, got)
         if wan == 1000:
             assert site_plan_seconds_per_byte(p, model) == pytest.approx(5 / 325 / 1e6), wan
+
+
+@pytest.mark.parametrize("change,fragment", [
+    ({"holders": ((1, 2, 4, 5),) * 2}, "one rank of each host"),               # rank 1 is not in host {2,3}
+    ({"blocks": ((0, 4), (3, 5))}, "must hold it"),                              # owner 3 does not hold block 1
+    ({"hosts": ((0, 1), (2, 4), (3,), (5,))}, "spans several sites"),
+    ({"local_inner": True}, "exclude each other"),
+    ({"holders": ((0, 2),) * 2}, "one rank of each host"),                      # one holder missing
+    ({"blocks": ((1, 4), (0, 5)), "holders": ((1, 2, 4), (0, 2, 5))}, "contiguous"),   # rank 0's after rank 1's
+    ({"hosts": ((0, 1), (2, 3), (4, 5), (5,))}, "partition"),
+])
+def test_malformed_three_level_plans_are_refused(change: dict, fragment: str) -> None:
+    from hetcomm.plan import SitePlan
+    good = dict(sites=((0, 1, 2, 3), (4, 5)), blocks=((0, 4), (2, 5)), block_shares=(0.5, 0.5),
+                site_shares=(0.5, 0.5), hosts=((0, 1), (2, 3), (4, 5)), holders=((0, 2, 4), (0, 2, 5)))
+    SitePlan(**good)
+    with pytest.raises(ValueError, match=fragment):
+        SitePlan(**{**good, **change})
+
+
+def _engine_refusals(rank: int, ws: int) -> list:
+    import hetcomm
+    b = hetcomm.backend_of()
+    sites, owners = [[0, 1, 2, 3], [4, 5]], [[0, 4], [2, 5]]
+    bad = [  # (hosts, holders) the engine must refuse, each with a reason
+        ([[0, 1], [2, 3], [4, 5]], [[1, 2, 4], [1, 2, 5]]),   # owner 0 does not hold block 0 (1 does)
+        ([[0, 1], [2, 4], [3], [5]], [[0, 2, 3, 5], [0, 2, 3, 5]]),   # host {2,4} spans sites
+        ([[0, 1], [2, 3], [4, 5]], [[0, 2, 4]]),               # one holder list for two blocks
+        ([[0, 1], [2, 3], [4, 5]], [[0, 3, 4], [0, 2, 5]]),    # host {2,3}: rank 3 then rank 2
+        ([[1, 0], [2, 3], [4, 5]], [[0, 2, 4], [0, 2, 5]]),    # host ranks not ascending
+        ([[0, 1], [2, 3], [4, 5]], [[0, 2, 7], [0, 2, 5]]),    # rank 7 does not exist
+    ]
+    out = []
+    for hosts, holders in bad:
+        try:
+            b.set_site_plan(sites, owners, [0.5, 0.5], [0.5, 0.5], 0, 0, False, hosts, holders)
+            out.append("accepted")
+        except Exception as e:  # noqa: BLE001
+            out.append(str(e))
+    try:
+        b.set_site_plan(sites, owners, [0.5, 0.5], [0.5, 0.5], 0, 0, True, [[0, 1], [2, 3], [4, 5]],
+                        [[0, 2, 4], [0, 2, 5]])
+        out.append("accepted")
+    except Exception as e:  # noqa: BLE001
+        out.append(str(e))
+    return out
+
+
+def test_the_engine_refuses_malformed_three_level_plans() -> None:
+    messages = run_ranks(6, _engine_refusals, env={"HETCOMM_PROBE": "0"})[0]
+    for msg, fragment in zip(messages, ["does not hold it", "spans two sites", "one holder list per block",
+                                        "contiguous", "ascending", "not a rank of that host", "not both"]):
+        assert fragment in msg, (fragment, msg)
+
+
+def test_plans_survive_the_broadcast_encoding() -> None:
+    from hetcomm import topology
+    from hetcomm.plan import host_plan, three_level_plan
+    from hetcomm.planner import uniform_plan
+    import dataclasses
+    for sp in (three_level_plan([0, 0, 0, 0, 1, 1], [0, 1, 1, 2, 3, 3]), host_plan([0, 0, 1, 1, 1, 2])):
+        plan = dataclasses.replace(uniform_plan(6), sites=dataclasses.replace(sp, min_bytes=4096, segment_bytes=65536))
+        assert topology._decode_plan(topology._encode_plan(plan), 6, None) == plan
+

@@ -149,8 +149,9 @@ def choose_plan(model: LinkModel, min_gain: float = DECLARED_MIN_GAIN,
     hosts and no sites other than the hosts themselves, the host-level schedule (`with_host_plan`).
     Where sites hold several hosts, the three-level schedule (`hierarchy.three_level_plan`: shared
     memory inside hosts, the hosts' NICs inside sites, every host's part across the WAN) or the
-    site schedule (TCP rings inside sites), whichever is predicted faster, replaces the host
-    schedule only if predicted faster by ``min_gain``.
+    site schedule (TCP rings inside sites) replaces the host schedule only if predicted faster by
+    ``min_gain``; of the two, the three-level one unless predicted slower by more than
+    THREE_LEVEL_TIE.
     ``topology``: the group's levels (sites and hosts), which the ring search keeps together;
     by default the sites are ``site_labels`` and the hosts ``host_labels``.
     """
@@ -207,6 +208,11 @@ def choose_plan(model: LinkModel, min_gain: float = DECLARED_MIN_GAIN,
         min_bytes = n
     if min_bytes is None:
         return hosted
+    if site.three_level and hosted.sites is not None:
+        # Below min_bytes the plan falls back to the ring, which would take the bytes between
+        # ranks of a host off shared memory; the host plan (which the three-level plan extends
+        # with the site step) serves every size, so the three-level plan does too.
+        min_bytes = 0
     return dataclasses.replace(best, sites=dataclasses.replace(site, min_bytes=min_bytes))
 
 

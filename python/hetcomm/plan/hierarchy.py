@@ -329,7 +329,7 @@ def three_level_plan(site_labels: Sequence[int], host_labels: Sequence[int], mod
     Each site's owner share of a block is spread over its hosts by ``y``, equalising the hosts'
     NIC times ``(1 + (k_s - 2 + c_s) y_h) / C_h`` (k_s hosts in the site, c_s = 1 + (S - 2) w_s
     the site's cross-site bytes per byte it owns); site shares ``w`` as in `best_site_plan`.
-    Shares from ``model`` replace equal ones only when predicted faster by ``min_gain``.
+    Host shares from ``model`` replace equal ones only when predicted faster by ``min_gain``.
 
     Derivation: docs/hosts-and-sites.md#three-levels-hosts-inside-sites.
     """
@@ -352,12 +352,13 @@ def three_level_plan(site_labels: Sequence[int], host_labels: Sequence[int], mod
         return SitePlan(tuple(tuple(s) for s in sites), tuple(blocks), tuple(shares), tuple(w),
                         hosts=tuple(tuple(h) for h in hosts), holders=tuple(holders))
 
-    equal = plan((1.0 / S,) * S, [(1.0 / len(m),) * len(m) for m in site_hosts])
+    equal_y = [(1.0 / len(m),) * len(m) for m in site_hosts]
     if model is None:
-        return equal
+        return plan((1.0 / S,) * S, equal_y)
+    # Site shares as the site plan takes them; only the host shares are held to the margin.
     w = site_shares_for(model, sites)
     y = []
     for k, members in enumerate(site_hosts):
         c = 1.0 + (S - 2) * w[k]
         y.append(_equalising_shares([_host_capacity(model, h) for h in members], len(members) - 2 + c))
-    return _unless_no_gain(plan(w, y), equal, model, min_gain)
+    return _unless_no_gain(plan(w, y), plan(w, equal_y), model, min_gain)

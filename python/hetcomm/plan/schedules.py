@@ -245,8 +245,8 @@ class SitePlan:
         """Bytes each rank reduces per byte of buffer: the site ring's ``1 - o_pred`` plus
         ``(S - 1) w_s o_r`` from the other sites; three levels: ``(k_s - 1) o_r`` from the site's
         other k_s - 1 hosts instead of the ring. (With local_inner or hosts the host's
-        reduce-scatter adds ``(m - 1) o_r`` in shared memory, at memory speed, which no link rate
-        describes: left out like its copies.)"""
+        reduce-scatter adds ``(m - 1)`` times the rank's held part in shared memory, at memory
+        speed, which no link rate describes: left out like its copies.)"""
         S = len(self.sites)
         wt = math.fsum(self.site_shares)
         o = self._chunks

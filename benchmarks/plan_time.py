@@ -95,7 +95,8 @@ def run(kind: str, P: int, repeats: int, seed: int) -> dict:
     bound_1g = cut_bound_seconds(exact, GIB, site_labels)
     per_byte = (site_plan_seconds_per_byte(plan.sites, exact) if plan.sites is not None
                 else ring_seconds_per_byte(plan.order, plan.shares, exact))
-    schedule = "ring" if plan.sites is None else "hosts" if plan.sites.local_inner else "sites"
+    schedule = ("ring" if plan.sites is None else "hosts" if plan.sites.local_inner
+                else "three-level" if plan.sites.three_level else "sites")
     return {"cluster": kind, "ranks": P, "seconds": statistics.median(times), "all_seconds": times,
             "schedule": schedule, "schedule_from_bytes": None if plan.sites is None else plan.sites.min_bytes,
             "sites_found": topology.num_sites, "per_byte_over_bound": per_byte * GIB / bound_1g,

@@ -54,7 +54,8 @@ if dist.get_rank() == 0:
                    "sites": None if plan.sites is None else {
                        "sites": [list(s) for s in plan.sites.sites], "blocks": [list(b) for b in plan.sites.blocks],
                        "block_shares": list(plan.sites.block_shares), "site_shares": list(plan.sites.site_shares),
-                       "min_bytes": plan.sites.min_bytes, "local_inner": plan.sites.local_inner}}
+                       "min_bytes": plan.sites.min_bytes, "local_inner": plan.sites.local_inner,
+                       "hosts": [list(h) for h in plan.sites.hosts], "holders": [list(b) for b in plan.sites.holders]}}
 print("PROBE_RESULT " + json.dumps(out), flush=True)
 dist.destroy_process_group()
 '''

@@ -3,8 +3,9 @@
 Single runs on these shared 2-core machines spread widely, so a figure worth quoting is the
 median of several runs, with min–max beside it. Every argument after ``--`` goes to the
 benchmark CLI unchanged (each run gets its own ``--json``); per size this writes the runs' time of
-every backend, hetcomm's speedup over gloo (time ratio) and hetcomm's time over the physical bound
-(simulated clusters), with medians.
+every backend, hetcomm's speedup over gloo and over hetcomm-uniform (time ratios, when run) and
+hetcomm's time over the physical bound (simulated clusters), with medians; and every run's plan
+and the path each size took.
 
 Usage::
 
@@ -39,7 +40,7 @@ def main() -> None:
     args = ap.parse_args()
     bench_args = args.bench_args[1:] if args.bench_args[:1] == ["--"] else args.bench_args
     per_size: dict[int, dict[str, list[float]]] = {}
-    plans = None
+    plans, plans_per_run, paths_per_run = None, [], []
     for run in range(args.runs):
         with tempfile.NamedTemporaryFile(suffix=".json") as f:
             cmd = [sys.executable, "-m", "hetcomm.bench", *bench_args, "--json", f.name]
@@ -47,6 +48,9 @@ def main() -> None:
             subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
             data = read_report(f.name)
         plans = data.get("plans")
+        plans_per_run.append((plans or {}).get("hetcomm"))
+        paths_per_run.append({row["size_bytes"]: {name: b.get("path") for name, b in row["backends"].items()}
+                              for row in data["rows"]})
         for row in data["rows"]:
             d = per_size.setdefault(row["size_bytes"], {})
             for name, b in row["backends"].items():
@@ -54,13 +58,17 @@ def main() -> None:
             h = row["backends"].get("hetcomm")
             if h is not None and "gloo" in row["backends"]:
                 d.setdefault("speedup_over_gloo", []).append(row["backends"]["gloo"]["time_us"] / h["time_us"])
+            if h is not None and "hetcomm-uniform" in row["backends"]:
+                d.setdefault("speedup_over_uniform", []).append(
+                    row["backends"]["hetcomm-uniform"]["time_us"] / h["time_us"])
             if h is not None and h.get("time_over_bound"):
                 d.setdefault("hetcomm_over_bound", []).append(h["time_over_bound"])
     out = {"bench_args": bench_args, "runs": args.runs, "plans_last_run": plans,
+           "hetcomm_plan_per_run": plans_per_run, "paths_per_run": paths_per_run,
            "rows": [{"size_bytes": n, **{k: summarise(v) for k, v in d.items()}} for n, d in sorted(per_size.items())]}
     for n, d in sorted(per_size.items()):
         parts = [f"{k} {statistics.median(v):.3f} ({min(v):.3f}-{max(v):.3f})"
-                 for k, v in d.items() if k in ("speedup_over_gloo", "hetcomm_over_bound")]
+                 for k, v in d.items() if k in ("speedup_over_gloo", "speedup_over_uniform", "hetcomm_over_bound")]
         print(f"[repeat_bench] {n:>10} B: " + ", ".join(parts), flush=True)
     write_document(args.json, out, command_line())
 

@@ -135,16 +135,17 @@ PYBIND11_MODULE(_C, m) {
             if (!p.sites) return py::none();
             const hetcomm::SitePlan& s = *p.sites;
             return py::make_tuple(s.sites, s.blockOwners, s.blockShares, s.siteShares, s.minBytes, s.segmentBytes,
-                                  s.localInner);
+                                  s.localInner, s.hosts, s.holders);
           },
           "The site-aware schedule as (sites, block_owners, block_shares, site_shares, min_bytes, segment_bytes, "
-          "local_inner), "
+          "local_inner, hosts, holders), "
           "or None when every allreduce uses the ring (see set_site_plan).")
       .def(
           "set_site_plan",
           [](hetcomm::ProcessGroupHetcomm& pg, std::vector<std::vector<int>> sites,
              std::vector<std::vector<int>> blockOwners, std::vector<double> blockShares, std::vector<double> siteShares,
-             uint64_t minBytes, uint64_t segmentBytes, bool localInner) {
+             uint64_t minBytes, uint64_t segmentBytes, bool localInner, std::vector<std::vector<int>> hosts,
+             std::vector<std::vector<int>> holders) {
             auto s = std::make_shared<hetcomm::SitePlan>();
             s->sites = std::move(sites);
             s->blockOwners = std::move(blockOwners);
@@ -153,17 +154,22 @@ PYBIND11_MODULE(_C, m) {
             s->minBytes = minBytes;
             s->segmentBytes = segmentBytes;
             s->localInner = localInner;
+            s->hosts = std::move(hosts);
+            s->holders = std::move(holders);
             hetcomm::RingPlan p = pg.plan();
             p.sites = std::move(s);
             pg.setPlan(std::move(p));
           },
           py::arg("sites"), py::arg("block_owners"), py::arg("block_shares"), py::arg("site_shares"),
           py::arg("min_bytes") = 0, py::arg("segment_bytes") = 0, py::arg("local_inner") = false,
+          py::arg("hosts") = std::vector<std::vector<int>>{}, py::arg("holders") = std::vector<std::vector<int>>{},
           "Adds the site-aware (hierarchical) schedule to the plan: allreduces of at least min_bytes use it. "
           "sites: each site's ranks in ring order; block_owners[b][s]: block b's owner in site s; block_shares: "
           "each block's fraction of the buffer; site_shares: the fraction of every block each site's owner "
           "reduces. local_inner: the sites are the group's hosts, whose ranks share memory, and the steps inside "
-          "a host run through it (each host's ranks ascending, each rank's blocks contiguous). Every rank must set "
+          "a host run through it (each host's ranks ascending, each rank's blocks contiguous). hosts and holders: "
+          "three levels, hosts inside the sites (each host's ranks ascending) and holders[b][h] the rank of host h "
+          "holding block b after the host's reduce-scatter. Every rank must set "
           "the same plan. set_plan() removes it again.")
       .def(
           "attach_local",

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <functional>
 
 #include "algorithms/flow_pipeline.h"
 #include "algorithms/local_collectives.h"
@@ -13,6 +14,45 @@
 namespace hetcomm {
 
 namespace {
+
+// Hosts (each a list of ranks, ascending) partition 0..size-1, and holders[b][h], a rank of host h,
+// never goes back to an earlier rank of the host from block to block: each rank's blocks are one
+// range, in the order of the host's ranks, as the host's reduce-scatter lays them out.
+void checkHostLayout(const std::vector<std::vector<int>>& hosts, const std::vector<std::vector<int>>& holders,
+                     int size, const char* what) {
+  std::vector<int> hostOf(size, -1);
+  for (size_t h = 0; h < hosts.size(); ++h) {
+    if (hosts[h].empty() || !std::is_sorted(hosts[h].begin(), hosts[h].end())) {
+      throw CommError(strCat("hetcomm: a ", what, " plan lists each host's ranks ascending (host ", h, " does not)"));
+    }
+    for (int r : hosts[h]) {
+      if (r < 0 || r >= size || hostOf[r] != -1) {
+        throw CommError(strCat("hetcomm: the ", what, " plan's hosts must partition the ranks 0..", size - 1, " (rank ",
+                               r, ")"));
+      }
+      hostOf[r] = static_cast<int>(h);
+    }
+  }
+  for (int r = 0; r < size; ++r) {
+    if (hostOf[r] < 0) throw CommError(strCat("hetcomm: rank ", r, " is in no host of the ", what, " plan"));
+  }
+  for (size_t b = 0; b < holders.size(); ++b) {
+    if (holders[b].size() != hosts.size()) {
+      throw CommError(strCat("hetcomm: block ", b, " of the ", what, " plan names ", holders[b].size(),
+                             " holders for ", hosts.size(), " hosts"));
+    }
+    for (size_t h = 0; h < hosts.size(); ++h) {
+      const int r = holders[b][h];
+      if (r < 0 || r >= size || hostOf[r] != static_cast<int>(h)) {
+        throw CommError(strCat("hetcomm: block ", b, "'s holder in host ", h, " is rank ", r, ", not a rank of that host"));
+      }
+      if (b > 0 && r < holders[b - 1][h]) {
+        throw CommError(strCat("hetcomm: in a ", what, " plan each rank's blocks are contiguous and in rank order (block ",
+                               b, " goes back to rank ", r, " in host ", h, ")"));
+      }
+    }
+  }
+}
 
 void checkShares(const std::vector<double>& shares, const char* what) {
   double sum = 0;
@@ -63,19 +103,35 @@ void SitePlan::validate(int size) const {
   }
   checkShares(blockShares, "block shares");
   checkShares(siteShares, "site shares");
-  if (localInner) {
-    for (size_t s = 0; s < sites.size(); ++s) {
-      if (!std::is_sorted(sites[s].begin(), sites[s].end())) {
-        throw CommError(strCat("hetcomm: a host plan lists each host's ranks ascending (host ", s, " does not)"));
-      }
-      // The owners of consecutive blocks never go back to an earlier rank of the host.
-      for (size_t b = 1; b < blockOwners.size(); ++b) {
-        if (blockOwners[b][s] < blockOwners[b - 1][s]) {
-          throw CommError(strCat("hetcomm: in a host plan each rank's blocks are contiguous and in rank order (block ",
-                                 b, " goes back to rank ", blockOwners[b][s], " in host ", s, ")"));
+  if (localInner && !hosts.empty()) throw CommError("hetcomm: a site plan has either local_inner or hosts, not both");
+  if (localInner) checkHostLayout(sites, blockOwners, size, "host");
+  if (!hosts.empty()) {
+    if (holders.size() != blockOwners.size()) {
+      throw CommError(strCat("hetcomm: a three-level plan needs one holder list per block (", holders.size(), " for ",
+                             blockOwners.size(), " blocks)"));
+    }
+    checkHostLayout(hosts, holders, size, "three-level");
+    std::vector<int> hostOf(size, -1);
+    for (size_t h = 0; h < hosts.size(); ++h) {
+      for (int r : hosts[h]) hostOf[r] = static_cast<int>(h);
+      for (int r : hosts[h]) {
+        if (siteOf[r] != siteOf[hosts[h][0]]) {
+          throw CommError(strCat("hetcomm: host ", h, " of the three-level plan spans two sites (ranks ", hosts[h][0],
+                                 " and ", r, ")"));
         }
       }
     }
+    for (size_t b = 0; b < blockOwners.size(); ++b) {
+      for (size_t s = 0; s < sites.size(); ++s) {
+        const int owner = blockOwners[b][s];
+        if (holders[b][hostOf[owner]] != owner) {
+          throw CommError(strCat("hetcomm: block ", b, "'s owner in site ", s, " (rank ", owner,
+                                 ") does not hold it in its host"));
+        }
+      }
+    }
+  } else if (!holders.empty()) {
+    throw CommError("hetcomm: a site plan has holders only with hosts");
   }
 }
 
@@ -94,6 +150,14 @@ uint64_t SitePlan::fingerprint() const {
   f.mix(minBytes);
   f.mix(segmentBytes);
   f.mix(localInner ? 1 : 0);
+  f.mix(hosts.size());
+  for (const auto& host : hosts) {
+    f.mix(host.size());
+    for (int r : host) f.mix(static_cast<uint64_t>(r));
+  }
+  for (const auto& held : holders) {
+    for (int r : held) f.mix(static_cast<uint64_t>(r));
+  }
   return f.value();
 }
 
@@ -156,20 +220,29 @@ void allreduceHierarchical(CollectiveContext& ctx, char* buf, size_t count, DTyp
 
   // Hosts as the inner level: the host's reduce-scatter through shared memory first, so that
   // this rank's chunk (its blocks, one range) holds the host's sum before the flows below start.
-  const bool inner = plan.localInner;
+  // With two levels (localInner) the sites are the hosts and the owners the holders.
+  const bool three = !plan.hosts.empty();
+  const bool inner = plan.localInner || three;
+  const std::vector<std::vector<int>>& hosts = three ? plan.hosts : plan.sites;
+  const std::vector<std::vector<int>>& holders = three ? plan.holders : plan.blockOwners;
+  int h = three ? -1 : s;
+  for (size_t t = 0; three && t < hosts.size() && h < 0; ++t) {
+    if (std::find(hosts[t].begin(), hosts[t].end(), me) != hosts[t].end()) h = static_cast<int>(t);
+  }
+  HC_ENFORCE(h >= 0, "rank missing from a validated three-level plan");
+  const std::vector<int>& host = hosts[h];
   std::vector<size_t> localCounts;
   if (inner) {
-    if (m > 1 && (ctx.local == nullptr || ctx.local->ranks != site)) {
-      throw CommError(strCat(ctx.prefix(), ": the host plan's host of this rank (", site.size(),
+    if (host.size() > 1 && (ctx.local == nullptr || ctx.local->ranks != host)) {
+      throw CommError(strCat(ctx.prefix(), ": the plan's host of this rank (", host.size(),
                              " ranks) is not the set of ranks it shares memory with"));
     }
     const std::vector<size_t> blockCounts = sharesToCounts(count, plan.blockShares);
-    localCounts.assign(m, 0);
+    localCounts.assign(host.size(), 0);
     for (size_t b = 0; b < B; ++b) {
-      const int owner = plan.blockOwners[b][s];
-      localCounts[std::find(site.begin(), site.end(), owner) - site.begin()] += blockCounts[b];
+      localCounts[std::find(host.begin(), host.end(), holders[b][h]) - host.begin()] += blockCounts[b];
     }
-    if (m > 1) local::reduceScatterv(ctx, buf, localCounts, dtype, op, 0.0);
+    if (host.size() > 1) local::reduceScatterv(ctx, buf, localCounts, dtype, op, 0.0);
   }
 
   FlowGraph g;
@@ -188,13 +261,12 @@ void allreduceHierarchical(CollectiveContext& ctx, char* buf, size_t count, DTyp
   // would finish the owner's last block only at the end of the reduce-scatter, so the cross-site
   // flows of that block would start late (measured: 1.30x the cut bound instead of 1.1x on two
   // sites of two); interleaved, every cross-site flow has its first segment after one ring step.
-  auto chunk = [&](int c) {
+  auto atomsOf = [&](const std::function<bool(size_t)>& takes) {
     std::vector<std::pair<uint32_t, ByteRange>> out;
     std::vector<std::pair<size_t, int>> pieces;
-    const int owner = site[((c % m) + m) % m];
     size_t longest = 0;
     for (size_t b = 0; b < B; ++b) {
-      if (plan.blockOwners[b][s] != owner) continue;
+      if (!takes(b)) continue;
       for (int k = 0; k < S; ++k) {
         pieces.emplace_back(b, k);
         longest = std::max(longest, L.atoms[b][k].size());
@@ -207,6 +279,15 @@ void allreduceHierarchical(CollectiveContext& ctx, char* buf, size_t count, DTyp
     }
     return out;
   };
+  auto chunk = [&](int c) {
+    const int owner = site[((c % m) + m) % m];
+    return atomsOf([&](size_t b) { return plan.blockOwners[b][s] == owner; });
+  };
+  // The hosts of this rank's site, ascending (three levels).
+  std::vector<int> siteHosts;
+  for (size_t t = 0; three && t < hosts.size(); ++t) {
+    if (std::find(site.begin(), site.end(), hosts[t][0]) != site.end()) siteHosts.push_back(static_cast<int>(t));
+  }
 
   // 1. Site reduce-scatter (ring_schedule.h's sequences over chunks of several ranges).
   if (m > 1 && !inner) {
@@ -230,6 +311,26 @@ void allreduceHierarchical(CollectiveContext& ctx, char* buf, size_t count, DTyp
     }
   }
   for (const auto& [id, r] : chunk(p)) siteDone[id] = rsRecv[id];  // kNone (no dependency) when m == 1
+
+  // 1b. Site reduce (three levels): this rank's blocks that another host owns in the site go to
+  // their owner; the blocks it owns come from the site's other hosts, added in host order.
+  if (three) {
+    for (int q : site) {
+      if (q == me) continue;
+      for (const auto& [id, r] : atomsOf([&](size_t b) { return holders[b][h] == me && plan.blockOwners[b][s] == q; })) {
+        g.flow(q, true).items.push_back(g.add(atomPtr(r), r.bytes, false, {}));
+      }
+    }
+    for (int t : siteHosts) {
+      if (t == h) continue;
+      for (int q : hosts[t]) {
+        for (const auto& [id, r] : atomsOf([&](size_t b) { return plan.blockOwners[b][s] == me && holders[b][t] == q; })) {
+          siteDone[id] = g.add(atomPtr(r), r.bytes, true, depsOf(siteDone[id]));
+          g.flow(q, false).items.push_back(siteDone[id]);
+        }
+      }
+    }
+  }
 
   // 2-3. Across sites, for the blocks this rank owns: reduce-scatter then all-gather, per peer.
   // Reduce-scatter first for every site (in increasing order: the order of the sum), so that each
@@ -278,6 +379,25 @@ void allreduceHierarchical(CollectiveContext& ctx, char* buf, size_t count, DTyp
     }
   }
 
+  // 4b. Site gather (three levels): the final blocks this rank owns to their holders in the site's
+  // other hosts; this rank's other blocks from their owners.
+  if (three) {
+    for (int t : siteHosts) {
+      if (t == h) continue;
+      for (int q : hosts[t]) {
+        for (const auto& [id, r] : atomsOf([&](size_t b) { return plan.blockOwners[b][s] == me && holders[b][t] == q; })) {
+          g.flow(q, true).items.push_back(g.add(atomPtr(r), r.bytes, false, depsOf(finalDone[id])));
+        }
+      }
+    }
+    for (int q : site) {
+      if (q == me) continue;
+      for (const auto& [id, r] : atomsOf([&](size_t b) { return holders[b][h] == me && plan.blockOwners[b][s] == q; })) {
+        g.flow(q, false).items.push_back(g.add(atomPtr(r), r.bytes, false, {}));
+      }
+    }
+  }
+
   // 4. Site all-gather: this rank's chunk once final, then forwarding what arrives.
   if (m > 1 && !inner) {
     const int succ = site[(p + 1) % m], pred = site[(p + m - 1) % m];
@@ -302,7 +422,7 @@ void allreduceHierarchical(CollectiveContext& ctx, char* buf, size_t count, DTyp
   g.flows.erase(std::remove_if(g.flows.begin(), g.flows.end(), [](const Flow& f) { return f.items.empty(); }),
                 g.flows.end());
   runFlows(ctx, g);
-  if (inner && m > 1) {
+  if (inner && host.size() > 1) {
     std::vector<size_t> blockBytes(localCounts);
     for (size_t& n : blockBytes) n *= es;
     local::allgatherv(ctx, buf, blockBytes);

@@ -28,6 +28,20 @@
 //   ring link inside site s:                     (2 - o_a - o_b) N with o the owners' block sums.
 // With two sites each site sends N across the WAN, the least any algorithm can (design.md §8).
 //
+// Three levels (plan.hosts given: ranks in hosts, hosts in sites). Block b has a holder in every
+// host (holders[b][h]) and an owner in every site (blockOwners[b][s], the holder in one host of
+// the site). Per rank:
+//   1. host reduce-scatter through shared memory: each holder gets its blocks summed over its host;
+//   2. site reduce: every holder of b that is not b's owner in its site sends b to the owner, which
+//      adds the other hosts' sums to its own host's in increasing host order;
+//   3-4. across sites, between the owners, as steps 2-3 above;
+//   5. site gather: the owner sends the final b to the site's other holders of b;
+//   6. host all-gather through shared memory.
+// A host's NIC carries (1 - y_h) N + (k - 1) y_h N out for the site steps (y_h: the fraction of
+// the buffer its ranks own in the site, k the site's hosts) plus its y_h share of the site's WAN
+// traffic, so every host of a site fills the site's uplink together, and no block crosses the WAN
+// more often than with one rank per site. A host plan is the special case of one host per site.
+//
 // Safety of the in-place writes follows the ring's argument: a final value reaching r proves
 // that r's earlier partial of the same bytes was consumed (it is part of that value).
 #include <cstdint>
@@ -51,9 +65,16 @@ struct SitePlan {
   // allreduceHierarchical). Then each site lists its host's ranks ascending, and every rank's
   // blocks are contiguous, in the order of the site's ranks, so that a rank's chunk is one range.
   bool localInner = false;
+  // Three levels (see above): each host's ranks ascending, every host inside one site, and
+  // holders[block][host] the rank of that host holding the block after the host's reduce-scatter
+  // (each rank's blocks contiguous, in the order of its host's ranks). Empty: two levels.
+  std::vector<std::vector<int>> hosts;
+  std::vector<std::vector<int>> holders;
 
   // Throws CommError unless the sites partition 0..size-1, every block names one rank of each
-  // site, and the shares are finite, non-negative and not all zero.
+  // site, and the shares are finite, non-negative and not all zero; with hosts, unless the hosts
+  // partition the ranks inside the sites, every block names one holder of each host (contiguous
+  // per rank) and every owner holds its block.
   void validate(int size) const;
   uint64_t fingerprint() const;
 };

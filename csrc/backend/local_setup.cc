@@ -2,9 +2,13 @@
 //
 // The host's first rank (lowest group rank) creates the segment under a name nobody else can
 // guess or collide with (a random 64-bit tag: two groups, and two jobs on one machine, never
-// meet), publishes the name in the group's store (keys are prefixed per group), and waits until
-// every rank of the host has tried to open it; then it unlinks the name, so that from then on only
-// the mappings hold the memory and no exit, clean or not, leaves anything in /dev/shm.
+// meet). It publishes the name in the group's store *before* creating the segment, and then
+// whether it made it; the keys carry the group's incarnation (from its fresh secret), so a name
+// an earlier group under the same prefix left behind is never read. The name is unlinked as soon
+// as every rank of the host has tried to open it, so that from then on only the mappings hold
+// the memory: by the creator, and by the last rank to open it (the creator may have died in
+// between). A rank whose setup fails after the name was published unlinks it too, so a creator
+// killed between creating and unlinking leaves nothing in /dev/shm once the others give up.
 //
 // Liveness: a rank waiting for a peer in shared memory asks every 100 ms whether the peer's
 // process is still there. The answer comes from the collective TCP connection to that peer, opened
@@ -12,12 +16,14 @@
 // up (failGroup) it shuts its connections down, so the peer's end reports a hang-up either way. It
 // works across PID namespaces, where a pid would not.
 #include <poll.h>
+#include <signal.h>
 #include <sys/socket.h>
 
 #include <algorithm>
 #include <random>
 
 #include "backend/process_group_hetcomm.h"
+#include "common/env.h"
 #include "common/logging.h"
 #include "transport/shm/channel.h"
 #include "transport/shm/segment.h"
@@ -28,7 +34,39 @@ namespace {
 constexpr int kDepth = 2;  // slot buffers per rank: one being filled while the other is read
 constexpr size_t kMinSlotBytes = 4096;
 
-std::string shmKey(int leader, const char* what) { return strCat("hetcomm/shm/", leader, "/", what); }
+std::string shmKey(const std::string& incarnation, int leader, const char* what) {
+  return strCat("hetcomm/shm/", incarnation, "/", leader, "/", what);
+}
+
+// Only names this code makes are opened or unlinked ("/hetcomm-" and 16 hex digits), whatever
+// the store says.
+bool isSegmentName(const std::string& name) {
+  static const std::string prefix = "/hetcomm-";
+  if (name.size() != prefix.size() + 16 || name.compare(0, prefix.size(), prefix) != 0) return false;
+  return std::all_of(name.begin() + prefix.size(), name.end(),
+                     [](char c) { return (c >= '0' && c <= '9') || (c >= 'a' && c <= 'f'); });
+}
+
+// Unlinks the segment's name when it goes out of scope, unless released: every way out of the
+// set-up, an exception included, leaves no name behind.
+class UnlinkGuard {
+ public:
+  void arm(const std::string& name) { name_ = isSegmentName(name) ? name : ""; }
+  void unlinkNow() {
+    if (!name_.empty()) ShmSegment::unlink(name_);
+    name_.clear();
+  }
+  ~UnlinkGuard() { unlinkNow(); }
+
+ private:
+  std::string name_;
+};
+
+// Debug hook for the tests of a creator killed mid-setup: HETCOMM_DEBUG_DIE_AFTER_SHM_CREATE=1
+// kills the host's first rank right after it created the segment.
+void maybeDieAfterCreate() {
+  if (envInt("HETCOMM_DEBUG_DIE_AFTER_SHM_CREATE", 0) != 0) ::raise(SIGKILL);
+}
 
 std::string randomSegmentName() {
   std::random_device rd;
@@ -88,46 +126,57 @@ std::string ProcessGroupHetcomm::attachLocal(const std::vector<int64_t>& hostOf,
   }
   const size_t bytes = ShmChannel::segmentBytes(L, slot, kDepth);
   std::unique_ptr<ShmChannel> channel;
+  UnlinkGuard unlinkAtExit;
+  auto key = [&](const char* what) { return shmKey(incarnation_, leader, what); };
   try {
     if (me == 0) {
-      std::string published;
+      const std::string name = error.empty() ? randomSegmentName() : "";
+      // The name first, so that the others can remove it should this rank die before it does.
+      store_->set(key("name"), std::vector<uint8_t>(name.begin(), name.end()));
+      unlinkAtExit.arm(name);
+      std::string made;
       if (error.empty()) {
-        const std::string name = randomSegmentName();
         try {
           channel = std::make_unique<ShmChannel>(ShmSegment::create(name, bytes), 0, L, slot, kDepth, true);
-          published = name;
+          maybeDieAfterCreate();
         } catch (const CommError& e) {
           error = e.what();
         }
       }
-      if (!error.empty()) published = "!" + error;
-      store_->set(shmKey(leader, "name"), std::vector<uint8_t>(published.begin(), published.end()));
-      store_->add(shmKey(leader, "done"), 1);
+      if (!error.empty()) made = "!" + error;
+      store_->set(key("made"), std::vector<uint8_t>(made.begin(), made.end()));
+      store_->add(key("done"), 1);
       // Unlink once everyone has tried to open it, so that nothing outlives the ranks.
-      while (store_->add(shmKey(leader, "done"), 0) < L && Clock::now() < deadline) {
+      while (store_->add(key("done"), 0) < L && Clock::now() < deadline) {
         std::this_thread::sleep_for(std::chrono::milliseconds(1));
       }
-      if (!published.empty() && published[0] == '/') ShmSegment::unlink(published);
+      unlinkAtExit.unlinkNow();
       if (Clock::now() >= deadline && error.empty()) {
         error = strCat("the other ranks of this host did not open the shared memory segment within ",
                        options_.timeout.count(), " ms");
       }
-      store_->deleteKey(shmKey(leader, "name"));
-      store_->deleteKey(shmKey(leader, "done"));
+      for (const char* what : {"name", "made", "done"}) store_->deleteKey(key(what));
     } else {
-      store_->wait({shmKey(leader, "name")}, options_.timeout);
-      const std::vector<uint8_t> v = store_->get(shmKey(leader, "name"));
-      const std::string published(v.begin(), v.end());
-      if (!published.empty() && published[0] == '!') {
-        error = strCat("rank ", leader, " could not create it: ", published.substr(1));
+      store_->wait({key("name")}, options_.timeout);
+      const std::vector<uint8_t> n = store_->get(key("name"));
+      const std::string name(n.begin(), n.end());
+      unlinkAtExit.arm(name);  // removed below once all have opened it, or on any failure
+      store_->wait({key("made")}, options_.timeout);
+      const std::vector<uint8_t> v = store_->get(key("made"));
+      const std::string made(v.begin(), v.end());
+      if (!made.empty()) {
+        error = strCat("rank ", leader, " could not create it: ", made.substr(made[0] == '!' ? 1 : 0));
+      } else if (!isSegmentName(name)) {
+        error = strCat("the store names no segment this code makes (", name.size(), " bytes)");
       } else if (error.empty()) {
         try {
-          channel = std::make_unique<ShmChannel>(ShmSegment::open(published, bytes), me, L, slot, kDepth, false);
+          channel = std::make_unique<ShmChannel>(ShmSegment::open(name, bytes), me, L, slot, kDepth, false);
         } catch (const CommError& e) {
           error = e.what();
         }
       }
-      store_->add(shmKey(leader, "done"), 1);
+      // The last rank to open it unlinks it (its creator may be gone); a rank that failed does too.
+      if (store_->add(key("done"), 1) < L && error.empty()) unlinkAtExit.arm("");
     }
   } catch (const std::exception& e) {
     // The store failed: that is not a reason to fall back, it is a broken group.

@@ -203,9 +203,10 @@ def get_plan(group: Optional[dist.ProcessGroup] = None):
     order, shares, min_bytes, segment_bytes = backend.get_plan()
     site = backend.get_site_plan()
     if site is not None:
-        groups, owners, block_shares, site_shares, site_min, site_seg, local_inner = site
+        groups, owners, block_shares, site_shares, site_min, site_seg, local_inner, hosts, holders = site
         site = SitePlan(tuple(map(tuple, groups)), tuple(map(tuple, owners)), tuple(block_shares), tuple(site_shares),
-                        min_bytes=site_min, segment_bytes=site_seg, local_inner=local_inner)
+                        min_bytes=site_min, segment_bytes=site_seg, local_inner=local_inner,
+                        hosts=tuple(map(tuple, hosts)), holders=tuple(map(tuple, holders)))
     return Plan(tuple(order), tuple(shares), min_bytes=min_bytes, segment_bytes=segment_bytes, sites=site,
                 topology=topology_of(backend))
 

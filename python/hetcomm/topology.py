@@ -11,6 +11,7 @@ The steps, and subgroups: docs/planner.md#group-creation-step-by-step.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import sys
@@ -26,6 +27,7 @@ from hetcomm.plan import levels as sites
 from hetcomm.plan.choose import (DECLARED_MIN_GAIN, MEASURED_MIN_GAIN, _same_partition, choose_plan,  # noqa: F401
                                  hierarchical_enabled, plan_for_group, segment_bytes_for, snap_measured,
                                  with_host_plan)  # (choose_plan & co.: the names this module had before hetcomm.plan)
+from hetcomm.plan.hierarchy import three_level_plan
 from hetcomm.plan.schedules import SitePlan
 
 log = logging.getLogger("hetcomm")
@@ -118,7 +120,9 @@ def _encode_plan(plan: planner.Plan) -> list[float]:
         return out + [0.0]
     out += [1.0, float(len(sp.sites)), *(float(len(s)) for s in sp.sites), *(float(r) for s in sp.sites for r in s),
             float(len(sp.blocks)), *(float(r) for b in sp.blocks for r in b), *sp.block_shares, *sp.site_shares,
-            float(sp.min_bytes), float(sp.segment_bytes), float(sp.local_inner)]
+            float(sp.min_bytes), float(sp.segment_bytes), float(sp.local_inner),
+            float(len(sp.hosts)), *(float(len(h)) for h in sp.hosts), *(float(r) for h in sp.hosts for r in h),
+            *(float(r) for b in sp.holders for r in b)]
     return out
 
 
@@ -140,8 +144,15 @@ def _decode_plan(values: list[float], size: int, topology: Optional[sites.Topolo
         owners = [int(v) for v in take(B * S)]
         blocks = tuple(tuple(owners[b * S:(b + 1) * S]) for b in range(B))
         block_shares, site_shares = tuple(take(B)), tuple(take(S))
-        site = SitePlan(groups, blocks, block_shares, site_shares, min_bytes=int(next(it)),
-                                     segment_bytes=int(next(it)), local_inner=bool(next(it)))
+        site_min, site_seg, local_inner = int(next(it)), int(next(it)), bool(next(it))
+        H = int(next(it))
+        host_lengths = [int(v) for v in take(H)]
+        host_members = iter(int(v) for v in take(sum(host_lengths)))
+        hosts = tuple(tuple(next(host_members) for _ in range(n)) for n in host_lengths)
+        held = [int(v) for v in take(B * H)] if H else []
+        holders = tuple(tuple(held[b * H:(b + 1) * H]) for b in range(B)) if H else ()
+        site = SitePlan(groups, blocks, block_shares, site_shares, min_bytes=site_min, segment_bytes=site_seg,
+                        local_inner=local_inner, hosts=hosts, holders=holders)
     return planner.Plan(order, shares, None, min_bytes=min_bytes, segment_bytes=segment_bytes, sites=site,
                         topology=topology)
 
@@ -152,7 +163,8 @@ def install_plan(backend, plan: planner.Plan) -> None:
     sp = plan.sites
     if sp is not None:
         backend.set_site_plan([list(s) for s in sp.sites], [list(b) for b in sp.blocks], list(sp.block_shares),
-                              list(sp.site_shares), int(sp.min_bytes), int(sp.segment_bytes), bool(sp.local_inner))
+                              list(sp.site_shares), int(sp.min_bytes), int(sp.segment_bytes), bool(sp.local_inner),
+                              [list(h) for h in sp.hosts], [list(b) for b in sp.holders])
 
 
 # The global ranks of every configured group (by listen address), for job-wide declarations.
@@ -302,17 +314,25 @@ def configure_group(backend, global_ranks: Optional[Sequence[int]] = None) -> No
         probe_backend(backend, ranks)
         return
     if probe_mode() == "0":
-        # No rates, but the hosts are known: the host level with equal pieces (every rank computes
-        # the same plan from the same labels; the engine checks that they agree).
+        # No rates, but the hosts are known: the host level (or hosts inside sites: three levels)
+        # with equal pieces (every rank computes the same plan from the same labels; the engine
+        # checks that they agree).
         shared = shared_host_labels(backend)
         declared_text = declared_sites(backend)
         if declared_text and shared is not None:
-            # Sites made of several hosts keep the ring here (no rates to plan a site schedule).
             try:
                 site_labels = sites.topology_from(declared=declared_text,
                                                   addresses=[str(h) for h in shared]).sites
             except ValueError:  # a declaration for the whole job, not this subgroup: no host level
                 site_labels = None
+            if site_labels is not None and not _same_partition(site_labels, shared):
+                # Sites made of several hosts: three levels with equal shares, which need no rates.
+                three = three_level_plan(site_labels, shared) if hierarchical_enabled() else None
+                if three is not None:
+                    plan = dataclasses.replace(planner.uniform_plan(backend.size()), sites=three)
+                    install_plan(backend, plan)
+                    _log_plan(planner.format_plan(plan))
+                    return
             if site_labels is None or not _same_partition(site_labels, shared):
                 shared = None
         if shared is not None:

@@ -20,58 +20,16 @@ import torch
 import torch.distributed as dist
 
 from marks import hetcomm_only
-from harness import Cases, run_ranks, run_suite
-from values import (assert_close_avg, assert_same, expected_reduce, inputs_for, ops_for,
-                   reduce_op_names)
+from harness import run_ranks, run_suite
+from level_suite import level_suite
 
 pytestmark = [pytest.mark.usefixtures("backend_importable"), hetcomm_only("host-level schedule")]
 
-R = dist.ReduceOp
-DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.uint8,
-          torch.int32, torch.int64, torch.bool]
-LARGE = (1 << 20) + 3          # 4 MiB of float32 and then some: many slots' worth
 SLOT_ENV = {"HETCOMM_SHM_SLOT_BYTES": str(64 << 10)}
 
 
 def _env(hosts: str, **extra: str) -> dict:
     return {"HETCOMM_HOST_ID": hosts, "HETCOMM_PROBE": "0", "HETCOMM_SMALL_ALLREDUCE_BYTES": "0", **extra}
-
-
-def host_suite(rank: int, ws: int) -> dict:
-    import hetcomm
-    plan = hetcomm.get_plan()
-    assert plan.sites is not None and plan.sites.local_inner, plan
-    cases = Cases(rank)
-    before = hetcomm.stats()["collectives_by_path"]["hierarchical"]
-    missed = []
-    for dtype in DTYPES:
-        for op in ops_for(dtype):
-            large = [LARGE] if dtype == torch.float32 and op == R.SUM else []
-            if dtype in (torch.float16, torch.bfloat16) and op in (R.SUM, R.AVG):
-                large = [100_003]  # 200 KB: several 64 KB pieces, AVG divided per piece
-            for n in [0, 1, ws - 1, 5 * ws + 1, 1031] + large:
-                with cases.case("all_reduce", f"{reduce_op_names().get(op, op)} {dtype} n={n}"):
-                    inputs = [inputs_for(op, n, dtype, r) for r in range(ws)]
-                    t = inputs[rank].clone()
-                    seen = hetcomm.stats()["collectives_by_path"]["hierarchical"]
-                    dist.all_reduce(t, op=op)
-                    if n > 0 and hetcomm.stats()["collectives_by_path"]["hierarchical"] == seen:
-                        missed.append(f"{op} {dtype} n={n}")
-                    if op == R.AVG:
-                        assert_close_avg(t, expected_reduce(inputs, R.SUM), ws)
-                    else:
-                        assert_same(t, expected_reduce(inputs, op))
-    with cases.case("identical", "float32 sums are the same bits on every rank"):
-        t = torch.randn(300_001, generator=torch.Generator().manual_seed(rank))
-        dist.all_reduce(t)
-        gathered = [torch.empty_like(t) for _ in range(ws)]
-        dist.all_gather(gathered, t)
-        for r, g in enumerate(gathered):
-            assert torch.equal(g, t), f"rank {r}'s result differs from rank {rank}'s"
-    with cases.case("path", "every allreduce took the host level"):
-        assert not missed, f"{len(missed)} allreduces did not take the host level: {missed[:8]}"
-        assert hetcomm.stats()["collectives_by_path"]["hierarchical"] > before
-    return {"sites": plan.sites.sites}
 
 
 # Pieces (HETCOMM_SITE_PIECE_BYTES) of 64 KB cut the large allreduces into many consecutive ones;
@@ -86,7 +44,7 @@ EMULATED = {"HETCOMM_DEBUG_EMULATE_DEVICE": "1", **PIECES}
     pytest.param("0,0,1,1", PIECES, id="0,0,1,1-pieces"),
     pytest.param("0,0,0,1", EMULATED, id="0,0,0,1-emulated-device-pieces")])
 def test_host_level_allreduce(hosts: str, extra: dict) -> None:
-    report = run_suite(4, host_suite, families=["all_reduce", "identical", "path"],
+    report = run_suite(4, level_suite, "host", families=["all_reduce", "identical", "path"],
                        env=_env(hosts, **SLOT_ENV, **extra), timeout=300)
     for family in ("all_reduce", "identical", "path"):
         report.assert_family(family)

@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from marks import hetcomm_only
-from harness import RankFailure, run_ranks, run_suite
+from harness import RankFailure, run_ranks, run_ranks_outcomes, run_suite
 from values import assert_same, expected_reduce, pattern
 from harness import free_port as free_port_
 import collective_suite
@@ -340,3 +340,20 @@ def test_local_setting_values(monkeypatch) -> None:
     assert hosts.shared_memory_wanted() == "HETCOMM_LOCAL=tcp"
     monkeypatch.setenv("HETCOMM_LOCAL", "shm")
     assert hosts.shared_memory_wanted() is None
+
+
+def _formed(rank: int, ws: int) -> str:
+    return "formed"
+
+
+@pytest.mark.serial  # looks at every hetcomm segment in /dev/shm: no other job may run
+def test_a_creator_killed_before_it_unlinked_leaves_no_segment() -> None:
+    """The host's first rank is killed right after it created the segment, before the others
+    opened it (HETCOMM_DEBUG_DIE_AFTER_SHM_CREATE): the creator published the name first, so the
+    other rank, whose group creation fails at the 3 s timeout, removes it. Before, the segment
+    stayed in /dev/shm until reboot."""
+    before = set(glob.glob(SEGMENTS))
+    outcomes = run_ranks_outcomes(2, _formed, pg_timeout=3, env={"HETCOMM_DEBUG_DIE_AFTER_SHM_CREATE": "1"})
+    assert outcomes[0].status == "died", outcomes[0].describe()
+    assert outcomes[1].status == "raised" and "shared memory" in outcomes[1].message, outcomes[1].describe()
+    assert set(glob.glob(SEGMENTS)) <= before

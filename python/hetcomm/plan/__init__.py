@@ -13,7 +13,7 @@ from hetcomm.plan.choose import (DECLARED_MIN_GAIN, MEASURED_MIN_GAIN, choose_pl
                                  hierarchical_enabled, plan_for_group, segment_bytes_for, snap_measured, with_host_plan)
 from hetcomm.plan.cost import (cut_bound_seconds, cut_capacity, predict_allreduce_seconds, predict_site_plan_seconds,
                                ring_seconds_per_byte, site_cuts, site_plan_seconds_per_byte, uplink_seconds_per_byte)
-from hetcomm.plan.hierarchy import best_site_plan, host_plan, site_shares_for
+from hetcomm.plan.hierarchy import best_site_plan, host_plan, site_shares_for, three_level_plan
 from hetcomm.plan.levels import Topology, detect_sites, parse_sites, topology_from
 from hetcomm.plan import model as _model
 from hetcomm.plan.model import DEFAULT_ALPHA_SECONDS, LinkModel
@@ -25,7 +25,7 @@ from hetcomm.plan.shares import SHARE_QUANTUM, SHARE_TIE_RTOL, PlanningError, so
 __all__ = [
     "LinkModel", "Topology", "Plan", "SitePlan", "PlanningError",
     "solve_shares", "best_plan", "uniform_plan", "make_plan", "crossover_bytes", "choose_plan",
-    "plan_for_group", "best_site_plan", "host_plan", "site_shares_for", "with_host_plan", "snap_measured",
+    "plan_for_group", "best_site_plan", "host_plan", "three_level_plan", "site_shares_for", "with_host_plan", "snap_measured",
     "predict_allreduce_seconds", "predict_site_plan_seconds", "ring_seconds_per_byte", "site_plan_seconds_per_byte",
     "uplink_seconds_per_byte", "cut_capacity", "cut_bound_seconds", "site_cuts",
     "detect_sites", "parse_sites", "topology_from", "shares_to_counts", "format_plan", "segment_bytes_for",

@@ -23,7 +23,7 @@ import numpy as np
 
 from hetcomm.plan.cost import (predict_allreduce_seconds, sites_bound_seconds_per_byte, predict_site_plan_seconds,
                                ring_seconds_per_byte, site_plan_seconds_per_byte)
-from hetcomm.plan.hierarchy import best_site_plan, host_plan
+from hetcomm.plan.hierarchy import best_site_plan, host_plan, three_level_plan
 from hetcomm.labels import renumber
 from hetcomm.plan.levels import Topology
 from hetcomm.plan.model import LinkModel
@@ -47,6 +47,12 @@ SEGMENT_SECONDS_ON_SLOWEST_LINK = 0.005
 # small shares around for nothing (800/800/800/100 measured as 101-138/11.4-12 MB/s gave rank 1
 # 5% and ran at 1.12x the bound; the same links declared gave 0/0/0/100% and 1.065x).
 MEASURED_RATE_TOLERANCE = 1.25
+
+
+# The three-level plan is taken over the site plan (TCP rings inside the sites) unless predicted
+# slower by more than this: both are bound by the same WAN cut when it is the narrowest, and the
+# model prices the site ring's loopback links but not the copies and CPU they cost on the host.
+THREE_LEVEL_TIE = 0.02
 
 
 def hierarchical_enabled() -> bool:
@@ -118,10 +124,12 @@ def _same_partition(a: Sequence[int], b: Sequence[int]) -> bool:
     return renumber(a) == renumber(b)
 
 
-def with_host_plan(ring: Plan, host_labels: Sequence[int], model: Optional[LinkModel] = None) -> Plan:
+def with_host_plan(ring: Plan, host_labels: Sequence[int], model: Optional[LinkModel] = None,
+                   min_gain: float = DECLARED_MIN_GAIN) -> Plan:
     """``ring`` plus the host-level schedule (`hierarchy.host_plan`) for every allreduce that
-    takes the ring's path (those above HETCOMM_SMALL_ALLREDUCE_BYTES), when there is one."""
-    hp = host_plan(host_labels, model) if hierarchical_enabled() else None
+    takes the ring's path (those above HETCOMM_SMALL_ALLREDUCE_BYTES), when there is one; its
+    host shares leave equal ones only when predicted faster by ``min_gain``."""
+    hp = host_plan(host_labels, model, min_gain) if hierarchical_enabled() else None
     if hp is None:
         return ring
     if model is not None:
@@ -139,8 +147,11 @@ def choose_plan(model: LinkModel, min_gain: float = DECLARED_MIN_GAIN,
 
     ``host_labels`` (one host per rank, given when the hosts' ranks share memory): with several
     hosts and no sites other than the hosts themselves, the host-level schedule (`with_host_plan`).
-    Where sites hold several hosts, the site schedule (whose steps inside a site run over TCP)
-    replaces the host schedule only if predicted faster by ``min_gain``.
+    Where sites hold several hosts, the three-level schedule (`hierarchy.three_level_plan`: shared
+    memory inside hosts, the hosts' NICs inside sites, every host's part across the WAN) or the
+    site schedule (TCP rings inside sites) replaces the host schedule only if predicted faster by
+    ``min_gain``; of the two, the three-level one unless predicted slower by more than
+    THREE_LEVEL_TIE.
     ``topology``: the group's levels (sites and hosts), which the ring search keeps together;
     by default the sites are ``site_labels`` and the hosts ``host_labels``.
     """
@@ -157,7 +168,7 @@ def choose_plan(model: LinkModel, min_gain: float = DECLARED_MIN_GAIN,
                     segment_bytes=segment_bytes_for(best, model))
     if not hierarchical_enabled():
         return best
-    hosted = with_host_plan(best, host_labels, model) if host_labels is not None else best
+    hosted = with_host_plan(best, host_labels, model, min_gain) if host_labels is not None else best
     if hosted.sites is not None and (site_labels is None or len(set(site_labels)) == 1
                                      or _same_partition(site_labels, host_labels)):
         return hosted
@@ -173,6 +184,10 @@ def choose_plan(model: LinkModel, min_gain: float = DECLARED_MIN_GAIN,
     if sites_bound_seconds_per_byte(model, site_labels) >= incumbent_per_byte * (1.0 - min_gain):
         return hosted
     site = best_site_plan(model, site_labels, None if topology is None else topology.hosts)
+    three = three_level_plan(site_labels, host_labels, model, min_gain) if host_labels is not None else None
+    if three is not None and (site is None or site_plan_seconds_per_byte(three, model)
+                              <= site_plan_seconds_per_byte(site, model) * (1.0 + THREE_LEVEL_TIE)):
+        site = three
     if site is None:
         return hosted
     if incumbent is not None and not (site_plan_seconds_per_byte(site, model)
@@ -193,6 +208,11 @@ def choose_plan(model: LinkModel, min_gain: float = DECLARED_MIN_GAIN,
         min_bytes = n
     if min_bytes is None:
         return hosted
+    if site.three_level and hosted.sites is not None:
+        # Below min_bytes the plan falls back to the ring, which would take the bytes between
+        # ranks of a host off shared memory; the host plan (which the three-level plan extends
+        # with the site step) serves every size, so the three-level plan does too.
+        min_bytes = 0
     return dataclasses.replace(best, sites=dataclasses.replace(site, min_bytes=min_bytes))
 
 
@@ -258,6 +278,11 @@ def format_plan(plan: Plan, model: Optional[LinkModel] = None) -> str:
         groups = " ".join("{" + _ranks_text(s, 8) + "}" for s in sp.sites[:16])
         if len(sp.sites) > 16:
             groups += f" (+{len(sp.sites) - 16} more)"
+        if sp.hosts:
+            groups += " of hosts " + " ".join("{" + _ranks_text(h, 8) + "}" for h in sp.hosts[:16])
+            if len(sp.hosts) > 16:
+                groups += f" (+{len(sp.hosts) - 16} more)"
+            level = "sites (three levels: shared memory inside hosts)"
         line += (f"\nhetcomm plan: hierarchical for allreduces >= {sp.min_bytes} B | {level} {groups}"
                  f" | blocks {blocks} | {level.split()[0][:-1]} shares "
                  + " ".join(f"{100.0 * w:.1f}%" for w in sp.site_shares[:16])

@@ -127,7 +127,8 @@ def predict_site_plan_seconds(plan: SitePlan, model: LinkModel, nbytes: int) -> 
     """
     if nbytes <= 0:
         return 0.0
-    m_max = max(len(s) for s in plan.sites)
+    # Steps inside a site: the ring's m - 1, one exchange between hosts with three levels.
+    m_max = 2 if plan.hosts else max(len(s) for s in plan.sites)
     site_of = np.asarray(plan.site_of())
     src, dst, _ = plan.load_arrays()
     inv = 1.0 / model.bw[src, dst]

@@ -1,4 +1,5 @@
-"""Hierarchical schedules over levels: sites (`best_site_plan`) and hosts (`host_plan`).
+"""Hierarchical schedules over levels: sites (`best_site_plan`), hosts (`host_plan`), and hosts
+inside sites (`three_level_plan`).
 
 Both return a `hetcomm.plan.schedules.SitePlan` for the engine's site-aware AllReduce
 (``csrc/algorithms/hierarchical.h``): a reduce-scatter inside each site, then every block reduced
@@ -15,6 +16,7 @@ docs/hosts-and-sites.md#hosts-as-the-inner-level-the-host-plan.
 from __future__ import annotations
 
 import itertools
+import math
 from fractions import Fraction
 from typing import Optional, Sequence
 
@@ -40,13 +42,15 @@ def _site_capacity(model: LinkModel, members: Sequence[int]) -> float:
     return min(cut_capacity(model, side), cut_capacity(model, ~side))
 
 
-def _equalising_shares(capacities: Sequence[float]) -> tuple[float, ...]:
-    """Site shares equalising ``(1 + (S - 2) w_s) / C_s``; 1/S for S <= 2.
+def _equalising_shares(capacities: Sequence[float], slope: Optional[float] = None) -> tuple[float, ...]:
+    """Shares equalising ``(1 + a w_s) / C_s`` with ``a = slope`` (default S - 2, the site shares);
+    equal shares when ``a <= 0``.
 
     Derivation: docs/hosts-and-sites.md#choosing-the-site-plan.
     """
     S = len(capacities)
-    if S <= 2:
+    a = float(S - 2 if slope is None else slope)
+    if a <= 0 or S < 2:
         return (1.0 / S,) * S
     cap = list(capacities)
     active = list(range(S))
@@ -54,7 +58,7 @@ def _equalising_shares(capacities: Sequence[float]) -> tuple[float, ...]:
     while True:
         total = sum(cap[k] for k in active)
         for k in range(S):
-            w[k] = max(0.0, ((S - 2 + len(active)) * cap[k] / total - 1.0) / (S - 2)) if k in active else 0.0
+            w[k] = max(0.0, ((a + len(active)) * cap[k] / total - 1.0) / a) if k in active else 0.0
         dropped = [k for k in active if w[k] <= 0.0]
         if not dropped or len(dropped) == len(active):
             break
@@ -221,10 +225,22 @@ def _host_capacity(model: LinkModel, members: Sequence[int]) -> float:
     return float(min(out, into))
 
 
-def host_plan(host_labels: Sequence[int], model: Optional[LinkModel] = None) -> Optional[SitePlan]:
+def _host_blocks(hosts: Sequence[Sequence[int]]) -> tuple[list[tuple[int, ...]], list[float]]:
+    """Blocks of a host plan: each host's ranks split the buffer equally, in rank order; the
+    blocks are the common refinement, each naming its holder in every host."""
+    cuts = sorted({Fraction(k, len(h)) for h in hosts for k in range(len(h) + 1)})
+    blocks, shares = [], []
+    for lo, hi in zip(cuts, cuts[1:]):
+        blocks.append(tuple(h[int(lo * len(h))] for h in hosts))
+        shares.append(float(hi - lo))
+    return blocks, shares
+
+
+def host_plan(host_labels: Sequence[int], model: Optional[LinkModel] = None, min_gain: float = 0.0) -> Optional[SitePlan]:
     """Hosts as the inner level of the schedule: a `SitePlan` with ``local_inner`` whose sites
     are the hosts (``host_labels``: one per rank), or None unless there are several hosts and one
-    of them holds several ranks.
+    of them holds several ranks. Host shares from the hosts' NICs in ``model`` replace equal
+    shares only when predicted faster by ``min_gain`` (noise in measured NICs must not cost speed).
 
     Derivation: docs/hosts-and-sites.md#hosts-as-the-inner-level-the-host-plan.
     """
@@ -233,13 +249,116 @@ def host_plan(host_labels: Sequence[int], model: Optional[LinkModel] = None) -> 
         return None
     if model is not None and model.world_size != len(host_labels):
         raise ValueError(f"hetcomm host plan: {len(host_labels)} host labels for a model of {model.world_size} ranks")
-    if model is not None:
-        w = _equalising_shares([_host_capacity(model, h) for h in hosts])
-    else:
-        w = (1.0 / len(hosts),) * len(hosts)
-    cuts = sorted({Fraction(k, len(h)) for h in hosts for k in range(len(h) + 1)})
-    blocks, shares = [], []
-    for lo, hi in zip(cuts, cuts[1:]):
-        blocks.append(tuple(h[int(lo * len(h))] for h in hosts))
-        shares.append(float(hi - lo))
-    return SitePlan(tuple(tuple(h) for h in hosts), tuple(blocks), tuple(shares), tuple(w), local_inner=True)
+    blocks, shares = _host_blocks(hosts)
+    groups = tuple(tuple(h) for h in hosts)
+    equal = SitePlan(groups, tuple(blocks), tuple(shares), (1.0 / len(hosts),) * len(hosts), local_inner=True)
+    if model is None:
+        return equal
+    w = _equalising_shares([_host_capacity(model, h) for h in hosts])
+    return _unless_no_gain(SitePlan(groups, tuple(blocks), tuple(shares), tuple(w), local_inner=True), equal, model,
+                           min_gain)
+
+
+def _unless_no_gain(weighted: SitePlan, equal: SitePlan, model: LinkModel, min_gain: float) -> SitePlan:
+    """``weighted`` if predicted faster than ``equal`` by ``min_gain``, else ``equal``."""
+    from hetcomm.plan.cost import site_plan_seconds_per_byte
+
+    if weighted == equal:
+        return equal
+    if site_plan_seconds_per_byte(weighted, model) < site_plan_seconds_per_byte(equal, model) * (1.0 - min_gain):
+        return weighted
+    return equal
+
+
+MAX_STRIPES = 64
+
+
+def _three_level_layout(sites: Sequence[Sequence[int]], hosts: Sequence[Sequence[int]],
+                        host_shares: Sequence[Sequence[float]]):
+    """Blocks, holders, owners and block shares of a three-level plan.
+
+    Each host splits the buffer equally among its ranks, in rank order (its holders). The buffer
+    is cut into R equal stripes (R the least common multiple of the hosts' rank counts, or the
+    largest of them past MAX_STRIPES), and inside every stripe each site's hosts own consecutive
+    parts by ``host_shares`` (one list per site, over its hosts in ``hosts`` order): so every rank
+    of a host owns part of what its host owns, and the site's traffic leaves from all of them."""
+    R = 1
+    for h in hosts:
+        R = R * len(h) // math.gcd(R, len(h))
+    if R > MAX_STRIPES:
+        R = max(len(h) for h in hosts)
+    site_hosts = [[k for k, h in enumerate(hosts) if h[0] in set(site)] for site in sites]
+    cuts = {0.0, 1.0}
+    for h in hosts:
+        cuts.update(j / len(h) for j in range(len(h)))
+    for stripe in range(R):
+        for members, y in zip(site_hosts, host_shares):
+            at = stripe / R
+            for v in y:
+                at += v / R
+                cuts.add(min(at, (stripe + 1) / R))
+    points = sorted(cuts)
+    points = [v for i, v in enumerate(points) if i == 0 or v - points[i - 1] > 1e-12]
+    blocks, holders, shares = [], [], []
+    for lo, hi in zip(points, points[1:]):
+        mid = (lo + hi) / 2
+        held = tuple(h[min(len(h) - 1, int(mid * len(h)))] for h in hosts)
+        stripe = min(R - 1, int(mid * R))
+        pos = mid * R - stripe
+        owners = []
+        for members, y in zip(site_hosts, host_shares):
+            acc, pick = 0.0, members[-1]
+            for k, v in zip(members, y):
+                acc += v
+                if pos < acc:
+                    pick = k
+                    break
+            owners.append(held[pick])
+        blocks.append(tuple(owners))
+        holders.append(held)
+        shares.append(hi - lo)
+    return blocks, holders, shares
+
+
+def three_level_plan(site_labels: Sequence[int], host_labels: Sequence[int], model: Optional[LinkModel] = None,
+                     min_gain: float = 0.0) -> Optional[SitePlan]:
+    """Ranks in hosts, hosts in sites: a `SitePlan` with ``hosts`` (csrc/algorithms/hierarchical.h),
+    or None unless there are several sites, the hosts lie inside them and some site holds several
+    hosts.
+
+    Each site's owner share of a block is spread over its hosts by ``y``, equalising the hosts'
+    NIC times ``(1 + (k_s - 2 + c_s) y_h) / C_h`` (k_s hosts in the site, c_s = 1 + (S - 2) w_s
+    the site's cross-site bytes per byte it owns); site shares ``w`` as in `best_site_plan`.
+    Host shares from ``model`` replace equal ones only when predicted faster by ``min_gain``.
+
+    Derivation: docs/hosts-and-sites.md#three-levels-hosts-inside-sites.
+    """
+    if len(site_labels) != len(host_labels):
+        raise ValueError(f"hetcomm three-level plan: {len(site_labels)} site labels, {len(host_labels)} host labels")
+    sites = ranks_by_label(site_labels)
+    hosts = ranks_by_label(host_labels)
+    if len(sites) < 2 or len(hosts) <= len(sites):
+        return None
+    site_of = {r: k for k, site in enumerate(sites) for r in site}
+    if any(len({site_of[r] for r in h}) != 1 for h in hosts):
+        return None
+    if model is not None and model.world_size != len(site_labels):
+        raise ValueError(f"hetcomm three-level plan: {len(site_labels)} labels for a model of {model.world_size} ranks")
+    site_hosts = [[h for h in hosts if site_of[h[0]] == k] for k in range(len(sites))]
+    S = len(sites)
+
+    def plan(w: Sequence[float], y: Sequence[Sequence[float]]) -> SitePlan:
+        blocks, holders, shares = _three_level_layout(sites, hosts, y)
+        return SitePlan(tuple(tuple(s) for s in sites), tuple(blocks), tuple(shares), tuple(w),
+                        hosts=tuple(tuple(h) for h in hosts), holders=tuple(holders))
+
+    equal_y = [(1.0 / len(m),) * len(m) for m in site_hosts]
+    if model is None:
+        return plan((1.0 / S,) * S, equal_y)
+    # Site shares as the site plan takes them; only the host shares are held to the margin.
+    w = site_shares_for(model, sites)
+    y = []
+    for k, members in enumerate(site_hosts):
+        c = 1.0 + (S - 2) * w[k]
+        y.append(_equalising_shares([_host_capacity(model, h) for h in members], len(members) - 2 + c))
+    return _unless_no_gain(plan(w, y), plan(w, equal_y), model, min_gain)

@@ -86,6 +86,10 @@ class SitePlan:
       (``site_shares[k]`` of the block) is reduced across sites by the block's owner in site k;
     * ``local_inner``: the sites are the group's hosts and the steps inside each run through
       shared memory (`hetcomm.plan.hierarchy.host_plan`); the intra-host links then carry nothing.
+    * ``hosts`` and ``holders`` (three levels, `hetcomm.plan.hierarchy.three_level_plan`): the
+      hosts inside the sites (each host's ranks ascending) and ``holders[b][h]``, the rank of host
+      h that holds block b after the host's reduce-scatter (shared memory); block b's owner in a
+      site is its holder in one host of that site, to which the site's other holders send it.
     """
 
     sites: tuple[tuple[int, ...], ...]
@@ -95,6 +99,8 @@ class SitePlan:
     min_bytes: int = 0
     segment_bytes: int = 0
     local_inner: bool = False
+    hosts: tuple[tuple[int, ...], ...] = ()
+    holders: tuple[tuple[int, ...], ...] = ()
 
     def __post_init__(self) -> None:
         sites = tuple(tuple(int(r) for r in site) for site in self.sites)
@@ -119,10 +125,43 @@ class SitePlan:
         for what, shares in (("block", self.block_shares), ("site", self.site_shares)):
             if not all(math.isfinite(float(x)) and float(x) >= 0 for x in shares) or not sum(shares) > 0:
                 raise ValueError(f"hetcomm site plan: {what} shares must be finite, >= 0 and not all zero")
+        hosts = tuple(tuple(int(r) for r in host) for host in self.hosts)
+        holders = tuple(tuple(int(r) for r in held) for held in self.holders)
+        if hosts or holders:
+            self._check_hosts(hosts, holders, blocks, site_of)
+        object.__setattr__(self, "hosts", hosts)
+        object.__setattr__(self, "holders", holders)
         object.__setattr__(self, "sites", sites)
         object.__setattr__(self, "blocks", blocks)
         object.__setattr__(self, "block_shares", tuple(float(x) for x in self.block_shares))
         object.__setattr__(self, "site_shares", tuple(float(x) for x in self.site_shares))
+
+    def _check_hosts(self, hosts, holders, blocks, site_of: np.ndarray) -> None:
+        P = len(site_of)
+        if self.local_inner:
+            raise ValueError("hetcomm site plan: local_inner and hosts exclude each other (hosts are three levels)")
+        if sorted(r for h in hosts for r in h) != list(range(P)) or any(list(h) != sorted(h) or not h for h in hosts):
+            raise ValueError(f"hetcomm site plan: hosts {hosts} must partition the ranks 0..{P - 1}, each ascending")
+        host_of = np.empty(P, dtype=np.int64)
+        for k, h in enumerate(hosts):
+            host_of[list(h)] = k
+            if len({int(site_of[r]) for r in h}) != 1:
+                raise ValueError(f"hetcomm site plan: host {k} ({h}) spans several sites")
+        if len(holders) != len(blocks) or any(len(held) != len(hosts) for held in holders):
+            raise ValueError(f"hetcomm site plan: holders must name one rank of each host for each of the "
+                             f"{len(blocks)} blocks")
+        for b, held in enumerate(holders):
+            if any(not 0 <= r < P or host_of[r] != k for k, r in enumerate(held)):
+                raise ValueError(f"hetcomm site plan: block {b}'s holders {held} must be one rank of each host")
+            if b and any(r < prev for r, prev in zip(held, holders[b - 1])):
+                raise ValueError(f"hetcomm site plan: each rank's blocks must be contiguous, in its host's rank "
+                                 f"order (block {b})")
+            if any(held[host_of[r]] != r for r in blocks[b]):
+                raise ValueError(f"hetcomm site plan: block {b}'s owners {blocks[b]} must hold it in their hosts")
+
+    @property
+    def three_level(self) -> bool:
+        return bool(self.hosts)
 
     @property
     def world_size(self) -> int:
@@ -150,8 +189,10 @@ class SitePlan:
         """``(src, dst, load)`` per directed link the schedule uses, in bytes per byte of buffer.
 
         Ring link a -> b inside a site of m >= 2 ranks: ``2 - o_a - o_b`` (not with
-        ``local_inner``). Link between owners r (site s) and q (site t) of block b: ``x_b (w_s +
-        w_t)`` each way, summed over the blocks they both own."""
+        ``local_inner`` or hosts). Link between owners r (site s) and q (site t) of block b: ``x_b (w_s +
+        w_t)`` each way, summed over the blocks they both own. Three levels: the holder of block b
+        in a host and b's owner in the site, when they differ, carry ``x_b`` each way (the site
+        reduce one way, the final block the other)."""
         return self._loads
 
     @functools.cached_property
@@ -160,7 +201,19 @@ class SitePlan:
         P = self.world_size
         o = self._chunks
         srcs, dsts, vals = [], [], []
-        if not self.local_inner:
+        if self.hosts:
+            held = np.asarray(self.holders, dtype=np.int64)                  # (B, H)
+            owners = np.asarray(self.blocks, dtype=np.int64)                 # (B, S)
+            site_of = np.asarray(self.site_of())
+            x = np.asarray(self.block_shares) / math.fsum(self.block_shares)
+            for h, host in enumerate(self.hosts):
+                owner = owners[:, site_of[host[0]]]
+                away = held[:, h] != owner
+                for a, b in ((held[away, h], owner[away]), (owner[away], held[away, h])):
+                    srcs.append(a)
+                    dsts.append(b)
+                    vals.append(x[away])
+        elif not self.local_inner:
             for site in self.sites:
                 if len(site) > 1:
                     a = np.asarray(site, dtype=np.int64)
@@ -190,16 +243,21 @@ class SitePlan:
 
     def reduce_loads(self) -> list[float]:
         """Bytes each rank reduces per byte of buffer: the site ring's ``1 - o_pred`` plus
-        ``(S - 1) w_s o_r`` from the other sites. (With local_inner the host's reduce-scatter adds
-        ``(m - 1) o_r`` in shared memory, at memory speed, which no link rate describes: left out
-        like its copies.)"""
+        ``(S - 1) w_s o_r`` from the other sites; three levels: ``(k_s - 1) o_r`` from the site's
+        other k_s - 1 hosts instead of the ring. (With local_inner or hosts the host's
+        reduce-scatter adds ``(m - 1)`` times the rank's held part in shared memory, at memory
+        speed, which no link rate describes: left out like its copies.)"""
         S = len(self.sites)
         wt = math.fsum(self.site_shares)
         o = self._chunks
         out = np.zeros(self.world_size)
         for k, site in enumerate(self.sites):
             a = np.asarray(site, dtype=np.int64)
-            ring = 1.0 - o[np.roll(a, 1)] if len(site) > 1 and not self.local_inner else 0.0
+            if self.hosts:
+                k_s = sum(1 for h in self.hosts if h[0] in site)
+                ring = (k_s - 1) * o[a]
+            else:
+                ring = 1.0 - o[np.roll(a, 1)] if len(site) > 1 and not self.local_inner else 0.0
             out[a] = ring + (S - 1) * self.site_shares[k] / wt * o[a]
         return out.tolist()
 

@@ -2,13 +2,16 @@
 //
 // The host's first rank (lowest group rank) creates the segment under a name nobody else can
 // guess or collide with (a random 64-bit tag: two groups, and two jobs on one machine, never
-// meet). It publishes the name in the group's store *before* creating the segment, and then
-// whether it made it; the keys carry the group's incarnation (from its fresh secret), so a name
-// an earlier group under the same prefix left behind is never read. The name is unlinked as soon
-// as every rank of the host has tried to open it, so that from then on only the mappings hold
-// the memory: by the creator, and by the last rank to open it (the creator may have died in
-// between). A rank whose setup fails after the name was published unlinks it too, so a creator
-// killed between creating and unlinking leaves nothing in /dev/shm once the others give up.
+// meet; the name carries the group's incarnation too). It publishes the name in the group's store
+// *before* creating the segment, and then whether it made it; the keys carry the group's
+// incarnation (from its fresh secret), so a name an earlier group under the same prefix left
+// behind is never read. The name is unlinked as soon as every rank of the host has tried to open
+// it, so that from then on only the mappings hold the memory: by the creator, and by the last
+// rank to open it (the creator may have died in between). A rank that gives up waiting for the
+// creator to say whether it made the segment unlinks the name too: a creator killed between
+// creating and unlinking leaves nothing in /dev/shm once the others give up (at the group's
+// timeout; a launcher that kills them all first leaves the segment, as any process killed while
+// holding a name would).
 //
 // Liveness: a rank waiting for a peer in shared memory asks every 100 ms whether the peer's
 // process is still there. The answer comes from the collective TCP connection to that peer, opened
@@ -38,11 +41,12 @@ std::string shmKey(const std::string& incarnation, int leader, const char* what)
   return strCat("hetcomm/shm/", incarnation, "/", leader, "/", what);
 }
 
-// Only names this code makes are opened or unlinked ("/hetcomm-" and 16 hex digits), whatever
-// the store says.
-bool isSegmentName(const std::string& name) {
-  static const std::string prefix = "/hetcomm-";
-  if (name.size() != prefix.size() + 16 || name.compare(0, prefix.size(), prefix) != 0) return false;
+// Only names this code makes for this group are opened or unlinked, whatever the store says.
+bool isSegmentName(const std::string& name, const std::string& incarnation) {
+  const std::string prefix = strCat("/hetcomm-", incarnation, "-");
+  if (incarnation.size() != 16 || name.size() != prefix.size() + 16 || name.compare(0, prefix.size(), prefix) != 0) {
+    return false;
+  }
   return std::all_of(name.begin() + prefix.size(), name.end(),
                      [](char c) { return (c >= '0' && c <= '9') || (c >= 'a' && c <= 'f'); });
 }
@@ -51,7 +55,8 @@ bool isSegmentName(const std::string& name) {
 // set-up, an exception included, leaves no name behind.
 class UnlinkGuard {
  public:
-  void arm(const std::string& name) { name_ = isSegmentName(name) ? name : ""; }
+  explicit UnlinkGuard(std::string incarnation) : incarnation_(std::move(incarnation)) {}
+  void arm(const std::string& name) { name_ = isSegmentName(name, incarnation_) ? name : ""; }
   void unlinkNow() {
     if (!name_.empty()) ShmSegment::unlink(name_);
     name_.clear();
@@ -59,21 +64,29 @@ class UnlinkGuard {
   ~UnlinkGuard() { unlinkNow(); }
 
  private:
+  std::string incarnation_;
   std::string name_;
 };
 
 // Debug hook for the tests of a creator killed mid-setup: HETCOMM_DEBUG_DIE_AFTER_SHM_CREATE=1
 // kills the host's first rank right after it created the segment.
 void maybeDieAfterCreate() {
-  if (envInt("HETCOMM_DEBUG_DIE_AFTER_SHM_CREATE", 0) != 0) ::raise(SIGKILL);
+  if (envInt("HETCOMM_DEBUG_DIE_AFTER_SHM_CREATE", 0) != 0) {
+    HC_LOG(kError, "HETCOMM_DEBUG_DIE_AFTER_SHM_CREATE is set: this rank kills itself (a test hook)");
+    ::raise(SIGKILL);
+  }
 }
 
-std::string randomSegmentName() {
+// "/hetcomm-" + the group's incarnation (16 hex digits) + "-" + a random 64-bit tag: two groups,
+// and two jobs on one machine, never meet, and a name from the store that does not carry this
+// group's incarnation is never opened or unlinked (a store writer cannot point the ranks at
+// another group's segment).
+std::string randomSegmentName(const std::string& incarnation) {
   std::random_device rd;
   const uint64_t tag = (static_cast<uint64_t>(rd()) << 32) ^ rd();
-  char buf[40];
-  std::snprintf(buf, sizeof(buf), "/hetcomm-%016llx", static_cast<unsigned long long>(tag));
-  return buf;
+  char buf[24];
+  std::snprintf(buf, sizeof(buf), "%016llx", static_cast<unsigned long long>(tag));
+  return strCat("/hetcomm-", incarnation, "-", buf);
 }
 
 // False once the connection to the peer reports that the peer hung up.
@@ -126,11 +139,16 @@ std::string ProcessGroupHetcomm::attachLocal(const std::vector<int64_t>& hostOf,
   }
   const size_t bytes = ShmChannel::segmentBytes(L, slot, kDepth);
   std::unique_ptr<ShmChannel> channel;
-  UnlinkGuard unlinkAtExit;
+  UnlinkGuard unlinkAtExit(incarnation_);
+  // What is left of the set-up's time (every wait shares one deadline).
+  auto remaining = [&] {
+    return std::max(std::chrono::milliseconds(1),
+                    std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()));
+  };
   auto key = [&](const char* what) { return shmKey(incarnation_, leader, what); };
   try {
     if (me == 0) {
-      const std::string name = error.empty() ? randomSegmentName() : "";
+      const std::string name = error.empty() ? randomSegmentName(incarnation_) : "";
       // The name first, so that the others can remove it should this rank die before it does.
       store_->set(key("name"), std::vector<uint8_t>(name.begin(), name.end()));
       unlinkAtExit.arm(name);
@@ -157,17 +175,20 @@ std::string ProcessGroupHetcomm::attachLocal(const std::vector<int64_t>& hostOf,
       }
       for (const char* what : {"name", "made", "done"}) store_->deleteKey(key(what));
     } else {
-      store_->wait({key("name")}, options_.timeout);
+      store_->wait({key("name")}, remaining());
       const std::vector<uint8_t> n = store_->get(key("name"));
       const std::string name(n.begin(), n.end());
-      unlinkAtExit.arm(name);  // removed below once all have opened it, or on any failure
-      store_->wait({key("made")}, options_.timeout);
+      unlinkAtExit.arm(name);  // the creator may die before it says whether it made the segment
+      store_->wait({key("made")}, remaining());
       const std::vector<uint8_t> v = store_->get(key("made"));
       const std::string made(v.begin(), v.end());
+      // The creator is there: from now on only the last rank to open the segment unlinks it, so a
+      // rank that fails here does not take the name from the others still opening it.
+      unlinkAtExit.arm("");
       if (!made.empty()) {
         error = strCat("rank ", leader, " could not create it: ", made.substr(made[0] == '!' ? 1 : 0));
-      } else if (!isSegmentName(name)) {
-        error = strCat("the store names no segment this code makes (", name.size(), " bytes)");
+      } else if (!isSegmentName(name, incarnation_)) {
+        error = strCat("the store names no segment of this group (", name.size(), " bytes)");
       } else if (error.empty()) {
         try {
           channel = std::make_unique<ShmChannel>(ShmSegment::open(name, bytes), me, L, slot, kDepth, false);
@@ -175,8 +196,7 @@ std::string ProcessGroupHetcomm::attachLocal(const std::vector<int64_t>& hostOf,
           error = e.what();
         }
       }
-      // The last rank to open it unlinks it (its creator may be gone); a rank that failed does too.
-      if (store_->add(key("done"), 1) < L && error.empty()) unlinkAtExit.arm("");
+      if (store_->add(key("done"), 1) >= L) unlinkAtExit.arm(name);  // the last to open it
     }
   } catch (const std::exception& e) {
     // The store failed: that is not a reason to fall back, it is a broken group.

@@ -81,6 +81,13 @@ ShmSegment ShmSegment::open(const std::string& name, size_t bytes) {
     ::close(fd);
     throw failure("fstat", name, err);
   }
+  // Only a segment this user made for itself: another local user could otherwise plant a
+  // world-writable file of the right size under a name the store points to.
+  if (st.st_uid != ::geteuid() || (st.st_mode & 077) != 0) {
+    ::close(fd);
+    throw ShmUnavailableError(strCat("hetcomm: shared memory segment ", name, " is not this user's own private segment "
+                                     "(owner ", st.st_uid, ", mode ", std::oct, (st.st_mode & 0777), ")"));
+  }
   if (static_cast<size_t>(st.st_size) != bytes) {
     ::close(fd);
     throw ShmUnavailableError(strCat("hetcomm: shared memory segment ", name, " has ", st.st_size, " bytes, expected ",

@@ -1,0 +1,71 @@
+// ShmSegment (csrc/transport/shm/segment.h): what open() accepts. A name in the group's store
+// could point at any file in /dev/shm; only this user's own private segment of the right size is
+// mapped.
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <random>
+#include <string>
+
+#include "check.h"
+#include "transport/shm/segment.h"
+
+using namespace hetcomm;
+
+namespace {
+
+std::string testName() {
+  std::random_device rd;
+  char buf[64];
+  std::snprintf(buf, sizeof(buf), "/hetcomm-segment-test-%08x%08x", rd(), rd());
+  return buf;
+}
+
+// Makes a segment with plain shm_open (as another program could), with this mode and size.
+bool plant(const std::string& name, mode_t mode, size_t bytes) {
+  const int fd = ::shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR, mode);
+  if (fd < 0) return false;
+  const bool ok = ::fchmod(fd, mode) == 0 && ::ftruncate(fd, static_cast<off_t>(bytes)) == 0;
+  ::close(fd);
+  return ok;
+}
+
+bool opens(const std::string& name, size_t bytes, std::string* why) {
+  try {
+    ShmSegment s = ShmSegment::open(name, bytes);
+    return static_cast<bool>(s);
+  } catch (const ShmUnavailableError& e) {
+    *why = e.what();
+    return false;
+  }
+}
+
+}  // namespace
+
+TEST_CASE(a_segment_made_by_create_opens) {
+  const std::string name = testName();
+  ShmSegment made = ShmSegment::create(name, 8192);
+  std::string why;
+  CHECK(opens(name, 8192, &why));
+  CHECK(!opens(name, 4096, &why));  // another size: refused
+  ShmSegment::unlink(name);
+}
+
+TEST_CASE(a_world_or_group_accessible_segment_is_refused) {
+  for (mode_t mode : {mode_t{0666}, mode_t{0640}, mode_t{0604}}) {
+    const std::string name = testName();
+    REQUIRE(plant(name, mode, 8192));
+    std::string why;
+    CHECK(!opens(name, 8192, &why));
+    CHECK(why.find("private segment") != std::string::npos);
+    ShmSegment::unlink(name);
+  }
+  const std::string name = testName();
+  REQUIRE(plant(name, 0600, 8192));  // the same file, private: accepted
+  std::string why;
+  CHECK(opens(name, 8192, &why));
+  ShmSegment::unlink(name);
+}

@@ -48,7 +48,8 @@ def main() -> None:
             subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
             data = read_report(f.name)
         plans = data.get("plans")
-        plans_per_run.append((plans or {}).get("hetcomm"))
+        # Without the model (a P x P matrix): plans_last_run keeps one, and a summary stays small.
+        plans_per_run.append({k: v for k, v in ((plans or {}).get("hetcomm") or {}).items() if k != "model"})
         paths_per_run.append({row["size_bytes"]: {name: b.get("path") for name, b in row["backends"].items()}
                               for row in data["rows"]})
         for row in data["rows"]:

@@ -14,7 +14,9 @@ every rank; a rank that waits for it instead (idles) moves the clock to that tim
 is counted in ``idle``, in declared seconds. ``seconds=0`` is a fast link, landing at the next
 step. Without it, a background synchronisation would land after however many steps a rank races
 through (in no declared time) while the collective runs in real time: a count that depends on
-the machine.
+the machine. Until it is let through, the background thread reads the clock as it was when the
+synchronisation was submitted (its agreement on the round's table takes no declared time); once
+through, the training thread waits for it, so the clock does not move under it.
 """
 from __future__ import annotations
 
@@ -30,10 +32,21 @@ _real_exception = concurrent.futures.Future.exception
 class DeclaredClock:
     def __init__(self) -> None:
         self._now = 1000.0
+        self._held: float | None = None      # what other threads read while a SlowLink holds them
         self._lock = threading.Lock()
 
     def __call__(self) -> float:
+        held = self._held
+        if held is not None and threading.current_thread() is not threading.main_thread():
+            return held
         return self._now
+
+    def hold(self) -> None:
+        """Other threads read the clock as it is now until `release`."""
+        self._held = self._now
+
+    def release(self) -> None:
+        self._held = None
 
     def compute(self, seconds: float) -> None:
         """A step's compute: the clock moves by ``seconds``."""
@@ -91,6 +104,21 @@ class SlowLink:
 
         setattr(owner, name, held)
 
+        # A synchronisation submitted: until it is let through, the background thread's clock
+        # stands at the submission (reading it in real time would count the steps the training
+        # thread raced through meanwhile, e.g. in the round-length measurement DiLoCo takes from
+        # its agreement on the table to its landing).
+        executor = diloco._executor
+        assert executor is not None, "SlowLink needs DiLoCo(overlap=True)"
+        submit = executor.submit
+
+        def submitting(*args, **kwargs):
+            if not self._all_open:
+                self.clock.hold()
+            return submit(*args, **kwargs)
+
+        executor.submit = submitting
+
         # The training thread waiting for a synchronisation in flight: that wait is idle time.
         def idling(fs) -> None:
             if threading.current_thread() is threading.main_thread() and not all(f.done() for f in fs):
@@ -123,6 +151,7 @@ class SlowLink:
                 self.idle += due - self.clock()
                 self.clock.advance_to(due)
             if self.clock() >= due - 1e-9:       # sums of declared steps carry rounding
+                self.clock.release()
                 event.set()
 
     def stepped(self, synced: bool) -> None:
@@ -142,6 +171,7 @@ class SlowLink:
     def open_all(self) -> None:
         """Lets every synchronisation through from now on, held or still to come."""
         self._all_open = True
+        self.clock.release()
         self._due = [0.0] * len(self._due)
         with self._lock:
             events = list(self._opened)

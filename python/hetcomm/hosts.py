@@ -4,8 +4,8 @@ At group creation (`hetcomm.topology.configure_group`) every rank of the group p
 host identity (`host_identity`: boot id, network namespace, ``/dev/shm``; ``HETCOMM_HOST_ID``
 overrides it) and learns the hosts (`host_labels`); checks that every rank agrees on the hosts
 and on the settings that shape the schedule (`check_agreement`); and sets up shared memory among
-the ranks of each host (`setup_shared_memory`), or keeps the whole group on TCP if any host
-cannot.
+the ranks of each host, or another inner level (`setup_inner_levels`), or keeps the whole group
+on TCP if any host cannot.
 
 What a host is, what must agree and how the shared memory is laid out:
 docs/hosts-and-sites.md#ranks-on-one-host-shared-memory-and-hosts-as-the-inner-level.
@@ -166,27 +166,82 @@ def _int_env(name: str, default: int) -> int:
     return value
 
 
-def shared_memory_wanted() -> Optional[str]:
-    """None when shared memory may be used, else why not (the settings that turn it off)."""
-    if os.environ.get("HETCOMM_SHM", "1").strip() == "0":
-        return "HETCOMM_SHM=0"
+_HOST_LEVELS = ("shm", "gloo", "tcp")
+
+
+def inner_level_choice() -> tuple[str, str]:
+    """(level for host memory, level for CUDA tensors) from ``HETCOMM_LOCAL`` and ``HETCOMM_SHM``.
+
+    Host memory: ``shm`` (hetcomm's shared memory, the default), ``gloo`` (torch's Gloo group over
+    the host's ranks) or ``tcp`` (no inner level: every byte over TCP). CUDA tensors: ``nccl``
+    (torch's NCCL group over the host's GPUs), ``auto`` (NCCL where every rank of the group has it,
+    the default), or ``""`` (staged through the host level, as host memory). ``HETCOMM_LOCAL=nccl``
+    asks for NCCL with shared memory for host memory, and fails group creation where NCCL is not
+    available; ``shm``, ``gloo`` and ``tcp`` keep CUDA tensors on that one level.
+    """
     local = os.environ.get("HETCOMM_LOCAL", "").strip().lower()
-    if local == "nccl":
-        raise ValueError("hetcomm: HETCOMM_LOCAL=nccl: NCCL between the GPUs of a host is not available in this "
-                         "version; the ranks of a host use shared memory (HETCOMM_LOCAL=shm, the default) or TCP "
-                         "(HETCOMM_LOCAL=tcp)")
-    if local not in ("", "shm", "tcp"):
-        raise ValueError(f"hetcomm: HETCOMM_LOCAL={local!r}: choose shm or tcp")
-    if local == "tcp":
-        return "HETCOMM_LOCAL=tcp"
-    return None
+    if local not in ("", "nccl") + _HOST_LEVELS:
+        raise ValueError(f"hetcomm: HETCOMM_LOCAL={local!r}: choose shm, nccl, gloo or tcp")
+    host = "tcp" if os.environ.get("HETCOMM_SHM", "1").strip() == "0" and local in ("", "shm", "nccl") else (
+        local if local in _HOST_LEVELS else "shm")
+    device = {"": "auto", "nccl": "nccl"}.get(local, "")
+    return host, device
 
 
-def setup_shared_memory(backend, labels: Sequence[int]) -> bool:
-    """Shared memory among the ranks of each host; True when the group uses it. A collective.
+def _nccl_device() -> str:
+    """This rank's CUDA device for NCCL ("cuda:N", its current device), or why there is none."""
+    if not torch.distributed.is_nccl_available():
+        return "no NCCL in this torch"
+    if not torch.cuda.is_available():
+        return "no CUDA device"
+    return f"cuda:{torch.cuda.current_device()}"
 
-    Every host tries; all ranks then learn every host's outcome, so that either all use shared
-    memory or none does (a host falling back alone would meet its peers on another path).
+
+def _nccl_problem(devices: Sequence[str], labels: Sequence[int]) -> str:
+    """Why NCCL cannot join the ranks of every host ("" when it can): a rank without it, or two
+    ranks of a host on one GPU (NCCL refuses a communicator with a GPU twice; set each rank's
+    device, torch.cuda.set_device, before creating the group)."""
+    for rank, device in enumerate(devices):
+        if not device.startswith("cuda:"):
+            return f"rank {rank} has {device}"
+    for rank, device in enumerate(devices):
+        for other in range(rank):
+            if labels[other] == labels[rank] and devices[other] == device:
+                return f"ranks {other} and {rank} of one host are both on {device}"
+    return ""
+
+
+def _torch_group(kind: str, backend, labels: Sequence[int], store, timeout_ms: int):
+    """torch's ``kind`` (gloo, nccl) process group over this rank's host, on its own store prefix
+    (the group's incarnation and the host's lowest rank: a later group under the same store never
+    meets this one's keys). Every rank of the host constructs it here, at the same point."""
+    import datetime
+
+    import torch.distributed as dist
+
+    me = backend.rank()
+    ranks = [r for r, label in enumerate(labels) if label == labels[me]]
+    prefix = f"hetcomm/inner/{backend.incarnation()}/{kind}/{ranks[0]}/"
+    sub = dist.PrefixStore(prefix, store)
+    timeout = datetime.timedelta(milliseconds=timeout_ms)
+    if kind == "gloo":
+        options = dist.ProcessGroupGloo._Options()
+        options._timeout = timeout
+        # The interface hetcomm listens on (the host's ranks reach each other there).
+        ip = backend.listen_address().rsplit(":", 1)[0].strip("[]")
+        options._devices = [dist.ProcessGroupGloo.create_device(hostname=ip)]
+        return dist.ProcessGroupGloo(sub, ranks.index(me), len(ranks), options)
+    options = dist.ProcessGroupNCCL.Options()
+    options._timeout = timeout
+    return dist.ProcessGroupNCCL(sub, ranks.index(me), len(ranks), options)
+
+
+def setup_inner_levels(backend, labels: Sequence[int], store=None, timeout_ms: int = 300_000) -> bool:
+    """The inner level of each host (`inner_level_choice`): shared memory or a Gloo group for host
+    memory, and NCCL for CUDA tensors; True when the group's hosts have one. A collective.
+
+    Every host tries; all ranks then learn every host's outcome, so that either all use their
+    inner levels or none does (a host falling back alone would meet its peers on another path).
     """
     global _fallback_said
     counts: dict[int, int] = {}
@@ -194,16 +249,40 @@ def setup_shared_memory(backend, labels: Sequence[int]) -> bool:
         counts[label] = counts.get(label, 0) + 1
     if max(counts.values()) < 2:
         return False
-    if shared_memory_wanted() is not None:
+    host, device = inner_level_choice()
+    if host == "tcp":
         return False
-    error = backend.attach_local(list(labels), _int_env("HETCOMM_SHM_BYTES", DEFAULT_SHM_BYTES),
-                                 _int_env("HETCOMM_SHM_SLOT_BYTES", DEFAULT_SLOT_BYTES))
+    if store is None and (host == "gloo" or device == "nccl"):
+        raise ValueError("hetcomm: a torch process group as a host's inner level needs the group's store")
+    if device and store is not None:
+        # NCCL for CUDA tensors only where every rank has it: ranks of a host that disagreed
+        # would meet on different levels.
+        devices = [_decode(r) for r in _allgather_rows(backend, _encode(_nccl_device(), 32))]
+        problem = _nccl_problem(devices, labels)
+        if device == "nccl" and problem:
+            raise ValueError(f"hetcomm: HETCOMM_LOCAL=nccl, but {problem}")
+        device = "" if problem else "nccl"
+    else:
+        device = ""
+    error, stage = "", host
+    alone = counts[labels[backend.rank()]] == 1      # nothing to join on this host
+    try:
+        if host == "shm":
+            error = backend.attach_local(list(labels), _int_env("HETCOMM_SHM_BYTES", DEFAULT_SHM_BYTES),
+                                         _int_env("HETCOMM_SHM_SLOT_BYTES", DEFAULT_SLOT_BYTES))
+        elif not alone:
+            backend.attach_inner(list(labels), _torch_group("gloo", backend, labels, store, timeout_ms), "gloo", False)
+        stage = "nccl"
+        if not error and device and not alone:
+            backend.attach_inner(list(labels), _torch_group("nccl", backend, labels, store, timeout_ms), "nccl", True)
+    except (RuntimeError, ValueError) as e:
+        error = f"{stage}: {e}"
     reasons = [_decode(r) for r in _allgather_rows(backend, _encode(error, 256))]
     failed = [(rank, why) for rank, why in enumerate(reasons) if why]
     backend.enable_local(not failed)
     if failed and backend.rank() == 0 and not _fallback_said:
         _fallback_said = True
         rank, why = failed[0]
-        print(f"[hetcomm WARN] shared memory between the ranks of a host cannot be used (rank {rank}: {why}); "
-              f"they talk over TCP instead", file=sys.stderr, flush=True)
+        print(f"[hetcomm WARN] the inner level of a host ({host}) cannot be used (rank {rank}: {why}); "
+              f"the ranks of each host talk over TCP instead", file=sys.stderr, flush=True)
     return not failed

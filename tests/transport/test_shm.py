@@ -328,20 +328,6 @@ def test_no_segment_left_after_exit_or_exception() -> None:
     assert set(glob.glob(SEGMENTS)) <= before
 
 
-def test_local_setting_values(monkeypatch) -> None:
-    from hetcomm import hosts
-    monkeypatch.setenv("HETCOMM_LOCAL", "nccl")
-    with pytest.raises(ValueError, match="not available"):
-        hosts.shared_memory_wanted()
-    monkeypatch.setenv("HETCOMM_LOCAL", "infiniband")
-    with pytest.raises(ValueError, match="choose shm or tcp"):
-        hosts.shared_memory_wanted()
-    monkeypatch.setenv("HETCOMM_LOCAL", "tcp")
-    assert hosts.shared_memory_wanted() == "HETCOMM_LOCAL=tcp"
-    monkeypatch.setenv("HETCOMM_LOCAL", "shm")
-    assert hosts.shared_memory_wanted() is None
-
-
 def _formed(rank: int, ws: int) -> str:
     return "formed"
 

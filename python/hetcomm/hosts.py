@@ -188,12 +188,16 @@ def inner_level_choice() -> tuple[str, str]:
     return host, device
 
 
-def _nccl_device() -> str:
-    """This rank's CUDA device for NCCL ("cuda:N", its current device), or why there is none."""
+def _nccl_device(asked: bool) -> str:
+    """This rank's CUDA device for NCCL ("cuda:N", its current device), or why there is none.
+    Unless NCCL was ``asked`` for, a process that has not touched CUDA yet (no device set, no
+    tensor moved) is left so: asking for its device would create a CUDA context on GPU 0."""
     if not torch.distributed.is_nccl_available():
         return "no NCCL in this torch"
     if not torch.cuda.is_available():
         return "no CUDA device"
+    if not asked and not torch.cuda.is_initialized():
+        return "no CUDA device in use yet"
     return f"cuda:{torch.cuda.current_device()}"
 
 
@@ -257,7 +261,7 @@ def setup_inner_levels(backend, labels: Sequence[int], store=None, timeout_ms: i
     if device and store is not None:
         # NCCL for CUDA tensors only where every rank has it: ranks of a host that disagreed
         # would meet on different levels.
-        devices = [_decode(r) for r in _allgather_rows(backend, _encode(_nccl_device(), 32))]
+        devices = [_decode(r) for r in _allgather_rows(backend, _encode(_nccl_device(device == "nccl"), 32))]
         problem = _nccl_problem(devices, labels)
         if device == "nccl" and problem:
             raise ValueError(f"hetcomm: HETCOMM_LOCAL=nccl, but {problem}")

@@ -72,9 +72,13 @@ namespace {
 
 // Every rank of the group is on this host: every collective goes through the host's inner level
 // for its memory (null: none takes that memory, the collective goes over TCP).
-InnerLevel* allLocal(CollectiveContext& ctx, bool hostMemory = false) {
+// A reduction (dtype, op) goes there only if the level reduces it (NCCL has no bitwise ops); the
+// answer is the same on every rank, whose level and call are the same.
+InnerLevel* allLocal(CollectiveContext& ctx, bool hostMemory = false, const DType* dtype = nullptr,
+                     const RedOp* op = nullptr) {
   if (ctx.local == nullptr || ctx.size <= 1 || !ctx.local->coversGroup(ctx.size)) return nullptr;
   InnerLevel* level = ctx.local->levelFor(hostMemory ? nullptr : ctx.device);
+  if (level != nullptr && dtype != nullptr && !level->takes(*dtype, *op)) level = nullptr;
   if (level != nullptr) ctx.path = level->path();
   return level;
 }
@@ -245,8 +249,8 @@ void allreduceStagedWhole(CollectiveContext& ctx, char* buf, size_t count, DType
 
 void allreduce(CollectiveContext& ctx, char* buf, size_t count, DType dtype, RedOp op, const RingPlan& plan) {
   SettleOnExit settle(ctx.device);
-  if (InnerLevel* level = allLocal(ctx)) {
-    // An AVG over the whole group is divided inside the reduction, before rounding.
+  if (InnerLevel* level = allLocal(ctx, false, &dtype, &op)) {
+    // An AVG over the whole group is divided with the reduction (shm: before rounding).
     level->allreduce(ctx, buf, count, dtype, op, op == RedOp::kAvg ? ctx.size : 0.0);
     return;
   }
@@ -257,7 +261,7 @@ void allreduce(CollectiveContext& ctx, char* buf, size_t count, DType dtype, Red
   if (ctx.size > 1 && ctx.device != nullptr && ring && plan.sites &&
       (plan.sites->localInner || !plan.sites->hosts.empty()) && ctx.local != nullptr) {
     InnerLevel* level = ctx.local->levelFor(ctx.device);
-    if (level != nullptr && !level->stagesDevice()) {
+    if (level != nullptr && !level->stagesDevice() && level->takes(dtype, op)) {
       averageBeforeSum(ctx, buf, count, dtype, op);
       allreduceRing(ctx, buf, count, dtype, op, plan);
       averageAfterSum(ctx, buf, count, dtype, op);
@@ -316,7 +320,7 @@ void reduceScatterv(CollectiveContext& ctx, char* work, const std::vector<size_t
                     const RingPlan& plan) {
   SettleOnExit settle(ctx.device);
   const int P = ctx.size;
-  if (InnerLevel* level = allLocal(ctx)) return level->reduceScatterv(ctx, work, counts, dtype, op, op == RedOp::kAvg ? P : 0.0);
+  if (InnerLevel* level = allLocal(ctx, false, &dtype, &op)) return level->reduceScatterv(ctx, work, counts, dtype, op, op == RedOp::kAvg ? P : 0.0);
   std::vector<size_t> offsets = prefixOffsets(counts);
   // Every block of work is this rank's contribution to some rank's result.
   averageBeforeSum(ctx, work, offsets[P - 1] + counts[P - 1], dtype, op);

@@ -33,6 +33,9 @@ class InnerLevel {
   virtual CollectivePath path() const = 0;
   // Whether this level can work on the memory ctx.device names (without staging it).
   virtual bool takesDevice(const DeviceOps& device) const = 0;
+  // Whether this level reduces `dtype` with `op` (the same answer on every rank of a host: the
+  // callers fall back to another path when not).
+  virtual bool takes(DType dtype, RedOp op) const { (void)dtype; (void)op; return true; }
   // Whether device memory is better staged whole into host memory before this level's steps
   // (shared memory copies device memory through its slots anyway) than kept on the device.
   virtual bool stagesDevice() const { return false; }

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <numeric>
+#include <thread>
 
 #include "algorithms/device_ops.h"
 #include "common/error.h"
@@ -27,7 +28,10 @@ at::ScalarType scalarOf(DType t) {
   return at::kByte;
 }
 
-c10d::ReduceOp reduceOpOf(RedOp op) {
+c10d::ReduceOp reduceOpOf(RedOp op, DType dtype) {
+  // Bools are bytes to Gloo and NCCL: SUM would add them (2, 3), not OR them as hetcomm does.
+  if (dtype == DType::kBool && (op == RedOp::kSum || op == RedOp::kAvg)) return c10d::ReduceOp(c10d::ReduceOp::MAX);
+  if (dtype == DType::kBool && op == RedOp::kProduct) return c10d::ReduceOp(c10d::ReduceOp::MIN);
   switch (op) {
     case RedOp::kSum:
     case RedOp::kAvg: return c10d::ReduceOp(c10d::ReduceOp::SUM);  // divided around it, see avgScalesInputs
@@ -75,28 +79,77 @@ std::chrono::milliseconds TorchInnerLevel::remaining(const CollectiveContext& ct
   return std::max(std::chrono::milliseconds(1), left);
 }
 
-void TorchInnerLevel::fail(const CollectiveContext& ctx, const char* what, const std::string& why) const {
-  // Name a rank of the host whose process is gone, if any: that is what the group fails on.
+void TorchInnerLevel::deadPeer(const CollectiveContext& ctx, const char* what, const std::string& why) const {
   const LocalGroup* local = ctx.local;
-  if (local != nullptr && local->peerAlive) {
-    for (int l = 0; l < local->localSize(); ++l) {
-      if (l != local->me && !local->peerAlive(l)) {
-        throw PeerClosedError(strCat(ctx.prefix(), ": rank ", local->ranks[l], " of this host is gone (the host's ",
-                                     name_, " inner level failed in its ", what, ": ", why, ")"),
-                              local->ranks[l]);
-      }
+  if (local == nullptr || !local->peerAlive) return;
+  for (int l = 0; l < local->localSize(); ++l) {
+    if (l != local->me && !local->peerAlive(l)) {
+      throw PeerClosedError(strCat(ctx.prefix(), ": rank ", local->ranks[l], " of this host is gone or gave up (",
+                                   "seen in the host's ", name_, " inner level, in its ", what,
+                                   why.empty() ? "" : ": ", why, ")"),
+                            local->ranks[l]);
     }
+  }
+}
+
+void TorchInnerLevel::fail(const CollectiveContext& ctx, const char* what, const std::string& why) const {
+  // Name a rank of the host whose process is gone, if any: that is what the group fails on. A
+  // library's error may come a moment before the liveness connection reports the hang-up.
+  for (int i = 0; i < 20; ++i) {
+    deadPeer(ctx, what, why);
+    if (Clock::now() >= ctx.deadline) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
   }
   throw CommError(strCat(ctx.prefix(), ": the host's ", name_, " inner level failed in its ", what, ": ", why));
 }
 
-void TorchInnerLevel::finish(const CollectiveContext& ctx, const c10::intrusive_ptr<c10d::Work>& work,
+bool TorchInnerLevel::takes(DType dtype, RedOp op) const {
+  // NCCL has no bitwise reductions (torch refuses them when the call is made).
+  return !(cuda_ && (op == RedOp::kBand || op == RedOp::kBor || op == RedOp::kBxor));
+}
+
+void TorchInnerLevel::finish(const CollectiveContext& ctx, const std::function<c10::intrusive_ptr<c10d::Work>()>& issue,
                              const char* what) const {
+  c10::intrusive_ptr<c10d::Work> work;
+  // Given up on: the library may still write into the collective's memory, which it does not
+  // own. Abort it (NCCL) and wait until it lets go (Gloo ends at its own timeout, the group's, or
+  // as soon as a dead peer's sockets close), then report.
+  auto release = [&] {
+    if (!work) return;
+    if (cuda_) {
+      try {
+        backend_->abort();
+      } catch (...) {
+      }
+    }
+    try {
+      work->wait();
+    } catch (...) {
+    }
+  };
   try {
-    if (!work->wait(remaining(ctx))) fail(ctx, what, "timed out");
+    work = issue();   // the library may refuse the call itself (arguments, a lazy communicator set-up)
+    // Not one long wait: the library notices a peer whose process died (its sockets close) but not
+    // a peer that gave up alive, nor this group's abort. Poll, and ask the liveness connections.
+    auto pause = std::chrono::microseconds(20);
+    auto lastCheck = Clock::now();
+    while (!work->isCompleted()) {
+      if (aborted_.load()) fail(ctx, what, "the group failed (aborted) while this rank waited in it");
+      const auto now = Clock::now();
+      if (now >= ctx.deadline) fail(ctx, what, strCat("timed out after ", ctx.timeoutMs, " ms"));
+      if (now - lastCheck >= std::chrono::milliseconds(100)) {
+        lastCheck = now;
+        deadPeer(ctx, what, "");
+      }
+      std::this_thread::sleep_for(pause);
+      pause = std::min<std::chrono::microseconds>(pause * 2, std::chrono::milliseconds(2));
+    }
+    work->wait();     // raises the library's error, if any
   } catch (const CommError&) {
+    release();
     throw;
   } catch (const std::exception& e) {
+    release();
     fail(ctx, what, e.what());
   }
 }
@@ -110,9 +163,9 @@ void TorchInnerLevel::allreduce(const CollectiveContext& ctx, char* buf, size_t 
   if (before) t.div_(divisor);
   std::vector<at::Tensor> v{t};
   c10d::AllreduceOptions o;
-  o.reduceOp = reduceOpOf(op);
+  o.reduceOp = reduceOpOf(op, dtype);
   o.timeout = remaining(ctx);
-  finish(ctx, backend_->allreduce(v, o), "allreduce");
+  finish(ctx, [&] { return backend_->allreduce(v, o); }, "allreduce");
   if (divisor > 0 && !before) t.div_(divisor);
 }
 
@@ -129,12 +182,12 @@ void TorchInnerLevel::reduceScatterv(const CollectiveContext& ctx, char* work, c
   if (before) whole.div_(divisor);
   at::Tensor mine = tensorOver(ctx, work + at[me] * es, counts[me], dtype);
   c10d::ReduceScatterOptions o;
-  o.reduceOp = reduceOpOf(op);
+  o.reduceOp = reduceOpOf(op, dtype);
   o.timeout = remaining(ctx);
   if (std::all_of(counts.begin(), counts.end(), [&](size_t c) { return c == counts[0]; })) {
     // Equal blocks: one reduce-scatter of the whole buffer into this rank's block.
     at::Tensor out = mine.clone();
-    finish(ctx, backend_->_reduce_scatter_base(out, whole, o), "reduce-scatter");
+    finish(ctx, [&] { return backend_->_reduce_scatter_base(out, whole, o); }, "reduce-scatter");
     mine.copy_(out);
   } else {
     // Unequal blocks: one reduce per block, to the block's holder (blocks of no bytes are skipped
@@ -146,7 +199,7 @@ void TorchInnerLevel::reduceScatterv(const CollectiveContext& ctx, char* work, c
       std::vector<at::Tensor> v{tensorOver(ctx, work + at[l] * es, counts[l], dtype)};
       r.rootRank = static_cast<int64_t>(l);
       r.timeout = remaining(ctx);
-      finish(ctx, backend_->reduce(v, r), "reduce-scatter");
+      finish(ctx, [&] { return backend_->reduce(v, r); }, "reduce-scatter");
     }
   }
   if (divisor > 0 && !before) mine.div_(divisor);
@@ -162,7 +215,7 @@ void TorchInnerLevel::allgatherv(const CollectiveContext& ctx, char* out, const 
     at::Tensor mine = tensorOver(ctx, out + at[me], blockBytes[me], DType::kUInt8).clone();
     c10d::AllgatherOptions o;
     o.timeout = remaining(ctx);
-    finish(ctx, backend_->_allgather_base(whole, mine, o), "all-gather");
+    finish(ctx, [&] { return backend_->_allgather_base(whole, mine, o); }, "all-gather");
     return;
   }
   // Unequal blocks (Gloo's all-gather takes equal ones only): one broadcast per block from its holder.
@@ -172,7 +225,7 @@ void TorchInnerLevel::allgatherv(const CollectiveContext& ctx, char* out, const 
     std::vector<at::Tensor> v{tensorOver(ctx, out + at[l], blockBytes[l], DType::kUInt8)};
     o.rootRank = static_cast<int64_t>(l);
     o.timeout = remaining(ctx);
-    finish(ctx, backend_->broadcast(v, o), "all-gather");
+    finish(ctx, [&] { return backend_->broadcast(v, o); }, "all-gather");
   }
 }
 
@@ -183,7 +236,7 @@ void TorchInnerLevel::broadcast(const CollectiveContext& ctx, char* buf, size_t 
   c10d::BroadcastOptions o;
   o.rootRank = root;
   o.timeout = remaining(ctx);
-  finish(ctx, backend_->broadcast(v, o), "broadcast");
+  finish(ctx, [&] { return backend_->broadcast(v, o); }, "broadcast");
 }
 
 void TorchInnerLevel::gather(const CollectiveContext& ctx, const char* in, char* out, size_t blockBytes, int root) {
@@ -199,7 +252,7 @@ void TorchInnerLevel::gather(const CollectiveContext& ctx, const char* in, char*
   c10d::GatherOptions o;
   o.rootRank = root;
   o.timeout = remaining(ctx);
-  finish(ctx, backend_->gather(outputs, input, o), "gather");
+  finish(ctx, [&] { return backend_->gather(outputs, input, o); }, "gather");
 }
 
 void TorchInnerLevel::scatter(const CollectiveContext& ctx, const char* in, char* out, size_t blockBytes, int root) {
@@ -215,7 +268,7 @@ void TorchInnerLevel::scatter(const CollectiveContext& ctx, const char* in, char
   c10d::ScatterOptions o;
   o.rootRank = root;
   o.timeout = remaining(ctx);
-  finish(ctx, backend_->scatter(output, inputs, o), "scatter");
+  finish(ctx, [&] { return backend_->scatter(output, inputs, o); }, "scatter");
 }
 
 void TorchInnerLevel::alltoallv(const CollectiveContext& ctx, const char* in, const std::vector<size_t>& sendOffsets,
@@ -241,7 +294,7 @@ void TorchInnerLevel::alltoallv(const CollectiveContext& ctx, const char* in, co
   std::vector<int64_t> outSplits(recvBytes.begin(), recvBytes.end()), inSplits(sendBytes.begin(), sendBytes.end());
   c10d::AllToAllOptions o;
   o.timeout = remaining(ctx);
-  finish(ctx, backend_->alltoall_base(output, input, outSplits, inSplits, o), "all-to-all");
+  finish(ctx, [&] { return backend_->alltoall_base(output, input, outSplits, inSplits, o); }, "all-to-all");
   if (!packedOut) {
     for (size_t l = 0; l < recvBytes.size(); ++l) {
       tensorOver(ctx, out + recvOffsets[l], recvBytes[l], DType::kUInt8)
@@ -253,10 +306,11 @@ void TorchInnerLevel::alltoallv(const CollectiveContext& ctx, const char* in, co
 void TorchInnerLevel::barrier(const CollectiveContext& ctx) {
   c10d::BarrierOptions o;
   o.timeout = remaining(ctx);
-  finish(ctx, backend_->barrier(o), "barrier");
+  finish(ctx, [&] { return backend_->barrier(o); }, "barrier");
 }
 
 void TorchInnerLevel::abort(int) noexcept {
+  aborted_.store(true);
   try {
     backend_->abort();
   } catch (...) {

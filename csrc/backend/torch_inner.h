@@ -12,6 +12,8 @@
 // dead peer.
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 
+#include <atomic>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -29,6 +31,7 @@ class TorchInnerLevel : public InnerLevel {
   const char* name() const override { return name_.c_str(); }
   CollectivePath path() const override { return cuda_ ? CollectivePath::kNccl : CollectivePath::kGloo; }
   bool takesDevice(const DeviceOps& device) const override { return cuda_ != device.hostAddressable(); }
+  bool takes(DType dtype, RedOp op) const override;
 
   void allreduce(const CollectiveContext& ctx, char* buf, size_t count, DType dtype, RedOp op,
                  double divisor) override;
@@ -49,14 +52,20 @@ class TorchInnerLevel : public InnerLevel {
   at::Tensor tensorOver(const CollectiveContext& ctx, const void* data, size_t count, DType dtype) const;
   // Before the library reads memory the emulated device's queue may still write: wait for it.
   void settle(const CollectiveContext& ctx) const;
-  // Waits for `work` until the deadline; a failure or a timeout becomes a CommError naming `what`.
-  void finish(const CollectiveContext& ctx, const c10::intrusive_ptr<c10d::Work>& work, const char* what) const;
+  // Issues the call and waits for it until the deadline, polling: the group's abort and a local
+  // peer whose liveness connection hung up end the wait at once. A failure or a timeout becomes a
+  // CommError (PeerClosedError naming the rank, when one is gone) about `what`.
+  void finish(const CollectiveContext& ctx, const std::function<c10::intrusive_ptr<c10d::Work>()>& issue,
+              const char* what) const;
+  // Throws PeerClosedError if a rank of the host is gone.
+  void deadPeer(const CollectiveContext& ctx, const char* what, const std::string& why) const;
   [[noreturn]] void fail(const CollectiveContext& ctx, const char* what, const std::string& why) const;
   std::chrono::milliseconds remaining(const CollectiveContext& ctx) const;
 
   c10::intrusive_ptr<c10d::Backend> backend_;
   std::string name_;
   bool cuda_;
+  std::atomic<bool> aborted_{false};
 };
 
 }  // namespace hetcomm

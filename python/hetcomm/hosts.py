@@ -174,31 +174,40 @@ def inner_level_choice() -> tuple[str, str]:
 
     Host memory: ``shm`` (hetcomm's shared memory, the default), ``gloo`` (torch's Gloo group over
     the host's ranks) or ``tcp`` (no inner level: every byte over TCP). CUDA tensors: ``nccl``
-    (torch's NCCL group over the host's GPUs), ``auto`` (NCCL where every rank of the group has it,
-    the default), or ``""`` (staged through the host level, as host memory). ``HETCOMM_LOCAL=nccl``
-    asks for NCCL with shared memory for host memory, and fails group creation where NCCL is not
-    available; ``shm``, ``gloo`` and ``tcp`` keep CUDA tensors on that one level.
+    (torch's NCCL group over the host's GPUs, asked for with ``HETCOMM_LOCAL=nccl``: shared memory
+    then serves host memory, and group creation fails where a rank has no GPU of its own or no
+    NCCL), else ``""``: CUDA tensors go as host memory does (through shared memory, staged; with
+    ``gloo``, one-host groups send them over TCP). NCCL is not the default until it has run on GPUs.
     """
     local = os.environ.get("HETCOMM_LOCAL", "").strip().lower()
     if local not in ("", "nccl") + _HOST_LEVELS:
         raise ValueError(f"hetcomm: HETCOMM_LOCAL={local!r}: choose shm, nccl, gloo or tcp")
-    host = "tcp" if os.environ.get("HETCOMM_SHM", "1").strip() == "0" and local in ("", "shm", "nccl") else (
+    if local == "nccl" and os.environ.get("HETCOMM_SHM", "1").strip() == "0":
+        raise ValueError("hetcomm: HETCOMM_LOCAL=nccl keeps shared memory for host memory: unset HETCOMM_SHM=0, "
+                         "or choose HETCOMM_LOCAL=gloo or tcp")
+    tls = os.environ.get("HETCOMM_TLS", "").strip().lower()
+    if local in ("gloo", "nccl") and tls not in ("", "0", "off", "none"):
+        # Their rendezvous goes through the store and their connections are unauthenticated: a
+        # store writer or a local process could join, read or crash them (docs/security.md).
+        raise ValueError(f"hetcomm: HETCOMM_LOCAL={local} with HETCOMM_TLS={tls}: torch's {local} groups inside a "
+                         f"host are not authenticated, so they would void what TLS promises; use shm or tcp")
+    host = "tcp" if os.environ.get("HETCOMM_SHM", "1").strip() == "0" and local in ("", "shm") else (
         local if local in _HOST_LEVELS else "shm")
-    device = {"": "auto", "nccl": "nccl"}.get(local, "")
-    return host, device
+    return host, "nccl" if local == "nccl" else ""
 
 
-def _nccl_device(asked: bool) -> str:
-    """This rank's CUDA device for NCCL ("cuda:N", its current device), or why there is none.
-    Unless NCCL was ``asked`` for, a process that has not touched CUDA yet (no device set, no
-    tensor moved) is left so: asking for its device would create a CUDA context on GPU 0."""
-    if not torch.distributed.is_nccl_available():
-        return "no NCCL in this torch"
-    if not torch.cuda.is_available():
-        return "no CUDA device"
-    if not asked and not torch.cuda.is_initialized():
-        return "no CUDA device in use yet"
-    return f"cuda:{torch.cuda.current_device()}"
+def _nccl_device() -> str:
+    """This rank's GPU for NCCL ("cuda:<uuid>": the physical GPU, whatever CUDA_VISIBLE_DEVICES
+    numbers it), or why there is none. Never raises: every rank must reach the exchange after it."""
+    try:
+        if not torch.distributed.is_nccl_available():
+            return "no NCCL in this torch"
+        if not torch.cuda.is_available():
+            return "no CUDA device"
+        props = torch.cuda.get_device_properties(torch.cuda.current_device())
+        return f"cuda:{getattr(props, 'uuid', torch.cuda.current_device())}"
+    except Exception as e:  # noqa: BLE001 (a broken driver on one rank)
+        return f"no usable CUDA device ({type(e).__name__})"
 
 
 def _nccl_problem(devices: Sequence[str], labels: Sequence[int]) -> str:
@@ -231,12 +240,15 @@ def _torch_group(kind: str, backend, labels: Sequence[int], store, timeout_ms: i
     if kind == "gloo":
         options = dist.ProcessGroupGloo._Options()
         options._timeout = timeout
-        # The interface hetcomm listens on (the host's ranks reach each other there).
-        ip = backend.listen_address().rsplit(":", 1)[0].strip("[]")
-        options._devices = [dist.ProcessGroupGloo.create_device(hostname=ip)]
+        # Loopback: the ranks of a host share its network namespace (they share /dev/shm and
+        # the host identity includes the namespace), and Gloo's unauthenticated port stays off
+        # the NICs.
+        options._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
         return dist.ProcessGroupGloo(sub, ranks.index(me), len(ranks), options)
     options = dist.ProcessGroupNCCL.Options()
-    options._timeout = timeout
+    # Later than hetcomm's own deadline, so that hetcomm fails the collective (and aborts NCCL)
+    # before torch's watchdog, whose default on a timeout is to end the process.
+    options._timeout = timeout + datetime.timedelta(seconds=max(60.0, timeout_ms / 1000))
     return dist.ProcessGroupNCCL(sub, ranks.index(me), len(ranks), options)
 
 
@@ -258,29 +270,27 @@ def setup_inner_levels(backend, labels: Sequence[int], store=None, timeout_ms: i
         return False
     if store is None and (host == "gloo" or device == "nccl"):
         raise ValueError("hetcomm: a torch process group as a host's inner level needs the group's store")
-    if device and store is not None:
-        # NCCL for CUDA tensors only where every rank has it: ranks of a host that disagreed
-        # would meet on different levels.
-        devices = [_decode(r) for r in _allgather_rows(backend, _encode(_nccl_device(device == "nccl"), 32))]
+    if device:
+        # NCCL for CUDA tensors needs it on every rank, each rank of a host on its own GPU.
+        devices = [_decode(r) for r in _allgather_rows(backend, _encode(_nccl_device(), 64))]
         problem = _nccl_problem(devices, labels)
-        if device == "nccl" and problem:
+        if problem:
             raise ValueError(f"hetcomm: HETCOMM_LOCAL=nccl, but {problem}")
-        device = "" if problem else "nccl"
-    else:
-        device = ""
-    error, stage = "", host
+    error = ""
     alone = counts[labels[backend.rank()]] == 1      # nothing to join on this host
-    try:
-        if host == "shm":
-            error = backend.attach_local(list(labels), _int_env("HETCOMM_SHM_BYTES", DEFAULT_SHM_BYTES),
-                                         _int_env("HETCOMM_SHM_SLOT_BYTES", DEFAULT_SLOT_BYTES))
-        elif not alone:
-            backend.attach_inner(list(labels), _torch_group("gloo", backend, labels, store, timeout_ms), "gloo", False)
-        stage = "nccl"
-        if not error and device and not alone:
-            backend.attach_inner(list(labels), _torch_group("nccl", backend, labels, store, timeout_ms), "nccl", True)
-    except (RuntimeError, ValueError) as e:
-        error = f"{stage}: {e}"
+    if host == "shm":
+        # (a store that fails here breaks the group: attach_local raises, it does not fall back)
+        error = backend.attach_local(list(labels), _int_env("HETCOMM_SHM_BYTES", DEFAULT_SHM_BYTES),
+                                     _int_env("HETCOMM_SHM_SLOT_BYTES", DEFAULT_SLOT_BYTES))
+    for kind, wanted in (("gloo", host == "gloo"), ("nccl", device == "nccl")):
+        if error or alone or not wanted:
+            continue
+        try:
+            group = _torch_group(kind, backend, labels, store, timeout_ms)
+        except (RuntimeError, ValueError) as e:      # the library could not form the host's group
+            error = f"{kind}: {e}"
+            continue
+        backend.attach_inner(list(labels), group, kind, kind == "nccl")
     reasons = [_decode(r) for r in _allgather_rows(backend, _encode(error, 256))]
     failed = [(rank, why) for rank, why in enumerate(reasons) if why]
     backend.enable_local(not failed)

@@ -110,12 +110,12 @@ def test_a_rank_killed_inside_the_gloo_level_fails_the_group_naming_it() -> None
 # ---------------------------------------------------------------------------------- the choice
 
 @pytest.mark.parametrize("local,shm,expected", [
-    ("", "", ("shm", "auto")),
+    ("", "", ("shm", "")),
     ("shm", "", ("shm", "")),
     ("nccl", "", ("shm", "nccl")),
     ("gloo", "", ("gloo", "")),
     ("tcp", "", ("tcp", "")),
-    ("", "0", ("tcp", "auto")),
+    ("", "0", ("tcp", "")),
     ("gloo", "0", ("gloo", "")),       # HETCOMM_SHM=0 turns shared memory off, not Gloo
     ("GLOO ", "", ("gloo", "")),
 ])
@@ -128,9 +128,10 @@ def test_levels_chosen_from_the_environment(monkeypatch, local: str, shm: str, e
 
 def test_nccl_needs_a_gpu_per_rank_of_a_host() -> None:
     from hetcomm.hosts import _nccl_problem
-    assert _nccl_problem(["cuda:0", "cuda:1", "cuda:0"], [0, 0, 1]) == ""
-    assert _nccl_problem(["cuda:0", "cuda:0"], [0, 0]) == "ranks 0 and 1 of one host are both on cuda:0"
-    assert _nccl_problem(["cuda:0", "no CUDA device"], [0, 1]) == "rank 1 has no CUDA device"
+    # GPUs by UUID: two ranks that each see their GPU as cuda:0 (CUDA_VISIBLE_DEVICES) differ.
+    assert _nccl_problem(["cuda:GPU-a", "cuda:GPU-b", "cuda:GPU-a"], [0, 0, 1]) == ""
+    assert _nccl_problem(["cuda:GPU-a", "cuda:GPU-a"], [0, 0]) == "ranks 0 and 1 of one host are both on cuda:GPU-a"
+    assert _nccl_problem(["cuda:GPU-a", "no CUDA device"], [0, 1]) == "rank 1 has no CUDA device"
 
 
 def test_an_unknown_level_is_refused(monkeypatch) -> None:
@@ -138,6 +139,19 @@ def test_an_unknown_level_is_refused(monkeypatch) -> None:
     monkeypatch.setenv("HETCOMM_LOCAL", "infiniband")
     with pytest.raises(ValueError, match="choose shm, nccl, gloo or tcp"):
         hosts.inner_level_choice()
+    monkeypatch.setenv("HETCOMM_LOCAL", "nccl")
+    monkeypatch.setenv("HETCOMM_SHM", "0")
+    with pytest.raises(ValueError, match="keeps shared memory for host memory"):
+        hosts.inner_level_choice()
+    # Unauthenticated levels would void TLS.
+    monkeypatch.setenv("HETCOMM_SHM", "1")
+    for level in ("gloo", "nccl"):
+        monkeypatch.setenv("HETCOMM_LOCAL", level)
+        monkeypatch.setenv("HETCOMM_TLS", "all")
+        with pytest.raises(ValueError, match="not authenticated"):
+            hosts.inner_level_choice()
+    monkeypatch.setenv("HETCOMM_LOCAL", "shm")
+    assert hosts.inner_level_choice() == ("shm", "")
 
 
 def _nccl_refused(rank: int, ws: int) -> str:

@@ -184,14 +184,15 @@ void TorchInnerLevel::reduceScatterv(const CollectiveContext& ctx, char* work, c
   c10d::ReduceScatterOptions o;
   o.reduceOp = reduceOpOf(op, dtype);
   o.timeout = remaining(ctx);
-  if (std::all_of(counts.begin(), counts.end(), [&](size_t c) { return c == counts[0]; })) {
-    // Equal blocks: one reduce-scatter of the whole buffer into this rank's block.
+  // NCCL, equal blocks: one reduce-scatter of the whole buffer into this rank's block. (Not Gloo:
+  // its reduce-scatter work never reports completion to a poll, only to a blocking wait.)
+  if (cuda_ && std::all_of(counts.begin(), counts.end(), [&](size_t c) { return c == counts[0]; })) {
     at::Tensor out = mine.clone();
     finish(ctx, [&] { return backend_->_reduce_scatter_base(out, whole, o); }, "reduce-scatter");
     mine.copy_(out);
   } else {
-    // Unequal blocks: one reduce per block, to the block's holder (blocks of no bytes are skipped
-    // alike on every rank).
+    // One reduce per block, to the block's holder (blocks of no bytes are skipped alike on every
+    // rank).
     c10d::ReduceOptions r;
     r.reduceOp = o.reduceOp;
     for (size_t l = 0; l < counts.size(); ++l) {

@@ -181,6 +181,17 @@ PYBIND11_MODULE(_C, m) {
           "Shared memory among the ranks of this rank's host (host_of: a host label per group rank). "
           "Collective over each host's ranks; returns '' on success (or when this rank is alone on its "
           "host), else why it cannot be used.")
+      .def(
+          "attach_inner",
+          [](hetcomm::ProcessGroupHetcomm& pg, std::vector<int64_t> hostOf, const c10::intrusive_ptr<c10d::Backend>& backend,
+             const std::string& name, bool forDevice) {
+            py::gil_scoped_release release;  // opens the liveness connections to the host's ranks
+            pg.attachInner(hostOf, backend, name, forDevice);
+          },
+          py::arg("host_of"), py::arg("backend"), py::arg("name"), py::arg("for_device"),
+          "A torch process group over the ranks of this rank's host (gloo or nccl) as the host's inner level: "
+          "for host memory (for_device False; instead of shared memory) or for CUDA tensors (True; beside the "
+          "host level attached before). Takes effect with enable_local.")
       .def("enable_local", &hetcomm::ProcessGroupHetcomm::enableLocal, py::arg("use"),
            "Use (True) or drop (False) the shared memory attach_local prepared; every rank of the group, "
            "at the same point, once all know whether every host succeeded.")
@@ -189,6 +200,12 @@ PYBIND11_MODULE(_C, m) {
       .def("shutdown_at_exit", &hetcomm::ProcessGroupHetcomm::shutdownAtExit,
            py::call_guard<py::gil_scoped_release>(),
            "Shut the group down at interpreter exit: gracefully when idle, else as abort() does.")
+      .def("inner_levels", &hetcomm::ProcessGroupHetcomm::innerLevels,
+           "The inner levels of this rank's host in use: [host memory's] or [host memory's, CUDA tensors'] "
+           "(shm, gloo, nccl); [] when the ranks of each host talk over TCP.")
+      .def("incarnation", &hetcomm::ProcessGroupHetcomm::incarnation,
+           "This group's tag (16 hex digits, the same on every rank; from its secret): store keys of this "
+           "group carry it.")
       .def("local_ranks", &hetcomm::ProcessGroupHetcomm::localRanks,
            "The group ranks this rank shares memory with (itself included); [] when none.")
       .def(

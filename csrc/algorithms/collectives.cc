@@ -70,11 +70,17 @@ AllreduceAlgo chooseAllreduceAlgo(size_t bytes, int size) {
 
 namespace {
 
-// Every rank of the group is on this host, with shared memory: every collective goes through it.
-bool allLocal(CollectiveContext& ctx) {
-  if (ctx.local == nullptr || ctx.size <= 1 || !ctx.local->coversGroup(ctx.size)) return false;
-  ctx.path = CollectivePath::kSharedMemory;
-  return true;
+// Every rank of the group is on this host: every collective goes through the host's inner level
+// for its memory (null: none takes that memory, the collective goes over TCP).
+// A reduction (dtype, op) goes there only if the level reduces it (NCCL has no bitwise ops); the
+// answer is the same on every rank, whose level and call are the same.
+InnerLevel* allLocal(CollectiveContext& ctx, bool hostMemory = false, const DType* dtype = nullptr,
+                     const RedOp* op = nullptr) {
+  if (ctx.local == nullptr || ctx.size <= 1 || !ctx.local->coversGroup(ctx.size)) return nullptr;
+  InnerLevel* level = ctx.local->levelFor(hostMemory ? nullptr : ctx.device);
+  if (level != nullptr && dtype != nullptr && !level->takes(*dtype, *op)) level = nullptr;
+  if (level != nullptr) ctx.path = level->path();
+  return level;
 }
 
 // dst <- src within this rank's own buffers, host or device memory.
@@ -243,13 +249,26 @@ void allreduceStagedWhole(CollectiveContext& ctx, char* buf, size_t count, DType
 
 void allreduce(CollectiveContext& ctx, char* buf, size_t count, DType dtype, RedOp op, const RingPlan& plan) {
   SettleOnExit settle(ctx.device);
-  if (allLocal(ctx)) {
-    // An AVG over the whole group is divided inside the reduction, before rounding.
-    local::allreduce(ctx, buf, count, dtype, op, op == RedOp::kAvg ? ctx.size : 0.0);
+  if (InnerLevel* level = allLocal(ctx, false, &dtype, &op)) {
+    // An AVG over the whole group is divided with the reduction (shm: before rounding).
+    level->allreduce(ctx, buf, count, dtype, op, op == RedOp::kAvg ? ctx.size : 0.0);
     return;
   }
   const bool ring = static_cast<AllreduceAlgo>(ctx.header.algo) == AllreduceAlgo::kRing;
-  // The hierarchical schedule moves host memory: device buffers are staged whole.
+  // A host or three-level plan whose host level keeps device memory on the device (NCCL): only
+  // each rank's slice of a piece crosses to host memory (allreduceHierarchical). The bytes between
+  // the hosts are the same as when the piece is staged whole, so ranks may differ in this choice.
+  if (ctx.size > 1 && ctx.device != nullptr && ring && plan.sites &&
+      (plan.sites->localInner || !plan.sites->hosts.empty()) && ctx.local != nullptr) {
+    InnerLevel* level = ctx.local->levelFor(ctx.device);
+    if (level != nullptr && !level->stagesDevice() && level->takes(dtype, op)) {
+      averageBeforeSum(ctx, buf, count, dtype, op);
+      allreduceRing(ctx, buf, count, dtype, op, plan);
+      averageAfterSum(ctx, buf, count, dtype, op);
+      return;
+    }
+  }
+  // Otherwise the hierarchical schedule moves host memory: device buffers are staged whole.
   if (ctx.size > 1 && ctx.device != nullptr &&
       (!ring || plan.sites ||
        count * elementSize(dtype) <= static_cast<size_t>(std::max<int64_t>(0, paramDeviceHostReduceBytes())))) {
@@ -271,7 +290,7 @@ void broadcast(CollectiveContext& ctx, char* buf, size_t bytes, int root) {
   SettleOnExit settle(ctx.device);
   const int P = ctx.size;
   if (P == 1) return;
-  if (allLocal(ctx)) return local::broadcast(ctx, buf, bytes, root);
+  if (InnerLevel* level = allLocal(ctx)) return level->broadcast(ctx, buf, bytes, root);
   const int pos = (ctx.rank - root + P) % P;
   RingSchedule sched = buildChainSchedule(pos, P, bytes, ctx.segmentBytesFor(bytes));
   PipelineSpec spec;
@@ -287,7 +306,7 @@ void allgatherv(CollectiveContext& ctx, char* out, const std::vector<size_t>& bl
   SettleOnExit settle(ctx.device);
   const int P = ctx.size;
   if (P == 1) return;
-  if (allLocal(ctx)) return local::allgatherv(ctx, out, blockBytes);
+  if (InnerLevel* level = allLocal(ctx)) return level->allgatherv(ctx, out, blockBytes);
   std::vector<size_t> offsets = prefixOffsets(blockBytes);
   std::vector<size_t> countsByPos(P), offsetsByPos(P);
   for (int pos = 0; pos < P; ++pos) {
@@ -301,7 +320,7 @@ void reduceScatterv(CollectiveContext& ctx, char* work, const std::vector<size_t
                     const RingPlan& plan) {
   SettleOnExit settle(ctx.device);
   const int P = ctx.size;
-  if (allLocal(ctx)) return local::reduceScatterv(ctx, work, counts, dtype, op, op == RedOp::kAvg ? P : 0.0);
+  if (InnerLevel* level = allLocal(ctx, false, &dtype, &op)) return level->reduceScatterv(ctx, work, counts, dtype, op, op == RedOp::kAvg ? P : 0.0);
   std::vector<size_t> offsets = prefixOffsets(counts);
   // Every block of work is this rank's contribution to some rank's result.
   averageBeforeSum(ctx, work, offsets[P - 1] + counts[P - 1], dtype, op);
@@ -318,7 +337,7 @@ void reduceScatterv(CollectiveContext& ctx, char* work, const std::vector<size_t
 
 void gather(CollectiveContext& ctx, const char* in, char* out, size_t blockBytes, int root) {
   SettleOnExit settle(ctx.device);
-  if (allLocal(ctx)) return local::gather(ctx, in, out, blockBytes, root);
+  if (InnerLevel* level = allLocal(ctx)) return level->gather(ctx, in, out, blockBytes, root);
   if (ctx.rank != root) {
     exchange(ctx, root, in, blockBytes, -1, nullptr, 0, 0);
     return;
@@ -331,7 +350,7 @@ void gather(CollectiveContext& ctx, const char* in, char* out, size_t blockBytes
 
 void scatter(CollectiveContext& ctx, const char* in, char* out, size_t blockBytes, int root) {
   SettleOnExit settle(ctx.device);
-  if (allLocal(ctx)) return local::scatter(ctx, in, out, blockBytes, root);
+  if (InnerLevel* level = allLocal(ctx)) return level->scatter(ctx, in, out, blockBytes, root);
   if (ctx.rank != root) {
     exchange(ctx, -1, nullptr, 0, root, out, blockBytes, 0);
     return;
@@ -346,7 +365,7 @@ void alltoallv(CollectiveContext& ctx, const char* in, const std::vector<size_t>
                const std::vector<size_t>& sendBytes, char* out, const std::vector<size_t>& recvOffsets,
                const std::vector<size_t>& recvBytes) {
   SettleOnExit settle(ctx.device);
-  if (allLocal(ctx)) return local::alltoallv(ctx, in, sendOffsets, sendBytes, out, recvOffsets, recvBytes);
+  if (InnerLevel* level = allLocal(ctx)) return level->alltoallv(ctx, in, sendOffsets, sendBytes, out, recvOffsets, recvBytes);
   const int P = ctx.size, r = ctx.rank;
   if (recvBytes[r] != sendBytes[r]) {
     throw CommError(strCat(ctx.prefix(), ": sends ", sendBytes[r], " bytes to itself but expects ", recvBytes[r]));
@@ -381,7 +400,7 @@ void alltoallv(CollectiveContext& ctx, const char* in, const std::vector<size_t>
 }
 
 void barrier(CollectiveContext& ctx) {
-  if (allLocal(ctx)) return local::barrier(ctx);
+  if (InnerLevel* level = allLocal(ctx, true)) return level->barrier(ctx);
   uint8_t token = 0;  // host memory, whatever the group's tensors are
   CollectiveContext onHost = ctx;
   onHost.device = nullptr;

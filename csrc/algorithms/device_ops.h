@@ -68,6 +68,10 @@ class DeviceOps {
   // emulation, whose "device memory" the host touches directly, waits for its queue here.
   virtual void settle() noexcept = 0;
 
+  // True when the "device memory" is host memory the CPU may touch (the emulation): a library
+  // that works on CPU tensors can take it, after settle().
+  virtual bool hostAddressable() const { return false; }
+
   // Test seam (HETCOMM_TEST_DEVICE_DELAY_MS): makes the queue stall before the last writes of a
   // collective, so that a caller that reads the result without waiting for the backend's stream
   // sees stale data, deterministically. No-op unless the variable is set.

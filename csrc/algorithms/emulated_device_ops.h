@@ -36,6 +36,7 @@ class EmulatedDeviceOps final : public DeviceOps {
   StagingSlots& slots() override { return slots_; }
   char* hostBuffer(size_t bytes) override;
   void settle() noexcept override;
+  bool hostAddressable() const override { return true; }
 
  private:
   void enqueue(std::function<void()> task);

@@ -5,7 +5,6 @@
 #include <functional>
 
 #include "algorithms/flow_pipeline.h"
-#include "algorithms/local_collectives.h"
 #include "algorithms/local_group.h"
 #include "algorithms/ring_schedule.h"
 #include "common/error.h"
@@ -198,7 +197,9 @@ Layout layoutOf(const SitePlan& plan, size_t count, size_t es, size_t segmentByt
 
 void allreduceHierarchical(CollectiveContext& ctx, char* buf, size_t count, DType dtype, RedOp op,
                            const SitePlan& plan) {
-  HC_ENFORCE(ctx.device == nullptr, "the hierarchical allreduce runs on host memory");
+  HC_ENFORCE(ctx.device == nullptr || ((plan.localInner || !plan.hosts.empty()) && ctx.local != nullptr &&
+                                        ctx.local->levelFor(ctx.device) != nullptr),
+             "the hierarchical allreduce runs on host memory unless the host's inner level takes the device's");
   const int S = static_cast<int>(plan.sites.size());
   const size_t es = elementSize(dtype);
   const int me = ctx.rank;
@@ -232,17 +233,38 @@ void allreduceHierarchical(CollectiveContext& ctx, char* buf, size_t count, DTyp
   HC_ENFORCE(h >= 0, "rank missing from a validated three-level plan");
   const std::vector<int>& host = hosts[h];
   std::vector<size_t> localCounts;
+  InnerLevel* level = nullptr;
   if (inner) {
     if (host.size() > 1 && (ctx.local == nullptr || ctx.local->ranks != host)) {
       throw CommError(strCat(ctx.prefix(), ": the plan's host of this rank (", host.size(),
-                             " ranks) is not the set of ranks it shares memory with"));
+                             " ranks) is not the set of ranks of its host's inner level"));
     }
     const std::vector<size_t> blockCounts = sharesToCounts(count, plan.blockShares);
     localCounts.assign(host.size(), 0);
     for (size_t b = 0; b < B; ++b) {
       localCounts[std::find(host.begin(), host.end(), holders[b][h]) - host.begin()] += blockCounts[b];
     }
-    if (host.size() > 1) local::reduceScatterv(ctx, buf, localCounts, dtype, op, 0.0);
+    if (host.size() > 1) {
+      level = ctx.local->levelFor(ctx.device);
+      level->reduceScatterv(ctx, buf, localCounts, dtype, op, 0.0);
+    }
+  }
+  // Device memory (a level that keeps the host's steps on the device): only this rank's chunk, the
+  // blocks it holds, crosses to host memory for the steps between hosts, and comes back for the
+  // host's all-gather. The flows below touch nothing else (every block a rank sends or receives
+  // is one it holds: owners hold their blocks).
+  CollectiveContext onHost = ctx;
+  onHost.device = nullptr;
+  char* base = buf;             // where the flows find byte 0 of the buffer
+  size_t chunkFrom = 0, chunkBytes = count * es;
+  if (ctx.device != nullptr) {
+    const size_t me = std::find(host.begin(), host.end(), ctx.rank) - host.begin();
+    for (size_t l = 0; l < me; ++l) chunkFrom += localCounts[l] * es;
+    chunkBytes = localCounts[me] * es;
+    char* staged = ctx.device->hostBuffer(std::max<size_t>(1, chunkBytes));
+    ctx.device->copyToHost(staged, buf + chunkFrom, chunkBytes);
+    ctx.device->waitFor(ctx.device->mark());
+    base = staged;
   }
 
   FlowGraph g;
@@ -251,7 +273,11 @@ void allreduceHierarchical(CollectiveContext& ctx, char* buf, size_t count, DTyp
   // The interleaved chunk order below depends on the segment size: ranks must agree on it (a rank
   // with another HETCOMM_SEGMENT_BYTES would otherwise add misaligned bytes silently).
   g.step = static_cast<uint32_t>(std::min<size_t>(segmentBytes, UINT32_MAX));
-  auto atomPtr = [&](const ByteRange& r) { return buf + r.offset; };
+  auto atomPtr = [&](const ByteRange& r) {
+    HC_ENFORCE(r.offset >= chunkFrom && r.offset + r.bytes <= chunkFrom + chunkBytes,
+               "a flow of the hierarchical allreduce outside this rank's chunk");
+    return base + (r.offset - chunkFrom);
+  };
   // Per atom (by id): the item after which this rank's copy holds the site's partial sum (own
   // chunk), the final value, and the ring's receive items.
   std::vector<uint32_t> siteDone(L.total, kNone), finalDone(L.total, kNone), rsRecv(L.total, kNone),
@@ -421,11 +447,13 @@ void allreduceHierarchical(CollectiveContext& ctx, char* buf, size_t count, DTyp
   // Flows with nothing to move (zero shares, tiny buffers) are left out on both sides alike.
   g.flows.erase(std::remove_if(g.flows.begin(), g.flows.end(), [](const Flow& f) { return f.items.empty(); }),
                 g.flows.end());
-  runFlows(ctx, g);
-  if (inner && host.size() > 1) {
+  runFlows(onHost, g);
+  ctx.path = onHost.path;
+  if (ctx.device != nullptr) ctx.device->copyToDevice(buf + chunkFrom, base, chunkBytes);
+  if (level != nullptr) {
     std::vector<size_t> blockBytes(localCounts);
     for (size_t& n : blockBytes) n *= es;
-    local::allgatherv(ctx, buf, blockBytes);
+    level->allgatherv(ctx, buf, blockBytes);
   }
   if (inner) ctx.path = CollectivePath::kHierarchical;
 }

@@ -26,6 +26,7 @@
 #include <random>
 
 #include "backend/process_group_hetcomm.h"
+#include "backend/torch_inner.h"
 #include "common/env.h"
 #include "common/logging.h"
 #include "transport/shm/channel.h"
@@ -204,24 +205,62 @@ std::string ProcessGroupHetcomm::attachLocal(const std::vector<int64_t>& hostOf,
   }
   if (!error.empty()) return error;
 
-  // The connections that tell whether a local peer is alive (see the top of this file).
-  auto fds = std::make_shared<std::vector<int>>(L, -1);
-  try {
-    for (int l = 0; l < L; ++l) {
-      if (l != me) (*fds)[l] = mesh_->collectiveFd(ranks[l], deadline);
-    }
-  } catch (const CommError& e) {
-    TORCH_CHECK(false, "hetcomm: rank ", rank_, " could not connect to the ranks of its host: ", e.what());
-  }
-  auto group = std::make_shared<LocalGroup>();
+  auto group = newLocalGroup(ranks, deadline);
   group->channel = std::move(channel);
-  group->ranks = ranks;
-  group->peerAlive = [fds](int l) { return socketAlive((*fds)[l]); };
+  group->host = std::make_shared<ShmInnerLevel>();
   std::lock_guard<std::mutex> lock(mu_);
   pendingLocal_ = std::move(group);
   HC_LOG(kInfo, "rank ", rank_, ": shared memory with the ", L, " ranks of its host (", slot, "-byte slots, ", bytes,
          " bytes)");
   return "";
+}
+
+std::shared_ptr<LocalGroup> ProcessGroupHetcomm::newLocalGroup(const std::vector<int>& ranks, Deadline deadline) {
+  const int L = static_cast<int>(ranks.size());
+  // The connections that tell whether a local peer is alive (see the top of this file).
+  auto fds = std::make_shared<std::vector<int>>(L, -1);
+  try {
+    for (int l = 0; l < L; ++l) {
+      if (ranks[l] != rank_) (*fds)[l] = mesh_->collectiveFd(ranks[l], deadline);
+    }
+  } catch (const CommError& e) {
+    TORCH_CHECK(false, "hetcomm: rank ", rank_, " could not connect to the ranks of its host: ", e.what());
+  }
+  auto group = std::make_shared<LocalGroup>();
+  group->ranks = ranks;
+  group->me = static_cast<int>(std::find(ranks.begin(), ranks.end(), rank_) - ranks.begin());
+  group->peerAlive = [fds](int l) { return socketAlive((*fds)[l]); };
+  return group;
+}
+
+void ProcessGroupHetcomm::attachInner(const std::vector<int64_t>& hostOf,
+                                      const c10::intrusive_ptr<c10d::Backend>& backend, const std::string& name,
+                                      bool forDevice) {
+  TORCH_CHECK_VALUE(static_cast<int>(hostOf.size()) == size_, "hetcomm: ", hostOf.size(), " host labels for a group of ",
+                    size_);
+  std::vector<int> ranks;
+  for (int r = 0; r < size_; ++r) {
+    if (hostOf[r] == hostOf[rank_]) ranks.push_back(r);
+  }
+  TORCH_CHECK_VALUE(backend && backend->getSize() == static_cast<int>(ranks.size()),
+                    "hetcomm: the ", name, " inner level must span the ", ranks.size(), " ranks of this host");
+  auto level = std::make_shared<TorchInnerLevel>(backend, name);
+  std::shared_ptr<LocalGroup> group;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    TORCH_CHECK(local_ == nullptr, "hetcomm: this group's hosts already have their inner level");
+    group = pendingLocal_;
+  }
+  if (group == nullptr) {
+    TORCH_CHECK(!forDevice, "hetcomm: a device level needs the host level attached first");
+    group = newLocalGroup(ranks, Clock::now() + options_.timeout);
+  }
+  TORCH_CHECK(group->ranks == ranks, "hetcomm: the inner levels of this host disagree about its ranks");
+  (forDevice ? group->device : group->host) = std::move(level);
+  std::lock_guard<std::mutex> lock(mu_);
+  pendingLocal_ = std::move(group);
+  HC_LOG(kInfo, "rank ", rank_, ": ", name, " is the inner level of its host (", ranks.size(), " ranks) for ",
+         forDevice ? "CUDA tensors" : "host memory");
 }
 
 void ProcessGroupHetcomm::enableLocal(bool use) {
@@ -239,6 +278,14 @@ void ProcessGroupHetcomm::detachLocal() {
 std::vector<int> ProcessGroupHetcomm::localRanks() const {
   std::lock_guard<std::mutex> lock(mu_);
   return local_ ? local_->ranks : std::vector<int>{};
+}
+
+std::vector<std::string> ProcessGroupHetcomm::innerLevels() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::vector<std::string> out;
+  if (local_ && local_->host) out.push_back(local_->host->name());
+  if (local_ && local_->device) out.push_back(local_->device->name());
+  return out;
 }
 
 }  // namespace hetcomm

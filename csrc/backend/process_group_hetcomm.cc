@@ -596,7 +596,7 @@ void ProcessGroupHetcomm::failGroup(const std::string& reason) {
   HC_LOG(kError, reason);
   if (watch_) watch_->cv.notify_all();  // the failure watcher goes idle
   // The ranks of this host waiting on us in shared memory fail now too.
-  if (local) local->channel->abort(local->localRank());
+  if (local) local->abort();
   // Leave the reason for the peers, and the group's first failure for the ranks that share no
   // connection with us, before they see our connections close (so that the first cause, not a
   // consequence, is what they read): waited for briefly. Detached: a store whose host died must

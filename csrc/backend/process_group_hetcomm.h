@@ -127,10 +127,19 @@ class ProcessGroupHetcomm : public c10d::Backend {
   // The shared memory attachLocal prepared takes effect (use) or is dropped (!use), on every rank
   // of the group at the same point, once all know whether every host succeeded; detachLocal
   // drops it again (back to TCP between the ranks of every host).
+  // A torch process group over this host's ranks (hostOf as for attachLocal) as the host's inner
+  // level (backend/torch_inner.h): for host memory, replacing shared memory (gloo), or for CUDA
+  // tensors beside it (nccl; forDevice). Takes effect with enableLocal, as attachLocal's.
+  void attachInner(const std::vector<int64_t>& hostOf, const c10::intrusive_ptr<c10d::Backend>& backend,
+                   const std::string& name, bool forDevice);
   void enableLocal(bool use);
   void detachLocal();
   // The group ranks this rank shares memory with (itself included), or empty.
   std::vector<int> localRanks() const;
+  // The inner levels in use: {host memory's, CUDA tensors'} ("shm", "gloo", "nccl"; the second
+  // omitted when CUDA tensors use the first); empty when the ranks of each host talk over TCP.
+  std::vector<std::string> innerLevels() const;
+  const std::string& incarnation() const { return incarnation_; }
 
   // Called when the last strong reference goes while weak ones remain (the registry of live
   // groups, backend/live_groups.h, holds one): the group is unused from here, so it shuts down
@@ -212,6 +221,8 @@ class ProcessGroupHetcomm : public c10d::Backend {
   // detachLocal, while no collective runs. Guarded by mu_; the worker holds a copy per operation.
   std::shared_ptr<LocalGroup> local_;
   std::shared_ptr<LocalGroup> pendingLocal_;  // attached, not yet enabled
+  // This host's ranks with the liveness connections to them (local_setup.cc), no level yet.
+  std::shared_ptr<LocalGroup> newLocalGroup(const std::vector<int>& ranks, Deadline deadline);
 
   mutable std::mutex mu_;
   std::condition_variable cv_;

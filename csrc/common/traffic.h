@@ -20,8 +20,9 @@
 namespace hetcomm {
 
 // How a collective moved its data: over TCP only, through the shared memory of one host only,
-// through shared memory inside each host and TCP between hosts, or through NCCL.
-enum class CollectivePath : uint8_t { kTcp = 0, kSharedMemory, kHierarchical, kNccl, kCount };
+// through the inner level of each host (inner_level.h) and TCP between hosts, or, with every rank
+// on one host, through torch's NCCL or Gloo as the host's inner level.
+enum class CollectivePath : uint8_t { kTcp = 0, kSharedMemory, kHierarchical, kNccl, kGloo, kCount };
 const char* collectivePathName(CollectivePath path);
 
 struct TrafficSnapshot {
@@ -98,6 +99,7 @@ inline const char* collectivePathName(CollectivePath path) {
     case CollectivePath::kSharedMemory: return "shm";
     case CollectivePath::kHierarchical: return "hierarchical";
     case CollectivePath::kNccl: return "nccl";
+    case CollectivePath::kGloo: return "gloo";
     default: return "?";
   }
 }

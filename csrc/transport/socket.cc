@@ -12,9 +12,13 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <pthread.h>
+
 #include <climits>
 #include <cstring>
+#include <mutex>
 #include <thread>
+#include <unordered_set>
 
 #include "common/env.h"
 #include "common/error.h"
@@ -28,6 +32,60 @@ int msUntil(Deadline deadline) {
   return left > INT_MAX ? INT_MAX : static_cast<int>(left);
 }
 
+namespace {
+
+// The descriptors Socket objects own, for the fork handler below. A plain mutex held across
+// fork() by the prepare handler, so that the child never finds it locked by a thread that no
+// longer exists there.
+std::mutex& registryMutex() {
+  static std::mutex* mu = new std::mutex;  // never destroyed: a fork may come during exit
+  return *mu;
+}
+std::unordered_set<int>& registry() {
+  static auto* fds = new std::unordered_set<int>;
+  return *fds;
+}
+
+void lockRegistry() { registryMutex().lock(); }
+void unlockRegistry() { registryMutex().unlock(); }
+
+// /dev/null, opened once in the parent (the child may have no descriptor left to open it with).
+int& devNull() {
+  static int fd = -1;
+  return fd;
+}
+
+// In the child: point every owned socket's descriptor at /dev/null (dup3 keeps the number, and
+// close-on-exec as the socket had it).
+void releaseInChild() {
+  const int null = devNull();
+  if (null >= 0) {
+    for (int fd : registry()) ::dup3(null, fd, O_CLOEXEC);
+  }
+  registryMutex().unlock();
+}
+
+void registerFd(int fd) {
+  static std::once_flag once;
+  std::call_once(once, [] {
+    devNull() = ::open("/dev/null", O_RDWR | O_CLOEXEC);
+    ::pthread_atfork(lockRegistry, unlockRegistry, releaseInChild);
+  });
+  std::lock_guard<std::mutex> lock(registryMutex());
+  registry().insert(fd);
+}
+
+void unregisterFd(int fd) {
+  std::lock_guard<std::mutex> lock(registryMutex());
+  registry().erase(fd);
+}
+
+}  // namespace
+
+Socket::Socket(int fd) : fd_(fd) {
+  if (fd_ >= 0) registerFd(fd_);
+}
+
 Socket& Socket::operator=(Socket&& other) noexcept {
   if (this != &other) {
     close();
@@ -39,6 +97,7 @@ Socket& Socket::operator=(Socket&& other) noexcept {
 void Socket::close() {
   if (fd_ >= 0) {
     tls::detach(fd_);  // before the number can be reused
+    unregisterFd(fd_);
     ::close(fd_);
     fd_ = -1;
   }

@@ -18,10 +18,16 @@ constexpr int kCancelPollMs = 50;
 // Milliseconds left until `deadline`, clamped to [0, INT_MAX] for poll().
 int msUntil(Deadline deadline);
 
+// Owns a socket descriptor. Every socket a Socket owns is let go of in a child this process forks
+// (a data loader's worker, say): there its descriptor is pointed at /dev/null, so that a rank that
+// dies with children still running closes its connections at once and its peers see the hang-up
+// (instead of waiting for their timeout while the child holds the sockets open), and a child
+// never answers on the rank's listening socket. The number stays taken, so nothing in the child
+// that closes it later can hit another file.
 class Socket {
  public:
   Socket() = default;
-  explicit Socket(int fd) : fd_(fd) {}
+  explicit Socket(int fd);
   ~Socket() { close(); }
   Socket(Socket&& other) noexcept : fd_(other.release()) {}
   Socket& operator=(Socket&& other) noexcept;
@@ -30,6 +36,7 @@ class Socket {
 
   int fd() const { return fd_; }
   bool valid() const { return fd_ >= 0; }
+  // Gives up the descriptor to another Socket (moves only: it stays in the fork registry).
   int release() {
     int fd = fd_;
     fd_ = -1;

@@ -66,14 +66,16 @@ def _create_backend(dist_backend_opts, backend_options) -> "ProcessGroupHetcomm"
     """
     from hetcomm.topology import configure_group
 
+    timeout_ms = _timeout_ms(getattr(dist_backend_opts, "timeout", None))
     backend = _engine.extension().ProcessGroupHetcomm(
         dist_backend_opts.store,
         dist_backend_opts.group_rank,
         dist_backend_opts.group_size,
-        _timeout_ms(getattr(dist_backend_opts, "timeout", None)),
+        timeout_ms,
         os.environ.get("HETCOMM_LISTEN_IP", ""),
     )
-    configure_group(backend, getattr(dist_backend_opts, "global_ranks_in_group", None))
+    configure_group(backend, getattr(dist_backend_opts, "global_ranks_in_group", None),
+                    store=dist_backend_opts.store, timeout_ms=timeout_ms)
     return backend
 
 
@@ -163,7 +165,8 @@ def stats(group: Optional[dist.ProcessGroup] = None) -> dict:
     * ``collectives_by_path``: how many collectives took each path: ``tcp`` (sockets only),
       ``shm`` (every rank of the group on this host: shared memory only), ``hierarchical``
       (allreduces with hosts as the inner level: shared memory inside each host, TCP between
-      hosts), ``nccl`` (reserved for NCCL inside a host; not used yet). ``shared_memory_bytes``:
+      hosts), ``nccl`` / ``gloo`` (every rank of the group on this host, through torch's NCCL or
+      Gloo as the host's inner level: ``HETCOMM_LOCAL``). ``shared_memory_bytes``:
       bytes this rank copied into its shared-memory slots (these never appear in ``bytes_sent``).
 
     * ``sites``, ``wan_bytes_sent``, ``wan_bytes_received`` (only when the group spans two or

@@ -4,8 +4,8 @@ At group creation (`hetcomm.topology.configure_group`) every rank of the group p
 host identity (`host_identity`: boot id, network namespace, ``/dev/shm``; ``HETCOMM_HOST_ID``
 overrides it) and learns the hosts (`host_labels`); checks that every rank agrees on the hosts
 and on the settings that shape the schedule (`check_agreement`); and sets up shared memory among
-the ranks of each host (`setup_shared_memory`), or keeps the whole group on TCP if any host
-cannot.
+the ranks of each host, or another inner level (`setup_inner_levels`), or keeps the whole group
+on TCP if any host cannot.
 
 What a host is, what must agree and how the shared memory is laid out:
 docs/hosts-and-sites.md#ranks-on-one-host-shared-memory-and-hosts-as-the-inner-level.
@@ -166,27 +166,98 @@ def _int_env(name: str, default: int) -> int:
     return value
 
 
-def shared_memory_wanted() -> Optional[str]:
-    """None when shared memory may be used, else why not (the settings that turn it off)."""
-    if os.environ.get("HETCOMM_SHM", "1").strip() == "0":
-        return "HETCOMM_SHM=0"
+_HOST_LEVELS = ("shm", "gloo", "tcp")
+
+
+def inner_level_choice() -> tuple[str, str]:
+    """(level for host memory, level for CUDA tensors) from ``HETCOMM_LOCAL`` and ``HETCOMM_SHM``.
+
+    Host memory: ``shm`` (hetcomm's shared memory, the default), ``gloo`` (torch's Gloo group over
+    the host's ranks) or ``tcp`` (no inner level: every byte over TCP). CUDA tensors: ``nccl``
+    (torch's NCCL group over the host's GPUs, asked for with ``HETCOMM_LOCAL=nccl``: shared memory
+    then serves host memory, and group creation fails where a rank has no GPU of its own or no
+    NCCL), else ``""``: CUDA tensors go as host memory does (through shared memory, staged; with
+    ``gloo``, one-host groups send them over TCP). NCCL is not the default until it has run on GPUs.
+    """
     local = os.environ.get("HETCOMM_LOCAL", "").strip().lower()
-    if local == "nccl":
-        raise ValueError("hetcomm: HETCOMM_LOCAL=nccl: NCCL between the GPUs of a host is not available in this "
-                         "version; the ranks of a host use shared memory (HETCOMM_LOCAL=shm, the default) or TCP "
-                         "(HETCOMM_LOCAL=tcp)")
-    if local not in ("", "shm", "tcp"):
-        raise ValueError(f"hetcomm: HETCOMM_LOCAL={local!r}: choose shm or tcp")
-    if local == "tcp":
-        return "HETCOMM_LOCAL=tcp"
-    return None
+    if local not in ("", "nccl") + _HOST_LEVELS:
+        raise ValueError(f"hetcomm: HETCOMM_LOCAL={local!r}: choose shm, nccl, gloo or tcp")
+    if local == "nccl" and os.environ.get("HETCOMM_SHM", "1").strip() == "0":
+        raise ValueError("hetcomm: HETCOMM_LOCAL=nccl keeps shared memory for host memory: unset HETCOMM_SHM=0, "
+                         "or choose HETCOMM_LOCAL=gloo or tcp")
+    tls = os.environ.get("HETCOMM_TLS", "").strip().lower()
+    if local in ("gloo", "nccl") and tls not in ("", "0", "off", "none"):
+        # Their rendezvous goes through the store and their connections are unauthenticated: a
+        # store writer or a local process could join, read or crash them (docs/security.md).
+        raise ValueError(f"hetcomm: HETCOMM_LOCAL={local} with HETCOMM_TLS={tls}: torch's {local} groups inside a "
+                         f"host are not authenticated, so they would void what TLS promises; use shm or tcp")
+    host = "tcp" if os.environ.get("HETCOMM_SHM", "1").strip() == "0" and local in ("", "shm") else (
+        local if local in _HOST_LEVELS else "shm")
+    return host, "nccl" if local == "nccl" else ""
 
 
-def setup_shared_memory(backend, labels: Sequence[int]) -> bool:
-    """Shared memory among the ranks of each host; True when the group uses it. A collective.
+def _nccl_device() -> str:
+    """This rank's GPU for NCCL ("cuda:<uuid>": the physical GPU, whatever CUDA_VISIBLE_DEVICES
+    numbers it), or why there is none. Never raises: every rank must reach the exchange after it."""
+    try:
+        if not torch.distributed.is_nccl_available():
+            return "no NCCL in this torch"
+        if not torch.cuda.is_available():
+            return "no CUDA device"
+        props = torch.cuda.get_device_properties(torch.cuda.current_device())
+        return f"cuda:{getattr(props, 'uuid', torch.cuda.current_device())}"
+    except Exception as e:  # noqa: BLE001 (a broken driver on one rank)
+        return f"no usable CUDA device ({type(e).__name__})"
 
-    Every host tries; all ranks then learn every host's outcome, so that either all use shared
-    memory or none does (a host falling back alone would meet its peers on another path).
+
+def _nccl_problem(devices: Sequence[str], labels: Sequence[int]) -> str:
+    """Why NCCL cannot join the ranks of every host ("" when it can): a rank without it, or two
+    ranks of a host on one GPU (NCCL refuses a communicator with a GPU twice; set each rank's
+    device, torch.cuda.set_device, before creating the group)."""
+    for rank, device in enumerate(devices):
+        if not device.startswith("cuda:"):
+            return f"rank {rank} has {device}"
+    for rank, device in enumerate(devices):
+        for other in range(rank):
+            if labels[other] == labels[rank] and devices[other] == device:
+                return f"ranks {other} and {rank} of one host are both on {device}"
+    return ""
+
+
+def _torch_group(kind: str, backend, labels: Sequence[int], store, timeout_ms: int):
+    """torch's ``kind`` (gloo, nccl) process group over this rank's host, on its own store prefix
+    (the group's incarnation and the host's lowest rank: a later group under the same store never
+    meets this one's keys). Every rank of the host constructs it here, at the same point."""
+    import datetime
+
+    import torch.distributed as dist
+
+    me = backend.rank()
+    ranks = [r for r, label in enumerate(labels) if label == labels[me]]
+    prefix = f"hetcomm/inner/{backend.incarnation()}/{kind}/{ranks[0]}/"
+    sub = dist.PrefixStore(prefix, store)
+    timeout = datetime.timedelta(milliseconds=timeout_ms)
+    if kind == "gloo":
+        options = dist.ProcessGroupGloo._Options()
+        options._timeout = timeout
+        # Loopback: the ranks of a host share its network namespace (they share /dev/shm and
+        # the host identity includes the namespace), and Gloo's unauthenticated port stays off
+        # the NICs.
+        options._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
+        return dist.ProcessGroupGloo(sub, ranks.index(me), len(ranks), options)
+    options = dist.ProcessGroupNCCL.Options()
+    # Later than hetcomm's own deadline, so that hetcomm fails the collective (and aborts NCCL)
+    # before torch's watchdog, whose default on a timeout is to end the process.
+    options._timeout = timeout + datetime.timedelta(seconds=max(60.0, timeout_ms / 1000))
+    return dist.ProcessGroupNCCL(sub, ranks.index(me), len(ranks), options)
+
+
+def setup_inner_levels(backend, labels: Sequence[int], store=None, timeout_ms: int = 300_000) -> bool:
+    """The inner level of each host (`inner_level_choice`): shared memory or a Gloo group for host
+    memory, and NCCL for CUDA tensors; True when the group's hosts have one. A collective.
+
+    Every host tries; all ranks then learn every host's outcome, so that either all use their
+    inner levels or none does (a host falling back alone would meet its peers on another path).
     """
     global _fallback_said
     counts: dict[int, int] = {}
@@ -194,16 +265,38 @@ def setup_shared_memory(backend, labels: Sequence[int]) -> bool:
         counts[label] = counts.get(label, 0) + 1
     if max(counts.values()) < 2:
         return False
-    if shared_memory_wanted() is not None:
+    host, device = inner_level_choice()
+    if host == "tcp":
         return False
-    error = backend.attach_local(list(labels), _int_env("HETCOMM_SHM_BYTES", DEFAULT_SHM_BYTES),
-                                 _int_env("HETCOMM_SHM_SLOT_BYTES", DEFAULT_SLOT_BYTES))
+    if store is None and (host == "gloo" or device == "nccl"):
+        raise ValueError("hetcomm: a torch process group as a host's inner level needs the group's store")
+    if device:
+        # NCCL for CUDA tensors needs it on every rank, each rank of a host on its own GPU.
+        devices = [_decode(r) for r in _allgather_rows(backend, _encode(_nccl_device(), 64))]
+        problem = _nccl_problem(devices, labels)
+        if problem:
+            raise ValueError(f"hetcomm: HETCOMM_LOCAL=nccl, but {problem}")
+    error = ""
+    alone = counts[labels[backend.rank()]] == 1      # nothing to join on this host
+    if host == "shm":
+        # (a store that fails here breaks the group: attach_local raises, it does not fall back)
+        error = backend.attach_local(list(labels), _int_env("HETCOMM_SHM_BYTES", DEFAULT_SHM_BYTES),
+                                     _int_env("HETCOMM_SHM_SLOT_BYTES", DEFAULT_SLOT_BYTES))
+    for kind, wanted in (("gloo", host == "gloo"), ("nccl", device == "nccl")):
+        if error or alone or not wanted:
+            continue
+        try:
+            group = _torch_group(kind, backend, labels, store, timeout_ms)
+        except (RuntimeError, ValueError) as e:      # the library could not form the host's group
+            error = f"{kind}: {e}"
+            continue
+        backend.attach_inner(list(labels), group, kind, kind == "nccl")
     reasons = [_decode(r) for r in _allgather_rows(backend, _encode(error, 256))]
     failed = [(rank, why) for rank, why in enumerate(reasons) if why]
     backend.enable_local(not failed)
     if failed and backend.rank() == 0 and not _fallback_said:
         _fallback_said = True
         rank, why = failed[0]
-        print(f"[hetcomm WARN] shared memory between the ranks of a host cannot be used (rank {rank}: {why}); "
-              f"they talk over TCP instead", file=sys.stderr, flush=True)
+        print(f"[hetcomm WARN] the inner level of a host ({host}) cannot be used (rank {rank}: {why}); "
+              f"the ranks of each host talk over TCP instead", file=sys.stderr, flush=True)
     return not failed

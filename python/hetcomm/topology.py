@@ -37,7 +37,8 @@ log = logging.getLogger("hetcomm")
 _models: dict[str, planner.LinkModel] = {}
 _topologies: dict[str, sites.Topology] = {}
 _host_labels: dict[str, tuple[int, ...]] = {}
-# Whether the group's hosts share memory (the same answer on every rank; `hosts.setup_shared_memory`).
+# Whether the group's hosts have an inner level: shared memory, or a torch group (the same answer on
+# every rank; `hosts.setup_inner_levels`).
 _shared_memory: dict[str, bool] = {}
 
 
@@ -274,15 +275,18 @@ def host_labels_of(backend) -> Optional[tuple[int, ...]]:
 
 
 def shared_host_labels(backend) -> Optional[tuple[int, ...]]:
-    """The group's host labels when its hosts' ranks share memory (the host level can run), else None."""
+    """The group's host labels when its hosts have an inner level (the host level can run), else None."""
     key = backend.listen_address()
     return _host_labels.get(key) if _shared_memory.get(key) else None
 
 
-def configure_group(backend, global_ranks: Optional[Sequence[int]] = None) -> None:
+def configure_group(backend, global_ranks: Optional[Sequence[int]] = None, *, store=None,
+                    timeout_ms: int = 300_000) -> None:
     """Called at group creation: the plan from declared or probed links, unless HETCOMM_PROBE=0.
 
     ``global_ranks``: the group's ranks in the job (torch passes them; default: the world).
+    ``store``, ``timeout_ms``: the group's, for a torch process group as a host's inner level
+    (`hetcomm.hosts.setup_inner_levels`; without a store only shared memory can be).
     A group whose ranks are all on one host (`hetcomm.hosts`): no NIC lies between its ranks,
     and timing "links" there measures how the host schedules processes (4 ranks on 2 cores over
     loopback: identical paths measured 0.3-0.6 GB/s), so it keeps uniform shares unless links
@@ -307,9 +311,9 @@ def configure_group(backend, global_ranks: Optional[Sequence[int]] = None) -> No
         raise ValueError(host_error)  # every rank has the same error (checked just above)
     _host_labels[backend.listen_address()] = labels
     agreed = time.perf_counter()
-    _shared_memory[backend.listen_address()] = hosts.setup_shared_memory(backend, labels)
-    _log_plan(f"hetcomm group: hosts found and settings agreed in {agreed - start:.3f} s, shared memory set up "
-              f"in {time.perf_counter() - agreed:.3f} s")
+    _shared_memory[backend.listen_address()] = hosts.setup_inner_levels(backend, labels, store, timeout_ms)
+    _log_plan(f"hetcomm group: hosts found and settings agreed in {agreed - start:.3f} s, inner levels "
+              f"{'/'.join(backend.inner_levels()) or 'none'} set up in {time.perf_counter() - agreed:.3f} s")
     if os.environ.get("HETCOMM_LINK_MBIT"):
         probe_backend(backend, ranks)
         return

@@ -407,11 +407,18 @@ def test_cpu_quota_slows_a_cpu_loop():
     full, quarter = got[0][0], got[1][0]
     assert quarter["share"] < 0.25 * 1.3, f"quota 0.25 not enforced: {quarter}"
     # The kernel's own account: a busy loop under a quarter of a core is throttled in most of its
-    # periods; under a whole core (one thread cannot use more) in few, however busy the machine.
-    throttled = [s.get("nr_throttled", 0) / max(s.get("nr_periods", 0), 1) for s in stats]
+    # periods, and waits about three quarters of each of them. Under a whole core (one thread
+    # cannot use more) the kernel may still throttle a period now and then (CFS hands the quota to
+    # each CPU in slices, so a thread that moves between CPUs can run one dry for a moment: 2 of 8
+    # periods for 1.4 ms in all in one CI run), so what is asserted of it is the time it waited.
+    def waited(s):   # throttled time as a share of the periods it ran in
+        ns = s.get("throttled_time", s.get("throttled_usec", 0) * 1000)
+        return ns / max(s.get("nr_periods", 0) * 100e6, 1.0)   # the default period: 100 ms
     assert stats[0].get("nr_periods", 0) > 0, f"the 1.0 rank is not under a CFS quota: {stats}"
-    assert throttled[1] > 0.5, f"the kernel seldom throttled the 0.25 rank: {stats}"
-    assert throttled[0] < 0.2, f"the 1.0 rank was throttled like a capped one: {stats}"
+    assert stats[1].get("nr_throttled", 0) > 0.5 * stats[1].get("nr_periods", 0), \
+        f"the kernel seldom throttled the 0.25 rank: {stats}"
+    assert waited(stats[1]) > 0.4, f"the 0.25 rank was throttled only briefly: {stats}"
+    assert waited(stats[0]) < 0.1, f"the 1.0 rank was throttled like a capped one: {stats}"
     assert full["share"] > quarter["share"], f"quota 1.0 got less than quota 0.25: {full} {quarter}"
 
 

@@ -1,5 +1,5 @@
 // Throughput of one TCP connection on loopback, plain ::send/::recv beside TLS 1.3
-// (tls::sendOn/recvOn/pollOn), one way: a sender thread and a receiver thread, each on its own
+// (TCP and TLS links, transport/link.h), one way: a sender thread and a receiver thread, each on its own
 // core, moving N bytes in writes and reads of B bytes through non-blocking sockets tuned as
 // hetcomm tunes them, alternating plain and TLS runs. Prints JSON Lines (benchmarks/README.md,
 // "Result files"): a `run` header, then a `result` per run with the wall time, GB/s and the CPU
@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "tls_pki.h"
+#include "transport/link.h"
 #include "transport/socket.h"
 #include "transport/tls.h"
 
@@ -45,7 +46,7 @@ void pinTo(int cpu) {
 }
 
 // Moves `total` bytes one way in chunks; returns the thread's CPU seconds.
-double transfer(int fd, bool sending, size_t total, size_t chunk) {
+double transfer(Link& link, bool sending, size_t total, size_t chunk) {
   std::vector<char> buf(chunk, 'x');
   const double cpu0 = threadCpuSeconds();
   size_t done = 0, offer = 0;
@@ -53,9 +54,9 @@ double transfer(int fd, bool sending, size_t total, size_t chunk) {
     ssize_t n;
     if (sending) {
       if (offer == 0) offer = std::min(chunk, total - done);  // kept after EAGAIN (TLS retry rule)
-      n = tls::sendOn(fd, buf.data(), offer);
+      n = link.send(buf.data(), offer);
     } else {
-      n = tls::recvOn(fd, buf.data(), std::min(chunk, total - done));
+      n = link.recv(buf.data(), std::min(chunk, total - done));
     }
     if (n > 0) {
       done += static_cast<size_t>(n);
@@ -63,8 +64,8 @@ double transfer(int fd, bool sending, size_t total, size_t chunk) {
       continue;
     }
     if (n == 0 || errno != EAGAIN) throw std::runtime_error(std::string("I/O failed: ") + std::strerror(errno));
-    pollfd p{fd, static_cast<short>(sending ? POLLOUT : POLLIN), 0};
-    tls::pollOn(&p, 1, 1000);
+    LinkWait w{&link, sending, !sending};
+    waitLinks(&w, 1, std::chrono::seconds(1));
   }
   return threadCpuSeconds() - cpu0;
 }
@@ -103,6 +104,7 @@ int main(int argc, char** argv) {
     pollfd p{listener.fd(), POLLIN, 0};
     ::poll(&p, 1, 10000);
     Socket server(::accept4(listener.fd(), nullptr, nullptr, SOCK_NONBLOCK | SOCK_CLOEXEC));
+    std::unique_ptr<Link> serverLink, clientLink;
     if (encrypted) {
       tls::Config c;
       c.mode = tls::Config::Mode::kAll;
@@ -111,22 +113,25 @@ int main(int argc, char** argv) {
       c.ca = pki.path("caA.pem");
       auto context = tls::Context::create(c);
       const Deadline deadline = Clock::now() + std::chrono::seconds(10);
-      std::shared_ptr<tls::Session> serverSession;
+      std::unique_ptr<tls::Session> serverSession;
       std::thread t([&] { serverSession = tls::Session::handshake(*context, server.fd(), true, deadline, {}, [] { return std::string("client"); }); });
-      std::shared_ptr<tls::Session> clientSession =
+      std::unique_ptr<tls::Session> clientSession =
           tls::Session::handshake(*context, client.fd(), false, deadline, {}, [] { return std::string("server"); });
       t.join();
-      tls::attach(server.fd(), serverSession);
-      tls::attach(client.fd(), clientSession);
+      serverLink = tlsLink(std::move(server), std::move(serverSession));
+      clientLink = tlsLink(std::move(client), std::move(clientSession));
+    } else {
+      serverLink = tcpLink(std::move(server));
+      clientLink = tcpLink(std::move(client));
     }
     double sendCpu = 0, recvCpu = 0;
     const auto start = Clock::now();
     std::thread receiver([&] {
       pinTo(1);
-      recvCpu = transfer(server.fd(), false, total, chunk);
+      recvCpu = transfer(*serverLink, false, total, chunk);
     });
     pinTo(0);
-    sendCpu = transfer(client.fd(), true, total, chunk);
+    sendCpu = transfer(*clientLink, true, total, chunk);
     receiver.join();
     const double seconds = std::chrono::duration<double>(Clock::now() - start).count();
     std::printf("{\"kind\": \"result\", \"transport\": \"%s\", \"repeat\": %d, \"seconds\": %.3f, \"GBps\": %.3f, "
@@ -134,8 +139,6 @@ int main(int argc, char** argv) {
                 encrypted ? "tls1.3" : "plain", run / 2, seconds, total / seconds / 1e9, sendCpu / (total / 1e9),
                 recvCpu / (total / 1e9));
     std::fflush(stdout);
-    tls::detach(server.fd());
-    tls::detach(client.fd());
   }
   return 0;
 }

@@ -7,6 +7,7 @@
 #include "common/env.h"
 #include "backend/live_groups.h"
 #include "backend/process_group_hetcomm.h"
+#include "backend/work.h"
 #include "backend/tensor_checks.h"
 #include "kernels/reduce.h"
 #include "transport/tls.h"
@@ -256,6 +257,15 @@ PYBIND11_MODULE(_C, m) {
         "Shut down every hetcomm group this process created that is still alive, then wait (up to "
         "max_wait_ms) for the callback threads of shut-down groups: call it at exit, before Python "
         "finalizes.");
+  m.def(
+      "completed_at",
+      [](const c10::intrusive_ptr<c10d::Work>& work) {
+        const auto* w = dynamic_cast<const hetcomm::WorkHetcomm*>(work.get());
+        return w == nullptr ? 0.0 : w->completedAt();
+      },
+      py::arg("work"),
+      "When a hetcomm operation completed, in seconds of time.perf_counter()'s clock (the thread that "
+      "finished it noted it then); 0.0 before, and for an operation of another backend.");
   m.def("tls_available", [] {
         std::string why;
         const bool ok = hetcomm::tls::available(&why);

@@ -8,7 +8,7 @@
 
 #include "common/traffic.h"
 #include "transport/framing.h"
-#include "transport/socket.h"
+#include "transport/link.h"
 
 namespace hetcomm {
 
@@ -36,8 +36,8 @@ struct CollectiveContext {
   size_t segmentBytes = 0;  // 0: adaptive (segmentBytesFor), else forced
   // seq, opcode, dtype, redop, algo, bytes, aux: the fields every participant must agree on.
   CollectiveHeader header;
-  // The collective connection to a peer (opened on first use, bounded by the deadline).
-  std::function<int(int peer)> fdOf;
+  // The collective link to a peer (opened on first use, bounded by the deadline; transport/link.h).
+  std::function<Link&(int peer)> linkOf;
   // Null: the buffers are host memory. Else they are device memory, reached only through this
   // (see device_ops.h).
   DeviceOps* device = nullptr;

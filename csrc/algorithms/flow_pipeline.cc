@@ -1,10 +1,7 @@
 #include "algorithms/flow_pipeline.h"
 
-#include <poll.h>
-
 #include <algorithm>
 #include <array>
-#include <map>
 
 #include "algorithms/pipeline.h"
 #include "algorithms/pipeline_io.h"
@@ -34,7 +31,7 @@ namespace {
 // One flow's progress.
 struct FlowState {
   const Flow* flow = nullptr;
-  int fd = -1;
+  Link* link = nullptr;
   PipelineSpec spec;                         // header fields and the peer, for pipeline_io
   std::array<uint8_t, kHeaderBytes> hdr{};   // outgoing (send) or incoming (receive) header
   CollectiveHeader want;                     // receive: the header expected
@@ -65,7 +62,7 @@ void runFlows(const CollectiveContext& ctx, const FlowGraph& graph) {
     const Flow& f = graph.flows[i];
     FlowState& s = states[i];
     s.flow = &f;
-    s.fd = ctx.fdOf(f.peer);
+    s.link = &ctx.linkOf(f.peer);
     uint64_t total = 0, scratch = 0;
     for (uint32_t it : f.items) {
       total += graph.items[it].bytes;
@@ -106,7 +103,7 @@ void runFlows(const CollectiveContext& ctx, const FlowGraph& graph) {
             p = graph.items[it].ptr + s.offset;
             left = graph.items[it].bytes - s.offset;
           }
-          const size_t n = left == 0 ? 0 : sendSome(ctx, s.fd, f.peer, p, left);
+          const size_t n = left == 0 ? 0 : sendSome(ctx, *s.link, f.peer, p, left);
           if (n == 0 && left > 0) {
             s.blocked = true;
             break;
@@ -135,7 +132,7 @@ void runFlows(const CollectiveContext& ctx, const FlowGraph& graph) {
             p = (item.reduce ? s.scratch.data() : item.ptr) + s.offset;
             left = item.bytes - s.offset;
           }
-          const size_t n = left == 0 ? 0 : recvSome(ctx, s.fd, f.peer, p, left);
+          const size_t n = left == 0 ? 0 : recvSome(ctx, *s.link, f.peer, p, left);
           if (n == 0 && left > 0) break;
           progressed = true;
           if (s.hdrDone < kHeaderBytes) {
@@ -158,24 +155,22 @@ void runFlows(const CollectiveContext& ctx, const FlowGraph& graph) {
     if (progressed) continue;
 
     // Wait for a socket that can move something: writable for a blocked send, readable for a
-    // receive whose next item may start. One pollfd per connection.
-    std::map<int, short> events;
+    // receive whose next item may start (waitLinks merges the entries of one link).
+    std::vector<LinkWait> waits;
     for (const FlowState& s : states) {
       if (s.finished()) continue;
       const bool headerPending = s.hdrDone < kHeaderBytes;
       if (s.flow->send) {
-        if (s.blocked) events[s.fd] |= POLLOUT;
+        if (s.blocked) waits.push_back({s.link, /*send=*/true, /*recv=*/false});
       } else if (headerPending || s.offset > 0 || ready(s.flow->items[s.next])) {
-        events[s.fd] |= POLLIN;
+        waits.push_back({s.link, /*send=*/false, /*recv=*/true});
       }
     }
-    if (events.empty()) {
+    if (waits.empty()) {
       throw CommError(strCat(ctx.prefix(), ": internal error: a dataflow schedule stalled with nothing in "
                                            "flight (a dependency cycle); please report it"));
     }
-    std::vector<pollfd> fds;
-    for (const auto& [fd, ev] : events) fds.push_back({fd, ev, 0});
-    if (!waitReady(ctx, fds.data(), static_cast<int>(fds.size()), -1)) {
+    if (!waitReady(ctx, waits.data(), static_cast<int>(waits.size()), -1)) {
       // Name a peer we wait for: the first unfinished receive that may progress, else a send.
       const FlowState* waiting = nullptr;
       for (const FlowState& s : states) {

@@ -1,7 +1,6 @@
 #include "algorithms/pipeline.h"
 
 #include <errno.h>
-#include <poll.h>
 #include <sys/socket.h>
 
 #include <algorithm>
@@ -11,7 +10,6 @@
 #include "common/env.h"
 #include "common/error.h"
 #include "kernels/reduce.h"
-#include "transport/tls.h"
 
 namespace hetcomm {
 
@@ -105,9 +103,9 @@ void checkHeader(const CollectiveContext& ctx, const PipelineSpec& spec, const u
   }
 }
 
-size_t sendSome(const CollectiveContext& ctx, int fd, int peer, const char* data, size_t len) {
+size_t sendSome(const CollectiveContext& ctx, Link& link, int peer, const char* data, size_t len) {
   while (true) {
-    ssize_t n = tls::sendOn(fd, data, len);
+    ssize_t n = link.send(data, len);
     if (n > 0) {
       if (ctx.traffic != nullptr) ctx.traffic->addSent(peer, static_cast<uint64_t>(n));
       return static_cast<size_t>(n);
@@ -118,9 +116,9 @@ size_t sendSome(const CollectiveContext& ctx, int fd, int peer, const char* data
   }
 }
 
-size_t recvSome(const CollectiveContext& ctx, int fd, int peer, char* data, size_t len) {
+size_t recvSome(const CollectiveContext& ctx, Link& link, int peer, char* data, size_t len) {
   while (true) {
-    ssize_t n = tls::recvOn(fd, data, len);
+    ssize_t n = link.recv(data, len);
     if (n > 0) {
       if (ctx.traffic != nullptr) ctx.traffic->addReceived(peer, static_cast<uint64_t>(n));
       return static_cast<size_t>(n);
@@ -132,29 +130,26 @@ size_t recvSome(const CollectiveContext& ctx, int fd, int peer, char* data, size
   }
 }
 
-int socketsToWaitFor(pollfd* fds, int sfd, bool wantOut, int rfd, bool wantIn) {
-  int nfds = 0;
-  if (wantOut) fds[nfds++] = {sfd, POLLOUT, 0};
+int linksToWaitFor(LinkWait* waits, Link* sendLink, bool wantOut, Link* recvLink, bool wantIn) {
+  int n = 0;
+  if (wantOut) waits[n++] = {sendLink, /*send=*/true, /*recv=*/false};
   if (wantIn) {
-    if (nfds == 1 && sfd == rfd) {
-      fds[0].events |= POLLIN;
+    if (n == 1 && sendLink == recvLink) {
+      waits[0].recv = true;
     } else {
-      fds[nfds++] = {rfd, POLLIN, 0};
+      waits[n++] = {recvLink, /*send=*/false, /*recv=*/true};
     }
   }
-  return nfds;
+  return n;
 }
 
-bool waitReady(const CollectiveContext& ctx, pollfd* fds, int nfds, int64_t maxWaitUs) {
+bool waitReady(const CollectiveContext& ctx, LinkWait* waits, int n, int64_t maxWaitUs) {
   const auto now = Clock::now();
   if (now >= ctx.deadline) return false;
   auto wait = std::chrono::duration_cast<std::chrono::nanoseconds>(ctx.deadline - now);
   if (maxWaitUs >= 0) wait = std::min<std::chrono::nanoseconds>(wait, std::chrono::microseconds(maxWaitUs));
-  timespec ts;
-  ts.tv_sec = static_cast<time_t>(wait.count() / 1000000000);
-  ts.tv_nsec = static_cast<long>(wait.count() % 1000000000);
-  int rc = tls::ppollOn(fds, static_cast<nfds_t>(nfds), &ts);
-  if (rc < 0 && errno != EINTR) throw CommError(strCat(ctx.prefix(), ": poll failed: ", std::strerror(errno)));
+  const int rc = waitLinks(waits, static_cast<size_t>(n), wait);
+  if (rc < 0) throw CommError(strCat(ctx.prefix(), ": poll failed: ", std::strerror(errno)));
   // Readiness, a hang-up or an error: the next send()/recv() reports which (EOF, EPIPE, ...).
   return rc != 0 || Clock::now() < ctx.deadline;
 }
@@ -182,8 +177,8 @@ void runPipeline(const CollectiveContext& ctx, const PipelineSpec& spec) {
   const bool doSend = spec.sendPeer >= 0, doRecv = spec.recvPeer >= 0;
   HC_ENFORCE(doSend || spec.sends.empty());
   HC_ENFORCE(doRecv || spec.recvs.empty());
-  const int sfd = doSend ? ctx.fdOf(spec.sendPeer) : -1;
-  const int rfd = doRecv ? ctx.fdOf(spec.recvPeer) : -1;
+  Link* const sendLink = doSend ? &ctx.linkOf(spec.sendPeer) : nullptr;
+  Link* const recvLink = doRecv ? &ctx.linkOf(spec.recvPeer) : nullptr;
 
   const auto outBytes = outgoingHeader(ctx, spec).encode();
   const CollectiveHeader want = expectedHeader(ctx, spec);
@@ -219,7 +214,7 @@ void runPipeline(const CollectiveContext& ctx, const PipelineSpec& spec) {
       } else {
         break;
       }
-      const size_t n = sendSome(ctx, sfd, spec.sendPeer, p, left);
+      const size_t n = sendSome(ctx, *sendLink, spec.sendPeer, p, left);
       if (n == 0) {
         sendBlocked = true;
         break;
@@ -245,7 +240,7 @@ void runPipeline(const CollectiveContext& ctx, const PipelineSpec& spec) {
         p = (t.reduce ? scratch.data() : t.ptr) + rOff;
         left = t.bytes - rOff;
       }
-      const size_t n = recvSome(ctx, rfd, spec.recvPeer, p, left);
+      const size_t n = recvSome(ctx, *recvLink, spec.recvPeer, p, left);
       if (n == 0) break;
       progressed = true;
       if (hdrIn < kHeaderBytes) {
@@ -262,11 +257,11 @@ void runPipeline(const CollectiveContext& ctx, const PipelineSpec& spec) {
     }
     if (progressed) continue;
 
-    pollfd fds[2];
+    LinkWait waits[2];
     const bool wantIn = !(hdrIn == kHeaderBytes && ri == nrecv);
-    const int nfds = socketsToWaitFor(fds, sfd, sendBlocked, rfd, wantIn);
-    HC_ENFORCE(nfds > 0, "pipeline stalled with nothing to wait for");
-    if (!waitReady(ctx, fds, nfds, -1)) {
+    const int nwaits = linksToWaitFor(waits, sendLink, sendBlocked, recvLink, wantIn);
+    HC_ENFORCE(nwaits > 0, "pipeline stalled with nothing to wait for");
+    if (!waitReady(ctx, waits, nwaits, -1)) {
       throwTimeout(ctx, spec, wantIn ? spec.recvPeer : spec.sendPeer, ri, nrecv, si, nsend);
     }
   }

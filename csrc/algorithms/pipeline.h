@@ -1,8 +1,8 @@
 #pragma once
 // The one data-moving loop of the collectives: send a sequence of byte ranges to one peer while
-// receiving a sequence from another (possibly the same) peer, on non-blocking sockets driven by
-// poll(), so that sending, receiving and reducing overlap on a single thread that sleeps when it
-// cannot progress. Dependencies follow the ring rule (see ring_schedule.h): sends[j], j >= lead,
+// receiving a sequence from another (possibly the same) peer, on non-blocking links (link.h)
+// driven by waitLinks(), so that sending, receiving and reducing overlap on a single thread that
+// sleeps when it cannot progress. Dependencies follow the ring rule (see ring_schedule.h): sends[j], j >= lead,
 // waits until recvs[j - lead] has been received (and reduced).
 //
 // With ctx.device set, the transfers' pointers are device memory and runPipeline stages them

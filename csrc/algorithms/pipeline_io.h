@@ -1,14 +1,13 @@
 #pragma once
 // What the host pipeline (pipeline.cc) and the staged one (staged_pipeline.cc) share: the
-// per-message header, its check, non-blocking socket I/O and the errors they raise.
-#include <poll.h>
-
+// per-message header, its check, non-blocking I/O on the links and the errors they raise.
 #include <array>
 #include <cstddef>
 #include <cstdint>
 #include <string>
 
 #include "algorithms/pipeline.h"
+#include "transport/link.h"
 
 namespace hetcomm {
 namespace pipeline_io {
@@ -25,20 +24,20 @@ std::string describeMismatch(const CollectiveHeader& want, const CollectiveHeade
 void checkHeader(const CollectiveContext& ctx, const PipelineSpec& spec, const uint8_t* bytes,
                  const CollectiveHeader& want);
 
-// One non-blocking send()/recv(): the bytes moved, 0 when the socket would block (EINTR is
-// retried). A closed connection or a socket error throws PeerClosedError naming the peer. The
-// bytes moved are added to ctx.traffic: every collective byte on the wire passes through here.
-size_t sendSome(const CollectiveContext& ctx, int fd, int peer, const char* data, size_t len);
-size_t recvSome(const CollectiveContext& ctx, int fd, int peer, char* data, size_t len);
+// One non-blocking send/receive on the link to `peer`: the bytes moved, 0 when the link would
+// block (EINTR is retried). A closed link or a failed one throws PeerClosedError naming the peer.
+// The bytes moved are added to ctx.traffic: every collective byte on the wire passes through here.
+size_t sendSome(const CollectiveContext& ctx, Link& link, int peer, const char* data, size_t len);
+size_t recvSome(const CollectiveContext& ctx, Link& link, int peer, char* data, size_t len);
 
-// Fills fds with what a pipeline waits for on its sockets (they may be one socket, when the
-// peers are the same): writability of sfd if wantOut, readability of rfd if wantIn. Returns the
-// number of entries (0, 1 or 2).
-int socketsToWaitFor(pollfd* fds, int sfd, bool wantOut, int rfd, bool wantIn);
+// Fills waits with what a pipeline waits for on its links (they may be one link, when the peers
+// are the same): room on sendLink if wantOut, bytes on recvLink if wantIn. Returns the number of
+// entries (0, 1 or 2).
+int linksToWaitFor(LinkWait* waits, Link* sendLink, bool wantOut, Link* recvLink, bool wantIn);
 
-// Sleeps in poll() until one of fds is ready, at most until the collective's deadline or, when
+// Sleeps until one of waits is ready, at most until the collective's deadline or, when
 // maxWaitUs >= 0, for that many microseconds. Returns false if the deadline has passed.
-bool waitReady(const CollectiveContext& ctx, pollfd* fds, int nfds, int64_t maxWaitUs);
+bool waitReady(const CollectiveContext& ctx, LinkWait* waits, int n, int64_t maxWaitUs);
 
 // The TimeoutError of a pipeline that stopped progressing.
 [[noreturn]] void throwTimeout(const CollectiveContext& ctx, const PipelineSpec& spec, int waitingFor,

@@ -25,7 +25,6 @@
 // reduce-scatter (ring_schedule.h explains why the host pipeline may). Here the overwrite is
 // enqueued after the segment arrived, which is after this rank's copy of the old bytes had to
 // complete for them to go on the wire: the order on the queue is the order the host path has.
-#include <poll.h>
 
 #include <algorithm>
 #include <deque>
@@ -83,8 +82,8 @@ void runStagedPipeline(const CollectiveContext& ctx, const PipelineSpec& spec) {
     for (; i < sendEnd[t]; ++i) sendTransfer[i] = t;
   }
 
-  const int sfd = doSend ? ctx.fdOf(spec.sendPeer) : -1;
-  const int rfd = doRecv ? ctx.fdOf(spec.recvPeer) : -1;
+  Link* const sendLink = doSend ? &ctx.linkOf(spec.sendPeer) : nullptr;
+  Link* const recvLink = doRecv ? &ctx.linkOf(spec.recvPeer) : nullptr;
   const auto outBytes = outgoingHeader(ctx, spec).encode();
   const CollectiveHeader want = expectedHeader(ctx, spec);
   std::array<uint8_t, kHeaderBytes> inBytes{};
@@ -138,7 +137,7 @@ void runStagedPipeline(const CollectiveContext& ctx, const PipelineSpec& spec) {
       } else {
         break;
       }
-      const size_t n = sendSome(ctx, sfd, spec.sendPeer, data, left);
+      const size_t n = sendSome(ctx, *sendLink, spec.sendPeer, data, left);
       if (n == 0) {
         sendBlocked = true;
         break;
@@ -170,7 +169,7 @@ void runStagedPipeline(const CollectiveContext& ctx, const PipelineSpec& spec) {
         data = slots.slot(slot) + recvOff;
         left = recvPieces[received].bytes - recvOff;
       }
-      const size_t n = recvSome(ctx, rfd, spec.recvPeer, data, left);
+      const size_t n = recvSome(ctx, *recvLink, spec.recvPeer, data, left);
       if (n == 0) break;
       progressed = true;
       if (hdrIn < kHeaderBytes) {
@@ -195,13 +194,13 @@ void runStagedPipeline(const CollectiveContext& ctx, const PipelineSpec& spec) {
     }
     if (progressed) continue;
 
-    pollfd fds[2];
+    LinkWait waits[2];
     const bool wantIn = hdrIn < kHeaderBytes || (received < nrecv && !recvWaitsForDevice);
-    const int nfds = socketsToWaitFor(fds, sfd, sendBlocked, rfd, wantIn);
+    const int nwaits = linksToWaitFor(waits, sendLink, sendBlocked, recvLink, wantIn);
     const bool waitsForDevice = sendWaitsForDevice || recvWaitsForDevice;
-    HC_ENFORCE(nfds > 0 || waitsForDevice, "staged pipeline stalled with nothing to wait for");
-    // No file descriptor wakes us when device work finishes: while only that is pending, poll.
-    if (!waitReady(ctx, fds, nfds, waitsForDevice ? std::max<int64_t>(0, paramDevicePollUs()) : -1)) {
+    HC_ENFORCE(nwaits > 0 || waitsForDevice, "staged pipeline stalled with nothing to wait for");
+    // Nothing on a link wakes us when device work finishes: while only that is pending, poll.
+    if (!waitReady(ctx, waits, nwaits, waitsForDevice ? std::max<int64_t>(0, paramDevicePollUs()) : -1)) {
       throwTimeout(ctx, spec, wantIn || recvWaitsForDevice ? spec.recvPeer : spec.sendPeer, received, nrecv, sent,
                    nsend);
     }

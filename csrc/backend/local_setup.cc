@@ -18,7 +18,6 @@
 // here for this purpose: when a process dies the kernel closes its sockets, and when a rank gives
 // up (failGroup) it shuts its connections down, so the peer's end reports a hang-up either way. It
 // works across PID namespaces, where a pid would not.
-#include <poll.h>
 #include <signal.h>
 #include <sys/socket.h>
 
@@ -88,18 +87,6 @@ std::string randomSegmentName(const std::string& incarnation) {
   char buf[24];
   std::snprintf(buf, sizeof(buf), "%016llx", static_cast<unsigned long long>(tag));
   return strCat("/hetcomm-", incarnation, "-", buf);
-}
-
-// False once the connection to the peer reports that the peer hung up.
-bool socketAlive(int fd) {
-  pollfd p{fd, static_cast<short>(POLLIN | POLLRDHUP), 0};
-  if (::poll(&p, 1, 0) <= 0) return true;
-  if (p.revents & (POLLHUP | POLLERR | POLLRDHUP | POLLNVAL)) return false;
-  if (p.revents & POLLIN) {
-    char c;
-    if (::recv(fd, &c, 1, MSG_PEEK | MSG_DONTWAIT) == 0) return false;
-  }
-  return true;
 }
 
 }  // namespace
@@ -218,10 +205,10 @@ std::string ProcessGroupHetcomm::attachLocal(const std::vector<int64_t>& hostOf,
 std::shared_ptr<LocalGroup> ProcessGroupHetcomm::newLocalGroup(const std::vector<int>& ranks, Deadline deadline) {
   const int L = static_cast<int>(ranks.size());
   // The connections that tell whether a local peer is alive (see the top of this file).
-  auto fds = std::make_shared<std::vector<int>>(L, -1);
+  auto links = std::make_shared<std::vector<Link*>>(L, nullptr);  // owned by the mesh
   try {
     for (int l = 0; l < L; ++l) {
-      if (ranks[l] != rank_) (*fds)[l] = mesh_->collectiveFd(ranks[l], deadline);
+      if (ranks[l] != rank_) (*links)[l] = &mesh_->collectiveLink(ranks[l], deadline);
     }
   } catch (const CommError& e) {
     TORCH_CHECK(false, "hetcomm: rank ", rank_, " could not connect to the ranks of its host: ", e.what());
@@ -229,7 +216,7 @@ std::shared_ptr<LocalGroup> ProcessGroupHetcomm::newLocalGroup(const std::vector
   auto group = std::make_shared<LocalGroup>();
   group->ranks = ranks;
   group->me = static_cast<int>(std::find(ranks.begin(), ranks.end(), rank_) - ranks.begin());
-  group->peerAlive = [fds](int l) { return socketAlive((*fds)[l]); };
+  group->peerAlive = [links](int l) { return (*links)[l] == nullptr || !(*links)[l]->hungUp(); };
   return group;
 }
 

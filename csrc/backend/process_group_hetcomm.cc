@@ -283,7 +283,7 @@ ProcessGroupHetcomm::ProcessGroupHetcomm(const c10::intrusive_ptr<c10d::Store>& 
                     tlsPolicy(tlsConfig, store_, rank, size));
     }
     p2p_ = std::make_unique<P2PEngine>(rank, size, mesh_.get(), traffic_.get());
-    mesh_->setInboundP2PHandler([this](int peer, Socket s) { p2p_->addInbound(peer, std::move(s)); });
+    mesh_->setInboundP2PHandler([this](int peer, std::unique_ptr<Link> link) { p2p_->addInbound(peer, std::move(link)); });
     mesh_->setFailureHandler([this](const std::string& what) { failGroup(what); });
     p2p_->setFailureHandler([this](const std::string& what) { failGroup(what); });
     const std::string addr = mesh_->listenAddress().str();
@@ -507,7 +507,7 @@ void ProcessGroupHetcomm::runWorker() {
       ctx.timeoutMs = op.timeout.count();
       ctx.deadline = Clock::now() + op.timeout;
       ctx.segmentBytes = static_cast<size_t>(std::max<int64_t>(0, paramSegmentBytes()));
-      ctx.fdOf = [this, &ctx](int peer) { return mesh_->collectiveFd(peer, ctx.deadline); };
+      ctx.linkOf = [this, &ctx](int peer) -> Link& { return mesh_->collectiveLink(peer, ctx.deadline); };
       ctx.traffic = traffic_.get();
       ctx.local = local.get();
       try {

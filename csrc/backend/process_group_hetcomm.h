@@ -33,7 +33,7 @@
 #include "algorithms/device_ops.h"
 #include "algorithms/local_group.h"
 #include "backend/completion_pool.h"
-#include "backend/p2p_engine.h"
+#include "transport/p2p_engine.h"
 #include "backend/work.h"
 #include "common/traffic.h"
 #include "transport/tcp_mesh.h"

@@ -1,5 +1,7 @@
 #include "backend/work.h"
 
+#include <time.h>
+
 #include <c10/core/StreamGuard.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
 
@@ -39,6 +41,9 @@ void WorkHetcomm::synchronize() {
 }
 
 void WorkHetcomm::complete(std::exception_ptr error) {
+  timespec now{};
+  ::clock_gettime(CLOCK_MONOTONIC, &now);
+  completedAt_.store(static_cast<double>(now.tv_sec) + 1e-9 * static_cast<double>(now.tv_nsec), std::memory_order_release);
   if (stream_ && !error) {
     done_.emplace(stream_->device_type());
     done_->record(*stream_);

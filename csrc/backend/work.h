@@ -44,12 +44,18 @@ class WorkHetcomm : public c10d::Work {
   // Called once, by whoever finished the operation (the worker or the point-to-point engine),
   // after the operation's last device work was enqueued on the stream.
   void complete(std::exception_ptr error);
+  // When complete() was called, in seconds of the monotonic clock (CLOCK_MONOTONIC, the clock of
+  // Python's time.perf_counter() on Linux); 0 before. The point-to-point engine completes a
+  // receive on its own thread as its last byte arrives, so this is when the message was in,
+  // however late the caller looks (the probe times flows with it).
+  double completedAt() const { return completedAt_.load(std::memory_order_acquire); }
 
  private:
   std::vector<at::Tensor> outputs_;
   const uint64_t seq_;
   const std::optional<c10::Stream> stream_;
   std::atomic<int> sourceRank_{-1};
+  std::atomic<double> completedAt_{0.0};
   std::optional<c10::Event> done_;  // written by complete() before finish(), read after it
   c10::intrusive_ptr<c10::ivalue::Future> future_;
   std::shared_ptr<CompletionPool> pool_;

@@ -22,7 +22,6 @@
 
 #include "common/env.h"
 #include "common/error.h"
-#include "transport/tls.h"
 
 namespace hetcomm {
 
@@ -96,7 +95,6 @@ Socket& Socket::operator=(Socket&& other) noexcept {
 
 void Socket::close() {
   if (fd_ >= 0) {
-    tls::detach(fd_);  // before the number can be reused
     unregisterFd(fd_);
     ::close(fd_);
     fd_ = -1;
@@ -227,7 +225,7 @@ bool pollUntil(int fd, short events, Deadline deadline, const Cancelled& cancell
     if (cancelled && cancelled()) throw CancelledError(strCat("hetcomm: gave up ", what(), ": the process group is shutting down"));
     const int left = msUntil(deadline);
     pollfd pfd{fd, events, 0};
-    const int rc = tls::pollOn(&pfd, 1, cancelled ? std::min(left, kCancelPollMs) : left);
+    const int rc = ::poll(&pfd, 1, cancelled ? std::min(left, kCancelPollMs) : left);
     if (rc > 0) return true;
     if (rc < 0 && errno != EINTR) throw CommError(strCat("hetcomm: poll failed ", what(), ": ", errnoText(errno)));
     if (rc == 0 && Clock::now() >= deadline) return false;
@@ -272,51 +270,6 @@ Socket connectTo(const HostPort& addr, Deadline deadline, bool retryRefused, con
     backoff = std::min(backoff * 2, std::chrono::milliseconds(500));
   }
   throw CommError(strCat("hetcomm: cannot connect to ", addr.str(), ": ", lastError));
-}
-
-namespace {
-
-// Waits for `events` on fd; throws on timeout, cancellation or socket error.
-void waitFor(int fd, short events, Deadline deadline, const std::function<std::string()>& what, const Cancelled& cancelled) {
-  if (!pollUntil(fd, events, deadline, cancelled, what)) throw TimeoutError(strCat("hetcomm: timed out ", what()));
-}
-
-}  // namespace
-
-void sendAll(int fd, const void* data, size_t len, Deadline deadline, const std::function<std::string()>& what,
-             const Cancelled& cancelled) {
-  const char* p = static_cast<const char*>(data);
-  while (len > 0) {
-    ssize_t n = tls::sendOn(fd, p, len);
-    if (n > 0) {
-      p += n;
-      len -= static_cast<size_t>(n);
-    } else if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
-      waitFor(fd, POLLOUT, deadline, what, cancelled);
-    } else if (n < 0 && errno == EINTR) {
-      continue;
-    } else {
-      throw CommError(strCat("hetcomm: send failed ", what(), ": ", errnoText(errno)));
-    }
-  }
-}
-
-void recvAll(int fd, void* data, size_t len, Deadline deadline, const std::function<std::string()>& what,
-             const Cancelled& cancelled) {
-  char* p = static_cast<char*>(data);
-  while (len > 0) {
-    ssize_t n = tls::recvOn(fd, p, len);
-    if (n > 0) {
-      p += n;
-      len -= static_cast<size_t>(n);
-    } else if (n == 0) {
-      throw CommError(strCat("hetcomm: connection closed by peer ", what()));
-    } else if (errno == EAGAIN || errno == EWOULDBLOCK) {
-      waitFor(fd, POLLIN, deadline, what, cancelled);
-    } else if (errno != EINTR) {
-      throw CommError(strCat("hetcomm: recv failed ", what(), ": ", errnoText(errno)));
-    }
-  }
 }
 
 std::string interfaceAddress(const std::string& ifname) {

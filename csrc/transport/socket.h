@@ -74,13 +74,6 @@ void setNonBlocking(int fd);
 // autotuning provides and a fixed setsockopt() would switch off.
 void tuneSocket(int fd, bool loopback);
 
-// Blocking-until-deadline transfers on non-blocking sockets. `what` builds the context of the
-// error message lazily ("waiting for rank 3 during handshake").
-void sendAll(int fd, const void* data, size_t len, Deadline deadline, const std::function<std::string()>& what,
-             const Cancelled& cancelled = {});
-void recvAll(int fd, void* data, size_t len, Deadline deadline, const std::function<std::string()>& what,
-             const Cancelled& cancelled = {});
-
 // The IPv4 address of a network interface, e.g. "eth0" -> "10.0.0.5"; throws if it has none.
 std::string interfaceAddress(const std::string& ifname);
 // The local address the kernel would use to reach host (no packet is sent).

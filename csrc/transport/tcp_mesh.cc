@@ -94,7 +94,7 @@ std::vector<int> TcpMesh::collectiveLinkSecurity() const {
   std::lock_guard<std::mutex> lock(mu_);
   std::vector<int> out(size_, -1);
   for (int peer = 0; peer < size_; ++peer) {
-    if (collective_[peer].valid()) out[peer] = tls::sessionOf(collective_[peer].fd()) != nullptr ? 1 : 0;
+    if (collective_[peer]) out[peer] = collective_[peer]->kind() == Link::Kind::kTls ? 1 : 0;
   }
   return out;
 }
@@ -115,7 +115,7 @@ class HandshakeMismatch : public CommError {
 
 }  // namespace
 
-Socket TcpMesh::connectAndGreet(int peer, Channel channel, Deadline deadline, const Cancelled& callerCancelled) {
+std::unique_ptr<Link> TcpMesh::connectAndGreet(int peer, Channel channel, Deadline deadline, const Cancelled& callerCancelled) {
   const Cancelled cancelled = [this, &callerCancelled] {
     return stopConnects_.load() || (callerCancelled && callerCancelled());
   };
@@ -125,9 +125,13 @@ Socket TcpMesh::connectAndGreet(int peer, Channel channel, Deadline deadline, co
   for (int attempt = 1;; ++attempt) {
     try {
       Socket s = connectTo(addr, deadline, /*retryRefused=*/false, cancelled);
+      std::unique_ptr<Link> link;
       if (tls_ && needsTls_(peer, deadline, cancelled)) {
-        tls::attach(s.fd(), tls::Session::handshake(*tls_, s.fd(), /*server=*/false, deadline, cancelled,
-                                                    [&] { return strCat("rank ", peer, " at ", addr.str()); }));
+        const int fd = s.fd();
+        link = tlsLink(std::move(s), tls::Session::handshake(*tls_, fd, /*server=*/false, deadline, cancelled,
+                                                             [&] { return strCat("rank ", peer, " at ", addr.str()); }));
+      } else {
+        link = tcpLink(std::move(s));
       }
       Hello hello;
       hello.channel = channel;
@@ -135,9 +139,9 @@ Socket TcpMesh::connectAndGreet(int peer, Channel channel, Deadline deadline, co
       hello.worldSize = size_;
       hello.nonce = freshNonce();
       const auto helloBytes = hello.encode();
-      sendAll(s.fd(), helloBytes.data(), helloBytes.size(), deadline, what, cancelled);
+      sendAll(*link, helloBytes.data(), helloBytes.size(), deadline, what, cancelled);
       std::array<uint8_t, Challenge::kBytes> challengeBytes{};
-      recvAll(s.fd(), challengeBytes.data(), challengeBytes.size(), deadline, what, cancelled);
+      recvAll(*link, challengeBytes.data(), challengeBytes.size(), deadline, what, cancelled);
       Challenge challenge;
       std::string err = Challenge::decode(challengeBytes.data(), challenge);
       if (err.empty() && challenge.rank != peer) err = strCat("it answered as rank ", challenge.rank);
@@ -149,14 +153,14 @@ Socket TcpMesh::connectAndGreet(int peer, Channel channel, Deadline deadline, co
       }
       if (err.empty()) {
         const auto proof = handshakeMac(HandshakeRole::kConnector, secret_, helloBytes, challenge);
-        sendAll(s.fd(), proof.data(), proof.size(), deadline, what, cancelled);
+        sendAll(*link, proof.data(), proof.size(), deadline, what, cancelled);
         std::array<uint8_t, HelloAck::kBytes> ackBytes{};
-        recvAll(s.fd(), ackBytes.data(), ackBytes.size(), deadline, what, cancelled);
+        recvAll(*link, ackBytes.data(), ackBytes.size(), deadline, what, cancelled);
         HelloAck ack;
         err = HelloAck::decode(ackBytes.data(), ack);
         if (err.empty() && ack.refused) {
           std::string reason(ack.reasonBytes, '\0');
-          recvAll(s.fd(), reason.data(), reason.size(), deadline, what, cancelled);
+          recvAll(*link, reason.data(), reason.size(), deadline, what, cancelled);
           err = strCat("it refused the connection: ", reason);
         } else if (err.empty() && ack.rank != peer) {
           err = strCat("it answered as rank ", ack.rank);
@@ -165,7 +169,7 @@ Socket TcpMesh::connectAndGreet(int peer, Channel channel, Deadline deadline, co
       if (!err.empty()) {
         throw HandshakeMismatch(strCat("hetcomm: handshake with rank ", peer, " at ", addr.str(), " failed: ", err));
       }
-      return s;
+      return link;
     } catch (const ConnectionRefusedError&) {
       throw ConnectionRefusedError(strCat("hetcomm: rank ", peer, " at ", addr.str(),
                                           " refused the connection: it is no longer listening (did it exit or crash?)"));
@@ -200,12 +204,12 @@ Socket TcpMesh::connectAndGreet(int peer, Channel channel, Deadline deadline, co
   }
 }
 
-int TcpMesh::collectiveFd(int peer, Deadline deadline) {
+Link& TcpMesh::collectiveLink(int peer, Deadline deadline) {
   HC_ENFORCE(peer >= 0 && peer < size_ && peer != rank_);
   {
     std::unique_lock<std::mutex> lock(mu_);
     if (aborted_ || closed_) throw CommError("hetcomm: the group's connections were shut down after an error");
-    if (collective_[peer].valid()) return collective_[peer].fd();
+    if (collective_[peer]) return *collective_[peer];
     if (peer > rank_) {
       // The higher rank opens the connection; wait for our listener to accept it. A peer that is
       // slow to connect is asked now and then whether it still lives (as the point-to-point
@@ -213,9 +217,9 @@ int TcpMesh::collectiveFd(int peer, Deadline deadline) {
       auto interval = kFirstLivenessProbe;
       while (true) {
         const Deadline until = std::min(deadline, Clock::now() + interval);
-        cv_.wait_until(lock, until, [&] { return collective_[peer].valid() || aborted_ || closed_; });
+        cv_.wait_until(lock, until, [&] { return collective_[peer] != nullptr || aborted_ || closed_; });
         if (aborted_ || closed_) throw CommError("hetcomm: the group's connections were shut down after an error");
-        if (collective_[peer].valid()) return collective_[peer].fd();
+        if (collective_[peer]) return *collective_[peer];
         if (Clock::now() >= deadline) {
           throw TimeoutError(strCat("hetcomm: rank ", rank_, " timed out waiting for rank ", peer,
                                     " to connect (is it alive and in the same collective?)"));
@@ -228,7 +232,7 @@ int TcpMesh::collectiveFd(int peer, Deadline deadline) {
           // Cannot tell: keep waiting until the deadline.
         }
         lock.lock();
-        if (gone && !collective_[peer].valid()) {
+        if (gone && !collective_[peer]) {
           // Not a PeerClosedError: a peer that is gone without a word leaves no reason to wait for.
           throw CommError(strCat("hetcomm: rank ", rank_, " waited for rank ", peer, " to connect, but rank ", peer,
                                  " has exited or crashed: its listening address refuses connections"));
@@ -237,14 +241,14 @@ int TcpMesh::collectiveFd(int peer, Deadline deadline) {
       }
     }
   }
-  Socket s = connectAndGreet(peer, Channel::kCollective, deadline, {});
+  std::unique_ptr<Link> link = connectAndGreet(peer, Channel::kCollective, deadline, {});
   std::lock_guard<std::mutex> lock(mu_);
   if (aborted_ || closed_) throw CommError("hetcomm: the group's connections were shut down after an error");
-  collective_[peer] = std::move(s);
-  return collective_[peer].fd();
+  collective_[peer] = std::move(link);
+  return *collective_[peer];
 }
 
-Socket TcpMesh::connectP2P(int peer, Deadline deadline, const Cancelled& cancelled) {
+std::unique_ptr<Link> TcpMesh::connectP2P(int peer, Deadline deadline, const Cancelled& cancelled) {
   HC_ENFORCE(peer >= 0 && peer < size_ && peer != rank_);
   return connectAndGreet(peer, Channel::kP2P, deadline, cancelled);
 }
@@ -267,7 +271,9 @@ void TcpMesh::abort() {
   stopConnects_ = true;
   std::lock_guard<std::mutex> lock(mu_);
   aborted_ = true;
-  for (Socket& s : collective_) s.shutdownBoth();
+  for (auto& link : collective_) {
+    if (link) link->shutdown();
+  }
   cv_.notify_all();
 }
 
@@ -291,7 +297,7 @@ void TcpMesh::close() {
   }
   for (Greeter& t : greeters) t.thread.join();  // each gives up within kCancelPollMs of close()
   std::lock_guard<std::mutex> lock(mu_);
-  for (Socket& s : collective_) s.close();
+  for (auto& link : collective_) link.reset();
   listener_.close();
   for (int& fd : wakePipe_) {
     if (fd >= 0) ::close(fd);
@@ -339,7 +345,7 @@ void TcpMesh::listenLoop() {
     std::vector<pollfd> fds = {{wakePipe_[0], POLLIN, 0}, {listener_.fd(), static_cast<short>(accepting ? POLLIN : 0), 0}};
     int timeoutMs = now < acceptPausedUntil ? msUntil(acceptPausedUntil) : -1;
     for (const Greeting& g : greetings) {
-      fds.push_back({g.socket.fd(), POLLIN, 0});
+      fds.push_back({g.link ? g.link->pollFd() : g.socket.fd(), POLLIN, 0});
       const int ms = msUntil(g.deadline);
       timeoutMs = timeoutMs < 0 ? ms : std::min(timeoutMs, ms);
     }
@@ -436,13 +442,13 @@ void TcpMesh::reapGreeters() {
   for (Greeter& t : finished) t.thread.join();  // finished: returns at once
 }
 
-bool TcpMesh::startsWithTls(int fd) {
+bool TcpMesh::startsWithTls(const Socket& socket) {
   uint8_t first = 0;
-  return ::recv(fd, &first, 1, MSG_PEEK) == 1 && first == 0x16;  // a TLS handshake record
+  return ::recv(socket.fd(), &first, 1, MSG_PEEK) == 1 && first == 0x16;  // a TLS handshake record
 }
 
 bool TcpMesh::progressGreeting(Greeting& g) {
-  if (!g.challenged && g.got == 0 && startsWithTls(g.socket.fd())) {
+  if (!g.link && startsWithTls(g.socket)) {
     if (!tls_) {
       reject(g.from, "it opened a TLS connection, but HETCOMM_TLS is off on this rank (a rank with HETCOMM_TLS "
                      "set, or not a hetcomm rank)");
@@ -469,9 +475,10 @@ bool TcpMesh::progressGreeting(Greeting& g) {
     if (!refused.empty()) reject(from, refused);
     return true;
   }
+  if (!g.link) g.link = tcpLink(std::move(g.socket));  // a cleartext greeting
   uint8_t* buf = g.challenged ? g.proof.data() : g.hello.data();
   const size_t want = g.challenged ? g.proof.size() : g.hello.size();
-  ssize_t n = ::recv(g.socket.fd(), buf + g.got, want - g.got, 0);
+  ssize_t n = g.link->recv(buf + g.got, want - g.got);
   if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) return false;
   if (n <= 0) {
     // A connection that closes before sending a byte is usually one of ours given up (a probe or a
@@ -498,11 +505,11 @@ void TcpMesh::greetTls(Greeting g) {
   const Cancelled cancelled = [this] { return stopConnects_.load(); };
   auto what = [&] { return strCat("a connection from ", g.from); };
   try {
-    tls::attach(g.socket.fd(), tls::Session::handshake(*tls_, g.socket.fd(), /*server=*/true, g.deadline, cancelled, what));
-    g.tls = true;
-    recvAll(g.socket.fd(), g.hello.data(), g.hello.size(), g.deadline, what, cancelled);
+    const int fd = g.socket.fd();
+    g.link = tlsLink(std::move(g.socket), tls::Session::handshake(*tls_, fd, /*server=*/true, g.deadline, cancelled, what));
+    recvAll(*g.link, g.hello.data(), g.hello.size(), g.deadline, what, cancelled);
     challenge(g);
-    recvAll(g.socket.fd(), g.proof.data(), g.proof.size(), g.deadline, what, cancelled);
+    recvAll(*g.link, g.proof.data(), g.proof.size(), g.deadline, what, cancelled);
     acceptGreeting(g);
   } catch (const CancelledError&) {
     // The mesh is closing.
@@ -527,7 +534,7 @@ void TcpMesh::challenge(Greeting& g) {
   g.challenge.mac = handshakeMac(HandshakeRole::kAcceptor, secret_, g.hello, g.challenge);
   const auto bytes = g.challenge.encode();
   // 56 bytes into an empty socket buffer: immediate in practice; bounded all the same.
-  sendAll(g.socket.fd(), bytes.data(), bytes.size(), g.deadline, [&] { return strCat("challenging rank ", hello.rank); });
+  sendAll(*g.link, bytes.data(), bytes.size(), g.deadline, [&] { return strCat("challenging rank ", hello.rank); });
   g.challenged = true;
   g.got = 0;
 }
@@ -539,12 +546,12 @@ void TcpMesh::acceptGreeting(Greeting& g) {
     throw CommError(strCat("it claimed to be rank ", hello.rank, " but could not prove that it knows the group secret"));
   }
   // A member on a link that needs TLS, in clear: told why (it proved it is one of ours), then closed.
-  if (!g.tls && tls_ && needsTls_(hello.rank, g.deadline, [this] { return stopConnects_.load(); })) {
+  if (g.link->kind() != Link::Kind::kTls && tls_ && needsTls_(hello.rank, g.deadline, [this] { return stopConnects_.load(); })) {
     const std::string why = strCat("rank ", hello.rank, " connected without TLS, but HETCOMM_TLS=", tlsMode_, " on rank ",
                                    rank_, " requires it on this link (is HETCOMM_TLS the same on every rank?)");
     const auto head = HelloAck::encodeRefusal(why.size());
-    sendAll(g.socket.fd(), head.data(), head.size(), g.deadline, [&] { return strCat("refusing rank ", hello.rank); });
-    sendAll(g.socket.fd(), why.data(), std::min(why.size(), HelloAck::kMaxReasonBytes), g.deadline,
+    sendAll(*g.link, head.data(), head.size(), g.deadline, [&] { return strCat("refusing rank ", hello.rank); });
+    sendAll(*g.link, why.data(), std::min(why.size(), HelloAck::kMaxReasonBytes), g.deadline,
             [&] { return strCat("refusing rank ", hello.rank); });
     throw CommError(why);
   }
@@ -553,22 +560,22 @@ void TcpMesh::acceptGreeting(Greeting& g) {
   ack.rank = rank_;
   auto ackBytes = ack.encode();
   // 8 bytes into an empty socket buffer: immediate in practice; bounded all the same.
-  sendAll(g.socket.fd(), ackBytes.data(), ackBytes.size(), g.deadline,
+  sendAll(*g.link, ackBytes.data(), ackBytes.size(), g.deadline,
           [&] { return strCat("answering rank ", hello.rank); });
 
   if (hello.channel == Channel::kProbe) return;  // answered: that was all it asked
   std::unique_lock<std::mutex> lock(mu_);
   if (hello.channel == Channel::kCollective) {
-    if (collective_[hello.rank].valid()) throw CommError(strCat("duplicate collective connection from rank ", hello.rank));
-    if (aborted_) g.socket.shutdownBoth();
-    collective_[hello.rank] = std::move(g.socket);
+    if (collective_[hello.rank]) throw CommError(strCat("duplicate collective connection from rank ", hello.rank));
+    if (aborted_) g.link->shutdown();
+    collective_[hello.rank] = std::move(g.link);
     cv_.notify_all();
     return;
   }
   InboundP2P handler = inboundP2P_;
   lock.unlock();
   if (!handler) throw CommError("point-to-point connection before the engine was ready");
-  handler(hello.rank, std::move(g.socket));
+  handler(hello.rank, std::move(g.link));
 }
 
 }  // namespace hetcomm

@@ -34,6 +34,7 @@
 #include <vector>
 
 #include "transport/framing.h"
+#include "transport/link.h"
 #include "transport/socket.h"
 #include "transport/tls.h"
 
@@ -53,7 +54,7 @@ class TcpMesh {
   // and giving up when cancelled() turns true.
   using PeerLookup = std::function<HostPort(int rank, Deadline deadline, const Cancelled& cancelled)>;
   static constexpr size_t kMaxPendingGreetings = 64;
-  using InboundP2P = std::function<void(int peer, Socket socket)>;
+  using InboundP2P = std::function<void(int peer, std::unique_ptr<Link> link)>;
   // Whether the link with `peer` must be encrypted (it may look the peer's site up: bounded by
   // the deadline).
   using LinkPolicy = std::function<bool(int peer, Deadline deadline, const Cancelled& cancelled)>;
@@ -71,11 +72,12 @@ class TcpMesh {
   // Called if the listener thread stops on an unexpected error (it then accepts nothing more).
   void setFailureHandler(std::function<void(const std::string&)> handler);
 
-  // The collective connection to `peer`, established on first use. The fd stays owned by the mesh.
-  int collectiveFd(int peer, Deadline deadline);
-  // A new sender-side point-to-point connection to `peer`; throws ConnectionRefusedError when
+  // The collective link to `peer`, established on first use. It stays owned by the mesh (valid
+  // until close()).
+  Link& collectiveLink(int peer, Deadline deadline);
+  // A new sender-side point-to-point link to `peer`; throws ConnectionRefusedError when
   // the peer is gone, CancelledError when `cancelled` (or the mesh's abort) ends the wait.
-  Socket connectP2P(int peer, Deadline deadline, const Cancelled& cancelled = {});
+  std::unique_ptr<Link> connectP2P(int peer, Deadline deadline, const Cancelled& cancelled = {});
   // True when `peer` has certainly exited: its published address refuses connections. False
   // when it answers, and when that cannot be told before the deadline. Throws
   // StoreUnreachableError when the peer's address cannot be looked up because the store is gone.
@@ -92,10 +94,11 @@ class TcpMesh {
   std::vector<int> collectiveLinkSecurity() const;
 
  private:
-  Socket connectAndGreet(int peer, Channel channel, Deadline deadline, const Cancelled& cancelled);
+  std::unique_ptr<Link> connectAndGreet(int peer, Channel channel, Deadline deadline, const Cancelled& cancelled);
   // A connection that has not finished its handshake yet.
   struct Greeting {
-    Socket socket;
+    Socket socket;               // until the first bytes say which link it is (TLS or TCP) ...
+    std::unique_ptr<Link> link;  // ... then this
     std::string from;
     std::array<uint8_t, Hello::kBytes> hello{};
     Hello parsed;
@@ -103,7 +106,6 @@ class TcpMesh {
     Challenge challenge;
     std::array<uint8_t, kMacBytes> proof{};
     size_t got = 0;  // bytes of the current message (hello, then proof)
-    bool tls = false;  // a TLS session is attached to the socket
     Deadline deadline;
   };
   void listenLoop();
@@ -118,7 +120,7 @@ class TcpMesh {
   // A connection that starts with a TLS record: its whole greeting on a thread of its own.
   void greetTls(Greeting g);
   // Whether the first bytes waiting on a new connection are a TLS record (does not consume them).
-  static bool startsWithTls(int fd);
+  static bool startsWithTls(const Socket& socket);
   void reapGreeters();
   // Accepts one connection from the listener's queue into `greetings`; never blocks.
   void acceptOne(std::vector<Greeting>& greetings, Socket& spare, Deadline& pausedUntil);
@@ -145,7 +147,7 @@ class TcpMesh {
 
   mutable std::mutex mu_;
   std::condition_variable cv_;
-  std::vector<Socket> collective_;  // by peer rank
+  std::vector<std::unique_ptr<Link>> collective_;  // by peer rank
   bool aborted_ = false;
   bool closed_ = false;
   std::atomic<bool> stopConnects_{false};  // abort() or close(): blocked connects give up

@@ -7,11 +7,9 @@
 #include <unistd.h>
 
 #include <algorithm>
-#include <atomic>
 #include <climits>
 #include <cstdint>
 #include <cstring>
-#include <unordered_map>
 #include <vector>
 
 #include "common/env.h"
@@ -627,110 +625,6 @@ void Session::closeNotify() {
   gSsl.SSL_shutdown(ssl_);  // sends close_notify; does not wait for the peer's
   gSsl.ERR_clear_error();
   writeShut_ = true;
-}
-
-// --- the fd registry --------------------------------------------------------------------------
-
-namespace {
-
-constexpr int kTableFds = 65536;
-std::atomic<int> gAttached{0};
-// Static storage: zero-initialised, and only the pages of fds in use are ever touched.
-std::atomic<Session*> gTable[kTableFds];
-
-struct Owners {
-  std::mutex mutex;
-  std::unordered_map<int, std::shared_ptr<Session>> sessions;  // every attached fd
-};
-Owners& owners() {
-  static Owners* o = new Owners();  // never destroyed: detach() may run during static destruction
-  return *o;
-}
-
-}  // namespace
-
-void attach(int fd, std::shared_ptr<Session> session) {
-  HC_ENFORCE(session != nullptr && session->fd() == fd, "tls::attach(", fd, ") of a session of another fd");
-  Owners& o = owners();
-  std::lock_guard<std::mutex> lock(o.mutex);
-  HC_ENFORCE(o.sessions.count(fd) == 0, "fd ", fd, " already has a TLS session (was it closed without detach()?)");
-  Session* raw = session.get();
-  o.sessions.emplace(fd, std::move(session));
-  if (fd < kTableFds) gTable[fd].store(raw, std::memory_order_release);
-  gAttached.fetch_add(1, std::memory_order_release);
-}
-
-void detach(int fd) {
-  std::shared_ptr<Session> dropped;  // freed after the lock is released
-  Owners& o = owners();
-  std::lock_guard<std::mutex> lock(o.mutex);
-  auto it = o.sessions.find(fd);
-  if (it == o.sessions.end()) return;
-  dropped = std::move(it->second);
-  o.sessions.erase(it);
-  if (fd < kTableFds) gTable[fd].store(nullptr, std::memory_order_release);
-  gAttached.fetch_sub(1, std::memory_order_release);
-}
-
-Session* sessionOf(int fd) {
-  if (fd < 0 || gAttached.load(std::memory_order_acquire) == 0) return nullptr;
-  if (fd < kTableFds) return gTable[fd].load(std::memory_order_acquire);
-  Owners& o = owners();
-  std::lock_guard<std::mutex> lock(o.mutex);
-  auto it = o.sessions.find(fd);
-  return it == o.sessions.end() ? nullptr : it->second.get();
-}
-
-ssize_t sendOn(int fd, const void* data, size_t len) {
-  Session* session = sessionOf(fd);
-  return session != nullptr ? session->write(data, len) : ::send(fd, data, len, MSG_NOSIGNAL);
-}
-
-ssize_t recvOn(int fd, void* data, size_t len) {
-  Session* session = sessionOf(fd);
-  return session != nullptr ? session->read(data, len) : ::recv(fd, data, len, 0);
-}
-
-namespace {
-
-bool pendingRead(const pollfd& p) {
-  if ((p.events & POLLIN) == 0) return false;
-  Session* session = sessionOf(p.fd);
-  return session != nullptr && session->pending();
-}
-
-bool anyPendingRead(const pollfd* fds, nfds_t nfds) {
-  if (gAttached.load(std::memory_order_acquire) == 0) return false;
-  for (nfds_t i = 0; i < nfds; ++i) {
-    if (pendingRead(fds[i])) return true;
-  }
-  return false;
-}
-
-// Completes a poll that did not sleep (`rc`) because some session had pending bytes: marks those
-// fds readable and counts the ready entries again.
-int withPendingReads(pollfd* fds, nfds_t nfds, int rc) {
-  if (rc < 0 && errno != EINTR) return rc;
-  int ready = 0;
-  for (nfds_t i = 0; i < nfds; ++i) {
-    if (rc < 0) fds[i].revents = 0;
-    if (pendingRead(fds[i])) fds[i].revents |= POLLIN;
-    if (fds[i].revents != 0) ++ready;
-  }
-  return ready;
-}
-
-}  // namespace
-
-int pollOn(pollfd* fds, nfds_t nfds, int timeoutMs) {
-  if (!anyPendingRead(fds, nfds)) return ::poll(fds, nfds, timeoutMs);
-  return withPendingReads(fds, nfds, ::poll(fds, nfds, 0));
-}
-
-int ppollOn(pollfd* fds, nfds_t nfds, const timespec* timeout) {
-  if (!anyPendingRead(fds, nfds)) return ::ppoll(fds, nfds, timeout, nullptr);
-  const timespec zero{0, 0};
-  return withPendingReads(fds, nfds, ::ppoll(fds, nfds, &zero, nullptr));
 }
 
 }  // namespace tls

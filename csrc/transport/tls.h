@@ -9,14 +9,11 @@
 // is an error only when TLS is asked for. tls.cc declares the few functions and constants it uses
 // from OpenSSL 3's ABI.
 //
-// A link uses it like this:
+// A link uses it like this (link.h):
 //   auto context = Context::create(configFromEnv());             // once per process group
-//   ... connect or accept a non-blocking TCP socket fd ...
-//   attach(fd, Session::handshake(*context, fd, isServer, deadline, cancelled, what));
-//   ... every I/O path calls sendOn/recvOn/pollOn/ppollOn instead of ::send/::recv/::poll/::ppoll
-//   detach(fd);  ::close(fd);
-// sendOn/recvOn/pollOn fall through to the system calls for fds without a session, so code that
-// calls them need not know whether a link is encrypted.
+//   ... connect or accept a non-blocking TCP socket ...
+//   auto link = tlsLink(std::move(socket), Session::handshake(*context, fd, isServer, deadline, cancelled, what));
+// and everything above the link does its I/O through it, never knowing whether it is encrypted.
 //
 // SIGPIPE: the Session's socket I/O goes through a BIO of our own that calls ::send(MSG_NOSIGNAL)
 // and ::recv, so writing to a connection the peer closed returns EPIPE instead of killing the
@@ -108,7 +105,7 @@ class Context {
 };
 
 // One TLS connection (an SSL) on one connected, non-blocking TCP socket. It uses the fd but does
-// not own it: destroy the session (detach it) before closing the fd, or its I/O could reach
+// not own it: destroy the session before closing the fd, or its I/O could reach
 // another connection that reuses the number. Destroying it sends nothing.
 //
 // read() and write() may be called from two threads at once (a mutex serialises the SSL calls,
@@ -149,7 +146,7 @@ class Session {
   // True when the next read() returns at once without the socket becoming readable: decrypted
   // bytes wait in OpenSSL (the caller read fewer than a record holds), or a close or an error
   // met after a read's last byte is still to be reported. A caller must not sleep in poll()
-  // while this is true; pollOn() takes care of it.
+  // while this is true; waitLinks() (link.h) takes care of it.
   bool pending() const;
   // What the failure of read() or write() was ("TLS send failed: Broken pipe", "TLS receive
   // failed: TLS error: decryption failed or bad record mac"); empty if none.
@@ -179,27 +176,6 @@ class Session {
   bool writeShut_ = false;   // closeNotify() was called
   std::string lastError_;
 };
-
-// The registry that lets code holding only an fd do I/O on its TLS connection. attach() makes
-// `session` the one of fd; detach() forgets it (and frees it, unless held elsewhere). Lifetime
-// rule: whoever owns the fd detaches it before ::close(fd), and only while no other thread does
-// I/O on it (just as for ::close); a Session* from sessionOf() is valid until then. detach() of
-// an fd without a session does nothing, so an owner may call it for every fd it closes.
-void attach(int fd, std::shared_ptr<Session> session);
-void detach(int fd);
-// The session of fd, or nullptr. Costs one atomic load when no session is attached at all, and
-// one more (a table of atomic pointers) for fds below 65536; larger fds take a mutex.
-Session* sessionOf(int fd);
-
-// The calls every I/O path makes instead of the system calls, with their semantics (errno
-// included): TLS through the fd's session when it has one, else ::send(MSG_NOSIGNAL), ::recv.
-ssize_t sendOn(int fd, const void* data, size_t len);
-ssize_t recvOn(int fd, void* data, size_t len);
-// ::poll and ::ppoll (no signal mask), except that an fd asking for POLLIN whose session has
-// pending() data is reported readable at once, without sleeping: its bytes are in OpenSSL's
-// buffer, not in the socket.
-int pollOn(pollfd* fds, nfds_t nfds, int timeoutMs);
-int ppollOn(pollfd* fds, nfds_t nfds, const timespec* timeout);
 
 }  // namespace tls
 }  // namespace hetcomm

@@ -26,6 +26,7 @@ std::vector<std::string> runTwo(const std::function<void(int, FlowGraph&)>& buil
   int fds[2];
   REQUIRE(::socketpair(AF_UNIX, SOCK_STREAM, 0, fds) == 0);
   for (int fd : fds) ::fcntl(fd, F_SETFL, ::fcntl(fd, F_GETFL) | O_NONBLOCK);
+  std::unique_ptr<Link> links[2] = {tcpLink(Socket(fds[0])), tcpLink(Socket(fds[1]))};  // they close the fds
   std::vector<std::string> errors(2);
   auto run = [&](int rank) {
     try {
@@ -35,8 +36,8 @@ std::vector<std::string> runTwo(const std::function<void(int, FlowGraph&)>& buil
       ctx.timeoutMs = timeoutMs;
       ctx.deadline = Clock::now() + std::chrono::milliseconds(timeoutMs);
       ctx.header.seq = 1;
-      const int fd = fds[rank];
-      ctx.fdOf = [fd](int) { return fd; };
+      Link* link = links[rank].get();
+      ctx.linkOf = [link](int) -> Link& { return *link; };
       FlowGraph g;
       build(rank, g);
       runFlows(ctx, g);
@@ -47,8 +48,6 @@ std::vector<std::string> runTwo(const std::function<void(int, FlowGraph&)>& buil
   std::thread other(run, 1);
   run(0);
   other.join();
-  ::close(fds[0]);
-  ::close(fds[1]);
   return errors;
 }
 

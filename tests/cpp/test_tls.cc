@@ -1,13 +1,12 @@
 // The TLS layer over loopback TCP, with throwaway certificates (tls_pki.h): a mutual handshake
-// and 64 MB each way at once through sendOn/recvOn/pollOn; certificates of another CA refused
+// and 64 MB each way at once through TLS links (link.h); certificates of another CA refused
 // with a message on each side; a plaintext peer; a deadline and a cancellation during the
 // handshake; no OpenSSL at all (in a child process, since the library is loaded once); the
 // HETCOMM_TLS* settings; credentials that cannot be used; bytes left in OpenSSL's buffer reported
-// readable by pollOn; failures after the handshake (garbage, a closed peer) without SIGPIPE.
+// receivable by waitLinks; failures after the handshake (garbage, a closed peer) without SIGPIPE.
 // Without OpenSSL or the openssl tool the tests that need them are skipped (exit code 77).
 #include <errno.h>
 #include <signal.h>
-#include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -27,6 +26,7 @@
 #include "common/error.h"
 #include "tls_pki.h"
 #include "transport/framing.h"
+#include "transport/link.h"
 #include "transport/socket.h"
 #include "transport/tls.h"
 
@@ -59,13 +59,13 @@ std::shared_ptr<tls::Context> contextOf(const Pki& pki, const std::string& leaf,
 }
 
 // A connected pair of non-blocking loopback sockets.
-struct Link {
+struct SocketPair {
   Socket server, client;
 };
 
-Link loopbackLink() {
+SocketPair loopbackPair() {
   Socket listener = listenOn("127.0.0.1", 0);
-  Link link;
+  SocketPair link;
   link.client = connectTo(boundAddress(listener.fd()), Clock::now() + std::chrono::seconds(10));
   pollfd p{listener.fd(), POLLIN, 0};
   REQUIRE(::poll(&p, 1, 10000) == 1);
@@ -111,13 +111,13 @@ bool contains(const std::string& text, const std::string& part) { return text.fi
 
 // Both handshakes at once, the server's on a thread; each side's session or exception.
 struct Handshakes {
-  std::shared_ptr<tls::Session> server, client;
+  std::unique_ptr<tls::Session> server, client;
   std::exception_ptr serverError, clientError;
 };
 
 // With closeOnFailure the server closes its socket as soon as its handshake fails, as a real
 // acceptor would (unread bytes then make it a reset), rather than after both sides are done.
-Handshakes handshakeBoth(const tls::Context& serverContext, const tls::Context& clientContext, Link& link,
+Handshakes handshakeBoth(const tls::Context& serverContext, const tls::Context& clientContext, SocketPair& link,
                          bool closeOnFailure = false) {
   Handshakes h;
   const Deadline deadline = Clock::now() + std::chrono::seconds(10);
@@ -138,35 +138,25 @@ Handshakes handshakeBoth(const tls::Context& serverContext, const tls::Context& 
   return h;
 }
 
-// Detaches on destruction, before the Link's sockets close (the registry's lifetime rule).
-struct Attached {
-  explicit Attached(const Handshakes& h, const Link& link) : fds{link.server.fd(), link.client.fd()} {
-    tls::attach(fds[0], h.server);
-    tls::attach(fds[1], h.client);
-  }
-  ~Attached() {
-    for (int fd : fds) tls::detach(fd);
-  }
-  int fds[2];
-};
-
-// A loopback link after a successful handshake, its sessions attached.
+// A loopback TLS link after a successful handshake, both ends (and their sessions, which the
+// links own, for the tests that look inside).
 struct SecureLink {
-  Link link;
-  Handshakes h;
-  std::unique_ptr<Attached> attached;  // declared last, destroyed first: detaches before the close
-  int serverFd() const { return link.server.fd(); }
-  int clientFd() const { return link.client.fd(); }
+  std::unique_ptr<Link> server, client;
+  tls::Session* serverSession = nullptr;
+  tls::Session* clientSession = nullptr;
 };
 
 SecureLink secureLink(const tls::Context& serverContext, const tls::Context& clientContext) {
+  SocketPair pair = loopbackPair();
+  Handshakes h = handshakeBoth(serverContext, clientContext, pair);
+  CHECK_MSG(!h.serverError, messageOf(h.serverError));
+  CHECK_MSG(!h.clientError, messageOf(h.clientError));
+  REQUIRE(h.server && h.client);
   SecureLink s;
-  s.link = loopbackLink();
-  s.h = handshakeBoth(serverContext, clientContext, s.link);
-  CHECK_MSG(!s.h.serverError, messageOf(s.h.serverError));
-  CHECK_MSG(!s.h.clientError, messageOf(s.h.clientError));
-  REQUIRE(s.h.server && s.h.client);
-  s.attached = std::make_unique<Attached>(s.h, s.link);
+  s.serverSession = h.server.get();
+  s.clientSession = h.client.get();
+  s.server = tlsLink(std::move(pair.server), std::move(h.server));
+  s.client = tlsLink(std::move(pair.client), std::move(h.client));
   return s;
 }
 
@@ -177,9 +167,9 @@ size_t randomSize(std::mt19937_64& rng) {
   return 1 + static_cast<size_t>(rng() % (size_t{1} << bits));
 }
 
-// One direction of a transfer through sendOn/recvOn, advanced by step() until it would block.
+// One direction of a transfer through a link, advanced by step() until it would block.
 struct Sender {
-  int fd;
+  Link* link;
   const std::vector<uint8_t>* data;
   std::mt19937_64 rng;
   size_t done = 0;
@@ -188,9 +178,9 @@ struct Sender {
   void step() {
     while (!finished()) {
       if (offer == 0) offer = std::min(randomSize(rng), data->size() - done);
-      const ssize_t n = tls::sendOn(fd, data->data() + done, offer);
+      const ssize_t n = link->send(data->data() + done, offer);
       if (n < 0 && errno == EAGAIN) return;
-      if (n <= 0) throw std::runtime_error(std::string("sendOn failed: ") + std::strerror(errno));
+      if (n <= 0) throw std::runtime_error(std::string("send failed: ") + std::strerror(errno));
       done += static_cast<size_t>(n);
       offer = 0;
     }
@@ -198,7 +188,7 @@ struct Sender {
 };
 
 struct Receiver {
-  int fd;
+  Link* link;
   std::vector<uint8_t>* out;
   std::mt19937_64 rng;
   size_t done = 0;
@@ -206,26 +196,24 @@ struct Receiver {
   void step() {
     while (!finished()) {
       const size_t want = std::min(randomSize(rng), out->size() - done);
-      const ssize_t n = tls::recvOn(fd, out->data() + done, want);
+      const ssize_t n = link->recv(out->data() + done, want);
       if (n < 0 && errno == EAGAIN) return;
-      if (n == 0) throw std::runtime_error("recvOn: the peer closed the connection");
-      if (n < 0) throw std::runtime_error(std::string("recvOn failed: ") + std::strerror(errno));
+      if (n == 0) throw std::runtime_error("recv: the peer closed the connection");
+      if (n < 0) throw std::runtime_error(std::string("recv failed: ") + std::strerror(errno));
       done += static_cast<size_t>(n);
     }
   }
 };
 
-// Runs the given directions (on one fd) to the end, sleeping in pollOn in between.
-void pump(int fd, Sender* sender, Receiver* receiver, Deadline deadline) {
+// Runs the given directions (on one link) to the end, sleeping in waitLinks in between.
+void pump(Link& link, Sender* sender, Receiver* receiver, Deadline deadline) {
   while ((sender != nullptr && !sender->finished()) || (receiver != nullptr && !receiver->finished())) {
     if (sender != nullptr) sender->step();
     if (receiver != nullptr) receiver->step();
-    pollfd p{fd, 0, 0};
-    if (sender != nullptr && !sender->finished()) p.events |= POLLOUT;
-    if (receiver != nullptr && !receiver->finished()) p.events |= POLLIN;
-    if (p.events == 0) break;
+    LinkWait w{&link, sender != nullptr && !sender->finished(), receiver != nullptr && !receiver->finished()};
+    if (!w.send && !w.recv) break;
     if (Clock::now() > deadline) throw std::runtime_error("the transfer did not finish in time");
-    if (tls::pollOn(&p, 1, 1000) < 0 && errno != EINTR) throw std::runtime_error("pollOn failed");
+    if (waitLinks(&w, 1, std::chrono::seconds(1)) < 0) throw std::runtime_error("waitLinks failed");
   }
 }
 
@@ -265,51 +253,50 @@ TEST_CASE(handshakeAndBidirectionalTransfer) {
   const Pki& pki = requirePki();
   auto serverContext = contextOf(pki, "a", "caA"), clientContext = contextOf(pki, "b", "caA");
   SecureLink s = secureLink(*serverContext, *clientContext);
-  const Handshakes& h = s.h;
-  const int sfd = s.serverFd(), cfd = s.clientFd();
-  CHECK(tls::sessionOf(sfd) == h.server.get());
-  CHECK(tls::sessionOf(cfd) == h.client.get());
+  Link& server = *s.server;
+  Link& client = *s.client;
+  CHECK(server.kind() == Link::Kind::kTls && client.kind() == Link::Kind::kTls);
 
   constexpr size_t kBytes = 64 << 20;
   const std::vector<uint8_t> toClient = randomBytes(kBytes, 1), toServer = randomBytes(kBytes, 2);
   std::vector<uint8_t> atClient(kBytes), atServer(kBytes);
   const Deadline deadline = Clock::now() + kTestTimeout;
-  Worker server([&] {
-    Sender s{sfd, &toClient, std::mt19937_64(11)};
-    Receiver r{sfd, &atServer, std::mt19937_64(12)};
-    pump(sfd, &s, &r, deadline);
+  Worker serverSide([&] {
+    Sender s{&server, &toClient, std::mt19937_64(11)};
+    Receiver r{&server, &atServer, std::mt19937_64(12)};
+    pump(server, &s, &r, deadline);
   });
   Worker clientWriter([&] {
-    Sender s{cfd, &toServer, std::mt19937_64(21)};
-    pump(cfd, &s, nullptr, deadline);
+    Sender s{&client, &toServer, std::mt19937_64(21)};
+    pump(client, &s, nullptr, deadline);
   });
   Worker clientReader([&] {
-    Receiver r{cfd, &atClient, std::mt19937_64(22)};
-    pump(cfd, nullptr, &r, deadline);
+    Receiver r{&client, &atClient, std::mt19937_64(22)};
+    pump(client, nullptr, &r, deadline);
   });
-  server.join();
+  serverSide.join();
   clientWriter.join();
   clientReader.join();
-  CHECK_MSG(!server.error, messageOf(server.error));
+  CHECK_MSG(!serverSide.error, messageOf(serverSide.error));
   CHECK_MSG(!clientWriter.error, messageOf(clientWriter.error));
   CHECK_MSG(!clientReader.error, messageOf(clientReader.error));
   CHECK(atClient == toClient);
   CHECK(atServer == toServer);
 
   // A clean close: close_notify reads as 0, and the closing side can write no more.
-  h.client->closeNotify();
+  s.clientSession->closeNotify();
   char c;
   ssize_t n = -1;
   for (int i = 0; i < 1000 && n < 0; ++i) {
-    n = tls::recvOn(sfd, &c, 1);
+    n = server.recv(&c, 1);
     if (n < 0 && errno == EAGAIN) {
-      pollfd p{sfd, POLLIN, 0};
-      tls::pollOn(&p, 1, 10);
+      LinkWait w{&server, false, true};
+      waitLinks(&w, 1, std::chrono::milliseconds(10));
     }
   }
   CHECK_EQ(n, 0);
   errno = 0;
-  CHECK_EQ(tls::sendOn(cfd, "x", 1), -1);
+  CHECK_EQ(client.send("x", 1), -1);
   CHECK_EQ(errno, EPIPE);
 }
 
@@ -320,7 +307,7 @@ TEST_CASE(certificateOfAnotherCaIsRefused) {
   for (bool closeOnFailure : {false, true}) {
     // The server refuses the client's certificate.
     auto stranger = contextOf(pki, "c", "caA");
-    Link link = loopbackLink();
+    SocketPair link = loopbackPair();
     Handshakes h = handshakeBoth(*trusted, *stranger, link, closeOnFailure);
     CHECK_MSG(isA<tls::TlsError>(h.serverError), messageOf(h.serverError));
     CHECK_MSG(isA<tls::TlsError>(h.clientError), messageOf(h.clientError));
@@ -333,7 +320,7 @@ TEST_CASE(certificateOfAnotherCaIsRefused) {
   {
     // The client refuses the server's certificate.
     auto stranger = contextOf(pki, "c", "caB");
-    Link link = loopbackLink();
+    SocketPair link = loopbackPair();
     Handshakes h = handshakeBoth(*trusted, *stranger, link);
     const std::string server = messageOf(h.serverError), client = messageOf(h.clientError);
     CHECK_MSG(isA<tls::TlsError>(h.serverError) && contains(server, "the peer refused our certificate"), server);
@@ -347,7 +334,7 @@ TEST_CASE(plaintextPeerIsReportedNotSpeakingTls) {
   auto context = contextOf(pki, "a", "caA");
   const auto hello = Hello().encode();
   for (bool tlsIsServer : {true, false}) {
-    Link link = loopbackLink();
+    SocketPair link = loopbackPair();
     const int tlsFd = tlsIsServer ? link.server.fd() : link.client.fd();
     const int plainFd = tlsIsServer ? link.client.fd() : link.server.fd();
     // The plaintext side sends its hello and keeps the connection open: no EOF helps the TLS side.
@@ -371,7 +358,7 @@ TEST_CASE(plaintextPeerIsReportedNotSpeakingTls) {
 TEST_CASE(silentPeerTimesOutOrIsCancelled) {
   const Pki& pki = requirePki();
   auto context = contextOf(pki, "a", "caA");
-  Link link = loopbackLink();
+  SocketPair link = loopbackPair();
   auto what = [] { return std::string("rank 2"); };
   auto start = Clock::now();
   std::exception_ptr error;
@@ -385,7 +372,7 @@ TEST_CASE(silentPeerTimesOutOrIsCancelled) {
   CHECK_MSG(contains(messageOf(error), "TLS handshake with rank 2 timed out"), messageOf(error));
   CHECK(elapsed >= std::chrono::milliseconds(290) && elapsed < std::chrono::seconds(5));
 
-  Link other = loopbackLink();
+  SocketPair other = loopbackPair();
   start = Clock::now();
   error = nullptr;
   Cancelled cancelled = [&] { return Clock::now() - start > std::chrono::milliseconds(100); };
@@ -503,55 +490,55 @@ TEST_CASE(unusableCredentialsNameTheFiles) {
 }
 
 // (h) Bytes decrypted but not yet read wait in OpenSSL, not in the socket: pending() says so and
-// pollOn reports the fd readable without sleeping.
+// waitLinks reports the link receivable without sleeping.
 TEST_CASE(pendingBytesAreReportedReadable) {
   const Pki& pki = requirePki();
   auto context = contextOf(pki, "a", "caA");
   SecureLink s = secureLink(*context, *context);
-  const Handshakes& h = s.h;
-  const int sfd = s.serverFd(), cfd = s.clientFd();
+  Link& client = *s.client;
 
   constexpr size_t kBytes = 100 * 1024;
   const std::vector<uint8_t> sent = randomBytes(kBytes, 3);
-  Sender sender{sfd, &sent, std::mt19937_64(0)};
-  sender.offer = kBytes;  // one write of everything (sendOn takes it in several calls only if the socket is full)
-  pump(sfd, &sender, nullptr, Clock::now() + kTestTimeout);
+  Sender sender{s.server.get(), &sent, std::mt19937_64(0)};
+  sender.offer = kBytes;  // one write of everything (it takes several calls only if the socket is full)
+  pump(*s.server, &sender, nullptr, Clock::now() + kTestTimeout);
 
+  // A receiver and, on the same link, a sender with nothing to wait for: the entry that asked to
+  // receive is the one reported ready.
+  auto waitToReceive = [&](std::chrono::milliseconds timeout) {
+    LinkWait w[2] = {{&client, /*send=*/false, /*recv=*/true}, {&client, /*send=*/false, /*recv=*/false}};
+    const int rc = waitLinks(w, 2, timeout);
+    CHECK(!w[1].ready);
+    return rc == 1 && w[0].ready;
+  };
   std::vector<uint8_t> got(kBytes);
-  pollfd p{cfd, POLLIN, 0};
-  REQUIRE(tls::pollOn(&p, 1, 10000) == 1);
-  REQUIRE(tls::recvOn(cfd, got.data(), 1) == 1);
-  CHECK(h.client->pending());  // the rest of the first record
-  p.revents = 0;
+  REQUIRE(waitToReceive(std::chrono::seconds(10)));
+  REQUIRE(client.recv(got.data(), 1) == 1);
+  CHECK(s.clientSession->pending());  // the rest of the first record
+  CHECK(client.receivable());
   auto start = Clock::now();
-  CHECK_EQ(tls::pollOn(&p, 1, 5000), 1);
-  CHECK(p.revents & POLLIN);
+  CHECK(waitToReceive(std::chrono::seconds(5)));
   CHECK(Clock::now() - start < std::chrono::milliseconds(100));
 
   // Read all but the last byte: every record has left the socket, one byte waits in OpenSSL.
   size_t done = 1;
   while (done < kBytes - 1) {
-    p = {cfd, POLLIN, 0};
-    REQUIRE(tls::pollOn(&p, 1, 10000) == 1);
-    const ssize_t n = tls::recvOn(cfd, got.data() + done, kBytes - 1 - done);
+    REQUIRE(waitToReceive(std::chrono::seconds(10)));
+    const ssize_t n = client.recv(got.data() + done, kBytes - 1 - done);
     REQUIRE(n > 0 || (n < 0 && errno == EAGAIN));
     if (n > 0) done += static_cast<size_t>(n);
   }
-  CHECK(h.client->pending());
-  p = {cfd, POLLIN, 0};
+  CHECK(s.clientSession->pending());
+  pollfd p{client.pollFd(), POLLIN, 0};
   CHECK_EQ(::poll(&p, 1, 0), 0);  // the socket itself is not readable ...
-  p = {cfd, POLLIN, 0};
   start = Clock::now();
-  CHECK_EQ(tls::pollOn(&p, 1, 5000), 1);  // ... but the session is
+  CHECK(waitToReceive(std::chrono::seconds(5)));  // ... but the link is
   CHECK(Clock::now() - start < std::chrono::milliseconds(100));
-  timespec fiveSeconds{5, 0};
-  p = {cfd, POLLIN, 0};
-  CHECK_EQ(tls::ppollOn(&p, 1, &fiveSeconds), 1);
-  CHECK_EQ(tls::recvOn(cfd, got.data() + done, kBytes - done), 1);
+  CHECK_EQ(client.recv(got.data() + done, kBytes - done), 1);
   CHECK(got == sent);
-  CHECK(!h.client->pending());
-  p = {cfd, POLLIN, 0};
-  CHECK_EQ(tls::pollOn(&p, 1, 20), 0);
+  CHECK(!s.clientSession->pending());
+  CHECK(!client.receivable());
+  CHECK(!waitToReceive(std::chrono::milliseconds(20)));
 }
 
 // After the handshake: garbage in the stream is a protocol error (EPROTO, lastError says why),
@@ -560,95 +547,63 @@ TEST_CASE(failuresAfterTheHandshake) {
   const Pki& pki = requirePki();
   auto context = contextOf(pki, "a", "caA");
   SecureLink s = secureLink(*context, *context);
-  const Handshakes& h = s.h;
-  const int sfd = s.serverFd(), cfd = s.clientFd();
+  Link& server = *s.server;
+  Link& client = *s.client;
 
   const char garbage[] = "this is not a TLS record, it is plaintext";
-  REQUIRE(::send(cfd, garbage, sizeof(garbage), MSG_NOSIGNAL) == static_cast<ssize_t>(sizeof(garbage)));
-  pollfd p{sfd, POLLIN, 0};
-  REQUIRE(tls::pollOn(&p, 1, 10000) == 1);
+  REQUIRE(::send(client.pollFd(), garbage, sizeof(garbage), MSG_NOSIGNAL) == static_cast<ssize_t>(sizeof(garbage)));
+  LinkWait w{&server, false, true};
+  REQUIRE(waitLinks(&w, 1, std::chrono::seconds(10)) == 1);
   char buf[64];
   errno = 0;
-  CHECK_EQ(tls::recvOn(sfd, buf, sizeof(buf)), -1);
+  CHECK_EQ(server.recv(buf, sizeof(buf)), -1);
   CHECK_EQ(errno, EPROTO);
-  CHECK_MSG(contains(h.server->lastError(), "TLS receive failed: "), h.server->lastError());
-  std::printf("  %s\n", h.server->lastError().c_str());
+  CHECK_MSG(contains(s.serverSession->lastError(), "TLS receive failed: "), s.serverSession->lastError());
+  std::printf("  %s\n", s.serverSession->lastError().c_str());
   errno = 0;
-  CHECK_EQ(tls::recvOn(sfd, buf, sizeof(buf)), -1);  // sticky
+  CHECK_EQ(server.recv(buf, sizeof(buf)), -1);  // sticky
   CHECK_EQ(errno, EPROTO);
 
   REQUIRE(signal(SIGPIPE, SIG_DFL) != SIG_ERR);  // a SIGPIPE would end the test program
-  tls::detach(sfd);
-  s.link.server.close();
+  s.server.reset();  // the session, then the socket
   std::vector<uint8_t> block(1 << 20);
   ssize_t n = 0;
   for (int i = 0; i < 200 && n >= 0; ++i) {
-    n = tls::sendOn(cfd, block.data(), block.size());
+    n = client.send(block.data(), block.size());
     if (n < 0 && errno == EAGAIN) {
       n = 0;
-      p = {cfd, POLLOUT, 0};
-      tls::pollOn(&p, 1, 10);
+      LinkWait out{&client, true, false};
+      waitLinks(&out, 1, std::chrono::milliseconds(10));
     }
   }
   CHECK_EQ(n, -1);
   CHECK_MSG(errno == EPIPE || errno == ECONNRESET, std::strerror(errno));
-  CHECK_MSG(contains(h.client->lastError(), "TLS send failed: "), h.client->lastError());
+  CHECK_MSG(contains(s.clientSession->lastError(), "TLS send failed: "), s.clientSession->lastError());
+  // A peer that is gone shows as hung up, without a read.
+  CHECK(client.hungUp());
 }
 
-// Without a session sendOn/recvOn/pollOn are ::send/::recv/::poll (no OpenSSL needed).
-TEST_CASE(plainFdsPassThrough) {
-  CHECK(tls::sessionOf(-1) == nullptr);
-  Link plain = loopbackLink();
-  CHECK(tls::sessionOf(plain.client.fd()) == nullptr);
-  CHECK_EQ(tls::sendOn(plain.client.fd(), "abc", 3), 3);
-  pollfd p{plain.server.fd(), POLLIN, 0};
-  CHECK_EQ(tls::pollOn(&p, 1, 5000), 1);
+// A TCP link is the socket itself (no OpenSSL needed): bytes as sent, EAGAIN when there are none,
+// readiness from the socket, and a peer that closes shows as hung up.
+TEST_CASE(tcpLinksAreThePlainSocket) {
+  SocketPair pair = loopbackPair();
+  std::unique_ptr<Link> server = tcpLink(std::move(pair.server)), client = tcpLink(std::move(pair.client));
+  CHECK(client->kind() == Link::Kind::kTcp);
+  CHECK(!server->hungUp());
+  LinkWait w{server.get(), false, true};
+  CHECK_EQ(waitLinks(&w, 1, std::chrono::milliseconds(20)), 0);
+  CHECK(!w.ready);
+  CHECK_EQ(client->send("abc", 3), 3);
+  CHECK_EQ(waitLinks(&w, 1, std::chrono::seconds(5)), 1);
+  CHECK(w.ready);
   char buf[4] = {};
-  CHECK_EQ(tls::recvOn(plain.server.fd(), buf, sizeof(buf)), 3);
+  CHECK_EQ(server->recv(buf, sizeof(buf)), 3);
   CHECK(std::string(buf) == "abc");
   errno = 0;
-  CHECK_EQ(tls::recvOn(plain.server.fd(), buf, sizeof(buf)), -1);
+  CHECK_EQ(server->recv(buf, sizeof(buf)), -1);
   CHECK_EQ(errno, EAGAIN);
-}
-
-// The registry beyond its table: fds >= 65536 are kept in a map under a mutex. Needs an fd
-// limit above 70000; where the hard limit is lower this is said and not checked (not skipped,
-// which would mark the whole program skipped).
-TEST_CASE(registryAboveTheTable) {
-  const Pki& pki = requirePki();
-  rlimit limit{};
-  REQUIRE(::getrlimit(RLIMIT_NOFILE, &limit) == 0);
-  constexpr int kHighFd = 70000;
-  if (limit.rlim_cur <= kHighFd) {
-    rlimit raised = limit;
-    raised.rlim_cur = std::min<rlim_t>(limit.rlim_max, kHighFd + 1);
-    if (raised.rlim_cur <= kHighFd || ::setrlimit(RLIMIT_NOFILE, &raised) != 0) {
-      std::printf("  NOT CHECKED here: fd %d is above the hard limit RLIMIT_NOFILE=%llu\n", kHighFd,
-                  static_cast<unsigned long long>(limit.rlim_max));
-      return;
-    }
-  }
-  auto context = contextOf(pki, "a", "caA");
-  Link link = loopbackLink();
-  Socket high(::dup2(link.client.fd(), kHighFd));
-  REQUIRE(high.fd() == kHighFd);
-  Link highLink{std::move(link.server), std::move(high)};
-  Handshakes h = handshakeBoth(*context, *context, highLink);
-  REQUIRE(h.server && h.client);
-  {
-    Attached attached(h, highLink);
-    CHECK(tls::sessionOf(kHighFd) == h.client.get());
-    const std::vector<uint8_t> sent = randomBytes(300000, 4);
-    std::vector<uint8_t> got(sent.size());
-    Sender s{kHighFd, &sent, std::mt19937_64(5)};
-    Receiver r{highLink.server.fd(), &got, std::mt19937_64(6)};
-    Worker reader([&] { pump(r.fd, nullptr, &r, Clock::now() + kTestTimeout); });
-    pump(kHighFd, &s, nullptr, Clock::now() + kTestTimeout);
-    reader.join();
-    CHECK_MSG(!reader.error, messageOf(reader.error));
-    CHECK(got == sent);
-  }
-  CHECK(tls::sessionOf(kHighFd) == nullptr);
-  highLink.client.close();
-  if (limit.rlim_cur <= kHighFd) ::setrlimit(RLIMIT_NOFILE, &limit);
+  client.reset();
+  CHECK_EQ(waitLinks(&w, 1, std::chrono::seconds(5)), 1);  // the close wakes a receiver
+  CHECK(server->hungUp());
+  CHECK_EQ(server->recv(buf, sizeof(buf)), 0);
 }

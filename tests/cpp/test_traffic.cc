@@ -60,6 +60,7 @@ void exchangeOverSocketPair(size_t bytes, bool withCounters, TrafficSnapshot out
   int fds[2];
   REQUIRE(::socketpair(AF_UNIX, SOCK_STREAM, 0, fds) == 0);
   for (int fd : fds) ::fcntl(fd, F_SETFL, ::fcntl(fd, F_GETFL) | O_NONBLOCK);
+  std::unique_ptr<Link> links[2] = {tcpLink(Socket(fds[0])), tcpLink(Socket(fds[1]))};  // they close the fds
   TrafficCounters counters[2] = {TrafficCounters(2), TrafficCounters(2)};
   std::exception_ptr errors[2];
   std::vector<char> send[2], recv[2];
@@ -72,8 +73,8 @@ void exchangeOverSocketPair(size_t bytes, bool withCounters, TrafficSnapshot out
       ctx.deadline = Clock::now() + std::chrono::milliseconds(ctx.timeoutMs);
       ctx.header.seq = 3;
       ctx.header.bytes = bytes;
-      const int fd = fds[rank];
-      ctx.fdOf = [fd](int) { return fd; };
+      Link* link = links[rank].get();
+      ctx.linkOf = [link](int) -> Link& { return *link; };
       if (withCounters) ctx.traffic = &counters[rank];
       send[rank].assign(bytes, static_cast<char>(rank + 1));
       recv[rank].assign(bytes, 0);
@@ -85,8 +86,6 @@ void exchangeOverSocketPair(size_t bytes, bool withCounters, TrafficSnapshot out
   std::thread other(run, 1);
   run(0);
   other.join();
-  ::close(fds[0]);
-  ::close(fds[1]);
   for (int r = 0; r < 2; ++r) {
     if (errors[r]) std::rethrow_exception(errors[r]);
     CHECK(recv[r] == std::vector<char>(bytes, static_cast<char>(2 - r)));

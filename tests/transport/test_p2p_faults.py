@@ -215,3 +215,37 @@ def test_receives_from_any_source_take_messages_in_arrival_order() -> None:
     assert sources[0] == 2, sources
     assert sorted(sources) == [1] * 50 + [2], sources
 
+
+
+def completion_time(rank: int, world_size: int) -> dict | None:
+    """Rank 1 notes the time (time.perf_counter(): both ranks are on this machine, one clock) and
+    sends; rank 0 looks at its receive only now and then. The engine notes when the receive
+    completed as it completes it: after the send began, and no later than rank 0 first saw it
+    completed -- however late rank 0 looks (it sleeps 0.2 s after seeing it before asking)."""
+    from hetcomm import _engine
+
+    completed_at = _engine.extension().completed_at
+    if rank == 0:
+        t = torch.zeros(1000)
+        work = dist.irecv(t, src=1)
+        before = completed_at(work)
+        default_store().set("posted", "1")
+        while not work.is_completed():
+            time.sleep(0.01)
+        seen = time.perf_counter()
+        time.sleep(0.2)
+        work.wait()
+        return {"before": before, "noted": completed_at(work), "seen": seen,
+                "sent": float(default_store().get("sent")), "ok": bool((t == 7).all())}
+    wait_for_key("posted")
+    default_store().set("sent", repr(time.perf_counter()))
+    dist.send(torch.full((1000,), 7.0), dst=0)
+    return None
+
+
+@hetcomm_only("hetcomm._C.completed_at notes hetcomm's completions")
+def test_the_engine_notes_when_a_receive_completed() -> None:
+    res = run_ranks(2, completion_time, timeout=120)[0]
+    assert res["ok"], res
+    assert res["before"] == 0.0, res
+    assert res["sent"] <= res["noted"] <= res["seen"], res

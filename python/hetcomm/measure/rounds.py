@@ -17,6 +17,7 @@ from typing import Optional
 
 import torch
 
+from hetcomm import _engine
 from hetcomm.measure.schedule import Round
 
 _TAG = 0x4843  # point-to-point tag of the probe
@@ -72,6 +73,12 @@ def _transfer(backend, rnd: Round, sizes: list[int], send_buf: SendBuffer) -> li
     # out what the others had already sent through it (seen: a 100 Mbit/s site uplink measured
     # at 490 Mbit/s with 32 flows on two busy cores). A late sender lengthens the interval
     # instead, which underestimates (the planner's noise guards then keep equal shares).
+    #
+    # When each message was in is what the engine thread noted as it completed the receive
+    # (completed_at, on time.perf_counter()'s clock), not when this thread looks: on a busy machine
+    # it looks late, and a start seen late leaves out what arrived meanwhile (seen: a NIC shaped
+    # to 3.1 MB/s probed at 4.2 with eight ranks and a test suite on two cores). Another backend's
+    # work has no such note: then the time this thread saw it.
     while starts and not any(w.is_completed() for w in starts):
         time.sleep(50e-6)
     t0 = time.perf_counter()
@@ -80,6 +87,11 @@ def _transfer(backend, rnd: Round, sizes: list[int], send_buf: SendBuffer) -> li
     for w in payloads:
         w.wait()
     t1 = time.perf_counter()
+    completed_at = _engine.extension().completed_at
+    noted_starts = [completed_at(w) for w in starts]
+    noted_ends = [completed_at(w) for w in payloads]
+    if starts and all(t > 0 for t in noted_starts + noted_ends):
+        t0, t1 = min(noted_starts), max(noted_ends)
     for w in sends:
         w.wait()
     stamps = torch.zeros(2 * max(len(flows), 1), dtype=torch.float64)

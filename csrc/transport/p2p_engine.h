@@ -1,5 +1,5 @@
 #pragma once
-// Point-to-point send/recv, progressed by one background thread over non-blocking sockets.
+// Point-to-point send/recv, progressed by one background thread over the group's links (link.h).
 //
 // Sends and receives with different peers, and the two directions with one peer, progress
 // independently, so "both ranks isend a large tensor, then irecv" cannot deadlock the way it would
@@ -40,6 +40,7 @@
 
 #include "common/traffic.h"
 #include "transport/framing.h"
+#include "transport/link.h"
 #include "transport/tcp_mesh.h"
 
 namespace hetcomm {
@@ -62,7 +63,7 @@ class P2PEngine {
   // peer == kAnySource: the earliest matching message from any peer.
   void postRecv(int peer, int64_t tag, char* data, size_t bytes, Deadline deadline, int64_t timeoutMs, Done done);
   // An accepted sender connection from `peer` (called by the mesh's listener thread).
-  void addInbound(int peer, Socket socket);
+  void addInbound(int peer, std::unique_ptr<Link> link);
   // Fails everything pending and stops the threads. Idempotent and safe from any thread: a
   // second caller waits for the first to finish; called from the engine thread itself (a
   // callback), it stops the engine without joining that thread.
@@ -107,11 +108,11 @@ class P2PEngine {
     size_t dataDone = 0;
   };
   struct Peer {
-    Socket out;
+    std::unique_ptr<Link> out;
     std::string outError;
     std::deque<Op> sends;
     bool connecting = false;
-    Socket in;
+    std::unique_ptr<Link> in;
     std::string inError;
     std::deque<Op> recvs;  // posted, not yet matched, in posting order
     Incoming incoming;

@@ -1,4 +1,4 @@
-#include "backend/p2p_engine.h"
+#include "transport/p2p_engine.h"
 
 #include <errno.h>
 #include <fcntl.h>
@@ -14,7 +14,6 @@
 #include "common/error.h"
 #include "common/logging.h"
 #include "common/threads.h"
-#include "transport/tls.h"
 
 namespace hetcomm {
 namespace {
@@ -207,7 +206,7 @@ void P2PEngine::postRecv(int peer, int64_t tag, char* data, size_t bytes, Deadli
           anyRecvs_.push_back(std::move(op));
         } else {
           Peer& p = peers_[peer];
-          if (p.recvs.empty() && !p.in.valid()) {
+          if (p.recvs.empty() && !p.in) {
             p.probeInterval = kFirstProbe;
             p.nextProbe = Clock::now() + kFirstProbe;
           }
@@ -224,12 +223,12 @@ void P2PEngine::postRecv(int peer, int64_t tag, char* data, size_t bytes, Deadli
   wake();
 }
 
-void P2PEngine::addInbound(int peer, Socket socket) {
+void P2PEngine::addInbound(int peer, std::unique_ptr<Link> link) {
   std::lock_guard<std::mutex> lock(mu_);
   Peer& p = peers_[peer];
-  if (p.in.valid()) throw CommError(strCat("duplicate point-to-point connection from rank ", peer));
-  if (!failure_.empty()) socket.shutdownBoth();  // failed: the peer learns it at once
-  p.in = std::move(socket);
+  if (p.in) throw CommError(strCat("duplicate point-to-point connection from rank ", peer));
+  if (!failure_.empty()) link->shutdown();  // failed: the peer learns it at once
+  p.in = std::move(link);
   wake();
 }
 
@@ -260,8 +259,8 @@ void P2PEngine::stop(const std::string& reason) {
       failAll(p.recvs, peer, reason, finished);
       if (p.incoming.matched) finished.push_back({std::move(p.incoming.op.done), commError(reason), peer});
       p.incoming = Incoming();
-      p.out.close();
-      p.in.close();
+      p.out.reset();
+      p.in.reset();
     }
     failAll(anyRecvs_, kAnySource, reason, finished);
   }
@@ -295,8 +294,8 @@ void P2PEngine::fail(const std::string& cause) {
       p.incoming = Incoming();
       // Shut down, not closed: the engine thread may be polling these descriptors right now. The
       // peers see the connections end, and their operations with this rank fail at once.
-      p.out.shutdownBoth();
-      p.in.shutdownBoth();
+      if (p.out) p.out->shutdown();
+      if (p.in) p.in->shutdown();
       if (p.outError.empty()) p.outError = cause;
       if (p.inError.empty()) p.inError = cause;
     }
@@ -348,11 +347,11 @@ void P2PEngine::joinFinishedHelpers() {
 void P2PEngine::connectPending() {
   for (int peer = 0; peer < size_; ++peer) {
     Peer& p = peers_[peer];
-    if (p.sends.empty() || p.out.valid() || p.connecting || !p.outError.empty()) continue;
+    if (p.sends.empty() || p.out || p.connecting || !p.outError.empty()) continue;
     p.connecting = true;
     const Deadline deadline = p.sends.front().deadline;
     startHelper([this, peer, deadline] {
-      Socket s;
+      std::unique_ptr<Link> s;
       std::string error;
       try {
         s = mesh_->connectP2P(peer, deadline, [this] { return cancelHelpers_.load(); });
@@ -365,7 +364,7 @@ void P2PEngine::connectPending() {
         Peer& p = peers_[peer];
         p.connecting = false;
         if (error.empty()) {
-          if (!failure_.empty()) s.shutdownBoth();  // failed while connecting
+          if (!failure_.empty()) s->shutdown();  // failed while connecting
           p.out = std::move(s);
         } else {
           p.outError = error;
@@ -382,7 +381,7 @@ void P2PEngine::connectPending() {
 void P2PEngine::probeSilentPeers(Deadline now, int& pollTimeoutMs) {
   for (int peer = 0; peer < size_; ++peer) {
     Peer& p = peers_[peer];
-    if (p.recvs.empty() || p.in.valid() || !p.inError.empty() || p.probing) continue;
+    if (p.recvs.empty() || p.in || !p.inError.empty() || p.probing) continue;
     if (now < p.nextProbe) {
       const int ms = std::max(1, msUntil(p.nextProbe));
       pollTimeoutMs = pollTimeoutMs < 0 ? ms : std::min(pollTimeoutMs, ms);
@@ -408,7 +407,7 @@ void P2PEngine::probeSilentPeers(Deadline now, int& pollTimeoutMs) {
         p.probing = false;
         p.probeInterval = std::min(kMaxProbeInterval, std::max(kFirstProbe, p.probeInterval * 2));
         p.nextProbe = Clock::now() + p.probeInterval;
-        if (gone && !p.in.valid() && p.inError.empty()) {
+        if (gone && !p.in && p.inError.empty()) {
           p.inError = why;
           failAll(p.recvs, peer, strCat("hetcomm recv on rank ", rank_, ": ", p.inError), failed);
         }
@@ -419,7 +418,7 @@ void P2PEngine::probeSilentPeers(Deadline now, int& pollTimeoutMs) {
 }
 
 void P2PEngine::progressSends(int peer, Peer& p, Finished& finished) {
-  while (!p.sends.empty() && p.out.valid()) {
+  while (!p.sends.empty() && p.out) {
     Op& op = p.sends.front();
     const char* ptr;
     size_t left;
@@ -430,12 +429,12 @@ void P2PEngine::progressSends(int peer, Peer& p, Finished& finished) {
       ptr = op.data + op.dataDone;
       left = op.bytes - op.dataDone;
     }
-    ssize_t n = left == 0 ? 0 : tls::sendOn(p.out.fd(), ptr, left);
+    ssize_t n = left == 0 ? 0 : p.out->send(ptr, left);
     op.attempted = true;
     if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) return;
     if (n < 0) {
       p.outError = strCat("connection to rank ", peer, " failed: ", std::strerror(errno));
-      p.out.close();
+      p.out.reset();
       failAll(p.sends, peer, strCat("hetcomm send from rank ", rank_, ": ", p.outError), finished);
       return;
     }
@@ -471,7 +470,7 @@ bool P2PEngine::claimReceive(int peer, int64_t tag, Op& out) {
 
 void P2PEngine::breakInbound(int peer, Peer& p, const std::string& why, Finished& finished) {
   p.inError = why;
-  p.in.close();
+  p.in.reset();
   if (p.incoming.matched) {
     finished.push_back({std::move(p.incoming.op.done), commError(strCat("hetcomm recv on rank ", rank_, ": ", why)), peer});
   }
@@ -504,7 +503,7 @@ void P2PEngine::deliver(int peer, Peer& p, Finished& finished) {
 }
 
 void P2PEngine::progressRecvs(int peer, Peer& p, Finished& finished) {
-  while (p.in.valid()) {
+  while (p.in) {
     Incoming& in = p.incoming;
     const bool inHeader = in.headerDone < in.header.size();
     if (!inHeader && !in.matched && in.unexpected.size() != in.parsed.bytes) {
@@ -546,7 +545,7 @@ void P2PEngine::progressRecvs(int peer, Peer& p, Finished& finished) {
       left = in.parsed.bytes - in.dataDone;
     }
     if (left > 0) {
-      ssize_t n = tls::recvOn(p.in.fd(), ptr, left);
+      ssize_t n = p.in->recv(ptr, left);
       if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) return;
       if (n == 0) {
         // Between messages this is a peer that finished (or died): only pending receives fail.
@@ -599,9 +598,9 @@ void P2PEngine::timeOut(int peer, Peer& p, Deadline now, Finished& finished, int
       const std::string w = why("send", op);
       // Half sent, the stream is unusable. On TLS a write that would block has already encrypted a
       // record of the message, which the next write would send: that counts as started too.
-      if (op.headerDone > 0 || (op.attempted && p.out.valid() && tls::sessionOf(p.out.fd()) != nullptr)) {
+      if (op.headerDone > 0 || (op.attempted && p.out && p.out->kind() == Link::Kind::kTls)) {
         p.outError = w;
-        p.out.close();
+        p.out.reset();
         failAll(p.sends, peer, w, finished);
       } else {
         finished.push_back({std::move(op.done), std::make_exception_ptr(TimeoutError(w)), peer});
@@ -630,7 +629,7 @@ void P2PEngine::loop() {
   while (true) {
     joinFinishedHelpers();
     Finished finished;
-    std::vector<pollfd> fds;
+    std::vector<LinkWait> waits;
     int timeoutMs = -1;
     {
       std::lock_guard<std::mutex> lock(mu_);
@@ -645,10 +644,10 @@ void P2PEngine::loop() {
         progressSends(peer, p, finished);
         progressRecvs(peer, p, finished);
         timeOut(peer, p, now, finished, timeoutMs);
-        if (!p.sends.empty() && p.out.valid()) fds.push_back({p.out.fd(), POLLOUT, 0});
+        if (!p.sends.empty() && p.out) waits.push_back({p.out.get(), /*send=*/true, /*recv=*/false});
         // Always read (a message may arrive before the receive that claims it), unless the
         // message in the socket waits for room.
-        if (p.in.valid() && !p.incoming.waitsForRoom) fds.push_back({p.in.fd(), POLLIN, 0});
+        if (p.in && !p.incoming.waitsForRoom) waits.push_back({p.in.get(), /*send=*/false, /*recv=*/true});
       }
       for (auto it = anyRecvs_.begin(); it != anyRecvs_.end();) {
         if (it->deadline <= now) {
@@ -668,13 +667,16 @@ void P2PEngine::loop() {
     const bool progressed = !finished.empty();
     runCallbacks(finished);
     if (progressed) continue;
-    fds.push_back({wake_[0], POLLIN, 0});
-    int rc = tls::pollOn(fds.data(), fds.size(), timeoutMs < 0 ? -1 : std::max(timeoutMs, 1));
-    if (rc < 0 && errno != EINTR) {
+    // The links are the engine's own (only this thread does I/O on them or frees them), so they
+    // outlive the wait without the lock.
+    bool woken = false;
+    const auto timeout = timeoutMs < 0 ? std::chrono::milliseconds(-1) : std::chrono::milliseconds(std::max(timeoutMs, 1));
+    const int rc = waitLinks(waits.data(), waits.size(), timeout, wake_[0], &woken);
+    if (rc < 0) {
       HC_LOG(kError, "rank ", rank_, ": the point-to-point engine's poll failed: ", std::strerror(errno));
       std::this_thread::sleep_for(std::chrono::milliseconds(10));
     }
-    if (rc > 0 && fds.back().revents != 0) {
+    if (woken) {
       char buf[64];
       while (::read(wake_[0], buf, sizeof(buf)) > 0) {
       }

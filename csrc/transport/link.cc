@@ -1,0 +1,170 @@
+#include "transport/link.h"
+
+#include <errno.h>
+#include <poll.h>
+#include <sys/socket.h>
+
+#include <cstring>
+#include <vector>
+
+#include "common/error.h"
+#include "transport/tls.h"
+
+namespace hetcomm {
+namespace {
+
+class TcpLink final : public Link {
+ public:
+  explicit TcpLink(Socket socket) : socket_(std::move(socket)) {}
+  Kind kind() const override { return Kind::kTcp; }
+  ssize_t send(const void* data, size_t len) override { return ::send(socket_.fd(), data, len, MSG_NOSIGNAL); }
+  ssize_t recv(void* data, size_t len) override { return ::recv(socket_.fd(), data, len, 0); }
+  void shutdown() override { socket_.shutdownBoth(); }
+  int pollFd() const override { return socket_.fd(); }
+
+ private:
+  Socket socket_;
+};
+
+class TlsLink final : public Link {
+ public:
+  TlsLink(Socket socket, std::unique_ptr<tls::Session> session) : socket_(std::move(socket)), session_(std::move(session)) {
+    HC_ENFORCE(session_ != nullptr && session_->fd() == socket_.fd(), "a TLS link needs the session of its own socket");
+  }
+  // The session goes first: it must never outlive the descriptor it uses (members are destroyed
+  // in reverse order: session_, then socket_).
+  Kind kind() const override { return Kind::kTls; }
+  ssize_t send(const void* data, size_t len) override { return session_->write(data, len); }
+  ssize_t recv(void* data, size_t len) override { return session_->read(data, len); }
+  void shutdown() override { socket_.shutdownBoth(); }
+  int pollFd() const override { return socket_.fd(); }
+  bool receivable() const override { return session_->pending(); }
+
+ private:
+  Socket socket_;
+  std::unique_ptr<tls::Session> session_;
+};
+
+timespec toTimespec(std::chrono::nanoseconds t) {
+  timespec ts;
+  ts.tv_sec = static_cast<time_t>(t.count() / 1000000000);
+  ts.tv_nsec = static_cast<long>(t.count() % 1000000000);
+  return ts;
+}
+
+// Waits until the link can move `events` (POLLIN or POLLOUT); throws on the deadline, cancellation
+// or a failed wait.
+void waitOne(Link& link, bool send, Deadline deadline, const std::function<std::string()>& what,
+             const Cancelled& cancelled) {
+  while (true) {
+    if (cancelled && cancelled()) throw CancelledError(strCat("hetcomm: gave up ", what(), ": the process group is shutting down"));
+    const int left = msUntil(deadline);
+    LinkWait w{&link, send, !send};
+    const int rc = waitLinks(&w, 1, std::chrono::milliseconds(cancelled ? std::min(left, kCancelPollMs) : left));
+    if (rc > 0) return;
+    if (rc < 0 && errno != EINTR) throw CommError(strCat("hetcomm: poll failed ", what(), ": ", std::strerror(errno)));
+    if (rc == 0 && Clock::now() >= deadline) throw TimeoutError(strCat("hetcomm: timed out ", what()));
+  }
+}
+
+}  // namespace
+
+std::unique_ptr<Link> tcpLink(Socket socket) { return std::make_unique<TcpLink>(std::move(socket)); }
+
+std::unique_ptr<Link> tlsLink(Socket socket, std::unique_ptr<tls::Session> session) {
+  return std::make_unique<TlsLink>(std::move(socket), std::move(session));
+}
+
+bool Link::hungUp() const {
+  const int fd = pollFd();
+  pollfd p{fd, static_cast<short>(POLLIN | POLLRDHUP), 0};
+  if (::poll(&p, 1, 0) <= 0) return false;
+  if (p.revents & (POLLHUP | POLLERR | POLLRDHUP | POLLNVAL)) return true;
+  if (p.revents & POLLIN) {
+    // Readable: data, or the end of the stream (a TLS record is bytes like any other here).
+    char c;
+    if (::recv(fd, &c, 1, MSG_PEEK | MSG_DONTWAIT) == 0) return true;
+  }
+  return false;
+}
+
+int waitLinks(LinkWait* waits, size_t n, std::chrono::nanoseconds timeout, int wakeFd, bool* woken) {
+  if (woken != nullptr) *woken = false;
+  // One pollfd per link (two entries for one link, a send and a receive, share it), then the
+  // wake-up descriptor.
+  std::vector<pollfd> fds;
+  std::vector<size_t> slot(n);
+  bool receivableNow = false;
+  for (size_t i = 0; i < n; ++i) {
+    waits[i].ready = false;
+    const short events = static_cast<short>((waits[i].send ? POLLOUT : 0) | (waits[i].recv ? POLLIN : 0));
+    const int fd = waits[i].link->pollFd();
+    size_t k = 0;
+    while (k < fds.size() && fds[k].fd != fd) ++k;
+    if (k == fds.size()) fds.push_back({fd, 0, 0});
+    fds[k].events = static_cast<short>(fds[k].events | events);
+    slot[i] = k;
+    receivableNow = receivableNow || (waits[i].recv && waits[i].link->receivable());
+  }
+  if (wakeFd >= 0) fds.push_back({wakeFd, POLLIN, 0});
+  // Bytes already decrypted are not in the socket: look at the others without sleeping.
+  const timespec zero{0, 0};
+  const timespec ts = toTimespec(timeout);
+  const int rc = ::ppoll(fds.data(), fds.size(), receivableNow ? &zero : (timeout.count() < 0 ? nullptr : &ts), nullptr);
+  if (rc < 0 && errno != EINTR) return -1;
+  int ready = 0;
+  for (size_t i = 0; i < n; ++i) {
+    const short revents = rc > 0 ? fds[slot[i]].revents : 0;
+    const bool moves = (waits[i].send && (revents & (POLLOUT | POLLERR | POLLHUP)) != 0) ||
+                       (waits[i].recv && ((revents & (POLLIN | POLLERR | POLLHUP | POLLRDHUP)) != 0 || waits[i].link->receivable()));
+    const bool failed = (revents & POLLNVAL) != 0;
+    waits[i].ready = moves || failed;
+    if (waits[i].ready) ++ready;
+  }
+  if (wakeFd >= 0 && rc > 0 && fds.back().revents != 0) {
+    if (woken != nullptr) *woken = true;
+  }
+  if (rc < 0 && ready == 0) {
+    errno = EINTR;
+    return 0;
+  }
+  return ready;
+}
+
+void sendAll(Link& link, const void* data, size_t len, Deadline deadline, const std::function<std::string()>& what,
+             const Cancelled& cancelled) {
+  const char* p = static_cast<const char*>(data);
+  while (len > 0) {
+    const ssize_t n = link.send(p, len);
+    if (n > 0) {
+      p += n;
+      len -= static_cast<size_t>(n);
+    } else if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
+      waitOne(link, /*send=*/true, deadline, what, cancelled);
+    } else if (n < 0 && errno == EINTR) {
+      continue;
+    } else {
+      throw CommError(strCat("hetcomm: send failed ", what(), ": ", std::strerror(n < 0 ? errno : EPIPE)));
+    }
+  }
+}
+
+void recvAll(Link& link, void* data, size_t len, Deadline deadline, const std::function<std::string()>& what,
+             const Cancelled& cancelled) {
+  char* p = static_cast<char*>(data);
+  while (len > 0) {
+    const ssize_t n = link.recv(p, len);
+    if (n > 0) {
+      p += n;
+      len -= static_cast<size_t>(n);
+    } else if (n == 0) {
+      throw CommError(strCat("hetcomm: connection closed by peer ", what()));
+    } else if (errno == EAGAIN || errno == EWOULDBLOCK) {
+      waitOne(link, /*send=*/false, deadline, what, cancelled);
+    } else if (errno != EINTR) {
+      throw CommError(strCat("hetcomm: recv failed ", what(), ": ", std::strerror(errno)));
+    }
+  }
+}
+
+}  // namespace hetcomm

@@ -180,3 +180,21 @@ TEST_CASE(abort_interrupts_a_connector_waiting_for_its_peer_address) {
   CHECK_THROWS_AS(other.connectP2P(1, in(60), [&] { return stop.load(); }), CancelledError);
   stopper.join();
 }
+
+// Addresses come from the store: a port that is no number from 1 to 65535 is a CommError saying
+// so (stoi threw std::invalid_argument for "h:x", and "h:70000" became port 4464).
+TEST_CASE(a_malformed_port_is_a_comm_error) {
+  CHECK_EQ(HostPort::parse("10.0.0.5:4711").port, 4711);
+  CHECK(HostPort::parse("[::1]:65535").host == "::1");
+  CHECK_EQ(HostPort::parse("[::1]:65535").port, 65535);
+  for (const char* bad : {"h:70000", "h:65536", "h:0", "h:x", "h:-1", "h: 80", "h:80x", "h:99999999999999999999", "h:"}) {
+    bool threw = false;
+    try {
+      HostPort::parse(bad);
+    } catch (const CommError& e) {
+      threw = std::string(e.what()).find("malformed address") != std::string::npos;
+    } catch (...) {
+    }
+    CHECK_MSG(threw, bad);
+  }
+}

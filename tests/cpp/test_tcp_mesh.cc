@@ -7,6 +7,8 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <cstdio>
+#include <string>
 #include <chrono>
 #include <thread>
 
@@ -15,6 +17,8 @@
 #include "transport/framing.h"
 #include "transport/socket.h"
 #include "transport/tcp_mesh.h"
+#include "transport/tls.h"
+#include "tls_pki.h"
 
 using namespace hetcomm;
 
@@ -197,4 +201,37 @@ TEST_CASE(a_malformed_port_is_a_comm_error) {
     }
     CHECK_MSG(threw, bad);
   }
+}
+
+// A clear-text greeting on a mesh with TLS: the listener asks the link policy (which may look a
+// site up in the store) without waiting, since it progresses every other greeting meanwhile. It
+// gave the policy the handshake's deadline (3 s), so anyone with the secret could stall the
+// listener that long per connection.
+TEST_CASE(the_listener_asks_the_tls_policy_without_waiting) {
+  const tls_pki::Pki& pki = tls_pki::Pki::get();
+  std::string why;
+  if (!tls::available(&why) || !pki.error().empty()) {
+    std::printf("  NOT CHECKED here: %s\n", why.empty() ? pki.error().c_str() : why.c_str());
+    return;
+  }
+  tls::Config c;
+  c.mode = tls::Config::Mode::kInterSite;
+  c.cert = pki.path("a.pem");
+  c.key = pki.path("a.key");
+  c.ca = pki.path("caA.pem");
+  TcpMesh acceptor(0, 2, "127.0.0.1", testSecret(), fixedLookup(deadAddress()));
+  std::atomic<int64_t> slackMs{-1000000};
+  acceptor.setTls(tls::Context::create(c), "inter-site", [&](int, Deadline deadline, const Cancelled&) {
+    slackMs = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()).count();
+    return true;  // this link needs TLS
+  });
+  TcpMesh connector(1, 2, "127.0.0.1", testSecret(), fixedLookup(acceptor.listenAddress()));
+  std::string refused;
+  try {
+    connector.connectP2P(0, in(20));
+  } catch (const CommError& e) {
+    refused = e.what();
+  }
+  CHECK_MSG(refused.find("without TLS") != std::string::npos, refused);
+  CHECK_MSG(slackMs.load() <= 0, std::to_string(slackMs.load()) + " ms");
 }

@@ -182,6 +182,7 @@ void P2PEngine::postRecv(int peer, int64_t tag, char* data, size_t bytes, Deadli
     if (from >= 0) {
       Peer& p = peers_[from];
       std::vector<char> payload = std::move(it->payload);
+      const Clock::time_point at = it->at;  // before the erase, which invalidates `it`
       p.unexpected.erase(it);
       p.unexpectedBytes -= payload.size();
       if (payload.size() != bytes) {
@@ -191,7 +192,7 @@ void P2PEngine::postRecv(int peer, int64_t tag, char* data, size_t bytes, Deadli
                             from});
       } else {
         if (bytes > 0) std::memcpy(data, payload.data(), bytes);
-        finished.push_back({std::move(op.done), nullptr, from, it->at});
+        finished.push_back({std::move(op.done), nullptr, from, at});
       }
     }
     if (finished.empty()) {

@@ -49,8 +49,8 @@ class P2PEngine {
  public:
   // Called once per operation with its error (null on success), the rank the data came from
   // (receives) or went to (sends), and when the engine moved its last byte (read it off the link,
-  // or handed it to the link; for a failure, when it failed): not when the callback runs, which
-  // may be after the engine has moved other peers' bytes in the same pass.
+  // or handed it to the link; for a failure, when the callback runs): not when the callback of a
+  // success runs, which may be after the engine has moved other peers' bytes in the same pass.
   using Done = std::function<void(std::exception_ptr, int peer, Clock::time_point at)>;
   static constexpr int kAnySource = -1;
 

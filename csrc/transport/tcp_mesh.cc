@@ -573,10 +573,14 @@ void TcpMesh::acceptGreeting(Greeting& g) {
     throw CommError(strCat("it claimed to be rank ", hello.rank, " but could not prove that it knows the group secret"));
   }
   // A member on a link that needs TLS, in clear: told why (it proved it is one of ours), then closed.
-  // The policy is asked without waiting (deadline: now). This runs on the listener thread, which
-  // progresses every other greeting too, and a rank publishes its site before it connects
-  // anywhere: a site not there yet means no member is asking, and waiting for it (up to the
-  // handshake timeout) let anyone with the secret stall every incoming handshake.
+  // The policy is asked without waiting (deadline: now; its store lookup is one request, not a
+  // poll). This runs on the listener thread, which progresses every other greeting too, and a
+  // rank publishes its site (tlsPolicy in process_group_hetcomm.cc, a store set in its
+  // constructor) before it connects anywhere, and every connector asks the same store for the
+  // acceptor's address first, which the store answers after that set: a site not there yet means
+  // no member is asking (a rank without HETCOMM_TLS publishes none: refused, as it would be).
+  // Waiting for it (up to the handshake timeout) let anyone with the secret stall every incoming
+  // handshake. A member refused anyway tries again (connectAndGreet), so none is refused for good.
   if (g.link->kind() != Link::Kind::kTls && tls_ && needsTls_(hello.rank, Clock::now(), [this] { return stopConnects_.load(); })) {
     const std::string why = strCat("rank ", hello.rank, " connected without TLS, but HETCOMM_TLS=", tlsMode_, " on rank ",
                                    rank_, " requires it on this link (is HETCOMM_TLS the same on every rank?)");

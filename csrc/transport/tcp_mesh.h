@@ -120,7 +120,7 @@ class TcpMesh {
   // A connection that starts with a TLS record: its whole greeting on a thread of its own.
   void greetTls(Greeting g);
   // The first byte waiting on a new connection (not consumed), kNoByteYet, or kClosed (the end of
-  // the stream or an error, which the next recv reports). 0x16 starts a TLS record.
+  // the stream or an error: the greeting is then rejected, quietly). 0x16 starts a TLS record.
   static constexpr int kNoByteYet = -1;
   static constexpr int kClosed = -2;
   static int firstByte(const Socket& socket);

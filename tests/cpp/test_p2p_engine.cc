@@ -13,6 +13,7 @@
 
 #include "check.h"
 #include "common/error.h"
+#include "common/traffic.h"
 #include "transport/framing.h"
 #include "transport/link.h"
 #include "transport/p2p_engine.h"
@@ -50,6 +51,18 @@ struct Outcome {
   }
 };
 
+// Waits until the engine has read `n` whole messages (claimed or kept).
+void waitForMessages(const TrafficCounters& traffic, uint64_t n) {
+  const Deadline until = Clock::now() + std::chrono::seconds(20);
+  while (traffic.snapshot().p2pReceivedMessages < n) {
+    REQUIRE(Clock::now() < until);
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+}
+
+// Writes a message (header and payload) as the peer would.
+void writeMessage(int fd, int64_t tag, const std::string& payload);
+
 void writeAll(int fd, const void* data, size_t len) {
   const char* p = static_cast<const char*>(data);
   while (len > 0) {
@@ -58,6 +71,15 @@ void writeAll(int fd, const void* data, size_t len) {
     p += n;
     len -= static_cast<size_t>(n);
   }
+}
+
+void writeMessage(int fd, int64_t tag, const std::string& payload) {
+  P2PHeader h;
+  h.tag = tag;
+  h.bytes = payload.size();
+  const auto head = h.encode();
+  writeAll(fd, head.data(), head.size());
+  writeAll(fd, payload.data(), payload.size());
 }
 
 }  // namespace
@@ -71,7 +93,8 @@ TEST_CASE(a_huge_claimed_size_does_not_wrap_the_budget) {
   TcpMesh::Secret secret{};
   TcpMesh mesh(0, 2, "127.0.0.1", secret,
                [](int, Deadline, const Cancelled&) -> HostPort { throw CommError("no store in this test"); });
-  P2PEngine engine(0, 2, &mesh);
+  TrafficCounters traffic(2);
+  P2PEngine engine(0, 2, &mesh, &traffic);
   std::string groupFailure;
   engine.setFailureHandler([&](const std::string& why) { groupFailure = why; });
   int fds[2];
@@ -86,8 +109,7 @@ TEST_CASE(a_huge_claimed_size_does_not_wrap_the_budget) {
   writeAll(fds[1], smallBytes.data(), smallBytes.size());
   const char payload[16] = "sixteen bytes..";
   writeAll(fds[1], payload, sizeof(payload));
-  // Time for the engine to read it with no receive posted, so that it keeps it (budget in use).
-  std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  waitForMessages(traffic, 1);  // read with no receive posted: kept, 16 bytes of the budget in use
   P2PHeader huge;
   huge.tag = 8;
   huge.bytes = ~uint64_t{0} - 7;
@@ -116,34 +138,43 @@ TEST_CASE(a_huge_claimed_size_does_not_wrap_the_budget) {
   ::close(fds[1]);
 }
 
-// A message that arrived before its receive was posted reports when its last byte was read, not
-// when the receive claimed it half a second later (the probe times flows with this).
-TEST_CASE(a_buffered_message_reports_when_it_arrived) {
+// Messages that arrived before their receives were posted report when their last byte was read,
+// not when a receive claimed them later (the probe times flows with this): three kept messages,
+// claimed out of order, each with its own time.
+TEST_CASE(buffered_messages_report_when_they_arrived) {
   TcpMesh::Secret secret{};
   TcpMesh mesh(0, 2, "127.0.0.1", secret,
                [](int, Deadline, const Cancelled&) -> HostPort { throw CommError("no store in this test"); });
-  P2PEngine engine(0, 2, &mesh);
+  TrafficCounters traffic(2);
+  P2PEngine engine(0, 2, &mesh, &traffic);
   int fds[2];
   REQUIRE(::socketpair(AF_UNIX, SOCK_STREAM, 0, fds) == 0);
   ::fcntl(fds[0], F_SETFL, ::fcntl(fds[0], F_GETFL) | O_NONBLOCK);
   engine.addInbound(1, tcpLink(Socket(fds[0])));
-  P2PHeader h;
-  h.tag = 3;
-  h.bytes = 4;
-  const auto head = h.encode();
-  const Clock::time_point sent = Clock::now();
-  writeAll(fds[1], head.data(), head.size());
-  writeAll(fds[1], "abcd", 4);
-  std::this_thread::sleep_for(std::chrono::milliseconds(500));
+  Clock::time_point written[3];
+  for (int k = 0; k < 3; ++k) {
+    written[k] = Clock::now();
+    writeMessage(fds[1], k + 1, std::string(4, static_cast<char>('a' + k)));
+    waitForMessages(traffic, static_cast<uint64_t>(k) + 1);  // read and kept before the next is written
+  }
   const Clock::time_point posted = Clock::now();
-  char got[4];
-  Outcome o;
-  engine.postRecv(1, 3, got, sizeof(got), Clock::now() + std::chrono::seconds(10), 10000,
-                  [&](std::exception_ptr e, int, Clock::time_point at) { o.set(e, at); });
-  REQUIRE(o.wait(std::chrono::seconds(20)));
-  CHECK_MSG(o.error.empty(), o.error);
-  CHECK(sent <= o.at);
-  CHECK(o.at < posted);  // the engine read it well before (unless it slept half a second)
+  Clock::time_point at[3];
+  for (int k : {1, 2, 0}) {
+    char got[4];
+    Outcome o;
+    engine.postRecv(1, k + 1, got, sizeof(got), Clock::now() + std::chrono::seconds(10), 10000,
+                    [&](std::exception_ptr e, int, Clock::time_point when) { o.set(e, when); });
+    REQUIRE(o.wait(std::chrono::seconds(20)));
+    CHECK_MSG(o.error.empty(), o.error);
+    CHECK(std::string(got, 4) == std::string(4, static_cast<char>('a' + k)));
+    at[k] = o.at;
+  }
+  for (int k = 0; k < 3; ++k) {
+    CHECK(written[k] <= at[k]);
+    CHECK(at[k] <= posted);  // read before any receive was posted (the counters said so)
+  }
+  CHECK(at[0] < at[1]);
+  CHECK(at[1] < at[2]);
   engine.stop("the test is over");
   ::close(fds[1]);
 }

@@ -89,6 +89,19 @@ TEST_CASE(an_abort_word_that_names_no_rank_aborts_without_naming_one) {
   CHECK(w == ShmChannel::Wait::kAborted);
 }
 
+// A word of 0x80000000 or more read as a negative rank, that is as "nobody aborted": every wait
+// went on until its deadline. Any nonzero word aborts.
+TEST_CASE(an_abort_word_above_int_max_still_aborts) {
+  const std::string name = testName();
+  ShmChannel ch(ShmSegment::create(name, ShmChannel::segmentBytes(2, 4096, 1)), 0, 2, 4096, 1, true);
+  ShmSegment::unlink(name);
+  ch.abort(-2);  // writes 0xFFFFFFFF
+  CHECK(ch.aborted());
+  CHECK_EQ(ch.abortedBy(), -1);
+  const auto w = ch.waitFor(1, 1, Clock::now() + std::chrono::seconds(5), {});
+  CHECK(w == ShmChannel::Wait::kAborted);
+}
+
 TEST_CASE(an_abort_by_a_local_rank_names_it) {
   const std::string name = testName();
   ShmChannel ch(ShmSegment::create(name, ShmChannel::segmentBytes(3, 4096, 1)), 2, 3, 4096, 1, true);

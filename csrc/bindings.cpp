@@ -264,8 +264,9 @@ PYBIND11_MODULE(_C, m) {
         return w == nullptr ? 0.0 : w->completedAt();
       },
       py::arg("work"),
-      "When a hetcomm operation completed, in seconds of time.perf_counter()'s clock (the thread that "
-      "finished it noted it then); 0.0 before, and for an operation of another backend.");
+      "When a hetcomm operation's data moved, in seconds of time.perf_counter()'s clock: for a receive, "
+      "when the engine read the message's last byte (however late the caller looks); 0.0 before it "
+      "completed, and for an operation of another backend.");
   m.def("tls_available", [] {
         std::string why;
         const bool ok = hetcomm::tls::available(&why);

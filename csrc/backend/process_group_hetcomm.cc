@@ -721,9 +721,9 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupHetcomm::send(std::vector<at::Tensor>
   const auto timeout = options_.timeout;
   // The lambda keeps `data` (and its storage) alive until the bytes are on the wire.
   p2p_->postSend(dstRank, tag, static_cast<const char*>(data.data_ptr()), data.nbytes(), Clock::now() + timeout,
-                 timeout.count(), [work, data](std::exception_ptr e, int /*peer*/) {
+                 timeout.count(), [work, data](std::exception_ptr e, int /*peer*/, Clock::time_point at) {
                    (void)data;
-                   work->complete(asDistError(e));
+                   work->complete(asDistError(e), at);
                  });
   return work;
 }
@@ -740,7 +740,7 @@ void ProcessGroupHetcomm::monitoredBarrier(const c10d::BarrierOptions& opts, boo
   auto post = [&](bool send, int peer) {
     auto op = std::make_shared<Pending>();
     auto result = op->done.get_future();
-    auto finish = [op](std::exception_ptr e, int) { op->done.set_value(e); };
+    auto finish = [op](std::exception_ptr e, int, Clock::time_point) { op->done.set_value(e); };
     if (send) {
       p2p_->postSend(peer, kTag, op->byte.data(), 1, deadline, timeout.count(), finish);
     } else {
@@ -816,7 +816,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupHetcomm::postReceive(std::vector<at::
                                                "hetcomm:recv", std::vector<at::Tensor>{target}, 0, completions_, stream);
   const auto timeout = options_.timeout;
   p2p_->postRecv(srcRank, tag, static_cast<char*>(buffer.data_ptr()), buffer.nbytes(), Clock::now() + timeout,
-                 timeout.count(), [work, target, buffer, stream, targetReady](std::exception_ptr e, int peer) {
+                 timeout.count(), [work, target, buffer, stream, targetReady](std::exception_ptr e, int peer,
+                                                                              Clock::time_point at) {
                    if (!e) {
                      try {
                        if (stream) {
@@ -834,7 +835,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupHetcomm::postReceive(std::vector<at::
                      }
                    }
                    if (!e && peer >= 0) work->setSourceRank(peer);
-                   work->complete(asDistError(e));
+                   work->complete(asDistError(e), at);
                  });
   return work;
 }

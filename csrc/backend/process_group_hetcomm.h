@@ -33,9 +33,9 @@
 #include "algorithms/device_ops.h"
 #include "algorithms/local_group.h"
 #include "backend/completion_pool.h"
-#include "transport/p2p_engine.h"
 #include "backend/work.h"
 #include "common/traffic.h"
+#include "transport/p2p_engine.h"
 #include "transport/tcp_mesh.h"
 
 namespace hetcomm {

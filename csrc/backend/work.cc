@@ -1,7 +1,5 @@
 #include "backend/work.h"
 
-#include <time.h>
-
 #include <c10/core/StreamGuard.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
 
@@ -40,10 +38,9 @@ void WorkHetcomm::synchronize() {
   if (done_) done_->block(c10::impl::VirtualGuardImpl(stream_->device_type()).getStream(stream_->device()));
 }
 
-void WorkHetcomm::complete(std::exception_ptr error) {
-  timespec now{};
-  ::clock_gettime(CLOCK_MONOTONIC, &now);
-  completedAt_.store(static_cast<double>(now.tv_sec) + 1e-9 * static_cast<double>(now.tv_nsec), std::memory_order_release);
+void WorkHetcomm::complete(std::exception_ptr error, Clock::time_point at) {
+  if (at == Clock::time_point{}) at = Clock::now();
+  completedAt_.store(std::chrono::duration<double>(at.time_since_epoch()).count(), std::memory_order_release);
   if (stream_ && !error) {
     done_.emplace(stream_->device_type());
     done_->record(*stream_);

@@ -9,6 +9,8 @@
 #include <memory>
 #include <optional>
 
+#include "transport/socket.h"  // Clock
+
 #include "backend/completion_pool.h"
 
 namespace hetcomm {
@@ -42,12 +44,13 @@ class WorkHetcomm : public c10d::Work {
   void synchronize() override;
 
   // Called once, by whoever finished the operation (the worker or the point-to-point engine),
-  // after the operation's last device work was enqueued on the stream.
-  void complete(std::exception_ptr error);
-  // When complete() was called, in seconds of the monotonic clock (CLOCK_MONOTONIC, the clock of
-  // Python's time.perf_counter() on Linux); 0 before. The point-to-point engine completes a
-  // receive on its own thread as its last byte arrives, so this is when the message was in,
-  // however late the caller looks (the probe times flows with it).
+  // after the operation's last device work was enqueued on the stream. `at`: when its data moved
+  // (the point-to-point engine says when it read a message's last byte); unset: now.
+  void complete(std::exception_ptr error, Clock::time_point at = {});
+  // complete()'s `at` in seconds of the monotonic clock (steady_clock is CLOCK_MONOTONIC with
+  // libstdc++, the clock of Python's time.perf_counter() on Linux); 0 before. For a receive that is
+  // when the engine read the message's last byte off the link, however late the caller looks
+  // (the probe times flows with it); for CUDA tensors, before the copy to the device.
   double completedAt() const { return completedAt_.load(std::memory_order_acquire); }
 
  private:

@@ -4,6 +4,8 @@
 #include <poll.h>
 #include <sys/socket.h>
 
+#include <algorithm>
+#include <array>
 #include <cstring>
 #include <vector>
 
@@ -31,8 +33,6 @@ class TlsLink final : public Link {
   TlsLink(Socket socket, std::unique_ptr<tls::Session> session) : socket_(std::move(socket)), session_(std::move(session)) {
     HC_ENFORCE(session_ != nullptr && session_->fd() == socket_.fd(), "a TLS link needs the session of its own socket");
   }
-  // The session goes first: it must never outlive the descriptor it uses (members are destroyed
-  // in reverse order: session_, then socket_).
   Kind kind() const override { return Kind::kTls; }
   ssize_t send(const void* data, size_t len) override { return session_->write(data, len); }
   ssize_t recv(void* data, size_t len) override { return session_->read(data, len); }
@@ -41,6 +41,7 @@ class TlsLink final : public Link {
   bool receivable() const override { return session_->pending(); }
 
  private:
+  // Destroyed in reverse order: the session first, which must never outlive the descriptor it uses.
   Socket socket_;
   std::unique_ptr<tls::Session> session_;
 };
@@ -91,37 +92,48 @@ bool Link::hungUp() const {
 int waitLinks(LinkWait* waits, size_t n, std::chrono::nanoseconds timeout, int wakeFd, bool* woken) {
   if (woken != nullptr) *woken = false;
   // One pollfd per link (two entries for one link, a send and a receive, share it), then the
-  // wake-up descriptor.
-  std::vector<pollfd> fds;
-  std::vector<size_t> slot(n);
+  // wake-up descriptor. A pipeline waits on one or two links a segment: those stay on the stack.
+  constexpr size_t kOnStack = 4;
+  std::array<pollfd, kOnStack + 1> fdsOnStack;
+  std::array<size_t, kOnStack> slotOnStack;
+  std::vector<pollfd> fdsOnHeap;
+  std::vector<size_t> slotOnHeap;
+  if (n > kOnStack) {
+    fdsOnHeap.resize(n + 1);
+    slotOnHeap.resize(n);
+  }
+  pollfd* fds = n > kOnStack ? fdsOnHeap.data() : fdsOnStack.data();
+  size_t* slot = n > kOnStack ? slotOnHeap.data() : slotOnStack.data();
+  size_t nfds = 0;
   bool receivableNow = false;
   for (size_t i = 0; i < n; ++i) {
     waits[i].ready = false;
     const short events = static_cast<short>((waits[i].send ? POLLOUT : 0) | (waits[i].recv ? POLLIN : 0));
     const int fd = waits[i].link->pollFd();
     size_t k = 0;
-    while (k < fds.size() && fds[k].fd != fd) ++k;
-    if (k == fds.size()) fds.push_back({fd, 0, 0});
+    while (k < nfds && fds[k].fd != fd) ++k;
+    if (k == nfds) fds[nfds++] = {fd, 0, 0};
     fds[k].events = static_cast<short>(fds[k].events | events);
     slot[i] = k;
     receivableNow = receivableNow || (waits[i].recv && waits[i].link->receivable());
   }
-  if (wakeFd >= 0) fds.push_back({wakeFd, POLLIN, 0});
+  const size_t wakeSlot = nfds;
+  if (wakeFd >= 0) fds[nfds++] = {wakeFd, POLLIN, 0};
   // Bytes already decrypted are not in the socket: look at the others without sleeping.
   const timespec zero{0, 0};
   const timespec ts = toTimespec(timeout);
-  const int rc = ::ppoll(fds.data(), fds.size(), receivableNow ? &zero : (timeout.count() < 0 ? nullptr : &ts), nullptr);
+  const int rc = ::ppoll(fds, nfds, receivableNow ? &zero : (timeout.count() < 0 ? nullptr : &ts), nullptr);
   if (rc < 0 && errno != EINTR) return -1;
   int ready = 0;
   for (size_t i = 0; i < n; ++i) {
     const short revents = rc > 0 ? fds[slot[i]].revents : 0;
     const bool moves = (waits[i].send && (revents & (POLLOUT | POLLERR | POLLHUP)) != 0) ||
-                       (waits[i].recv && ((revents & (POLLIN | POLLERR | POLLHUP | POLLRDHUP)) != 0 || waits[i].link->receivable()));
+                       (waits[i].recv && ((revents & (POLLIN | POLLERR | POLLHUP)) != 0 || waits[i].link->receivable()));
     const bool failed = (revents & POLLNVAL) != 0;
     waits[i].ready = moves || failed;
     if (waits[i].ready) ++ready;
   }
-  if (wakeFd >= 0 && rc > 0 && fds.back().revents != 0) {
+  if (wakeFd >= 0 && rc > 0 && fds[wakeSlot].revents != 0) {
     if (woken != nullptr) *woken = true;
   }
   if (rc < 0 && ready == 0) {

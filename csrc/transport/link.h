@@ -13,7 +13,8 @@
 //    but the caller has not read count as receivable without the socket being readable, so a
 //    waiter never sleeps on them.
 //
-// One thread at a time does I/O on a link; shutdown() may come from any thread.
+// One thread at a time sends on a link and one at a time receives (the two may differ: a TLS
+// session serialises them); shutdown() and hungUp() may come from any thread.
 #include <sys/types.h>
 
 #include <chrono>

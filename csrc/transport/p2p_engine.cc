@@ -112,7 +112,7 @@ void P2PEngine::runCallbacks(Finished& finished) {
   }
   for (Finishing& f : finished) {
     try {
-      f.done(f.error, f.peer);
+      f.done(f.error, f.peer, f.at == Clock::time_point{} ? Clock::now() : f.at);
     }
     HETCOMM_RETHROW_FORCED_UNWIND
     catch (const std::exception& e) {
@@ -182,6 +182,7 @@ void P2PEngine::postRecv(int peer, int64_t tag, char* data, size_t bytes, Deadli
     if (from >= 0) {
       Peer& p = peers_[from];
       std::vector<char> payload = std::move(it->payload);
+      const Clock::time_point at = it->at;  // before the erase, which invalidates `it`
       p.unexpected.erase(it);
       p.unexpectedBytes -= payload.size();
       if (payload.size() != bytes) {
@@ -191,7 +192,7 @@ void P2PEngine::postRecv(int peer, int64_t tag, char* data, size_t bytes, Deadli
                             from});
       } else {
         if (bytes > 0) std::memcpy(data, payload.data(), bytes);
-        finished.push_back({std::move(op.done), nullptr, from});
+        finished.push_back({std::move(op.done), nullptr, from, at});
       }
     }
     if (finished.empty()) {
@@ -446,7 +447,7 @@ void P2PEngine::progressSends(int peer, Peer& p, Finished& finished) {
     }
     if (op.headerDone == op.header.size() && op.dataDone == op.bytes) {
       if (traffic_ != nullptr) traffic_->addP2PSent();
-      finished.push_back({std::move(op.done), nullptr, peer});
+      finished.push_back({std::move(op.done), nullptr, peer, Clock::now()});
       p.sends.pop_front();
     }
   }
@@ -479,16 +480,17 @@ void P2PEngine::breakInbound(int peer, Peer& p, const std::string& why, Finished
 }
 
 void P2PEngine::deliver(int peer, Peer& p, Finished& finished) {
+  const Clock::time_point at = Clock::now();  // its last byte was just read
   Incoming& in = p.incoming;
   if (in.matched) {
-    finished.push_back({std::move(in.op.done), nullptr, peer});
+    finished.push_back({std::move(in.op.done), nullptr, peer, at});
     return;
   }
   // A receive may have been posted while this message was arriving unclaimed.
   Op op;
   if (!claimReceive(peer, in.parsed.tag, op)) {
     p.unexpectedBytes += in.unexpected.size();
-    p.unexpected.push_back({in.parsed.tag, in.arrived, std::move(in.unexpected)});
+    p.unexpected.push_back({in.parsed.tag, in.arrived, std::move(in.unexpected), at});
     return;
   }
   if (op.bytes != in.parsed.bytes) {
@@ -498,7 +500,7 @@ void P2PEngine::deliver(int peer, Peer& p, Finished& finished) {
                         peer});
   } else {
     if (op.bytes > 0) std::memcpy(op.data, in.unexpected.data(), op.bytes);
-    finished.push_back({std::move(op.done), nullptr, peer});
+    finished.push_back({std::move(op.done), nullptr, peer, at});
   }
 }
 
@@ -522,10 +524,12 @@ void P2PEngine::progressRecvs(int peer, Peer& p, Finished& finished) {
         in.matched = true;
         in.waitsForRoom = false;
         in.op = std::move(op);
-      } else if (p.unexpectedBytes + in.parsed.bytes <= unexpectedBudget_ || in.parsed.bytes == 0) {
+      } else if (in.parsed.bytes == 0 || (in.parsed.bytes <= unexpectedBudget_ &&
+                                          p.unexpectedBytes <= unexpectedBudget_ - in.parsed.bytes)) {
+        // (Compared so that no sum can wrap: the size comes off the wire, 2^64 - 8 included.)
         try {
           in.unexpected.resize(in.parsed.bytes);
-        } catch (const std::bad_alloc&) {
+        } catch (const std::exception&) {  // bad_alloc, or length_error for what no vector can hold
           return breakInbound(peer, p, strCat("cannot buffer the ", in.parsed.bytes, "-byte message with tag ",
                                               in.parsed.tag, " from rank ", peer, ": out of memory"), finished);
         }

@@ -47,9 +47,11 @@ namespace hetcomm {
 
 class P2PEngine {
  public:
-  // Called once per operation with its error (null on success) and the rank the data came from
-  // (receives) or went to (sends).
-  using Done = std::function<void(std::exception_ptr, int peer)>;
+  // Called once per operation with its error (null on success), the rank the data came from
+  // (receives) or went to (sends), and when the engine moved its last byte (read it off the link,
+  // or handed it to the link; for a failure, when the callback runs): not when the callback of a
+  // success runs, which may be after the engine has moved other peers' bytes in the same pass.
+  using Done = std::function<void(std::exception_ptr, int peer, Clock::time_point at)>;
   static constexpr int kAnySource = -1;
 
   // traffic (may be null) counts the bytes of every message written or read, headers included,
@@ -120,6 +122,7 @@ class P2PEngine {
       int64_t tag;
       uint64_t arrived;  // arrival order across peers (receives from any source take the earliest)
       std::vector<char> payload;
+      Clock::time_point at;  // when its last byte was read
     };
     std::deque<Unclaimed> unexpected;  // arrival order
     size_t unexpectedBytes = 0;
@@ -131,6 +134,7 @@ class P2PEngine {
     Done done;
     std::exception_ptr error;
     int peer;
+    Clock::time_point at{};  // when its last byte moved; unset: when the callback runs
   };
   using Finished = std::vector<Finishing>;
   // Connector and prober threads; finished ones are joined by the loop, the rest by stop().

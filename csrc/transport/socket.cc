@@ -117,7 +117,21 @@ HostPort HostPort::parse(const std::string& text) {
   HostPort hp;
   hp.host = text.substr(0, colon);
   if (hp.host.size() >= 2 && hp.host.front() == '[' && hp.host.back() == ']') hp.host = hp.host.substr(1, hp.host.size() - 2);
-  hp.port = static_cast<uint16_t>(std::stoi(text.substr(colon + 1)));
+  // Digits only, 1..65535: an address comes from the store, and "h:70000" must not become 4464
+  // (stoi's exceptions are no CommError either).
+  const std::string port = text.substr(colon + 1);
+  uint32_t value = 0;
+  for (char c : port) {
+    if (c < '0' || c > '9' || value > 65535) {
+      value = 0;
+      break;
+    }
+    value = value * 10 + static_cast<uint32_t>(c - '0');
+  }
+  if (value == 0 || value > 65535 || port.size() > 5) {
+    throw CommError(strCat("hetcomm: malformed address '", text, "' (the port must be a number from 1 to 65535)"));
+  }
+  hp.port = static_cast<uint16_t>(value);
   return hp;
 }
 

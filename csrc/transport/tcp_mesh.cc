@@ -56,7 +56,7 @@ std::array<uint8_t, kMacBytes> handshakeMac(HandshakeRole role, const TcpMesh::S
 }
 
 TcpMesh::TcpMesh(int rank, int size, const std::string& listenIp, const Secret& secret, PeerLookup lookup)
-    : rank_(rank), size_(size), secret_(secret), lookup_(std::move(lookup)), collective_(size) {
+    : rank_(rank), size_(size), secret_(secret), lookup_(std::move(lookup)), collective_(size), connecting_(size, false) {
   listener_ = listenOn(listenIp, 0);
   listenAddress_ = boundAddress(listener_.fd());
   if (::pipe2(wakePipe_, O_CLOEXEC | O_NONBLOCK) != 0) throw CommError("hetcomm: pipe2 failed");
@@ -241,8 +241,31 @@ Link& TcpMesh::collectiveLink(int peer, Deadline deadline) {
       }
     }
   }
-  std::unique_ptr<Link> link = connectAndGreet(peer, Channel::kCollective, deadline, {});
+  // This rank opens the connection. One thread at a time: two callers at once (the worker and a
+  // setup on the caller's thread) would open two, and whichever the peer took second it closes,
+  // while replacing the first here would free a link the other caller still uses.
+  {
+    std::unique_lock<std::mutex> lock(mu_);
+    if (!cv_.wait_until(lock, deadline, [&] { return !connecting_[peer] || aborted_ || closed_; })) {
+      throw TimeoutError(strCat("hetcomm: rank ", rank_, " timed out connecting to rank ", peer,
+                                " (another thread of this rank was connecting to it)"));
+    }
+    if (aborted_ || closed_) throw CommError("hetcomm: the group's connections were shut down after an error");
+    if (collective_[peer]) return *collective_[peer];
+    connecting_[peer] = true;
+  }
+  std::unique_ptr<Link> link;
+  try {
+    link = connectAndGreet(peer, Channel::kCollective, deadline, {});
+  } catch (...) {
+    std::lock_guard<std::mutex> lock(mu_);
+    connecting_[peer] = false;
+    cv_.notify_all();
+    throw;
+  }
   std::lock_guard<std::mutex> lock(mu_);
+  connecting_[peer] = false;
+  cv_.notify_all();
   if (aborted_ || closed_) throw CommError("hetcomm: the group's connections were shut down after an error");
   collective_[peer] = std::move(link);
   return *collective_[peer];
@@ -442,13 +465,17 @@ void TcpMesh::reapGreeters() {
   for (Greeter& t : finished) t.thread.join();  // finished: returns at once
 }
 
-bool TcpMesh::startsWithTls(const Socket& socket) {
+int TcpMesh::firstByte(const Socket& socket) {
   uint8_t first = 0;
-  return ::recv(socket.fd(), &first, 1, MSG_PEEK) == 1 && first == 0x16;  // a TLS handshake record
+  const ssize_t n = ::recv(socket.fd(), &first, 1, MSG_PEEK);
+  if (n == 1) return first;
+  return n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR) ? kNoByteYet : kClosed;
 }
 
 bool TcpMesh::progressGreeting(Greeting& g) {
-  if (!g.link && startsWithTls(g.socket)) {
+  const int first = g.link ? kClosed : firstByte(g.socket);
+  if (!g.link && first == kNoByteYet) return false;
+  if (!g.link && first == 0x16) {  // a TLS handshake record
     if (!tls_) {
       reject(g.from, "it opened a TLS connection, but HETCOMM_TLS is off on this rank (a rank with HETCOMM_TLS "
                      "set, or not a hetcomm rank)");
@@ -475,7 +502,7 @@ bool TcpMesh::progressGreeting(Greeting& g) {
     if (!refused.empty()) reject(from, refused);
     return true;
   }
-  if (!g.link) g.link = tcpLink(std::move(g.socket));  // a cleartext greeting
+  if (!g.link) g.link = tcpLink(std::move(g.socket));  // a cleartext greeting (or a closed one: recv says)
   uint8_t* buf = g.challenged ? g.proof.data() : g.hello.data();
   const size_t want = g.challenged ? g.proof.size() : g.hello.size();
   ssize_t n = g.link->recv(buf + g.got, want - g.got);
@@ -546,7 +573,15 @@ void TcpMesh::acceptGreeting(Greeting& g) {
     throw CommError(strCat("it claimed to be rank ", hello.rank, " but could not prove that it knows the group secret"));
   }
   // A member on a link that needs TLS, in clear: told why (it proved it is one of ours), then closed.
-  if (g.link->kind() != Link::Kind::kTls && tls_ && needsTls_(hello.rank, g.deadline, [this] { return stopConnects_.load(); })) {
+  // The policy is asked without waiting (deadline: now; its store lookup is one request, not a
+  // poll). This runs on the listener thread, which progresses every other greeting too, and a
+  // rank publishes its site (tlsPolicy in process_group_hetcomm.cc, a store set in its
+  // constructor) before it connects anywhere, and every connector asks the same store for the
+  // acceptor's address first, which the store answers after that set: a site not there yet means
+  // no member is asking (a rank without HETCOMM_TLS publishes none: refused, as it would be).
+  // Waiting for it (up to the handshake timeout) let anyone with the secret stall every incoming
+  // handshake. A member refused anyway tries again (connectAndGreet), so none is refused for good.
+  if (g.link->kind() != Link::Kind::kTls && tls_ && needsTls_(hello.rank, Clock::now(), [this] { return stopConnects_.load(); })) {
     const std::string why = strCat("rank ", hello.rank, " connected without TLS, but HETCOMM_TLS=", tlsMode_, " on rank ",
                                    rank_, " requires it on this link (is HETCOMM_TLS the same on every rank?)");
     const auto head = HelloAck::encodeRefusal(why.size());

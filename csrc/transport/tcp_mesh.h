@@ -119,8 +119,11 @@ class TcpMesh {
   void reject(const std::string& from, const std::string& why, bool quiet = false);
   // A connection that starts with a TLS record: its whole greeting on a thread of its own.
   void greetTls(Greeting g);
-  // Whether the first bytes waiting on a new connection are a TLS record (does not consume them).
-  static bool startsWithTls(const Socket& socket);
+  // The first byte waiting on a new connection (not consumed), kNoByteYet, or kClosed (the end of
+  // the stream or an error: the greeting is then rejected, quietly). 0x16 starts a TLS record.
+  static constexpr int kNoByteYet = -1;
+  static constexpr int kClosed = -2;
+  static int firstByte(const Socket& socket);
   void reapGreeters();
   // Accepts one connection from the listener's queue into `greetings`; never blocks.
   void acceptOne(std::vector<Greeting>& greetings, Socket& spare, Deadline& pausedUntil);
@@ -147,7 +150,8 @@ class TcpMesh {
 
   mutable std::mutex mu_;
   std::condition_variable cv_;
-  std::vector<std::unique_ptr<Link>> collective_;  // by peer rank
+  std::vector<std::unique_ptr<Link>> collective_;  // by peer rank; set once, freed by close()
+  std::vector<bool> connecting_;                   // a thread of ours is opening collective_[peer]
   bool aborted_ = false;
   bool closed_ = false;
   std::atomic<bool> stopConnects_{false};  // abort() or close(): blocked connects give up

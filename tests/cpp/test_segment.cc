@@ -1,6 +1,6 @@
 // ShmSegment (csrc/transport/shm/segment.h): what open() accepts. A name in the group's store
 // could point at any file in /dev/shm; only this user's own private segment of the right size is
-// mapped.
+// mapped. And ShmChannel (channel.h) reads the shared abort word without trusting it.
 #include <fcntl.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
@@ -11,6 +11,7 @@
 #include <string>
 
 #include "check.h"
+#include "transport/shm/channel.h"
 #include "transport/shm/segment.h"
 
 using namespace hetcomm;
@@ -68,4 +69,45 @@ TEST_CASE(a_world_or_group_accessible_segment_is_refused) {
   std::string why;
   CHECK(opens(name, 8192, &why));
   ShmSegment::unlink(name);
+}
+
+// The abort word is shared memory: a value that names no local rank (written here through
+// abort() as garbage in the word would be) still aborts every wait, and abortedBy() never hands
+// it out as an index (it did: local_collectives.cc indexed the host's ranks with it).
+TEST_CASE(an_abort_word_that_names_no_rank_aborts_without_naming_one) {
+  const std::string name = testName();
+  constexpr int kLocal = 2;
+  constexpr size_t kSlot = 4096;
+  ShmChannel ch(ShmSegment::create(name, ShmChannel::segmentBytes(kLocal, kSlot, 1)), 0, kLocal, kSlot, 1, true);
+  ShmSegment::unlink(name);
+  CHECK(!ch.aborted());
+  CHECK_EQ(ch.abortedBy(), -1);
+  ch.abort(kLocal + 5);
+  CHECK(ch.aborted());
+  CHECK_EQ(ch.abortedBy(), -1);
+  const auto w = ch.waitFor(1, 1, Clock::now() + std::chrono::seconds(5), {});
+  CHECK(w == ShmChannel::Wait::kAborted);
+}
+
+// A word of 0x80000000 or more read as a negative rank, that is as "nobody aborted": every wait
+// went on until its deadline. Any nonzero word aborts.
+TEST_CASE(an_abort_word_above_int_max_still_aborts) {
+  const std::string name = testName();
+  ShmChannel ch(ShmSegment::create(name, ShmChannel::segmentBytes(2, 4096, 1)), 0, 2, 4096, 1, true);
+  ShmSegment::unlink(name);
+  ch.abort(-2);  // writes 0xFFFFFFFF
+  CHECK(ch.aborted());
+  CHECK_EQ(ch.abortedBy(), -1);
+  const auto w = ch.waitFor(1, 1, Clock::now() + std::chrono::seconds(5), {});
+  CHECK(w == ShmChannel::Wait::kAborted);
+}
+
+TEST_CASE(an_abort_by_a_local_rank_names_it) {
+  const std::string name = testName();
+  ShmChannel ch(ShmSegment::create(name, ShmChannel::segmentBytes(3, 4096, 1)), 2, 3, 4096, 1, true);
+  ShmSegment::unlink(name);
+  ch.abort(1);
+  ch.abort(0);  // the first caller wins
+  CHECK(ch.aborted());
+  CHECK_EQ(ch.abortedBy(), 1);
 }

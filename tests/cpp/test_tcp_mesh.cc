@@ -7,6 +7,8 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <cstdio>
+#include <string>
 #include <chrono>
 #include <thread>
 
@@ -15,6 +17,8 @@
 #include "transport/framing.h"
 #include "transport/socket.h"
 #include "transport/tcp_mesh.h"
+#include "transport/tls.h"
+#include "tls_pki.h"
 
 using namespace hetcomm;
 
@@ -179,4 +183,53 @@ TEST_CASE(abort_interrupts_a_connector_waiting_for_its_peer_address) {
   });
   CHECK_THROWS_AS(other.connectP2P(1, in(60), [&] { return stop.load(); }), CancelledError);
   stopper.join();
+}
+
+// Addresses come from the store: a port that is no number from 1 to 65535 is a CommError saying
+// so (stoi threw std::invalid_argument for "h:x", and "h:70000" became port 4464).
+TEST_CASE(a_malformed_port_is_a_comm_error) {
+  CHECK_EQ(HostPort::parse("10.0.0.5:4711").port, 4711);
+  CHECK(HostPort::parse("[::1]:65535").host == "::1");
+  CHECK_EQ(HostPort::parse("[::1]:65535").port, 65535);
+  for (const char* bad : {"h:70000", "h:65536", "h:0", "h:x", "h:-1", "h: 80", "h:80x", "h:99999999999999999999", "h:"}) {
+    bool threw = false;
+    try {
+      HostPort::parse(bad);
+    } catch (const CommError& e) {
+      threw = std::string(e.what()).find("malformed address") != std::string::npos;
+    } catch (...) {
+    }
+    CHECK_MSG(threw, bad);
+  }
+}
+
+// A clear-text greeting on a mesh with TLS: the listener asks the link policy (which may look a
+// site up in the store) without waiting, since it progresses every other greeting meanwhile. It
+// gave the policy the handshake's deadline (3 s), so anyone with the secret could stall the
+// listener that long per connection.
+TEST_CASE(the_listener_asks_the_tls_policy_without_waiting) {
+  const tls_pki::Pki& pki = tls_pki::Pki::get();
+  std::string why;
+  if (!tls::available(&why)) SKIP_TEST("OpenSSL cannot be loaded: " + why);
+  if (!pki.error().empty()) SKIP_TEST(pki.error());
+  tls::Config c;
+  c.mode = tls::Config::Mode::kInterSite;
+  c.cert = pki.path("a.pem");
+  c.key = pki.path("a.key");
+  c.ca = pki.path("caA.pem");
+  TcpMesh acceptor(0, 2, "127.0.0.1", testSecret(), fixedLookup(deadAddress()));
+  std::atomic<int64_t> slackMs{-1000000};
+  acceptor.setTls(tls::Context::create(c), "inter-site", [&](int, Deadline deadline, const Cancelled&) {
+    slackMs = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()).count();
+    return true;  // this link needs TLS
+  });
+  TcpMesh connector(1, 2, "127.0.0.1", testSecret(), fixedLookup(acceptor.listenAddress()));
+  std::string refused;
+  try {
+    connector.connectP2P(0, in(20));
+  } catch (const CommError& e) {
+    refused = e.what();
+  }
+  CHECK_MSG(refused.find("without TLS") != std::string::npos, refused);
+  CHECK_MSG(slackMs.load() <= 0, std::to_string(slackMs.load()) + " ms");
 }

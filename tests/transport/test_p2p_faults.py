@@ -23,8 +23,6 @@ PG_TIMEOUT_S = 30.0
 HANG_BOUND_S = 15.0  # well under PG_TIMEOUT_S: only waiting for the timeout can exceed it
 
 
-
-
 def peer_exits_then_p2p(rank: int, world_size: int, op: str) -> dict | None:
     """Rank 1 exits once the group works; rank 0 then sends to it or receives from it, then
     destroys the group."""

@@ -131,14 +131,14 @@ ShmChannel::Wait ShmChannel::waitFor(int peer, uint32_t target, Deadline deadlin
     if ((i & 63) == 0) {
       const auto now = Clock::now();
       if (now >= yieldUntil) break;
-      if (abortedBy() >= 0) return Wait::kAborted;
+      if (aborted()) return Wait::kAborted;
       if (now >= spinUntil) sched_yield();
     }
     cpuRelax();
   }
   auto nextLivenessCheck = start + kLivenessEvery;
   while (true) {
-    if (abortedBy() >= 0) return Wait::kAborted;
+    if (aborted()) return Wait::kAborted;
     const auto now = Clock::now();
     if (now >= deadline) return Wait::kTimedOut;
     if (peerAlive && now >= nextLivenessCheck) {
@@ -147,7 +147,7 @@ ShmChannel::Wait ShmChannel::waitFor(int peer, uint32_t target, Deadline deadlin
     }
     __atomic_fetch_add(&w->waiters, 1, __ATOMIC_SEQ_CST);
     const uint32_t seen = __atomic_load_n(&w->progress, __ATOMIC_SEQ_CST);
-    if (!reached(seen, target) && abortedBy() < 0) {
+    if (!reached(seen, target) && !aborted()) {
       const auto sleep = std::min<std::chrono::nanoseconds>(kMaxSleep, deadline - now);
       futexWait(&w->progress, seen, sleep);
     }
@@ -164,8 +164,13 @@ void ShmChannel::abort(int by) {
   for (int l = 0; l < localSize_; ++l) futexWakeAll(&word(l)->progress);
 }
 
+bool ShmChannel::aborted() const { return __atomic_load_n(&control()->abortedBy, __ATOMIC_ACQUIRE) != 0; }
+
 int ShmChannel::abortedBy() const {
-  return static_cast<int>(__atomic_load_n(&control()->abortedBy, __ATOMIC_ACQUIRE)) - 1;
+  // Every rank of the host can write this word: anything but a local rank + 1 (a bug, or a segment
+  // someone else wrote into) still means aborted, but by no rank it can name.
+  const uint32_t v = __atomic_load_n(&control()->abortedBy, __ATOMIC_ACQUIRE);
+  return v >= 1 && v <= static_cast<uint32_t>(localSize_) ? static_cast<int>(v) - 1 : -1;
 }
 
 }  // namespace hetcomm

@@ -76,7 +76,9 @@ class ShmChannel {
 
   // Records that local rank `by` gave up (the first caller wins) and wakes every sleeper.
   void abort(int by);
-  // The local rank that aborted the channel, or -1.
+  // Whether anyone aborted the channel, and which local rank did: -1 when none did, or when the
+  // word names no local rank (it is shared memory: never used as an index unchecked).
+  bool aborted() const;
   int abortedBy() const;
 
   static bool reached(uint32_t value, uint32_t target) { return static_cast<int32_t>(value - target) >= 0; }

@@ -90,17 +90,19 @@ PYBIND11_MODULE(_C, m) {
   py::class_<hetcomm::ProcessGroupHetcomm, c10d::Backend, NoGilDestructorPtr<hetcomm::ProcessGroupHetcomm>>(
       m, "ProcessGroupHetcomm")
       .def(py::init([](const c10::intrusive_ptr<c10d::Store>& store, int rank, int size, int64_t timeoutMs,
-                       const std::string& listenIp) {
+                       const std::string& listenIp, std::vector<int64_t> globalRanks) {
              hetcomm::ProcessGroupHetcomm::Options options;
              options.timeout = std::chrono::milliseconds(timeoutMs);
              options.listenIp = listenIp;
+             options.globalRanks = std::move(globalRanks);
              // Creation waits on the store for the other ranks: let other Python threads run.
              py::gil_scoped_release release;
              auto group = c10::make_intrusive<hetcomm::ProcessGroupHetcomm>(store, rank, size, options);
              hetcomm::registerLiveGroup(group);
              return NoGilDestructorPtr<hetcomm::ProcessGroupHetcomm>(std::move(group));
            }),
-           py::arg("store"), py::arg("rank"), py::arg("size"), py::arg("timeout_ms"), py::arg("listen_ip") = "")
+           py::arg("store"), py::arg("rank"), py::arg("size"), py::arg("timeout_ms"), py::arg("listen_ip") = "",
+           py::arg("global_ranks") = std::vector<int64_t>{})
       .def("listen_address", &hetcomm::ProcessGroupHetcomm::listenAddress,
            "This rank's listening address, ip:port.")
       .def("link_security", &hetcomm::ProcessGroupHetcomm::collectiveLinkSecurity,
@@ -204,6 +206,9 @@ PYBIND11_MODULE(_C, m) {
       .def("inner_levels", &hetcomm::ProcessGroupHetcomm::innerLevels,
            "The inner levels of this rank's host in use: [host memory's] or [host memory's, CUDA tensors'] "
            "(shm, gloo, nccl); [] when the ranks of each host talk over TCP.")
+      .def("sealed_store", &hetcomm::ProcessGroupHetcomm::sealedStore,
+           "The group's store as hetcomm uses it: with HETCOMM_SECRET(_FILE), one that seals what it "
+           "writes and ignores values that fail their MAC (for the rendezvous of torch groups it makes).")
       .def("incarnation", &hetcomm::ProcessGroupHetcomm::incarnation,
            "This group's tag (16 hex digits, the same on every rank; from its secret): store keys of this "
            "group carry it.")

@@ -5,8 +5,10 @@
 // meet; the name carries the group's incarnation too). It publishes the name in the group's store
 // *before* creating the segment, and then whether it made it; the keys carry the group's
 // incarnation (from its fresh secret), so a name an earlier group under the same prefix left
-// behind is never read. The name is unlinked as soon as every rank of the host has tried to open
-// it, so that from then on only the mappings hold the memory: by the creator, and by the last
+// behind is never read; with an out-of-band secret they are sealed too (backend/sealed_store.h),
+// so a store writer can neither name another segment nor make a host fall back to TCP (a forged
+// record fails the set-up instead). The name is unlinked as soon as every rank of the host has
+// tried to open it, so that from then on only the mappings hold the memory: by the creator, and by the last
 // rank to open it (the creator may have died in between). A rank that gives up waiting for the
 // creator to say whether it made the segment unlinks the name too: a creator killed between
 // creating and unlinking leaves nothing in /dev/shm once the others give up (at the group's
@@ -23,6 +25,7 @@
 
 #include <algorithm>
 #include <random>
+#include <thread>
 
 #include "backend/process_group_hetcomm.h"
 #include "backend/torch_inner.h"
@@ -36,6 +39,7 @@ namespace {
 
 constexpr int kDepth = 2;  // slot buffers per rank: one being filled while the other is read
 constexpr size_t kMinSlotBytes = 4096;
+constexpr size_t kMaxReasonBytes = 1024;  // of the creator's error, as quoted in the others' (from the store)
 
 std::string shmKey(const std::string& incarnation, int leader, const char* what) {
   return strCat("hetcomm/shm/", incarnation, "/", leader, "/", what);
@@ -128,12 +132,45 @@ std::string ProcessGroupHetcomm::attachLocal(const std::vector<int64_t>& hostOf,
   const size_t bytes = ShmChannel::segmentBytes(L, slot, kDepth);
   std::unique_ptr<ShmChannel> channel;
   UnlinkGuard unlinkAtExit(incarnation_);
-  // What is left of the set-up's time (every wait shares one deadline).
-  auto remaining = [&] {
-    return std::max(std::chrono::milliseconds(1),
-                    std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()));
-  };
   auto key = [&](const char* what) { return shmKey(incarnation_, leader, what); };
+  // One of the leader's records, polled until one opens (sealed with an out-of-band secret) or the
+  // set-up's deadline. A forged one is ignored and, should no authentic one come, fails the group
+  // rather than falling back: a store writer must not quietly push a host onto TCP.
+  auto leaderRecord = [&](const char* what) {
+    bool forged = false;
+    while (true) {
+      std::vector<uint8_t> v;
+      const SealedStore::Read read = store_->tryGet(key(what), v);
+      if (read == SealedStore::Read::kValue) return std::string(v.begin(), v.end());
+      forged = forged || read == SealedStore::Read::kForged;
+      if (Clock::now() >= deadline) {
+        throw TimeoutError(strCat("no ", forged ? "authentic " : "", "record '", what, "' of the host's first rank ",
+                                  leader, " within ", options_.timeout.count(), " ms",
+                                  forged ? " (the one in the store fails its MAC)" : ""));
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(2));
+    }
+  };
+  // Each other rank of the host says in the store that it has tried to open the segment: one key
+  // each, set and read, never a counter (the store closes the connection of a client that adds to a
+  // value a store writer filled with garbage). A key counts only when it opens (sealed with an
+  // out-of-band secret): a forged one could make a rank unlink the name before a slow one opened it.
+  std::vector<std::string> doneKeys;
+  for (int i = 1; i < L; ++i) doneKeys.push_back(shmKey(incarnation_, leader, strCat("done/", i).c_str()));
+  auto saidDone = [&](int l) {
+    std::vector<uint8_t> v;
+    return store_->tryGet(doneKeys[l - 1], v) == SealedStore::Read::kValue;
+  };
+  // Whether every other rank of the host is past opening the segment: one that mapped it says so
+  // in the segment itself (where no store writer reaches), one that could not in the store (asked
+  // only when `askStore`: polled every millisecond, the segment costs nothing, the store a round
+  // trip per rank).
+  auto settled = [&](bool askStore) {
+    for (int l = 1; l < L; ++l) {
+      if (!(channel && channel->attached(l)) && !(askStore && saidDone(l))) return false;
+    }
+    return true;
+  };
   try {
     if (me == 0) {
       const std::string name = error.empty() ? randomSegmentName(incarnation_) : "";
@@ -151,9 +188,17 @@ std::string ProcessGroupHetcomm::attachLocal(const std::vector<int64_t>& hostOf,
       }
       if (!error.empty()) made = "!" + error;
       store_->set(key("made"), std::vector<uint8_t>(made.begin(), made.end()));
-      store_->add(key("done"), 1);
-      // Unlink once everyone has tried to open it, so that nothing outlives the ranks.
-      while (store_->add(key("done"), 0) < L && Clock::now() < deadline) {
+      // Unlink once everyone has tried to open it, so that nothing outlives the ranks. Meanwhile the
+      // two records stay as written (with an out-of-band secret, the others ignore forged ones and
+      // wait for these).
+      StoreRecords records;
+      for (const auto& [what, value] : {std::pair<const char*, const std::string&>{"name", name}, {"made", made}}) {
+        records.emplace_back(key(what), store_->sealed(key(what), std::vector<uint8_t>(value.begin(), value.end())));
+      }
+      for (int i = 1; !settled(i % 10 == 0) && Clock::now() < deadline; ++i) {
+        if (store_->sealing() && i % 20 == 0) {
+          for (const auto& [k, raw] : records) putBack(*store_->inner(), k, raw);
+        }
         std::this_thread::sleep_for(std::chrono::milliseconds(1));
       }
       unlinkAtExit.unlinkNow();
@@ -161,20 +206,17 @@ std::string ProcessGroupHetcomm::attachLocal(const std::vector<int64_t>& hostOf,
         error = strCat("the other ranks of this host did not open the shared memory segment within ",
                        options_.timeout.count(), " ms");
       }
-      for (const char* what : {"name", "made", "done"}) store_->deleteKey(key(what));
+      for (const char* what : {"name", "made"}) store_->deleteKey(key(what));
+      for (const std::string& done : doneKeys) store_->deleteKey(done);
     } else {
-      store_->wait({key("name")}, remaining());
-      const std::vector<uint8_t> n = store_->get(key("name"));
-      const std::string name(n.begin(), n.end());
+      const std::string name = leaderRecord("name");
       unlinkAtExit.arm(name);  // the creator may die before it says whether it made the segment
-      store_->wait({key("made")}, remaining());
-      const std::vector<uint8_t> v = store_->get(key("made"));
-      const std::string made(v.begin(), v.end());
+      const std::string made = leaderRecord("made");
       // The creator is there: from now on only the last rank to open the segment unlinks it, so a
       // rank that fails here does not take the name from the others still opening it.
       unlinkAtExit.arm("");
       if (!made.empty()) {
-        error = strCat("rank ", leader, " could not create it: ", made.substr(made[0] == '!' ? 1 : 0));
+        error = strCat("rank ", leader, " could not create it: ", excerpt(made.substr(made[0] == '!' ? 1 : 0), kMaxReasonBytes));
       } else if (!isSegmentName(name, incarnation_)) {
         error = strCat("the store names no segment of this group (", name.size(), " bytes)");
       } else if (error.empty()) {
@@ -184,7 +226,9 @@ std::string ProcessGroupHetcomm::attachLocal(const std::vector<int64_t>& hostOf,
           error = e.what();
         }
       }
-      if (store_->add(key("done"), 1) >= L) unlinkAtExit.arm(name);  // the last to open it
+      // Mapped: the segment says so (no store key to leak). Not mapped: say so in the store.
+      if (!channel) store_->set(doneKeys[me - 1], std::vector<uint8_t>{1});
+      if (settled(true)) unlinkAtExit.arm(name);  // the last to open it (or one of the last)
     }
   } catch (const std::exception& e) {
     // The store failed: that is not a reason to fall back, it is a broken group.

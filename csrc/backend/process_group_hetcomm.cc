@@ -25,16 +25,16 @@
 #include "common/env.h"
 #include "common/logging.h"
 #include "common/threads.h"
-#include "transport/hmac.h"
+#include "backend/peer_records.h"
+#include "backend/sealed_store.h"
 
 namespace hetcomm {
 namespace {
 
-constexpr const char* kSecretKey = "hetcomm/secret";
-// How many ranks have joined, and how many have left: the last to leave removes the group's keys
-// (a rank may still look a peer's address up until it leaves itself).
-constexpr const char* kJoinedKey = "hetcomm/joined";
-constexpr const char* kLeftKey = "hetcomm/left";
+// Which ranks of this incarnation have left, one key each: the last to leave removes the group's
+// keys (a rank may still look a peer's address up until it leaves itself). Not a counter: the
+// store closes the connection of a client that adds to a value a store writer filled with garbage.
+std::string leftKey(const std::string& incarnation, int rank) { return strCat("hetcomm/left/", incarnation, "/", rank); }
 // The group's first failure, "rank R: cause", written by the first rank that fails (compare-and-set):
 // the ranks that share no connection with it learn it from here (watchFailures).
 constexpr const char* kFailedKey = "hetcomm/failed";
@@ -43,15 +43,16 @@ HETCOMM_PARAM(paramFailurePollMs, "HETCOMM_FAILURE_POLL_MS", 500)
 constexpr std::chrono::milliseconds kWatchStoreTimeout{2000};
 // How long a failing rank waits for its report to reach the store before it shuts its links.
 constexpr std::chrono::milliseconds kReportWait{300};
-std::string addressKey(int rank) { return strCat("hetcomm/addr/", rank); }
-// A rank's site label, published when HETCOMM_TLS=inter-site (before its address).
-std::string siteKey(int rank) { return strCat("hetcomm/site/", rank); }
+std::string addressKey(const std::string& incarnation, int rank) { return strCat("hetcomm/addr/", incarnation, "/", rank); }
 // Where a rank leaves the reason it gave up, for the peers that only see its connection close.
-std::string abortKey(int rank) { return strCat("hetcomm/abort/", rank); }
+std::string abortKey(const std::string& incarnation, int rank) {
+  return strCat("hetcomm/abort/", incarnation, "/", rank);
+}
 // How long a rank that lost a peer waits for that peer's reason to appear in the store. A rank
 // that fails writes its reason before it closes its links (failGroup), so a short wait suffices;
 // a killed one leaves none, and every survivor would wait this long for nothing.
 constexpr std::chrono::milliseconds kAbortReasonWait{500};
+constexpr size_t kMaxAbortReasonBytes = 2048;
 // The emulated device (HETCOMM_DEBUG_EMULATE_DEVICE): small slots and few of them, so that the
 // tests' medium-sized tensors already span several slots and wait for slots to come free, and a
 // random pause before each queued operation, so that missing waits show up as wrong bytes.
@@ -115,81 +116,6 @@ bool storeGone(const HostPort& address) {
   }
 }
 
-// This process's site for HETCOMM_TLS=inter-site: HETCOMM_SITE, else its entry of HETCOMM_SITES
-// (by the job's RANK, as torchrun and the simulator set it), else its host (boot id and network
-// namespace): without a declaration of sites, every link that leaves a host is encrypted.
-std::string siteLabel(int rank) {
-  const std::string own = envStr("HETCOMM_SITE");
-  if (!own.empty()) return "site:" + own;
-  const std::string all = envStr("HETCOMM_SITES"), job = envStr("RANK");
-  if (!all.empty() && !job.empty()) {
-    std::vector<std::string> items(1);
-    for (char c : all) {
-      if (c == ',') {
-        items.emplace_back();
-      } else if (c != ' ') {
-        items.back() += c;
-      }
-    }
-    const int64_t r = envInt("RANK", -1);
-    if (r >= 0 && r < static_cast<int64_t>(items.size())) return "site:" + items[r];
-  }
-  std::string boot = "unknown-boot";
-  if (FILE* f = std::fopen("/proc/sys/kernel/random/boot_id", "r")) {
-    char buf[64] = {0};
-    if (std::fgets(buf, sizeof(buf), f) != nullptr) boot = buf;
-    std::fclose(f);
-  }
-  struct stat st {};
-  const unsigned long long netns = ::stat("/proc/self/ns/net", &st) == 0 ? static_cast<unsigned long long>(st.st_ino) : 0;
-  static std::once_flag said;
-  std::call_once(said, [rank] {
-    HC_LOG(kInfo, "rank ", rank, ": HETCOMM_TLS=inter-site without HETCOMM_SITE or HETCOMM_SITES (with RANK): "
-           "every link that leaves a host is encrypted");
-  });
-  return strCat("host:", boot, ":", netns);
-}
-
-// Which links of the group TLS covers (HETCOMM_TLS): every one, or those whose ends publish
-// different site labels (looked up once per peer, polled like an address).
-TcpMesh::LinkPolicy tlsPolicy(const tls::Config& config, const c10::intrusive_ptr<c10d::Store>& store, int rank,
-                             int size) {
-  if (config.mode == tls::Config::Mode::kAll) return [](int, Deadline, const Cancelled&) { return true; };
-  const std::string own = siteLabel(rank);
-  store->set(siteKey(rank), std::vector<uint8_t>(own.begin(), own.end()));
-  struct Cache {
-    std::mutex mu;
-    std::vector<std::optional<std::string>> sites;
-  };
-  auto cache = std::make_shared<Cache>();
-  cache->sites.resize(size);
-  return [store, rank, own, cache](int peer, Deadline deadline, const Cancelled& cancelled) {
-    {
-      std::lock_guard<std::mutex> lock(cache->mu);
-      if (cache->sites[peer]) return *cache->sites[peer] != own;
-    }
-    const std::string key = siteKey(peer);
-    try {
-      while (!store->check({key})) {
-        if (cancelled && cancelled()) throw CancelledError(strCat("hetcomm: rank ", rank, " gave up waiting for rank ", peer, "'s site"));
-        if (Clock::now() >= deadline) {
-          throw TimeoutError(strCat("hetcomm: rank ", rank, " timed out waiting for rank ", peer, " to publish its site "
-                                    "(HETCOMM_TLS=inter-site: is HETCOMM_TLS the same on every rank?)"));
-        }
-        std::this_thread::sleep_for(std::chrono::milliseconds(kCancelPollMs));
-      }
-      const std::vector<uint8_t> v = store->get(key);
-      std::lock_guard<std::mutex> lock(cache->mu);
-      cache->sites[peer] = std::string(v.begin(), v.end());
-      return *cache->sites[peer] != own;
-    } catch (const CommError&) {
-      throw;
-    } catch (const std::exception& e) {
-      throw StoreUnreachableError(strCat("hetcomm: rank ", rank, " cannot look up rank ", peer, "'s site: ", e.what()));
-    }
-  };
-}
-
 std::exception_ptr distError(const std::string& message) {
   try {
     C10_THROW_ERROR(DistBackendError, message);
@@ -215,7 +141,6 @@ std::exception_ptr asDistError(std::exception_ptr e) {
 ProcessGroupHetcomm::ProcessGroupHetcomm(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
                                          Options options)
     : c10d::Backend(rank, size),
-      store_(store),
       options_(std::move(options)),
       completions_(std::make_shared<CompletionPool>()),
       traffic_(std::make_shared<TrafficCounters>(size)),
@@ -224,70 +149,39 @@ ProcessGroupHetcomm::ProcessGroupHetcomm(const c10::intrusive_ptr<c10d::Store>& 
     emulatedDevice_ = std::make_unique<EmulatedDeviceOps>(kEmulatedSlotBytes, kEmulatedSlots, kEmulatedJitterUs);
   }
   try {
-    const std::string ip = options_.listenIp.empty() ? chooseListenIp(store_) : options_.listenIp;
-    storeAddress_ = numericStoreAddress(store_);
-    TcpMesh::Secret secret{};
-    if (rank == 0) {
-      std::random_device rd;
-      for (auto& b : secret) b = static_cast<uint8_t>(rd());
-      // A group made again under the same prefix (after an abort, on the user's own store) must not
-      // inherit the last one's failure or leave count.
-      for (const char* key : {kFailedKey, kLeftKey, kJoinedKey}) store_->deleteKey(key);
-      store_->set(kSecretKey, std::vector<uint8_t>(secret.begin(), secret.end()));
-    } else {
-      store_->wait({kSecretKey}, options_.timeout);
-      std::vector<uint8_t> got = store_->get(kSecretKey);
-      TORCH_CHECK(got.size() == secret.size(), "hetcomm: malformed group secret in the store");
-      std::copy(got.begin(), got.end(), secret.begin());
-    }
-    store_->add(kJoinedKey, 1);
+    const std::string ip = options_.listenIp.empty() ? chooseListenIp(store) : options_.listenIp;
+    storeAddress_ = numericStoreAddress(store);
+    // A group made again under the same prefix (after an abort, on the user's own store) must not
+    // inherit the last one's failure.
+    const GroupKeys keys = agreeGroupKeys(*store, rank, size, options_.globalRanks, options_.timeout, {kFailedKey}, kept_);
     // This incarnation of the group: failure reports carry it, so a late one of an earlier group
     // under the same prefix is ignored.
-    const Sha256Digest digest = sha256(secret.data(), secret.size());
-    for (size_t i = 0; i < 8; ++i) incarnation_ += strCat(std::hex, static_cast<int>(digest[i] >> 4), static_cast<int>(digest[i] & 15));
-    auto store = store_;
-    // Polled rather than one long store wait, so that an abort or a shutdown interrupts it. A
-    // store that cannot be reached raises StoreUnreachableError (c10's own errors would escape
-    // the handlers of the threads that look addresses up).
-    auto lookup = [store, rank](int peer, Deadline deadline, const Cancelled& cancelled) {
-      const std::string key = addressKey(peer);
-      auto ask = [&](auto&& call) {
-        try {
-          return call();
-        } catch (const CommError&) {
-          throw;
-        } catch (const std::exception& e) {
-          throw StoreUnreachableError(strCat("hetcomm: rank ", rank, " cannot look up rank ", peer,
-                                             "'s address: the store is unreachable: ", e.what()));
-        }
-      };
-      while (!ask([&] { return store->check({key}); })) {
-        if (cancelled && cancelled()) {
-          throw CancelledError(strCat("hetcomm: rank ", rank, " gave up waiting for rank ", peer,
-                                      "'s address: the process group is shutting down"));
-        }
-        if (Clock::now() >= deadline) {
-          throw TimeoutError(strCat("hetcomm: rank ", rank, " timed out waiting for rank ", peer,
-                                    " to publish its address (did it create the process group?)"));
-        }
-        std::this_thread::sleep_for(std::chrono::milliseconds(kCancelPollMs));
-      }
-      std::vector<uint8_t> v = ask([&] { return store->get(key); });
-      return HostPort::parse(std::string(v.begin(), v.end()));
+    incarnation_ = keys.incarnation;
+    store_ = c10::make_intrusive<SealedStore>(store, keys.seal);
+    auto lookup = [store = store_, rank, incarnation = incarnation_](int peer, Deadline deadline,
+                                                                      const Cancelled& cancelled) {
+      return HostPort::parse(awaitPeerRecord(*store, addressKey(incarnation, peer), rank, peer, "address",
+                                             "(did it create the process group?)", deadline, cancelled));
     };
-    mesh_ = std::make_unique<TcpMesh>(rank, size, ip, secret, lookup);
+    // What this rank publishes, and keeps there with an out-of-band secret (restoreKept).
+    auto publish = [this](const std::string& key, const std::string& value) {
+      const std::vector<uint8_t> bytes(value.begin(), value.end());
+      store_->set(key, bytes);
+      if (store_->sealing()) kept_.emplace_back(key, store_->sealed(key, bytes));
+    };
+    mesh_ = std::make_unique<TcpMesh>(rank, size, ip, keys.mesh, lookup);
     const tls::Config tlsConfig = tls::configFromEnv();
     if (tlsConfig.mode != tls::Config::Mode::kOff) {
       // Before the address is published: no peer can connect before the mesh knows its policy.
       mesh_->setTls(tls::Context::create(tlsConfig), tls::modeName(tlsConfig.mode),
-                    tlsPolicy(tlsConfig, store_, rank, size));
+                    tlsPolicy(tlsConfig, store_, incarnation_, rank, size, options_.globalRanks, publish));
     }
     p2p_ = std::make_unique<P2PEngine>(rank, size, mesh_.get(), traffic_.get());
     mesh_->setInboundP2PHandler([this](int peer, std::unique_ptr<Link> link) { p2p_->addInbound(peer, std::move(link)); });
     mesh_->setFailureHandler([this](const std::string& what) { failGroup(what); });
     p2p_->setFailureHandler([this](const std::string& what) { failGroup(what); });
     const std::string addr = mesh_->listenAddress().str();
-    store_->set(addressKey(rank), std::vector<uint8_t>(addr.begin(), addr.end()));
+    publish(addressKey(incarnation_, rank), addr);
     HC_LOG(kInfo, "rank ", rank, "/", size, " listening on ", addr);
   } catch (const CommError& e) {
     TORCH_CHECK(false, "hetcomm: cannot create the process group on rank ", rank, ": ", e.what());
@@ -298,9 +192,9 @@ ProcessGroupHetcomm::ProcessGroupHetcomm(const c10::intrusive_ptr<c10d::Store>& 
 }
 
 void ProcessGroupHetcomm::startFailureWatch() {
-  c10::intrusive_ptr<c10d::Store> store;
+  c10::intrusive_ptr<SealedStore> store;
   try {
-    store = store_->clone();
+    store = store_->cloneSealed();
     store->setTimeout(kWatchStoreTimeout);
   } catch (const std::exception& e) {
     // A store that cannot be cloned (a Python store): failures reach the other ranks over the links only.
@@ -317,7 +211,12 @@ void ProcessGroupHetcomm::startFailureWatch() {
     }
     return !p2p_->idle();
   };
+  watch->failed = [this] {
+    std::lock_guard<std::mutex> lock(mu_);
+    return !brokenReason_.empty();
+  };
   watch->fail = [this](const std::string& why) { failGroup(why); };
+  watch->kept = kept_;
   try {
     startThread("failure watcher", [watch, store, incarnation = incarnation_, rank = rank_] {
       watchFailures(watch, store, incarnation, rank);
@@ -336,6 +235,7 @@ void ProcessGroupHetcomm::stopFailureWatch() {
     std::lock_guard<std::mutex> lock(watch_->mu);
     watch_->stop = true;
     watch_->busy = nullptr;
+    watch_->failed = nullptr;
     watch_->fail = nullptr;
   }
   watch_->cv.notify_all();
@@ -353,9 +253,23 @@ void ProcessGroupHetcomm::workerDied(const std::string& what) {
   for (Pending& op : orphans) op.work->complete(distError(what));
 }
 
+void ProcessGroupHetcomm::restoreKept(FailureWatch& watch, SealedStore& store, int rank) {
+  for (const auto& [key, raw] : watch.kept) {
+    try {
+      if (!putBack(*store.inner(), key, raw)) continue;
+    } catch (const std::exception&) {
+      return;  // the store is unreachable now
+    }
+    if (watch.restored.insert(key).second) {
+      HC_LOG(kWarn, "hetcomm: rank ", rank, " put its record '", key, "' back in the store: someone replaced or "
+             "removed it");
+    }
+  }
+}
+
 // Detached, and holding only `watch` and its own store clone: a store call that outlasts the group
 // (a store host that stopped answering) keeps nothing of the group alive or waiting.
-void ProcessGroupHetcomm::watchFailures(std::shared_ptr<FailureWatch> watch, c10::intrusive_ptr<c10d::Store> store,
+void ProcessGroupHetcomm::watchFailures(std::shared_ptr<FailureWatch> watch, c10::intrusive_ptr<SealedStore> store,
                                         std::string incarnation, int rank) {
   {
     const auto poll = std::chrono::milliseconds(std::max<int64_t>(10, paramFailurePollMs()));
@@ -365,21 +279,27 @@ void ProcessGroupHetcomm::watchFailures(std::shared_ptr<FailureWatch> watch, c10
         std::unique_lock<std::mutex> lock(watch->mu);
         watch->cv.wait_for(lock, poll, [&] { return watch->stop; });
         if (watch->stop) return;
+        // Under the lock: never after shutdown went on to remove the group's keys.
+        // Every poll while the group is young (creation, first connections), then every tenth:
+        // each look is a store round trip per record, on every rank.
+        const bool look = watch->polls < 60 || watch->polls % 10 == 0;
+        ++watch->polls;
+        if (look && !watch->kept.empty() && !watch->failed()) restoreKept(*watch, *store, rank);
         if (!watch->busy()) continue;  // nothing waits: nothing to fail
       }
       std::string failed;
       try {
-        if (store->check({kFailedKey})) {
-          const std::vector<uint8_t> v = store->get(kFailedKey);
-          failed.assign(v.begin(), v.end());
-        }
+        // One that fails its seal (a store writer's) is ignored: only a member can fail the group.
+        std::vector<uint8_t> v;
+        if (store->tryGet(kFailedKey, v) == SealedStore::Read::kValue) failed.assign(v.begin(), v.end());
       } catch (const std::exception&) {
         continue;  // the store is unreachable now: the links still tell what they know
       }
       if (failed.rfind(tag, 0) != 0) continue;  // none, or an earlier group's
       std::lock_guard<std::mutex> lock(watch->mu);
       if (watch->stop) return;
-      watch->fail(strCat("hetcomm: rank ", rank, " stops: the process group failed on ", failed.substr(tag.size())));
+      watch->fail(strCat("hetcomm: rank ", rank, " stops: the process group failed on ",
+                         excerpt(failed.substr(tag.size()), kMaxAbortReasonBytes)));
     }
   }
 }
@@ -576,10 +496,12 @@ std::string ProcessGroupHetcomm::failWith(const CollectiveContext& ctx, const st
 
 std::string ProcessGroupHetcomm::peerAbortReason(int peer) {
   try {
-    const std::string key = abortKey(peer);
+    const std::string key = abortKey(incarnation_, peer);
     store_->wait({key}, kAbortReasonWait);
-    std::vector<uint8_t> v = store_->get(key);
-    return std::string(v.begin(), v.end());
+    std::vector<uint8_t> v;
+    if (store_->tryGet(key, v) != SealedStore::Read::kValue) return "";
+    // Bounded and printable: it ends up in every error message of this rank.
+    return excerpt(std::string(v.begin(), v.end()), kMaxAbortReasonBytes);
   } catch (const std::exception&) {
     return "";  // it left none (killed?), or the store is gone with it
   }
@@ -602,7 +524,7 @@ void ProcessGroupHetcomm::failGroup(const std::string& reason) {
   // consequence, is what they read): waited for briefly. Detached: a store whose host died must
   // not delay the abort any longer; the store outlives the thread's short work.
   auto store = store_;
-  const std::string key = abortKey(rank_);
+  const std::string key = abortKey(incarnation_, rank_);
   const std::string first = strCat(incarnation_, "|rank ", rank_, ": ", reason);
   auto reported = std::make_shared<std::promise<void>>();
   std::future<void> done = reported->get_future();
@@ -674,13 +596,32 @@ void ProcessGroupHetcomm::shutdown() {
     if (storeGone(storeAddress_)) {
       HC_LOG(kInfo, "hetcomm: rank ", rank_, ": the store at ", storeAddress_.str(),
              " has gone (refused); the group's keys went with it");
-    } else if (store_->add(kLeftKey, 1) >= size_) {
-      for (int r = 0; r < size_; ++r) {
-        store_->deleteKey(addressKey(r));
-        store_->deleteKey(siteKey(r));
-        store_->deleteKey(abortKey(r));
+    } else {
+      std::vector<std::string> left;
+      for (int r = 0; r < size_; ++r) left.push_back(leftKey(incarnation_, r));
+      store_->set(left[rank_], std::vector<uint8_t>{1});
+      // Every rank has left (the last few may all see it: deleting twice is harmless). With an
+      // out-of-band secret each mark must open: a store writer must not make a rank remove the keys
+      // (the failure record among them) while the others still run.
+      auto allLeft = [&] {
+        if (!store_->check(left)) return false;
+        if (!store_->sealing()) return true;
+        std::vector<uint8_t> v;
+        for (const std::string& key : left) {
+          if (store_->tryGet(key, v) != SealedStore::Read::kValue) return false;
+        }
+        return true;
+      };
+      if (allLeft()) {
+        for (int r = 0; r < size_; ++r) {
+          for (const std::string& key : {addressKey(incarnation_, r), siteKey(incarnation_, r), abortKey(incarnation_, r),
+                                         left[r]}) {
+            store_->deleteKey(key);
+          }
+        }
+        store_->deleteKey(kFailedKey);
+        deleteGroupKeyRecords(*store_, size_, store_->sealing());
       }
-      for (const char* key : {kSecretKey, kJoinedKey, kLeftKey, kFailedKey}) store_->deleteKey(key);
     }
   } catch (const std::exception&) {
     // The store's host already exited; the keys went with it.

@@ -26,6 +26,7 @@
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <set>
 #include <string>
 #include <thread>
 
@@ -33,6 +34,7 @@
 #include "algorithms/device_ops.h"
 #include "algorithms/local_group.h"
 #include "backend/completion_pool.h"
+#include "backend/sealed_store.h"
 #include "backend/work.h"
 #include "common/traffic.h"
 #include "transport/p2p_engine.h"
@@ -45,6 +47,8 @@ class ProcessGroupHetcomm : public c10d::Backend {
   struct Options {
     std::chrono::milliseconds timeout{30 * 60 * 1000};
     std::string listenIp;  // empty: HETCOMM_SOCKET_IFNAME, else the address that reaches the store
+    // Each group rank's rank in the job (empty: unknown), for HETCOMM_SITES, which is per job rank.
+    std::vector<int64_t> globalRanks;
   };
 
   ProcessGroupHetcomm(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size, Options options);
@@ -140,6 +144,9 @@ class ProcessGroupHetcomm : public c10d::Backend {
   // omitted when CUDA tensors use the first); empty when the ranks of each host talk over TCP.
   std::vector<std::string> innerLevels() const;
   const std::string& incarnation() const { return incarnation_; }
+  // The group's store as hetcomm uses it: values sealed with an out-of-band secret (for the torch
+  // groups it makes as a host's inner level), else the store it was given.
+  c10::intrusive_ptr<c10d::Store> sealedStore() const { return store_; }
 
   // Called when the last strong reference goes while weak ones remain (the registry of live
   // groups, backend/live_groups.h, holds one): the group is unused from here, so it shuts down
@@ -201,15 +208,24 @@ class ProcessGroupHetcomm : public c10d::Backend {
     std::condition_variable cv;
     bool stop = false;
     std::function<bool()> busy;
+    std::function<bool()> failed;  // the group failed (its records are left alone then)
     std::function<void(const std::string&)> fail;
+    // With an out-of-band secret: this rank's records as they stand in the store, put back when
+    // someone replaced or removed them (readers ignore a forged one and wait for the real one).
+    StoreRecords kept;
+    std::set<std::string> restored;  // keys put back at least once (said once each)
+    uint64_t polls = 0;              // the watcher's wake-ups so far
   };
   // Fails the group when another rank wrote its failure to the store (while operations are pending).
-  static void watchFailures(std::shared_ptr<FailureWatch> watch, c10::intrusive_ptr<c10d::Store> store,
+  // Puts back what a store writer replaced of watch.kept (with watch.mu held).
+  static void restoreKept(FailureWatch& watch, SealedStore& store, int rank);
+  static void watchFailures(std::shared_ptr<FailureWatch> watch, c10::intrusive_ptr<SealedStore> store,
                             std::string incarnation, int rank);
   void startFailureWatch();
   void stopFailureWatch();
 
-  c10::intrusive_ptr<c10d::Store> store_;
+  // The group's store, sealing hetcomm's values with an out-of-band secret (backend/sealed_store.h).
+  c10::intrusive_ptr<SealedStore> store_;
   HostPort storeAddress_;  // the TCPStore's numeric address, resolved at creation (empty: another store)
   Options options_;
   std::shared_ptr<CompletionPool> completions_;
@@ -238,7 +254,8 @@ class ProcessGroupHetcomm : public c10d::Backend {
   std::unique_ptr<DeviceOps> emulatedDevice_;
   std::string workerError_;  // set if the worker died; guarded by mu_
   std::thread worker_;
-  std::string incarnation_;  // this group's tag in failure reports (from its secret)
+  std::string incarnation_;  // this group's tag in store keys and failure reports (from its keys)
+  StoreRecords kept_;        // what the failure watcher keeps in the store (FailureWatch::kept)
   // The process that built the group: a child forked from it has a copy of the object but none of
   // its threads, and must not shut it down (joining threads that are not there).
   const pid_t creatorPid_ = ::getpid();

@@ -69,6 +69,27 @@ std::string strCat(const Args&... args) {
   return os.str();
 }
 
+// Text that came from outside (the store, a peer) as it may appear in an error message: at most
+// `maxBytes` of it, printable ASCII kept, every other byte as \xNN (an error message reaches
+// Python, which takes it as UTF-8: one stray byte would replace the whole error with a
+// UnicodeDecodeError), and the length said when it was cut.
+inline std::string excerpt(const std::string& text, size_t maxBytes = 200) {
+  static const char kDigits[] = "0123456789abcdef";
+  std::string out;
+  for (size_t i = 0; i < text.size() && i < maxBytes; ++i) {
+    const unsigned char c = static_cast<unsigned char>(text[i]);
+    if (c >= 0x20 && c < 0x7f) {
+      out += static_cast<char>(c);
+    } else {
+      out += "\\x";
+      out += kDigits[c >> 4];
+      out += kDigits[c & 15];
+    }
+  }
+  if (text.size() > maxBytes) out += strCat("... (", text.size(), " bytes)");
+  return out;
+}
+
 }  // namespace hetcomm
 
 #define HC_ENFORCE(cond, ...)                                                           \

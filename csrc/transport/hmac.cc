@@ -87,7 +87,10 @@ Sha256Digest sha256(const void* data, size_t len) {
   return s.finish();
 }
 
-Sha256Digest hmacSha256(const void* key, size_t keyLen, std::initializer_list<Bytes> message) {
+namespace {
+
+// HMAC's key as one block: hashed when longer, zero-padded.
+std::array<uint8_t, 64> blockKey(const void* key, size_t keyLen) {
   std::array<uint8_t, 64> k{};
   if (keyLen > k.size()) {
     const Sha256Digest d = sha256(key, keyLen);
@@ -95,6 +98,13 @@ Sha256Digest hmacSha256(const void* key, size_t keyLen, std::initializer_list<By
   } else if (keyLen > 0) {
     std::memcpy(k.data(), key, keyLen);
   }
+  return k;
+}
+
+}  // namespace
+
+Sha256Digest hmacSha256(const void* key, size_t keyLen, std::initializer_list<Bytes> message) {
+  const std::array<uint8_t, 64> k = blockKey(key, keyLen);
   std::array<uint8_t, 64> pad;
   for (size_t i = 0; i < pad.size(); ++i) pad[i] = k[i] ^ 0x36;
   Sha256 inner;
@@ -106,6 +116,36 @@ Sha256Digest hmacSha256(const void* key, size_t keyLen, std::initializer_list<By
   outer.update(pad.data(), pad.size());
   outer.update(innerDigest.data(), innerDigest.size());
   return outer.finish();
+}
+
+Sha256Digest pbkdf2Sha256(const void* password, size_t passwordLen, const void* salt, size_t saltLen,
+                          uint32_t iterations) {
+  const std::array<uint8_t, 64> k = blockKey(password, passwordLen);
+  // The padded keys' states once, copied for every HMAC of the chain.
+  std::array<uint8_t, 64> pad;
+  for (size_t i = 0; i < pad.size(); ++i) pad[i] = k[i] ^ 0x36;
+  Sha256 innerStart;
+  innerStart.update(pad.data(), pad.size());
+  for (size_t i = 0; i < pad.size(); ++i) pad[i] = k[i] ^ 0x5c;
+  Sha256 outerStart;
+  outerStart.update(pad.data(), pad.size());
+  auto hmac = [&](const uint8_t* a, size_t aLen, const uint8_t* b, size_t bLen) {
+    Sha256 inner = innerStart;
+    inner.update(a, aLen);
+    if (bLen > 0) inner.update(b, bLen);
+    const Sha256Digest d = inner.finish();
+    Sha256 outer = outerStart;
+    outer.update(d.data(), d.size());
+    return outer.finish();
+  };
+  const uint8_t blockIndex[4] = {0, 0, 0, 1};
+  Sha256Digest u = hmac(static_cast<const uint8_t*>(salt), saltLen, blockIndex, 4);
+  Sha256Digest out = u;
+  for (uint32_t i = 1; i < iterations; ++i) {
+    u = hmac(u.data(), u.size(), nullptr, 0);
+    for (size_t j = 0; j < out.size(); ++j) out[j] ^= u[j];
+  }
+  return out;
 }
 
 bool constantTimeEqual(const uint8_t* a, const uint8_t* b, size_t len) {

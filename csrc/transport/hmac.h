@@ -35,6 +35,10 @@ struct Bytes {
 };
 Sha256Digest hmacSha256(const void* key, size_t keyLen, std::initializer_list<Bytes> message);
 
+// PBKDF2-HMAC-SHA-256 (RFC 8018) with one block of output: slows down guessing a weak secret.
+Sha256Digest pbkdf2Sha256(const void* password, size_t passwordLen, const void* salt, size_t saltLen,
+                          uint32_t iterations);
+
 // Compares in time independent of where the inputs differ.
 bool constantTimeEqual(const uint8_t* a, const uint8_t* b, size_t len);
 

@@ -112,7 +112,7 @@ std::string HostPort::str() const {
 HostPort HostPort::parse(const std::string& text) {
   auto colon = text.rfind(':');
   if (colon == std::string::npos || colon + 1 >= text.size()) {
-    throw CommError(strCat("hetcomm: malformed address '", text, "' (expected host:port)"));
+    throw CommError(strCat("hetcomm: malformed address '", excerpt(text, 80), "' (expected host:port)"));
   }
   HostPort hp;
   hp.host = text.substr(0, colon);
@@ -129,7 +129,8 @@ HostPort HostPort::parse(const std::string& text) {
     value = value * 10 + static_cast<uint32_t>(c - '0');
   }
   if (value == 0 || value > 65535 || port.size() > 5) {
-    throw CommError(strCat("hetcomm: malformed address '", text, "' (the port must be a number from 1 to 65535)"));
+    throw CommError(strCat("hetcomm: malformed address '", excerpt(text, 80),
+                           "' (the port must be a number from 1 to 65535)"));
   }
   hp.port = static_cast<uint16_t>(value);
   return hp;

@@ -34,16 +34,6 @@ constexpr std::chrono::milliseconds kLivenessProbeTimeout{2000};
 
 }  // namespace
 
-std::array<uint8_t, kNonceBytes> freshNonce() {
-  thread_local std::random_device rd;
-  std::array<uint8_t, kNonceBytes> n{};
-  for (size_t i = 0; i < n.size(); i += 4) {
-    const uint32_t v = rd();
-    for (size_t j = 0; j < 4 && i + j < n.size(); ++j) n[i + j] = static_cast<uint8_t>(v >> (8 * j));
-  }
-  return n;
-}
-
 std::array<uint8_t, kMacBytes> handshakeMac(HandshakeRole role, const TcpMesh::Secret& secret,
                                             const std::array<uint8_t, Hello::kBytes>& hello, const Challenge& challenge) {
   static const char kAccept[] = "hetcomm accept";
@@ -161,7 +151,7 @@ std::unique_ptr<Link> TcpMesh::connectAndGreet(int peer, Channel channel, Deadli
         if (err.empty() && ack.refused) {
           std::string reason(ack.reasonBytes, '\0');
           recvAll(*link, reason.data(), reason.size(), deadline, what, cancelled);
-          err = strCat("it refused the connection: ", reason);
+          err = strCat("it refused the connection: ", excerpt(reason, HelloAck::kMaxReasonBytes));
         } else if (err.empty() && ack.rank != peer) {
           err = strCat("it answered as rank ", ack.rank);
         }

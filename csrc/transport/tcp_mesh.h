@@ -34,6 +34,7 @@
 #include <vector>
 
 #include "transport/framing.h"
+#include "transport/group_secret.h"  // freshNonce
 #include "transport/link.h"
 #include "transport/socket.h"
 #include "transport/tls.h"
@@ -45,7 +46,6 @@ namespace hetcomm {
 enum class HandshakeRole { kAcceptor, kConnector };
 std::array<uint8_t, kMacBytes> handshakeMac(HandshakeRole role, const std::array<uint8_t, kSecretBytes>& secret,
                                             const std::array<uint8_t, Hello::kBytes>& hello, const Challenge& challenge);
-std::array<uint8_t, kNonceBytes> freshNonce();
 
 class TcpMesh {
  public:

@@ -73,9 +73,11 @@ def _create_backend(dist_backend_opts, backend_options) -> "ProcessGroupHetcomm"
         dist_backend_opts.group_size,
         timeout_ms,
         os.environ.get("HETCOMM_LISTEN_IP", ""),
+        # (empty for the default group, whose group ranks are the job's)
+        list(getattr(dist_backend_opts, "global_ranks_in_group", None) or range(dist_backend_opts.group_size)),
     )
     configure_group(backend, getattr(dist_backend_opts, "global_ranks_in_group", None),
-                    store=dist_backend_opts.store, timeout_ms=timeout_ms)
+                    store=backend.sealed_store(), timeout_ms=timeout_ms)
     return backend
 
 

@@ -252,6 +252,10 @@ def _torch_group(kind: str, backend, labels: Sequence[int], store, timeout_ms: i
     return dist.ProcessGroupNCCL(sub, ranks.index(me), len(ranks), options)
 
 
+# What SealedStore's get says of a value that never opened (csrc/backend/sealed_store.cc).
+_AUTHENTICATION_FAILURE = "no authentic value of"
+
+
 def setup_inner_levels(backend, labels: Sequence[int], store=None, timeout_ms: int = 300_000) -> bool:
     """The inner level of each host (`inner_level_choice`): shared memory or a Gloo group for host
     memory, and NCCL for CUDA tensors; True when the group's hosts have one. A collective.
@@ -293,6 +297,13 @@ def setup_inner_levels(backend, labels: Sequence[int], store=None, timeout_ms: i
         backend.attach_inner(list(labels), group, kind, kind == "nccl")
     reasons = [_decode(r) for r in _allgather_rows(backend, _encode(error, 256))]
     failed = [(rank, why) for rank, why in enumerate(reasons) if why]
+    forged = [(rank, why) for rank, why in failed if _AUTHENTICATION_FAILURE in why]
+    if forged:
+        # A rendezvous record that failed its seal (HETCOMM_SECRET): a store writer's doing, which
+        # must fail the group rather than quietly push every host onto TCP.
+        backend.enable_local(False)
+        raise RuntimeError(f"hetcomm: the inner level of rank {forged[0][0]}'s host could not meet through the "
+                           f"store: {forged[0][1]}")
     backend.enable_local(not failed)
     if failed and backend.rank() == 0 and not _fallback_said:
         _fallback_said = True

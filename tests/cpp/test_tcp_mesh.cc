@@ -203,6 +203,23 @@ TEST_CASE(a_malformed_port_is_a_comm_error) {
   }
 }
 
+// What the store holds may be anything: an error that quotes it stays printable ASCII (Python reads
+// error messages as UTF-8) and short (a 4 MiB value must not become a 4 MiB message).
+TEST_CASE(a_malformed_address_is_quoted_printably_and_briefly) {
+  const std::string garbage = std::string("\xff\x92" "ab\n", 5) + std::string(1 << 20, 'A');
+  std::string what;
+  try {
+    HostPort::parse(garbage);
+  } catch (const CommError& e) {
+    what = e.what();
+  }
+  CHECK(what.find("\\xff\\x92ab\\x0aAAA") != std::string::npos);
+  CHECK(what.find("(1048581 bytes)") != std::string::npos);
+  CHECK(what.size() < 300);
+  for (unsigned char c : what) CHECK(c >= 0x20 && c < 0x7f);
+  CHECK_EQ(excerpt("plain text"), std::string("plain text"));
+}
+
 // A clear-text greeting on a mesh with TLS: the listener asks the link policy (which may look a
 // site up in the store) without waiting, since it progresses every other greeting meanwhile. It
 // gave the policy the handshake's deadline (3 s), so anyone with the secret could stall the

@@ -132,9 +132,12 @@ def test_tls_on_some_ranks_only_fails_with_an_error_naming_the_setting(certs) ->
         assert "HETCOMM_TLS" in message, (rank, message)
 
 
-def inter_site(rank: int, world_size: int, port: int, certs: str) -> list:
+def inter_site(rank: int, world_size: int, port: int, certs: str, declared_by: str) -> list:
     env = _tls_env(certs, f"rank{rank}", "inter-site")
-    env["HETCOMM_SITE"] = "ab"[rank // 2]
+    if declared_by == "HETCOMM_SITE":
+        env["HETCOMM_SITE"] = "ab"[rank // 2]     # each rank its own: published in the store
+    else:
+        env["HETCOMM_SITES"] = "a,a,b,b"          # every rank every site: the store plays no part
     env["HETCOMM_LOCAL"] = "tcp"  # every link on TCP, so that every pair has a link to look at
     _init(rank, world_size, port, env)
     # Every pair talks: an allgather of large tensors runs a ring, the send/recv covers the rest.
@@ -147,8 +150,9 @@ def inter_site(rank: int, world_size: int, port: int, certs: str) -> list:
     return backend_of(dist.group.WORLD).link_security()
 
 
-def test_inter_site_encrypts_exactly_the_links_between_sites(certs) -> None:
-    security = run_ranks(4, inter_site, free_port(), certs, init=None, timeout=240)
+@pytest.mark.parametrize("declared_by", ["HETCOMM_SITE", "HETCOMM_SITES"])
+def test_inter_site_encrypts_exactly_the_links_between_sites(certs, declared_by: str) -> None:
+    security = run_ranks(4, inter_site, free_port(), certs, declared_by, init=None, timeout=240)
     seen = 0
     for rank, links in enumerate(security):
         for peer, state in enumerate(links):

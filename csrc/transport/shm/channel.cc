@@ -16,7 +16,7 @@ namespace hetcomm {
 namespace {
 
 constexpr uint64_t kMagic = 0x68657463'6f6d6d31ull;  // "hetcomm1"
-constexpr uint32_t kVersion = 1;
+constexpr uint32_t kVersion = 2;  // 2: rank words carry `attached`
 constexpr auto kMaxSleep = std::chrono::milliseconds(50);
 constexpr auto kLivenessEvery = std::chrono::milliseconds(100);
 
@@ -58,6 +58,7 @@ struct ShmChannel::Control {
 struct alignas(128) ShmChannel::RankWord {
   uint32_t progress;
   uint32_t waiters;
+  uint32_t attached;  // 1 once this rank has mapped the segment and checked its layout
 };
 
 size_t ShmChannel::segmentBytes(int localSize, size_t slotBytes, int depth) {
@@ -90,7 +91,13 @@ ShmChannel::ShmChannel(ShmSegment segment, int localRank, int localSize, size_t 
                                      c->localSize, " ranks, ", c->slotBytes, "-byte slots, depth ", c->depth,
                                      ") than this rank expects (", localSize, ", ", slotBytes, ", ", depth,
                                      "): do the ranks of this host run different hetcomm versions or settings?"));
+  } else {
+    __atomic_store_n(&word(localRank)->attached, 1u, __ATOMIC_RELEASE);
   }
+}
+
+bool ShmChannel::attached(int l) const {
+  return l >= 0 && l < localSize_ && __atomic_load_n(&word(l)->attached, __ATOMIC_ACQUIRE) != 0;
 }
 
 ShmChannel::Control* ShmChannel::control() const { return reinterpret_cast<Control*>(segment_.data()); }

@@ -5,8 +5,8 @@
 // Layout of the segment (every rank computes the same from localSize, slotBytes and depth):
 //
 //   control block   magic, version, the sizes below, and the abort word (who gave up, if anyone)
-//   rank words      per local rank, on its own cache line: its progress counter and the number of
-//                   ranks asleep waiting on it
+//   rank words      per local rank, on its own cache line: its progress counter, the number of
+//                   ranks asleep waiting on it, and whether it has mapped the segment
 //   headers         [depth][localSize] x 64 bytes: each rank's description of the chunk it wrote
 //   slots           [localSize][depth] x slotBytes: the data
 //
@@ -64,6 +64,9 @@ class ShmChannel {
 
   // The chunk counter: the next chunk this rank will use (see the protocol above).
   uint64_t takeChunk() { return nextChunk_++; }
+
+  // Whether local rank l has mapped the segment (a rank that opened it says so in its word).
+  bool attached(int l) const;
 
   uint32_t progress(int l) const;
   // Sets this rank's progress (release) and wakes whoever sleeps on it.

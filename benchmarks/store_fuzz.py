@@ -273,9 +273,10 @@ def main() -> int:
 
         command = summary.pop("command")
         summary.pop("rank_logs")
-        rows = [record(RESULT, trial=rec["trial"], mutations=[f"{m.get('key')}: {m.get('value', m.get('fuzzer_error'))}"
-                                                               for m in rec["mutations"]],
-                       ranks=[{k: (v[:160] if isinstance(v, str) else v) for k, v in o.items()} for o in rec["ranks"]])
+        # Cut short, so that 200 trials stay a summary (under 128 KiB).
+        rows = [record(RESULT, trial=rec["trial"],
+                       mutations=[f"{m.get('key')}: {m.get('value', m.get('fuzzer_error'))}"[:60] for m in rec["mutations"]],
+                       ranks=[{k: (v[:100] if isinstance(v, str) else v) for k, v in o.items()} for o in rec["ranks"]])
                 for rec in records]
         write_records(args.out, [record(RUN, summary), *rows], command)
     bad = summary["rank_outcomes"]["wrong"] + summary["rank_outcomes"]["hang"] + summary["rank_outcomes"]["crash"]

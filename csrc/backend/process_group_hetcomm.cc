@@ -153,7 +153,8 @@ ProcessGroupHetcomm::ProcessGroupHetcomm(const c10::intrusive_ptr<c10d::Store>& 
     storeAddress_ = numericStoreAddress(store);
     // A group made again under the same prefix (after an abort, on the user's own store) must not
     // inherit the last one's failure.
-    const GroupKeys keys = agreeGroupKeys(*store, rank, size, options_.globalRanks, options_.timeout, {kFailedKey}, kept_);
+    keys_ = agreeGroupKeys(*store, rank, size, options_.globalRanks, options_.timeout, {kFailedKey}, kept_);
+    const GroupKeys& keys = keys_;
     // This incarnation of the group: failure reports carry it, so a late one of an earlier group
     // under the same prefix is ignored.
     incarnation_ = keys.incarnation;
@@ -619,8 +620,14 @@ void ProcessGroupHetcomm::shutdown() {
             store_->deleteKey(key);
           }
         }
-        store_->deleteKey(kFailedKey);
-        deleteGroupKeyRecords(*store_, size_, store_->sealing());
+        // The keys every incarnation shares, only while they are still this group's (a group
+        // made again under this prefix, by a rank that left first, may have written them).
+        std::vector<uint8_t> failed;
+        if (store_->tryGet(kFailedKey, failed) == SealedStore::Read::kValue &&
+            std::string(failed.begin(), failed.end()).rfind(incarnation_ + "|", 0) == 0) {
+          store_->deleteKey(kFailedKey);
+        }
+        deleteGroupKeyRecords(*store_->inner(), keys_);
       }
     }
   } catch (const std::exception&) {

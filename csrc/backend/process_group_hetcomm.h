@@ -256,6 +256,7 @@ class ProcessGroupHetcomm : public c10d::Backend {
   std::thread worker_;
   std::string incarnation_;  // this group's tag in store keys and failure reports (from its keys)
   StoreRecords kept_;        // what the failure watcher keeps in the store (FailureWatch::kept)
+  GroupKeys keys_;           // agreed at creation (backend/sealed_store.h)
   // The process that built the group: a child forked from it has a copy of the object but none of
   // its threads, and must not shut it down (joining threads that are not there).
   const pid_t creatorPid_ = ::getpid();

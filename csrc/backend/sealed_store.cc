@@ -64,7 +64,7 @@ GroupKeys keysThroughTheStore(c10d::Store& store, int rank, std::chrono::millise
       std::copy(got->begin(), got->end(), secret.begin());
       return keysFromStoreSecret(secret);
     }
-    if (readNow(store, kSealedMarkKey)) {
+    if (readNow(store, kSealedMarkKey) || readNow(store, kRecordKey)) {
       throw CommError(strCat("rank 0 has an out-of-band secret (HETCOMM_SECRET_FILE or HETCOMM_SECRET) and rank ", rank,
                              " has none: set it on every rank or on none"));
     }
@@ -92,8 +92,8 @@ std::optional<std::vector<uint8_t>> readNow(c10d::Store& store, const std::strin
       return raw;
     } catch (const c10::DistError&) {
       throw;  // the store's connection: not a missing feature
-    } catch (const c10::Error&) {
-      noCompareSet = true;  // NotImplementedError, or a Python store's assertion
+    } catch (const std::exception&) {
+      noCompareSet = true;  // NotImplementedError, a Python store's assertion or exception
     }
   }
   if (!store.check({key})) return std::nullopt;
@@ -109,7 +109,7 @@ bool putBack(c10d::Store& store, const std::string& key, const std::vector<uint8
       return true;
     } catch (const c10::DistError&) {
       throw;
-    } catch (const c10::Error&) {
+    } catch (const std::exception&) {
       noCompareSet = true;
     }
   }
@@ -168,14 +168,20 @@ std::vector<uint8_t> SealedStore::compareSet(const std::string& key, const std::
 
 std::vector<uint8_t> SealedStore::get(const std::string& key) {
   const Deadline deadline = Clock::now() + getTimeout();
+  bool forged = false;
   while (true) {
     std::vector<uint8_t> value;
-    if (tryGet(key, value) == Read::kValue) return value;
+    const Read read = tryGet(key, value);
+    if (read == Read::kValue) return value;
+    forged = forged || read == Read::kForged;
     const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
     if (left.count() <= 0) {
-      C10_THROW_ERROR(DistStoreError, strCat("hetcomm: no authentic value of '", key, "' in the store within ",
-                                             getTimeout().count(), " ms (absent, or written by someone without the "
-                                             "group's secret; or HETCOMM_SECRET differs between ranks)"));
+      C10_THROW_ERROR(DistStoreError,
+                      forged ? strCat("hetcomm: the store's value of '", key, "' failed its authentication until the "
+                                      "timeout (", getTimeout().count(), " ms): written by someone without the "
+                                      "group's secret, or HETCOMM_SECRET differs between ranks")
+                             : strCat("hetcomm: '", key, "' did not appear in the store within ", getTimeout().count(),
+                                      " ms"));
     }
     try {
       inner_->wait({key}, std::min(left, std::chrono::milliseconds(1000)));
@@ -232,6 +238,9 @@ GroupKeys agreeGroupKeys(c10d::Store& store, int rank, int size, std::vector<int
     for (const std::string& key : staleKeys) store.deleteKey(key);
     store.deleteKey(kSecretKey);
     store.deleteKey(kRecordKey);
+    // An earlier creation's nonces must not be taken for this one's: the ranks of this one put
+    // theirs back at once (they keep them there until they have the record).
+    for (int r = 1; r < size; ++r) store.deleteKey(nonceKey(r));
     store.set(kSealedMarkKey, std::vector<uint8_t>{1});
     std::vector<Nonce> nonces(size);
     nonces[0] = own;
@@ -266,6 +275,7 @@ GroupKeys agreeGroupKeys(c10d::Store& store, int rank, int size, std::vector<int
     const std::vector<uint8_t> record = groupRecord(*master, jobRanks, nonces);
     kept.emplace_back(kRecordKey, record);
     store.set(kRecordKey, record);
+    store.deleteKey(kSealedMarkKey);  // the record says as much from now on
     return *openGroupRecord(*master, jobRanks, 0, own, record);
   }
   const std::vector<uint8_t> mine(own.begin(), own.end());
@@ -275,7 +285,10 @@ GroupKeys agreeGroupKeys(c10d::Store& store, int rank, int size, std::vector<int
   Deadline forgedSince{};  // ... since then
   while (true) {
     if (std::optional<std::vector<uint8_t>> record = readNow(store, kRecordKey)) {
-      if (std::optional<GroupKeys> keys = openGroupRecord(*master, jobRanks, rank, own, *record)) return *keys;
+      if (std::optional<GroupKeys> keys = openGroupRecord(*master, jobRanks, rank, own, *record)) {
+        store.deleteKey(nonceKey(rank));  // read: the record carries it
+        return *keys;
+      }
       if (groupRecordAuthentic(*master, jobRanks, *record)) {
         forgedNow = false;  // genuine, of another creation (an earlier one's, not yet replaced)
       } else if (!forgedNow) {
@@ -305,11 +318,10 @@ GroupKeys agreeGroupKeys(c10d::Store& store, int rank, int size, std::vector<int
   }
 }
 
-void deleteGroupKeyRecords(c10d::Store& store, int size, bool outOfBand) {
-  store.deleteKey(kSecretKey);
-  store.deleteKey(kRecordKey);
-  store.deleteKey(kSealedMarkKey);
-  for (int r = 1; outOfBand && r < size; ++r) store.deleteKey(nonceKey(r));
+void deleteGroupKeyRecords(c10d::Store& store, const GroupKeys& keys) {
+  for (const char* key : {kSecretKey, kRecordKey}) {
+    if (readNow(store, key) == keys.published) store.deleteKey(key);
+  }
 }
 
 }  // namespace hetcomm

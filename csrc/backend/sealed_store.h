@@ -79,8 +79,9 @@ using StoreRecords = std::vector<std::pair<std::string, std::vector<uint8_t>>>;
 GroupKeys agreeGroupKeys(c10d::Store& store, int rank, int size, std::vector<int64_t> jobRanks,
                          std::chrono::milliseconds timeout, const std::vector<std::string>& staleKeys,
                          StoreRecords& kept);
-// Removes what agreeGroupKeys published (by the last rank to leave the group).
-void deleteGroupKeyRecords(c10d::Store& store, int size, bool outOfBand);
+// Removes what agreeGroupKeys published (by the last rank to leave the group), but only while it
+// is still this group's: a group made again under the same prefix may have replaced it already.
+void deleteGroupKeyRecords(c10d::Store& store, const GroupKeys& keys);
 // A key's raw value now, without waiting (nullopt: absent); a key removed meanwhile reads as absent.
 std::optional<std::vector<uint8_t>> readNow(c10d::Store& store, const std::string& key);
 // Puts `value` at `key` unless it is there already (one round trip when it is); whether another

@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cstdlib>
 #include <cstring>
 #include <map>
 #include <mutex>
@@ -152,12 +153,19 @@ std::optional<Sha256Digest> outOfBandSecret(const std::string& file, const std::
 }
 
 std::optional<Sha256Digest> outOfBandSecretFromEnv() {
+  // Set but empty (`HETCOMM_SECRET=$(cat /missing)`) is a mistake, not "no secret": the group would
+  // otherwise run with its secret in the store while the operator believes it protected.
+  for (const char* name : {"HETCOMM_SECRET_FILE", "HETCOMM_SECRET"}) {
+    const char* v = std::getenv(name);
+    if (v != nullptr && *v == '\0') throw CommError(strCat(name, " is set but empty: unset it, or give the secret"));
+  }
   return outOfBandSecret(envStr("HETCOMM_SECRET_FILE"), envStr("HETCOMM_SECRET"));
 }
 
 GroupKeys keysFromStoreSecret(const std::array<uint8_t, kSecretBytes>& secret) {
   GroupKeys keys;
   keys.mesh = secret;
+  keys.published.assign(secret.begin(), secret.end());
   keys.incarnation = hex16(sha256(secret.data(), secret.size()));
   return keys;
 }
@@ -198,6 +206,7 @@ std::optional<GroupKeys> openGroupRecord(const Sha256Digest& master, const std::
   std::copy_n(mesh.begin(), kSecretBytes, keys.mesh.begin());
   keys.seal = labelled(master, kSealLabel, sizeof(kSealLabel), t);
   keys.incarnation = hex16(sha256(keys.mesh.data(), keys.mesh.size()));
+  keys.published = record;
   return keys;
 }
 

@@ -58,6 +58,8 @@ struct GroupKeys {
   std::array<uint8_t, kSecretBytes> mesh{};
   std::optional<Sha256Digest> seal;
   std::string incarnation;
+  // What rank 0 published for this group (the secret, or the group record), as it stands in the store.
+  std::vector<uint8_t> published;
 };
 
 // The keys of a group whose secret travels through the store (the secret itself is `mesh`).

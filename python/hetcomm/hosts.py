@@ -253,7 +253,7 @@ def _torch_group(kind: str, backend, labels: Sequence[int], store, timeout_ms: i
 
 
 # What SealedStore's get says of a value that never opened (csrc/backend/sealed_store.cc).
-_AUTHENTICATION_FAILURE = "no authentic value of"
+_AUTHENTICATION_FAILURE = "failed its authentication until the timeout"
 
 
 def setup_inner_levels(backend, labels: Sequence[int], store=None, timeout_ms: int = 300_000) -> bool:

@@ -391,3 +391,60 @@ def rank_specific_secret(rank: int, world_size: int, port: int, rank1_secret) ->
         return "joined"
     except Exception as e:  # noqa: BLE001
         return str(e)
+
+
+# --- the same group made again under the same prefix ---------------------------------------------
+
+def _say_when_rewritten(port: int, pattern: str, flag: str) -> None:
+    """Sets ``flag`` once a key matching ``pattern`` gets a value it did not have when called (on a
+    thread and a store connection of its own)."""
+    store = _client(port)
+    absent = b"\0absent"
+    regex = re.compile(pattern)
+
+    def values() -> dict:
+        now = {k: store.compare_set(k, absent, absent) for k in store.list_keys() if regex.search(k)}
+        return {k: v for k, v in now.items() if v != absent}
+
+    before = values()
+
+    def watch() -> None:
+        deadline = time.monotonic() + WAIT_S
+        while time.monotonic() < deadline:
+            if any(before.get(k) != v for k, v in values().items()):
+                store.set(flag, "1")
+                return
+            time.sleep(0.005)
+
+    threading.Thread(target=watch, daemon=True).start()
+
+
+def made_again(rank: int, world_size: int, port: int) -> list[str]:
+    """Rank 0 leaves first and makes the group again while rank 1, the last to leave the old one,
+    is still in it: rank 1's clean-up of the old group must leave the new one's records alone."""
+    store = _client(port)
+    outcomes = []
+    for generation in range(3):
+        dist.init_process_group("hetcomm", store=dist.PrefixStore("again", store), rank=rank,
+                                world_size=world_size, timeout=datetime.timedelta(seconds=20))
+        _exact_allreduce(rank)
+        store.set(f"used/{generation}/{rank}", "1")
+        _await(store, f"used/{generation}/{1 - rank}")
+        last = generation == 2
+        if rank == 1 and not last:
+            _await(store, f"made/{generation}")       # rank 0 is making the next group already
+        if rank == 0 and not last:
+            # The next group's first record (its secret, or the mark before the nonces) is
+            # written while rank 1, the last to leave this one, has not cleaned it up yet.
+            _say_when_rewritten(port, r"^again.*hetcomm/(secret|sealed)$", f"made/{generation}")
+        dist.destroy_process_group()
+        outcomes.append("ok")
+    return outcomes
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_a_group_made_again_under_the_same_prefix_survives_the_old_ones_clean_up(mode: str) -> None:
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                           timeout=datetime.timedelta(seconds=WAIT_S))
+    outcomes = run_ranks(2, made_again, server.port, init=None, timeout=120, env={"HETCOMM_SECRET": MODES[mode]})
+    assert outcomes == [["ok"] * 3] * 2, outcomes

@@ -1,7 +1,8 @@
 """A c10d store that lives outside the workers: ``python -m hetcomm.store --port 29400``.
 
-The rendezvous store (a `torch.distributed.TCPStore`) holds a group's addresses and secret; by
-default it lives inside a worker, which takes it along when it dies. Served from a process of its
+The rendezvous store (a `torch.distributed.TCPStore`) holds a group's addresses and, unless
+HETCOMM_SECRET_FILE or HETCOMM_SECRET is set (docs/security.md), its secret; by default it lives
+inside a worker, which takes it along when it dies. Served from a process of its
 own, on a machine that runs no worker, it outlives them (DiLoCo across sites, elastic jobs). It has
 no authentication and listens on every interface, whatever ``--host`` says: firewall its port.
 

@@ -161,7 +161,7 @@ def main() -> None:
         for run in range(args.runs):
             with tempfile.NamedTemporaryFile(suffix=".json") as f:
                 cmd = [sys.executable, "-m", "hetcomm.bench", "--nprocs", str(L), "--sizes", args.sizes,
-                       "--seconds-per-size", "0.3", "--json", f.name]
+                       "--seconds-per-size", "0.3", "--max-iters", "5000", "--json", f.name]
                 print(f"[local_host] {L} ranks, run {run + 1}/{args.runs}: {' '.join(cmd[1:])}", flush=True)
                 subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
                 rows = read_report(f.name)["rows"]

@@ -192,6 +192,13 @@ class ProcessGroupHetcomm : public c10d::Backend {
   c10::intrusive_ptr<c10d::Work> postReceive(std::vector<at::Tensor>& tensors, int srcRank, int tag);
   std::chrono::milliseconds effectiveTimeout(std::chrono::milliseconds requested) const;
   void runWorker();
+  // Runs one operation (on the worker, or on the caller's thread); returns its error. `broken`:
+  // the group's failure when the operation was taken up ("" if none).
+  std::exception_ptr runOperation(Pending& op, const std::string& broken);
+  // Whether the caller's thread runs an operation issued with nothing queued or running: CPU
+  // tensors of at most inlineBytes_, within one host's shared memory (or a group of one).
+  bool runsInline(const Pending& op, const std::vector<at::Tensor>& inputs,
+                  const std::vector<at::Tensor>& outputs) const;
   void failGroup(const std::string& reason);
   // The error of an operation that failed with `msg`: fails the group with it, unless the group had
   // failed already, then names that first cause.
@@ -245,7 +252,10 @@ class ProcessGroupHetcomm : public c10d::Backend {
   std::deque<Pending> queue_;
   uint64_t nextSeq_ = 0;
   bool stopping_ = false;
-  bool running_ = false;  // the worker is inside an operation (guarded by mu_)
+  // An operation runs, on the worker or on the caller's thread (guarded by mu_): one at a time.
+  bool running_ = false;
+  // HETCOMM_INLINE_BYTES (read at creation; 0: every operation goes through the worker).
+  int64_t inlineBytes_ = 0;
   std::string brokenReason_;  // set once the group failed; every later operation fails with it
   RingPlan plan_;
   std::map<c10::DeviceIndex, DeviceState> devices_;  // guarded by mu_; ops touched by the worker only

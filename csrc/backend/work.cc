@@ -19,9 +19,33 @@ WorkHetcomm::WorkHetcomm(int rank, c10d::OpType type, const char* profilingTitle
       outputs_(std::move(outputs)),
       seq_(seq),
       stream_(stream),
-      future_(c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()),
-                                                       devicesOf(stream))),
       pool_(std::move(pool)) {}
+
+namespace {
+
+void settle(const c10::intrusive_ptr<c10::ivalue::Future>& future, const std::vector<at::Tensor>& outputs,
+            const std::exception_ptr& error, const std::optional<c10::Stream>& stream) {
+  if (error) {
+    future->setError(error);
+    return;
+  }
+  // The future records its own events on the current stream of its device: make that ours.
+  c10::OptionalStreamGuard guard(stream);
+  future->markCompleted(c10::IValue(outputs));
+}
+
+}  // namespace
+
+c10::intrusive_ptr<c10::ivalue::Future> WorkHetcomm::getFuture() {
+  std::lock_guard<std::mutex> lock(futureMu_);
+  if (!future_) {
+    future_ = c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()),
+                                                       devicesOf(stream_));
+    // Completed already: settled here, before anyone could add a callback, so none runs.
+    if (settled_) settle(future_, outputs_, settledError_, stream_);
+  }
+  return future_;
+}
 
 int WorkHetcomm::sourceRank() const {
   const int rank = sourceRank_.load();
@@ -45,19 +69,17 @@ void WorkHetcomm::complete(std::exception_ptr error, Clock::time_point at) {
     done_.emplace(stream_->device_type());
     done_->record(*stream_);
   }
+  c10::intrusive_ptr<c10::ivalue::Future> future;
+  {
+    std::lock_guard<std::mutex> lock(futureMu_);
+    settled_ = true;
+    settledError_ = error;
+    future = future_;
+  }
   finish(error);  // wakes wait(); never runs user callbacks
-  auto future = future_;
-  auto outputs = outputs_;
-  auto stream = stream_;
-  pool_->post([future, outputs, error, stream]() {
-    if (error) {
-      future->setError(error);
-      return;
-    }
-    // The future records its own events on the current stream of its device: make that ours.
-    c10::OptionalStreamGuard guard(stream);
-    future->markCompleted(c10::IValue(outputs));
-  });
+  if (!future) return;  // getFuture() settles it when asked
+  // Its callbacks run on a pool thread, never on the thread that finished the operation.
+  pool_->post([future, outputs = outputs_, error, stream = stream_]() { settle(future, outputs, error, stream); });
 }
 
 }  // namespace hetcomm

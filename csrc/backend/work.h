@@ -7,6 +7,7 @@
 
 #include <atomic>
 #include <memory>
+#include <mutex>
 #include <optional>
 
 #include "transport/socket.h"  // Clock
@@ -33,7 +34,9 @@ class WorkHetcomm : public c10d::Work {
   WorkHetcomm(int rank, c10d::OpType type, const char* profilingTitle, std::vector<at::Tensor> outputs, uint64_t seq,
               std::shared_ptr<CompletionPool> pool, std::optional<c10::Stream> stream = std::nullopt);
 
-  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override { return future_; }
+  // Made on first request: an operation whose future nobody asked for completes without a
+  // hand-off to the completion pool.
+  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override;
   std::vector<at::Tensor> result() override { return outputs_; }
   uint64_t getSequencenumber() const override { return seq_; }
   // A receive: the rank the data came from (known once it completed; for a receive from any
@@ -60,7 +63,10 @@ class WorkHetcomm : public c10d::Work {
   std::atomic<int> sourceRank_{-1};
   std::atomic<double> completedAt_{0.0};
   std::optional<c10::Event> done_;  // written by complete() before finish(), read after it
-  c10::intrusive_ptr<c10::ivalue::Future> future_;
+  std::mutex futureMu_;
+  c10::intrusive_ptr<c10::ivalue::Future> future_;  // null until getFuture()
+  bool settled_ = false;                            // complete() ran (under futureMu_)
+  std::exception_ptr settledError_;                 // its error (under futureMu_)
   std::shared_ptr<CompletionPool> pool_;
 };
 

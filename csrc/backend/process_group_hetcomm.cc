@@ -146,6 +146,8 @@ ProcessGroupHetcomm::ProcessGroupHetcomm(const c10::intrusive_ptr<c10d::Store>& 
       traffic_(std::make_shared<TrafficCounters>(size)),
       plan_(RingPlan::uniform(size)) {
   inlineBytes_ = envInt("HETCOMM_INLINE_BYTES", kDefaultInlineBytes);
+  waits_ = std::make_shared<WaitPattern>(
+      std::chrono::microseconds(std::max<int64_t>(0, envInt("HETCOMM_INLINE_WINDOW_US", kDefaultInlineWindowUs))));
   if (envInt("HETCOMM_DEBUG_EMULATE_DEVICE", 0) != 0) {
     emulatedDevice_ = std::make_unique<EmulatedDeviceOps>(kEmulatedSlotBytes, kEmulatedSlots, kEmulatedJitterUs);
   }
@@ -396,7 +398,8 @@ c10::intrusive_ptr<WorkHetcomm> ProcessGroupHetcomm::enqueue(c10d::OpType type, 
     return work;
   }
   Pending op{work, header, timeout, std::move(body), stream, std::move(inputsReady), local_};
-  if (!stream && queue_.empty() && !running_ && runsInline(op, inputs, outputs)) {
+  if (!stream && queue_.empty() && !running_ && waits_->prompt.load(std::memory_order_relaxed) &&
+      runsInline(op, inputs, outputs)) {
     // Nothing before it: the caller's thread runs it now, sparing two thread hand-offs (to the
     // worker and back), which are most of a small collective's cost within a host.
     running_ = true;
@@ -407,6 +410,7 @@ c10::intrusive_ptr<WorkHetcomm> ProcessGroupHetcomm::enqueue(c10d::OpType type, 
       at::NoGradGuard noGrad;
       error = runOperation(op, broken);
     }
+    traffic_->addInline();
     lock.lock();
     running_ = false;
     // The worker waits for this one to end only when another thread issued an operation
@@ -414,8 +418,10 @@ c10::intrusive_ptr<WorkHetcomm> ProcessGroupHetcomm::enqueue(c10d::OpType type, 
     if (!queue_.empty() || stopping_) cv_.notify_all();
     lock.unlock();
     work->complete(error);
+    work->handedOver(waits_);
     return work;
   }
+  work->handedOver(waits_);  // before the worker can complete it: the caller's clock starts now
   queue_.push_back(std::move(op));
   cv_.notify_one();
   return work;

@@ -137,6 +137,8 @@ class ProcessGroupHetcomm : public c10d::Backend {
   void attachInner(const std::vector<int64_t>& hostOf, const c10::intrusive_ptr<c10d::Backend>& backend,
                    const std::string& name, bool forDevice);
   void enableLocal(bool use);
+  // Creation is over: how its own operations were waited for says nothing of the program's.
+  void forgetWaitPattern() { waits_->prompt.store(false); }
   void detachLocal();
   // The group ranks this rank shares memory with (itself included), or empty.
   std::vector<int> localRanks() const;
@@ -195,8 +197,9 @@ class ProcessGroupHetcomm : public c10d::Backend {
   // Runs one operation (on the worker, or on the caller's thread); returns its error. `broken`:
   // the group's failure when the operation was taken up ("" if none).
   std::exception_ptr runOperation(Pending& op, const std::string& broken);
-  // Whether the caller's thread runs an operation issued with nothing queued or running: CPU
-  // tensors of at most inlineBytes_, within one host's shared memory (or a group of one).
+  // Whether the caller's thread runs an operation issued with nothing queued or running (and the
+  // caller waited for the last one right away, waits_): CPU tensors of at most inlineBytes_,
+  // within one host's shared memory (or a group of one).
   bool runsInline(const Pending& op, const std::vector<at::Tensor>& inputs,
                   const std::vector<at::Tensor>& outputs) const;
   void failGroup(const std::string& reason);
@@ -256,6 +259,8 @@ class ProcessGroupHetcomm : public c10d::Backend {
   bool running_ = false;
   // HETCOMM_INLINE_BYTES (read at creation; 0: every operation goes through the worker).
   int64_t inlineBytes_ = 0;
+  // Whether the caller waited for its last operation right away (backend/work.h).
+  std::shared_ptr<WaitPattern> waits_;
   std::string brokenReason_;  // set once the group failed; every later operation fails with it
   RingPlan plan_;
   std::map<c10::DeviceIndex, DeviceState> devices_;  // guarded by mu_; ops touched by the worker only

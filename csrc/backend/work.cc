@@ -36,7 +36,21 @@ void settle(const c10::intrusive_ptr<c10::ivalue::Future>& future, const std::ve
 
 }  // namespace
 
+void WorkHetcomm::handedOver(std::shared_ptr<WaitPattern> pattern) {
+  pattern_ = std::move(pattern);
+  handedOverAt_ = Clock::now();
+}
+
+bool WorkHetcomm::wait(std::chrono::milliseconds timeout) {
+  if (pattern_ && !waitNoted_.exchange(true)) {
+    pattern_->prompt.store(Clock::now() - handedOverAt_ <= pattern_->window, std::memory_order_relaxed);
+  }
+  return c10d::Work::wait(timeout);
+}
+
 c10::intrusive_ptr<c10::ivalue::Future> WorkHetcomm::getFuture() {
+  // A caller that takes the future (DDP, comm hooks) waits through callbacks: asynchronously.
+  if (pattern_ && !waitNoted_.exchange(true)) pattern_->prompt.store(false, std::memory_order_relaxed);
   std::lock_guard<std::mutex> lock(futureMu_);
   if (!future_) {
     future_ = c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()),

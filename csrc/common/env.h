@@ -42,6 +42,9 @@ HETCOMM_PARAM(paramSmallAllreduceBytes, "HETCOMM_SMALL_ALLREDUCE_BYTES", kDefaul
 // the calling thread when nothing else of the group is queued or running (HETCOMM_INLINE_BYTES,
 // read at group creation; 0 turns it off).
 constexpr int64_t kDefaultInlineBytes = 1024 * 1024;
+// ... and only after the program waited for its previous operation within this many
+// microseconds of getting it (HETCOMM_INLINE_WINDOW_US, read at group creation).
+constexpr int64_t kDefaultInlineWindowUs = 200;
 // Socket send/receive buffer sizes requested from the kernel: -1 (default) = 256 KB on loopback
 // and the kernel's autotuning elsewhere, 0 = always autotune, N = always N bytes.
 HETCOMM_PARAM(paramSocketBufferBytes, "HETCOMM_SOCKET_BUFFER_BYTES", -1)

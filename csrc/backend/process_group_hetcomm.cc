@@ -4,6 +4,8 @@
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
 #include <c10/core/DeviceGuard.h>
+#include <c10/core/InferenceMode.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
 #include <c10/core/StreamGuard.h>
 #include <c10/util/Exception.h>
 
@@ -386,9 +388,18 @@ c10::intrusive_ptr<WorkHetcomm> ProcessGroupHetcomm::enqueue(c10d::OpType type, 
     keepAliveOnStream(inputs, *stream);
     keepAliveOnStream(outputs, *stream);
   }
+  header.opcode = static_cast<uint8_t>(kind);
+  if (::getpid() != creatorPid_) {
+    // Before the lock, which the parent's worker may have held when the process forked. The
+    // child must not write the parent's shared memory, links or store records.
+    auto work = c10::make_intrusive<WorkHetcomm>(rank_, type, profilingTitle, std::move(outputs), 0, completions_,
+                                                 stream);
+    work->complete(distError(strCat("hetcomm ", collectiveName(header.opcode),
+                                    ": a forked child cannot use its parent's process group")));
+    return work;
+  }
   std::unique_lock<std::mutex> lock(mu_);
   header.seq = nextSeq_++;
-  header.opcode = static_cast<uint8_t>(kind);
   auto work = c10::make_intrusive<WorkHetcomm>(rank_, type, profilingTitle, std::move(outputs), header.seq,
                                                completions_, stream);
   if (stopping_ || !workerError_.empty()) {
@@ -397,26 +408,59 @@ c10::intrusive_ptr<WorkHetcomm> ProcessGroupHetcomm::enqueue(c10d::OpType type, 
     work->complete(distError(strCat("hetcomm ", collectiveName(header.opcode), ": ", why)));
     return work;
   }
+  // Every local rank says which operation it has reached, whichever thread will run it.
+  const uint32_t issued = static_cast<uint32_t>(header.seq + 1);
+  if (local_ && local_->channel) local_->channel->announce(issued);
   Pending op{work, header, timeout, std::move(body), stream, std::move(inputsReady), local_};
   if (!stream && queue_.empty() && !running_ && waits_->prompt.load(std::memory_order_relaxed) &&
       runsInline(op, inputs, outputs)) {
-    // Nothing before it: the caller's thread runs it now, sparing two thread hand-offs (to the
-    // worker and back), which are most of a small collective's cost within a host.
+    // Nothing before it: the caller's thread may run it, sparing two thread hand-offs (to the
+    // worker and back), which are most of a small collective's cost within a host. Only if the
+    // other ranks of the host have issued it too (within the window): the caller must not wait
+    // for its peers, which may first wait for something this caller does after issuing.
     running_ = true;
     const std::string broken = brokenReason_;
     lock.unlock();
+    if (size_ > 1 && !op.local->channel->othersIssued(issued, waits_->window)) {
+      lock.lock();
+      work->handedOver(waits_);
+      queue_.push_front(std::move(op));  // before anything another thread issued meanwhile
+      running_ = false;
+      cv_.notify_all();
+      return work;
+    }
     std::exception_ptr error;
     {
-      at::NoGradGuard noGrad;
-      error = runOperation(op, broken);
+      // The worker idles again however this ends; it waits for this operation only when another
+      // thread issued one meanwhile, or the group is shutting down (a needless wake-up costs a
+      // thread switch).
+      struct Idle {
+        ProcessGroupHetcomm& pg;
+        ~Idle() {
+          std::lock_guard<std::mutex> lock(pg.mu_);
+          pg.running_ = false;
+          if (!pg.queue_.empty() || pg.stopping_) pg.cv_.notify_all();
+        }
+      } idle{*this};
+      try {
+        // As on the worker: the caller's Python dispatch modes and inference mode do not reach
+        // the body's tensor operations, and no gradients are recorded. (Not the worker's whole
+        // thread-local state: applying it took about 3 us, most of a small collective.)
+        c10::impl::ExcludeDispatchKeyGuard noModes(
+            c10::DispatchKeySet({c10::DispatchKey::Python, c10::DispatchKey::PythonTLSSnapshot}));
+        c10::InferenceMode notInference(false);
+        at::NoGradGuard noGrad;
+        error = runOperation(op, broken);
+      }
+      HETCOMM_RETHROW_FORCED_UNWIND
+      catch (const std::exception& e) {
+        // What would have stopped the worker (runOperation handles the body's errors).
+        const std::string why = strCat("hetcomm ", collectiveName(header.opcode), ": ", e.what());
+        failGroup(why);
+        error = distError(why);
+      }
     }
-    traffic_->addInline();
-    lock.lock();
-    running_ = false;
-    // The worker waits for this one to end only when another thread issued an operation
-    // meanwhile, or the group is shutting down (waking it for nothing would cost a switch).
-    if (!queue_.empty() || stopping_) cv_.notify_all();
-    lock.unlock();
+    if (broken.empty()) traffic_->addInline();
     work->complete(error);
     work->handedOver(waits_);
     return work;

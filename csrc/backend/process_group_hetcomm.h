@@ -4,7 +4,10 @@
 // Every operation goes through three phases (as in ProcessGroupGloo): it is validated on the
 // caller's thread and fails fast with a message that names the operation; a single worker thread
 // runs the collectives in issue order (the order is what every rank agrees on); the Work is
-// finished there and its future completed on a completion-pool thread. Point-to-point operations
+// finished there and its future completed on a completion-pool thread. One exception: a small
+// collective on one host's shared memory, issued while nothing runs, by a program that waited for
+// its last one right away, once every local rank has issued it, runs on the caller's thread
+// (enqueue); still one at a time, in issue order. Point-to-point operations
 // go to their own engine and connections. Any communication failure aborts the group's
 // connections, so that peers blocked on this rank fail promptly too, and every later operation
 // fails with the original reason.

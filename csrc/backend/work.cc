@@ -83,14 +83,21 @@ void WorkHetcomm::complete(std::exception_ptr error, Clock::time_point at) {
     done_.emplace(stream_->device_type());
     done_->record(*stream_);
   }
+  finish(error);  // wakes wait(); never runs user callbacks
   c10::intrusive_ptr<c10::ivalue::Future> future;
   {
+    // After finish(): a future asked for from here on is settled at once, and wait() already
+    // returns by then. A CUDA operation's future is made now, as before, so that its events are
+    // recorded on the group's stream at completion, not behind later work.
     std::lock_guard<std::mutex> lock(futureMu_);
     settled_ = true;
     settledError_ = error;
+    if (!future_ && stream_) {
+      future_ = c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()),
+                                                         devicesOf(stream_));
+    }
     future = future_;
   }
-  finish(error);  // wakes wait(); never runs user callbacks
   if (!future) return;  // getFuture() settles it when asked
   // Its callbacks run on a pool thread, never on the thread that finished the operation.
   pool_->post([future, outputs = outputs_, error, stream = stream_]() { settle(future, outputs, error, stream); });

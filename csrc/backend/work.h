@@ -27,9 +27,11 @@ struct WaitPattern {
   std::atomic<bool> prompt{false};
 };
 
-// A hetcomm operation as seen by torch: wait() (from c10d::Work) blocks until the worker has
-// finished it and rethrows its error; getFuture() completes with the output tensors, on a
-// completion-pool thread, after wait() would return.
+// A hetcomm operation as seen by torch: wait() (from c10d::Work) blocks until the worker (or the
+// caller's thread, for a small one: ProcessGroupHetcomm::enqueue) has finished it and rethrows its
+// error; getFuture() completes with the output tensors after wait() would return: on a
+// completion-pool thread when it was asked for before, else at once on the asking thread (never
+// on a backend thread that runs operations).
 //
 // An operation on CUDA tensors ran on `stream` (the group's stream for the device). When the
 // host side finishes, the device may still be working through what was queued; complete()
@@ -79,7 +81,7 @@ class WorkHetcomm : public c10d::Work {
   std::atomic<double> completedAt_{0.0};
   std::optional<c10::Event> done_;  // written by complete() before finish(), read after it
   std::mutex futureMu_;
-  c10::intrusive_ptr<c10::ivalue::Future> future_;  // null until getFuture()
+  c10::intrusive_ptr<c10::ivalue::Future> future_;  // null until asked for (CPU) or completed (CUDA)
   bool settled_ = false;                            // complete() ran (under futureMu_)
   std::exception_ptr settledError_;                 // its error (under futureMu_)
   std::shared_ptr<WaitPattern> pattern_;            // set before the caller sees the operation

@@ -5,13 +5,16 @@ program waited for its previous operation right away. What must hold, checked st
 peer joins only once a store key says the caller got control back, so an operation that held
 the caller until the peer came would deadlock, and the test fails on the store's timeout):
 
-* an operation issued with ``async_op=True`` after creation, after a late wait, or after the
-  program took a future, returns before its peer has joined;
+* an operation issued with ``async_op=True`` returns before its peer has joined: after
+  creation, after a late wait, after the program took a future, and after a loop of
+  synchronous calls (the caller runs it only once every local rank has issued it);
 * a loop of synchronous calls runs on the caller's thread (``collectives_on_caller_thread``);
 * operations keep their order behind one still running on the worker, with the right values;
 * a callback on the future of an inline operation may issue another collective;
 * above the threshold, or with ``HETCOMM_INLINE_BYTES=0`` (a group created after it is set), the
-  worker runs them.
+  worker runs them;
+* a forked child that calls a collective on its parent's group gets an error (it used to queue it
+  to a worker it does not have).
 """
 from __future__ import annotations
 
@@ -75,6 +78,8 @@ def _job(rank: int, world_size: int) -> dict:
     before = _on_caller()
     res["loop"] = _prompt_loop()
     res["loop_on_caller"] = _on_caller() - before
+    # Right after it, an asynchronous operation whose peer first waits for this caller.
+    res["after_prompt_loop"] = _returns_before_the_peer_joins(rank, store, "inline/loop")
     # A late wait: the next asynchronous operation keeps its overlap.
     x = torch.ones(2)
     work = dist.all_reduce(x, async_op=True)
@@ -123,7 +128,31 @@ def _job(rank: int, world_size: int) -> dict:
     res["off_loop"] = _prompt_loop(off)
     res["off_on_caller"] = _on_caller(off) - before
     dist.destroy_process_group(off)
+    res["forked_child"] = _forked_child_status()
     return res
+
+
+def _forked_child_status() -> str:
+    """What a forked child saw calling a collective on the parent's group: "refused" when it got
+    an error naming the fork; the child is given 20 s."""
+    pid = os.fork()
+    if pid == 0:
+        code = 3
+        try:
+            dist.all_reduce(torch.ones(2))
+        except RuntimeError as e:
+            code = 0 if "forked child" in str(e) else 2
+        finally:
+            os._exit(code)
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return {0: "refused", 2: "another error", 3: "ran it"}.get(os.waitstatus_to_exitcode(status), "crashed")
+        time.sleep(0.05)
+    os.kill(pid, 9)
+    os.waitpid(pid, 0)
+    return "hung"
 
 
 @pytest.fixture(scope="module")
@@ -134,6 +163,11 @@ def job() -> list[dict]:
 def test_an_asynchronous_operation_returns_before_its_peer_joins(job) -> None:
     for r in job:
         assert r["first_async"] == 3.0 and r["after_late_wait"] == 3.0 and r["after_future"] == 3.0, r
+        assert r["after_prompt_loop"] == 3.0, r
+
+
+def test_a_forked_child_cannot_use_the_parents_group(job) -> None:
+    assert [r["forked_child"] for r in job] == ["refused", "refused"], job
 
 
 def test_a_synchronous_loop_runs_on_the_callers_thread(job) -> None:

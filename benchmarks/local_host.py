@@ -9,7 +9,7 @@ with its spread (min–max over the runs). In each run the peers follow on the s
 ``deepspeed.comm.inference_all_reduce`` (``pip install deepspeed``, ``DS_ACCELERATOR=cpu``; its
 shared-memory path), each timed by benchmarks/peers/*.py. Every row then gives each one's median
 busbw, ``2 (L - 1) / L * N / time``, and hetcomm's ratio to the better peer. A peer that fails or
-takes over 300 s (DeepSpeed's did at 2 ranks here, docs/benchmarks.md) is recorded under
+takes over 300 s is recorded under
 ``peer_failures`` and the run goes on.
 
 The memory bound. A shared-memory allreduce must at least read each rank's input once and write
@@ -20,6 +20,9 @@ csrc/algorithms/local_collectives.h). A plain copy of N bytes moves the same 2 N
 so the bound is the time of L copies of N bytes run at once by L processes, measured here in the
 same run (median of several). ``bound_ratio`` = hetcomm's time / that copy time (1.0 would be
 perfect; the algorithm also synchronises per chunk and, for L > cores, shares the cores).
+
+hetcomm's loop runs up to 5,000 calls per size (the bench CLI's ``--max-iters``), so that calls of
+microseconds are averaged over enough of them; the peers time 20-50 calls per repetition.
 
 Usage::
 
@@ -161,7 +164,7 @@ def main() -> None:
         for run in range(args.runs):
             with tempfile.NamedTemporaryFile(suffix=".json") as f:
                 cmd = [sys.executable, "-m", "hetcomm.bench", "--nprocs", str(L), "--sizes", args.sizes,
-                       "--seconds-per-size", "0.3", "--json", f.name]
+                       "--seconds-per-size", "0.3", "--max-iters", "5000", "--json", f.name]
                 print(f"[local_host] {L} ranks, run {run + 1}/{args.runs}: {' '.join(cmd[1:])}", flush=True)
                 subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
                 rows = read_report(f.name)["rows"]

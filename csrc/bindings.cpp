@@ -198,6 +198,9 @@ PYBIND11_MODULE(_C, m) {
       .def("enable_local", &hetcomm::ProcessGroupHetcomm::enableLocal, py::arg("use"),
            "Use (True) or drop (False) the shared memory attach_local prepared; every rank of the group, "
            "at the same point, once all know whether every host succeeded.")
+      .def("forget_wait_pattern", &hetcomm::ProcessGroupHetcomm::forgetWaitPattern,
+           "Called when group creation is over: a small operation runs on the caller's thread only after "
+           "the program waited for its previous one right away, and creation's own do not count.")
       .def("detach_local", &hetcomm::ProcessGroupHetcomm::detachLocal,
            "Stop using shared memory (every rank of the group, at the same point).")
       .def("shutdown_at_exit", &hetcomm::ProcessGroupHetcomm::shutdownAtExit,
@@ -232,6 +235,7 @@ PYBIND11_MODULE(_C, m) {
             }
             d["collectives_by_path"] = paths;
             d["shared_memory_bytes"] = t.sharedMemoryBytes;
+            d["collectives_on_caller_thread"] = t.inlineCollectives;
             return d;
           },
           "Cumulative traffic since the group was created: bytes_sent and bytes_received (lists indexed "

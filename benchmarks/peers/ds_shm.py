@@ -1,7 +1,11 @@
 """DeepSpeed's shared-memory allreduce (deepspeed.comm.inference_all_reduce, DS_ACCELERATOR=cpu)
 timed on the sizes given: one rank of a job started by benchmarks/local_host.py (env: RANK,
 WORLD_SIZE, LOCAL_RANK, LOCAL_SIZE, MASTER_ADDR, MASTER_PORT). Prints one JSON line per size
-from rank 0: {"size_bytes", "time_us"} (median of the timed repetitions)."""
+from rank 0: {"size_bytes", "time_us"} (median of the timed repetitions, each the slowest rank's).
+
+Every rank takes the slowest rank's time of each repetition, so that all stop after the same
+repetition (each deciding from its own clock let one rank go on to the next size while another
+timed one more: a hang that looked like DeepSpeed's at 2 ranks)."""
 from __future__ import annotations
 
 import json
@@ -22,6 +26,7 @@ def main() -> None:
     sizes = [int(s) for s in sys.argv[1].split(",")]
     seconds = float(sys.argv[2]) if len(sys.argv) > 2 else 0.3
     deepspeed.init_distributed(dist_backend="gloo")
+    import torch.distributed as dist
     rank = dscomm.get_rank()
     for nbytes in sizes:
         t = torch.ones(max(1, nbytes // 4), dtype=torch.float32)
@@ -34,12 +39,19 @@ def main() -> None:
             reps = 1 if nbytes >= 1 << 20 else 20
             for _ in range(reps):
                 dscomm.inference_all_reduce(t)
-            dt = (time.perf_counter() - start) / reps
+            slowest = torch.tensor([(time.perf_counter() - start) / reps], dtype=torch.float64)
+            dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+            dt = float(slowest)
             times.append(dt)
             spent += dt * reps
         if rank == 0:
             print(json.dumps({"size_bytes": nbytes, "time_us": statistics.median(times) * 1e6}), flush=True)
+    dist.barrier()  # nobody leaves while another still times
 
 
 if __name__ == "__main__":
     main()
+    # DeepSpeed's process teardown sometimes aborted one rank ("terminate called without an active
+    # exception") after every figure was printed; the figures are out, so leave without it.
+    sys.stdout.flush()
+    os._exit(0)

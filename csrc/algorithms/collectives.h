@@ -1,6 +1,7 @@
 #pragma once
-// Collective algorithms on raw host buffers. Each runs on the group's worker thread, in the same
-// order on every rank, and either completes or throws CommError/TimeoutError.
+// Collective algorithms on raw host buffers. Each runs on the group's worker thread (or, small and
+// within one host, on the caller's), one at a time, in the same order on every rank, and either
+// completes or throws CommError/TimeoutError.
 #include <cstdint>
 #include <memory>
 #include <vector>

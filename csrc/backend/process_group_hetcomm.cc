@@ -4,6 +4,8 @@
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
 #include <c10/core/DeviceGuard.h>
+#include <c10/core/InferenceMode.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
 #include <c10/core/StreamGuard.h>
 #include <c10/util/Exception.h>
 
@@ -145,6 +147,9 @@ ProcessGroupHetcomm::ProcessGroupHetcomm(const c10::intrusive_ptr<c10d::Store>& 
       completions_(std::make_shared<CompletionPool>()),
       traffic_(std::make_shared<TrafficCounters>(size)),
       plan_(RingPlan::uniform(size)) {
+  inlineBytes_ = envInt("HETCOMM_INLINE_BYTES", kDefaultInlineBytes);
+  waits_ = std::make_shared<WaitPattern>(
+      std::chrono::microseconds(std::max<int64_t>(0, envInt("HETCOMM_INLINE_WINDOW_US", kDefaultInlineWindowUs))));
   if (envInt("HETCOMM_DEBUG_EMULATE_DEVICE", 0) != 0) {
     emulatedDevice_ = std::make_unique<EmulatedDeviceOps>(kEmulatedSlotBytes, kEmulatedSlots, kEmulatedJitterUs);
   }
@@ -383,9 +388,18 @@ c10::intrusive_ptr<WorkHetcomm> ProcessGroupHetcomm::enqueue(c10d::OpType type, 
     keepAliveOnStream(inputs, *stream);
     keepAliveOnStream(outputs, *stream);
   }
+  header.opcode = static_cast<uint8_t>(kind);
+  if (::getpid() != creatorPid_) {
+    // Before the lock, which the parent's worker may have held when the process forked. The
+    // child must not write the parent's shared memory, links or store records.
+    auto work = c10::make_intrusive<WorkHetcomm>(rank_, type, profilingTitle, std::move(outputs), 0, completions_,
+                                                 stream);
+    work->complete(distError(strCat("hetcomm ", collectiveName(header.opcode),
+                                    ": a forked child cannot use its parent's process group")));
+    return work;
+  }
   std::unique_lock<std::mutex> lock(mu_);
   header.seq = nextSeq_++;
-  header.opcode = static_cast<uint8_t>(kind);
   auto work = c10::make_intrusive<WorkHetcomm>(rank_, type, profilingTitle, std::move(outputs), header.seq,
                                                completions_, stream);
   if (stopping_ || !workerError_.empty()) {
@@ -394,9 +408,82 @@ c10::intrusive_ptr<WorkHetcomm> ProcessGroupHetcomm::enqueue(c10d::OpType type, 
     work->complete(distError(strCat("hetcomm ", collectiveName(header.opcode), ": ", why)));
     return work;
   }
-  queue_.push_back(Pending{work, header, timeout, std::move(body), stream, std::move(inputsReady), local_});
+  // Every local rank says which operation it has reached, whichever thread will run it.
+  const uint32_t issued = static_cast<uint32_t>(header.seq + 1);
+  if (local_ && local_->channel) local_->channel->announce(issued);
+  Pending op{work, header, timeout, std::move(body), stream, std::move(inputsReady), local_};
+  if (!stream && queue_.empty() && !running_ && waits_->prompt.load(std::memory_order_relaxed) &&
+      runsInline(op, inputs, outputs)) {
+    // Nothing before it: the caller's thread may run it, sparing two thread hand-offs (to the
+    // worker and back), which are most of a small collective's cost within a host. Only if the
+    // other ranks of the host have issued it too (within the window): the caller must not wait
+    // for its peers, which may first wait for something this caller does after issuing.
+    running_ = true;
+    const std::string broken = brokenReason_;
+    lock.unlock();
+    if (size_ > 1 && !op.local->channel->othersIssued(issued, waits_->window)) {
+      lock.lock();
+      work->handedOver(waits_);
+      queue_.push_front(std::move(op));  // before anything another thread issued meanwhile
+      running_ = false;
+      cv_.notify_all();
+      return work;
+    }
+    std::exception_ptr error;
+    {
+      // The worker idles again however this ends; it waits for this operation only when another
+      // thread issued one meanwhile, or the group is shutting down (a needless wake-up costs a
+      // thread switch).
+      struct Idle {
+        ProcessGroupHetcomm& pg;
+        ~Idle() {
+          std::lock_guard<std::mutex> lock(pg.mu_);
+          pg.running_ = false;
+          if (!pg.queue_.empty() || pg.stopping_) pg.cv_.notify_all();
+        }
+      } idle{*this};
+      try {
+        // As on the worker: the caller's Python dispatch modes and inference mode do not reach
+        // the body's tensor operations, and no gradients are recorded. (Not the worker's whole
+        // thread-local state: applying it took about 3 us, most of a small collective.)
+        c10::impl::ExcludeDispatchKeyGuard noModes(
+            c10::DispatchKeySet({c10::DispatchKey::Python, c10::DispatchKey::PythonTLSSnapshot}));
+        c10::InferenceMode notInference(false);
+        at::NoGradGuard noGrad;
+        error = runOperation(op, broken);
+      }
+      HETCOMM_RETHROW_FORCED_UNWIND
+      catch (const std::exception& e) {
+        // What would have stopped the worker (runOperation handles the body's errors).
+        const std::string why = strCat("hetcomm ", collectiveName(header.opcode), ": ", e.what());
+        failGroup(why);
+        error = distError(why);
+      }
+    }
+    if (broken.empty()) traffic_->addInline();
+    work->complete(error);
+    work->handedOver(waits_);
+    return work;
+  }
+  work->handedOver(waits_);  // before the worker can complete it: the caller's clock starts now
+  queue_.push_back(std::move(op));
   cv_.notify_one();
   return work;
+}
+
+bool ProcessGroupHetcomm::runsInline(const Pending& op, const std::vector<at::Tensor>& inputs,
+                                     const std::vector<at::Tensor>& outputs) const {
+  // Only within one host through shared memory (or alone), where a small collective takes
+  // microseconds: over TCP even a small one may wait a round trip, and an asynchronous caller
+  // must not be held for that.
+  const bool oneHost = size_ == 1 || (op.local && op.local->channel && op.local->coversGroup(size_));
+  if (!oneHost || inlineBytes_ <= 0 || emulatedDevice_) return false;
+  const auto bytesOf = [](const std::vector<at::Tensor>& list) {
+    int64_t bytes = 0;
+    for (const at::Tensor& t : list) bytes += t.numel() * static_cast<int64_t>(t.element_size());
+    return bytes;
+  };
+  return std::max(bytesOf(inputs), bytesOf(outputs)) <= inlineBytes_;
 }
 
 void ProcessGroupHetcomm::runWorker() {
@@ -405,72 +492,17 @@ void ProcessGroupHetcomm::runWorker() {
   while (true) {
     Pending op;
     std::string broken;
-    std::shared_ptr<LocalGroup> local;
     {
       std::unique_lock<std::mutex> lock(mu_);
-      cv_.wait(lock, [&] { return stopping_ || !queue_.empty(); });
-      running_ = false;
+      // One operation at a time: one the caller's thread runs (runsInline) ends first.
+      cv_.wait(lock, [&] { return (stopping_ || !queue_.empty()) && !running_; });
       if (queue_.empty()) return;
       op = std::move(queue_.front());
       queue_.pop_front();
       running_ = true;
       broken = brokenReason_;
-      local = op.local;
     }
-    std::exception_ptr error;
-    CollectiveContext ctx;
-    ctx.rank = rank_;
-    ctx.size = size_;
-    ctx.header = op.header;
-    if (!broken.empty()) {
-      error = distError(strCat(ctx.prefix(), ": the process group is unusable after an earlier failure: ", broken));
-    } else {
-      ctx.timeoutMs = op.timeout.count();
-      ctx.deadline = Clock::now() + op.timeout;
-      ctx.segmentBytes = static_cast<size_t>(std::max<int64_t>(0, paramSegmentBytes()));
-      ctx.linkOf = [this, &ctx](int peer) -> Link& { return mesh_->collectiveLink(peer, ctx.deadline); };
-      ctx.traffic = traffic_.get();
-      ctx.local = local.get();
-      try {
-        // A CUDA operation: every device-side step, the body's tensor operations included, goes on
-        // the group's stream, after what the caller had queued when it issued the operation.
-        std::optional<c10::DeviceGuard> onDevice;
-        std::optional<c10::StreamGuard> onStream;
-        if (op.stream) {
-          onDevice.emplace(op.stream->device());
-          onStream.emplace(*op.stream);
-          op.inputsReady->block(*op.stream);
-          ctx.device = deviceOps(*op.stream);
-        } else {
-          ctx.device = emulatedDevice_.get();
-        }
-        // Counts the collective and its time when the body returns or throws (before the
-        // handlers below, which may wait for a peer's reason).
-        struct TimeCollective {
-          TrafficCounters& traffic;
-          const Clock::time_point start = Clock::now();
-          ~TimeCollective() {
-            const auto ns = std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - start).count();
-            traffic.addCollective(static_cast<uint64_t>(std::max<int64_t>(0, ns)));
-          }
-        } timeCollective{*traffic_};
-        op.body(ctx);
-        traffic_->addPath(ctx.path);
-      } catch (const PeerClosedError& e) {
-        std::string msg = e.what();
-        const std::string why = peerAbortReason(e.peer());
-        if (!why.empty()) msg = strCat(msg, "; rank ", e.peer(), " reported: ", why);
-        error = distError(failWith(ctx, msg));
-      } catch (const CommError& e) {
-        std::string msg = e.what();
-        // Errors from below the collective layer (connecting, handshakes) lack the prefix.
-        if (msg.rfind("hetcomm ", 0) != 0 || msg.rfind(ctx.prefix(), 0) != 0) msg = strCat(ctx.prefix(), ": ", msg);
-        error = distError(failWith(ctx, msg));
-      } catch (const std::exception& e) {
-        std::string msg = strCat(ctx.prefix(), ": ", e.what());
-        error = distError(failWith(ctx, msg));
-      }
-    }
+    std::exception_ptr error = runOperation(op, broken);
     {
       // Idle before the caller can see the result: a program that exits right after waiting for
       // its last operation must find the group idle (shutdownAtExit would abort it, failing the
@@ -480,6 +512,64 @@ void ProcessGroupHetcomm::runWorker() {
     }
     op.work->complete(error);
   }
+}
+
+std::exception_ptr ProcessGroupHetcomm::runOperation(Pending& op, const std::string& broken) {
+  std::exception_ptr error;
+  CollectiveContext ctx;
+  ctx.rank = rank_;
+  ctx.size = size_;
+  ctx.header = op.header;
+  if (!broken.empty()) {
+    return distError(strCat(ctx.prefix(), ": the process group is unusable after an earlier failure: ", broken));
+  }
+  LocalGroup* local = op.local.get();
+  ctx.timeoutMs = op.timeout.count();
+  ctx.deadline = Clock::now() + op.timeout;
+  ctx.segmentBytes = static_cast<size_t>(std::max<int64_t>(0, paramSegmentBytes()));
+  ctx.linkOf = [this, &ctx](int peer) -> Link& { return mesh_->collectiveLink(peer, ctx.deadline); };
+  ctx.traffic = traffic_.get();
+  ctx.local = local;
+  try {
+    // A CUDA operation: every device-side step, the body's tensor operations included, goes on
+    // the group's stream, after what the caller had queued when it issued the operation.
+    std::optional<c10::DeviceGuard> onDevice;
+    std::optional<c10::StreamGuard> onStream;
+    if (op.stream) {
+      onDevice.emplace(op.stream->device());
+      onStream.emplace(*op.stream);
+      op.inputsReady->block(*op.stream);
+      ctx.device = deviceOps(*op.stream);
+    } else {
+      ctx.device = emulatedDevice_.get();
+    }
+    // Counts the collective and its time when the body returns or throws (before the
+    // handlers below, which may wait for a peer's reason).
+    struct TimeCollective {
+      TrafficCounters& traffic;
+      const Clock::time_point start = Clock::now();
+      ~TimeCollective() {
+        const auto ns = std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - start).count();
+        traffic.addCollective(static_cast<uint64_t>(std::max<int64_t>(0, ns)));
+      }
+    } timeCollective{*traffic_};
+    op.body(ctx);
+    traffic_->addPath(ctx.path);
+  } catch (const PeerClosedError& e) {
+    std::string msg = e.what();
+    const std::string why = peerAbortReason(e.peer());
+    if (!why.empty()) msg = strCat(msg, "; rank ", e.peer(), " reported: ", why);
+    error = distError(failWith(ctx, msg));
+  } catch (const CommError& e) {
+    std::string msg = e.what();
+    // Errors from below the collective layer (connecting, handshakes) lack the prefix.
+    if (msg.rfind("hetcomm ", 0) != 0 || msg.rfind(ctx.prefix(), 0) != 0) msg = strCat(ctx.prefix(), ": ", msg);
+    error = distError(failWith(ctx, msg));
+  } catch (const std::exception& e) {
+    std::string msg = strCat(ctx.prefix(), ": ", e.what());
+    error = distError(failWith(ctx, msg));
+  }
+  return error;
 }
 
 std::string ProcessGroupHetcomm::failWith(const CollectiveContext& ctx, const std::string& msg) {

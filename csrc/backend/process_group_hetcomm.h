@@ -4,7 +4,10 @@
 // Every operation goes through three phases (as in ProcessGroupGloo): it is validated on the
 // caller's thread and fails fast with a message that names the operation; a single worker thread
 // runs the collectives in issue order (the order is what every rank agrees on); the Work is
-// finished there and its future completed on a completion-pool thread. Point-to-point operations
+// finished there and its future completed on a completion-pool thread. One exception: a small
+// collective on one host's shared memory, issued while nothing runs, by a program that waited for
+// its last one right away, once every local rank has issued it, runs on the caller's thread
+// (enqueue); still one at a time, in issue order. Point-to-point operations
 // go to their own engine and connections. Any communication failure aborts the group's
 // connections, so that peers blocked on this rank fail promptly too, and every later operation
 // fails with the original reason.
@@ -137,6 +140,8 @@ class ProcessGroupHetcomm : public c10d::Backend {
   void attachInner(const std::vector<int64_t>& hostOf, const c10::intrusive_ptr<c10d::Backend>& backend,
                    const std::string& name, bool forDevice);
   void enableLocal(bool use);
+  // Creation is over: how its own operations were waited for says nothing of the program's.
+  void forgetWaitPattern() { waits_->prompt.store(false); }
   void detachLocal();
   // The group ranks this rank shares memory with (itself included), or empty.
   std::vector<int> localRanks() const;
@@ -192,6 +197,14 @@ class ProcessGroupHetcomm : public c10d::Backend {
   c10::intrusive_ptr<c10d::Work> postReceive(std::vector<at::Tensor>& tensors, int srcRank, int tag);
   std::chrono::milliseconds effectiveTimeout(std::chrono::milliseconds requested) const;
   void runWorker();
+  // Runs one operation (on the worker, or on the caller's thread); returns its error. `broken`:
+  // the group's failure when the operation was taken up ("" if none).
+  std::exception_ptr runOperation(Pending& op, const std::string& broken);
+  // Whether the caller's thread runs an operation issued with nothing queued or running (and the
+  // caller waited for the last one right away, waits_): CPU tensors of at most inlineBytes_,
+  // within one host's shared memory (or a group of one).
+  bool runsInline(const Pending& op, const std::vector<at::Tensor>& inputs,
+                  const std::vector<at::Tensor>& outputs) const;
   void failGroup(const std::string& reason);
   // The error of an operation that failed with `msg`: fails the group with it, unless the group had
   // failed already, then names that first cause.
@@ -245,7 +258,12 @@ class ProcessGroupHetcomm : public c10d::Backend {
   std::deque<Pending> queue_;
   uint64_t nextSeq_ = 0;
   bool stopping_ = false;
-  bool running_ = false;  // the worker is inside an operation (guarded by mu_)
+  // An operation runs, on the worker or on the caller's thread (guarded by mu_): one at a time.
+  bool running_ = false;
+  // HETCOMM_INLINE_BYTES (read at creation; 0: every operation goes through the worker).
+  int64_t inlineBytes_ = 0;
+  // Whether the caller waited for its last operation right away (backend/work.h).
+  std::shared_ptr<WaitPattern> waits_;
   std::string brokenReason_;  // set once the group failed; every later operation fails with it
   RingPlan plan_;
   std::map<c10::DeviceIndex, DeviceState> devices_;  // guarded by mu_; ops touched by the worker only

@@ -19,9 +19,47 @@ WorkHetcomm::WorkHetcomm(int rank, c10d::OpType type, const char* profilingTitle
       outputs_(std::move(outputs)),
       seq_(seq),
       stream_(stream),
-      future_(c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()),
-                                                       devicesOf(stream))),
       pool_(std::move(pool)) {}
+
+namespace {
+
+void settle(const c10::intrusive_ptr<c10::ivalue::Future>& future, const std::vector<at::Tensor>& outputs,
+            const std::exception_ptr& error, const std::optional<c10::Stream>& stream) {
+  if (error) {
+    future->setError(error);
+    return;
+  }
+  // The future records its own events on the current stream of its device: make that ours.
+  c10::OptionalStreamGuard guard(stream);
+  future->markCompleted(c10::IValue(outputs));
+}
+
+}  // namespace
+
+void WorkHetcomm::handedOver(std::shared_ptr<WaitPattern> pattern) {
+  pattern_ = std::move(pattern);
+  handedOverAt_ = Clock::now();
+}
+
+bool WorkHetcomm::wait(std::chrono::milliseconds timeout) {
+  if (pattern_ && !waitNoted_.exchange(true)) {
+    pattern_->prompt.store(Clock::now() - handedOverAt_ <= pattern_->window, std::memory_order_relaxed);
+  }
+  return c10d::Work::wait(timeout);
+}
+
+c10::intrusive_ptr<c10::ivalue::Future> WorkHetcomm::getFuture() {
+  // A caller that takes the future (DDP, comm hooks) waits through callbacks: asynchronously.
+  if (pattern_ && !waitNoted_.exchange(true)) pattern_->prompt.store(false, std::memory_order_relaxed);
+  std::lock_guard<std::mutex> lock(futureMu_);
+  if (!future_) {
+    future_ = c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()),
+                                                       devicesOf(stream_));
+    // Completed already: settled here, before anyone could add a callback, so none runs.
+    if (settled_) settle(future_, outputs_, settledError_, stream_);
+  }
+  return future_;
+}
 
 int WorkHetcomm::sourceRank() const {
   const int rank = sourceRank_.load();
@@ -46,18 +84,23 @@ void WorkHetcomm::complete(std::exception_ptr error, Clock::time_point at) {
     done_->record(*stream_);
   }
   finish(error);  // wakes wait(); never runs user callbacks
-  auto future = future_;
-  auto outputs = outputs_;
-  auto stream = stream_;
-  pool_->post([future, outputs, error, stream]() {
-    if (error) {
-      future->setError(error);
-      return;
+  c10::intrusive_ptr<c10::ivalue::Future> future;
+  {
+    // After finish(): a future asked for from here on is settled at once, and wait() already
+    // returns by then. A CUDA operation's future is made now, as before, so that its events are
+    // recorded on the group's stream at completion, not behind later work.
+    std::lock_guard<std::mutex> lock(futureMu_);
+    settled_ = true;
+    settledError_ = error;
+    if (!future_ && stream_) {
+      future_ = c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()),
+                                                         devicesOf(stream_));
     }
-    // The future records its own events on the current stream of its device: make that ours.
-    c10::OptionalStreamGuard guard(stream);
-    future->markCompleted(c10::IValue(outputs));
-  });
+    future = future_;
+  }
+  if (!future) return;  // getFuture() settles it when asked
+  // Its callbacks run on a pool thread, never on the thread that finished the operation.
+  pool_->post([future, outputs = outputs_, error, stream = stream_]() { settle(future, outputs, error, stream); });
 }
 
 }  // namespace hetcomm

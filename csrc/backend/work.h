@@ -7,6 +7,7 @@
 
 #include <atomic>
 #include <memory>
+#include <mutex>
 #include <optional>
 
 #include "transport/socket.h"  // Clock
@@ -15,9 +16,22 @@
 
 namespace hetcomm {
 
-// A hetcomm operation as seen by torch: wait() (from c10d::Work) blocks until the worker has
-// finished it and rethrows its error; getFuture() completes with the output tensors, on a
-// completion-pool thread, after wait() would return.
+// How the program waits for a group's operations: whether it waited for the last one right
+// after it was issued (within `window`, HETCOMM_INLINE_WINDOW_US), as a synchronous call does.
+// Shared by a group and its operations; the group runs a small operation on the caller's thread
+// only then, so that a caller that does something between issuing and waiting keeps the overlap
+// it asked for.
+struct WaitPattern {
+  explicit WaitPattern(std::chrono::microseconds w) : window(w) {}
+  const std::chrono::microseconds window;
+  std::atomic<bool> prompt{false};
+};
+
+// A hetcomm operation as seen by torch: wait() (from c10d::Work) blocks until the worker (or the
+// caller's thread, for a small one: ProcessGroupHetcomm::enqueue) has finished it and rethrows its
+// error; getFuture() completes with the output tensors after wait() would return: on a
+// completion-pool thread when it was asked for before, else at once on the asking thread (never
+// on a backend thread that runs operations).
 //
 // An operation on CUDA tensors ran on `stream` (the group's stream for the device). When the
 // host side finishes, the device may still be working through what was queued; complete()
@@ -33,7 +47,13 @@ class WorkHetcomm : public c10d::Work {
   WorkHetcomm(int rank, c10d::OpType type, const char* profilingTitle, std::vector<at::Tensor> outputs, uint64_t seq,
               std::shared_ptr<CompletionPool> pool, std::optional<c10::Stream> stream = std::nullopt);
 
-  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override { return future_; }
+  // Made on first request: an operation whose future nobody asked for completes without a
+  // hand-off to the completion pool.
+  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override;
+  bool wait(std::chrono::milliseconds timeout) override;
+  // The operation is in the caller's hands from now; its first wait() or getFuture() tells
+  // `pattern` how the caller waits.
+  void handedOver(std::shared_ptr<WaitPattern> pattern);
   std::vector<at::Tensor> result() override { return outputs_; }
   uint64_t getSequencenumber() const override { return seq_; }
   // A receive: the rank the data came from (known once it completed; for a receive from any
@@ -60,7 +80,13 @@ class WorkHetcomm : public c10d::Work {
   std::atomic<int> sourceRank_{-1};
   std::atomic<double> completedAt_{0.0};
   std::optional<c10::Event> done_;  // written by complete() before finish(), read after it
-  c10::intrusive_ptr<c10::ivalue::Future> future_;
+  std::mutex futureMu_;
+  c10::intrusive_ptr<c10::ivalue::Future> future_;  // null until asked for (CPU) or completed (CUDA)
+  bool settled_ = false;                            // complete() ran (under futureMu_)
+  std::exception_ptr settledError_;                 // its error (under futureMu_)
+  std::shared_ptr<WaitPattern> pattern_;            // set before the caller sees the operation
+  Clock::time_point handedOverAt_;
+  std::atomic<bool> waitNoted_{false};
   std::shared_ptr<CompletionPool> pool_;
 };
 

@@ -38,6 +38,13 @@ constexpr int64_t kMaxSegmentBytes = 1024 * 1024;
 // ring (bandwidth-optimal).
 constexpr int64_t kDefaultSmallAllreduceBytes = 32 * 1024;
 HETCOMM_PARAM(paramSmallAllreduceBytes, "HETCOMM_SMALL_ALLREDUCE_BYTES", kDefaultSmallAllreduceBytes)
+// Collectives on CPU tensors of at most this many bytes, within one host's shared memory, run on
+// the calling thread when nothing else of the group is queued or running (HETCOMM_INLINE_BYTES,
+// read at group creation; 0 turns it off).
+constexpr int64_t kDefaultInlineBytes = 1024 * 1024;
+// ... and only after the program waited for its previous operation within this many
+// microseconds of getting it (HETCOMM_INLINE_WINDOW_US, read at group creation).
+constexpr int64_t kDefaultInlineWindowUs = 200;
 // Socket send/receive buffer sizes requested from the kernel: -1 (default) = 256 KB on loopback
 // and the kernel's autotuning elsewhere, 0 = always autotune, N = always N bytes.
 HETCOMM_PARAM(paramSocketBufferBytes, "HETCOMM_SOCKET_BUFFER_BYTES", -1)

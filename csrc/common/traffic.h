@@ -34,6 +34,7 @@ struct TrafficSnapshot {
   uint64_t p2pReceivedMessages = 0;     // point-to-point messages wholly read (claimed or not)
   std::vector<uint64_t> collectivesByPath;  // [CollectivePath]: collectives that took each path
   uint64_t sharedMemoryBytes = 0;       // bytes this rank copied into its shared-memory slots
+  uint64_t inlineCollectives = 0;       // collectives run on the caller's thread (of `collectives`)
 };
 
 class TrafficCounters {
@@ -59,6 +60,7 @@ class TrafficCounters {
   }
   void addPath(CollectivePath path) { byPath_[static_cast<int>(path)].fetch_add(1, std::memory_order_relaxed); }
   void addSharedMemory(uint64_t bytes) { shmBytes_.fetch_add(bytes, std::memory_order_relaxed); }
+  void addInline() { inline_.fetch_add(1, std::memory_order_relaxed); }
   void addP2PSent() { p2pSent_.fetch_add(1, std::memory_order_relaxed); }
   void addP2PReceived() { p2pReceived_.fetch_add(1, std::memory_order_relaxed); }
 
@@ -76,6 +78,7 @@ class TrafficCounters {
     s.p2pReceivedMessages = p2pReceived_.load(std::memory_order_relaxed);
     for (const auto& n : byPath_) s.collectivesByPath.push_back(n.load(std::memory_order_relaxed));
     s.sharedMemoryBytes = shmBytes_.load(std::memory_order_relaxed);
+    s.inlineCollectives = inline_.load(std::memory_order_relaxed);
     return s;
   }
 
@@ -91,6 +94,7 @@ class TrafficCounters {
   std::atomic<uint64_t> p2pReceived_{0};
   std::atomic<uint64_t> byPath_[static_cast<int>(CollectivePath::kCount)] = {};
   std::atomic<uint64_t> shmBytes_{0};
+  std::atomic<uint64_t> inline_{0};
 };
 
 inline const char* collectivePathName(CollectivePath path) {

@@ -78,6 +78,7 @@ def _create_backend(dist_backend_opts, backend_options) -> "ProcessGroupHetcomm"
     )
     configure_group(backend, getattr(dist_backend_opts, "global_ranks_in_group", None),
                     store=backend.sealed_store(), timeout_ms=timeout_ms)
+    backend.forget_wait_pattern()
     return backend
 
 
@@ -158,7 +159,10 @@ def stats(group: Optional[dist.ProcessGroup] = None) -> dict:
       the operations, ``bytes_sent[b]`` on rank ``a`` equals ``bytes_received[a]`` on rank ``b``.
     * ``collectives``: collectives this rank ran (those that failed included; those refused because
       the group had already failed not), and ``collective_seconds``: the wall time spent running
-      them on the group's worker thread (queueing excluded).
+      them (queueing excluded). ``collectives_on_caller_thread``: how many of them ran on the
+      calling thread instead of the group's worker (small ones on one host, issued while the
+      group was idle by a program that waited for its previous operation right away:
+      ``HETCOMM_INLINE_BYTES`` and ``HETCOMM_INLINE_WINDOW_US`` in docs/environment.md).
     * ``p2p_sent_messages``, ``p2p_received_messages``: point-to-point messages wholly written and
       wholly read (``send``/``recv``, and the messages of ``monitored_barrier``). A message that
       arrives before its receive is posted counts when it arrives (its bytes too): the engine reads

@@ -16,7 +16,7 @@ namespace hetcomm {
 namespace {
 
 constexpr uint64_t kMagic = 0x68657463'6f6d6d31ull;  // "hetcomm1"
-constexpr uint32_t kVersion = 2;  // 2: rank words carry `attached`
+constexpr uint32_t kVersion = 3;  // 2: rank words carry `attached`; 3: and `issued`
 constexpr auto kMaxSleep = std::chrono::milliseconds(50);
 constexpr auto kLivenessEvery = std::chrono::milliseconds(100);
 
@@ -59,6 +59,7 @@ struct alignas(128) ShmChannel::RankWord {
   uint32_t progress;
   uint32_t waiters;
   uint32_t attached;  // 1 once this rank has mapped the segment and checked its layout
+  uint32_t issued;    // the last operation this rank issued, as announce() was given it
 };
 
 size_t ShmChannel::segmentBytes(int localSize, size_t slotBytes, int depth) {
@@ -117,6 +118,31 @@ uint8_t* ShmChannel::header(int l, uint64_t g) const {
 }
 
 uint32_t ShmChannel::progress(int l) const { return __atomic_load_n(&word(l)->progress, __ATOMIC_ACQUIRE); }
+
+void ShmChannel::announce(uint32_t op) { __atomic_store_n(&word(localRank_)->issued, op, __ATOMIC_RELEASE); }
+
+bool ShmChannel::othersIssued(uint32_t op, std::chrono::microseconds within) const {
+  auto all = [&] {
+    for (int l = 0; l < localSize_; ++l) {
+      if (l != localRank_ && !reached(__atomic_load_n(&word(l)->issued, __ATOMIC_ACQUIRE), op)) return false;
+    }
+    return true;
+  };
+  if (all()) return true;
+  // Spin, then yield (as waitFor does: ranks may outnumber cores), until `within` has passed.
+  const auto start = Clock::now();
+  const auto spinUntil = start + std::min<std::chrono::microseconds>(within, std::chrono::microseconds(paramShmSpinUs()));
+  const auto until = start + within;
+  for (int i = 0;; ++i) {
+    if (all()) return true;
+    if ((i & 63) == 0) {
+      const auto now = Clock::now();
+      if (now >= until || aborted()) return false;
+      if (now >= spinUntil) sched_yield();
+    }
+    cpuRelax();
+  }
+}
 
 void ShmChannel::publish(uint32_t value) {
   RankWord* w = word(localRank_);

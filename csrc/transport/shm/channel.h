@@ -69,6 +69,13 @@ class ShmChannel {
   bool attached(int l) const;
 
   uint32_t progress(int l) const;
+  // Operations issued: this rank has issued operation `op` (numbered from 1 by its group, the
+  // same on every rank; never 0), and whether every other local rank has issued `op` (or a
+  // later one), spinning then yielding for at most `within`. For the backend's choice of thread
+  // (a caller that would wait for its peers hands the operation to its worker instead); the
+  // collectives themselves never look at it.
+  void announce(uint32_t op);
+  bool othersIssued(uint32_t op, std::chrono::microseconds within) const;
   // Sets this rank's progress (release) and wakes whoever sleeps on it.
   void publish(uint32_t value);
 

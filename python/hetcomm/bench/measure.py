@@ -42,6 +42,8 @@ Heartbeat = Callable[[float], None]
 # The timed loop is sized from the agreed warm-up time; it may run this much slower than predicted
 # (a noisy 2-core machine, a slow rank) before it counts as hung.
 _HANG_SLOWDOWN = 10.0
+# Calls shorter than this are timed in batches before the timed loop is sized (_calibrate).
+_CALIBRATION_SECONDS = 0.02
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -148,6 +150,25 @@ def _warm_up(buffer: torch.Tensor, calls: int) -> Optional[float]:
     return statistics.median(durations) if durations else None
 
 
+def _calibrate(buffer: torch.Tensor, control: "ControlPlane", first_guess: float, heartbeat: "Heartbeat",
+               timeout_s: float, max_calls: int) -> float:
+    """Seconds per call of back-to-back allreduces, the slowest rank's, from batches that grow
+    fourfold until one lasts ``_CALIBRATION_SECONDS`` (or reaches ``max_calls``).
+
+    One call at a time (the warm-up's median) counts, for a call of microseconds, the ranks'
+    skew after the control plane's barrier: one slow call then made the estimate milliseconds
+    and the timed loop a few dozen calls. Every rank runs the same batches (each batch's time is
+    agreed before the next is chosen)."""
+    calls, per_call = 1, first_guess
+    while True:
+        heartbeat(timeout_s + _HANG_SLOWDOWN * calls * per_call)
+        seconds = control.max(_timed_allreduces(buffer, calls))
+        per_call = seconds / calls
+        if seconds >= _CALIBRATION_SECONDS or calls >= max_calls:
+            return per_call
+        calls = min(max_calls, calls * 4)
+
+
 def rank_device(device: str, rank: int) -> torch.device:
     """The device of ``rank``: the CPU, or GPU ``LOCAL_RANK`` (else rank) mod the GPUs visible."""
     if device == "cpu":
@@ -194,6 +215,8 @@ def measure_allreduce(backend: str, size_bytes: int, config: BenchConfig,
         iters = config.iters
     else:
         assert agreed_seconds is not None      # adaptive mode always warms up at least once
+        if agreed_seconds < _CALIBRATION_SECONDS:
+            agreed_seconds = _calibrate(buffer, control, agreed_seconds, heartbeat, timeout_s, config.max_iters)
         iters = iterations_for_budget(agreed_seconds, config.seconds_per_size,
                                       config.min_iters, config.max_iters)
 

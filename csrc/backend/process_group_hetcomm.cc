@@ -424,9 +424,16 @@ c10::intrusive_ptr<WorkHetcomm> ProcessGroupHetcomm::enqueue(c10d::OpType type, 
     if (size_ > 1 && !op.local->channel->othersIssued(issued, waits_->window)) {
       lock.lock();
       work->handedOver(waits_);
-      queue_.push_front(std::move(op));  // before anything another thread issued meanwhile
       running_ = false;
       cv_.notify_all();
+      if (!workerError_.empty()) {
+        // The worker stopped meanwhile (workerDied emptied the queue): nothing would run it.
+        const std::string why = workerError_;
+        lock.unlock();
+        work->complete(distError(strCat("hetcomm ", collectiveName(header.opcode), ": ", why)));
+        return work;
+      }
+      queue_.push_front(std::move(op));  // before anything another thread issued meanwhile
       return work;
     }
     std::exception_ptr error;

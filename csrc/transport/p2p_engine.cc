@@ -14,6 +14,7 @@
 #include "common/error.h"
 #include "common/logging.h"
 #include "common/threads.h"
+#include "transport/shm/ring_link.h"
 
 namespace hetcomm {
 namespace {
@@ -233,6 +234,27 @@ void P2PEngine::addInbound(int peer, std::unique_ptr<Link> link) {
   wake();
 }
 
+void P2PEngine::setSharedMemoryPeers(const std::vector<int>& ranks) {
+  const size_t ringBytes = ringBytesSetting();
+  std::lock_guard<std::mutex> lock(mu_);
+  ringBytes_ = ringBytes;
+  sharesMemory_.assign(size_, false);
+  for (int r : ranks) {
+    if (r >= 0 && r < size_ && r != rank_) sharesMemory_[r] = true;
+  }
+}
+
+std::array<int64_t, 3> P2PEngine::linkKinds() {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::array<int64_t, 3> out{};
+  for (const Peer& p : peers_) {
+    for (const Link* l : {p.out.get(), p.in.get()}) {
+      if (l != nullptr) ++out[static_cast<size_t>(l->kind())];
+    }
+  }
+  return out;
+}
+
 void P2PEngine::stop(const std::string& reason) {
   const bool onEngineThread = std::this_thread::get_id() == thread_.get_id();
   std::unique_lock<std::mutex> stopLock(stopMu_, std::defer_lock);
@@ -351,11 +373,14 @@ void P2PEngine::connectPending() {
     if (p.sends.empty() || p.out || p.connecting || !p.outError.empty()) continue;
     p.connecting = true;
     const Deadline deadline = p.sends.front().deadline;
-    startHelper([this, peer, deadline] {
+    const size_t ringBytes = peer < static_cast<int>(sharesMemory_.size()) && sharesMemory_[peer] ? ringBytes_ : 0;
+    startHelper([this, peer, deadline, ringBytes] {
       std::unique_ptr<Link> s;
       std::string error;
       try {
-        s = mesh_->connectP2P(peer, deadline, [this] { return cancelHelpers_.load(); });
+        const Cancelled cancelled = [this] { return cancelHelpers_.load(); };
+        s = mesh_->connectP2P(peer, deadline, cancelled);
+        if (ringBytes > 0) s = offerRing(std::move(s), ringBytes, deadline, cancelled);
       } catch (const std::exception& e) {
         error = e.what();
       }
@@ -556,10 +581,16 @@ void P2PEngine::progressRecvs(int peer, Peer& p, Finished& finished) {
         return breakInbound(peer, p, strCat("rank ", peer, " closed the connection (did it fail or exit?)"), finished);
       }
       if (n < 0) return breakInbound(peer, p, strCat("connection from rank ", peer, " failed: ", std::strerror(errno)), finished);
-      if (traffic_ != nullptr) traffic_->addReceived(peer, static_cast<uint64_t>(n));
+      if (traffic_ != nullptr && !inHeader) traffic_->addReceived(peer, static_cast<uint64_t>(n));
       if (inHeader) {
         in.headerDone += static_cast<size_t>(n);
         if (in.headerDone < in.header.size()) continue;
+        if (!p.inStarted && ShmOffer::looksLikeOffer(in.header.data())) {
+          answerOffer(peer, p, finished);
+          continue;
+        }
+        p.inStarted = true;
+        if (traffic_ != nullptr) traffic_->addReceived(peer, in.header.size());
         std::string err = P2PHeader::decode(in.header.data(), in.parsed);
         if (!err.empty()) return breakInbound(peer, p, strCat("garbage from rank ", peer, ": ", err), finished);
         in.arrived = nextArrival_++;
@@ -575,6 +606,23 @@ void P2PEngine::progressRecvs(int peer, Peer& p, Finished& finished) {
       // and pass, so that a chatty peer whose socket is never empty cannot take them all.
       if (!anyRecvs_.empty()) return;
     }
+  }
+}
+
+void P2PEngine::answerOffer(int peer, Peer& p, Finished& finished) {
+  ShmOffer offer;
+  const std::string err = ShmOffer::decode(p.incoming.header.data(), offer);
+  p.incoming = Incoming();
+  p.inStarted = true;
+  if (!err.empty()) return breakInbound(peer, p, strCat("garbage from rank ", peer, ": ", err), finished);
+  try {
+    if (peer < static_cast<int>(sharesMemory_.size()) && sharesMemory_[peer]) {
+      p.in = acceptRing(std::move(p.in), offer);
+    } else {
+      refuseRing(*p.in, offer);  // not a peer of this host as far as this rank knows: stay on TCP
+    }
+  } catch (const std::exception& e) {
+    return breakInbound(peer, p, strCat("connection from rank ", peer, " failed: ", e.what()), finished);
   }
 }
 

@@ -23,6 +23,7 @@ import torch
 from hetcomm import hosts
 from hetcomm import plan as planner
 from hetcomm.measure import measure_levels, measure_pairs, model_from_declared, parse_mbit
+from hetcomm.measure.trial import measured_plan_wins
 from hetcomm.plan import levels as sites
 from hetcomm.plan.choose import (DECLARED_MIN_GAIN, MEASURED_MIN_GAIN, _same_partition, choose_plan,  # noqa: F401
                                  hierarchical_enabled, plan_for_group, segment_bytes_for, snap_measured,
@@ -70,20 +71,22 @@ def declared_model(ranks: Sequence[int]) -> Optional[planner.LinkModel]:
 
 
 # Measured models by the global ranks of their group, newest last (docs/planner.md#group-creation-step-by-step).
-_measured: dict[tuple[int, ...], planner.LinkModel] = {}
+_measured: dict[tuple[int, ...], tuple[planner.LinkModel, planner.LinkModel]] = {}   # (model, its equal counterpart)
 
 
-def _covering_model(ranks: Sequence[int]) -> Optional[planner.LinkModel]:
+def _covering_model(ranks: Sequence[int]) -> Optional[tuple[planner.LinkModel, planner.LinkModel]]:
     """A model measured for a group containing all of ``ranks`` (the smallest such, then the
-    newest), restricted to them; None if no group measured so far covers them."""
+    newest) and its equal counterpart (`hetcomm.measure.ProbeResult.equal_model`), restricted to
+    them; None if no group measured so far covers them."""
     best = None
-    for key, model in _measured.items():
+    for key, models in _measured.items():
         if set(ranks) <= set(key) and (best is None or len(key) <= len(best[0])):
-            best = (key, model)
+            best = (key, models)
     if best is None:
         return None
-    key, model = best
-    return model.restricted([key.index(r) for r in ranks])
+    key, (model, equal) = best
+    at = [key.index(r) for r in ranks]
+    return model.restricted(at), equal.restricted(at)
 
 
 def _broadcast_floats(backend, values: Optional[list[float]], failure: Optional[BaseException] = None) -> list[float]:
@@ -202,26 +205,45 @@ def group_topology(backend, model: planner.LinkModel) -> sites.Topology:
 
 
 def apply_model(backend, model: planner.LinkModel, *, measured: bool = False,
-                topology: Optional[sites.Topology] = None) -> planner.Plan:
+                topology: Optional[sites.Topology] = None,
+                equal_model: Optional[planner.LinkModel] = None) -> planner.Plan:
     """Chooses (rank 0), agrees on and installs the plan for `model`; returns it. ``topology``:
-    the group's levels when the probe found them, else from `group_topology`."""
+    the group's levels when the probe found them, else from `group_topology`. ``equal_model``
+    (measured models): the same levels with every class of link at one rate; when its plan
+    differs, the trial (`hetcomm.measure.trial`) decides which of the two stays."""
     if topology is None:
         topology = group_topology(backend, model)
-    values, failure = None, None
-    if backend.rank() == 0:
-        start = time.perf_counter()
-        try:
-            values = _encode_plan(plan_for_group(model, topology, shared_host_labels(backend), measured))
-        except Exception as e:  # noqa: BLE001 - every rank must hear of it (_broadcast_floats)
-            failure = e
-        _log_plan(f"hetcomm plan: chosen by rank 0 in {time.perf_counter() - start:.3f} s")
-    plan = _decode_plan(_broadcast_floats(backend, values, failure), backend.size(), topology)
+    shared = shared_host_labels(backend)
+    plan = _agreed_plan(backend, lambda: plan_for_group(model, topology, shared, measured), topology, "chosen")
     install_plan(backend, plan)
+    if measured and equal_model is not None:
+        equal = _agreed_plan(backend, lambda: plan_for_group(equal_model, topology, shared, True), topology,
+                             "for equal links")
+        if equal != plan:
+            wins, line = measured_plan_wins(backend, plan, equal, model, install_plan)
+            _log_plan(line)
+            if wins:
+                install_plan(backend, plan)
+            else:
+                plan = equal
     _models[backend.listen_address()] = model
     _topologies[backend.listen_address()] = topology
     _log_plan(f"hetcomm topology: {topology.describe()}")
     _log_plan(planner.format_plan(plan, model))
     return plan
+
+
+def _agreed_plan(backend, choose, topology: sites.Topology, what: str) -> planner.Plan:
+    """Rank 0's ``choose()`` on every rank (a failure there raises on every rank)."""
+    values, failure = None, None
+    if backend.rank() == 0:
+        start = time.perf_counter()
+        try:
+            values = _encode_plan(choose())
+        except Exception as e:  # noqa: BLE001 - every rank must hear of it (_broadcast_floats)
+            failure = e
+        _log_plan(f"hetcomm plan {what}: by rank 0 in {time.perf_counter() - start:.3f} s")
+    return _decode_plan(_broadcast_floats(backend, values, failure), backend.size(), topology)
 
 
 def probe_backend(backend, ranks: Optional[Sequence[int]] = None) -> planner.LinkModel:
@@ -248,11 +270,12 @@ def probe_backend(backend, ranks: Optional[Sequence[int]] = None) -> planner.Lin
     model = result.model
     measured_in = time.perf_counter() - start
     _measured.pop(ranks, None)
-    _measured[ranks] = model
+    _measured[ranks] = (model, result.equal_model)
     hosts_known = len(set(labels)) > 1
     topology = sites.Topology(sites=result.sites, hosts=labels if hosts_known else None)
-    apply_model(backend, model, measured=True, topology=topology)
-    _log_plan(f"hetcomm probe: measured in {measured_in:.3f} s ({'; '.join(result.rounds)}), planned and installed "
+    apply_model(backend, model, measured=True, topology=topology, equal_model=result.equal_model)
+    _log_plan(f"hetcomm probe: measured in {measured_in:.3f} s ({'; '.join(result.rounds)}; a link's repeats a median "
+              f"{result.spread:.2f}x apart), planned and installed "
               f"by {time.perf_counter() - start:.3f} s")
     return model
 
@@ -347,7 +370,7 @@ def configure_group(backend, global_ranks: Optional[Sequence[int]] = None, *, st
         return
     covering = _covering_model(ranks)
     if covering is not None:
-        apply_model(backend, covering, measured=True)
+        apply_model(backend, covering[0], measured=True, equal_model=covering[1])
         _log_plan(f"hetcomm probe: global ranks {list(ranks)} were measured with an earlier group: no probe")
         return
     if len(set(labels)) == 1:

@@ -1,0 +1,80 @@
+"""The last guard against probe noise: a plan fitted to measured rates is kept only if it runs
+faster than the same schedule with equal shares, timed on the group itself at its creation.
+
+Why a trial: on a loaded machine the probe's readings of identical links scatter by 2-5x, and no
+statistic of those readings told noise from a real difference every time (8 hosts of 4 ranks on
+2 cores, every NIC 1000 Mbit/s: a link's repeats 1.3-9x apart, hosts read 18-116 MB/s; host
+shares fitted to that ran at 0.66-0.97x equal shares). A slow link, by contrast, shows in the
+time of the collective it slows. So: the plan chosen from the measured model, and the one chosen
+from the same model with every rate snapped together (`hetcomm.plan.choose.measured_tolerance`
+of infinity: equal shares, same levels), each run ``TRIAL_PAIRS`` times, interleaved, on one
+allreduce sized to take about ``TRIAL_SECONDS`` under the measured plan's prediction; the measured
+plan stays only when its median time beats the equal one's by ``TRIAL_MARGIN``. Every rank runs
+the same trials, and the times are agreed (the slowest rank's), so every rank decides alike.
+
+A collective over the group, run by `hetcomm.topology.apply_model` when the plan came from
+measured rates and differs from its equal counterpart. docs/planner.md#the-trial-at-creation.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Callable
+
+import torch
+
+from hetcomm import plan as planner
+
+TRIAL_PAIRS = 3
+TRIAL_SECONDS = 0.02
+TRIAL_MARGIN = 0.05
+MIN_TRIAL_BYTES = 1 << 20
+MAX_TRIAL_BYTES = 16 << 20
+
+
+def trial_bytes(plan: planner.Plan, model: planner.LinkModel) -> int:
+    """The power of two in [MIN_TRIAL_BYTES, MAX_TRIAL_BYTES] that ``plan`` is predicted to reduce
+    in about TRIAL_SECONDS (at least large enough that bandwidth, not latency, decides)."""
+    n = MIN_TRIAL_BYTES
+    while n < MAX_TRIAL_BYTES and planner.predict_allreduce_seconds(plan, model, 2 * n) <= TRIAL_SECONDS:
+        n *= 2
+    return n
+
+
+def _timed_allreduce(backend, t: torch.Tensor) -> float:
+    opts = torch.distributed.AllreduceOptions()
+    opts.reduceOp = torch.distributed.ReduceOp.SUM
+    start = time.perf_counter()
+    backend.allreduce([t], opts).wait()
+    return time.perf_counter() - start
+
+
+def measured_plan_wins(backend, measured: planner.Plan, equal: planner.Plan, model: planner.LinkModel,
+                       install: Callable[[object, planner.Plan], None]) -> tuple[bool, str]:
+    """Runs the trial (``install(backend, plan)`` sets a plan on this rank) and leaves ``equal``
+    installed; returns whether ``measured`` won, and a line that says what was timed."""
+    nbytes = trial_bytes(measured, model)
+    t = torch.zeros(nbytes // 4, dtype=torch.float32)
+    times = torch.zeros(2 * TRIAL_PAIRS, dtype=torch.float64)
+    for k in range(TRIAL_PAIRS):
+        # Alternate which goes first, so that neither always follows the other's traffic.
+        pair = (measured, equal) if k % 2 == 0 else (equal, measured)
+        for plan in pair:
+            install(backend, plan)
+            # Untimed first: the links it loads more than the other plan did start cold (a TCP
+            # window that shrank while they carried little made one plan's time depend on which
+            # ran before it: 300 against 400 ms for the same plan).
+            _timed_allreduce(backend, t)
+            slot = 2 * k + (0 if plan is measured else 1)
+            times[slot] = _timed_allreduce(backend, t)
+    opts = torch.distributed.AllreduceOptions()
+    opts.reduceOp = torch.distributed.ReduceOp.MAX
+    backend.allreduce([times], opts).wait()
+    mine = statistics.median(times[0::2].tolist())
+    theirs = statistics.median(times[1::2].tolist())
+    wins = mine < theirs * (1.0 - TRIAL_MARGIN)
+    install(backend, equal)
+    line = (f"hetcomm plan trial: {nbytes >> 10} KB allreduce, measured shares {mine * 1e3:.2f} ms, equal shares "
+            f"{theirs * 1e3:.2f} ms (median of {TRIAL_PAIRS}): "
+            f"{'measured shares kept' if wins else 'equal shares kept (not faster by ' + format(TRIAL_MARGIN, '.0%') + ')'}")
+    return wins, line

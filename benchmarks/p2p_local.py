@@ -60,6 +60,12 @@ def _rank(rank: int, backend: str, env: dict, port: int, sizes: list[int], repea
         if not torch.equal(got, data):
             raise AssertionError(f"{backend} {env}: a {nbytes}-byte message came back different")
         result[nbytes] = statistics.median(times)
+    if backend == "hetcomm":
+        # The configuration is what it says: rings in shared memory, or none.
+        links = hetcomm.stats()["p2p_links"]
+        wanted = "tcp" if env.get("HETCOMM_P2P_SHM_BYTES") == "0" else "shm"
+        if links[wanted] < 1 or sum(links.values()) != links[wanted]:
+            raise AssertionError(f"{backend} {env}: point-to-point links {links}, expected {wanted} only")
     if rank == 0:
         out.put(result)
     dist.barrier()
@@ -74,7 +80,12 @@ def measure(name: str, sizes: list[int], repeats: int, launch: int) -> dict[int,
     procs = [ctx.Process(target=_rank, args=(r, backend, env, port, sizes, repeats, out)) for r in range(2)]
     for p in procs:
         p.start()
-    value = out.get(timeout=900)
+    try:
+        value = out.get(timeout=900)
+    except Exception:
+        for p in procs:
+            p.kill()
+        raise RuntimeError(f"p2p_local: {name} gave no result (exit codes {[p.exitcode for p in procs]})") from None
     for p in procs:
         p.join(timeout=120)
     return value

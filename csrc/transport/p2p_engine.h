@@ -1,5 +1,7 @@
 #pragma once
 // Point-to-point send/recv, progressed by one background thread over the group's links (link.h).
+// p2p_engine.cc: posting, connecting, sending, failures and the loop; p2p_receive.cc: reading
+// and matching incoming messages.
 //
 // Sends and receives with different peers, and the two directions with one peer, progress
 // independently, so "both ranks isend a large tensor, then irecv" cannot deadlock the way it would
@@ -83,7 +85,8 @@ class P2PEngine {
   bool idle();
   // The group ranks that share this host's memory (this rank's own entry ignored): links to them
   // that the engine opens from now on offer a ring in shared memory (shm/ring_link.h) of
-  // HETCOMM_P2P_SHM_BYTES, and offers from them are taken. Throws CommError on a bad setting.
+  // HETCOMM_P2P_SHM_BYTES (read at construction: a bad value throws CommError there). Offers
+  // from other ranks are taken whenever their segment opens here.
   void setSharedMemoryPeers(const std::vector<int>& ranks);
   // Links open now, by kind (Link::Kind: tcp, tls, shm), both directions.
   std::array<int64_t, 3> linkKinds();
@@ -181,8 +184,8 @@ class P2PEngine {
   TrafficCounters* const traffic_;
   const size_t unexpectedBudget_;
   std::mutex mu_;
+  const size_t ringBytes_;          // HETCOMM_P2P_SHM_BYTES (0: no rings)
   std::vector<bool> sharesMemory_;  // by peer rank (setSharedMemoryPeers)
-  size_t ringBytes_ = 0;
   std::vector<Peer> peers_;
   std::deque<Op> anyRecvs_;  // receives from any source, in posting order
   uint64_t nextPosted_ = 0;

@@ -183,7 +183,8 @@ def stats(group: Optional[dist.ProcessGroup] = None) -> dict:
       more sites, as its probe or ``HETCOMM_SITES`` found them): the site of every group rank and
       this rank's bytes to and from ranks of other sites, i.e. what crossed the WAN.
 
-    The group's creation may already have moved bytes (``hetcomm.probe`` measuring links, for one).
+    The group's creation may already have moved bytes and run collectives (``hetcomm.probe``
+    measuring links, and the trial of a measured plan against equal shares: docs/planner.md).
     A snapshot taken while operations run may hold part of their bytes and not yet their counts.
     """
     from hetcomm.topology import topology_of

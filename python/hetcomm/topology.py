@@ -23,7 +23,7 @@ import torch
 from hetcomm import hosts
 from hetcomm import plan as planner
 from hetcomm.measure import measure_levels, measure_pairs, model_from_declared, parse_mbit
-from hetcomm.measure.trial import measured_plan_wins
+from hetcomm.measure.trial import measured_plan_wins, same_shares, trial_bytes
 from hetcomm.plan import levels as sites
 from hetcomm.plan.choose import (DECLARED_MIN_GAIN, MEASURED_MIN_GAIN, _same_partition, choose_plan,  # noqa: F401
                                  hierarchical_enabled, plan_for_group, segment_bytes_for, snap_measured,
@@ -71,22 +71,22 @@ def declared_model(ranks: Sequence[int]) -> Optional[planner.LinkModel]:
 
 
 # Measured models by the global ranks of their group, newest last (docs/planner.md#group-creation-step-by-step).
-_measured: dict[tuple[int, ...], tuple[planner.LinkModel, planner.LinkModel]] = {}   # (model, its equal counterpart)
+# The model each kept: the measured one, or its equal counterpart when that won the group's trial.
+_measured: dict[tuple[int, ...], planner.LinkModel] = {}
 
 
-def _covering_model(ranks: Sequence[int]) -> Optional[tuple[planner.LinkModel, planner.LinkModel]]:
-    """A model measured for a group containing all of ``ranks`` (the smallest such, then the
-    newest) and its equal counterpart (`hetcomm.measure.ProbeResult.equal_model`), restricted to
-    them; None if no group measured so far covers them."""
+def _covering_model(ranks: Sequence[int]) -> Optional[planner.LinkModel]:
+    """The model kept by a group containing all of ``ranks`` (the smallest such, then the newest:
+    measured, or its equal counterpart when that won the group's trial), restricted to them; None
+    if no group measured so far covers them."""
     best = None
-    for key, models in _measured.items():
+    for key, model in _measured.items():
         if set(ranks) <= set(key) and (best is None or len(key) <= len(best[0])):
-            best = (key, models)
+            best = (key, model)
     if best is None:
         return None
-    key, (model, equal) = best
-    at = [key.index(r) for r in ranks]
-    return model.restricted(at), equal.restricted(at)
+    key, model = best
+    return model.restricted([key.index(r) for r in ranks])
 
 
 def _broadcast_floats(backend, values: Optional[list[float]], failure: Optional[BaseException] = None) -> list[float]:
@@ -206,31 +206,49 @@ def group_topology(backend, model: planner.LinkModel) -> sites.Topology:
 
 def apply_model(backend, model: planner.LinkModel, *, measured: bool = False,
                 topology: Optional[sites.Topology] = None,
-                equal_model: Optional[planner.LinkModel] = None) -> planner.Plan:
-    """Chooses (rank 0), agrees on and installs the plan for `model`; returns it. ``topology``:
-    the group's levels when the probe found them, else from `group_topology`. ``equal_model``
-    (measured models): the same levels with every class of link at one rate; when its plan
-    differs, the trial (`hetcomm.measure.trial`) decides which of the two stays."""
+                equal_model: Optional[planner.LinkModel] = None) -> tuple[planner.Plan, planner.LinkModel]:
+    """Chooses (rank 0), agrees on and installs the plan for `model`; returns it and the model it
+    was made for. ``topology``: the group's levels when the probe found them, else from
+    `group_topology`. ``equal_model`` (measured models): the same levels with every class of link
+    at one rate; when its plan's shares differ, the trial (`hetcomm.measure.trial`) decides which
+    of the two plans stays (and the second value is then ``equal_model`` if it won)."""
     if topology is None:
         topology = group_topology(backend, model)
     shared = shared_host_labels(backend)
     plan = _agreed_plan(backend, lambda: plan_for_group(model, topology, shared, measured), topology, "chosen")
     install_plan(backend, plan)
+    kept = model
     if measured and equal_model is not None:
-        equal = _agreed_plan(backend, lambda: plan_for_group(equal_model, topology, shared, True), topology,
-                             "for equal links")
-        if equal != plan:
-            wins, line = measured_plan_wins(backend, plan, equal, model, install_plan)
-            _log_plan(line)
-            if wins:
-                install_plan(backend, plan)
-            else:
-                plan = equal
+        plan, kept = _trial_against_equal(backend, plan, model, equal_model, topology, shared)
     _models[backend.listen_address()] = model
     _topologies[backend.listen_address()] = topology
     _log_plan(f"hetcomm topology: {topology.describe()}")
     _log_plan(planner.format_plan(plan, model))
-    return plan
+    return plan, kept
+
+
+def _trial_against_equal(backend, plan: planner.Plan, model: planner.LinkModel, equal_model: planner.LinkModel,
+                         topology: sites.Topology, shared) -> tuple[planner.Plan, planner.LinkModel]:
+    """The trial of `hetcomm.measure.trial` between ``plan`` (installed) and the plan for
+    ``equal_model``; returns the plan left installed and its model."""
+    try:
+        equal = _agreed_plan(backend, lambda: plan_for_group(equal_model, topology, shared, True), topology,
+                             "for equal links")
+    except RuntimeError as e:  # rank 0 could not plan it: every rank raised alike
+        _log_plan(f"hetcomm plan trial: no plan for equal links ({e}); the measured plan stays")
+        return plan, model
+    if same_shares(plan, equal):
+        return plan, model
+    nbytes = int(_broadcast_floats(backend, [float(trial_bytes(plan, model))] if backend.rank() == 0 else None)[0])
+    if nbytes == 0:
+        _log_plan("hetcomm plan trial: the measured shares apply only above the largest trial size; they stay")
+        return plan, model
+    wins, line = measured_plan_wins(backend, plan, equal, nbytes, install_plan)
+    _log_plan(line)
+    if wins:
+        install_plan(backend, plan)
+        return plan, model
+    return equal, equal_model
 
 
 def _agreed_plan(backend, choose, topology: sites.Topology, what: str) -> planner.Plan:
@@ -270,10 +288,10 @@ def probe_backend(backend, ranks: Optional[Sequence[int]] = None) -> planner.Lin
     model = result.model
     measured_in = time.perf_counter() - start
     _measured.pop(ranks, None)
-    _measured[ranks] = (model, result.equal_model)
     hosts_known = len(set(labels)) > 1
     topology = sites.Topology(sites=result.sites, hosts=labels if hosts_known else None)
-    apply_model(backend, model, measured=True, topology=topology, equal_model=result.equal_model)
+    _, kept = apply_model(backend, model, measured=True, topology=topology, equal_model=result.equal_model)
+    _measured[ranks] = kept
     _log_plan(f"hetcomm probe: measured in {measured_in:.3f} s ({'; '.join(result.rounds)}; a link's repeats a median "
               f"{result.spread:.2f}x apart), planned and installed "
               f"by {time.perf_counter() - start:.3f} s")
@@ -370,7 +388,7 @@ def configure_group(backend, global_ranks: Optional[Sequence[int]] = None, *, st
         return
     covering = _covering_model(ranks)
     if covering is not None:
-        apply_model(backend, covering[0], measured=True, equal_model=covering[1])
+        apply_model(backend, covering, measured=True)
         _log_plan(f"hetcomm probe: global ranks {list(ranks)} were measured with an earlier group: no probe")
         return
     if len(set(labels)) == 1:

@@ -78,6 +78,15 @@ def test_messages_arrive_exact_through_the_ring_or_tcp(ring: int) -> None:
 BIG = 16 << 20             # bytes: far more than the ring holds
 
 
+def _timed(op) -> dict:
+    start = time.monotonic()
+    try:
+        op()
+    except RuntimeError as e:
+        return {"raised": True, "message": str(e), "op_s": time.monotonic() - start}
+    return {"raised": False, "message": "", "op_s": time.monotonic() - start}
+
+
 def peer_dies_mid_message(rank: int, world_size: int, who: str) -> dict | None:
     """``who`` ("sender" or "receiver") dies while a 16 MB message is half way through the ring."""
     import hetcomm
@@ -85,32 +94,17 @@ def peer_dies_mid_message(rank: int, world_size: int, who: str) -> dict | None:
     big = pattern(BIG // 4, torch.float32, 0)
     dist.send(torch.ones(1), dst=1) if rank == 0 else dist.recv(torch.ones(1), src=0)   # the ring link is up
     assert hetcomm.stats()["p2p_links"]["shm"] >= 1
-    if rank == 0:
-        work = dist.isend(big, dst=1, tag=3)
-        if who == "sender":
-            time.sleep(0.3)            # the ring fills; the receive below takes part of the message
-            default_store().set("exiting", str(os.getpid()))
-            die()
-        wait_for_key("exiting")
-        wait_until_gone(int(default_store().get("exiting")))
-        start = time.monotonic()
-        try:
-            work.wait()
-        except RuntimeError as e:
-            return {"raised": True, "message": str(e), "op_s": time.monotonic() - start}
-        return {"raised": False, "message": "", "op_s": time.monotonic() - start}
-    if who == "receiver":
-        time.sleep(0.3)                # the sender has filled the ring and waits for room
+    work = dist.isend(big, dst=1, tag=3) if rank == 0 else None
+    if (rank == 0) == (who == "sender"):
+        # The sender has filled the ring and waits for room; the receive below takes part of it.
+        time.sleep(0.3)
         default_store().set("exiting", str(os.getpid()))
         die()
     wait_for_key("exiting")
     wait_until_gone(int(default_store().get("exiting")))
-    start = time.monotonic()
-    try:
-        dist.recv(torch.zeros(BIG // 4), src=0, tag=3)
-    except RuntimeError as e:
-        return {"raised": True, "message": str(e), "op_s": time.monotonic() - start}
-    return {"raised": False, "message": "", "op_s": time.monotonic() - start}
+    if rank == 0:
+        return _timed(work.wait)
+    return _timed(lambda: dist.recv(torch.zeros(BIG // 4), src=0, tag=3))
 
 
 @pytest.mark.parametrize("who", ["sender", "receiver"])

@@ -1,7 +1,11 @@
 #include "transport/shm/ring_link.h"
 
+#include <dirent.h>
 #include <errno.h>
 #include <poll.h>
+#include <signal.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
@@ -19,6 +23,9 @@ namespace {
 constexpr size_t kControlBytes = 4096;  // the ring's indices and flags, each on a cache line of its own
 constexpr size_t kMinRingBytes = 64 << 10;
 constexpr size_t kMaxRingBytes = size_t{1} << 30;
+constexpr size_t kMaxBellBytes = 4096;
+constexpr const char* kNamePrefix = "hetcomm-p2p-";
+constexpr int kRandomBits = 40;  // of a ring's id; the creator's pid above them
 constexpr char kYes = 'Y';
 constexpr char kNo = 'N';
 
@@ -80,13 +87,16 @@ class RingLink final : public Link {
     if (len == 0) return 0;
     // A receiver that closed the link takes nothing more (a dead one shows once the ring is full).
     if (ctl_->closed.load(std::memory_order_acquire) != 0) return fail(EPIPE);
-    const uint64_t tail = ctl_->tail.load(std::memory_order_relaxed);
+    // The doorbell also carries the news of a receiver that died: look at every send, so that
+    // messages to a dead rank fail instead of filling the ring.
+    const int gone = drainBells();
+    if (gone != 0) return fail(gone);
+    const uint64_t tail = mine_;
+    if (ctl_->tail.load(std::memory_order_relaxed) != tail) return fail(EPROTO);  // someone else wrote our index
     uint64_t head = ctl_->head.load(std::memory_order_acquire);
     if (!sane(head, tail)) return fail(EPROTO);
     if (tail - head == cap_) {
-      // Full: drain the doorbell (and learn of a closed peer), raise the flag, look once more.
-      const int gone = drainBells();
-      if (gone != 0) return fail(gone);
+      // Full: raise the flag, look once more.
       ctl_->writerWaits.store(1, std::memory_order_relaxed);
       std::atomic_thread_fence(std::memory_order_seq_cst);
       head = ctl_->head.load(std::memory_order_acquire);
@@ -96,7 +106,8 @@ class RingLink final : public Link {
     }
     const size_t n = std::min<uint64_t>(len, cap_ - (tail - head));
     copyIn(tail, static_cast<const char*>(data), n);
-    ctl_->tail.store(tail + n, std::memory_order_release);
+    mine_ = tail + n;
+    ctl_->tail.store(mine_, std::memory_order_release);
     std::atomic_thread_fence(std::memory_order_seq_cst);
     if (ctl_->readerWaits.load(std::memory_order_relaxed) != 0 && ctl_->readerWaits.exchange(0) != 0) ring();
     return static_cast<ssize_t>(n);
@@ -105,7 +116,8 @@ class RingLink final : public Link {
   ssize_t recv(void* data, size_t len) override {
     if (sender_) return fail(EBADF);
     if (len == 0) return 0;
-    const uint64_t head = ctl_->head.load(std::memory_order_relaxed);
+    const uint64_t head = mine_;
+    if (ctl_->head.load(std::memory_order_relaxed) != head) return fail(EPROTO);  // someone else wrote our index
     uint64_t tail = ctl_->tail.load(std::memory_order_acquire);
     if (!sane(head, tail)) return fail(EPROTO);
     if (tail == head) {
@@ -126,7 +138,8 @@ class RingLink final : public Link {
     }
     const size_t n = std::min<uint64_t>(len, tail - head);
     copyOut(head, static_cast<char*>(data), n);
-    ctl_->head.store(head + n, std::memory_order_release);
+    mine_ = head + n;
+    ctl_->head.store(mine_, std::memory_order_release);
     std::atomic_thread_fence(std::memory_order_seq_cst);
     if (ctl_->writerWaits.load(std::memory_order_relaxed) != 0 && ctl_->writerWaits.exchange(0) != 0) ring();
     return static_cast<ssize_t>(n);
@@ -153,18 +166,23 @@ class RingLink final : public Link {
     if (n > first) std::memcpy(dst + first, data_, n - first);
   }
 
-  // Reads every doorbell byte waiting on the TCP link. 0, or EPIPE when the peer closed it, or
-  // the error of the link.
+  // Reads the doorbell bytes waiting on the TCP link, at most kMaxBellBytes of them a call (bells
+  // are only hints: a peer that floods them costs wake-ups, never a thread stuck here). 0, or
+  // EPIPE when the peer closed the link, or the link's error.
   int drainBells() {
     char buf[256];
-    while (true) {
+    for (size_t read = 0; read < kMaxBellBytes;) {
       const ssize_t n = tcp_->recv(buf, sizeof(buf));
-      if (n > 0) continue;
+      if (n > 0) {
+        read += static_cast<size_t>(n);
+        continue;
+      }
       if (n == 0) return EPIPE;
       if (errno == EAGAIN || errno == EWOULDBLOCK) return 0;
       if (errno == EINTR) continue;
       return errno;
     }
+    return 0;
   }
 
   // One doorbell byte. A full socket (EAGAIN) already holds bells the peer has not read; a failed
@@ -181,7 +199,20 @@ class RingLink final : public Link {
   char* data_;
   const size_t cap_;
   const bool sender_;
+  uint64_t mine_ = 0;  // this end's own index (tail of a sender, head of a receiver): the shared copy must match
 };
+
+// A link that stays on TCP is slower, not wrong: said once per process as a warning (a /dev/shm
+// too small for every pair's ring is the likely cause), then at info level.
+void fellBack(const std::string& why) {
+  static std::atomic<bool> warned{false};
+  if (!warned.exchange(true)) {
+    HC_LOG(kWarn, "a point-to-point link between ranks of one host stays on loopback TCP: ", why,
+           " (each such link reserves HETCOMM_P2P_SHM_BYTES of /dev/shm; this warning is given once)");
+  } else {
+    HC_LOG(kInfo, "a point-to-point link stays on loopback TCP: ", why);
+  }
+}
 
 void waitAnswer(Link& tcp, char& answer, Deadline deadline, const Cancelled& cancelled) {
   recvAll(tcp, &answer, 1, deadline, [] { return std::string("waiting for the answer to a shared-memory offer"); },
@@ -215,8 +246,9 @@ std::string ShmOffer::decode(const uint8_t* bytes, ShmOffer& out) {
 }
 
 std::string ringSegmentName(uint64_t id) {
-  char buf[40];
-  std::snprintf(buf, sizeof(buf), "/hetcomm-p2p-%016llx", static_cast<unsigned long long>(id));
+  char buf[64];
+  std::snprintf(buf, sizeof(buf), "/%s%llu-%010llx", kNamePrefix, static_cast<unsigned long long>(id >> kRandomBits),
+                static_cast<unsigned long long>(id & ((uint64_t{1} << kRandomBits) - 1)));
   return buf;
 }
 
@@ -226,13 +258,34 @@ size_t ringBytesSetting() {
   char* end = nullptr;
   errno = 0;
   const long long parsed = std::strtoll(v, &end, 10);
-  if (end == v || *end != '\0' || errno != 0 || parsed < 0) {
-    throw CommError(strCat("hetcomm: HETCOMM_P2P_SHM_BYTES=", v, " is not a byte count (0 turns the shared-memory "
-                           "point-to-point links off)"));
+  const bool inRange = parsed == 0 || (parsed >= static_cast<long long>(kMinRingBytes) &&
+                                       parsed <= static_cast<long long>(kMaxRingBytes) && parsed % 4096 == 0);
+  if (end == v || *end != '\0' || errno != 0 || !inRange) {
+    throw CommError(strCat("hetcomm: HETCOMM_P2P_SHM_BYTES=", v, " is not a ring size: a byte count from ", kMinRingBytes,
+                           " to ", kMaxRingBytes, ", a multiple of 4096 (0 turns the shared-memory point-to-point "
+                           "links off)"));
   }
-  if (parsed == 0) return 0;
-  const size_t clamped = std::clamp<size_t>(static_cast<size_t>(parsed), kMinRingBytes, kMaxRingBytes);
-  return clamped / 4096 * 4096;
+  return static_cast<size_t>(parsed);
+}
+
+void removeStaleRings() {
+  // A ring's name lives from its offer to its answer. When the whole job was killed in between,
+  // the name stays: remove those of this user whose creator no longer runs.
+  DIR* dir = ::opendir("/dev/shm");
+  if (dir == nullptr) return;
+  const size_t prefix = std::strlen(kNamePrefix);
+  while (const dirent* e = ::readdir(dir)) {
+    if (std::strncmp(e->d_name, kNamePrefix, prefix) != 0) continue;
+    char* end = nullptr;
+    const long pid = std::strtol(e->d_name + prefix, &end, 10);
+    if (end == e->d_name + prefix || *end != '-' || pid <= 0 || pid == static_cast<long>(::getpid())) continue;
+    if (::kill(static_cast<pid_t>(pid), 0) == 0 || errno != ESRCH) continue;  // alive, or not ours to judge
+    struct stat st {};
+    const std::string path = strCat("/dev/shm/", e->d_name);
+    if (::stat(path.c_str(), &st) != 0 || st.st_uid != ::geteuid()) continue;
+    ShmSegment::unlink(strCat("/", e->d_name));
+  }
+  ::closedir(dir);
 }
 
 std::unique_ptr<Link> offerRing(std::unique_ptr<Link> tcp, size_t ringBytes, Deadline deadline,
@@ -241,13 +294,16 @@ std::unique_ptr<Link> offerRing(std::unique_ptr<Link> tcp, size_t ringBytes, Dea
   ShmOffer offer;
   offer.ringBytes = ringBytes;
   const Nonce nonce = freshNonce();
-  std::memcpy(&offer.id, nonce.data(), sizeof(offer.id));
+  uint64_t random = 0;
+  std::memcpy(&random, nonce.data(), sizeof(random));
+  // The creator's pid in the name, so that a name left by a killed job can be told stale.
+  offer.id = (static_cast<uint64_t>(::getpid()) << kRandomBits) | (random & ((uint64_t{1} << kRandomBits) - 1));
   const std::string name = ringSegmentName(offer.id);
   ShmSegment segment;
   try {
     segment = ShmSegment::create(name, kControlBytes + ringBytes);
   } catch (const ShmUnavailableError& e) {
-    HC_LOG(kInfo, "point-to-point link stays on TCP: ", e.what());
+    fellBack(e.what());
     return tcp;
   }
   new (segment.data()) Control{};
@@ -264,7 +320,7 @@ std::unique_ptr<Link> offerRing(std::unique_ptr<Link> tcp, size_t ringBytes, Dea
   ShmSegment::unlink(name);  // the receiver did already when it opened it; either way, gone now
   if (answer == kYes) return std::make_unique<RingLink>(std::move(tcp), std::move(segment), ringBytes, true);
   if (answer != kNo) throw CommError(strCat("hetcomm: garbage in answer to a shared-memory offer (byte ", int(answer), ")"));
-  HC_LOG(kInfo, "point-to-point link stays on TCP: the receiver could not open the shared-memory ring");
+  fellBack("the receiver could not open the shared-memory ring");
   return tcp;
 }
 
@@ -284,7 +340,7 @@ std::unique_ptr<Link> acceptRing(std::unique_ptr<Link> tcp, const ShmOffer& offe
   try {
     segment = ShmSegment::open(name, kControlBytes + offer.ringBytes);
   } catch (const ShmUnavailableError& e) {
-    HC_LOG(kInfo, "point-to-point link stays on TCP: ", e.what());
+    fellBack(e.what());
     answer(*tcp, kNo);
     return tcp;
   }
@@ -293,6 +349,6 @@ std::unique_ptr<Link> acceptRing(std::unique_ptr<Link> tcp, const ShmOffer& offe
   return std::make_unique<RingLink>(std::move(tcp), std::move(segment), offer.ringBytes, false);
 }
 
-void refuseRing(Link& tcp, const ShmOffer& offer) { answer(tcp, kNo); }
+void refuseRing(Link& tcp) { answer(tcp, kNo); }
 
 }  // namespace hetcomm

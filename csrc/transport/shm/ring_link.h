@@ -7,7 +7,9 @@
 //  * the sender makes a private segment (segment.h) and offers its name on the TCP link
 //    (`offerRing`: a ShmOffer frame); the receiver opens it, unlinks the name and answers one
 //    byte, yes or no (`acceptRing`, `refuseRing`). On "no", or any failure before the answer,
-//    the link stays TCP; the name is unlinked either way, so nothing stays in /dev/shm.
+//    the link stays TCP; the sender unlinks the name either way. A name whose creator was killed
+//    before the answer carries that creator's pid and is removed by the next engine of this user
+//    on the host (`removeStaleRings`).
 //  * then the data goes through the ring (a single-producer single-consumer byte ring). The TCP
 //    link stays as the doorbell, and as the sign of a peer that died or closed: a side that finds
 //    the ring empty (receiver) or full (sender) raises its "waiting" flag and sleeps on the TCP
@@ -37,7 +39,7 @@ struct ShmOffer {
   static constexpr uint32_t kMagic = 0x5032534d;  // "MS2P"
   static constexpr uint16_t kVersion = 1;
   uint64_t ringBytes = 0;
-  uint64_t id = 0;  // the segment's name is segmentName(id)
+  uint64_t id = 0;  // the segment's name is ringSegmentName(id): the creator's pid, then 40 random bits
   std::array<uint8_t, kBytes> encode() const;
   // "" or why `bytes` is not an offer this build can take.
   static std::string decode(const uint8_t* bytes, ShmOffer& out);
@@ -47,8 +49,10 @@ struct ShmOffer {
 std::string ringSegmentName(uint64_t id);
 
 // The ring's size from HETCOMM_P2P_SHM_BYTES (default 4 MiB; 0 turns the upgrade off; otherwise
-// at least 64 KiB, at most 1 GiB, rounded down to a multiple of 4 KiB).
+// 64 KiB to 1 GiB, a multiple of 4 KiB). Throws CommError naming the variable otherwise.
 size_t ringBytesSetting();
+// Unlinks the ring names in /dev/shm of this user whose creating process no longer runs.
+void removeStaleRings();
 
 // Sender side: offers a ring of `ringBytes` on `tcp` and waits for the answer until `deadline`.
 // Returns the ring link, or `tcp` itself when the peer refused or the segment could not be made
@@ -60,7 +64,7 @@ std::unique_ptr<Link> offerRing(std::unique_ptr<Link> tcp, size_t ringBytes, Dea
 // returns the ring link. When the ring cannot be opened, says no and returns `tcp` (logged).
 // Throws CommError when the answer cannot be written.
 std::unique_ptr<Link> acceptRing(std::unique_ptr<Link> tcp, const ShmOffer& offer);
-// Receiver side: says no (this rank does not share memory with the sender) and unlinks the name.
-void refuseRing(Link& tcp, const ShmOffer& offer);
+// Receiver side: says no (this rank takes no rings); the sender unlinks the name.
+void refuseRing(Link& tcp);
 
 }  // namespace hetcomm

@@ -22,14 +22,15 @@ from hetcomm.plan.model import LinkModel
 class ProbeResult:
     """The model, the sites it found (a label per rank), what it took, ``spread``: the median over
     every unit measured of its fastest timed repeat over its slowest (>= 1: how far apart two
-    readings of one link landed while probed; logged), and ``equal_model``: the same levels with
-    every class of link at one rate (the counterpart of `hetcomm.measure.trial`)."""
+    readings of one link landed while probed; only logged, for whoever reads a plan), and
+    ``equal_model``: the same levels with every class of link at one rate (the counterpart of
+    `hetcomm.measure.trial`)."""
 
     model: LinkModel
     sites: tuple[int, ...]
     rounds: list[str]
-    spread: float = 1.0
-    equal_model: Optional[LinkModel] = None   # every class of link at its median (`model_from_rates`)
+    spread: float
+    equal_model: LinkModel   # every class of link at its class's median (`schedule.model_from_rates`)
 
 
 def _median_spread(spreads: Sequence[float]) -> float:
@@ -143,19 +144,33 @@ def measure_pairs(backend, declared_sites: Optional[Sequence[int]] = None, host_
         out = [up.get(("uplink", s, "out"), np.inf) for s in range(S)]
         into = [up.get(("uplink", s, "in"), np.inf) for s in range(S)] if S > 2 else [out[1], out[0]]
         model = dataclasses.replace(model, uplinks=tuple(zip(members, out, into)))
-    return ProbeResult(model, tuple(sites), log, _median_spread(spreads), _equal_pairs(model))
+    return ProbeResult(model, tuple(sites), log, _median_spread(spreads),
+                       _equal_pairs(model, host_labels if host_labels is not None else range(P), sites))
 
 
-def _equal_pairs(model: LinkModel) -> LinkModel:
-    """The all-pairs model's counterpart with equal links: every link at the links' median, every
-    shared link at the shared links' median."""
+def _equal_pairs(model: LinkModel, hosts: Sequence[int], sites: Sequence[int]) -> LinkModel:
+    """The all-pairs model's counterpart with equal links: each class of pair (same host; same
+    site, other host; other site) at its class's median, the shared links at theirs, the reduce
+    rates at theirs."""
     P = model.world_size
+    if P < 2:
+        return model
+    h, s = np.asarray(renumber(hosts)), np.asarray(renumber(sites))
+    same_host = h[:, None] == h[None, :]
+    same_site = s[:, None] == s[None, :]
     off = ~np.eye(P, dtype=bool)
-    bw = np.where(off, float(np.median(model.bw[off])), 0.0) if P > 1 else np.array(model.bw)
+    bw = np.array(model.bw)
+    for cls in (same_host & off, same_site & ~same_host, ~same_site):
+        if cls.any():
+            bw[cls] = float(np.median(bw[cls]))
     rates = [v for _, o, i in model.uplinks for v in (o, i) if np.isfinite(v)]
     up = float(np.median(rates)) if rates else np.inf
     uplinks = tuple((g, up if np.isfinite(o) else o, up if np.isfinite(i) else i) for g, o, i in model.uplinks)
-    return dataclasses.replace(model, bw=bw, uplinks=uplinks)
+    reduce = np.asarray(model.reduce_bps, dtype=np.float64)
+    finite = np.isfinite(reduce)
+    if finite.any():
+        reduce[finite] = float(np.median(reduce[finite]))
+    return dataclasses.replace(model, bw=bw, uplinks=uplinks, reduce_bps=tuple(float(v) for v in reduce))
 
 
 def measure_model(backend) -> LinkModel:

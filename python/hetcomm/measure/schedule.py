@@ -304,9 +304,9 @@ def model_from_rates(hosts: Sequence[int], sites: Sequence[int], rates: dict[tup
                      equal: bool = False) -> LinkModel:
     """The planner's model from the units' rates (``rates``: aggregate, ``per_flow``: per flow).
     ``equal``: every class of link (host NICs, both directions; loopback; cross-site links; site
-    uplinks, both directions) at its class's median instead, i.e. the same levels with no link of
-    a class faster than another: the counterpart the trial at creation times the measured plan
-    against (`hetcomm.measure.trial`).
+    uplinks, both directions) and the ranks' reduce rates at their class's median instead, i.e.
+    the same levels with no link of a class faster than another: the counterpart the trial at
+    creation times the measured plan against (`hetcomm.measure.trial`).
 
     Host NICs: `nic_estimate` of each host's out- and in-units; a host that met no other host of
     its site takes its site's uplink (a site of one host: its NIC is its uplink). Loopback: the
@@ -368,6 +368,8 @@ def model_from_rates(hosts: Sequence[int], sites: Sequence[int], rates: dict[tup
         cross = np.where(cross > 0, cross, np.inf)
         site_out = np.where(site_out > 0, site_out, np.inf)
         site_in = np.where(site_in > 0, site_in, np.inf)
+    if equal:
+        reduce_bps = list(_class_median(np.asarray(reduce_bps, dtype=np.float64)))
     return LinkModel.from_levels(host_labels, site_labels, host_out=out_h, host_in=in_h, loopback=loop,
                                  cross_site=cross if S > 1 else None, site_out=site_out if S > 1 else None,
                                  site_in=site_in if S > 1 else None, reduce_bps=reduce_bps, alpha=alpha)

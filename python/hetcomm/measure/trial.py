@@ -6,14 +6,15 @@ statistic of those readings told noise from a real difference every time (8 host
 2 cores, every NIC 1000 Mbit/s: a link's repeats 1.3-9x apart, hosts read 18-116 MB/s; host
 shares fitted to that ran at 0.66-0.97x equal shares). A slow link, by contrast, shows in the
 time of the collective it slows. So: the plan chosen from the measured model, and the one chosen
-from the same model with every rate snapped together (`hetcomm.plan.choose.measured_tolerance`
-of infinity: equal shares, same levels), each run ``TRIAL_PAIRS`` times, interleaved, on one
-allreduce sized to take about ``TRIAL_SECONDS`` under the measured plan's prediction; the measured
-plan stays only when its median time beats the equal one's by ``TRIAL_MARGIN``. Every rank runs
-the same trials, and the times are agreed (the slowest rank's), so every rank decides alike.
+from the equal model (`hetcomm.measure.ProbeResult.equal_model`: the same levels, every class of
+link at one rate), each run ``TRIAL_PAIRS`` times, interleaved, after an untimed run each, on one
+allreduce sized to take about ``TRIAL_SECONDS`` under the measured plan's prediction and large
+enough for its weighted shares to apply; the measured plan stays only when its median time beats
+the equal one's by ``TRIAL_MARGIN``. Every rank runs the same trials with the size rank 0 chose,
+and the times are agreed (the slowest rank's), so every rank decides alike.
 
 A collective over the group, run by `hetcomm.topology.apply_model` when the plan came from
-measured rates and differs from its equal counterpart. docs/planner.md#the-trial-at-creation.
+measured rates and its shares differ from its equal counterpart's. docs/planner.md#the-trial-at-creation.
 """
 from __future__ import annotations
 
@@ -32,13 +33,31 @@ MIN_TRIAL_BYTES = 1 << 20
 MAX_TRIAL_BYTES = 16 << 20
 
 
+def same_shares(a: planner.Plan, b: planner.Plan) -> bool:
+    """Whether two plans move the same bytes between the same ranks: ring order and shares, and
+    the site plan's layout and shares; the sizes from which each part applies and the pipeline
+    segments are left out (they follow the measured rates without changing who carries what)."""
+    if a.order != b.order or a.shares != b.shares or (a.sites is None) != (b.sites is None):
+        return False
+    if a.sites is None:
+        return True
+    x, y = a.sites, b.sites
+    return (x.sites, x.blocks, x.block_shares, x.site_shares, x.local_inner, x.hosts, x.holders) == \
+           (y.sites, y.blocks, y.block_shares, y.site_shares, y.local_inner, y.hosts, y.holders)
+
+
 def trial_bytes(plan: planner.Plan, model: planner.LinkModel) -> int:
     """The power of two in [MIN_TRIAL_BYTES, MAX_TRIAL_BYTES] that ``plan`` is predicted to reduce
-    in about TRIAL_SECONDS (at least large enough that bandwidth, not latency, decides)."""
+    in about TRIAL_SECONDS (at least large enough that bandwidth, not latency, decides), raised to
+    the sizes from which its weighted ring shares and its site plan apply; 0 when those lie above
+    MAX_TRIAL_BYTES (no trial: the plan differs from equal shares only for larger messages)."""
     n = MIN_TRIAL_BYTES
     while n < MAX_TRIAL_BYTES and planner.predict_allreduce_seconds(plan, model, 2 * n) <= TRIAL_SECONDS:
         n *= 2
-    return n
+    needed = max(plan.min_bytes, plan.sites.min_bytes if plan.sites is not None else 0)
+    while n < needed:
+        n *= 2
+    return n if n <= MAX_TRIAL_BYTES else 0
 
 
 def _timed_allreduce(backend, t: torch.Tensor) -> float:
@@ -49,11 +68,21 @@ def _timed_allreduce(backend, t: torch.Tensor) -> float:
     return time.perf_counter() - start
 
 
-def measured_plan_wins(backend, measured: planner.Plan, equal: planner.Plan, model: planner.LinkModel,
+def measured_plan_wins(backend, measured: planner.Plan, equal: planner.Plan, nbytes: int,
                        install: Callable[[object, planner.Plan], None]) -> tuple[bool, str]:
-    """Runs the trial (``install(backend, plan)`` sets a plan on this rank) and leaves ``equal``
-    installed; returns whether ``measured`` won, and a line that says what was timed."""
-    nbytes = trial_bytes(measured, model)
+    """Runs the trial on allreduces of ``nbytes`` (`trial_bytes`, the same on every rank;
+    ``install(backend, plan)`` sets a plan on this rank) and leaves ``equal`` installed; returns
+    whether ``measured`` won, and a line that says what was timed. A failure raises naming the
+    trial."""
+    try:
+        return _trial(backend, measured, equal, nbytes, install)
+    except Exception as e:
+        raise RuntimeError(f"hetcomm: the plan trial at group creation ({nbytes >> 10} KB allreduces) failed: {e}") from e
+
+
+def _trial(backend, measured: planner.Plan, equal: planner.Plan, nbytes: int,
+           install: Callable[[object, planner.Plan], None]) -> tuple[bool, str]:
+    start = time.perf_counter()
     t = torch.zeros(nbytes // 4, dtype=torch.float32)
     times = torch.zeros(2 * TRIAL_PAIRS, dtype=torch.float64)
     for k in range(TRIAL_PAIRS):
@@ -76,5 +105,6 @@ def measured_plan_wins(backend, measured: planner.Plan, equal: planner.Plan, mod
     install(backend, equal)
     line = (f"hetcomm plan trial: {nbytes >> 10} KB allreduce, measured shares {mine * 1e3:.2f} ms, equal shares "
             f"{theirs * 1e3:.2f} ms (median of {TRIAL_PAIRS}): "
-            f"{'measured shares kept' if wins else 'equal shares kept (not faster by ' + format(TRIAL_MARGIN, '.0%') + ')'}")
+            f"{'measured shares kept' if wins else 'equal shares kept (not faster by ' + format(TRIAL_MARGIN, '.0%') + ')'}"
+            f"; the trial took {time.perf_counter() - start:.2f} s")
     return wins, line

@@ -63,8 +63,8 @@ def test_plans_differ_only_by_who_carries_what() -> None:
 
 
 def test_the_trial_size_follows_the_prediction_and_the_plans_crossovers() -> None:
-    fast = planner.LinkModel.from_nics([100e9 / 8] * 4)      # 16 MB in well under 20 ms
-    slow = planner.LinkModel.from_nics([100e6 / 8] * 4)      # 1 MB takes longer than 20 ms
+    fast = planner.LinkModel.from_nics([100e9 / 8] * 4)      # 16 MB in well under 0.1 s
+    slow = planner.LinkModel.from_nics([100e6 / 8] * 4)      # 2 MB take longer than 0.1 s
     ring = planner.Plan((0, 1, 2, 3), (0.4, 0.2, 0.2, 0.2))
     assert trial_bytes(ring, fast) == MAX_TRIAL_BYTES
     assert trial_bytes(ring, slow) == MIN_TRIAL_BYTES

@@ -8,7 +8,7 @@ shares fitted to that ran at 0.66-0.97x equal shares). A slow link, by contrast,
 time of the collective it slows. So: the plan chosen from the measured model, and the one chosen
 from the equal model (`hetcomm.measure.ProbeResult.equal_model`: the same levels, every class of
 link at one rate), each run ``TRIAL_PAIRS`` times, interleaved, after an untimed run each, on one
-allreduce sized to take about ``TRIAL_SECONDS`` under the measured plan's prediction and large
+allreduce sized to take about ``TRIAL_SECONDS`` (0.1 s) under the measured plan's prediction and large
 enough for its weighted shares to apply; the measured plan stays only when its median time beats
 the equal one's by ``TRIAL_MARGIN``. Every rank runs the same trials with the size rank 0 chose,
 and the times are agreed (the slowest rank's), so every rank decides alike.
@@ -27,7 +27,10 @@ import torch
 from hetcomm import plan as planner
 
 TRIAL_PAIRS = 3
-TRIAL_SECONDS = 0.02
+# Large enough that bandwidth, not per-step latency, sets the time: on 8 hosts of 4 ranks a plan
+# that ran 1.39x slower than equal shares at 16 MB and 1.32x at 4 MB was only 1.06x at 1 MB, within
+# the noise, and a trial at 1 MB kept it in 2 of 5 creations.
+TRIAL_SECONDS = 0.1
 TRIAL_MARGIN = 0.05
 MIN_TRIAL_BYTES = 1 << 20
 MAX_TRIAL_BYTES = 16 << 20

@@ -72,3 +72,7 @@ def test_the_trial_size_follows_the_prediction_and_the_plans_crossovers() -> Non
     assert trial_bytes(dataclasses.replace(ring, min_bytes=3 << 20), slow) == 4 << 20
     # ... and no trial at all when they apply only above the largest trial size
     assert trial_bytes(dataclasses.replace(ring, min_bytes=MAX_TRIAL_BYTES + 1), slow) == 0
+    # a site (host) plan takes every allreduce from its own min_bytes on: the ring's crossover
+    # no longer matters
+    hosts = dataclasses.replace(ring, min_bytes=64 << 20, sites=planner.host_plan((0, 0, 1, 1)))
+    assert trial_bytes(hosts, slow) == trial_bytes(dataclasses.replace(hosts, min_bytes=0), slow) > 0

@@ -52,12 +52,16 @@ def same_shares(a: planner.Plan, b: planner.Plan) -> bool:
 def trial_bytes(plan: planner.Plan, model: planner.LinkModel) -> int:
     """The power of two in [MIN_TRIAL_BYTES, MAX_TRIAL_BYTES] that ``plan`` is predicted to reduce
     in about TRIAL_SECONDS (at least large enough that bandwidth, not latency, decides), raised to
-    the sizes from which its weighted ring shares and its site plan apply; 0 when those lie above
-    MAX_TRIAL_BYTES (no trial: the plan differs from equal shares only for larger messages)."""
+    the size from which its weighted part applies (its site plan's, else its ring's); 0 when that
+    lies above MAX_TRIAL_BYTES (no trial: the plan differs from equal shares only for larger
+    messages)."""
     n = MIN_TRIAL_BYTES
     while n < MAX_TRIAL_BYTES and planner.predict_allreduce_seconds(plan, model, 2 * n) <= TRIAL_SECONDS:
         n *= 2
-    needed = max(plan.min_bytes, plan.sites.min_bytes if plan.sites is not None else 0)
+    # From its min_bytes on the site (or host) plan takes every allreduce, whatever the ring's own
+    # crossover (seen: a ring weighted only from 64 MB beside a host plan from 0 B; taking the
+    # larger of the two skipped the trial and kept host shares fitted to noise).
+    needed = plan.sites.min_bytes if plan.sites is not None else plan.min_bytes
     while n < needed:
         n *= 2
     return n if n <= MAX_TRIAL_BYTES else 0

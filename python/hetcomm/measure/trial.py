@@ -10,7 +10,7 @@ from the equal model (`hetcomm.measure.ProbeResult.equal_model`: the same levels
 link at one rate), each run ``TRIAL_PAIRS`` times, interleaved, after an untimed run each, on one
 allreduce sized to take about ``TRIAL_SECONDS`` (0.1 s) under the measured plan's prediction and large
 enough for its weighted shares to apply; the measured plan stays only when its median time beats
-the equal one's by ``TRIAL_MARGIN`` and it was faster in every pair. Every rank runs the same trials with the size rank 0 chose,
+the equal one's by ``TRIAL_MARGIN`` and it was faster in most pairs. Every rank runs the same trials with the size rank 0 chose,
 and the times are agreed (the slowest rank's), so every rank decides alike.
 
 A collective over the group, run by `hetcomm.topology.apply_model` when the plan came from
@@ -31,9 +31,10 @@ TRIAL_PAIRS = 3
 # that ran 1.39x slower than equal shares at 16 MB and 1.32x at 4 MB was only 1.06x at 1 MB, within
 # the noise, and a trial at 1 MB kept it in 2 of 5 creations.
 TRIAL_SECONDS = 0.1
-# Kept only when faster by this in the median and faster in every pair: on 8 hosts of 4 ranks
-# sharing 2 cores, a plan 5% faster in a trial's median ran 0.86x equal shares right after (the
-# ranks' share of the cores, not the links, moves such small differences).
+# Kept only when faster by this in the median and in most pairs: on 8 hosts of 4 ranks sharing 2
+# cores, a plan 5% faster in a trial's median ran 0.86x equal shares right after (the ranks' share
+# of the cores, not the links, moves such small differences). Not "every pair": one slow pair
+# then threw away a plan 1.34x faster in the median (one slow NIC of four).
 TRIAL_MARGIN = 0.10
 MIN_TRIAL_BYTES = 1 << 20
 MAX_TRIAL_BYTES = 16 << 20
@@ -111,10 +112,10 @@ def _trial(backend, measured: planner.Plan, equal: planner.Plan, nbytes: int,
     backend.allreduce([times], opts).wait()
     ours, others = times[0::2].tolist(), times[1::2].tolist()
     mine, theirs = statistics.median(ours), statistics.median(others)
-    wins = mine < theirs * (1.0 - TRIAL_MARGIN) and all(a < b for a, b in zip(ours, others))
+    wins = mine < theirs * (1.0 - TRIAL_MARGIN) and 2 * sum(a < b for a, b in zip(ours, others)) > len(ours)
     install(backend, equal)
     line = (f"hetcomm plan trial: {nbytes >> 10} KB allreduce, measured shares {mine * 1e3:.2f} ms, equal shares "
             f"{theirs * 1e3:.2f} ms (median of {TRIAL_PAIRS}): "
-            f"{'measured shares kept' if wins else 'equal shares kept (not faster by ' + format(TRIAL_MARGIN, '.0%') + ' in every pair)'}"
+            f"{'measured shares kept' if wins else 'equal shares kept (not faster by ' + format(TRIAL_MARGIN, '.0%') + ' in most pairs)'}"
             f"; the trial took {time.perf_counter() - start:.2f} s")
     return wins, line

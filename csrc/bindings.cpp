@@ -236,6 +236,12 @@ PYBIND11_MODULE(_C, m) {
             d["collectives_by_path"] = paths;
             d["shared_memory_bytes"] = t.sharedMemoryBytes;
             d["collectives_on_caller_thread"] = t.inlineCollectives;
+            const auto kinds = pg.p2pLinkKinds();
+            py::dict links;
+            links["tcp"] = kinds[0];
+            links["tls"] = kinds[1];
+            links["shm"] = kinds[2];
+            d["p2p_links"] = links;
             return d;
           },
           "Cumulative traffic since the group was created: bytes_sent and bytes_received (lists indexed "

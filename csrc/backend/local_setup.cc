@@ -295,9 +295,15 @@ void ProcessGroupHetcomm::attachInner(const std::vector<int64_t>& hostOf,
 }
 
 void ProcessGroupHetcomm::enableLocal(bool use) {
-  std::lock_guard<std::mutex> lock(mu_);
-  if (use) local_ = std::move(pendingLocal_);
-  pendingLocal_.reset();
+  std::vector<int> sharing;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (use) local_ = std::move(pendingLocal_);
+    pendingLocal_.reset();
+    if (use && local_) sharing = local_->ranks;
+  }
+  // Point-to-point links between ranks of this host go through shared memory from now on.
+  if (!sharing.empty()) p2p_->setSharedMemoryPeers(sharing);
 }
 
 void ProcessGroupHetcomm::detachLocal() {

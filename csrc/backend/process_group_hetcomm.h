@@ -120,6 +120,8 @@ class ProcessGroupHetcomm : public c10d::Backend {
   // Bytes this rank moved to and from each peer, collectives run and their time, point-to-point
   // messages: cumulative since the group was created (what is counted: common/traffic.h).
   TrafficSnapshot traffic() const { return traffic_->snapshot(); }
+  // Point-to-point links open now, by kind (tcp, tls, shm), both directions.
+  std::array<int64_t, 3> p2pLinkKinds() const { return p2p_->linkKinds(); }
   // Takes effect for operations issued after the call; every rank must set the same plan at the
   // same point of its program (a mismatch is detected and reported by the next allreduce).
   void setPlan(RingPlan plan);

@@ -76,6 +76,10 @@ std::unique_ptr<Link> tlsLink(Socket socket, std::unique_ptr<tls::Session> sessi
   return std::make_unique<TlsLink>(std::move(socket), std::move(session));
 }
 
+short Link::pollEvents(bool send, bool recv) const {
+  return static_cast<short>((send ? POLLOUT : 0) | (recv ? POLLIN : 0));
+}
+
 bool Link::hungUp() const {
   const int fd = pollFd();
   pollfd p{fd, static_cast<short>(POLLIN | POLLRDHUP), 0};
@@ -105,30 +109,36 @@ int waitLinks(LinkWait* waits, size_t n, std::chrono::nanoseconds timeout, int w
   pollfd* fds = n > kOnStack ? fdsOnHeap.data() : fdsOnStack.data();
   size_t* slot = n > kOnStack ? slotOnHeap.data() : slotOnStack.data();
   size_t nfds = 0;
-  bool receivableNow = false;
+  bool movableNow = false;
+  auto movable = [](const LinkWait& w) {
+    return (w.recv && w.link->receivable()) || (w.send && w.link->sendable());
+  };
   for (size_t i = 0; i < n; ++i) {
     waits[i].ready = false;
-    const short events = static_cast<short>((waits[i].send ? POLLOUT : 0) | (waits[i].recv ? POLLIN : 0));
+    const short events = waits[i].link->pollEvents(waits[i].send, waits[i].recv);
     const int fd = waits[i].link->pollFd();
     size_t k = 0;
     while (k < nfds && fds[k].fd != fd) ++k;
     if (k == nfds) fds[nfds++] = {fd, 0, 0};
     fds[k].events = static_cast<short>(fds[k].events | events);
     slot[i] = k;
-    receivableNow = receivableNow || (waits[i].recv && waits[i].link->receivable());
+    movableNow = movableNow || movable(waits[i]);
   }
   const size_t wakeSlot = nfds;
   if (wakeFd >= 0) fds[nfds++] = {wakeFd, POLLIN, 0};
-  // Bytes already decrypted are not in the socket: look at the others without sleeping.
+  // Bytes already decrypted, or bytes (room) in a ring, are not in the socket: look at the others
+  // without sleeping.
   const timespec zero{0, 0};
   const timespec ts = toTimespec(timeout);
-  const int rc = ::ppoll(fds, nfds, receivableNow ? &zero : (timeout.count() < 0 ? nullptr : &ts), nullptr);
+  const int rc = ::ppoll(fds, nfds, movableNow ? &zero : (timeout.count() < 0 ? nullptr : &ts), nullptr);
   if (rc < 0 && errno != EINTR) return -1;
   int ready = 0;
   for (size_t i = 0; i < n; ++i) {
     const short revents = rc > 0 ? fds[slot[i]].revents : 0;
-    const bool moves = (waits[i].send && (revents & (POLLOUT | POLLERR | POLLHUP)) != 0) ||
-                       (waits[i].recv && ((revents & (POLLIN | POLLERR | POLLHUP)) != 0 || waits[i].link->receivable()));
+    const short sendEvents = waits[i].send ? waits[i].link->pollEvents(true, false) : 0;
+    const short recvEvents = waits[i].recv ? waits[i].link->pollEvents(false, true) : 0;
+    const bool moves = (waits[i].send && (revents & (sendEvents | POLLERR | POLLHUP)) != 0) ||
+                       (waits[i].recv && (revents & (recvEvents | POLLERR | POLLHUP)) != 0) || movable(waits[i]);
     const bool failed = (revents & POLLNVAL) != 0;
     waits[i].ready = moves || failed;
     if (waits[i].ready) ++ready;

@@ -12,6 +12,10 @@
 //  * TLS: the same socket carrying a TLS 1.3 session (tls.h). Bytes OpenSSL has already decrypted
 //    but the caller has not read count as receivable without the socket being readable, so a
 //    waiter never sleeps on them.
+//  * Shared memory (shm/ring_link.h): a point-to-point link between two ranks of one host, one
+//    direction of data through a ring in shared memory, its TCP link kept as the doorbell. Both
+//    ends sleep on the doorbell's input (pollEvents), and a ring with bytes or room in it counts
+//    as ready without sleeping (receivable, sendable).
 //
 // One thread at a time sends on a link and one at a time receives (the two may differ: a TLS
 // session serialises them); shutdown() and hungUp() may come from any thread.
@@ -33,13 +37,13 @@ class Session;
 
 class Link {
  public:
-  enum class Kind : uint8_t { kTcp, kTls };
+  enum class Kind : uint8_t { kTcp, kTls, kShm };
   virtual ~Link() = default;
   Link(const Link&) = delete;
   Link& operator=(const Link&) = delete;
 
   virtual Kind kind() const = 0;
-  const char* kindName() const { return kind() == Kind::kTls ? "tls" : "tcp"; }
+  const char* kindName() const { return kind() == Kind::kTls ? "tls" : kind() == Kind::kShm ? "shm" : "tcp"; }
   // ::send semantics, without SIGPIPE: bytes taken (> 0), or -1 with errno (EAGAIN: nothing can
   // move now; EINTR: try again; EPIPE, ECONNRESET, ...: the link failed). On TLS a send that
   // would block has taken the bytes into a record already: the next send must offer the same
@@ -58,6 +62,10 @@ class Link {
   // a close or an error still to report).
   virtual int pollFd() const = 0;
   virtual bool receivable() const { return false; }
+  // ... whether a send takes bytes at once without it (room in a ring) ...
+  virtual bool sendable() const { return false; }
+  // ... and the poll events on pollFd() that mean "try again" for a waiter in these directions.
+  virtual short pollEvents(bool send, bool recv) const;
   // True when the peer has certainly closed its end or the link failed (a reset, a hang-up);
   // looks without waiting and without reading, so it may be asked while another thread uses the
   // link (the shared-memory collectives ask it of a peer they wait for: is it still there?).

@@ -14,6 +14,7 @@
 #include "common/error.h"
 #include "common/logging.h"
 #include "common/threads.h"
+#include "transport/shm/ring_link.h"
 
 namespace hetcomm {
 namespace {
@@ -36,7 +37,9 @@ P2PEngine::P2PEngine(int rank, int size, TcpMesh* mesh, TrafficCounters* traffic
       mesh_(mesh),
       traffic_(traffic),
       unexpectedBudget_(static_cast<size_t>(std::max<int64_t>(0, paramP2PUnexpectedBytes()))),
+      ringBytes_(ringBytesSetting()),  // on every rank, before anything: a bad value fails every rank's creation
       peers_(size) {
+  if (ringBytes_ > 0) removeStaleRings();
   if (::pipe2(wake_, O_CLOEXEC | O_NONBLOCK) != 0) throw CommError("hetcomm: pipe2 failed");
   thread_ = startThread("point-to-point engine", [this] { loop(); },
                         [this](const std::string& what) { failFromThread(what); });
@@ -233,6 +236,25 @@ void P2PEngine::addInbound(int peer, std::unique_ptr<Link> link) {
   wake();
 }
 
+void P2PEngine::setSharedMemoryPeers(const std::vector<int>& ranks) {
+  std::lock_guard<std::mutex> lock(mu_);
+  sharesMemory_.assign(size_, false);
+  for (int r : ranks) {
+    if (r >= 0 && r < size_ && r != rank_) sharesMemory_[r] = true;
+  }
+}
+
+std::array<int64_t, 3> P2PEngine::linkKinds() {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::array<int64_t, 3> out{};
+  for (const Peer& p : peers_) {
+    for (const Link* l : {p.out.get(), p.in.get()}) {
+      if (l != nullptr) ++out[static_cast<size_t>(l->kind())];
+    }
+  }
+  return out;
+}
+
 void P2PEngine::stop(const std::string& reason) {
   const bool onEngineThread = std::this_thread::get_id() == thread_.get_id();
   std::unique_lock<std::mutex> stopLock(stopMu_, std::defer_lock);
@@ -351,11 +373,14 @@ void P2PEngine::connectPending() {
     if (p.sends.empty() || p.out || p.connecting || !p.outError.empty()) continue;
     p.connecting = true;
     const Deadline deadline = p.sends.front().deadline;
-    startHelper([this, peer, deadline] {
+    const size_t ringBytes = peer < static_cast<int>(sharesMemory_.size()) && sharesMemory_[peer] ? ringBytes_ : 0;
+    startHelper([this, peer, deadline, ringBytes] {
       std::unique_ptr<Link> s;
       std::string error;
       try {
-        s = mesh_->connectP2P(peer, deadline, [this] { return cancelHelpers_.load(); });
+        const Cancelled cancelled = [this] { return cancelHelpers_.load(); };
+        s = mesh_->connectP2P(peer, deadline, cancelled);
+        if (ringBytes > 0) s = offerRing(std::move(s), ringBytes, deadline, cancelled);
       } catch (const std::exception& e) {
         error = e.what();
       }
@@ -451,139 +476,6 @@ void P2PEngine::progressSends(int peer, Peer& p, Finished& finished) {
       p.sends.pop_front();
     }
   }
-}
-
-bool P2PEngine::claimReceive(int peer, int64_t tag, Op& out) {
-  Peer& p = peers_[peer];
-  auto own = std::find_if(p.recvs.begin(), p.recvs.end(), [&](const Op& op) { return op.tag == tag; });
-  auto any = std::find_if(anyRecvs_.begin(), anyRecvs_.end(), [&](const Op& op) { return op.tag == tag; });
-  const bool haveOwn = own != p.recvs.end(), haveAny = any != anyRecvs_.end();
-  if (!haveOwn && !haveAny) return false;
-  if (haveOwn && (!haveAny || own->posted < any->posted)) {
-    out = std::move(*own);
-    p.recvs.erase(own);
-  } else {
-    out = std::move(*any);
-    anyRecvs_.erase(any);
-  }
-  return true;
-}
-
-void P2PEngine::breakInbound(int peer, Peer& p, const std::string& why, Finished& finished) {
-  p.inError = why;
-  p.in.reset();
-  if (p.incoming.matched) {
-    finished.push_back({std::move(p.incoming.op.done), commError(strCat("hetcomm recv on rank ", rank_, ": ", why)), peer});
-  }
-  p.incoming = Incoming();
-  failAll(p.recvs, peer, strCat("hetcomm recv on rank ", rank_, ": ", why), finished);
-}
-
-void P2PEngine::deliver(int peer, Peer& p, Finished& finished) {
-  const Clock::time_point at = Clock::now();  // its last byte was just read
-  Incoming& in = p.incoming;
-  if (in.matched) {
-    finished.push_back({std::move(in.op.done), nullptr, peer, at});
-    return;
-  }
-  // A receive may have been posted while this message was arriving unclaimed.
-  Op op;
-  if (!claimReceive(peer, in.parsed.tag, op)) {
-    p.unexpectedBytes += in.unexpected.size();
-    p.unexpected.push_back({in.parsed.tag, in.arrived, std::move(in.unexpected), at});
-    return;
-  }
-  if (op.bytes != in.parsed.bytes) {
-    finished.push_back({std::move(op.done),
-                        commError(strCat("hetcomm recv on rank ", rank_, ": rank ", peer, " sent ", in.parsed.bytes,
-                                         " bytes with tag ", in.parsed.tag, " but this receive expects ", op.bytes, " bytes")),
-                        peer});
-  } else {
-    if (op.bytes > 0) std::memcpy(op.data, in.unexpected.data(), op.bytes);
-    finished.push_back({std::move(op.done), nullptr, peer, at});
-  }
-}
-
-void P2PEngine::progressRecvs(int peer, Peer& p, Finished& finished) {
-  while (p.in) {
-    Incoming& in = p.incoming;
-    const bool inHeader = in.headerDone < in.header.size();
-    if (!inHeader && !in.matched && in.unexpected.size() != in.parsed.bytes) {
-      // Header read, payload not placed yet: a receive that claims it, or room to keep it.
-      Op op;
-      if (claimReceive(peer, in.parsed.tag, op)) {
-        if (op.bytes != in.parsed.bytes) {
-          finished.push_back({std::move(op.done),
-                              commError(strCat("hetcomm recv on rank ", rank_, ": rank ", peer, " sent ",
-                                               in.parsed.bytes, " bytes with tag ", in.parsed.tag,
-                                               " but this receive expects ", op.bytes, " bytes")),
-                              peer});
-          return breakInbound(peer, p, strCat("message size mismatch with rank ", peer, " (tag ", in.parsed.tag, ")"),
-                              finished);
-        }
-        in.matched = true;
-        in.waitsForRoom = false;
-        in.op = std::move(op);
-      } else if (in.parsed.bytes == 0 || (in.parsed.bytes <= unexpectedBudget_ &&
-                                          p.unexpectedBytes <= unexpectedBudget_ - in.parsed.bytes)) {
-        // (Compared so that no sum can wrap: the size comes off the wire, 2^64 - 8 included.)
-        try {
-          in.unexpected.resize(in.parsed.bytes);
-        } catch (const std::exception&) {  // bad_alloc, or length_error for what no vector can hold
-          return breakInbound(peer, p, strCat("cannot buffer the ", in.parsed.bytes, "-byte message with tag ",
-                                              in.parsed.tag, " from rank ", peer, ": out of memory"), finished);
-        }
-        in.waitsForRoom = false;
-      } else {
-        in.waitsForRoom = true;  // stays in the socket until a receive claims it or room frees up
-        return;
-      }
-    }
-    char* ptr;
-    size_t left;
-    if (inHeader) {
-      ptr = reinterpret_cast<char*>(in.header.data()) + in.headerDone;
-      left = in.header.size() - in.headerDone;
-    } else {
-      ptr = (in.matched ? in.op.data : in.unexpected.data()) + in.dataDone;
-      left = in.parsed.bytes - in.dataDone;
-    }
-    if (left > 0) {
-      ssize_t n = p.in->recv(ptr, left);
-      if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) return;
-      if (n == 0) {
-        // Between messages this is a peer that finished (or died): only pending receives fail.
-        return breakInbound(peer, p, strCat("rank ", peer, " closed the connection (did it fail or exit?)"), finished);
-      }
-      if (n < 0) return breakInbound(peer, p, strCat("connection from rank ", peer, " failed: ", std::strerror(errno)), finished);
-      if (traffic_ != nullptr) traffic_->addReceived(peer, static_cast<uint64_t>(n));
-      if (inHeader) {
-        in.headerDone += static_cast<size_t>(n);
-        if (in.headerDone < in.header.size()) continue;
-        std::string err = P2PHeader::decode(in.header.data(), in.parsed);
-        if (!err.empty()) return breakInbound(peer, p, strCat("garbage from rank ", peer, ": ", err), finished);
-        in.arrived = nextArrival_++;
-        continue;  // the payload's destination is chosen at the top of the loop
-      }
-      in.dataDone += static_cast<size_t>(n);
-    }
-    if (in.headerDone == in.header.size() && in.dataDone == in.parsed.bytes) {
-      if (traffic_ != nullptr) traffic_->addP2PReceived();
-      deliver(peer, p, finished);
-      in = Incoming();
-      // Receives from any source take messages in the order they arrive: one message per peer
-      // and pass, so that a chatty peer whose socket is never empty cannot take them all.
-      if (!anyRecvs_.empty()) return;
-    }
-  }
-}
-
-std::string P2PEngine::whyStuck(const Peer& p) const {
-  const Incoming& in = p.incoming;
-  if (!in.waitsForRoom) return "";
-  return strCat("; it is behind an unclaimed ", in.parsed.bytes, "-byte message with tag ", in.parsed.tag,
-                " that does not fit the ", unexpectedBudget_, " bytes kept for unclaimed messages from one peer "
-                "(HETCOMM_P2P_UNEXPECTED_BYTES): post that receive first, or raise the limit");
 }
 
 void P2PEngine::timeOut(int peer, Peer& p, Deadline now, Finished& finished, int& pollTimeoutMs) {

@@ -1,5 +1,7 @@
 #pragma once
 // Point-to-point send/recv, progressed by one background thread over the group's links (link.h).
+// p2p_engine.cc: posting, connecting, sending, failures and the loop; p2p_receive.cc: reading
+// and matching incoming messages.
 //
 // Sends and receives with different peers, and the two directions with one peer, progress
 // independently, so "both ranks isend a large tensor, then irecv" cannot deadlock the way it would
@@ -81,6 +83,13 @@ class P2PEngine {
   void setFailureHandler(std::function<void(const std::string&)> handler);
   // True when no operation is pending.
   bool idle();
+  // The group ranks that share this host's memory (this rank's own entry ignored): links to them
+  // that the engine opens from now on offer a ring in shared memory (shm/ring_link.h) of
+  // HETCOMM_P2P_SHM_BYTES (read at construction: a bad value throws CommError there). Offers
+  // from other ranks are taken whenever their segment opens here.
+  void setSharedMemoryPeers(const std::vector<int>& ranks);
+  // Links open now, by kind (Link::Kind: tcp, tls, shm), both directions.
+  std::array<int64_t, 3> linkKinds();
 
  private:
   struct Op {
@@ -115,6 +124,7 @@ class P2PEngine {
     std::deque<Op> sends;
     bool connecting = false;
     std::unique_ptr<Link> in;
+    bool inStarted = false;  // a frame came on `in`: a shared-memory offer can only be the first
     std::string inError;
     std::deque<Op> recvs;  // posted, not yet matched, in posting order
     Incoming incoming;
@@ -156,6 +166,8 @@ class P2PEngine {
   bool claimReceive(int peer, int64_t tag, Op& out);
   // The message in `in` has arrived whole: hand it to its receive or keep it as unexpected.
   void deliver(int peer, Peer& p, Finished& finished);
+  // The first frame on `in` is a shared-memory offer: take it (a peer of this host) or refuse it.
+  void answerOffer(int peer, Peer& p, Finished& finished);
   void breakInbound(int peer, Peer& p, const std::string& why, Finished& finished);
   void timeOut(int peer, Peer& p, Deadline now, Finished& finished, int& pollTimeoutMs);
   void failAll(std::deque<Op>& ops, int peer, const std::string& why, Finished& finished);
@@ -172,6 +184,8 @@ class P2PEngine {
   TrafficCounters* const traffic_;
   const size_t unexpectedBudget_;
   std::mutex mu_;
+  const size_t ringBytes_;          // HETCOMM_P2P_SHM_BYTES (0: no rings)
+  std::vector<bool> sharesMemory_;  // by peer rank (setSharedMemoryPeers)
   std::vector<Peer> peers_;
   std::deque<Op> anyRecvs_;  // receives from any source, in posting order
   uint64_t nextPosted_ = 0;

@@ -174,12 +174,17 @@ def stats(group: Optional[dist.ProcessGroup] = None) -> dict:
       hosts), ``nccl`` / ``gloo`` (every rank of the group on this host, through torch's NCCL or
       Gloo as the host's inner level: ``HETCOMM_LOCAL``). ``shared_memory_bytes``:
       bytes this rank copied into its shared-memory slots (these never appear in ``bytes_sent``).
+    * ``p2p_links``: the point-to-point links open now, both directions, by kind: ``tcp``,
+      ``tls``, and ``shm`` (a ring in shared memory to a rank of this host, its TCP connection
+      kept as the doorbell: ``HETCOMM_P2P_SHM_BYTES`` in docs/environment.md). Bytes through a
+      ring count in ``bytes_sent`` and ``bytes_received`` as socket bytes do.
 
     * ``sites``, ``wan_bytes_sent``, ``wan_bytes_received`` (only when the group spans two or
       more sites, as its probe or ``HETCOMM_SITES`` found them): the site of every group rank and
       this rank's bytes to and from ranks of other sites, i.e. what crossed the WAN.
 
-    The group's creation may already have moved bytes (``hetcomm.probe`` measuring links, for one).
+    The group's creation may already have moved bytes and run collectives (``hetcomm.probe``
+    measuring links, and the trial of a measured plan against equal shares: docs/planner.md).
     A snapshot taken while operations run may hold part of their bytes and not yet their counts.
     """
     from hetcomm.topology import topology_of

@@ -23,6 +23,7 @@ import torch
 from hetcomm import hosts
 from hetcomm import plan as planner
 from hetcomm.measure import measure_levels, measure_pairs, model_from_declared, parse_mbit
+from hetcomm.measure.trial import measured_plan_wins, same_shares, trial_bytes
 from hetcomm.plan import levels as sites
 from hetcomm.plan.choose import (DECLARED_MIN_GAIN, MEASURED_MIN_GAIN, _same_partition, choose_plan,  # noqa: F401
                                  hierarchical_enabled, plan_for_group, segment_bytes_for, snap_measured,
@@ -70,12 +71,14 @@ def declared_model(ranks: Sequence[int]) -> Optional[planner.LinkModel]:
 
 
 # Measured models by the global ranks of their group, newest last (docs/planner.md#group-creation-step-by-step).
+# The model each kept: the measured one, or its equal counterpart when that won the group's trial.
 _measured: dict[tuple[int, ...], planner.LinkModel] = {}
 
 
 def _covering_model(ranks: Sequence[int]) -> Optional[planner.LinkModel]:
-    """A model measured for a group containing all of ``ranks`` (the smallest such, then the
-    newest), restricted to them; None if no group measured so far covers them."""
+    """The model kept by a group containing all of ``ranks`` (the smallest such, then the newest:
+    measured, or its equal counterpart when that won the group's trial), restricted to them; None
+    if no group measured so far covers them."""
     best = None
     for key, model in _measured.items():
         if set(ranks) <= set(key) and (best is None or len(key) <= len(best[0])):
@@ -202,26 +205,63 @@ def group_topology(backend, model: planner.LinkModel) -> sites.Topology:
 
 
 def apply_model(backend, model: planner.LinkModel, *, measured: bool = False,
-                topology: Optional[sites.Topology] = None) -> planner.Plan:
-    """Chooses (rank 0), agrees on and installs the plan for `model`; returns it. ``topology``:
-    the group's levels when the probe found them, else from `group_topology`."""
+                topology: Optional[sites.Topology] = None,
+                equal_model: Optional[planner.LinkModel] = None) -> tuple[planner.Plan, planner.LinkModel]:
+    """Chooses (rank 0), agrees on and installs the plan for `model`; returns it and the model it
+    was made for. ``topology``: the group's levels when the probe found them, else from
+    `group_topology`. ``equal_model`` (measured models): the same levels with every class of link
+    at one rate; when its plan's shares differ, the trial (`hetcomm.measure.trial`) decides which
+    of the two plans stays (and the second value is then ``equal_model`` if it won)."""
     if topology is None:
         topology = group_topology(backend, model)
-    values, failure = None, None
-    if backend.rank() == 0:
-        start = time.perf_counter()
-        try:
-            values = _encode_plan(plan_for_group(model, topology, shared_host_labels(backend), measured))
-        except Exception as e:  # noqa: BLE001 - every rank must hear of it (_broadcast_floats)
-            failure = e
-        _log_plan(f"hetcomm plan: chosen by rank 0 in {time.perf_counter() - start:.3f} s")
-    plan = _decode_plan(_broadcast_floats(backend, values, failure), backend.size(), topology)
+    shared = shared_host_labels(backend)
+    plan = _agreed_plan(backend, lambda: plan_for_group(model, topology, shared, measured), topology, "chosen")
     install_plan(backend, plan)
+    kept = model
+    if measured and equal_model is not None:
+        plan, kept = _trial_against_equal(backend, plan, model, equal_model, topology, shared)
     _models[backend.listen_address()] = model
     _topologies[backend.listen_address()] = topology
     _log_plan(f"hetcomm topology: {topology.describe()}")
     _log_plan(planner.format_plan(plan, model))
-    return plan
+    return plan, kept
+
+
+def _trial_against_equal(backend, plan: planner.Plan, model: planner.LinkModel, equal_model: planner.LinkModel,
+                         topology: sites.Topology, shared) -> tuple[planner.Plan, planner.LinkModel]:
+    """The trial of `hetcomm.measure.trial` between ``plan`` (installed) and the plan for
+    ``equal_model``; returns the plan left installed and its model."""
+    try:
+        equal = _agreed_plan(backend, lambda: plan_for_group(equal_model, topology, shared, True), topology,
+                             "for equal links")
+    except RuntimeError as e:  # rank 0 could not plan it: every rank raised alike
+        _log_plan(f"hetcomm plan trial: no plan for equal links ({e}); the measured plan stays")
+        return plan, model
+    if same_shares(plan, equal):
+        return plan, model
+    nbytes = int(_broadcast_floats(backend, [float(trial_bytes(plan, model))] if backend.rank() == 0 else None)[0])
+    if nbytes == 0:
+        _log_plan("hetcomm plan trial: the measured shares apply only above the largest trial size; they stay")
+        return plan, model
+    wins, line = measured_plan_wins(backend, plan, equal, nbytes, install_plan)
+    _log_plan(line)
+    if wins:
+        install_plan(backend, plan)
+        return plan, model
+    return equal, equal_model
+
+
+def _agreed_plan(backend, choose, topology: sites.Topology, what: str) -> planner.Plan:
+    """Rank 0's ``choose()`` on every rank (a failure there raises on every rank)."""
+    values, failure = None, None
+    if backend.rank() == 0:
+        start = time.perf_counter()
+        try:
+            values = _encode_plan(choose())
+        except Exception as e:  # noqa: BLE001 - every rank must hear of it (_broadcast_floats)
+            failure = e
+        _log_plan(f"hetcomm plan {what}: by rank 0 in {time.perf_counter() - start:.3f} s")
+    return _decode_plan(_broadcast_floats(backend, values, failure), backend.size(), topology)
 
 
 def probe_backend(backend, ranks: Optional[Sequence[int]] = None) -> planner.LinkModel:
@@ -248,11 +288,12 @@ def probe_backend(backend, ranks: Optional[Sequence[int]] = None) -> planner.Lin
     model = result.model
     measured_in = time.perf_counter() - start
     _measured.pop(ranks, None)
-    _measured[ranks] = model
     hosts_known = len(set(labels)) > 1
     topology = sites.Topology(sites=result.sites, hosts=labels if hosts_known else None)
-    apply_model(backend, model, measured=True, topology=topology)
-    _log_plan(f"hetcomm probe: measured in {measured_in:.3f} s ({'; '.join(result.rounds)}), planned and installed "
+    _, kept = apply_model(backend, model, measured=True, topology=topology, equal_model=result.equal_model)
+    _measured[ranks] = kept
+    _log_plan(f"hetcomm probe: measured in {measured_in:.3f} s ({'; '.join(result.rounds)}; a link's repeats a median "
+              f"{result.spread:.2f}x apart), planned and installed "
               f"by {time.perf_counter() - start:.3f} s")
     return model
 

@@ -38,7 +38,7 @@ NUMEL_ODD = 120_007  # prime: no share divides it
 LATE_S = 0.3
 KEYS = {"rank", "world_size", "peers", "bytes_sent", "bytes_received", "collectives", "collective_seconds",
         "p2p_sent_messages", "p2p_received_messages", "collectives_by_path", "shared_memory_bytes",
-        "collectives_on_caller_thread"}
+        "collectives_on_caller_thread", "p2p_links"}
 
 
 def ring_link_bytes(numel: int, element_size: int, order: list[int], shares: list[float], counts=exact_counts) -> dict:

@@ -4,6 +4,7 @@ calls them, and every rank ends with the same model (every measured number is ag
 from __future__ import annotations
 
 import dataclasses
+import statistics
 import time
 from typing import Optional, Sequence
 
@@ -19,11 +20,21 @@ from hetcomm.plan.model import LinkModel
 
 @dataclasses.dataclass
 class ProbeResult:
-    """The model, the sites it found (a label per rank), and what it took."""
+    """The model, the sites it found (a label per rank), what it took, ``spread``: the median over
+    every unit measured of its fastest timed repeat over its slowest (>= 1: how far apart two
+    readings of one link landed while probed; only logged, for whoever reads a plan), and
+    ``equal_model``: the same levels with every class of link at one rate (the counterpart of
+    `hetcomm.measure.trial`)."""
 
     model: LinkModel
     sites: tuple[int, ...]
     rounds: list[str]
+    spread: float
+    equal_model: LinkModel   # every class of link at its class's median (`schedule.model_from_rates`)
+
+
+def _median_spread(spreads: Sequence[float]) -> float:
+    return float(statistics.median(spreads)) if spreads else 1.0
 
 
 def _predicted(rates: dict, rnd: schedule.Round) -> dict:
@@ -40,17 +51,19 @@ def _predicted(rates: dict, rnd: schedule.Round) -> dict:
 
 
 def _run(backend, rounds: Sequence[schedule.Round], rates: dict, per_flow: dict, log: list[str],
-         send_buf: SendBuffer, **sizes) -> None:
+         send_buf: SendBuffer, spreads: list[float], **sizes) -> None:
     for rnd in rounds:
         start = time.perf_counter()
         try:
-            r, f = run_round(backend, rnd, send_buf=send_buf, predicted=_predicted(rates, rnd), **sizes)
+            r, f, spread = run_round(backend, rnd, send_buf=send_buf, predicted=_predicted(rates, rnd), **sizes)
         except Exception as e:
             raise RuntimeError(f"hetcomm probe: the {rnd.what} round ({len(rnd.flows)} flows) failed on rank "
                                f"{backend.rank()}: {e}") from e
         rates.update(r)
         per_flow.update(f)
-        log.append(f"{rnd.what} ({len(rnd.units)} units, {len(rnd.flows)} flows, {time.perf_counter() - start:.2f} s)")
+        spreads.extend(spread.values())
+        log.append(f"{rnd.what} ({len(rnd.units)} units, {len(rnd.flows)} flows, {time.perf_counter() - start:.2f} s, "
+                   f"repeats within {max(spread.values(), default=1.0):.2f}x)")
 
 
 def _connect(backend, rounds: Sequence[schedule.Round], send_buf: SendBuffer, log: list[str]) -> None:
@@ -74,13 +87,14 @@ def measure_levels(backend, host_labels: Sequence[int], declared_sites: Optional
     rates: dict[tuple, float] = {}
     per_flow: dict[tuple, float] = {}
     log: list[str] = []
+    spreads: list[float] = []
     first = schedule.first_rounds(hosts, declared_sites, shared_memory and H > 1)
     _connect(backend, first, send_buf, log)
-    _run(backend, first, rates, per_flow, log, send_buf, **sizes)
+    _run(backend, first, rates, per_flow, log, send_buf, spreads, **sizes)
     confirm = schedule.confirm_round(hosts, declared_sites, rates)
     if confirm is not None:
         _connect(backend, [confirm], send_buf, log)
-        _run(backend, [confirm], rates, per_flow, log, send_buf, **sizes)
+        _run(backend, [confirm], rates, per_flow, log, send_buf, spreads, **sizes)
     if declared_sites is not None:
         sites, measured_pairs = renumber(declared_sites), None
     else:
@@ -90,12 +104,13 @@ def measure_levels(backend, host_labels: Sequence[int], declared_sites: Optional
     if len(set(sites)) > 1:
         later = schedule.site_rounds(hosts, sites, measured_pairs)
         _connect(backend, later, send_buf, log)
-        _run(backend, later, rates, per_flow, log, send_buf, **sizes)
+        _run(backend, later, rates, per_flow, log, send_buf, spreads, **sizes)
     start = time.perf_counter()
     reduce_bps, alpha = gather_reduce_and_latency(backend, send_buf.fastest_allreduce)
     model = schedule.model_from_rates(hosts, sites, rates, per_flow, reduce_bps, alpha)
+    equal = schedule.model_from_rates(hosts, sites, rates, per_flow, reduce_bps, alpha, equal=True)
     log.append(f"reduce and latency ({time.perf_counter() - start:.2f} s)")
-    return ProbeResult(model, tuple(sites), log)
+    return ProbeResult(model, tuple(sites), log, _median_spread(spreads), equal)
 
 
 def measure_pairs(backend, declared_sites: Optional[Sequence[int]] = None, host_labels: Optional[Sequence[int]] = None,
@@ -110,9 +125,10 @@ def measure_pairs(backend, declared_sites: Optional[Sequence[int]] = None, host_
     rates: dict[tuple, float] = {}
     per_flow: dict[tuple, float] = {}
     log: list[str] = []
+    spreads: list[float] = []
     pairs = schedule.pair_rounds(P)
     _connect(backend, pairs, send_buf, log)
-    _run(backend, pairs, rates, per_flow, log, send_buf, **sizes)
+    _run(backend, pairs, rates, per_flow, log, send_buf, spreads, **sizes)
     bw = np.zeros((P, P))
     for (_, i, j), rate in rates.items():
         bw[i, j] = rate
@@ -123,12 +139,38 @@ def measure_pairs(backend, declared_sites: Optional[Sequence[int]] = None, host_
     S = len(set(sites))
     if S > 1:
         up: dict[tuple, float] = {}
-        _run(backend, schedule.uplink_rounds(sites), up, {}, log, send_buf, **sizes)
+        _run(backend, schedule.uplink_rounds(sites), up, {}, log, send_buf, spreads, **sizes)
         members = [tuple(r for r in range(P) if sites[r] == s) for s in range(S)]
         out = [up.get(("uplink", s, "out"), np.inf) for s in range(S)]
         into = [up.get(("uplink", s, "in"), np.inf) for s in range(S)] if S > 2 else [out[1], out[0]]
         model = dataclasses.replace(model, uplinks=tuple(zip(members, out, into)))
-    return ProbeResult(model, tuple(sites), log)
+    return ProbeResult(model, tuple(sites), log, _median_spread(spreads),
+                       _equal_pairs(model, host_labels if host_labels is not None else range(P), sites))
+
+
+def _equal_pairs(model: LinkModel, hosts: Sequence[int], sites: Sequence[int]) -> LinkModel:
+    """The all-pairs model's counterpart with equal links: each class of pair (same host; same
+    site, other host; other site) at its class's median, the shared links at theirs, the reduce
+    rates at theirs."""
+    P = model.world_size
+    if P < 2:
+        return model
+    h, s = np.asarray(renumber(hosts)), np.asarray(renumber(sites))
+    same_host = h[:, None] == h[None, :]
+    same_site = s[:, None] == s[None, :]
+    off = ~np.eye(P, dtype=bool)
+    bw = np.array(model.bw)
+    for cls in (same_host & off, same_site & ~same_host, ~same_site):
+        if cls.any():
+            bw[cls] = float(np.median(bw[cls]))
+    rates = [v for _, o, i in model.uplinks for v in (o, i) if np.isfinite(v)]
+    up = float(np.median(rates)) if rates else np.inf
+    uplinks = tuple((g, up if np.isfinite(o) else o, up if np.isfinite(i) else i) for g, o, i in model.uplinks)
+    reduce = np.asarray(model.reduce_bps, dtype=np.float64)
+    finite = np.isfinite(reduce)
+    if finite.any():
+        reduce[finite] = float(np.median(reduce[finite]))
+    return dataclasses.replace(model, bw=bw, uplinks=uplinks, reduce_bps=tuple(float(v) for v in reduce))
 
 
 def measure_model(backend) -> LinkModel:

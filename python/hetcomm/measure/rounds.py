@@ -125,13 +125,15 @@ def _flow_bytes(unit_bytes: float, flows: int, max_bytes: int) -> int:
 
 def run_round(backend, rnd: Round, *, target_seconds: float = 0.05, warmup_bytes: int = 256 << 10,
               min_bytes: int = 64 << 10, max_bytes: int = 16 << 20, send_buf: Optional[SendBuffer] = None,
-              predicted: Optional[dict[tuple, float]] = None) -> tuple[dict[tuple, float], dict[tuple, float]]:
-    """Measures every unit of ``rnd``: ``(rates, per_flow)`` by unit label, bytes/s (all of the
-    unit's bytes over its time, and that divided by its number of flows). ``predicted``: rates
-    for some units (from earlier rounds, the same on every rank), which size their warm-up. A
-    collective."""
+              predicted: Optional[dict[tuple, float]] = None
+              ) -> tuple[dict[tuple, float], dict[tuple, float], dict[tuple, float]]:
+    """Measures every unit of ``rnd``: ``(rates, per_flow, spread)`` by unit label: bytes/s (all
+    of the unit's bytes over its time, and that divided by its number of flows), and the fastest
+    of the unit's timed repeats over its slowest (>= 1: how far one reading of it can be off).
+    ``predicted``: rates for some units (from earlier rounds, the same on every rank), which size
+    their warm-up. A collective."""
     if not rnd.units:
-        return {}, {}
+        return {}, {}, {}
     if send_buf is None:
         send_buf = SendBuffer()
     flow_unit = [u for u, unit in enumerate(rnd.units) for _ in unit.flows]
@@ -165,9 +167,10 @@ def run_round(backend, rnd: Round, *, target_seconds: float = 0.05, warmup_bytes
                             counts[u], max_bytes) for u in range(len(rnd.units))]
     sizes = [per_unit[u] for u in flow_unit]
     repeats = [rates_of(sizes)[0] for _ in range(3)]
-    rates, per_flow = {}, {}
+    rates, per_flow, spread = {}, {}, {}
     for u, unit in enumerate(rnd.units):
         rate = statistics.median(r[u] for r in repeats)
         rates[unit.label] = rate
         per_flow[unit.label] = rate / counts[u]
-    return rates, per_flow
+        spread[unit.label] = max(r[u] for r in repeats) / min(r[u] for r in repeats)
+    return rates, per_flow, spread

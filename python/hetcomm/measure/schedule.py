@@ -290,9 +290,23 @@ def nic_estimate(unit_rates: np.ndarray) -> float:
     return float(np.median(measured[measured * NIC_SPREAD >= top]))
 
 
+def _class_median(values: np.ndarray) -> np.ndarray:
+    """``values`` with every finite positive entry replaced by their median."""
+    out = values.copy()
+    use = np.isfinite(out) & (out > 0)
+    if use.any():
+        out[use] = float(np.median(out[use]))
+    return out
+
+
 def model_from_rates(hosts: Sequence[int], sites: Sequence[int], rates: dict[tuple, float],
-                     per_flow: dict[tuple, float], reduce_bps: Sequence[float], alpha: float) -> LinkModel:
+                     per_flow: dict[tuple, float], reduce_bps: Sequence[float], alpha: float,
+                     equal: bool = False) -> LinkModel:
     """The planner's model from the units' rates (``rates``: aggregate, ``per_flow``: per flow).
+    ``equal``: every class of link (host NICs, both directions; loopback; cross-site links; site
+    uplinks, both directions) and the ranks' reduce rates at their class's median instead, i.e.
+    the same levels with no link of a class faster than another: the counterpart the trial at
+    creation times the measured plan against (`hetcomm.measure.trial`).
 
     Host NICs: `nic_estimate` of each host's out- and in-units; a host that met no other host of
     its site takes its site's uplink (a site of one host: its NIC is its uplink). Loopback: the
@@ -340,6 +354,13 @@ def model_from_rates(hosts: Sequence[int], sites: Sequence[int], rates: dict[tup
             raise ValueError(f"hetcomm probe: nothing measured the NIC of host {h}")
     if H == 1:
         out_h[:] = in_h[:] = loop[0] if loop[0] > 0 else 1.0
+    if equal:
+        nics = _class_median(np.concatenate([out_h, in_h]))
+        out_h, in_h = nics[:H], nics[H:]
+        loop = _class_median(loop)
+        cross = _class_median(cross)
+        ups = _class_median(np.concatenate([site_out, site_in]))
+        site_out, site_in = ups[:S], ups[S:]
     nic_max = max(out_h.max(), in_h.max())
     loop = np.where(loop > 0, loop, UNMEASURED_LOOPBACK_FACTOR * nic_max)
     if S > 1:
@@ -347,6 +368,8 @@ def model_from_rates(hosts: Sequence[int], sites: Sequence[int], rates: dict[tup
         cross = np.where(cross > 0, cross, np.inf)
         site_out = np.where(site_out > 0, site_out, np.inf)
         site_in = np.where(site_in > 0, site_in, np.inf)
+    if equal:
+        reduce_bps = list(_class_median(np.asarray(reduce_bps, dtype=np.float64)))
     return LinkModel.from_levels(host_labels, site_labels, host_out=out_h, host_in=in_h, loopback=loop,
                                  cross_site=cross if S > 1 else None, site_out=site_out if S > 1 else None,
                                  site_in=site_in if S > 1 else None, reduce_bps=reduce_bps, alpha=alpha)

@@ -85,7 +85,7 @@ class RingLink final : public Link {
   ssize_t send(const void* data, size_t len) override {
     if (!sender_) return fail(EBADF);
     if (len == 0) return 0;
-    // A receiver that closed the link takes nothing more (a dead one shows once the ring is full).
+    // A receiver that closed the link takes nothing more (one that died: the doorbell, below).
     if (ctl_->closed.load(std::memory_order_acquire) != 0) return fail(EPIPE);
     // The doorbell also carries the news of a receiver that died: look at every send, so that
     // messages to a dead rank fail instead of filling the ring.

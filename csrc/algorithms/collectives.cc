@@ -163,7 +163,7 @@ void allreduceRing(CollectiveContext& ctx, char* buf, size_t count, DType dtype,
   for (int pos = 0; pos < P; ++pos) sharesByPos[pos] = plan.shares[plan.order[pos]];
   std::vector<size_t> counts = sharesToCounts(count, sharesByPos);
   CollectiveContext planned = ctx;
-  if (ctx.segmentBytes == 0 && plan.segmentBytes > 0) planned.segmentBytes = plan.segmentBytes;
+  planned.segmentCap = plan.segmentBytes;
   runRing(planned, buf, plan, counts, prefixOffsets(counts), elementSize(dtype), dtype, op, RingPhases::kAllReduce);
 }
 

@@ -46,7 +46,9 @@ def _run_keeping_trial_lines(cmd: list[str]) -> list[str]:
                 if "[hetcomm INFO]" not in line:
                     sys.stderr.write(line)
                 continue
-            text = line[at:].rstrip()
+            # Every rank logs the same line but its own elapsed time ("; the trial took ..."):
+            # one line per group.
+            text = line[at:].rstrip().split("; the trial took")[0]
             if text not in seen:
                 seen.append(text)
                 sys.stderr.write(f"[repeat_bench] {text}\n")

@@ -56,6 +56,12 @@ struct CollectiveContext {
   // Segment size for a pipeline whose largest chunk is chunkBytes: segmentBytes when forced,
   // else the adaptive size, at most segmentCap when set.
   size_t segmentBytesFor(size_t chunkBytes) const;
+  // This context with a plan's segment cap (RingPlan::segmentBytes, SitePlan::segmentBytes).
+  CollectiveContext withSegmentCap(size_t cap) const {
+    CollectiveContext capped = *this;
+    capped.segmentCap = cap;
+    return capped;
+  }
 };
 
 }  // namespace hetcomm

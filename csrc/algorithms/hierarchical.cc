@@ -215,9 +215,7 @@ void allreduceHierarchical(CollectiveContext& ctx, char* buf, size_t count, DTyp
   const std::vector<int>& site = plan.sites[s];
   const int m = static_cast<int>(site.size());
   // The plan's segment caps the adaptive one (RingPlan::segmentBytes); a forced one wins.
-  const size_t adaptive = ctx.segmentBytesFor(count * es / ctx.size);
-  const size_t segmentBytes =
-      ctx.segmentBytes == 0 && plan.segmentBytes > 0 ? std::min<size_t>(plan.segmentBytes, adaptive) : adaptive;
+  const size_t segmentBytes = ctx.withSegmentCap(plan.segmentBytes).segmentBytesFor(count * es / ctx.size);
   const Layout L = layoutOf(plan, count, es, segmentBytes);
   const size_t B = plan.blockOwners.size();
 

@@ -29,7 +29,7 @@ P = dist.get_world_size()
 uniform = planner.uniform_plan(P)
 skewed = planner.Plan(uniform.order, (0.97,) + (0.01,) * (P - 1))
 model = planner.LinkModel.from_nics([200e6 / 8] * P)
-out = {"bytes": trial_bytes(skewed, model)}
+out = {"bytes": trial_bytes(skewed, uniform, model)}
 out["skewed_as_measured"], out["skewed_line"] = measured_plan_wins(backend, skewed, uniform, out["bytes"],
                                                                    topology.install_plan)
 out["left_installed"] = list(hetcomm.get_plan().shares)

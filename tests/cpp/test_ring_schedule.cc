@@ -106,11 +106,12 @@ TEST_CASE(a_plans_segment_caps_the_adaptive_size) {
   CHECK_EQ(ctx.segmentBytesFor(4 << 20), size_t(1) << 20);     // a quarter, at most 1 MiB
   CHECK_EQ(ctx.segmentBytesFor(512 << 10), size_t(128) << 10);
   CHECK_EQ(ctx.segmentBytesFor(1 << 10), size_t(32) << 10);     // at least 32 KiB
-  ctx.segmentCap = 256 << 10;
-  CHECK_EQ(ctx.segmentBytesFor(4 << 20), size_t(256) << 10);   // capped
-  CHECK_EQ(ctx.segmentBytesFor(512 << 10), size_t(128) << 10); // never raised to the cap
-  ctx.segmentBytes = 2 << 20;                                   // HETCOMM_SEGMENT_BYTES wins
-  CHECK_EQ(ctx.segmentBytesFor(512 << 10), size_t(2) << 20);
+  const CollectiveContext capped = ctx.withSegmentCap(256 << 10);
+  CHECK_EQ(capped.segmentBytesFor(4 << 20), size_t(256) << 10);   // capped
+  CHECK_EQ(capped.segmentBytesFor(512 << 10), size_t(128) << 10); // never raised to the cap
+  CHECK_EQ(ctx.segmentBytesFor(4 << 20), size_t(1) << 20);        // the original keeps no cap
+  ctx.segmentBytes = 2 << 20;                                      // HETCOMM_SEGMENT_BYTES wins
+  CHECK_EQ(ctx.withSegmentCap(256 << 10).segmentBytesFor(512 << 10), size_t(2) << 20);
 }
 
 // --------------------------------------------------------------------------------- computeSegments

@@ -122,11 +122,13 @@ def recursive_doubling_steps(P: int) -> int:
 def predict_site_plan_seconds(plan: SitePlan, model: LinkModel, nbytes: int) -> float:
     """Predicted seconds for an AllReduce of ``nbytes`` with the site plan (`hetcomm.plan.hierarchy`)::
 
-        predict = N * T_bw + (2 (m_max - 1) + 2) alpha + fill
+        predict = N * T_bw + sum over pieces of ((2 (m_max - 1) + 2) alpha + fill)
 
     with ``fill = seg * ((m_max - 1) * mean(1 / ring bw) + mean(1 / cross-site bw))``: one segment
     over the path of a segment through a site ring and across a site pair (the ring's own
     convention: half the path, since the all-gather's fill overlaps the reduce-scatter's drain).
+    The engine runs the message in pieces of HETCOMM_SITE_PIECE_BYTES (32 MB), one after the
+    other, each with its own latency, fill and adaptive segment (a quarter of the piece's chunk).
     """
     if nbytes <= 0:
         return 0.0
@@ -138,9 +140,15 @@ def predict_site_plan_seconds(plan: SitePlan, model: LinkModel, nbytes: int) -> 
     inside = site_of[src] == site_of[dst]
     ring_mean = float(inv[inside].mean()) if inside.any() else 0.0
     cross_mean = float(inv[~inside].mean()) if (~inside).any() else 0.0
-    seg = segment_bytes(model, nbytes / model.world_size, plan.segment_bytes)
-    fill = seg * ((m_max - 1) * ring_mean + cross_mean)
-    return nbytes * site_plan_seconds_per_byte(plan, model) + (2 * (m_max - 1) + 2) * model.alpha + fill
+
+    def per_piece(piece_bytes: int) -> float:
+        seg = segment_bytes(model, piece_bytes / model.world_size, plan.segment_bytes)
+        return (2 * (m_max - 1) + 2) * model.alpha + seg * ((m_max - 1) * ring_mean + cross_mean)
+
+    piece = max(4096, engine_setting("site_piece_bytes"))
+    full, rest = divmod(int(nbytes), piece)
+    fixed = full * per_piece(piece) + (per_piece(rest) if rest else 0.0)
+    return nbytes * site_plan_seconds_per_byte(plan, model) + fixed
 
 
 def predict_allreduce_seconds(plan: Plan, model: LinkModel, nbytes: int) -> float:

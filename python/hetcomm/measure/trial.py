@@ -76,9 +76,10 @@ def _runs_at(plan: planner.Plan, nbytes: int, small_allreduce_bytes: int) -> tup
 
 
 def trial_bytes(measured: planner.Plan, equal: planner.Plan, model: planner.LinkModel) -> int:
-    """The smallest power of two in [MIN_TRIAL_BYTES, MAX_TRIAL_BYTES] that ``measured`` is
-    predicted to reduce in at least about TRIAL_SECONDS (so that bandwidth, not latency, decides)
-    and at which the two plans run different schedules (`_runs_at`: each plan's weighted parts
+    """The largest power of two in [MIN_TRIAL_BYTES, MAX_TRIAL_BYTES] that ``measured`` is
+    predicted to reduce in at most about TRIAL_SECONDS (between half of it and all of it, so that
+    bandwidth, not latency, decides), raised to the first size at which the two plans run
+    different schedules (`_runs_at`: each plan's weighted parts
     apply from their own sizes); 0 when they differ only above MAX_TRIAL_BYTES (no trial)."""
     n = MIN_TRIAL_BYTES
     while n < MAX_TRIAL_BYTES and planner.predict_allreduce_seconds(measured, model, 2 * n) <= TRIAL_SECONDS:

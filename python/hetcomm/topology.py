@@ -245,10 +245,11 @@ def _trial_against_equal(backend, plan: planner.Plan, model: planner.LinkModel, 
             size = [float(trial_bytes(plan, equal, model))]
         except Exception as e:  # noqa: BLE001 - the others wait for the size: they hear 0, no trial
             _log_plan(f"hetcomm plan trial: no trial size ({type(e).__name__}: {e}); the measured plan stays")
-            size = [0.0]
+            size = [-1.0]
     nbytes = int(_broadcast_floats(backend, size)[0])
-    if nbytes == 0:
-        _log_plan("hetcomm plan trial: the plans differ only above the largest trial size; the measured plan stays")
+    if nbytes <= 0:
+        if nbytes == 0:
+            _log_plan("hetcomm plan trial: the plans differ only above the largest trial size; the measured plan stays")
         return plan, model
     wins, line = measured_plan_wins(backend, plan, equal, nbytes, install_plan)
     _log_plan(line)

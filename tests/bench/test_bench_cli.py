@@ -248,7 +248,7 @@ def test_predictions_follow_the_engine_rules():
     assert plan.is_uniform and plan.segment_bytes == 0
     plan = effective_plan(weighted, n, 4)
     assert plan.shares == (0.0, 0.0, 0.0, 1.0)
-    # A plan's segment caps the adaptive one (16 MB over 4 ranks: a quarter of 4 MB, 1 MiB), it
+    # A plan's segment caps the adaptive one (16 MB over 4 ranks: a quarter of 16 MB / 4, 1 MiB), it
     # does not force it: 64 KB fills with 64 KB, 2 MB with the adaptive 1 MiB.
     for cap, seg in [(64 * 1024, 64 * 1024), (2 * MB, MB)]:
         capped = dict(weighted, segment_bytes=cap)

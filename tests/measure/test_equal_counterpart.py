@@ -68,7 +68,11 @@ def test_the_trial_size_follows_the_prediction_and_where_the_plans_differ() -> N
     ring = planner.Plan((0, 1, 2, 3), (0.4, 0.2, 0.2, 0.2))
     uniform = planner.uniform_plan(4)
     assert trial_bytes(ring, uniform, fast) == MAX_TRIAL_BYTES
-    assert trial_bytes(ring, uniform, slow) == MIN_TRIAL_BYTES
+    # 100 Mbit/s NICs: the ring is predicted at 0.08 s for 512 KB, 0.16 s for 1 MB
+    assert trial_bytes(ring, uniform, slow) == 512 << 10
+    # never below the floor, however slow the links
+    crawl = planner.LinkModel.from_nics([1e6 / 8] * 4)
+    assert trial_bytes(ring, uniform, crawl) == MIN_TRIAL_BYTES
     # weighted shares only from 4 MB on: the trial must be at least that large ...
     assert trial_bytes(dataclasses.replace(ring, min_bytes=3 << 20), uniform, slow) == 4 << 20
     # ... and no trial at all when they apply only above the largest trial size
@@ -80,11 +84,11 @@ def test_the_trial_size_follows_the_prediction_and_where_the_plans_differ() -> N
     # (its prediction is under 0.1 s up to 2 MB: the host plan crosses each NIC fewer times)
     assert trial_bytes(hosts, uniform, slow) == trial_bytes(dataclasses.replace(hosts, min_bytes=0), uniform, slow) \
         == 2 << 20
-    # the same host plan on both sides, from 8 MB on, and the rings differ from 1 MB: the trial
-    # runs where the rings run (1 MB), not where the site plan starts
+    # the same host plan on both sides, from 8 MB on, and the rings differ from 0 B: the trial
+    # runs where the rings run (512 KB), not where the site plan starts
     late = dataclasses.replace(hp, min_bytes=8 << 20)
     assert trial_bytes(dataclasses.replace(ring, sites=late), dataclasses.replace(uniform, sites=late), slow) \
-        == MIN_TRIAL_BYTES
+        == 512 << 10
     # the same ring on both sides, host shares differing from 4 MB on: the trial is at 4 MB
     skewed_hosts = dataclasses.replace(hp, site_shares=(0.75, 0.25), min_bytes=3 << 20)
     assert trial_bytes(dataclasses.replace(uniform, sites=skewed_hosts),

@@ -37,7 +37,12 @@ TRIAL_SECONDS = 0.1
 # of the cores, not the links, moves such small differences). Not "every pair": one slow pair
 # then threw away a plan 1.34x faster in the median (one slow NIC of four).
 TRIAL_MARGIN = 0.10
-MIN_TRIAL_BYTES = 1 << 20
+# The time above sets the size; this floor only keeps it above the engine's small-message paths
+# (recursive doubling up to 32 KB, crossovers from 64 KB). It is low because on slow links a
+# larger floor made the trial the cost of group creation: 32 ranks with host NICs of 100 and one
+# of 25 Mbit/s took 15.6 s to create with a 1 MB floor (13 allreduces of 0.3-0.6 s predicted),
+# 2.4 s before the trial; the plans' predicted ratio is the same at 256 KB (1.71x) as at 1 MB (1.74x).
+MIN_TRIAL_BYTES = 256 << 10
 MAX_TRIAL_BYTES = 16 << 20
 
 
@@ -71,9 +76,10 @@ def _runs_at(plan: planner.Plan, nbytes: int, small_allreduce_bytes: int) -> tup
 
 
 def trial_bytes(measured: planner.Plan, equal: planner.Plan, model: planner.LinkModel) -> int:
-    """The smallest power of two in [MIN_TRIAL_BYTES, MAX_TRIAL_BYTES] that ``measured`` is
-    predicted to reduce in at least about TRIAL_SECONDS (so that bandwidth, not latency, decides)
-    and at which the two plans run different schedules (`_runs_at`: each plan's weighted parts
+    """The largest power of two in [MIN_TRIAL_BYTES, MAX_TRIAL_BYTES] that ``measured`` is
+    predicted to reduce in at most about TRIAL_SECONDS (between half of it and all of it, so that
+    bandwidth, not latency, decides), raised to the first size at which the two plans run
+    different schedules (`_runs_at`: each plan's weighted parts
     apply from their own sizes); 0 when they differ only above MAX_TRIAL_BYTES (no trial)."""
     n = MIN_TRIAL_BYTES
     while n < MAX_TRIAL_BYTES and planner.predict_allreduce_seconds(measured, model, 2 * n) <= TRIAL_SECONDS:

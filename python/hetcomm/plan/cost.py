@@ -145,7 +145,8 @@ def predict_site_plan_seconds(plan: SitePlan, model: LinkModel, nbytes: int) -> 
         seg = segment_bytes(model, piece_bytes / model.world_size, plan.segment_bytes)
         return (2 * (m_max - 1) + 2) * model.alpha + seg * ((m_max - 1) * ring_mean + cross_mean)
 
-    piece = max(4096, engine_setting("site_piece_bytes"))
+    # the engine's cut (sitePieceCount): at least 4 KB, whole cache lines
+    piece = max(4096, engine_setting("site_piece_bytes")) // 64 * 64
     full, rest = divmod(int(nbytes), piece)
     fixed = full * per_piece(piece) + (per_piece(rest) if rest else 0.0)
     return nbytes * site_plan_seconds_per_byte(plan, model) + fixed

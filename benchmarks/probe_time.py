@@ -2,7 +2,7 @@
 all-pairs probe.
 
     python benchmarks/probe_time.py [--hosts 0,0,0,0,1,...] [--nic-mbit 100,...,25] [--runs 5] \
-        [--probes levels,pairs] [--json benchmarks/results/probe_time.json]
+        [--probes levels,pairs,levels+secret] [--json benchmarks/results/probe_time.json]
 
 Default cluster: 32 ranks in 8 hosts of 4 (``--hosts``: one network namespace and one shaped NIC a
 host, loopback inside), host NICs of 100 Mbit/s and one of 25 Mbit/s. Needs root.
@@ -20,6 +20,9 @@ Each run starts the cluster once per probe (``HETCOMM_PROBE=levels``, the defaul
 
 The summary gives the median and range over the runs of the creation time per probe, and of the
 ratio of the level probe's predicted time to the all-pairs probe's (same run, same cluster).
+A probe named with ``+secret`` (``levels+secret``) runs with an out-of-band secret
+(``HETCOMM_SECRET_FILE``, a throwaway file): every store value hetcomm later trusts is sealed
+and checked; the summary then gives its creation time over the plain probe's, run by run.
 On a two-core machine the 32 ranks share two cores, so NIC rates are kept low enough (100 Mbit/s
 a host) that the simulated network, not the CPU, is what the probe measures.
 """
@@ -61,9 +64,18 @@ dist.destroy_process_group()
 '''
 
 
-def run_once(hosts: str, nic: str, probe: str, script: str) -> dict:
-    env = dict(os.environ, HETCOMM_PROBE=probe, HETCOMM_LOG_LEVEL="2")
+def run_once(hosts: str, nic: str, probe: str, script: str, secret_file: str) -> dict:
+    """One group creation; ``probe``: ``levels`` or ``pairs``, with ``+secret`` the same with the
+    out-of-band secret (HETCOMM_SECRET_FILE: every store value hetcomm trusts is sealed)."""
+    name, _, extra = probe.partition("+")
+    env = dict(os.environ, HETCOMM_PROBE=name, HETCOMM_LOG_LEVEL="2")
     env.pop("HETCOMM_LINK_MBIT", None)
+    env.pop("HETCOMM_SECRET", None)
+    env.pop("HETCOMM_SECRET_FILE", None)
+    if extra == "secret":
+        env["HETCOMM_SECRET_FILE"] = secret_file
+    elif extra:
+        raise SystemExit(f"probe_time: unknown probe variant {probe!r} (levels, pairs, levels+secret, pairs+secret)")
     cmd = [sys.executable, "-m", "hetcomm.sim", "--hosts", hosts, "--nic-mbit", nic, "-q", "--timeout", "600",
            "--", sys.executable, script]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, errors="replace", timeout=900)
@@ -113,9 +125,12 @@ def main() -> int:
         script = os.path.join(tmp, "rank.py")
         with open(script, "w") as f:
             f.write(RANK_CODE)
+        secret_file = os.path.join(tmp, "secret")
+        with open(os.open(secret_file, os.O_WRONLY | os.O_CREAT, 0o600), "w") as f:
+            f.write(os.urandom(32).hex())
         for run in range(args.runs):
             for probe in probes:
-                row = run_once(args.hosts, args.nic_mbit, probe, script)
+                row = run_once(args.hosts, args.nic_mbit, probe, script, secret_file)
                 row["predicted_s"], row["bound_s"] = predicted(spec, row["plan"])
                 row.update(run=run, probe=probe)
                 records.append(row)
@@ -130,6 +145,13 @@ def main() -> int:
                   zip([r for r in records if r["probe"] == "levels"], [r for r in records if r["probe"] == "pairs"])]
         summary["predicted_levels_over_pairs"] = {"median": statistics.median(ratios), "min": min(ratios),
                                                   "max": max(ratios), "all": ratios}
+    for probe in probes:
+        if probe + "+secret" in probes:   # the cost of sealed store values, run by run
+            ratios = [a["create_s"] / b["create_s"] for a, b in
+                      zip([r for r in records if r["probe"] == probe + "+secret"],
+                          [r for r in records if r["probe"] == probe])]
+            summary[f"create_{probe}_secret_over_plain"] = {"median": statistics.median(ratios), "min": min(ratios),
+                                                             "max": max(ratios), "all": ratios}
     print(json.dumps(summary, indent=1), flush=True)
     if args.json:
         write_records(args.json, [{"kind": "run", **summary}] + [{"kind": "result", **r} for r in records],

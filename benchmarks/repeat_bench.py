@@ -4,8 +4,8 @@ Single runs on these shared 2-core machines spread widely, so a figure worth quo
 median of several runs, with min–max beside it. Every argument after ``--`` goes to the
 benchmark CLI unchanged (each run gets its own ``--json``); per size this writes the runs' time of
 every backend, hetcomm's speedup over gloo and over hetcomm-uniform (time ratios, when run) and
-hetcomm's time over the physical bound (simulated clusters), with medians; and every run's plan
-and the path each size took.
+hetcomm's time over the physical bound (simulated clusters), with medians; and every run's plan,
+the path each size took, and what the trial at group creation timed and kept.
 
 Usage::
 
@@ -19,6 +19,7 @@ header (``bench_args``, ``runs``, ``plans_last_run``), then one ``result`` per s
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import subprocess
 import sys
@@ -32,6 +33,30 @@ def summarise(values: list[float]) -> dict:
     return {"median": statistics.median(values), "min": min(values), "max": max(values), "runs": values}
 
 
+def _run_keeping_trial_lines(cmd: list[str]) -> list[str]:
+    """Runs one benchmark (its stdout dropped, its stderr passed on) and returns the distinct
+    "hetcomm plan trial" lines it logged (HETCOMM_LOG_LEVEL=2 is set for it): what the trial at
+    group creation timed and kept, once per group."""
+    env = dict(os.environ, HETCOMM_LOG_LEVEL=os.environ.get("HETCOMM_LOG_LEVEL") or "2")
+    seen: list[str] = []
+    with subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env) as p:
+        for line in p.stderr:
+            at = line.find("hetcomm plan trial:")
+            if at < 0:
+                if "[hetcomm INFO]" not in line:
+                    sys.stderr.write(line)
+                continue
+            # Every rank logs the same line but its own elapsed time ("; the trial took ..."):
+            # one line per group.
+            text = line[at:].rstrip().split("; the trial took")[0]
+            if text not in seen:
+                seen.append(text)
+                sys.stderr.write(f"[repeat_bench] {text}\n")
+    if p.returncode != 0:
+        raise subprocess.CalledProcessError(p.returncode, cmd)
+    return seen
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--runs", type=int, default=5)
@@ -40,12 +65,12 @@ def main() -> None:
     args = ap.parse_args()
     bench_args = args.bench_args[1:] if args.bench_args[:1] == ["--"] else args.bench_args
     per_size: dict[int, dict[str, list[float]]] = {}
-    plans, plans_per_run, paths_per_run = None, [], []
+    plans, plans_per_run, paths_per_run, trials_per_run = None, [], [], []
     for run in range(args.runs):
         with tempfile.NamedTemporaryFile(suffix=".json") as f:
             cmd = [sys.executable, "-m", "hetcomm.bench", *bench_args, "--json", f.name]
             print(f"[repeat_bench] run {run + 1}/{args.runs}: {' '.join(cmd[1:])}", flush=True)
-            subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+            trials_per_run.append(_run_keeping_trial_lines(cmd))
             data = read_report(f.name)
         plans = data.get("plans")
         # Without the model (a P x P matrix): plans_last_run keeps one, and a summary stays small.
@@ -65,7 +90,7 @@ def main() -> None:
             if h is not None and h.get("time_over_bound"):
                 d.setdefault("hetcomm_over_bound", []).append(h["time_over_bound"])
     out = {"bench_args": bench_args, "runs": args.runs, "plans_last_run": plans,
-           "hetcomm_plan_per_run": plans_per_run, "paths_per_run": paths_per_run,
+           "hetcomm_plan_per_run": plans_per_run, "paths_per_run": paths_per_run, "trial_per_run": trials_per_run,
            "rows": [{"size_bytes": n, **{k: summarise(v) for k, v in d.items()}} for n, d in sorted(per_size.items())]}
     for n, d in sorted(per_size.items()):
         parts = [f"{k} {statistics.median(v):.3f} ({min(v):.3f}-{max(v):.3f})"

@@ -162,8 +162,7 @@ void allreduceRing(CollectiveContext& ctx, char* buf, size_t count, DType dtype,
   std::vector<double> sharesByPos(P);
   for (int pos = 0; pos < P; ++pos) sharesByPos[pos] = plan.shares[plan.order[pos]];
   std::vector<size_t> counts = sharesToCounts(count, sharesByPos);
-  CollectiveContext planned = ctx;
-  if (ctx.segmentBytes == 0 && plan.segmentBytes > 0) planned.segmentBytes = plan.segmentBytes;
+  CollectiveContext planned = ctx.withSegmentCap(plan.segmentBytes);
   runRing(planned, buf, plan, counts, prefixOffsets(counts), elementSize(dtype), dtype, op, RingPhases::kAllReduce);
 }
 

@@ -20,8 +20,11 @@ struct RingPlan {
   // Allreduces smaller than this use uniform shares in rank order: below the crossover the
   // weighted plan's longer critical path costs more than its balance saves (the planner decides).
   uint64_t minBytes = 0;
-  // Pipeline segment size for this plan's allreduces (0: adaptive). The planner sets it from the
-  // slowest ring link: a segment crossing a slow link is pipeline fill that nothing overlaps.
+  // The largest pipeline segment of this plan's allreduces (0: none; the adaptive size applies
+  // below it). The planner sets it from the slowest ring link: a segment crossing a slow link is
+  // pipeline fill that nothing overlaps. A cap, not a size: a segment above the adaptive quarter
+  // of a chunk leaves too few segments per chunk to fill the pipeline (16 hosts x 2 ranks, 16 MB,
+  // equal 1000 Mbit NICs: 512 KB segments ran 0.83x the adaptive 128 KB).
   uint64_t segmentBytes = 0;
   // The site-aware schedule (hierarchical.h) for allreduces of at least sites->minBytes bytes;
   // null: the ring always.

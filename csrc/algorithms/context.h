@@ -34,6 +34,8 @@ struct CollectiveContext {
   Deadline deadline;
   int64_t timeoutMs = 0;
   size_t segmentBytes = 0;  // 0: adaptive (segmentBytesFor), else forced
+  // The plan's largest segment (0: none): bounds the adaptive size, never raises it.
+  size_t segmentCap = 0;
   // seq, opcode, dtype, redop, algo, bytes, aux: the fields every participant must agree on.
   CollectiveHeader header;
   // The collective link to a peer (opened on first use, bounded by the deadline; transport/link.h).
@@ -51,8 +53,15 @@ struct CollectiveContext {
 
   // "hetcomm allreduce #42: rank 2"
   std::string prefix() const;
-  // Segment size for a pipeline whose largest chunk is chunkBytes.
+  // Segment size for a pipeline whose largest chunk is chunkBytes: segmentBytes when forced,
+  // else the adaptive size, at most segmentCap when set.
   size_t segmentBytesFor(size_t chunkBytes) const;
+  // This context with a plan's segment cap (RingPlan::segmentBytes, SitePlan::segmentBytes).
+  CollectiveContext withSegmentCap(size_t cap) const {
+    CollectiveContext capped = *this;
+    capped.segmentCap = cap;
+    return capped;
+  }
 };
 
 }  // namespace hetcomm

@@ -214,8 +214,8 @@ void allreduceHierarchical(CollectiveContext& ctx, char* buf, size_t count, DTyp
   HC_ENFORCE(s >= 0, "rank missing from a validated site plan");
   const std::vector<int>& site = plan.sites[s];
   const int m = static_cast<int>(site.size());
-  const size_t segmentBytes =
-      plan.segmentBytes > 0 && ctx.segmentBytes == 0 ? plan.segmentBytes : ctx.segmentBytesFor(count * es / ctx.size);
+  // The plan's segment caps the adaptive one (RingPlan::segmentBytes); a forced one wins.
+  const size_t segmentBytes = ctx.withSegmentCap(plan.segmentBytes).segmentBytesFor(count * es / ctx.size);
   const Layout L = layoutOf(plan, count, es, segmentBytes);
   const size_t B = plan.blockOwners.size();
 

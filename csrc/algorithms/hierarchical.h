@@ -59,7 +59,7 @@ struct SitePlan {
   std::vector<double> siteShares;             // fraction of each block reduced by each site's owner
   // Allreduces of at least this many bytes use this schedule; smaller ones the ring plan.
   uint64_t minBytes = 0;
-  uint64_t segmentBytes = 0;                  // 0: adaptive
+  uint64_t segmentBytes = 0;                  // the largest segment (as RingPlan's); 0: no cap
   // Sites are the group's hosts, and their ranks share memory (ctx.local): the steps inside a
   // site run through shared memory instead of the TCP ring, one after the other (see
   // allreduceHierarchical). Then each site lists its host's ranks ascending, and every rank's

@@ -37,7 +37,8 @@ size_t CollectiveContext::segmentBytesFor(size_t chunkBytes) const {
   // About 4 segments per chunk keeps every link busy while the pipeline fills and drains; the
   // bounds trade wake-ups per byte (small segments cost a poll() and a context switch each, which
   // hurts most when ranks share cores) against fill latency (large ones).
-  return std::min<size_t>(kMaxSegmentBytes, std::max<size_t>(kMinSegmentBytes, chunkBytes / 4));
+  const size_t adaptive = std::min<size_t>(kMaxSegmentBytes, std::max<size_t>(kMinSegmentBytes, chunkBytes / 4));
+  return segmentCap > 0 ? std::min(segmentCap, adaptive) : adaptive;
 }
 
 namespace pipeline_io {

@@ -234,14 +234,22 @@ def _trial_against_equal(backend, plan: planner.Plan, model: planner.LinkModel, 
     try:
         equal = _agreed_plan(backend, lambda: plan_for_group(equal_model, topology, shared, True), topology,
                              "for equal links")
-    except RuntimeError as e:  # rank 0 could not plan it: every rank raised alike
+    except Exception as e:  # noqa: BLE001 - rank 0 could not plan it: every rank raised (rank 0 its own error)
         _log_plan(f"hetcomm plan trial: no plan for equal links ({e}); the measured plan stays")
         return plan, model
     if same_shares(plan, equal):
         return plan, model
-    nbytes = int(_broadcast_floats(backend, [float(trial_bytes(plan, model))] if backend.rank() == 0 else None)[0])
-    if nbytes == 0:
-        _log_plan("hetcomm plan trial: the measured shares apply only above the largest trial size; they stay")
+    size = None
+    if backend.rank() == 0:
+        try:
+            size = [float(trial_bytes(plan, equal, model))]
+        except Exception as e:  # noqa: BLE001 - the others wait for the size: they hear 0, no trial
+            _log_plan(f"hetcomm plan trial: no trial size ({type(e).__name__}: {e}); the measured plan stays")
+            size = [-1.0]
+    nbytes = int(_broadcast_floats(backend, size)[0])
+    if nbytes <= 0:
+        if nbytes == 0:
+            _log_plan("hetcomm plan trial: the plans differ only above the largest trial size; the measured plan stays")
         return plan, model
     wins, line = measured_plan_wins(backend, plan, equal, nbytes, install_plan)
     _log_plan(line)

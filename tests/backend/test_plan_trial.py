@@ -29,7 +29,7 @@ P = dist.get_world_size()
 uniform = planner.uniform_plan(P)
 skewed = planner.Plan(uniform.order, (0.97,) + (0.01,) * (P - 1))
 model = planner.LinkModel.from_nics([200e6 / 8] * P)
-out = {"bytes": trial_bytes(skewed, model)}
+out = {"bytes": trial_bytes(skewed, uniform, model)}
 out["skewed_as_measured"], out["skewed_line"] = measured_plan_wins(backend, skewed, uniform, out["bytes"],
                                                                    topology.install_plan)
 out["left_installed"] = list(hetcomm.get_plan().shares)
@@ -53,4 +53,5 @@ def test_the_faster_plan_stays_on_every_rank(tmp_path) -> None:
         assert got["left_installed"] == [0.25] * 4, (rank, got)   # the trial leaves the equal plan installed
         assert got["uniform_as_measured"] is True, (rank, got["uniform_line"])
         assert "measured shares kept" in got["uniform_line"], got["uniform_line"]
-    assert results[0][0]["bytes"] == 1 << 20    # 200 Mbit/s links: 2 MB would take over 0.1 s
+    # 200 Mbit/s links, one rank carrying 97%: 512 KB predicted in 0.057 s, 1 MB in 0.114 s
+    assert results[0][0]["bytes"] == 512 << 10

@@ -244,10 +244,16 @@ def test_predictions_follow_the_engine_rules():
     # the slow rank owns everything: N each way through its NIC
     assert predict_seconds(sim, weighted, n) == pytest.approx(n / 12.5e6 + overhead)
     # below min_bytes the engine uses the uniform plan
-    plan, segment = effective_plan(weighted, 32 * 1024 + 4, 4)
-    assert plan.is_uniform and segment == 0
-    plan, _ = effective_plan(weighted, n, 4)
+    plan = effective_plan(weighted, 32 * 1024 + 4, 4)
+    assert plan.is_uniform and plan.segment_bytes == 0
+    plan = effective_plan(weighted, n, 4)
     assert plan.shares == (0.0, 0.0, 0.0, 1.0)
+    # A plan's segment caps the adaptive one (16 MB over 4 ranks: a quarter of 16 MB / 4, 1 MiB), it
+    # does not force it: 64 KB fills with 64 KB, 2 MB with the adaptive 1 MiB.
+    for cap, seg in [(64 * 1024, 64 * 1024), (2 * MB, MB)]:
+        capped = dict(weighted, segment_bytes=cap)
+        fill = 3 * seg * (2 / 12.5e6 + 2 / 100e6) / 4
+        assert predict_seconds(sim, capped, n) == pytest.approx(n / 12.5e6 + 6 * 1e-4 + fill)
 
 
 # ============================================================================================

@@ -9,6 +9,7 @@
 #include <stdexcept>
 #include <vector>
 
+#include "algorithms/context.h"
 #include "algorithms/ring_schedule.h"
 #include "check.h"
 #include "common/error.h"
@@ -96,6 +97,21 @@ TEST_CASE(prefix_offsets) {
   CHECK_EQ(str(prefixOffsets({3, 0, 5, 1})), "[0,3,3,8]");
   CHECK_EQ(str(prefixOffsets({})), "[]");
   CHECK_EQ(str(prefixOffsets({0})), "[0]");
+}
+
+// --------------------------------------------------------------------------------- segmentBytesFor
+
+TEST_CASE(a_plans_segment_caps_the_adaptive_size) {
+  CollectiveContext ctx;
+  CHECK_EQ(ctx.segmentBytesFor(4 << 20), size_t(1) << 20);     // a quarter, at most 1 MiB
+  CHECK_EQ(ctx.segmentBytesFor(512 << 10), size_t(128) << 10);
+  CHECK_EQ(ctx.segmentBytesFor(1 << 10), size_t(32) << 10);     // at least 32 KiB
+  const CollectiveContext capped = ctx.withSegmentCap(256 << 10);
+  CHECK_EQ(capped.segmentBytesFor(4 << 20), size_t(256) << 10);   // capped
+  CHECK_EQ(capped.segmentBytesFor(512 << 10), size_t(128) << 10); // never raised to the cap
+  CHECK_EQ(ctx.segmentBytesFor(4 << 20), size_t(1) << 20);        // the original keeps no cap
+  ctx.segmentBytes = 2 << 20;                                      // HETCOMM_SEGMENT_BYTES wins
+  CHECK_EQ(ctx.withSegmentCap(256 << 10).segmentBytesFor(512 << 10), size_t(2) << 20);
 }
 
 // --------------------------------------------------------------------------------- computeSegments

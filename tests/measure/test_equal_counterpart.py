@@ -1,6 +1,6 @@
 """The pieces of the trial at creation that need no processes: the equal model the measured plan
 is timed against (every class of link at its median, levels kept), which plans count as
-different, and the trial's size. Hand-computed cases."""
+different, the trial's size and its rule. Hand-computed cases."""
 from __future__ import annotations
 
 import dataclasses
@@ -11,7 +11,7 @@ import pytest
 from hetcomm import plan as planner
 from hetcomm.measure.probe import _equal_pairs
 from hetcomm.measure.schedule import model_from_rates
-from hetcomm.measure.trial import MAX_TRIAL_BYTES, MIN_TRIAL_BYTES, same_shares, trial_bytes
+from hetcomm.measure.trial import MAX_TRIAL_BYTES, MIN_TRIAL_BYTES, keeps_measured, same_shares, trial_bytes
 
 MB = 1e6
 
@@ -62,17 +62,46 @@ def test_plans_differ_only_by_who_carries_what() -> None:
     assert not same_shares(with_hosts, dataclasses.replace(ring, sites=dataclasses.replace(hp, site_shares=(0.75, 0.25))))
 
 
-def test_the_trial_size_follows_the_prediction_and_the_plans_crossovers() -> None:
+def test_the_trial_size_follows_the_prediction_and_where_the_plans_differ() -> None:
     fast = planner.LinkModel.from_nics([100e9 / 8] * 4)      # 16 MB in well under 0.1 s
     slow = planner.LinkModel.from_nics([100e6 / 8] * 4)      # 2 MB take longer than 0.1 s
     ring = planner.Plan((0, 1, 2, 3), (0.4, 0.2, 0.2, 0.2))
-    assert trial_bytes(ring, fast) == MAX_TRIAL_BYTES
-    assert trial_bytes(ring, slow) == MIN_TRIAL_BYTES
+    uniform = planner.uniform_plan(4)
+    assert trial_bytes(ring, uniform, fast) == MAX_TRIAL_BYTES
+    # 100 Mbit/s NICs: the ring is predicted at 0.08 s for 512 KB, 0.16 s for 1 MB
+    assert trial_bytes(ring, uniform, slow) == 512 << 10
+    # never below the floor, however slow the links
+    crawl = planner.LinkModel.from_nics([1e6 / 8] * 4)
+    assert trial_bytes(ring, uniform, crawl) == MIN_TRIAL_BYTES
     # weighted shares only from 4 MB on: the trial must be at least that large ...
-    assert trial_bytes(dataclasses.replace(ring, min_bytes=3 << 20), slow) == 4 << 20
+    assert trial_bytes(dataclasses.replace(ring, min_bytes=3 << 20), uniform, slow) == 4 << 20
     # ... and no trial at all when they apply only above the largest trial size
-    assert trial_bytes(dataclasses.replace(ring, min_bytes=MAX_TRIAL_BYTES + 1), slow) == 0
+    assert trial_bytes(dataclasses.replace(ring, min_bytes=MAX_TRIAL_BYTES + 1), uniform, slow) == 0
     # a site (host) plan takes every allreduce from its own min_bytes on: the ring's crossover
     # no longer matters
-    hosts = dataclasses.replace(ring, min_bytes=64 << 20, sites=planner.host_plan((0, 0, 1, 1)))
-    assert trial_bytes(hosts, slow) == trial_bytes(dataclasses.replace(hosts, min_bytes=0), slow) > 0
+    hp = planner.host_plan((0, 0, 1, 1))
+    hosts = dataclasses.replace(ring, min_bytes=64 << 20, sites=hp)
+    # (its prediction is under 0.1 s up to 2 MB: the host plan crosses each NIC fewer times)
+    assert trial_bytes(hosts, uniform, slow) == trial_bytes(dataclasses.replace(hosts, min_bytes=0), uniform, slow) \
+        == 2 << 20
+    # the same host plan on both sides, from 8 MB on, and the rings differ from 0 B: the trial
+    # runs where the rings run (512 KB), not where the site plan starts
+    late = dataclasses.replace(hp, min_bytes=8 << 20)
+    assert trial_bytes(dataclasses.replace(ring, sites=late), dataclasses.replace(uniform, sites=late), slow) \
+        == 512 << 10
+    # the same ring on both sides, host shares differing from 4 MB on: the trial is at 4 MB
+    skewed_hosts = dataclasses.replace(hp, site_shares=(0.75, 0.25), min_bytes=3 << 20)
+    assert trial_bytes(dataclasses.replace(uniform, sites=skewed_hosts),
+                       dataclasses.replace(uniform, sites=dataclasses.replace(hp, min_bytes=3 << 20)), slow) == 4 << 20
+    # recursive doubling up to HETCOMM_SMALL_ALLREDUCE_BYTES runs alike for both plans
+    small = dataclasses.replace(slow, small_allreduce_bytes=2 << 20)
+    assert trial_bytes(ring, uniform, small) == 4 << 20
+
+
+def test_the_trial_rule_needs_the_margin_in_the_median_and_most_pairs() -> None:
+    # times in seconds of each pair: (measured, equal)
+    assert keeps_measured([0.80, 0.85, 0.82], [1.0, 1.0, 1.0])         # 18% faster, 3 of 3
+    assert keeps_measured([0.80, 1.20, 0.85], [1.0, 1.0, 1.0])         # 15% faster in the median, 2 of 3
+    assert not keeps_measured([0.50, 0.85, 1.30], [0.4, 1.0, 1.2])     # median 15% faster, 1 of 3 only
+    assert not keeps_measured([0.92, 0.93, 0.91], [1.0, 1.0, 1.0])     # 8%: within the margin
+    assert not keeps_measured([1.0, 1.0, 1.0], [1.0, 1.0, 1.0])        # a tie keeps equal shares

@@ -7,6 +7,7 @@ moves a load by less than 2e-9 of N.
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 from fractions import Fraction
@@ -108,6 +109,24 @@ def test_adaptive_segment_size_follows_the_engine():
                         (1024 * 1024 * 4, 256 * 1024)]:       # chunk 1 MiB -> 256 KiB
         expected = nbytes * per_byte + 3 * seg / 100e6
         assert planner.predict_allreduce_seconds(plan, model, nbytes) == pytest.approx(expected, rel=1e-12)
+
+
+def test_a_plans_segment_caps_the_adaptive_one():
+    # The plan's segment_bytes bounds the adaptive size and never raises it (the engine's
+    # CollectiveContext::segmentBytesFor); alpha 0, uniform links of 100 MB/s, 4 ranks.
+    model = from_nics([100e6] * 4, alpha=0.0)
+    per_byte = 1.5 / 100e6
+    for cap, nbytes, seg in [(64 << 10, 16 << 20, 64 << 10),    # chunk 4 MiB -> 1 MiB, capped to 64 KiB
+                             (512 << 10, 2 << 20, 128 << 10),   # chunk 512 KiB -> 128 KiB, under the cap
+                             (1 << 20, 1 << 18, 32 << 10)]:     # chunk 64 KiB -> 16 KiB -> 32 KiB
+        plan = dataclasses.replace(planner.uniform_plan(4), segment_bytes=cap)
+        expected = nbytes * per_byte + 3 * seg / 100e6
+        assert planner.predict_allreduce_seconds(plan, model, nbytes) == pytest.approx(expected, rel=1e-12)
+    # HETCOMM_SEGMENT_BYTES (the model's segment_bytes) wins over the cap.
+    forced = from_nics([100e6] * 4, alpha=0.0, segment_bytes=1 << 20)
+    plan = dataclasses.replace(planner.uniform_plan(4), segment_bytes=64 << 10)
+    assert planner.predict_allreduce_seconds(plan, forced, 16 << 20) == pytest.approx(
+        (16 << 20) * per_byte + 3 * (1 << 20) / 100e6, rel=1e-12)
 
 
 def test_small_messages_use_the_recursive_doubling_prediction():

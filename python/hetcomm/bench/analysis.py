@@ -325,34 +325,32 @@ def _planner_model(sim: dict[str, Any], segment_bytes: int = 0, small_allreduce_
 
 
 def effective_plan(record: dict[str, Any], nbytes: int, world_size: int):
-    """The (planner) Plan the engine runs for an allreduce of ``nbytes``, and its segment size."""
+    """The (planner) Plan the engine runs for an allreduce of ``nbytes``, its segment cap with it
+    (``segment_bytes`` of the plan, or of its site plan)."""
     from hetcomm.planner import Plan, uniform_plan
 
     if record.get("kind") != "hetcomm":
-        return uniform_plan(world_size), 0
+        return uniform_plan(world_size)
     sites = record.get("sites")
     if sites and nbytes >= int(sites.get("min_bytes") or 0):
         from hetcomm.plan import SitePlan
-        site = SitePlan(**sites)
-        return Plan(tuple(record["order"]), tuple(record["shares"]), sites=site), int(site.segment_bytes)
+        return Plan(tuple(record["order"]), tuple(record["shares"]), sites=SitePlan(**sites))
     if nbytes < int(record.get("min_bytes") or 0):
-        return uniform_plan(world_size), 0
-    plan = Plan(tuple(record["order"]), tuple(record["shares"]))
-    return plan, int(record.get("segment_bytes") or 0)
+        return uniform_plan(world_size)
+    return Plan(tuple(record["order"]), tuple(record["shares"]), segment_bytes=int(record.get("segment_bytes") or 0))
 
 
 def predict_seconds(sim: dict[str, Any], record: dict[str, Any], nbytes: int) -> Optional[float]:
     """The planner's prediction for ``nbytes`` under the plan of ``record`` on the physical model."""
     P = sim["world_size"]
-    plan, segment = effective_plan(record, nbytes, P)
+    plan = effective_plan(record, nbytes, P)
     if record.get("kind") == "hetcomm":
-        env_segment = int(record.get("env_segment_bytes") or 0)
         small = record.get("small_allreduce_bytes")
         if small is None:  # a record from before records kept it: the engine's default
             from hetcomm.plan.model import engine_setting
             small = engine_setting("default_small_allreduce_bytes")
-        small = int(small)
-        model = _planner_model(sim, env_segment or segment, small)
+        # HETCOMM_SEGMENT_BYTES of the rank, if it had one, is forced; else the plan's caps.
+        model = _planner_model(sim, int(record.get("env_segment_bytes") or 0), int(small))
     else:
         model = _planner_model(sim, 0, 0)   # gloo: a ring at every size, adaptive segments
     from hetcomm.planner import predict_allreduce_seconds

@@ -8,10 +8,11 @@ shares fitted to that ran at 0.66-0.97x equal shares). A slow link, by contrast,
 time of the collective it slows. So: the plan chosen from the measured model, and the one chosen
 from the equal model (`hetcomm.measure.ProbeResult.equal_model`: the same levels, every class of
 link at one rate), each run ``TRIAL_PAIRS`` times, interleaved, after an untimed run each, on one
-allreduce sized to take about ``TRIAL_SECONDS`` (0.1 s) under the measured plan's prediction and large
-enough for its weighted shares to apply; the measured plan stays only when its median time beats
-the equal one's by ``TRIAL_MARGIN`` and it was faster in most pairs. Every rank runs the same trials with the size rank 0 chose,
-and the times are agreed (the slowest rank's), so every rank decides alike.
+allreduce sized to take about ``TRIAL_SECONDS`` (0.1 s) under the measured plan's prediction, at a
+size where the two plans run different schedules (`trial_bytes`); the measured plan stays only
+when its median time beats the equal one's by ``TRIAL_MARGIN`` and it was faster in most pairs
+(`keeps_measured`). Every rank runs the same trials with the size rank 0 chose, and the times are
+agreed (the slowest rank's), so every rank decides alike.
 
 A collective over the group, run by `hetcomm.topology.apply_model` when the plan came from
 measured rates and its shares differ from its equal counterpart's. docs/planner.md#the-trial-at-creation.
@@ -36,7 +37,12 @@ TRIAL_SECONDS = 0.1
 # of the cores, not the links, moves such small differences). Not "every pair": one slow pair
 # then threw away a plan 1.34x faster in the median (one slow NIC of four).
 TRIAL_MARGIN = 0.10
-MIN_TRIAL_BYTES = 1 << 20
+# The time above sets the size; this floor only keeps it above the engine's small-message paths
+# (recursive doubling up to 32 KB, crossovers from 64 KB). It is low because on slow links a
+# larger floor made the trial the cost of group creation: 32 ranks with host NICs of 100 and one
+# of 25 Mbit/s took 15.6 s to create with a 1 MB floor (13 allreduces of 0.3-0.6 s predicted),
+# 2.4 s before the trial; the plans' predicted ratio is the same at 256 KB (1.71x) as at 1 MB (1.74x).
+MIN_TRIAL_BYTES = 256 << 10
 MAX_TRIAL_BYTES = 16 << 20
 
 
@@ -53,22 +59,45 @@ def same_shares(a: planner.Plan, b: planner.Plan) -> bool:
            (y.sites, y.blocks, y.block_shares, y.site_shares, y.local_inner, y.hosts, y.holders)
 
 
-def trial_bytes(plan: planner.Plan, model: planner.LinkModel) -> int:
-    """The power of two in [MIN_TRIAL_BYTES, MAX_TRIAL_BYTES] that ``plan`` is predicted to reduce
-    in about TRIAL_SECONDS (at least large enough that bandwidth, not latency, decides), raised to
-    the size from which its weighted part applies (its site plan's, else its ring's); 0 when that
-    lies above MAX_TRIAL_BYTES (no trial: the plan differs from equal shares only for larger
-    messages)."""
+def _runs_at(plan: planner.Plan, nbytes: int, small_allreduce_bytes: int) -> tuple:
+    """What the engine runs for an allreduce of ``nbytes`` under ``plan`` (`RingPlan::forBytes`),
+    segments left out: recursive doubling up to HETCOMM_SMALL_ALLREDUCE_BYTES, then the site (or
+    host) plan from its min_bytes, else the weighted ring from the plan's min_bytes, else the
+    uniform ring in rank order."""
+    if nbytes <= small_allreduce_bytes:
+        return ("recursive doubling",)
+    x = plan.sites
+    if x is not None and nbytes >= x.min_bytes:
+        return ("sites", x.sites, x.blocks, x.block_shares, x.site_shares, x.local_inner, x.hosts, x.holders)
+    if nbytes >= plan.min_bytes:
+        return ("ring", tuple(plan.order), tuple(plan.shares))
+    P = len(plan.order)
+    return ("ring", tuple(range(P)), (1.0 / P,) * P)
+
+
+def trial_bytes(measured: planner.Plan, equal: planner.Plan, model: planner.LinkModel) -> int:
+    """The largest power of two in [MIN_TRIAL_BYTES, MAX_TRIAL_BYTES] that ``measured`` is
+    predicted to reduce in at most about TRIAL_SECONDS (between half of it and all of it, so that
+    bandwidth, not latency, decides), raised to the first size at which the two plans run
+    different schedules (`_runs_at`: each plan's weighted parts
+    apply from their own sizes); 0 when they differ only above MAX_TRIAL_BYTES (no trial)."""
     n = MIN_TRIAL_BYTES
-    while n < MAX_TRIAL_BYTES and planner.predict_allreduce_seconds(plan, model, 2 * n) <= TRIAL_SECONDS:
+    while n < MAX_TRIAL_BYTES and planner.predict_allreduce_seconds(measured, model, 2 * n) <= TRIAL_SECONDS:
         n *= 2
-    # From its min_bytes on the site (or host) plan takes every allreduce, whatever the ring's own
-    # crossover (seen: a ring weighted only from 64 MB beside a host plan from 0 B; taking the
-    # larger of the two skipped the trial and kept host shares fitted to noise).
-    needed = plan.sites.min_bytes if plan.sites is not None else plan.min_bytes
-    while n < needed:
+    # Seen: a ring weighted only from 64 MB beside a host plan from 0 B, and a ring weighted from
+    # 1 MB beside a site plan from 64 MB: each part is tried where it runs.
+    small = model.small_allreduce_bytes
+    while n <= MAX_TRIAL_BYTES and _runs_at(measured, n, small) == _runs_at(equal, n, small):
         n *= 2
     return n if n <= MAX_TRIAL_BYTES else 0
+
+
+def keeps_measured(measured_times: list[float], equal_times: list[float]) -> bool:
+    """The trial's rule on the agreed times of each pair: the measured plan stays when its median
+    is at least TRIAL_MARGIN faster than the equal plan's and it was faster in most pairs."""
+    faster = sum(a < b for a, b in zip(measured_times, equal_times))
+    return (statistics.median(measured_times) < statistics.median(equal_times) * (1.0 - TRIAL_MARGIN)
+            and 2 * faster > len(measured_times))
 
 
 def _timed_allreduce(backend, t: torch.Tensor) -> float:
@@ -88,6 +117,7 @@ def measured_plan_wins(backend, measured: planner.Plan, equal: planner.Plan, nby
     try:
         return _trial(backend, measured, equal, nbytes, install)
     except Exception as e:
+        install(backend, measured)  # the plan every rank had before the trial, whichever ran last
         raise RuntimeError(f"hetcomm: the plan trial at group creation ({nbytes >> 10} KB allreduces) failed: {e}") from e
 
 
@@ -111,11 +141,12 @@ def _trial(backend, measured: planner.Plan, equal: planner.Plan, nbytes: int,
     opts.reduceOp = torch.distributed.ReduceOp.MAX
     backend.allreduce([times], opts).wait()
     ours, others = times[0::2].tolist(), times[1::2].tolist()
-    mine, theirs = statistics.median(ours), statistics.median(others)
-    wins = mine < theirs * (1.0 - TRIAL_MARGIN) and 2 * sum(a < b for a, b in zip(ours, others)) > len(ours)
+    wins = keeps_measured(ours, others)
     install(backend, equal)
-    line = (f"hetcomm plan trial: {nbytes >> 10} KB allreduce, measured shares {mine * 1e3:.2f} ms, equal shares "
-            f"{theirs * 1e3:.2f} ms (median of {TRIAL_PAIRS}): "
-            f"{'measured shares kept' if wins else 'equal shares kept (not faster by ' + format(TRIAL_MARGIN, '.0%') + ' in most pairs)'}"
+    faster = sum(a < b for a, b in zip(ours, others))
+    line = (f"hetcomm plan trial: {nbytes >> 10} KB allreduce, measured shares {statistics.median(ours) * 1e3:.2f} ms, "
+            f"equal shares {statistics.median(others) * 1e3:.2f} ms (median of {TRIAL_PAIRS}; measured faster in "
+            f"{faster} of {TRIAL_PAIRS}): {'measured' if wins else 'equal'} shares kept "
+            f"(the rule: {TRIAL_MARGIN:.0%} faster in the median and in most pairs)"
             f"; the trial took {time.perf_counter() - start:.2f} s")
     return wins, line

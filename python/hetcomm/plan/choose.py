@@ -259,7 +259,7 @@ def format_plan(plan: Plan, model: Optional[LinkModel] = None) -> str:
     if plan.min_bytes:
         line += f" | for allreduces >= {plan.min_bytes} B"
     if plan.segment_bytes:
-        line += f" | segments {plan.segment_bytes // 1024} KB"
+        line += f" | segments up to {plan.segment_bytes // 1024} KB"
     if model is not None and model.world_size > 1:
         per_byte = ring_seconds_per_byte(plan.order, plan.shares, model)
         uniform = ring_seconds_per_byte(tuple(range(model.world_size)), (1.0,) * model.world_size, model)
@@ -288,7 +288,7 @@ def format_plan(plan: Plan, model: Optional[LinkModel] = None) -> str:
                  + " ".join(f"{100.0 * w:.1f}%" for w in sp.site_shares[:16])
                  + (f" (+{len(sp.site_shares) - 16} more)" if len(sp.site_shares) > 16 else ""))
         if sp.segment_bytes:
-            line += f" | segments {sp.segment_bytes // 1024} KB"
+            line += f" | segments up to {sp.segment_bytes // 1024} KB"
         if model is not None:
             line += f" | predicted {1e-9 / site_plan_seconds_per_byte(sp, model):.4g} GB/s algbw"
     return line

@@ -103,12 +103,15 @@ def site_plan_seconds_per_byte(plan: SitePlan, model: LinkModel) -> float:
     return seconds_per_byte(plan.load_arrays(), plan.reduce_loads(), model)
 
 
-def segment_bytes(model: LinkModel, largest_chunk_bytes: float) -> float:
-    """The engine's segment size for a ring whose largest chunk has this many bytes."""
+def segment_bytes(model: LinkModel, largest_chunk_bytes: float, cap: int = 0) -> float:
+    """The engine's segment size for a ring whose largest chunk has this many bytes: the forced
+    one (HETCOMM_SEGMENT_BYTES), else the adaptive one, at most ``cap`` (a plan's segment_bytes)
+    when that is set (CollectiveContext::segmentBytesFor)."""
     if model.segment_bytes > 0:
         return float(model.segment_bytes)
-    return float(min(engine_setting("max_segment_bytes"),
-                     max(engine_setting("min_segment_bytes"), int(largest_chunk_bytes) // 4)))
+    adaptive = min(engine_setting("max_segment_bytes"),
+                   max(engine_setting("min_segment_bytes"), int(largest_chunk_bytes) // 4))
+    return float(min(cap, adaptive) if cap > 0 else adaptive)
 
 
 def recursive_doubling_steps(P: int) -> int:
@@ -119,11 +122,13 @@ def recursive_doubling_steps(P: int) -> int:
 def predict_site_plan_seconds(plan: SitePlan, model: LinkModel, nbytes: int) -> float:
     """Predicted seconds for an AllReduce of ``nbytes`` with the site plan (`hetcomm.plan.hierarchy`)::
 
-        predict = N * T_bw + (2 (m_max - 1) + 2) alpha + fill
+        predict = N * T_bw + sum over pieces of ((2 (m_max - 1) + 2) alpha + fill)
 
     with ``fill = seg * ((m_max - 1) * mean(1 / ring bw) + mean(1 / cross-site bw))``: one segment
     over the path of a segment through a site ring and across a site pair (the ring's own
     convention: half the path, since the all-gather's fill overlaps the reduce-scatter's drain).
+    The engine runs the message in pieces of HETCOMM_SITE_PIECE_BYTES (32 MB), one after the
+    other, each with its own latency, fill and adaptive segment (a quarter of the piece's chunk).
     """
     if nbytes <= 0:
         return 0.0
@@ -135,12 +140,16 @@ def predict_site_plan_seconds(plan: SitePlan, model: LinkModel, nbytes: int) -> 
     inside = site_of[src] == site_of[dst]
     ring_mean = float(inv[inside].mean()) if inside.any() else 0.0
     cross_mean = float(inv[~inside].mean()) if (~inside).any() else 0.0
-    if plan.segment_bytes > 0 and model.segment_bytes == 0:
-        seg = float(plan.segment_bytes)
-    else:
-        seg = segment_bytes(model, nbytes / model.world_size)
-    fill = seg * ((m_max - 1) * ring_mean + cross_mean)
-    return nbytes * site_plan_seconds_per_byte(plan, model) + (2 * (m_max - 1) + 2) * model.alpha + fill
+
+    def per_piece(piece_bytes: int) -> float:
+        seg = segment_bytes(model, piece_bytes / model.world_size, plan.segment_bytes)
+        return (2 * (m_max - 1) + 2) * model.alpha + seg * ((m_max - 1) * ring_mean + cross_mean)
+
+    # the engine's cut (sitePieceCount): at least 4 KB, whole cache lines
+    piece = max(4096, engine_setting("site_piece_bytes")) // 64 * 64
+    full, rest = divmod(int(nbytes), piece)
+    fixed = full * per_piece(piece) + (per_piece(rest) if rest else 0.0)
+    return nbytes * site_plan_seconds_per_byte(plan, model) + fixed
 
 
 def predict_allreduce_seconds(plan: Plan, model: LinkModel, nbytes: int) -> float:
@@ -174,7 +183,7 @@ def predict_allreduce_seconds(plan: Plan, model: LinkModel, nbytes: int) -> floa
     largest_chunk = nbytes * max(plan.shares) / math.fsum(plan.shares)
     order = np.asarray(plan.order)
     mean_hop_seconds_per_byte = float((1.0 / model.bw[order, np.roll(order, -1)]).mean())
-    fill = (P - 1) * segment_bytes(model, largest_chunk) * mean_hop_seconds_per_byte
+    fill = (P - 1) * segment_bytes(model, largest_chunk, plan.segment_bytes) * mean_hop_seconds_per_byte
     return nbytes * per_byte + 2 * (P - 1) * model.alpha + fill
 
 

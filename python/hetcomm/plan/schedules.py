@@ -270,8 +270,8 @@ class Plan:
     fraction of the buffer. ``predicted_bw_seconds_per_byte``: ``max(T_bw, T_reduce) / N`` under the
     model the plan was made for (``None`` for a plan built without one); its inverse is the
     predicted algorithm bandwidth for large messages. ``min_bytes``: smaller allreduces use
-    uniform shares instead. ``segment_bytes``: the engine's pipeline segment size for this plan
-    (0: its adaptive default). ``sites``: the hierarchical schedule for allreduces of at least
+    uniform shares instead. ``segment_bytes``: the largest pipeline segment for this plan (the engine's
+    adaptive size applies below it; 0: no cap). ``sites``: the hierarchical schedule for allreduces of at least
     ``sites.min_bytes``, and ``topology`` the sites and hosts it was made for; None: the ring at
     every size.
     """

@@ -12,7 +12,11 @@ Each run starts the cluster once per probe (``HETCOMM_PROBE=levels``, the defaul
 ``init_process_group``. Reported per run and probe:
 
 * ``create_s``: from the moment the last rank entered ``init_process_group`` to the moment the
-  last one left it (host detection, shared memory, the probe, planning, the plan's broadcast);
+  last one left it (host detection, shared memory, the probe, planning, the trial, the plan's
+  broadcast), with the extension and the creation modules already loaded;
+* ``load_s``: what the first group of a process loads before that (the extension, the creation
+  modules), from the last rank starting to the last one done: once per process, and on two
+  cores shared by 32 starting processes mostly waiting for a core;
 * ``probe_log``: rank 0's account of the probe's rounds and their times (``HETCOMM_LOG_LEVEL=2``);
 * ``predicted_s``: the planner's predicted time of a 64 MB allreduce under the plan the group
   installed, on the cluster's *physical* model (`hetcomm.bench.analysis.physical_model`: the
@@ -47,10 +51,15 @@ RANK_CODE = r'''
 import datetime, json, time
 import torch.distributed as dist
 import hetcomm
+t_load = time.time()
+# What the first group of a process loads (the extension, the creation modules), timed apart:
+# 32 processes loading at once on 2 cores is process start-up, not group creation.
+hetcomm._engine.extension()
+import hetcomm.topology
 t_enter = time.time()
 dist.init_process_group("hetcomm", timeout=datetime.timedelta(seconds=600))
 t_done = time.time()
-out = {"rank": dist.get_rank(), "enter": t_enter, "done": t_done}
+out = {"rank": dist.get_rank(), "load": t_load, "enter": t_enter, "done": t_done}
 if dist.get_rank() == 0:
     plan = hetcomm.get_plan()
     out["plan"] = {"order": list(plan.order), "shares": list(plan.shares), "min_bytes": plan.min_bytes,
@@ -89,6 +98,7 @@ def run_once(hosts: str, nic: str, probe: str, script: str, secret_file: str) ->
         raise SystemExit(f"probe_time: the {probe} run failed (rc {proc.returncode}):\n{proc.stderr[-3000:]}")
     plan = next(r["plan"] for r in rows if r["rank"] == 0)
     return {"ranks": len(rows), "create_s": max(r["done"] for r in rows) - max(r["enter"] for r in rows),
+            "load_s": max(r["enter"] for r in rows) - max(r["load"] for r in rows),
             "probe_log": log, "plan": plan}
 
 
@@ -134,12 +144,14 @@ def main() -> int:
                 row["predicted_s"], row["bound_s"] = predicted(spec, row["plan"])
                 row.update(run=run, probe=probe)
                 records.append(row)
-                print(f"run {run} {probe:>6}: create {row['create_s']:6.2f} s | predicted {row['predicted_s']:.3f} s "
+                print(f"run {run} {probe:>6}: create {row['create_s']:6.2f} s (load before it {row['load_s']:.2f} s) | predicted {row['predicted_s']:.3f} s "
                       f"(bound {row['bound_s']:.3f} s) | {row['probe_log']}", flush=True)
     summary = {"hosts": args.hosts, "nic_mbit": args.nic_mbit, "runs": args.runs, "nbytes": NBYTES}
     for probe in probes:
         created = [r["create_s"] for r in records if r["probe"] == probe]
         summary[f"create_s_{probe}"] = {"median": statistics.median(created), "min": min(created), "max": max(created)}
+        loads = [r["load_s"] for r in records if r["probe"] == probe]
+        summary[f"load_s_{probe}"] = {"median": statistics.median(loads), "min": min(loads), "max": max(loads)}
     if "levels" in probes and "pairs" in probes:
         ratios = [a["predicted_s"] / b["predicted_s"] for a, b in
                   zip([r for r in records if r["probe"] == "levels"], [r for r in records if r["probe"] == "pairs"])]

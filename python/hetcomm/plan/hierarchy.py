@@ -21,7 +21,6 @@ from fractions import Fraction
 from typing import Optional, Sequence
 
 import numpy as np
-import scipy.sparse as sparse
 
 from hetcomm.labels import ranks_by_label
 from hetcomm.plan.cost import cut_capacity
@@ -104,6 +103,7 @@ def _solve_blocks(model: LinkModel, sites: Sequence[Sequence[int]], blocks: Sequ
     Every resource's load is ``const + coef . x``; rows are kept as a sparse matrix over the
     blocks: ring links (sorted by link), then the shared links leaving and entering each group,
     then the reducers."""
+    import scipy.sparse as sparse  # here, not at import: only the planning rank needs SciPy
     S, B, P = len(sites), len(blocks), model.world_size
     scale = model.max_link
     owners = np.asarray(blocks, dtype=np.int64)                       # (B, S)

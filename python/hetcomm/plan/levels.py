@@ -16,8 +16,6 @@ from dataclasses import dataclass
 from typing import Hashable, Optional, Sequence
 
 import numpy as np
-import scipy.sparse as sparse
-from scipy.sparse.csgraph import connected_components
 
 from hetcomm.labels import ranks_by_label, renumber
 
@@ -133,6 +131,8 @@ def detect_sites(rates: Matrix, *, hosts: Optional[Sequence[Hashable]] = None,
 
     Returns the site of each rank, numbered by lowest rank (rank 0 is in site 0).
     """
+    import scipy.sparse as sparse  # here, not at import: only the planning rank needs SciPy
+    from scipy.sparse.csgraph import connected_components
     ratio = _check_ratio(ratio)
     pair = _pair_rates(_directed_rates(rates))
     P = len(pair)

@@ -20,7 +20,6 @@ from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import numpy as np
-import scipy.sparse as sparse
 
 from hetcomm import _engine
 
@@ -318,6 +317,7 @@ class LinkModel:
         return out
 
     @functools.cached_property
-    def membership(self) -> sparse.csr_matrix:
+    def membership(self) -> "scipy.sparse.csr_matrix":
         """`group_of` as a sparse float matrix (kept with the model: loads sum through it)."""
+        import scipy.sparse as sparse  # here, not at import: only the planning rank needs SciPy
         return sparse.csr_matrix(self.group_of().astype(np.float64))

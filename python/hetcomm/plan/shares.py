@@ -15,7 +15,6 @@ from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import numpy as np
-import scipy.sparse as sparse
 
 from hetcomm.plan.cost import ring_seconds_per_byte
 from hetcomm.plan.model import LinkModel
@@ -84,6 +83,7 @@ def _ring_rows(data: RingData, width: int):
     """LP 1's rows ``-y_p - y_{p+1} - b_p T <= -2`` (every link), then ``-y_{p-1} - r_p T <= -1``
     (finite r_p), then per cap ``sum over its links of (-y_p - y_{p+1}) - rate T <= -2 (links)``,
     as a sparse matrix of ``width`` columns, T in column P."""
+    import scipy.sparse as sparse  # here, not at import: only the planning rank needs SciPy
     b, r = data.b, data.r
     P = len(b)
     pos = np.arange(P)
@@ -111,6 +111,7 @@ def _ring_rows(data: RingData, width: int):
 
 def min_tau(data: RingData) -> float:
     """LP 1: the least normalised T for a ring's data."""
+    import scipy.sparse as sparse  # here, not at import: only the planning rank needs SciPy
     P = len(data.b)
     a_ub, b_ub = _ring_rows(data, P + 1)
     c = np.zeros(P + 1)
@@ -126,6 +127,7 @@ def closest_to_uniform(data: RingData, tau_cap: float) -> list[float]:
     Rows in the order a dense build would give them (per position its link, then its reducer;
     then the caps; per share its two deviation rows), so that HiGHS walks to the same vertex where
     the L1 objective ties."""
+    import scipy.sparse as sparse  # here, not at import: only the planning rank needs SciPy
     b, r = data.b, data.r
     P = len(b)
     u = 1.0 / P

@@ -51,10 +51,16 @@ def topology_of(backend) -> Optional[sites.Topology]:
     return _topologies.get(backend.listen_address())
 
 
-def _log_plan(line: str) -> None:
-    log.debug(line)
-    if int(os.environ.get("HETCOMM_LOG_LEVEL", "1") or 1) >= 2:
-        print(f"[hetcomm INFO] {line}", file=sys.stderr, flush=True)
+def _log_plan(line) -> None:
+    """Logs ``line`` (the text, or a function that makes it: called only when the line is shown,
+    since describing a plan predicts its time, CPU that every rank would spend at creation)."""
+    shown = int(os.environ.get("HETCOMM_LOG_LEVEL", "1") or 1) >= 2
+    if not shown and not log.isEnabledFor(logging.DEBUG):
+        return
+    text = line() if callable(line) else line
+    log.debug(text)
+    if shown:
+        print(f"[hetcomm INFO] {text}", file=sys.stderr, flush=True)
 
 
 def declared_model(ranks: Sequence[int]) -> Optional[planner.LinkModel]:
@@ -220,10 +226,13 @@ def apply_model(backend, model: planner.LinkModel, *, measured: bool = False,
     kept = model
     if measured and equal_model is not None:
         plan, kept = _trial_against_equal(backend, plan, model, equal_model, topology, shared)
-    _models[backend.listen_address()] = model
+    # The model the installed plan was made from: the equal counterpart when the trial kept its
+    # plan (hetcomm.link_model says what the plan rests on; re-planning from it must not bring
+    # back the shares the trial discarded).
+    _models[backend.listen_address()] = kept
     _topologies[backend.listen_address()] = topology
-    _log_plan(f"hetcomm topology: {topology.describe()}")
-    _log_plan(planner.format_plan(plan, model))
+    _log_plan(lambda: f"hetcomm topology: {topology.describe()}")
+    _log_plan(lambda: planner.format_plan(plan, kept))
     return plan, kept
 
 
@@ -384,7 +393,7 @@ def configure_group(backend, global_ranks: Optional[Sequence[int]] = None, *, st
                 if three is not None:
                     plan = dataclasses.replace(planner.uniform_plan(backend.size()), sites=three)
                     install_plan(backend, plan)
-                    _log_plan(planner.format_plan(plan))
+                    _log_plan(lambda: planner.format_plan(plan))
                     return
             if site_labels is None or not _same_partition(site_labels, shared):
                 shared = None
@@ -392,7 +401,7 @@ def configure_group(backend, global_ranks: Optional[Sequence[int]] = None, *, st
             plan = with_host_plan(planner.uniform_plan(backend.size()), shared)
             if plan.sites is not None:
                 install_plan(backend, plan)
-                _log_plan(planner.format_plan(plan))
+                _log_plan(lambda: planner.format_plan(plan))
         return
     covering = _covering_model(ranks)
     if covering is not None:

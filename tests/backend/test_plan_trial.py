@@ -35,6 +35,15 @@ out["skewed_as_measured"], out["skewed_line"] = measured_plan_wins(backend, skew
 out["left_installed"] = list(hetcomm.get_plan().shares)
 out["uniform_as_measured"], out["uniform_line"] = measured_plan_wins(backend, uniform, skewed, out["bytes"],
                                                                      topology.install_plan)
+# Through apply_model: a "measured" model that reads rank 3's NIC 5x slower than the others
+# (probe noise; the links are equal) against its equal counterpart. The trial keeps the equal
+# plan, and the model the group reports is the one that plan was made from.
+noisy = planner.LinkModel.from_nics([200e6 / 8] * (P - 1) + [40e6 / 8])
+plan, kept = topology.apply_model(backend, noisy, measured=True, equal_model=model)
+out["applied_shares"] = list(hetcomm.get_plan().shares)
+out["kept_is_equal"] = kept is model
+out["link_model_bw"] = hetcomm.link_model().bw.tolist()
+out["equal_bw"] = model.bw.tolist()
 print(json.dumps(out), flush=True)
 dist.destroy_process_group()
 '''
@@ -53,5 +62,7 @@ def test_the_faster_plan_stays_on_every_rank(tmp_path) -> None:
         assert got["left_installed"] == [0.25] * 4, (rank, got)   # the trial leaves the equal plan installed
         assert got["uniform_as_measured"] is True, (rank, got["uniform_line"])
         assert "measured shares kept" in got["uniform_line"], got["uniform_line"]
+        assert got["applied_shares"] == [0.25] * 4 and got["kept_is_equal"], (rank, got)
+        assert got["link_model_bw"] == got["equal_bw"], (rank, got)   # not the noisy model's rates
     # 200 Mbit/s links, one rank carrying 97%: 512 KB predicted in 0.057 s, 1 MB in 0.114 s
     assert results[0][0]["bytes"] == 512 << 10

@@ -22,6 +22,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+import collective_suite
 from harness import run_ranks, run_suite
 from level_suite import level_suite
 from marks import hetcomm_only
@@ -82,6 +83,30 @@ def test_three_level_allreduce(name: str, subgroup: list, sub_level: str) -> Non
     for family in families:
         report.assert_family(family)
     assert not report.job_problems, report.job_problems
+
+
+def _every_collective(rank: int, ws: int) -> None:
+    import hetcomm
+    from harness import Cases
+    with Cases(rank).case("three_levels", "the group installed the three-level plan"):
+        assert hetcomm.get_plan().sites.three_level, hetcomm.get_plan()
+    collective_suite.collective_suite(rank, ws)
+
+
+_EVERY: dict = {}
+
+
+@pytest.mark.parametrize("family", collective_suite.FAMILIES + ["three_levels"])
+def test_every_collective_on_a_three_level_group(family: str) -> None:
+    """The whole collective suite (tests/support/collective_suite.py: every collective, dtype and
+    op, exact results) on a group whose allreduce takes three levels: the other collectives pass
+    by the host level's shared memory to the point-to-point paths, and must not mind it. One job
+    for every family (4 ranks: site 0 of hosts {0} and {1}, site 1 of host {2,3})."""
+    if not _EVERY:
+        hosts, sites = CLUSTERS["1-rank hosts"]
+        _EVERY["report"] = run_suite(4, _every_collective, families=collective_suite.FAMILIES + ["three_levels"],
+                                     env=_env(hosts, sites, **SLOT_ENV), timeout=400, pg_timeout=60)
+    _EVERY["report"].assert_family(family)
 
 
 def _weighted_three_sites(rank: int, ws: int) -> dict:

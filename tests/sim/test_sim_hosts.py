@@ -342,3 +342,68 @@ def test_hetcomm_finds_simulated_hosts_and_runs_the_host_level(tmp_path):
         across = sum(got[a]["sent"][b] for a in ranks for b in range(4) if b not in ranks)
         within = sum(got[a]["sent"][b] for a in ranks for b in ranks if a != b)
         assert n_bytes <= across <= n_bytes + 4096 and within == 0, (host, across, within)
+
+
+# Three levels on the simulator: 2 sites of 2 hosts of 2 ranks, the WAN the cut. The group
+# probes (no HETCOMM_HOST_ID, no HETCOMM_SITES: it finds the hosts and detects the sites) and must
+# choose the three-level plan by itself; each site sends N bytes across the WAN (by hand, as in
+# tests/backend/test_three_level.py: the other site's share of its blocks on the way in, its own
+# final share on the way out, N whatever the shares), nothing between the ranks of a host goes
+# over a socket, and the collectives besides allreduce give exact results on that group. (With
+# 2 + 1 hosts the planner rightly takes the host plan instead: the lone host of site 1 owning
+# nothing moves the same N across the WAN.)
+THREE_LEVELS = r'''
+import json, os
+import torch, torch.distributed as dist
+import hetcomm
+rank = int(os.environ["RANK"])
+dist.init_process_group("hetcomm")
+ws = dist.get_world_size()
+plan = hetcomm.get_plan()
+out = {"three": bool(plan.sites is not None and plan.sites.three_level), "exact": []}
+n = 1_000_003
+before = hetcomm.stats()
+x = torch.ones(n); dist.all_reduce(x)
+after = hetcomm.stats()
+out["ones"] = bool(torch.equal(x, torch.full((n,), float(ws))))
+out["hier"] = after["collectives_by_path"]["hierarchical"] - before["collectives_by_path"]["hierarchical"]
+out["sent"] = [a - b for a, b in zip(after["bytes_sent"], before["bytes_sent"])]
+out["bytes"] = n * 4
+for dtype, op in ((torch.float64, dist.ReduceOp.SUM), (torch.int32, dist.ReduceOp.MAX),
+                  (torch.bfloat16, dist.ReduceOp.SUM), (torch.float32, dist.ReduceOp.MIN)):
+    t = (torch.arange(70_001, dtype=torch.float64) % 7 + rank).to(dtype)
+    dist.all_reduce(t, op=op)
+    base = torch.arange(70_001, dtype=torch.float64) % 7
+    want = {dist.ReduceOp.SUM: base * ws + sum(range(ws)), dist.ReduceOp.MAX: base + ws - 1,
+            dist.ReduceOp.MIN: base}[op].to(dtype)
+    out["exact"].append(bool(torch.equal(t, want)))
+b = torch.full((5,), float(rank)); dist.broadcast(b, src=ws - 1)
+out["exact"].append(bool(torch.equal(b, torch.full((5,), float(ws - 1)))))
+g = [torch.empty(3) for _ in range(ws)]; dist.all_gather(g, torch.full((3,), float(rank)))
+out["exact"].append(all(torch.equal(g[r], torch.full((3,), float(r))) for r in range(ws)))
+rs = torch.empty(4); dist.reduce_scatter(rs, [torch.full((4,), float(rank + r)) for r in range(ws)])
+out["exact"].append(bool(torch.equal(rs, torch.full((4,), float(sum(range(ws)) + ws * rank)))))
+print(json.dumps(out))
+dist.destroy_process_group()
+'''
+
+
+@needs_netns
+def test_three_levels_on_simulated_hosts_in_sites(tmp_path):
+    script = tmp_path / "three_levels.py"
+    script.write_text(THREE_LEVELS)
+    host_of, site_of = [0, 0, 1, 1, 2, 2, 3, 3], [0, 0, 0, 0, 1, 1, 1, 1]
+    P = len(host_of)
+    proc = run_sim(["--hosts", ",".join(map(str, host_of)), "--sites", ",".join(map(str, site_of)),
+                    "--nic-mbit", "1000", "--wan-mbit", "100"], [sys.executable, str(script)])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = {k: v[0] for k, v in rank_json(proc.stdout).items()}
+    assert sorted(got) == list(range(P)), proc.stdout + proc.stderr[-3000:]
+    for rank, r in got.items():
+        assert r["three"] and r["hier"] == 1 and r["ones"] and all(r["exact"]), (rank, r)
+    sent = [got[r]["sent"] for r in range(P)]
+    N = got[0]["bytes"]
+    for s in (0, 1):
+        wan = sum(sent[a][b] for a in range(P) for b in range(P) if site_of[a] == s != site_of[b])
+        assert N <= wan <= N + 8192, (s, wan, N)          # 40-byte headers, a few dozen a link
+    assert sum(sent[a][b] for a in range(P) for b in range(P) if a != b and host_of[a] == host_of[b]) == 0

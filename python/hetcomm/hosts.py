@@ -224,6 +224,34 @@ def _nccl_problem(devices: Sequence[str], labels: Sequence[int]) -> str:
     return ""
 
 
+def _rendezvous_timeout_ms(timeout_ms: int) -> int:
+    """How long the rendezvous of a host's torch group may take: a quarter of the group's timeout.
+
+    The ranks of a host reach it together (right after a collective of the whole group), so a
+    record they wait for that long is not coming: a store writer overwrote it (with
+    HETCOMM_SECRET it then fails its seal, and the store read says so). The rank that read it must
+    say so while its peers, failing in the library's own connection attempts meanwhile, still
+    wait in the exchange of outcomes that follows (`setup_inner_levels`, bounded by the group's
+    timeout). With the store's own timeout, often longer (torchrun's rendezvous store), and the
+    library's at the group's, the peers gave up first and no rank named the cause.
+    """
+    return max(1, timeout_ms // 4)
+
+
+def _rendezvous_store(store, timeout_ms: int):
+    """A connection of its own to the group's store whose reads give up after
+    `_rendezvous_timeout_ms` (or the store's own timeout, if shorter). A store that cannot be
+    cloned is used as it is."""
+    import datetime
+
+    try:
+        own = store.clone()
+    except Exception:  # noqa: BLE001 - a store without clone(): its own timeout then applies
+        return store
+    own.set_timeout(min(own.timeout, datetime.timedelta(milliseconds=_rendezvous_timeout_ms(timeout_ms))))
+    return own
+
+
 def _torch_group(kind: str, backend, labels: Sequence[int], store, timeout_ms: int):
     """torch's ``kind`` (gloo, nccl) process group over this rank's host, on its own store prefix
     (the group's incarnation and the host's lowest rank: a later group under the same store never
@@ -235,16 +263,18 @@ def _torch_group(kind: str, backend, labels: Sequence[int], store, timeout_ms: i
     me = backend.rank()
     ranks = [r for r, label in enumerate(labels) if label == labels[me]]
     prefix = f"hetcomm/inner/{backend.incarnation()}/{kind}/{ranks[0]}/"
-    sub = dist.PrefixStore(prefix, store)
+    sub = dist.PrefixStore(prefix, _rendezvous_store(store, timeout_ms))
     timeout = datetime.timedelta(milliseconds=timeout_ms)
     if kind == "gloo":
         options = dist.ProcessGroupGloo._Options()
-        options._timeout = timeout
+        options._timeout = datetime.timedelta(milliseconds=_rendezvous_timeout_ms(timeout_ms))
         # Loopback: the ranks of a host share its network namespace (they share /dev/shm and
         # the host identity includes the namespace), and Gloo's unauthenticated port stays off
         # the NICs.
         options._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
-        return dist.ProcessGroupGloo(sub, ranks.index(me), len(ranks), options)
+        group = dist.ProcessGroupGloo(sub, ranks.index(me), len(ranks), options)
+        group._set_default_timeout(timeout)   # its connections are made: the group's timeout from here on
+        return group
     options = dist.ProcessGroupNCCL.Options()
     # Later than hetcomm's own deadline, so that hetcomm fails the collective (and aborts NCCL)
     # before torch's watchdog, whose default on a timeout is to end the process.
@@ -291,11 +321,21 @@ def setup_inner_levels(backend, labels: Sequence[int], store=None, timeout_ms: i
             continue
         try:
             group = _torch_group(kind, backend, labels, store, timeout_ms)
-        except (RuntimeError, ValueError) as e:      # the library could not form the host's group
-            error = f"{kind}: {e}"
+        except Exception as e:  # noqa: BLE001 - whatever the library raised (a garbage rendezvous
+            # record from the store made Gloo raise MemoryError), every rank must reach the
+            # exchange of outcomes below, or its peers wait there for it until the timeout
+            error = f"{kind}: {type(e).__name__}: {e}"
             continue
         backend.attach_inner(list(labels), group, kind, kind == "nccl")
-    reasons = [_decode(r) for r in _allgather_rows(backend, _encode(error, 256))]
+    try:
+        reasons = [_decode(r) for r in _allgather_rows(backend, _encode(error, 256))]
+    except Exception as e:  # noqa: BLE001 - a peer still inside the library, or gone
+        if not error:
+            raise
+        # This rank knows why its host's level failed; that, not the exchange's timeout, is what
+        # it must say (a peer can stay in Gloo's connection attempts past the group's timeout).
+        raise RuntimeError(f"hetcomm: the inner level of rank {backend.rank()}'s host could not be formed: {error} "
+                           f"(and the ranks could not agree on falling back: {e})") from e
     failed = [(rank, why) for rank, why in enumerate(reasons) if why]
     forged = [(rank, why) for rank, why in failed if _AUTHENTICATION_FAILURE in why]
     if forged:

@@ -448,3 +448,58 @@ def test_a_group_made_again_under_the_same_prefix_survives_the_old_ones_clean_up
                            timeout=datetime.timedelta(seconds=WAIT_S))
     outcomes = run_ranks(2, made_again, server.port, init=None, timeout=120, env={"HETCOMM_SECRET": MODES[mode]})
     assert outcomes == [["ok"] * 3] * 2, outcomes
+
+
+# --- a store writer and the rendezvous of a host's Gloo group ------------------------------------
+
+def gloo_rendezvous_forged(rank: int, world_size: int, port: int) -> str:
+    """The ranks form a group whose hosts' inner level is Gloo (HETCOMM_LOCAL=gloo); rank 1 starts
+    the Gloo rendezvous only once the rogue has overwritten rank 0's record in it. The store's
+    timeout (60 s) outlasts the group's (10 s), as torchrun's does. (Other garbage, a one-byte
+    value, crashes Gloo's parser outright: docs/security.md says so for groups without a secret.)"""
+    import hetcomm
+    import hetcomm.hosts
+
+    store = _client(port)
+    if rank == 1:
+        original = hetcomm.hosts._torch_group
+
+        def after_the_forgery(*args, **kwargs):
+            _await(store, "forged")
+            return original(*args, **kwargs)
+
+        hetcomm.hosts._torch_group = after_the_forgery
+    try:
+        dist.init_process_group("hetcomm", store=dist.PrefixStore("job", store), rank=rank, world_size=world_size,
+                                timeout=datetime.timedelta(seconds=10))
+    except Exception as e:  # noqa: BLE001
+        return f"failed: {type(e).__name__}: {e}"
+    _exact_allreduce(rank)
+    inner = hetcomm.backend_of().inner_levels()
+    dist.destroy_process_group()
+    return f"formed, inner levels {inner}"
+
+
+def forge_rank_0s_gloo_record(store) -> None:
+    key = _find(store, "hetcomm/inner/INC/gloo/0//0/0")
+    # No seal, and to Gloo's parser a length of 2**64 - 1: it raises MemoryError (std::bad_alloc).
+    store.set(key, b"\x02" + b"\0" * 7 + b"\xff" * 8 + b"\0" * 48)
+    store.set("forged", "1")
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_a_forged_gloo_rendezvous_record_is_named_or_falls_back(mode: str) -> None:
+    outcomes, _ = _attack(mode, gloo_rendezvous_forged, forge_rank_0s_gloo_record, env={"HETCOMM_LOCAL": "gloo"})
+    if mode == "out_of_band":
+        # Every rank fails; rank 1, which read the record that failed its seal, names it (before
+        # the fix both timed out in the exchange of outcomes, naming nothing, while rank 1 still
+        # waited for the store). Rank 0 learns it through that exchange unless it is still in
+        # Gloo's connection attempts by then.
+        assert all(o.startswith("failed: ") for o in outcomes), outcomes
+        assert "failed its authentication" in outcomes[1], outcomes
+    else:
+        # Without a secret a store writer can push the hosts onto TCP (docs/security.md): the
+        # group forms all the same and adds exactly, or fails on every rank, rank 1 naming what
+        # Gloo raised (before the fix rank 1's MemoryError escaped, and rank 0 timed out).
+        assert (outcomes == ["formed, inner levels []"] * 2
+                or (all(o.startswith("failed: ") for o in outcomes) and "gloo: MemoryError" in outcomes[1])), outcomes

@@ -224,34 +224,6 @@ def _nccl_problem(devices: Sequence[str], labels: Sequence[int]) -> str:
     return ""
 
 
-def _rendezvous_timeout_ms(timeout_ms: int) -> int:
-    """How long the rendezvous of a host's torch group may take: a quarter of the group's timeout.
-
-    The ranks of a host reach it together (right after a collective of the whole group), so a
-    record they wait for that long is not coming: a store writer overwrote it (with
-    HETCOMM_SECRET it then fails its seal, and the store read says so). The rank that read it must
-    say so while its peers, failing in the library's own connection attempts meanwhile, still
-    wait in the exchange of outcomes that follows (`setup_inner_levels`, bounded by the group's
-    timeout). With the store's own timeout, often longer (torchrun's rendezvous store), and the
-    library's at the group's, the peers gave up first and no rank named the cause.
-    """
-    return max(1, timeout_ms // 4)
-
-
-def _rendezvous_store(store, timeout_ms: int):
-    """A connection of its own to the group's store whose reads give up after
-    `_rendezvous_timeout_ms` (or the store's own timeout, if shorter). A store that cannot be
-    cloned is used as it is."""
-    import datetime
-
-    try:
-        own = store.clone()
-    except Exception:  # noqa: BLE001 - a store without clone(): its own timeout then applies
-        return store
-    own.set_timeout(min(own.timeout, datetime.timedelta(milliseconds=_rendezvous_timeout_ms(timeout_ms))))
-    return own
-
-
 def _torch_group(kind: str, backend, labels: Sequence[int], store, timeout_ms: int):
     """torch's ``kind`` (gloo, nccl) process group over this rank's host, on its own store prefix
     (the group's incarnation and the host's lowest rank: a later group under the same store never
@@ -263,18 +235,16 @@ def _torch_group(kind: str, backend, labels: Sequence[int], store, timeout_ms: i
     me = backend.rank()
     ranks = [r for r, label in enumerate(labels) if label == labels[me]]
     prefix = f"hetcomm/inner/{backend.incarnation()}/{kind}/{ranks[0]}/"
-    sub = dist.PrefixStore(prefix, _rendezvous_store(store, timeout_ms))
+    sub = dist.PrefixStore(prefix, store)
     timeout = datetime.timedelta(milliseconds=timeout_ms)
     if kind == "gloo":
         options = dist.ProcessGroupGloo._Options()
-        options._timeout = datetime.timedelta(milliseconds=_rendezvous_timeout_ms(timeout_ms))
+        options._timeout = timeout
         # Loopback: the ranks of a host share its network namespace (they share /dev/shm and
         # the host identity includes the namespace), and Gloo's unauthenticated port stays off
         # the NICs.
         options._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
-        group = dist.ProcessGroupGloo(sub, ranks.index(me), len(ranks), options)
-        group._set_default_timeout(timeout)   # its connections are made: the group's timeout from here on
-        return group
+        return dist.ProcessGroupGloo(sub, ranks.index(me), len(ranks), options)
     options = dist.ProcessGroupNCCL.Options()
     # Later than hetcomm's own deadline, so that hetcomm fails the collective (and aborts NCCL)
     # before torch's watchdog, whose default on a timeout is to end the process.
@@ -282,8 +252,9 @@ def _torch_group(kind: str, backend, labels: Sequence[int], store, timeout_ms: i
     return dist.ProcessGroupNCCL(sub, ranks.index(me), len(ranks), options)
 
 
-# What SealedStore's get says of a value that never opened (csrc/backend/sealed_store.cc).
-_AUTHENTICATION_FAILURE = "failed its authentication until the timeout"
+# What SealedStore's get says of a value that never opened (csrc/backend/sealed_store.cc): after
+# 10 s of a value that keeps failing its seal, or at the store's timeout.
+_AUTHENTICATION_FAILURE = "failed its authentication"
 
 
 def setup_inner_levels(backend, labels: Sequence[int], store=None, timeout_ms: int = 300_000) -> bool:
@@ -338,12 +309,13 @@ def setup_inner_levels(backend, labels: Sequence[int], store=None, timeout_ms: i
                            f"(and the ranks could not agree on falling back: {e})") from e
     failed = [(rank, why) for rank, why in enumerate(reasons) if why]
     forged = [(rank, why) for rank, why in failed if _AUTHENTICATION_FAILURE in why]
-    if forged:
-        # A rendezvous record that failed its seal (HETCOMM_SECRET): a store writer's doing, which
-        # must fail the group rather than quietly push every host onto TCP.
+    if forged or (failed and backend.sealing()):
+        # A rendezvous record that failed its seal, or with an out-of-band secret any failure to
+        # meet (a store writer can also delete a record, or stall the store): must fail the group
+        # rather than quietly push every host onto TCP.
+        rank, why = (forged or failed)[0]
         backend.enable_local(False)
-        raise RuntimeError(f"hetcomm: the inner level of rank {forged[0][0]}'s host could not meet through the "
-                           f"store: {forged[0][1]}")
+        raise RuntimeError(f"hetcomm: the inner level of rank {rank}'s host could not meet through the store: {why}")
     backend.enable_local(not failed)
     if failed and backend.rank() == 0 and not _fallback_said:
         _fallback_said = True

@@ -212,6 +212,8 @@ PYBIND11_MODULE(_C, m) {
       .def("sealed_store", &hetcomm::ProcessGroupHetcomm::sealedStore,
            "The group's store as hetcomm uses it: with HETCOMM_SECRET(_FILE), one that seals what it "
            "writes and ignores values that fail their MAC (for the rendezvous of torch groups it makes).")
+      .def("sealing", &hetcomm::ProcessGroupHetcomm::sealing,
+           "True when the group has an out-of-band secret (HETCOMM_SECRET(_FILE)): its store values are sealed.")
       .def("incarnation", &hetcomm::ProcessGroupHetcomm::incarnation,
            "This group's tag (16 hex digits, the same on every rank; from its secret): store keys of this "
            "group carry it.")

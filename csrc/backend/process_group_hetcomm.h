@@ -154,6 +154,8 @@ class ProcessGroupHetcomm : public c10d::Backend {
   // The group's store as hetcomm uses it: values sealed with an out-of-band secret (for the torch
   // groups it makes as a host's inner level), else the store it was given.
   c10::intrusive_ptr<c10d::Store> sealedStore() const { return store_; }
+  // Whether the group has an out-of-band secret (its store values are sealed).
+  bool sealing() const { return store_->sealing(); }
 
   // Called when the last strong reference goes while weak ones remain (the registry of live
   // groups, backend/live_groups.h, holds one): the group is unused from here, so it shuts down

@@ -169,11 +169,27 @@ std::vector<uint8_t> SealedStore::compareSet(const std::string& key, const std::
 std::vector<uint8_t> SealedStore::get(const std::string& key) {
   const Deadline deadline = Clock::now() + getTimeout();
   bool forged = false;
+  // Since when the value read has failed its seal without a break: one that stays so for
+  // kForgedRecordPatience is not going to be replaced (its writer writes once, and early), so the
+  // reader says so then rather than at the store's timeout, which may outlast the group's (a
+  // torchrun store), while its peers still wait to hear why.
+  std::optional<Clock::time_point> forgedSince;
   while (true) {
     std::vector<uint8_t> value;
     const Read read = tryGet(key, value);
     if (read == Read::kValue) return value;
     forged = forged || read == Read::kForged;
+    if (read != Read::kForged) {
+      forgedSince.reset();
+    } else if (!forgedSince) {
+      forgedSince = Clock::now();
+    }
+    if (forgedSince && Clock::now() - *forgedSince >= kForgedRecordPatience) {
+      C10_THROW_ERROR(DistStoreError,
+                      strCat("hetcomm: the store's value of '", key, "' failed its authentication for ",
+                             kForgedRecordPatience.count(), " s: written by someone without the group's secret, or "
+                             "HETCOMM_SECRET differs between ranks"));
+    }
     const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
     if (left.count() <= 0) {
       C10_THROW_ERROR(DistStoreError,

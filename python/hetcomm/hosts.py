@@ -252,8 +252,9 @@ def _torch_group(kind: str, backend, labels: Sequence[int], store, timeout_ms: i
     return dist.ProcessGroupNCCL(sub, ranks.index(me), len(ranks), options)
 
 
-# What SealedStore's get says of a value that never opened (csrc/backend/sealed_store.cc).
-_AUTHENTICATION_FAILURE = "failed its authentication until the timeout"
+# What SealedStore's get says of a value that never opened (csrc/backend/sealed_store.cc): after
+# 10 s of a value that keeps failing its seal, or at the store's timeout.
+_AUTHENTICATION_FAILURE = "failed its authentication"
 
 
 def setup_inner_levels(backend, labels: Sequence[int], store=None, timeout_ms: int = 300_000) -> bool:
@@ -291,19 +292,30 @@ def setup_inner_levels(backend, labels: Sequence[int], store=None, timeout_ms: i
             continue
         try:
             group = _torch_group(kind, backend, labels, store, timeout_ms)
-        except (RuntimeError, ValueError) as e:      # the library could not form the host's group
-            error = f"{kind}: {e}"
+        except Exception as e:  # noqa: BLE001 - whatever the library raised (a garbage rendezvous
+            # record from the store made Gloo raise MemoryError), every rank must reach the
+            # exchange of outcomes below, or its peers wait there for it until the timeout
+            error = f"{kind}: {type(e).__name__}: {e}"
             continue
         backend.attach_inner(list(labels), group, kind, kind == "nccl")
-    reasons = [_decode(r) for r in _allgather_rows(backend, _encode(error, 256))]
+    try:
+        reasons = [_decode(r) for r in _allgather_rows(backend, _encode(error, 256))]
+    except Exception as e:  # noqa: BLE001 - a peer still inside the library, or gone
+        if not error:
+            raise
+        # This rank knows why its host's level failed; that, not the exchange's timeout, is what
+        # it must say (a peer can stay in Gloo's connection attempts past the group's timeout).
+        raise RuntimeError(f"hetcomm: the inner level of rank {backend.rank()}'s host could not be formed: {error} "
+                           f"(and the ranks could not agree on falling back: {e})") from e
     failed = [(rank, why) for rank, why in enumerate(reasons) if why]
     forged = [(rank, why) for rank, why in failed if _AUTHENTICATION_FAILURE in why]
-    if forged:
-        # A rendezvous record that failed its seal (HETCOMM_SECRET): a store writer's doing, which
-        # must fail the group rather than quietly push every host onto TCP.
+    if forged or (failed and backend.sealing()):
+        # A rendezvous record that failed its seal, or with an out-of-band secret any failure to
+        # meet (a store writer can also delete a record, or stall the store): must fail the group
+        # rather than quietly push every host onto TCP.
+        rank, why = (forged or failed)[0]
         backend.enable_local(False)
-        raise RuntimeError(f"hetcomm: the inner level of rank {forged[0][0]}'s host could not meet through the "
-                           f"store: {forged[0][1]}")
+        raise RuntimeError(f"hetcomm: the inner level of rank {rank}'s host could not meet through the store: {why}")
     backend.enable_local(not failed)
     if failed and backend.rank() == 0 and not _fallback_said:
         _fallback_said = True

@@ -448,3 +448,68 @@ def test_a_group_made_again_under_the_same_prefix_survives_the_old_ones_clean_up
                            timeout=datetime.timedelta(seconds=WAIT_S))
     outcomes = run_ranks(2, made_again, server.port, init=None, timeout=120, env={"HETCOMM_SECRET": MODES[mode]})
     assert outcomes == [["ok"] * 3] * 2, outcomes
+
+
+# --- a store writer and the rendezvous of a host's Gloo group ------------------------------------
+
+def gloo_rendezvous_attacked(rank: int, world_size: int, port: int, store_timeout_s: float) -> str:
+    """The ranks form a group whose hosts' inner level is Gloo (HETCOMM_LOCAL=gloo); rank 1 starts
+    the Gloo rendezvous only once the rogue has overwritten (or deleted) rank 0's record in it.
+    The group's timeout is 20 s; the store's may be longer (torchrun's is)."""
+    import hetcomm
+    import hetcomm.hosts
+
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=store_timeout_s))
+    if rank == 1:
+        original = hetcomm.hosts._torch_group
+
+        def after_the_attack(*args, **kwargs):
+            _await(store, "attacked")
+            return original(*args, **kwargs)
+
+        hetcomm.hosts._torch_group = after_the_attack
+    try:
+        dist.init_process_group("hetcomm", store=dist.PrefixStore("job", store), rank=rank, world_size=world_size,
+                                timeout=datetime.timedelta(seconds=20))
+    except Exception as e:  # noqa: BLE001
+        return f"failed: {type(e).__name__}: {e}"
+    _exact_allreduce(rank)
+    inner = hetcomm.backend_of().inner_levels()
+    dist.destroy_process_group()
+    return f"formed, inner levels {inner}"
+
+
+def _gloo_attack(how: str):
+    def act(store) -> None:
+        key = _find(store, "hetcomm/inner/INC/gloo/0//0/0")
+        if how == "garbage":
+            # No seal, and to Gloo's parser a length of 2**64 - 1: it raises MemoryError
+            # (std::bad_alloc). (A one-byte value crashes Gloo's parser outright: docs/security.md
+            # says so for groups without a secret.)
+            store.set(key, b"\x02" + b"\0" * 7 + b"\xff" * 8 + b"\0" * 48)
+        else:
+            store.delete_key(key)
+        store.set("attacked", "1")
+    return act
+
+
+@pytest.mark.parametrize("mode,how", [("out_of_band", "garbage"), ("out_of_band", "delete"), ("in_store", "garbage")])
+def test_an_attacked_gloo_rendezvous_fails_the_group_with_a_secret_and_is_named(mode: str, how: str) -> None:
+    # A deleted record is waited for until the store's timeout: 12 s here, less than the group's.
+    store_timeout_s = 12 if how == "delete" else WAIT_S
+    outcomes, _ = _attack(mode, gloo_rendezvous_attacked, _gloo_attack(how), store_timeout_s,
+                          env={"HETCOMM_LOCAL": "gloo"})
+    if mode == "out_of_band":
+        # Every rank fails (a store writer must not push the hosts onto TCP), and rank 1, which
+        # read the record, says why: a forged one after 10 s of failing its seal, not at the
+        # store's timeout (60 s, past the group's 20 s: before, both ranks timed out in the
+        # exchange of outcomes, naming nothing); a deleted one at the store's timeout.
+        assert all(o.startswith("failed: ") for o in outcomes), outcomes
+        why = "failed its authentication for 10 s" if how == "garbage" else "did not appear in the store"
+        assert why in outcomes[1] and "could not" in outcomes[1], outcomes
+    else:
+        # Without a secret a store writer can push the hosts onto TCP (docs/security.md): the
+        # group forms all the same and adds exactly, or fails on every rank, rank 1 naming what
+        # Gloo raised (before, rank 1's MemoryError escaped, and rank 0 timed out).
+        assert (outcomes == ["formed, inner levels []"] * 2
+                or (all(o.startswith("failed: ") for o in outcomes) and "gloo: MemoryError" in outcomes[1])), outcomes

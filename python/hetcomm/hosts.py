@@ -239,12 +239,18 @@ def _torch_group(kind: str, backend, labels: Sequence[int], store, timeout_ms: i
     timeout = datetime.timedelta(milliseconds=timeout_ms)
     if kind == "gloo":
         options = dist.ProcessGroupGloo._Options()
-        options._timeout = timeout
+        # Its connections are made within a quarter of the group's timeout (at least 5 s, at most
+        # all of it), then the group's applies: Gloo retries a connection to a peer whose own
+        # construction failed for about five times this timeout, and the peer that knows why waits
+        # meanwhile in the exchange of outcomes (setup_inner_levels), bounded by the group's.
+        options._timeout = max(timeout / 4, min(timeout, datetime.timedelta(seconds=5)))
         # Loopback: the ranks of a host share its network namespace (they share /dev/shm and
         # the host identity includes the namespace), and Gloo's unauthenticated port stays off
         # the NICs.
         options._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
-        return dist.ProcessGroupGloo(sub, ranks.index(me), len(ranks), options)
+        group = dist.ProcessGroupGloo(sub, ranks.index(me), len(ranks), options)
+        group._set_default_timeout(timeout)
+        return group
     options = dist.ProcessGroupNCCL.Options()
     # Later than hetcomm's own deadline, so that hetcomm fails the collective (and aborts NCCL)
     # before torch's watchdog, whose default on a timeout is to end the process.
@@ -313,9 +319,9 @@ def setup_inner_levels(backend, labels: Sequence[int], store=None, timeout_ms: i
         # A rendezvous record that failed its seal, or with an out-of-band secret any failure to
         # meet (a store writer can also delete a record, or stall the store): must fail the group
         # rather than quietly push every host onto TCP.
-        rank, why = (forged or failed)[0]
         backend.enable_local(False)
-        raise RuntimeError(f"hetcomm: the inner level of rank {rank}'s host could not meet through the store: {why}")
+        said = "; ".join(f"rank {rank}: {why}" for rank, why in (forged or failed))
+        raise RuntimeError(f"hetcomm: the inner level of the hosts could not meet through the store ({said})")
     backend.enable_local(not failed)
     if failed and backend.rank() == 0 and not _fallback_said:
         _fallback_said = True

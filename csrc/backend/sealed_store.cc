@@ -169,21 +169,18 @@ std::vector<uint8_t> SealedStore::compareSet(const std::string& key, const std::
 std::vector<uint8_t> SealedStore::get(const std::string& key) {
   const Deadline deadline = Clock::now() + getTimeout();
   bool forged = false;
-  // Since when the value read has failed its seal without a break: one that stays so for
-  // kForgedRecordPatience is not going to be replaced (its writer writes once, and early), so the
-  // reader says so then rather than at the store's timeout, which may outlast the group's (a
-  // torchrun store), while its peers still wait to hear why.
+  // Since when a value read has failed its seal: one still not replaced by an authentic one
+  // kForgedRecordPatience later is not coming (its writer writes once, and early), so the reader
+  // says so then rather than at the store's timeout, which may outlast the group's (a torchrun
+  // store), while its peers still wait to hear why. Not reset when the key is absent meanwhile:
+  // a writer flipping between a forged value and none would otherwise hold the reader.
   std::optional<Clock::time_point> forgedSince;
   while (true) {
     std::vector<uint8_t> value;
     const Read read = tryGet(key, value);
     if (read == Read::kValue) return value;
     forged = forged || read == Read::kForged;
-    if (read != Read::kForged) {
-      forgedSince.reset();
-    } else if (!forgedSince) {
-      forgedSince = Clock::now();
-    }
+    if (read == Read::kForged && !forgedSince) forgedSince = Clock::now();
     if (forgedSince && Clock::now() - *forgedSince >= kForgedRecordPatience) {
       C10_THROW_ERROR(DistStoreError,
                       strCat("hetcomm: the store's value of '", key, "' failed its authentication for ",

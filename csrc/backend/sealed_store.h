@@ -6,7 +6,8 @@
 //
 // What is sealed: set, compareSet, multiSet; opened: get, multiGet. A value that fails to open is
 // treated as absent: get waits (up to the store's timeout) for an authentic one and then throws
-// naming the key, or throws after 10 s of a value that keeps failing; tryGet answers at once. Counters (add), presence (check, wait) and
+// naming the key, or 10 s after it first read a value that fails (none authentic since); tryGet
+// answers at once. Counters (add), presence (check, wait) and
 // deletion pass through: a store writer can change those anyway, and hetcomm decides nothing on
 // them alone. hetcomm's own keys, and the rendezvous of the torch groups it makes as a host's inner
 // level (Gloo, NCCL), go through it.

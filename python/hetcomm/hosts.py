@@ -315,12 +315,15 @@ def setup_inner_levels(backend, labels: Sequence[int], store=None, timeout_ms: i
                            f"(and the ranks could not agree on falling back: {e})") from e
     failed = [(rank, why) for rank, why in enumerate(reasons) if why]
     forged = [(rank, why) for rank, why in failed if _AUTHENTICATION_FAILURE in why]
-    if forged or (failed and backend.sealing()):
-        # A rendezvous record that failed its seal, or with an out-of-band secret any failure to
-        # meet (a store writer can also delete a record, or stall the store): must fail the group
-        # rather than quietly push every host onto TCP.
+    met_through_store = [(rank, why) for rank, why in failed if why.startswith(("gloo:", "nccl:"))]
+    if forged or (met_through_store and backend.sealing()):
+        # A rendezvous record that failed its seal, or with an out-of-band secret any failure of
+        # a torch group to meet through the store (a store writer can also delete a record, or
+        # stall the store): must fail the group rather than quietly push every host onto TCP.
+        # (Shared memory meets through sealed records that raise when forged or missing; its own
+        # failures, a full /dev/shm, still fall back with a warning.)
         backend.enable_local(False)
-        said = "; ".join(f"rank {rank}: {why}" for rank, why in (forged or failed))
+        said = "; ".join(f"rank {rank}: {why}" for rank, why in (forged or met_through_store))
         raise RuntimeError(f"hetcomm: the inner level of the hosts could not meet through the store ({said})")
     backend.enable_local(not failed)
     if failed and backend.rank() == 0 and not _fallback_said:

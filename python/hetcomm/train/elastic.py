@@ -35,7 +35,8 @@ import torch.distributed as dist
 from hetcomm import compress as _compress
 from hetcomm import hosts as _hosts
 from hetcomm.train import flat as _flat
-from hetcomm.train.diloco import _cpu_copy, default_outer_optimizer, outer_weights, WEIGHTINGS
+from hetcomm.train.diloco.checkpoint import _cpu_copy
+from hetcomm.train.diloco.outer import WEIGHTINGS, default_outer_optimizer, outer_weights
 from hetcomm.train.membership import Keys, Pulse, StoreUnreachable, connect
 from hetcomm.train.partition import exchange_columns
 

@@ -1,27 +1,12 @@
-"""DiLoCo / local SGD for unequal workers: local steps set by measured speed, sample-weighted outer update.
-
-::
-
-    diloco = hetcomm.DiLoCo(model, opt, local_steps="time", steps=50)   # opt: the inner optimizer
-    for x, y in diloco.loop(loader, max_samples=1_000_000):  # stops every rank at the same round
-        loss = loss_fn(model(x), y); loss.backward(); opt.step(); opt.zero_grad()
-        diloco.step(samples=len(x), loss=loss.item())        # synchronises when the round is over
-
-After each round (its length from `hetcomm.local_steps`) every rank reduces the weighted
-pseudo-gradient (`hetcomm.compress`; over workers of several ranks, `hetcomm.train.workers`) and
-takes one outer step; with ``overlap=True`` that runs on a background thread during the next
-round. Every rank must construct the object with the same arguments and call `step` after every
-inner step. The algorithm and the derivations of the weighting and the overlap:
-docs/diloco.md#the-algorithm, docs/diloco.md#outer-weights, docs/diloco.md#overlap-the-derivation.
-"""
+"""`DiLoCo`: the loop and its bookkeeping (construction, `step`, `loop`, `finish`, the round
+boundary and the agreement on its table); the overlap's moves are in `schedule`, checkpoints in
+`checkpoint`, the outer step in `outer`, the table in `table`."""
 from __future__ import annotations
 
 import concurrent.futures
-import copy
 import math
 import numbers
 import time
-import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import torch
@@ -29,134 +14,21 @@ import torch.distributed as dist
 
 from hetcomm import compress as _compress
 from hetcomm.train import flat as _flat
+from hetcomm.train.diloco.checkpoint import Checkpoint
+from hetcomm.train.diloco.outer import PER_PARAMETER, WEIGHTINGS, default_outer_optimizer, estimate_step, outer_weights
+from hetcomm.train.diloco.schedule import Overlap, fragment_bounds
+from hetcomm.train.diloco.table import (_AGGREGATE, _BUDGETS, _COMPUTE, _DONE, _ELAPSED, _FINITE, _FRAGMENTS,
+                                        _LANDED, _LOSS_N, _LOSS_SUM, _REPLICA, _ROWS, _SAMPLES, _STEPS, _SYNC_WALL,
+                                        _TOT_BYTES, _TOT_IDLE, _TOT_SYNC, _TOT_WAN, _hetcomm_bytes_sent, _known,
+                                        history_record, stop_decision)
 from hetcomm.train.local_steps import FixedSteps, LocalStepPolicy, SpeedSteps, StepTimes, TimeSteps, make_policy
-from hetcomm.train.workers import Workers, resolve_labels, resolve_members
 from hetcomm.train.partition import exchange_columns
-
-__all__ = ["DiLoCo", "WEIGHTINGS", "outer_weights", "default_outer_optimizer"]
-
-# With overlap and `time`, rounds stretched to at least this many times H steps by the
-# synchronisation in flight are reported once (`DiLoCo._warn_if_link_bound`).
-LINK_BOUND_WARNING = 1.25
+from hetcomm.train.workers import Workers, resolve_labels, resolve_members
 
 _PREFIX = "hetcomm DiLoCo"
-WEIGHTINGS = ("batch", "samples", "uniform", "normalized")
-
-# Rows of the table exchanged at every synchronisation (one column per rank, exact and identical
-# on every rank: `hetcomm.partition.exchange_columns`).
-(_STEPS, _SAMPLES, _COMPUTE, _LOSS_SUM, _LOSS_N, _FINITE, _TOT_IDLE, _TOT_SYNC, _TOT_BYTES,
- _DONE, _ELAPSED, _MAX_ROUNDS, _MAX_SAMPLES, _MAX_SECONDS, _TOT_WAN, _REPLICA, _LANDED, _SYNC_WALL,
- _FRAGMENTS) = range(19)
-_ROWS = 19
-# How a worker of several ranks sums up its ranks' columns (`hetcomm.train.workers`): its ranks
-# step together, so steps and seconds are its slowest rank's; samples, losses and bytes add up.
-_AGGREGATE = ("max", "sum", "max", "sum", "sum", "min", "max", "max", "sum", "min", "max", "max", "max", "max", "sum",
-              "max", "max", "max", "max")
-_BUDGETS = {"max_rounds": _MAX_ROUNDS, "max_samples": _MAX_SAMPLES, "max_seconds": _MAX_SECONDS}
 
 
-def default_outer_optimizer(params: Sequence[torch.Tensor]) -> torch.optim.Optimizer:
-    """DiLoCo's outer optimizer: SGD, lr 0.7, momentum 0.9, Nesterov."""
-    return torch.optim.SGD(params, lr=0.7, momentum=0.9, nesterov=True)
-
-
-def outer_weights(weighting: str, samples: Sequence[float], steps: Sequence[float]) -> list[float]:
-    """The weights w_r of the outer update Δ = Σ_r w_r Δ_r (see the module doc).
-
-    ``samples`` and ``steps`` are the agreed per-rank counts of the round. Ranks without steps
-    (out of data, waiting for the others to finish) contribute nothing under every weighting
-    (``uniform``: 1/P over the ranks with steps); if no rank processed a sample, the counts fall
-    back to steps (a batch of one per step).
-    """
-    P = len(samples)
-    if weighting == "uniform":
-        active = sum(1 for t in steps if t > 0)
-        return [1.0 / active if t > 0 else 0.0 for t in steps] if active else [1.0 / P] * P
-    n = [float(s) for s in samples]
-    if sum(n) <= 0:
-        n = [float(t) for t in steps]
-    total = sum(n)
-    if total <= 0:
-        return [0.0] * P
-    p = [s / total for s in n]
-    if weighting == "samples":
-        return p
-    if weighting == "batch":
-        per_step = [x / t if t > 0 else 0.0 for x, t in zip(n, steps)]      # mean batch of each rank
-        total_batch = sum(per_step)
-        return [b / total_batch for b in per_step] if total_batch > 0 else [0.0] * P
-    if weighting == "normalized":
-        tau_eff = sum(pr * t for pr, t in zip(p, steps))
-        return [pr * tau_eff / t if t > 0 else 0.0 for pr, t in zip(p, steps)]
-    raise ValueError(f"{_PREFIX}: unknown weighting {weighting!r}; expected one of {', '.join(WEIGHTINGS)}")
-
-
-def last_round_seconds(table: Sequence[Sequence[float]], agreed_samples: float) -> float | None:
-    """With overlap, from the agreed table of the round before the last and the samples of every
-    agreed round: after how many seconds of computing in the last round its sample budget is
-    predicted to be reached, at the previous round's rate (its samples over its slowest rank's
-    compute seconds, so idling does not count). None when there is no sample budget, it is not
-    reached, or there is no rate to predict by."""
-    limit, last, compute = table[_MAX_SAMPLES][0], sum(table[_SAMPLES]), max(table[_COMPUTE])
-    if not (limit and last > 0 and compute > 0 and agreed_samples + last >= limit):
-        return None
-    return max(0.0, (limit - agreed_samples) * compute / last)
-
-
-def _fragment_bounds(sizes: Sequence[int], fragments: int) -> list[tuple[int, int, int, int]]:
-    """Up to ``fragments`` runs of consecutive tensors of about equal total size, none empty, as
-    (first tensor, end tensor, first element, end element); fewer when fewer tensors hold
-    elements. Empty tensors go with a neighbour."""
-    n = len(sizes)
-    cum = [0]
-    for size in sizes:
-        cum.append(cum[-1] + size)
-    total = cum[-1]
-    cuts = [0]
-    for k in range(1, min(fragments, sum(1 for x in sizes if x > 0))):
-        # the tensor boundary nearest k/F of the elements that leaves both sides non-empty
-        options = [c for c in range(cuts[-1] + 1, n) if cum[cuts[-1]] < cum[c] < total]
-        if not options:
-            break
-        cuts.append(min(options, key=lambda c: abs(cum[c] - total * k / fragments)))
-    cuts.append(n)
-    return [(i, j, cum[i], cum[j]) for i, j in zip(cuts, cuts[1:])]
-
-
-# Outer optimizers whose step keeps per-parameter state only and skips parameters without a
-# gradient: stepping the fragments one by one is one step (fragments > 1 allows these only).
-_PER_PARAMETER = frozenset({torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.NAdam,
-                            torch.optim.RAdam, torch.optim.Adamax, torch.optim.Adagrad, torch.optim.RMSprop})
-
-
-def _known(values: Sequence[float]) -> list[float | None]:
-    """NaN (not measured: a non-hetcomm group) as None, so that agreed records compare equal."""
-    return [None if math.isnan(v) else v for v in values]
-
-
-def _cpu_copy(obj):
-    """A deep copy with every tensor detached and copied to the CPU (for checkpoints)."""
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().to("cpu", copy=True)
-    if isinstance(obj, dict):
-        return {k: _cpu_copy(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_cpu_copy(v) for v in obj)
-    return copy.deepcopy(obj)
-
-
-def _hetcomm_bytes_sent(group: dist.ProcessGroup | None) -> float:
-    """This rank's bytes sent on ``group`` so far, or NaN when the group is not hetcomm."""
-    try:
-        if dist.get_backend(group) != "hetcomm":
-            return math.nan
-        from hetcomm._backend import stats
-        return float(sum(stats(group)["bytes_sent"]))
-    except (RuntimeError, ValueError, ImportError, AttributeError):
-        return math.nan
-
-
-class DiLoCo(_flat.FlatParameters):
+class DiLoCo(Checkpoint, Overlap, _flat.FlatParameters):
     """DiLoCo over ``group`` (default: the world) for ``model`` trained by ``inner_optimizer``.
 
     Args:
@@ -285,10 +157,10 @@ class DiLoCo(_flat.FlatParameters):
                                                                                              and not self.overlap):
             raise ValueError(f"{_PREFIX}: fragments must be an int >= 1, > 1 only with overlap=True (got "
                              f"{fragments!r}, overlap={overlap!r})")
-        self._fragments = _fragment_bounds([p.numel() for p in self._params], fragments)
-        if len(self._fragments) > 1 and type(self.outer_optimizer) not in _PER_PARAMETER:
+        self._fragments = fragment_bounds([p.numel() for p in self._params], fragments)
+        if len(self._fragments) > 1 and type(self.outer_optimizer) not in PER_PARAMETER:
             raise ValueError(f"{_PREFIX}: fragments={fragments} steps the outer optimizer once per fragment, which "
-                             f"only optimizers that treat each parameter on its own allow ({', '.join(sorted(c.__name__ for c in _PER_PARAMETER))}); "
+                             f"only optimizers that treat each parameter on its own allow ({', '.join(sorted(c.__name__ for c in PER_PARAMETER))}); "
                              f"{type(self.outer_optimizer).__name__} may count steps per group: use fragments=1")
         self._landed = 0                         # fragments of the update in flight that have landed
         self._moved = 0                          # ... and that this replica has moved onto
@@ -433,31 +305,6 @@ class DiLoCo(_flat.FlatParameters):
         self._mark = self._clock()
         return synced
 
-    def _shorten_last_round(self, round_index: int, table: list[list[float]]) -> None:
-        """With ``time`` and overlap, once the previous round's (``round_index``) background
-        synchronisation has agreed on its ``table``: if that agreement will stop the run
-        (`_stop_decision`, at this round's end, from the same agreed values) and a sample budget is
-        set, this round's deadline moves to where that budget is predicted to be reached
-        (`last_round_seconds` of computing, less what this rank has computed so far, from now) if
-        that is sooner: a long round at a slow link would otherwise overshoot it by up to a whole
-        round. It still lasts until the synchronisation in flight has landed: ending sooner would
-        only idle until then (the run ends at the same time either way), so the steps train
-        instead. Round and time budgets keep the round whole; ``fixed`` and ``speed`` keep their
-        step counts."""
-        policy = self._policy
-        if policy.deadline is None or policy.round_seconds is None:
-            return
-        # The rounds before it (the history gets round_index itself when its reduction ends).
-        samples = sum(sum(rec["samples"]) for rec in self._history[:round_index - 1]) + sum(table[_SAMPLES])
-        if self._stop_decision(table, ahead=True, settled=round_index, samples=samples) is None:
-            return
-        seconds = last_round_seconds(table, samples)
-        if seconds is not None:
-            policy.deadline = min(policy.deadline, self._clock() + max(0.0, seconds - self._r_compute))
-            # Yet not before the synchronisation in flight has landed: the round would only wait
-            # for it (1 s of a 17 s run at 20 Mbit/s, int4), and its steps train instead.
-            self._until_landed = True
-
     def loop(self, batches: Iterable, *, max_rounds: int | None = None, max_samples: int | None = None,
              max_seconds: float | None = None, max_steps: int | None = None) -> Iterator:
         """Yields ``batches`` until every rank agrees to stop; then runs `finish`.
@@ -583,147 +430,6 @@ class DiLoCo(_flat.FlatParameters):
             self.finish()
         else:
             self.close()
-
-    # ---- checkpoints -------------------------------------------------------------------------
-
-    _STATE_VERSION = 2              # 2: "feedback" is a list (one per fragment), "sync_wall"
-
-    def state_dict(self) -> dict:
-        """Everything a resumed run needs, for this rank (CPU copies): the global parameters and the
-        outer optimizer (identical on every rank), this rank's replica (the model's state), inner
-        optimizer, start point and quantisation residuals, the policy's and the step times' state,
-        the agreed history (rounds, samples: budgets of `loop` go on counting) and totals; with
-        overlap also the synchronisation in flight, which it waits for (it blocks until every rank
-        has ended the round) but does not apply.
-
-        Call it at a round boundary (before the first step, when `step` returned True, or after
-        `finish`); it does not communicate and changes nothing, so one rank may save alone (as
-        long as the others keep stepping). Save each rank's dict (``torch.save``) if the replicas
-        matter; `load_state_dict` on a freshly constructed object (same group, arguments and
-        workers) resumes. A resumed run computes what the uninterrupted run computes, except that
-        with overlap an update in flight that lands "as soon as it arrives" lands at the first
-        step after resuming (with ``overlap_steps``: at the same step), and that with ``time`` the
-        first background synchronisation after resuming pays for new connections again: its
-        duration is not used (the one agreed before the checkpoint still plans the rounds)."""
-        if self._closed and not self._finished:
-            raise RuntimeError(f"{_PREFIX}: state_dict() after close()")
-        if self._r_steps:
-            raise RuntimeError(f"{_PREFIX}: state_dict() inside a round ({self._r_steps} steps taken since the last "
-                               "synchronisation): call it when step() returned True, or after finish()")
-        pending = None
-        if self._pending is not None:
-            start = self._clock()
-            concurrent.futures.wait([self._pending])
-            end = self._clock()
-            self._totals["idle"] += end - start
-            self._timeline.append(("idle", start, end))
-            pending = {"table": self._pending.result()[0], "moved": self._rebased}
-        if self._closed:
-            sent, wan = self._final_counts
-        else:
-            sent = self._bytes_sent() - self._bytes0
-            wan = self._workers.inter_worker_bytes(self._outer_groups()) - self._wan0
-        state = _cpu_copy({
-            "version": self._STATE_VERSION,
-            "rank": self._rank,
-            "labels": list(self._labels),
-            "global": list(self._global),
-            "outer_optimizer": self.outer_optimizer.state_dict(),
-            "model": self.model.state_dict(),
-            "inner_optimizer": self.inner_optimizer.state_dict() if self.inner_optimizer is not None else None,
-            "start": self._start,
-            "feedback": [vars(f) for f in self._feedback] if self._feedback is not None else None,
-            "pending": pending,
-            "sync_wall": self._sync_wall,
-            "warned_link_bound": self._warned_link_bound,
-            "policy": self._policy.state_dict(),
-            "step_times": self._times.state_dict(),
-            "history": self._history,
-            "settled": self._settled,
-            "agreed_totals": self._agreed_totals,
-            "totals": self._totals,
-            "bytes": sent,
-            "wan": wan,
-            "elapsed": self._clock() - self._t0,
-            "last_elapsed": self._last_elapsed,
-            "stopped": (self._stopped, self._stop_reason),
-        })
-        self._mark = self._clock()          # neither the wait nor the copy is the next step's compute
-        return state
-
-    def load_state_dict(self, state: dict) -> None:
-        """Resumes from `state_dict`: call it on every rank, right after construction, before the
-        first `step` (no communication). Another rank's state (when the replicas are alike) resumes
-        the same global run; this rank then keeps its own counters and drops the other's
-        quantisation residuals."""
-        if self._step_calls or self._history:
-            raise RuntimeError(f"{_PREFIX}: load_state_dict() after steps were taken: call it right after "
-                               "constructing DiLoCo")
-        if state.get("version") not in (1, self._STATE_VERSION):
-            raise ValueError(f"{_PREFIX}: checkpoint version {state.get('version')!r}, expected 1 or {self._STATE_VERSION}")
-        if list(state["labels"]) != list(self._labels):
-            raise ValueError(f"{_PREFIX}: the checkpoint's workers {resolve_members(state['labels'])} differ from "
-                             f"this run's {resolve_members(self._labels)} (the same group and workers are needed)")
-        shapes = [tuple(g.shape) for g in self._global]
-        if [tuple(t.shape) for t in state["global"]] != shapes:
-            raise ValueError(f"{_PREFIX}: the checkpoint's parameters do not match the model's shapes")
-        if state["pending"] is not None and not self.overlap:
-            raise ValueError(f"{_PREFIX}: the checkpoint was taken with overlap=True (a synchronisation in flight); "
-                             "construct DiLoCo with overlap=True to resume it")
-        with torch.no_grad():
-            for g, t in zip(self._global, state["global"]):
-                g.copy_(t)
-        self.outer_optimizer.load_state_dict(state["outer_optimizer"])
-        self.model.load_state_dict(state["model"])
-        if state["inner_optimizer"] is not None and self.inner_optimizer is not None:
-            self.inner_optimizer.load_state_dict(state["inner_optimizer"])
-        self._start.copy_(state["start"])
-        own = state.get("rank") == self._rank
-        saved = state["feedback"]
-        if isinstance(saved, dict):                   # one fragment
-            saved = [saved]
-        if self._feedback is not None and saved is not None and own:
-            if len(saved) == len(self._feedback):
-                for fb, values in zip(self._feedback, saved):
-                    for k, v in values.items():
-                        setattr(fb, k, v.to("cpu") if isinstance(v, torch.Tensor) else v)
-            else:
-                warnings.warn(f"{_PREFIX}: the checkpoint's quantisation residuals are of {len(saved)} fragment(s), "
-                              f"this run reduces in {len(self._feedback)}: they start from zero", stacklevel=2)
-        self._sync_wall = float(state.get("sync_wall", 0.0))
-        self._warned_link_bound = bool(state.get("warned_link_bound", False))
-        self._policy.load_state_dict(state["policy"])
-        if isinstance(self._policy, TimeSteps) and not self.overlap:
-            self._policy.sync_seconds = None   # no overlap: no sync duration (older checkpoints saved 0.0)
-        self._times.load_state_dict(state["step_times"])
-        self._history = copy.deepcopy(state["history"])
-        self._settled = int(state["settled"])
-        self._agreed_totals = copy.deepcopy(state["agreed_totals"])
-        if own:
-            self._totals = dict(state["totals"])
-            self._bytes0 -= state["bytes"]
-            self._wan0 -= state["wan"]
-        self._t0 = self._clock() - state["elapsed"]
-        self._last_elapsed = state["last_elapsed"]
-        self._stopped, self._stop_reason = state["stopped"]
-        if state["pending"] is not None:
-            # The synchronisation in flight had landed on the global parameters; its agreement
-            # (and, unless it had moved already, the replica's move) is still to be applied.
-            table = [list(row) for row in state["pending"]["table"]]
-            width = len(table[0]) if table else self._world
-            defaults = {_SYNC_WALL: 0.0, _FRAGMENTS: float(len(self._fragments))}
-            while len(table) < _ROWS:                  # a version 1 table: the rows added since
-                table.append([defaults.get(len(table), 0.0)] * width)
-            done: concurrent.futures.Future = concurrent.futures.Future()
-            done.set_result((table, None))
-            self._pending, self._rebased = done, bool(state["pending"]["moved"])
-            self._shortening_checked = False
-            self._pending_agreed = (len(self._history), table)
-            self._landed = len(self._fragments)
-            self._moved = self._landed if self._rebased else 0
-        self._reset_round()
-        self._policy.start_round(self._clock())
-        self._mark = self._clock()
 
     # ---- results -----------------------------------------------------------------------------
 
@@ -852,7 +558,8 @@ class DiLoCo(_flat.FlatParameters):
             # The next round starts at Opt*(θ^{k-1}, Δ_r^k) (see the module doc), computed before
             # the background thread takes the outer optimizer.
             # The old start is no longer needed: the estimate replaces it in place.
-            estimate = self._start_estimate(progress, out=self._start)
+            estimate_step(self.outer_optimizer, self._global, self._split(progress), self._split(self._start))
+            estimate = self._start
             self._landed = self._moved = 0
             self._pending_agreed = None
             self._pending = self._executor.submit(self._exchange_and_reduce, column, delta, timed=False, plan=plan)
@@ -889,146 +596,6 @@ class DiLoCo(_flat.FlatParameters):
     def _global_into(self, out: torch.Tensor) -> None:
         for g, o in zip(self._global, self._split(out)):
             o.copy_(g.detach().reshape(-1))
-
-    @torch.no_grad()
-    def _start_estimate(self, progress: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        """Opt*(θ^{k-1}, Δ_r^k) into ``out``: one outer step on a scratch copy of the outer
-        optimizer's state (for torch.optim.SGD in closed form, without copying its state)."""
-        if type(self.outer_optimizer) is torch.optim.SGD:
-            return self._sgd_estimate(progress, out)
-        return out.copy_(self._scratch_estimate(progress))
-
-    @torch.no_grad()
-    def _scratch_estimate(self, progress: torch.Tensor) -> torch.Tensor:
-        """One step of any outer optimizer, its state and the global parameters restored after."""
-        saved_state = copy.deepcopy(self.outer_optimizer.state_dict())
-        saved = [g.detach().clone() for g in self._global]
-        for g, piece in zip(self._global, self._split(progress)):
-            g.grad = piece.view(g.shape).to(g.dtype)
-        self.outer_optimizer.step()
-        self.outer_optimizer.zero_grad(set_to_none=True)
-        estimate = self._flatten_global()
-        for g, old in zip(self._global, saved):
-            g.copy_(old)
-        self.outer_optimizer.load_state_dict(saved_state)
-        return estimate
-
-    @torch.no_grad()
-    def _sgd_estimate(self, progress: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        """torch.optim.SGD's step for gradient Δ_r, computed aside (into ``out``, which may not
-        be ``progress``): d = ±Δ (− to maximize) + λθ; b = μ b + (1 − τ) d (b = d on the first
-        step); d = d + μ b (Nesterov) or b; θ − η d. As a step is affine in d given b, it is
-        θ − η (a d + c b_old) with a, c from the settings, computed in place without
-        temporaries: (1 − η a λ) θ ∓ η a Δ − η c b_old."""
-        if out is None:
-            out = torch.empty_like(progress, dtype=self._master)
-        settings = {id(p): group for group in self.outer_optimizer.param_groups for p in group["params"]}
-        for g, d, o in zip(self._global, self._split(progress), self._split(out)):
-            group = settings[id(g)]
-            lr, mu, wd = float(group["lr"]), group["momentum"], group["weight_decay"]
-            old = self.outer_optimizer.state.get(g, {}).get("momentum_buffer") if mu else None
-            if not mu:
-                a, c = 1.0, 0.0
-            elif old is None:                                   # the first step: b = d
-                a, c = (1.0 + mu if group["nesterov"] else 1.0), 0.0
-            else:
-                keep = 1.0 - group["dampening"]
-                a, c = ((1.0 + mu * keep, mu * mu) if group["nesterov"] else (keep, mu))
-            sign = -1.0 if group.get("maximize", False) else 1.0
-            o.copy_(g.detach().reshape(-1))
-            if wd:
-                o.mul_(1.0 - lr * a * wd)
-            o.add_(d, alpha=-lr * a * sign)
-            if c:
-                o.add_(old.reshape(-1), alpha=-lr * c)
-        return out
-
-    def _maybe_rebase(self) -> None:
-        """Moves the replica onto θ^k once round k's late update is in (see the module doc):
-        p ← θ^k + β (p − θ̂_r^k), keeping a share β of the steps taken since its start; fragment by fragment
-        as they land (a worker's ranks agree on how many)."""
-        total = len(self._fragments)
-        if self._rebase_after is None:
-            # done: every fragment landed, or the synchronisation failed (-1: raised below on
-            # every rank of the worker at once, before any move onto a partial update)
-            done = self._pending.done()
-            landed = (-1 if self._pending.exception() is not None else total) if done else self._landed
-            if self._workers.size > 1:                 # a worker's replicas move at the same step
-                landed = int(self._workers.least(landed))
-            if landed < 0:
-                if done and self._pending.exception() is not None:
-                    self._pending.result()
-                raise RuntimeError(f"{_PREFIX}: another rank of this worker failed its synchronisation "
-                                   "(its error names the cause)")
-            if landed < total:
-                if landed > self._moved:
-                    self._move_onto_global(landed)
-                return
-        elif self._r_steps < self._rebase_after:
-            return
-        start = self._clock()
-        try:
-            concurrent.futures.wait([self._pending])
-        finally:
-            end = self._clock()
-            if end - start > 1e-4:
-                self._totals["idle"] += end - start
-                self._timeline.append(("idle", start, end))
-        self._pending.result()                         # raises here if the synchronisation failed
-        self._move_onto_global(total)
-        self._rebased = True
-
-    @torch.no_grad()
-    def _move_onto_global(self, upto: int) -> None:
-        """For the fragments landed since the last move (up to ``upto``): p ← θ^k + β (p − start),
-        start ← θ^k (θ^k: the global parameters, the late update landed; β: ``early_weight``);
-        counts as sync."""
-        if upto <= self._moved:
-            return
-        start = self._clock()
-        i, a = self._fragments[self._moved][0], self._fragments[self._moved][2]
-        j, b = self._fragments[upto - 1][1], self._fragments[upto - 1][3]
-        self._moved_at.append((b - a, self._r_steps))
-        self._moved = upto
-        # The pseudo-gradient buffer not in flight is free (its synchronisation was waited for).
-        scratch = self._deltas[self._next_delta][a:b]
-        params, glob = self._params[i:j], self._global[i:j]
-        beta = self._early_weight
-        for p, g, s, t in zip(params, glob, _flat.split(self._start[a:b], params), _flat.split(scratch, params)):
-            new = g.detach().reshape(-1)
-            if beta == 1.0:                             # p + θ^k − start: a small displacement added
-                torch.sub(new, s, out=t)
-                p.add_(t.view(p.shape).to(p.device, p.dtype))
-            else:                                       # θ^k + β (p − start)
-                t.copy_(p.detach().reshape(-1))         # to the CPU and the master precision
-                t.sub_(s).mul_(beta).add_(new)
-                p.copy_(t.view(p.shape))
-            s.copy_(new)
-        end = self._clock()
-        self._totals["sync"] += end - start
-        self._timeline.append(("sync", start, end))
-
-    def _landed_steps(self) -> float:
-        """Steps this round before the late update moved the replica (per element, averaged over
-        its fragments; not yet moved: all of them; 0: nothing was in flight)."""
-        if self._r_landed is not None:
-            return self._r_landed
-        n = self._start.numel()
-        if n == 0:
-            return self._r_steps
-        moved = sum(size for size, _ in self._moved_at)
-        return (sum(size * steps for size, steps in self._moved_at) + (n - moved) * self._r_steps) / n
-
-    def _wait_pending(self) -> None:
-        start = self._clock()
-        future, self._pending = self._pending, None
-        try:
-            table = future.result()[0]
-        finally:
-            end = self._clock()
-            self._totals["idle"] += end - start
-            self._timeline.append(("idle", start, end))
-        self._after_agreement(table, ahead=True)
 
     def _exchange_and_reduce(self, column: list[float], delta: torch.Tensor, *, timed: bool,
                              plan: dict) -> tuple[list[list[float]], list[float]]:
@@ -1116,65 +683,13 @@ class DiLoCo(_flat.FlatParameters):
             self._stopped = self._stop_reason is not None
         self._last_elapsed = max(table[_ELAPSED])
 
-    def _warn_if_link_bound(self) -> None:
-        """Once per object (group rank 0): says so when the synchronisation in flight, not compute,
-        sets the length of `time`'s rounds. The replicas are then averaged less often per sample
-        than H steps a round would (README, "When the link sets the pace")."""
-        stretch = getattr(self._policy, "stretch", 1.0)
-        if self._warned_link_bound or stretch < LINK_BOUND_WARNING or self._rank != 0:
-            return
-        self._warned_link_bound = True
-        # Bytes per element: fp32 4, bf16/fp16 2, int8 about 1, int4 about 0.5 (plus a scale per block).
-        fewer = {"fp32": "; compress='int8' sends about a quarter of fp32's bytes, 'int4' an eighth",
-                 "bf16": "; compress='int8' sends about half the bytes of bf16, 'int4' a quarter",
-                 "fp16": "; compress='int8' sends about half the bytes of fp16, 'int4' a quarter",
-                 "int8": "; compress='int4' halves int8's bytes"}.get(self._codec.name, "")
-        compute = self._policy.round_seconds / stretch
-        warnings.warn(f"{_PREFIX}: the background synchronisation takes {self._policy.sync_seconds:.2f} s, longer "
-                      f"than the {compute:.2f} s of {self._policy.steps} steps of the slowest worker: rounds last "
-                      f"{stretch:.1f}x longer, so the replicas are averaged {stretch:.1f}x less often per sample than without "
-                      f"overlap (the link, not compute, sets the pace){fewer}", RuntimeWarning, stacklevel=6)
-
     def _stop_decision(self, table: list[list[float]], ahead: bool, *, settled: int | None = None,
                        samples: float | None = None) -> str | None:
-        """Why every rank stops after this agreement (None: go on); a function of agreed values only.
-
-        ``ahead`` (overlap): the table is the previous round's, and stopping now still synchronises
-        the round that is ending: its budgets count that round too, predicted as the previous one
-        (exact for a fixed schedule; a run whose rounds grow may stop one round late)."""
-        if all(d > 0 for d in table[_DONE]):
-            return "every rank is out of data (or called finish)"
-        rounds = self._settled if settled is None else settled
-        samples = sum(self._agreed_totals["samples"]) if samples is None else samples
-        elapsed = max(table[_ELAPSED])
-        if ahead:
-            rounds += 1
-            samples += sum(table[_SAMPLES])
-            elapsed += max(0.0, elapsed - self._last_elapsed)
-        limit = {name: table[row][0] for name, row in _BUDGETS.items()}
-        if limit["max_rounds"] and rounds >= limit["max_rounds"]:
-            return f"max_rounds: {rounds} rounds"
-        if limit["max_samples"] and samples >= limit["max_samples"]:
-            return f"max_samples: {samples:.0f} samples"
-        if limit["max_seconds"] and elapsed >= limit["max_seconds"]:
-            return f"max_seconds: {elapsed:.1f} s"
-        return None
+        """Why every rank stops after this agreement (`table.stop_decision`), by default with the
+        rounds and samples agreed so far."""
+        return stop_decision(table, ahead=ahead, rounds=self._settled if settled is None else settled,
+                             samples=sum(self._agreed_totals["samples"]) if samples is None else samples,
+                             last_elapsed=self._last_elapsed)
 
     def _record(self, table: list[list[float]], weights: list[float], round_index: int, plan: dict) -> None:
-        self._history.append({
-            "round": round_index,
-            "plan": plan,
-            "steps": [round(s) for s in table[_STEPS]],
-            "samples": [round(s) for s in table[_SAMPLES]],
-            "compute_seconds": table[_COMPUTE],
-            "loss": [s / n if n > 0 else None for s, n in zip(table[_LOSS_SUM], table[_LOSS_N])],
-            "weights": weights,
-            "idle_seconds_total": table[_TOT_IDLE],
-            "sync_seconds_total": table[_TOT_SYNC],
-            "bytes_sent_total": _known(table[_TOT_BYTES]),
-            "wan_bytes_total": _known(table[_TOT_WAN]),
-            # with overlap: the steps each worker took this round before the previous round's
-            # update moved it (its steps: at the round's end); 0 without overlap
-            "landed_after_steps": [round(x) for x in table[_LANDED]],
-        })
-
+        self._history.append(history_record(table, weights, round_index, plan))

@@ -223,7 +223,7 @@ def train_scripted(rank: int, world: int, weighting: str, overlap: bool, rebase=
                     p.add_(1.0)
         opt = torch.optim.SGD(net.parameters(), lr=INNER_LR)
         diloco = hetcomm.DiLoCo(net, opt, group=group, local_steps=scripted_policy(), weighting=weighting,
-                                overlap=overlap, overlap_steps=rebase, fragments=fragments,
+                                overlap=overlap, overlap_steps=rebase, fragments=fragments, stagger=False,
                                 outer_optimizer=OUTER[outer_name], early_weight=early if overlap else None)
         gate = {}
         if moves is not None:
@@ -403,7 +403,7 @@ def train_failing_fragment(rank: int, world: int) -> dict:
     _compress_module.weighted_allreduce = failing
     net = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
     opt = torch.optim.SGD(net.parameters(), lr=0.01)
-    diloco = hetcomm.DiLoCo(net, opt, local_steps="fixed", steps=5, overlap=True, fragments=2)
+    diloco = hetcomm.DiLoCo(net, opt, local_steps="fixed", steps=5, overlap=True, fragments=2, stagger=False)
     steps = 0
 
     def one_step() -> bool:
@@ -440,7 +440,7 @@ def train_failing_in_one_rank_of_a_worker(rank: int, world: int) -> dict:
 
     net = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
     opt = torch.optim.SGD(net.parameters(), lr=0.01)
-    diloco = hetcomm.DiLoCo(net, opt, local_steps="fixed", steps=3, overlap=True, fragments=2,
+    diloco = hetcomm.DiLoCo(net, opt, local_steps="fixed", steps=3, overlap=True, fragments=2, stagger=False,
                             workers=["a", "a", "b", "b"])
     if rank == 0:
         original, calls = diloco._workers.reduce, {"n": 0}
@@ -870,7 +870,7 @@ def train_arrival(rank: int, world: int, fragments: int = 1) -> dict:
     net = nn.Linear(6, 1)
     opt = torch.optim.SGD(net.parameters(), lr=0.05)
     diloco = hetcomm.DiLoCo(net, opt, local_steps="fixed", steps=ARRIVAL_STEPS, workers=[0, 0, 1, 1],
-                            overlap=True, fragments=fragments, clock=clock)
+                            overlap=True, fragments=fragments, stagger=False, clock=clock)
     gate.wrap(_DiLoCo, "_exchange_and_reduce", diloco)   # off the main thread: the background one
     g = torch.Generator().manual_seed(rank)
     for _ in range(ARRIVAL_STEPS * ARRIVAL_ROUNDS):

@@ -61,6 +61,7 @@ class Checkpoint:
             self._totals["idle"] += end - start
             self._timeline.append(("idle", start, end))
             pending = {"table": self._pending.result()[0], "moved": self._rebased}
+        self._join_streams()          # staggered fragments in flight: landed, their moves to come
         if self._closed:
             sent, wan = self._final_counts
         else:
@@ -77,6 +78,7 @@ class Checkpoint:
             "start": self._start,
             "feedback": [vars(f) for f in self._feedback] if self._feedback is not None else None,
             "pending": pending,
+            "streams": self._stream_state(),
             "sync_wall": self._sync_wall,
             "warned_link_bound": self._warned_link_bound,
             "policy": self._policy.state_dict(),
@@ -110,6 +112,10 @@ class Checkpoint:
         shapes = [tuple(g.shape) for g in self._global]
         if [tuple(t.shape) for t in state["global"]] != shapes:
             raise ValueError(f"{_PREFIX}: the checkpoint's parameters do not match the model's shapes")
+        if (state.get("streams") is None) != (not self._stagger):
+            raise ValueError(f"{_PREFIX}: the checkpoint was taken with{'' if state.get('streams') else 'out'} staggered "
+                             f"fragments, this run is{'' if self._stagger else ' not'} staggered: construct DiLoCo with "
+                             "the same fragments and stagger to resume it")
         if state["pending"] is not None and not self.overlap:
             raise ValueError(f"{_PREFIX}: the checkpoint was taken with overlap=True (a synchronisation in flight); "
                              "construct DiLoCo with overlap=True to resume it")
@@ -162,8 +168,10 @@ class Checkpoint:
             self._pending, self._rebased = done, bool(state["pending"]["moved"])
             self._shortening_checked = False
             self._pending_agreed = (len(self._history), table)
-            self._landed = len(self._fragments)
+            self._landed = len(self._boundary)
             self._moved = self._landed if self._rebased else 0
+        self._load_stream_state(state.get("streams"))
         self._reset_round()
         self._policy.start_round(self._clock())
+        self._plan_triggers()
         self._mark = self._clock()

@@ -17,6 +17,7 @@ from hetcomm.train import flat as _flat
 from hetcomm.train.diloco.checkpoint import Checkpoint
 from hetcomm.train.diloco.outer import PER_PARAMETER, WEIGHTINGS, default_outer_optimizer, estimate_step, outer_weights
 from hetcomm.train.diloco.schedule import Overlap, fragment_bounds
+from hetcomm.train.diloco.stream import Streams
 from hetcomm.train.diloco.table import (_AGGREGATE, _BUDGETS, _COMPUTE, _DONE, _ELAPSED, _FINITE, _FRAGMENTS,
                                         _LANDED, _LOSS_N, _LOSS_SUM, _REPLICA, _ROWS, _SAMPLES, _STEPS, _SYNC_WALL,
                                         _TOT_BYTES, _TOT_IDLE, _TOT_SYNC, _TOT_WAN, _hetcomm_bytes_sent, _known,
@@ -28,7 +29,7 @@ from hetcomm.train.workers import Workers, resolve_labels, resolve_members
 _PREFIX = "hetcomm DiLoCo"
 
 
-class DiLoCo(Checkpoint, Overlap, _flat.FlatParameters):
+class DiLoCo(Checkpoint, Streams, Overlap, _flat.FlatParameters):
     """DiLoCo over ``group`` (default: the world) for ``model`` trained by ``inner_optimizer``.
 
     Args:
@@ -53,11 +54,15 @@ class DiLoCo(Checkpoint, Overlap, _flat.FlatParameters):
             after this many inner steps of the next round, waiting for it if need be (a schedule
             that does not depend on timing: with ``fixed``, the run is deterministic).
         fragments: with overlap, reduce the pseudo-gradient in this many pieces (whole parameter
-            tensors, about equal sizes, one after another, each with its own outer step) and move
-            each piece of the replica as soon as it has landed (with ``overlap_steps``: all at
-            that step). The first piece lands after about 1/F of the synchronisation instead of
-            the whole (see the module doc). Needs an outer optimizer whose step treats every
-            parameter on its own (SGD, Adam, ...: a step skips parameters without a gradient).
+            tensors, about equal sizes, each with its own outer step) and move each piece of the
+            replica as soon as it has landed (with ``overlap_steps`` = τ: τ steps after its
+            synchronisation started, waiting for it if need be). Staggered (default): fragment f
+            is synchronised at step ⌊f·H/F⌋ of every round (H: the worker's planned steps), so
+            that the link carries one fragment at a time (`hetcomm.train.diloco.stream`);
+            ``stagger=False``: all at the round boundary, one after another, the first landing
+            after about 1/F of the synchronisation. Needs an outer optimizer whose step treats
+            every parameter on its own (SGD, Adam, ...: a step skips parameters without a gradient).
+        stagger: with ``fragments`` > 1, whether they are staggered over the round (see above).
         early_weight: with overlap, the share of the displacement made by the steps taken before
             the late update landed that the replica keeps when it moves onto it (β in the module
             doc): 1 keeps those steps whole (the behaviour before this option), 0 drops them.
@@ -83,7 +88,8 @@ class DiLoCo(Checkpoint, Overlap, _flat.FlatParameters):
                  local_steps: str | LocalStepPolicy = "fixed", steps: int = 50,
                  round_seconds: float | None = None, weighting: str = "batch", compress: str = "fp32",
                  block: int = 2048, error_feedback: bool = False, overlap: bool = False,
-                 overlap_steps: int | None = None, fragments: int = 1, early_weight: float | None = None,
+                 overlap_steps: int | None = None, fragments: int = 1, stagger: bool = True,
+                 early_weight: float | None = None,
                  ema: float = 0.3, threshold: float = 0.01,
                  workers="sites", inner_sync: bool = True, worker_backend: str | None = None,
                  clock: Callable[[], float] = time.perf_counter) -> None:
@@ -162,6 +168,15 @@ class DiLoCo(Checkpoint, Overlap, _flat.FlatParameters):
             raise ValueError(f"{_PREFIX}: fragments={fragments} steps the outer optimizer once per fragment, which "
                              f"only optimizers that treat each parameter on its own allow ({', '.join(sorted(c.__name__ for c in PER_PARAMETER))}); "
                              f"{type(self.outer_optimizer).__name__} may count steps per group: use fragments=1")
+        if not isinstance(stagger, bool):
+            raise TypeError(f"{_PREFIX}: stagger must be True or False, got {stagger!r}")
+        # The schedules of the collectives must line up from the first round on: agree now.
+        shape = float(len(self._fragments) * (-1 if stagger and len(self._fragments) > 1 else 1))
+        shapes = exchange_columns([shape], group=group)[0]
+        if len(set(shapes)) > 1:
+            raise ValueError(f"{_PREFIX}: the ranks reduce in different numbers of fragments: "
+                             f"{dict(enumerate(int(x) for x in shapes))} (negative: staggered); construct DiLoCo with "
+                             "the same fragments, stagger (and model) everywhere")
         self._landed = 0                         # fragments of the update in flight that have landed
         self._moved = 0                          # ... and that this replica has moved onto
         self._moved_at: list[tuple[int, int]] = []     # (elements, steps taken) per move this round
@@ -189,6 +204,7 @@ class DiLoCo(Checkpoint, Overlap, _flat.FlatParameters):
         # five times over. Pseudo-gradients alternate between two buffers with overlap: one
         # travels while the next round's is computed; the idle one is the move's scratch.
         self._deltas = [torch.empty_like(self._start) for _ in range(2 if self.overlap else 1)]
+        self._init_streams(stagger)
         self._next_delta = 0
         self._sync_wall = 0.0          # seconds the last background synchronisation took here
         self._background_syncs = 0     # started by this object (the first one is a warm-up)
@@ -223,6 +239,7 @@ class DiLoCo(Checkpoint, Overlap, _flat.FlatParameters):
         self._t0 = self._clock()
         self._last_elapsed = 0.0
         self._policy.start_round(self._clock())
+        self._plan_triggers()
         self._mark = self._clock()
 
     # ---- the training loop's side ------------------------------------------------------------
@@ -276,6 +293,7 @@ class DiLoCo(Checkpoint, Overlap, _flat.FlatParameters):
         self._step_calls += 1
         self._r_steps += 1
         self._r_samples += n
+        self._count_window(n)
         self._r_compute += dt
         if loss is not None and n > 0:
             self._r_loss += float(loss) * n
@@ -290,6 +308,8 @@ class DiLoCo(Checkpoint, Overlap, _flat.FlatParameters):
             synced = False
         if self._workers.size > 1 and (stretch or not isinstance(self._policy, (FixedSteps, SpeedSteps))):
             synced = self._workers.agree(synced)      # a worker's ranks end the round together
+        if self._stagger:
+            self._after_step_streams(synced)
         if synced:
             self._synchronise()
         elif self._pending is not None:
@@ -406,7 +426,7 @@ class DiLoCo(Checkpoint, Overlap, _flat.FlatParameters):
         self._closed = True
         # A synchronisation still running in the background (only on the way out of an error)
         # keeps using its group: leave both to the process's exit rather than pull them away.
-        busy = self._pending is not None and not self._pending.done()
+        busy = any(f is not None and not f.done() for f in [self._pending] + [j["future"] for j in self._flight.values()])
         if self._executor is not None:
             self._executor.shutdown(wait=False, cancel_futures=True)
             self._executor = None
@@ -439,6 +459,8 @@ class DiLoCo(Checkpoint, Overlap, _flat.FlatParameters):
         not applied)."""
         if self._pending is not None and not self._closed:     # (a closed object's may never finish)
             concurrent.futures.wait([self._pending])
+        if not self._closed:
+            self._join_streams()
         return [g.detach() for g in self._global]
 
     def stats(self) -> dict:
@@ -511,7 +533,7 @@ class DiLoCo(Checkpoint, Overlap, _flat.FlatParameters):
         col[_REPLICA] = total
         col[_LANDED] = self._landed_steps()
         col[_SYNC_WALL] = self._sync_wall
-        col[_FRAGMENTS] = len(self._fragments)
+        col[_FRAGMENTS] = len(self._fragments) * (-1 if self._stagger else 1)
         col[_DONE] = 1.0 if self._exhausted else 0.0
         col[_ELAPSED] = self._clock() - self._t0
         for name, row in _BUDGETS.items():
@@ -547,6 +569,8 @@ class DiLoCo(Checkpoint, Overlap, _flat.FlatParameters):
         # so that the policy's plans, recorded in the history, stay identical on every rank.)
         if not self.overlap or self._stopped:
             self._count_sync(begin)
+            for f in range(1, len(self._fragments) if self._stagger else 1):
+                self._fire(f, inline=True)        # their steps since their trigger, here and now
             table, _ = self._exchange_and_reduce(column, delta, timed=True, plan=plan)
             begin = self._clock()
             self._after_agreement(table)
@@ -558,12 +582,16 @@ class DiLoCo(Checkpoint, Overlap, _flat.FlatParameters):
             # The next round starts at Opt*(θ^{k-1}, Δ_r^k) (see the module doc), computed before
             # the background thread takes the outer optimizer.
             # The old start is no longer needed: the estimate replaces it in place.
-            estimate_step(self.outer_optimizer, self._global, self._split(progress), self._split(self._start))
-            estimate = self._start
+            if self._stagger:
+                self._fire_rest()                 # the fragments this round did not reach, first
+            j, b = self._boundary[-1][1], self._boundary[-1][3]
+            params = self._params[:j]
+            start = _flat.split(self._start[:b], params)
+            estimate_step(self.outer_optimizer, self._global[:j], _flat.split(progress[:b], params), start)
             self._landed = self._moved = 0
             self._pending_agreed = None
             self._pending = self._executor.submit(self._exchange_and_reduce, column, delta, timed=False, plan=plan)
-            self._load_flat(estimate)
+            _flat.load(params, start)
             self._rebased = False
             self._shortening_checked = False
             self._until_landed = False
@@ -573,6 +601,7 @@ class DiLoCo(Checkpoint, Overlap, _flat.FlatParameters):
             previous = getattr(self._policy, "deadline", None)
             self._policy.start_round(now, start=None if previous is None else max(previous, now))
         self._reset_round()
+        self._plan_triggers()                     # after the policy started the round
 
     def _count_sync(self, begin: float) -> None:
         end = self._clock()
@@ -617,8 +646,8 @@ class DiLoCo(Checkpoint, Overlap, _flat.FlatParameters):
                                  f"{dict(enumerate(ranks[row]))} (0 = none); every rank must pass the same")
         if len(set(ranks[_FRAGMENTS])) > 1:             # the reduction would not line up
             raise ValueError(f"{_PREFIX}: the ranks reduce in different numbers of fragments: "
-                             f"{dict(enumerate(int(x) for x in ranks[_FRAGMENTS]))}; construct DiLoCo with the same "
-                             "fragments (and model) everywhere")
+                             f"{dict(enumerate(int(x) for x in ranks[_FRAGMENTS]))} (negative: staggered); construct "
+                             "DiLoCo with the same fragments, stagger (and model) everywhere")
         split = self._workers.diverged(ranks[_REPLICA], list(zip(ranks[_STEPS], ranks[_LANDED])))
         if split:
             raise ValueError(f"{_PREFIX}: round {round_index}: the ranks of worker(s) {split} hold different replicas "
@@ -631,7 +660,7 @@ class DiLoCo(Checkpoint, Overlap, _flat.FlatParameters):
         any_steps = any(s > 0 for s in table[_STEPS])
         weights = outer_weights(self.weighting, table[_SAMPLES], table[_STEPS])
         if any_steps and any(w != 0.0 for w in weights):
-            for f, (i, j, a, b) in enumerate(self._fragments):
+            for f, (i, j, a, b) in enumerate(self._boundary):
                 feedback = self._feedback[f] if self._feedback is not None else None
                 if self._workers.single:
                     part = _compress.weighted_allreduce(delta[a:b], weights, codec=self._codec, group=group,
@@ -644,7 +673,7 @@ class DiLoCo(Checkpoint, Overlap, _flat.FlatParameters):
                 self.outer_optimizer.step()
                 self.outer_optimizer.zero_grad(set_to_none=True)
                 self._landed = f + 1           # the training thread may move onto these now
-        self._landed = len(self._fragments)
+        self._landed = len(self._boundary)
         end = self._clock()
         self._timeline.append(("sync", agreed, end))
         if timed:
@@ -656,7 +685,9 @@ class DiLoCo(Checkpoint, Overlap, _flat.FlatParameters):
             # against 1.1 s at 20 Mbit/s, int4), and a round planned from it would be twice as
             # long as the link needs; unknown (0), the round lasts until the one in flight lands.
             self._background_syncs += 1
-            self._sync_wall = end - agreed if self._background_syncs > 1 else 0.0
+            # With staggered fragments, the link's time per round is theirs too.
+            busy, self._stream_busy = self._stream_busy, 0.0
+            self._sync_wall = end - agreed + busy if self._background_syncs > 1 else 0.0
         if any_steps:
             self._record(table, weights, round_index, plan)
         return table, weights

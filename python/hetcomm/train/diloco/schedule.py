@@ -42,7 +42,9 @@ def fragment_bounds(sizes: Sequence[int], fragments: int) -> list[tuple[int, int
 
 
 class Overlap:
-    """The moves of `DiLoCo` onto late updates (``overlap=True``)."""
+    """The moves of `DiLoCo` onto the late update of the round boundary (``overlap=True``): its
+    fragments, ``_boundary`` (all of them, or with staggered fragments the first; the others:
+    `hetcomm.train.diloco.stream`)."""
 
     def _shorten_last_round(self, round_index: int, table: list[list[float]]) -> None:
         """With ``time`` and overlap, once the previous round's (``round_index``) background
@@ -73,7 +75,7 @@ class Overlap:
         """Moves the replica onto θ^k once round k's late update is in (see the module doc):
         p ← θ^k + β (p − θ̂_r^k), keeping a share β of the steps taken since its start; fragment by fragment
         as they land (a worker's ranks agree on how many)."""
-        total = len(self._fragments)
+        total = len(self._boundary)
         if self._rebase_after is None:
             # done: every fragment landed, or the synchronisation failed (-1: raised below on
             # every rank of the worker at once, before any move onto a partial update)
@@ -104,20 +106,24 @@ class Overlap:
         self._move_onto_global(total)
         self._rebased = True
 
-    @torch.no_grad()
     def _move_onto_global(self, upto: int) -> None:
-        """For the fragments landed since the last move (up to ``upto``): p ← θ^k + β (p − start),
-        start ← θ^k (θ^k: the global parameters, the late update landed; β: ``early_weight``);
-        counts as sync."""
+        """Moves the fragments of the round boundary's update landed since the last move (up to
+        ``upto``) onto it (`_move_range`)."""
         if upto <= self._moved:
             return
-        start = self._clock()
-        i, a = self._fragments[self._moved][0], self._fragments[self._moved][2]
-        j, b = self._fragments[upto - 1][1], self._fragments[upto - 1][3]
-        self._moved_at.append((b - a, self._r_steps))
+        i, a = self._boundary[self._moved][0], self._boundary[self._moved][2]
+        j, b = self._boundary[upto - 1][1], self._boundary[upto - 1][3]
         self._moved = upto
         # The pseudo-gradient buffer not in flight is free (its synchronisation was waited for).
-        scratch = self._deltas[self._next_delta][a:b]
+        self._move_range(i, j, a, b, self._deltas[self._next_delta][a:b])
+
+    @torch.no_grad()
+    def _move_range(self, i: int, j: int, a: int, b: int, scratch: torch.Tensor) -> None:
+        """For parameters [i, j) (elements [a, b)), whose late update has landed:
+        p ← θ^k + β (p − start), start ← θ^k (θ^k: the global parameters; β: ``early_weight``),
+        through ``scratch`` (b − a elements); counts as sync."""
+        start = self._clock()
+        self._moved_at.append((b - a, self._r_steps))
         params, glob = self._params[i:j], self._global[i:j]
         beta = self._early_weight
         for p, g, s, t in zip(params, glob, _flat.split(self._start[a:b], params), _flat.split(scratch, params)):

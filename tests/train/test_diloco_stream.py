@@ -15,6 +15,7 @@
 """
 from __future__ import annotations
 
+import concurrent.futures
 import copy
 
 import pytest
@@ -128,13 +129,13 @@ def stagger_reference(world: int, F: int, tau: int, beta: float, outer_name: str
                 seen[1] += len(x)
                 for job in flight.values():
                     job[1] += 1
+                for f in sorted((f for f in flight if f > 0 and flight[f][1] >= tau), key=lambda f: flight[f][0]):
+                    yield from move(f)
                 if s < H:
                     for f in range(1, len(frags)):
                         if f not in done and s >= trig[f]:
                             done.add(f)
                             yield from fire(f)
-                for f in sorted((f for f in flight if f > 0 and flight[f][1] >= tau), key=lambda f: flight[f][0]):
-                    yield from move(f)
                 if s < H and 0 in flight and s >= tau:
                     yield from move(0)
             # the boundary: fragment 0's previous update waited for (move dropped), the rest fired
@@ -261,3 +262,87 @@ def test_stagger_triggers_and_planned_steps():
     time_policy = TimeSteps(10, round_seconds=3.0)
     time_policy.bind(1, 2)
     assert time_policy.planned_steps(times) == 12        # 3 s at 0.25 s a step
+
+
+def train_workers_staggered(rank: int, world: int) -> dict:
+    """Workers of two ranks, ``time`` on a declared clock (worker 1 four times faster, so its
+    triggers fall at other steps), int8, three staggered fragments moved as soon as they land
+    (the worker's ranks agree on it)."""
+    import hetcomm
+    from clock import DeclaredClock
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 1))
+    opt = torch.optim.SGD(net.parameters(), lr=0.05)
+    clock = DeclaredClock()
+    diloco = hetcomm.DiLoCo(net, opt, local_steps="time", steps=6, workers=[0, 0, 1, 1], overlap=True, fragments=3,
+                            compress="int8", clock=clock)
+    g = torch.Generator().manual_seed(rank // 2)        # a worker's ranks step on the same batches
+    data = iter(lambda: (torch.randn(4, 6, generator=g), torch.randn(4, 1, generator=g)), None)
+    moves = 0
+    for x, y in diloco.loop(data, max_rounds=8):
+        nn.functional.mse_loss(net(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+        clock.compute(0.04 if rank < 2 else 0.01)
+        before = len(diloco._moved_at)
+        diloco.step(samples=len(x))
+        moves += len(diloco._moved_at) > before
+    return {"history": diloco.history, "global": [t.clone() for t in diloco.global_parameters()],
+            "model": [p.detach().clone() for p in net.parameters()], "moves": moves}
+
+
+def test_staggered_fragments_compose_with_workers_time_and_int8():
+    per_rank = run_ranks(4, train_workers_staggered, timeout=240)
+    for res in per_rank:
+        assert res["history"] == per_rank[0]["history"]
+        for a, b, p in zip(per_rank[0]["global"], res["global"], res["model"]):
+            assert torch.equal(a, b) and torch.equal(a, p)
+    hist = per_rank[0]["history"]
+    assert len(hist) == 8
+    assert all(h["steps"][1] > h["steps"][0] for h in hist[3:]), [h["steps"] for h in hist]   # time gave more
+    assert all(r["moves"] > 0 for r in per_rank), [r["moves"] for r in per_rank]   # mid-round moves happened
+
+
+def train_failing_stream(rank: int, world: int) -> dict:
+    """Workers [0, 1] and [2, 3], fixed 4 steps, 2 staggered fragments (fragment 1 fires after
+    step 2). Only rank 0's job of fragment 1 fails, after its communication: rank 1 must raise at
+    the same step as rank 0, and the other worker must not raise."""
+    import hetcomm
+
+    net = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
+    opt = torch.optim.SGD(net.parameters(), lr=0.01)
+    diloco = hetcomm.DiLoCo(net, opt, local_steps="fixed", steps=4, overlap=True, fragments=2,
+                            workers=["a", "a", "b", "b"])
+    if rank == 0:
+        original = diloco._workers.reduce
+
+        def failing(*args, **kwargs):
+            original(*args, **kwargs)
+            raise RuntimeError("injected failure in fragment 1")
+
+        diloco._workers.reduce = failing
+    for step in range(1, 4):
+        torch.manual_seed(rank // 2)
+        net(torch.randn(2, 4)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        try:
+            diloco.step()
+        except RuntimeError as e:
+            diloco.close()
+            return {"error": str(e), "step": step}
+        if step == 2:                            # fragment 1 fired: let its job end everywhere
+            job = diloco._flight.get(1)
+            if job is not None:
+                concurrent.futures.wait([job["future"]], timeout=60)
+    diloco.close()
+    return {"error": None, "step": None}
+
+
+def test_a_fragment_that_fails_on_one_rank_of_a_worker_raises_on_all_its_ranks_at_once():
+    res = run_ranks(4, train_failing_stream, timeout=180)
+    assert "injected failure in fragment 1" in (res[0]["error"] or ""), res[0]
+    assert "another rank of this worker failed" in (res[1]["error"] or ""), res[1]
+    assert res[0]["step"] == res[1]["step"], res[:2]
+    assert res[2]["error"] is None and res[3]["error"] is None, res[2:]

@@ -14,7 +14,8 @@ round. Every rank must construct the object with the same arguments and call `st
 inner step. The algorithm and the derivations of the weighting and the overlap:
 docs/diloco.md#the-algorithm, docs/diloco.md#outer-weights, docs/diloco.md#overlap-the-derivation.
 
-The package: `loop` (the class, its loop and bookkeeping), `schedule` (fragments and the
+The package: `loop` (the class, its loop and bookkeeping), `agreement` (the round boundary's
+agreement and reduction), `schedule` (fragments and the
 overlap's moves), `outer` (weights, the outer step), `table` (what the ranks agree on, and what is
 decided from it), `checkpoint`.
 """

@@ -81,21 +81,39 @@ class Streams:
         self._seen[1] += samples
 
     def _after_step_streams(self, boundary: bool) -> None:
-        """After every step: counts it for the jobs in flight, fires the fragments due (inside the
-        round; at its ``boundary`` `_fire_rest` does), moves those that landed."""
+        """After every step: counts it for the jobs in flight, moves those that landed, then fires
+        the fragments due (inside the round; at its ``boundary`` `_fire_rest` does). Moved onto
+        as they land, a fragment whose previous job has not landed yet fires at the first step
+        after it has (or at the boundary) instead of idling for it; with ``overlap_steps`` the
+        schedule is the fixed one."""
         for job in self._flight.values():
             job["steps"] += 1
-        if not boundary:
-            for f in range(1, len(self._fragments)):
-                if not self._fired[f] and self._r_steps >= self._triggers[f - 1]:
-                    self._fire(f)
         self._move_landed_streams()
+        if boundary:
+            return
+        for f in range(1, len(self._fragments)):     # in order: every rank queues the same jobs
+            if self._fired[f]:
+                continue
+            if self._r_steps < self._triggers[f - 1] or (self._rebase_after is None and f in self._flight):
+                break
+            self._fire(f)
 
     def _fire_rest(self) -> None:
         """At the round boundary, before fragment 0: the fragments not yet fired this round."""
         for f in range(1, len(self._fragments)):
             if not self._fired[f]:
                 self._fire(f)
+
+    def _fire_last(self) -> None:
+        """The last, synchronous round's boundary: every job waited for; the fragments this round
+        did not fire, then every fragment's steps since its trigger, here (so that every rank runs
+        the same collectives: each fragment once per round, then once more)."""
+        self._join_streams()
+        for f in range(1, len(self._fragments)):
+            if not self._fired[f]:
+                self._fire(f, inline=True)
+        for f in range(1, len(self._fragments)):
+            self._fire(f, inline=True)
 
     def _wait_job(self, job: dict) -> None:
         start = self._clock()
@@ -188,6 +206,8 @@ class Streams:
             if split:
                 raise ValueError(f"{_PREFIX}: fragment {f}: the ranks of worker(s) {split} hold different replicas "
                                  "(a worker's ranks must step together on the same replica)")
+            # Timed from the agreement, as the boundary's job: not the wait for the last rank.
+            agreed = self._clock()
             table = self._workers.aggregate(ranks, _F_AGGREGATE)
             weights = outer_weights(self.weighting, table[_F_SAMPLES], table[_F_STEPS])
             if any(s > 0 for s in table[_F_STEPS]) and any(w != 0.0 for w in weights):
@@ -207,7 +227,7 @@ class Streams:
             if timed:
                 self._totals["sync"] += end - start
             else:
-                self._stream_busy += end - start
+                self._stream_busy += end - agreed
                 self._stream_landed += 1
         except BaseException:
             self._stream_failed = True

@@ -196,7 +196,7 @@ def derived(run: dict) -> dict:
         # The highest rate any host sent at over 1 s (its uplink; the simulated cluster's counters).
         "peak_tx_mbit": (max(run["peak_tx_mbit"]) if run.get("peak_tx_mbit") and None not in run["peak_tx_mbit"]
                          else None),
-        # ... from the end of round 3 to the start of the last (synchronous) round
+        # ... from the end of round 4 to the start of the last (synchronous) round
         "steady_peak_tx_mbit": (max(run["steady_peak_tx_mbit"]) if run.get("steady_peak_tx_mbit")
                                 and None not in run["steady_peak_tx_mbit"] else None),
     }
@@ -279,9 +279,12 @@ def main(argv=None) -> int:
             print(f"diloco_sim: repeat {repeat + 1}/{args.repeats}, {name}", flush=True)
             runs[name].append(run_once(name, args, example_args, seed=repeat))
 
-    figures = {n: {k: (statistics.median(derived(r)[k] for r in runs[n])
-                       if isinstance(derived(runs[n][0])[k], (int, float)) else derived(runs[n][0])[k])
-                   for k in derived(runs[n][0])} for n in names}
+    def median(values: list):
+        """The median of the numbers among ``values`` (a run may lack one: None), else the first."""
+        numbers = [v for v in values if isinstance(v, (int, float)) and not isinstance(v, bool)]
+        return statistics.median(numbers) if numbers else values[0]
+
+    figures = {n: {k: median([derived(r)[k] for r in runs[n]]) for k in derived(runs[n][0])} for n in names}
     for n in names:
         figures[n]["final_loss_each"] = [r["final_loss"] for r in runs[n]]
         figures[n]["samples_per_second_each"] = [r["samples_per_second"] for r in runs[n]]

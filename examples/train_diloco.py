@@ -71,6 +71,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--outer-lr", type=float, default=0.5)
     p.add_argument("--outer-momentum", type=float, default=0.5, help="outer Nesterov momentum (0: plain SGD)")
     p.add_argument("--json", metavar="PATH", help="write the summary here (rank 0)")
+    p.add_argument("--nic-trace", metavar="PATH", help="on the simulated cluster: write this rank's bytes sent over "
+                                                      "time (JSON, [[seconds, bytes], ...]) to PATH.<rank>")
     return p.parse_args(argv)
 
 
@@ -151,10 +153,14 @@ def main(argv=None) -> int:
     say(f"stopped: {diloco.stop_reason}")
     wall = time.perf_counter() - started
     tx = nic.stop() if nic is not None else None
+    if tx is not None and args.nic_trace:
+        with open(f"{args.nic_trace}.{rank}", "w") as f:
+            json.dump({"samples": tx, "boundaries": boundaries}, f)
     peaks = [None] * world
-    # ... over the whole run, and in the steady state: from the end of round 3 (after the
-    # policy's measurement rounds) to the start of the last round (synchronous, whole)
-    steady = (boundaries[2], boundaries[-2]) if len(boundaries) >= 5 else None
+    # ... over the whole run, and in the steady state: from the end of round 4 (the first round
+    # planned after `time`'s measurement rounds, whose boundary still fires what they did not
+    # reach) to the start of the last round (synchronous, whole)
+    steady = (boundaries[3], boundaries[-2]) if len(boundaries) >= 6 else None
     dist.all_gather_object(peaks, None if tx is None else
                            (peak_rate(tx), tx[-1][1], peak_rate(tx, start=steady[0], end=steady[1]) if steady else None))
     stats = diloco.stats()

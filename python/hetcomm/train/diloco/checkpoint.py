@@ -29,7 +29,7 @@ def _cpu_copy(obj):
 class Checkpoint:
     """Saving and resuming a `DiLoCo` run."""
 
-    _STATE_VERSION = 2              # 2: "feedback" is a list (one per fragment), "sync_wall"
+    _STATE_VERSION = 3              # 2: "feedback" is a list (one per fragment), "sync_wall"; 3: "streams"
 
     def state_dict(self) -> dict:
         """Everything a resumed run needs, for this rank (CPU copies): the global parameters and the
@@ -104,8 +104,8 @@ class Checkpoint:
         if self._step_calls or self._history:
             raise RuntimeError(f"{_PREFIX}: load_state_dict() after steps were taken: call it right after "
                                "constructing DiLoCo")
-        if state.get("version") not in (1, self._STATE_VERSION):
-            raise ValueError(f"{_PREFIX}: checkpoint version {state.get('version')!r}, expected 1 or {self._STATE_VERSION}")
+        if state.get("version") not in (1, 2, self._STATE_VERSION):
+            raise ValueError(f"{_PREFIX}: checkpoint version {state.get('version')!r}, expected 1 to {self._STATE_VERSION}")
         if list(state["labels"]) != list(self._labels):
             raise ValueError(f"{_PREFIX}: the checkpoint's workers {resolve_members(state['labels'])} differ from "
                              f"this run's {resolve_members(self._labels)} (the same group and workers are needed)")
@@ -116,6 +116,10 @@ class Checkpoint:
             raise ValueError(f"{_PREFIX}: the checkpoint was taken with{'' if state.get('streams') else 'out'} staggered "
                              f"fragments, this run is{'' if self._stagger else ' not'} staggered: construct DiLoCo with "
                              "the same fragments and stagger to resume it")
+        if self._stagger and [tuple(x) for x in state["streams"]["bounds"]] != [tuple(x) for x in self._fragments]:
+            raise ValueError(f"{_PREFIX}: the checkpoint's fragments {state['streams']['bounds']} differ from this "
+                             f"run's {[list(x) for x in self._fragments]} (construct DiLoCo with the same fragments "
+                             "and model)")
         if state["pending"] is not None and not self.overlap:
             raise ValueError(f"{_PREFIX}: the checkpoint was taken with overlap=True (a synchronisation in flight); "
                              "construct DiLoCo with overlap=True to resume it")

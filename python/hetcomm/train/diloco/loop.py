@@ -179,7 +179,6 @@ class DiLoCo(Agreement, Checkpoint, Streams, Overlap, _flat.FlatParameters):
                              "the same fragments, stagger (and model) everywhere")
         self._landed = 0                         # fragments of the update in flight that have landed
         self._moved = 0                          # ... and that this replica has moved onto
-        self._moved_at: list[tuple[int, int]] = []     # (elements, steps taken) per move this round
         # quantisation residuals: one per fragment (each is reduced as a vector of its own)
         self._feedback = ([_compress.ErrorFeedback() for _ in self._fragments] if self._error_feedback else None)
         self._rebased = True                     # no late update is waiting to be applied
@@ -456,7 +455,8 @@ class DiLoCo(Agreement, Checkpoint, Streams, Overlap, _flat.FlatParameters):
     def global_parameters(self) -> list[torch.Tensor]:
         """The global parameters (CPU, identical on every rank after each synchronisation); with
         overlap, after the latest update that landed (a synchronisation in flight is waited for,
-        not applied)."""
+        not applied; with staggered fragments, mid-round, that waits for the other ranks to reach
+        the fragments in flight: call it at a round boundary)."""
         if self._pending is not None and not self._closed:     # (a closed object's may never finish)
             concurrent.futures.wait([self._pending])
         if not self._closed:
@@ -516,8 +516,9 @@ class DiLoCo(Agreement, Checkpoint, Streams, Overlap, _flat.FlatParameters):
         self._r_loss = 0.0
         self._r_loss_n = 0
         # steps this round before the previous round's late update landed (0: none pending)
-        self._r_landed: float | None = None if self._pending is not None else 0
-        self._moved_at = []
+        # (staggered fragments: their moves this round count, whatever is in flight at the boundary)
+        self._r_landed: float | None = None if self._pending is not None or self._stagger else 0
+        self._moved_at: dict[int, tuple[int, int]] = {}     # first element -> (elements, steps) of its move
 
     def _column(self, delta: torch.Tensor) -> list[float]:
         # One pass: the float64 sum of a float32 vector is finite iff every element is (it cannot
@@ -583,7 +584,9 @@ class DiLoCo(Agreement, Checkpoint, Streams, Overlap, _flat.FlatParameters):
             # the background thread takes the outer optimizer.
             # The old start is no longer needed: the estimate replaces it in place.
             if self._stagger:
+                self._count_sync(begin)
                 self._fire_rest()                 # the fragments this round did not reach, first
+                begin = self._clock()             # (each counts its own sync and idle)
             j, b = self._boundary[-1][1], self._boundary[-1][3]
             params = self._params[:j]
             start = _flat.split(self._start[:b], params)

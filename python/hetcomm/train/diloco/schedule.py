@@ -123,7 +123,7 @@ class Overlap:
         p ← θ^k + β (p − start), start ← θ^k (θ^k: the global parameters; β: ``early_weight``),
         through ``scratch`` (b − a elements); counts as sync."""
         start = self._clock()
-        self._moved_at.append((b - a, self._r_steps))
+        self._moved_at[a] = (b - a, self._r_steps)       # a fragment moved twice: its latest move
         params, glob = self._params[i:j], self._global[i:j]
         beta = self._early_weight
         for p, g, s, t in zip(params, glob, _flat.split(self._start[a:b], params), _flat.split(scratch, params)):
@@ -148,8 +148,9 @@ class Overlap:
         n = self._start.numel()
         if n == 0:
             return self._r_steps
-        moved = sum(size for size, _ in self._moved_at)
-        return (sum(size * steps for size, steps in self._moved_at) + (n - moved) * self._r_steps) / n
+        moves = self._moved_at.values()
+        moved = sum(size for size, _ in moves)
+        return (sum(size * steps for size, steps in moves) + (n - moved) * self._r_steps) / n
 
     def _wait_pending(self) -> None:
         start = self._clock()

@@ -8,8 +8,10 @@ fragment jumps to the start estimate Opt*(θ_f, Δ_f) (`outer.estimate_step`), a
 background thread agrees on the window's steps and samples (the outer weights), reduces Δ_f and
 takes the outer step of the fragment's parameters. When it has landed (at once, or with
 ``overlap_steps`` = τ after τ steps, waiting for it if need be) the fragment moves onto it as
-the round boundary's update does: p_f ← θ_f + β (p_f − start_f). A fragment whose update has
-not moved by its next trigger keeps its steps whole (the move is dropped, as at the boundary).
+the round boundary's update does: p_f ← θ_f + β (p_f − start_f). Moved on arrival, a fragment
+whose previous update has not landed by its trigger fires once it has (the later fragments wait
+with it: the jobs stay in order); with τ, or at the boundary, a fragment not moved by then keeps
+its steps whole (the move is dropped, as at the boundary).
 
 Fragment 0 is the round boundary's (`schedule.Overlap`, with the agreement on the round's
 table). A rank reaches the triggers at its own steps; the jobs queue on one thread in the same
@@ -64,8 +66,11 @@ class Streams:
         self._stream_landed = 0                    # jobs landed (in order: one thread runs them)
         self._stream_failed = False
         self._stream_busy = 0.0                    # seconds of jobs since the boundary's job
+        self._stream_moves = 0                     # moves onto fragments' updates (f >= 1)
+        # Fragments 1.. only: their pseudo-gradients, and the moves' scratch.
+        self._stream_base = self._fragments[1][2] if self._stagger else 0
         if self._stagger:
-            n = self._start.numel()
+            n = self._start.numel() - self._stream_base
             self._stream_delta = torch.empty(n, dtype=self._master)
             self._stream_scratch = torch.empty(n, dtype=self._master)
 
@@ -134,8 +139,9 @@ class Streams:
             return
         self._wait_job(job)
         if move:
+            self._stream_moves += 1
             i, j, a, b = self._fragments[f]
-            self._move_range(i, j, a, b, self._stream_scratch[a:b])
+            self._move_range(i, j, a, b, self._stream_scratch[a - self._stream_base:b - self._stream_base])
 
     def _join_streams(self) -> None:
         """Every job in flight waited for, its move still to come (a checkpoint, the global
@@ -147,7 +153,7 @@ class Streams:
     def _window_delta(self, f: int) -> torch.Tensor:
         """Δ_f = start_f − p_f (master precision) into the fragment's slice of the stream buffer."""
         i, j, a, b = self._fragments[f]
-        out = self._stream_delta[a:b]
+        out = self._stream_delta[a - self._stream_base:b - self._stream_base]
         params = self._params[i:j]
         for p, s, o in zip(params, _flat.split(self._start[a:b], params), _flat.split(out, params)):
             src = p.detach().reshape(-1)
@@ -160,9 +166,9 @@ class Streams:
     def _fire(self, f: int, *, inline: bool = False) -> None:
         """Fragment f's trigger: its window's pseudo-gradient, the replica's jump to the start
         estimate, and its job (on the background thread; ``inline``: here, in the last round)."""
-        begin = self._clock()
         self._fired[f] = True
         self._wait_stream(f)                   # its previous job (not moved by now: steps kept whole)
+        begin = self._clock()                  # (the wait counted as idle)
         i, j, a, b = self._fragments[f]
         delta = self._window_delta(f)
         total = float(torch.sum(delta, dtype=torch.float64)) if delta.numel() else 0.0
@@ -245,9 +251,11 @@ class Streams:
             if self._workers.size > 1:
                 landed = int(self._workers.least(landed))
             if landed < 0:
-                for job in self._flight.values():
-                    if job["future"].done():
-                        job["future"].result()           # this rank's own failure
+                if self._stream_failed:                  # this rank's own failure: its error, not "another's"
+                    for job in self._flight.values():
+                        concurrent.futures.wait([job["future"]])
+                        if job["future"].exception() is not None:
+                            job["future"].result()
                 raise RuntimeError(f"{_PREFIX}: another rank of this worker failed a fragment's synchronisation "
                                    "(its error names the cause)")
             due = [f for f, job in self._flight.items() if job["seq"] <= landed]
@@ -258,7 +266,8 @@ class Streams:
         """For a checkpoint (every job waited for): what is still to move, and the windows."""
         if not self._stagger:
             return None
-        return {"unmoved": {f: job["steps"] for f, job in self._flight.items()},
+        return {"bounds": [list(x) for x in self._fragments],
+                "unmoved": {f: job["steps"] for f, job in self._flight.items()},
                 "seen": list(self._seen), "at_trigger": [list(x) for x in self._at_trigger]}
 
     def _load_stream_state(self, state: dict | None) -> None:

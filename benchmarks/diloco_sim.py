@@ -59,6 +59,11 @@ CONFIGS = {
     "time-int8-overlap": ["--local-steps", "time", "--compress", "int8", "--overlap"],
     "time-int8": ["--local-steps", "time", "--compress", "int8"],
     "time-int8-overlap-f4": ["--local-steps", "time", "--compress", "int8", "--overlap", "--fragments", "4"],
+    # the 4 fragments all at the round boundary (not staggered over the round)
+    "time-int8-overlap-f4-together": ["--local-steps", "time", "--compress", "int8", "--overlap", "--fragments", "4",
+                                      "--no-stagger"],
+    "fixed-int8-overlap-f4-together": ["--local-steps", "fixed", "--compress", "int8", "--overlap", "--fragments",
+                                       "4", "--no-stagger"],
     "fixed-overlap": ["--local-steps", "fixed", "--overlap"],
     "fixed-int8-overlap": ["--local-steps", "fixed", "--compress", "int8", "--overlap"],
     # overlap whose late update moves the replicas after a set number of steps (deterministic
@@ -188,6 +193,12 @@ def derived(run: dict) -> dict:
         # With overlap: how far into a round (fraction of its steps, mean over workers and the
         # rounds after the first) the previous round's update landed and moved the replica.
         "landed_fraction_of_round": _landed_fraction(run),
+        # The highest rate any host sent at over 1 s (its uplink; the simulated cluster's counters).
+        "peak_tx_mbit": (max(run["peak_tx_mbit"]) if run.get("peak_tx_mbit") and None not in run["peak_tx_mbit"]
+                         else None),
+        # ... from the end of round 4 to the start of the last (synchronous) round
+        "steady_peak_tx_mbit": (max(run["steady_peak_tx_mbit"]) if run.get("steady_peak_tx_mbit")
+                                and None not in run["steady_peak_tx_mbit"] else None),
     }
 
 
@@ -268,12 +279,17 @@ def main(argv=None) -> int:
             print(f"diloco_sim: repeat {repeat + 1}/{args.repeats}, {name}", flush=True)
             runs[name].append(run_once(name, args, example_args, seed=repeat))
 
-    figures = {n: {k: (statistics.median(derived(r)[k] for r in runs[n])
-                       if isinstance(derived(runs[n][0])[k], (int, float)) else derived(runs[n][0])[k])
-                   for k in derived(runs[n][0])} for n in names}
+    def median(values: list):
+        """The median of the numbers among ``values`` (a run may lack one: None), else the first."""
+        numbers = [v for v in values if isinstance(v, (int, float)) and not isinstance(v, bool)]
+        return statistics.median(numbers) if numbers else values[0]
+
+    figures = {n: {k: median([derived(r)[k] for r in runs[n]]) for k in derived(runs[n][0])} for n in names}
     for n in names:
         figures[n]["final_loss_each"] = [r["final_loss"] for r in runs[n]]
         figures[n]["samples_per_second_each"] = [r["samples_per_second"] for r in runs[n]]
+        figures[n]["peak_tx_mbit_each"] = [derived(r)["peak_tx_mbit"] for r in runs[n]]
+        figures[n]["steady_peak_tx_mbit_each"] = [derived(r)["steady_peak_tx_mbit"] for r in runs[n]]
     ratios = {}
     if "fixed" in figures:
         base = figures["fixed"]
@@ -293,11 +309,25 @@ def main(argv=None) -> int:
         if a in figures and b in figures:
             ratios[f"mean_final_loss_{a}_over_{b}"] = (statistics.mean(figures[a]["final_loss_each"])
                                                        / statistics.mean(figures[b]["final_loss_each"]))
+    # fragments (staggered, or together at the boundary) against the whole update at once: the
+    # peak rate a host sends at, and the loss
+    for a in names:
+        b = a.replace("-f4-together", "").replace("-f4", "")
+        if a != b and "-f4" in a and b in figures:
+            for key in ("peak_tx_mbit", "steady_peak_tx_mbit"):
+                if figures[a][key] and figures[b][key]:
+                    ratios[f"{key.removesuffix('_mbit')}_{a}_over_{b}"] = figures[a][key] / figures[b][key]
+            ratios.setdefault(f"mean_final_loss_{a}_over_{b}", statistics.mean(figures[a]["final_loss_each"])
+                              / statistics.mean(figures[b]["final_loss_each"]))
     for n in names:
         f = figures[n]
         sync = "" if f["sync_fraction_of_round"] is None else f", sync {f['sync_fraction_of_round']:.0%} of a round"
         if f.get("landed_fraction_of_round") is not None:
             sync += f", update landed {f['landed_fraction_of_round']:.0%} into a round"
+        if f.get("peak_tx_mbit") is not None:
+            sync += f", peak {f['peak_tx_mbit']:.1f} Mbit/s over 1 s"
+        if f.get("steady_peak_tx_mbit") is not None:
+            sync += f" ({f['steady_peak_tx_mbit']:.1f} in the steady state)"
         print(f"diloco_sim: {n:18s} {f['samples_per_second']:6.1f} samples/s, idle {f['idle_seconds']:6.1f} s, "
               f"utilisation {f['compute_utilisation']:.0%}, loss {f['final_loss']:.3f} "
               f"({', '.join(f'{x:.3f}' for x in f['final_loss_each'])}){sync}", flush=True)

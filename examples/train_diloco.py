@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 import hetcomm
+from hetcomm.bench.nic import NicSampler, peak_rate
 from char_gpt import add_model_arguments, build, evaluate, mean_loss
 
 
@@ -45,7 +46,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="with --overlap: apply the late update after this many steps of the next round "
                         "(default: as soon as it arrives)")
     p.add_argument("--fragments", type=int, default=1,
-                   help="with --overlap: reduce the update in this many pieces, each moved onto as it lands")
+                   help="with --overlap: reduce the update in this many pieces, each moved onto as it lands; "
+                        "fragment f is synchronised at step f*H/F of each round (staggered)")
+    p.add_argument("--no-stagger", action="store_true",
+                   help="with --fragments: synchronise them all at the round boundary, one after another")
     p.add_argument("--workers", default="sites",
                    help="sites (hetcomm's sites as workers, data parallel inside), ranks, or one label per rank (a,b,...)")
     add_model_arguments(p, block=16, d_model=256, layers=3)
@@ -67,6 +71,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--outer-lr", type=float, default=0.5)
     p.add_argument("--outer-momentum", type=float, default=0.5, help="outer Nesterov momentum (0: plain SGD)")
     p.add_argument("--json", metavar="PATH", help="write the summary here (rank 0)")
+    p.add_argument("--nic-trace", metavar="PATH", help="on the simulated cluster: write this rank's bytes sent over "
+                                                      "time (JSON, [[seconds, bytes], ...]) to PATH.<rank>")
     return p.parse_args(argv)
 
 
@@ -95,7 +101,8 @@ def main(argv=None) -> int:
     diloco = hetcomm.DiLoCo(
         model, opt, local_steps=args.local_steps, steps=args.steps, weighting=args.weighting,
         compress=args.compress, error_feedback=args.error_feedback, overlap=args.overlap,
-        overlap_steps=args.overlap_steps, fragments=args.fragments, early_weight=args.early_weight,
+        overlap_steps=args.overlap_steps, fragments=args.fragments, stagger=not args.no_stagger,
+        early_weight=args.early_weight,
         workers=args.workers.split(",") if "," in args.workers else args.workers,
         outer_optimizer=lambda ps: torch.optim.SGD(ps, lr=args.outer_lr, momentum=args.outer_momentum,
                                                    nesterov=args.outer_momentum > 0))
@@ -114,8 +121,11 @@ def main(argv=None) -> int:
             yield torch.stack([train[i][0] for i in idx]), torch.stack([train[i][1] for i in idx])
             taken += 1
 
+    # On the simulated cluster: this host's bytes sent over time (its uplink), for the peak rate.
+    nic = NicSampler().start() if os.environ.get("HETCOMM_SIM_SPEC") else None
     started = time.perf_counter()
     printed = 0
+    boundaries: list[float] = []                    # when this rank's rounds ended (monotonic)
 
     def print_rounds() -> None:
         nonlocal printed
@@ -137,10 +147,22 @@ def main(argv=None) -> int:
         opt.step()
         opt.zero_grad(set_to_none=True)
         if diloco.step(samples=len(x), loss=loss.item()):
+            boundaries.append(time.monotonic())
             print_rounds()
     print_rounds()
     say(f"stopped: {diloco.stop_reason}")
     wall = time.perf_counter() - started
+    tx = nic.stop() if nic is not None else None
+    if tx is not None and args.nic_trace:
+        with open(f"{args.nic_trace}.{rank}", "w") as f:
+            json.dump({"samples": tx, "boundaries": boundaries}, f)
+    peaks = [None] * world
+    # ... over the whole run, and in the steady state: from the end of round 4 (the first round
+    # planned after `time`'s measurement rounds, whose boundary still fires what they did not
+    # reach) to the start of the last round (synchronous, whole)
+    steady = (boundaries[3], boundaries[-2]) if len(boundaries) >= 6 else None
+    dist.all_gather_object(peaks, None if tx is None else
+                           (peak_rate(tx), tx[-1][1], peak_rate(tx, start=steady[0], end=steady[1]) if steady else None))
     stats = diloco.stats()
     timelines = [None] * world
     dist.all_gather_object(timelines, diloco.timeline())
@@ -151,7 +173,11 @@ def main(argv=None) -> int:
     summary = {
         "local_steps": args.local_steps, "steps": args.steps, "weighting": args.weighting,
         "compress": args.compress, "error_feedback": args.error_feedback, "overlap": args.overlap, "overlap_steps": args.overlap_steps,
-        "fragments": args.fragments,
+        "fragments": args.fragments, "stagger": not args.no_stagger,
+        # per rank (simulated cluster): the peak rate its host sent at over any 1 s, and its bytes
+        "peak_tx_mbit": [None if p is None or p[0] is None else p[0] * 8 / 1e6 for p in peaks],
+        "steady_peak_tx_mbit": [None if p is None or p[2] is None else p[2] * 8 / 1e6 for p in peaks],
+        "tx_bytes": [None if p is None else p[1] for p in peaks],
         "early_weight": (0.25 if args.early_weight is None else args.early_weight) if args.overlap else None,
         "outer_lr": args.outer_lr, "outer_momentum": args.outer_momentum,
         "backend": args.backend, "world_size": world, "parameters": params, "batches": batches,

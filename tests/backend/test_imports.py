@@ -39,7 +39,7 @@ def test_import_hetcomm_registers_the_backend_and_loads_nothing_else() -> None:
                        "hetcomm.plan", "hetcomm.compress", "scipy")))
         assert not heavy, heavy
         # ... and the public names still resolve, on first use
-        assert hetcomm.DiLoCo.__module__ == "hetcomm.train.diloco"
+        assert hetcomm.DiLoCo.__module__ == "hetcomm.train.diloco.loop"
         assert hetcomm.StoreUnreachable is hetcomm.train.membership.StoreUnreachable
         assert hetcomm.compress.weighted_allreduce is not None and hetcomm.hooks is hetcomm.train.hooks
         assert "hetcomm._C" not in sys.modules

@@ -66,18 +66,19 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     import hetcomm
+    from hetcomm import compress as _compress
     from hetcomm.train import elastic
 
     die_round, _, where = args.die.partition(":")
     die_round = int(die_round) if die_round else -1
     if where == "reduce":
-        real = elastic._compress.weighted_allreduce
+        real = _compress.weighted_allreduce
 
         def dying_allreduce(*a, **k):
             if diloco.rounds == die_round:
                 kill_self()
             return real(*a, **k)
-        elastic._compress.weighted_allreduce = dying_allreduce
+        _compress.weighted_allreduce = dying_allreduce
     elif where == "done":
         real_outcome = elastic.ElasticDiLoCo._outcome_of
 

@@ -71,7 +71,10 @@ def scripted_policy():
             self.round += 1
 
         def round_over(self, steps_done, now, step_estimate):
-            return steps_done >= SCRIPT[(self.round - 1) % len(SCRIPT)][self.rank]
+            return steps_done >= self.planned_steps(None)
+
+        def planned_steps(self, times):          # (staggered fragments space their triggers by it)
+            return SCRIPT[(self.round - 1) % len(SCRIPT)][self.rank]
 
     return Scripted()
 
@@ -176,9 +179,9 @@ def gate_fragments(diloco, moves: list[int], state: dict):
     `release`, the step at which each fragment lands, and so moves, is fixed."""
     import threading
 
-    from hetcomm.train import diloco as diloco_module
+    from hetcomm import compress as _compress_module
 
-    original = diloco_module._compress.weighted_allreduce
+    original = _compress_module.weighted_allreduce
     gates = [threading.Event() for _ in moves]
     state.update(calls=0, gates=gates, moves=moves, open=False, original=original)
 
@@ -191,7 +194,7 @@ def gate_fragments(diloco, moves: list[int], state: dict):
                 gates[f].clear()
         return original(*args, **kwargs)
 
-    diloco_module._compress.weighted_allreduce = gated
+    _compress_module.weighted_allreduce = gated
 
 
 def release(diloco, state: dict, step: int, last: bool) -> None:
@@ -223,7 +226,7 @@ def train_scripted(rank: int, world: int, weighting: str, overlap: bool, rebase=
                     p.add_(1.0)
         opt = torch.optim.SGD(net.parameters(), lr=INNER_LR)
         diloco = hetcomm.DiLoCo(net, opt, group=group, local_steps=scripted_policy(), weighting=weighting,
-                                overlap=overlap, overlap_steps=rebase, fragments=fragments,
+                                overlap=overlap, overlap_steps=rebase, fragments=fragments, stagger=False,
                                 outer_optimizer=OUTER[outer_name], early_weight=early if overlap else None)
         gate = {}
         if moves is not None:
@@ -247,8 +250,8 @@ def train_scripted(rank: int, world: int, weighting: str, overlap: bool, rebase=
             g.set()
         diloco.finish()
         if moves is not None:
-            from hetcomm.train import diloco as diloco_module
-            diloco_module._compress.weighted_allreduce = gate["original"]
+            from hetcomm import compress as _compress_module
+            _compress_module.weighted_allreduce = gate["original"]
         snapshots.append([g.clone() for g in diloco.global_parameters()])
         out[name] = {"snapshots": snapshots, "history": diloco.history, "stats": diloco.stats(),
                      "model": [p.detach().clone() for p in net.parameters()]}
@@ -303,7 +306,7 @@ def test_fragments_move_as_they_land_and_equal_the_float64_reference():
     step, the second after its second. The global parameters equal the reference that moves each
     fragment's parameters after its own step (a rank whose round is shorter never moves it), and
     the history records the steps before the move, averaged over the elements."""
-    from hetcomm.train.diloco import _fragment_bounds
+    from hetcomm.train.diloco.schedule import fragment_bounds as _fragment_bounds
 
     world, moves = 3, [1, 2]
     sizes = [p.numel() for p in make_model().parameters()]
@@ -327,7 +330,7 @@ def test_fragments_move_as_they_land_and_equal_the_float64_reference():
 
 
 def test_fragment_bounds():
-    from hetcomm.train.diloco import _fragment_bounds
+    from hetcomm.train.diloco.schedule import fragment_bounds as _fragment_bounds
 
     assert _fragment_bounds([10, 10, 10, 10], 2) == [(0, 2, 0, 20), (2, 4, 20, 40)]
     assert _fragment_bounds([10, 10, 10, 10], 1) == [(0, 4, 0, 40)]
@@ -388,9 +391,9 @@ def train_failing_fragment(rank: int, world: int) -> dict:
     import threading
 
     import hetcomm
-    from hetcomm.train import diloco as diloco_module
+    from hetcomm import compress as _compress_module
 
-    original = diloco_module._compress.weighted_allreduce
+    original = _compress_module.weighted_allreduce
     calls = {"n": 0}
 
     def failing(*args, **kwargs):
@@ -400,10 +403,10 @@ def train_failing_fragment(rank: int, world: int) -> dict:
                 raise RuntimeError("injected failure in fragment 2")
         return original(*args, **kwargs)
 
-    diloco_module._compress.weighted_allreduce = failing
+    _compress_module.weighted_allreduce = failing
     net = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
     opt = torch.optim.SGD(net.parameters(), lr=0.01)
-    diloco = hetcomm.DiLoCo(net, opt, local_steps="fixed", steps=5, overlap=True, fragments=2)
+    diloco = hetcomm.DiLoCo(net, opt, local_steps="fixed", steps=5, overlap=True, fragments=2, stagger=False)
     steps = 0
 
     def one_step() -> bool:
@@ -440,7 +443,7 @@ def train_failing_in_one_rank_of_a_worker(rank: int, world: int) -> dict:
 
     net = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
     opt = torch.optim.SGD(net.parameters(), lr=0.01)
-    diloco = hetcomm.DiLoCo(net, opt, local_steps="fixed", steps=3, overlap=True, fragments=2,
+    diloco = hetcomm.DiLoCo(net, opt, local_steps="fixed", steps=3, overlap=True, fragments=2, stagger=False,
                             workers=["a", "a", "b", "b"])
     if rank == 0:
         original, calls = diloco._workers.reduce, {"n": 0}
@@ -638,14 +641,14 @@ LANDS_AFTER = 45                      # a slow link: an update lands 0.9 of a ro
 def train_timed_rounds(rank: int, world: int, budgets: dict, slow_reduction: bool = False) -> dict:
     import hetcomm
     from clock import DeclaredClock, SlowLink
-    from hetcomm.train import diloco as diloco_module
+    from hetcomm import compress as _compress_module
 
     net = nn.Linear(3, 1)
     opt = torch.optim.SGD(net.parameters(), lr=0.05)
     clock = DeclaredClock()
     diloco = hetcomm.DiLoCo(net, opt, local_steps="time", round_seconds=ROUND_S, overlap=True, clock=clock)
     gate = SlowLink(clock, LANDS_AFTER * TIMED_STEP_S if slow_reduction else 0.0)   # 0: lands at the next step
-    gate.wrap(diloco_module._compress, "weighted_allreduce", diloco)
+    gate.wrap(_compress_module, "weighted_allreduce", diloco)
     forever = iter(lambda: torch.randn(2, 3), None)
     for x in diloco.loop(forever, **budgets):
         net(x).pow(2).mean().backward()
@@ -703,14 +706,14 @@ def train_link_bound(rank: int, world: int, slow_steps: int) -> dict:
 
     import hetcomm
     from clock import DeclaredClock, SlowLink
-    from hetcomm.train import diloco as diloco_module
+    from hetcomm import compress as _compress_module
 
     net = nn.Linear(3, 1)
     opt = torch.optim.SGD(net.parameters(), lr=0.05)
     clock = DeclaredClock()
     diloco = hetcomm.DiLoCo(net, opt, local_steps="time", steps=5, overlap=True, compress="int8", clock=clock)
     gate = SlowLink(clock, slow_steps * 0.02)
-    gate.wrap(diloco_module._compress, "weighted_allreduce", diloco)
+    gate.wrap(_compress_module, "weighted_allreduce", diloco)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         rounds = 0
@@ -747,7 +750,7 @@ def test_rounds_stretched_by_the_link_are_reported_once():
 
 
 def test_last_round_seconds_predicts_where_a_budget_is_reached():
-    from hetcomm.train import diloco as d
+    from hetcomm.train.diloco import table as d
 
     def table(max_samples=0.0, max_seconds=0.0):
         t = [[0.0, 0.0] for _ in range(d._ROWS)]
@@ -862,7 +865,7 @@ def train_arrival(rank: int, world: int, fragments: int = 1) -> dict:
     of the next round."""
     import hetcomm
     from clock import DeclaredClock, SlowLink
-    from hetcomm.train import diloco as diloco_module
+    from hetcomm.train.diloco import DiLoCo as _DiLoCo
 
     clock = DeclaredClock()
     gate = SlowLink(clock, ARRIVAL_STEPS // 2 * 0.05)    # half a round of steps
@@ -870,8 +873,8 @@ def train_arrival(rank: int, world: int, fragments: int = 1) -> dict:
     net = nn.Linear(6, 1)
     opt = torch.optim.SGD(net.parameters(), lr=0.05)
     diloco = hetcomm.DiLoCo(net, opt, local_steps="fixed", steps=ARRIVAL_STEPS, workers=[0, 0, 1, 1],
-                            overlap=True, fragments=fragments, clock=clock)
-    gate.wrap(diloco_module.DiLoCo, "_exchange_and_reduce", diloco)   # off the main thread: the background one
+                            overlap=True, fragments=fragments, stagger=False, clock=clock)
+    gate.wrap(_DiLoCo, "_exchange_and_reduce", diloco)   # off the main thread: the background one
     g = torch.Generator().manual_seed(rank)
     for _ in range(ARRIVAL_STEPS * ARRIVAL_ROUNDS):
         x, y = torch.randn(4, 6, generator=g), torch.randn(4, 1, generator=g)
@@ -1153,35 +1156,52 @@ def test_sites_as_workers_send_one_model_across_the_wan_per_round_on_the_simulat
     assert len(result["history"][0]["steps"]) == 2, "the history counts workers"
 
 
-def estimate_pairs(rank: int, world: int) -> list:
-    """The closed-form SGD start estimate against one step on a scratch copy, for SGD settings
-    (momentum, Nesterov, dampening, weight decay, maximize), before and after a first step."""
-    import hetcomm
+def test_an_outer_step_computed_aside_equals_a_real_one_and_changes_nothing():
+    """`outer.estimate_step`: the closed-form SGD step, the per-parameter scratch step and the
+    whole-state scratch step against a real step of a copy, for SGD settings (momentum, Nesterov,
+    dampening, weight decay, maximize) and Adam, before and after a first step (no momentum
+    buffer yet), on some parameters only and on all; the optimizer and parameters are left as
+    they were."""
+    from hetcomm.train.diloco import outer
 
-    out = []
-    settings = [dict(lr=0.7, momentum=0.9, nesterov=True), dict(lr=0.5, momentum=0.8, dampening=0.3),
-                dict(lr=0.3, momentum=0.9, nesterov=True, weight_decay=0.01), dict(lr=0.2),
-                dict(lr=0.4, momentum=0.5, maximize=True)]
-    for cfg in settings:
-        net = make_model()
-        diloco = hetcomm.DiLoCo(net, None, local_steps="fixed", steps=1,
-                                outer_optimizer=lambda ps, cfg=cfg: torch.optim.SGD(ps, **cfg))
-        g = torch.Generator().manual_seed(7)
-        n = sum(p.numel() for p in net.parameters())
+    settings = [(torch.optim.SGD, dict(lr=0.7, momentum=0.9, nesterov=True)),
+                (torch.optim.SGD, dict(lr=0.5, momentum=0.8, dampening=0.3)),
+                (torch.optim.SGD, dict(lr=0.3, momentum=0.9, nesterov=True, weight_decay=0.01)),
+                (torch.optim.SGD, dict(lr=0.2)), (torch.optim.SGD, dict(lr=0.4, momentum=0.5, maximize=True)),
+                (torch.optim.Adam, dict(lr=0.02, betas=(0.8, 0.9)))]
+    g = torch.Generator().manual_seed(7)
+    for cls, cfg in settings:
+        params = [nn.Parameter(torch.randn(3, 2, generator=g, dtype=torch.float64)),
+                  nn.Parameter(torch.randn(4, generator=g, dtype=torch.float64))]
+        opt = cls(params, **cfg)
         for _ in range(2):                    # the first step has no momentum buffer yet
-            progress = torch.randn(n, generator=g, dtype=torch.float64)
-            out.append((cfg, diloco._sgd_estimate(progress), diloco._scratch_estimate(progress)))
-            with torch.no_grad():             # a real step, so that the buffers exist
-                for p in net.parameters():
-                    p.add_(0.01)
-            diloco.step()
-        diloco.finish()
-    return out
-
-
-def test_the_closed_form_sgd_start_estimate_equals_a_scratch_step():
-    for cfg, closed, scratch in run_ranks(1, estimate_pairs)[0]:
-        torch.testing.assert_close(closed, scratch, rtol=1e-12, atol=1e-12, msg=lambda m: f"{cfg}: {m}")
+            grads = [torch.randn(p.numel(), generator=g, dtype=torch.float64) for p in params]
+            twin = [nn.Parameter(p.detach().clone()) for p in params]
+            twin_opt = cls(twin, **cfg)
+            twin_opt.load_state_dict(copy.deepcopy(opt.state_dict()))
+            for t, d in zip(twin, grads):
+                t.grad = d.view(t.shape).clone()
+            twin_opt.step()
+            want = [t.detach().reshape(-1) for t in twin]
+            before = [p.detach().clone() for p in params], copy.deepcopy(opt.state_dict())
+            for name, fn, subset in [("closed", outer._sgd_step, [0, 1]), ("closed", outer._sgd_step, [1]),
+                                     ("scratch", outer._scratch_step, [0, 1]), ("scratch", outer._scratch_step, [1]),
+                                     ("whole", outer._whole_step, [0, 1])]:
+                if name == "closed" and cls is not torch.optim.SGD:
+                    continue
+                outs = [torch.empty(params[i].numel(), dtype=torch.float64) for i in subset]
+                fn(opt, [params[i] for i in subset], [grads[i] for i in subset], outs)
+                for i, o in zip(subset, outs):
+                    torch.testing.assert_close(o, want[i], rtol=1e-12, atol=1e-12,
+                                               msg=lambda m: f"{cls.__name__} {cfg} {name} {subset}: {m}")
+                assert all(torch.equal(p, q) for p, q in zip(params, before[0])), "the parameters changed"
+                assert str(opt.state_dict()) == str(before[1]), "the optimizer's state changed"
+            for p, d in zip(params, grads):            # a real step, so that the buffers exist
+                p.grad = d.view(p.shape).clone()
+            opt.step()
+            opt.zero_grad()
+        with pytest.raises(ValueError, match="treats each"):
+            outer._whole_step(opt, params[:1], grads[:1], [torch.empty(6, dtype=torch.float64)])
 
 
 def train_one_rank_drains(rank: int, world: int) -> list:

@@ -43,20 +43,20 @@ def rounds(net, opt, diloco, rank: int, first: int, last: int) -> None:
             assert diloco.step(samples=len(x)) == (i == STEPS - 1)
 
 
-def build(seed: int, overlap: bool, fragments: int = 1):
+def build(seed: int, overlap: bool, fragments: int = 1, tau: int = 1):
     import hetcomm
 
     net = make(seed)
     opt = torch.optim.AdamW(net.parameters(), lr=0.01)
     diloco = hetcomm.DiLoCo(net, opt, local_steps="fixed", steps=STEPS, compress="int8", block=16,
-                            error_feedback=True, overlap=overlap, overlap_steps=1 if overlap else None,
+                            error_feedback=True, overlap=overlap, overlap_steps=tau if overlap else None,
                             fragments=fragments)
     return net, opt, diloco
 
 
-def train_interrupted(rank: int, world: int, overlap: bool, fragments: int = 1) -> dict:
+def train_interrupted(rank: int, world: int, overlap: bool, fragments: int = 1, tau: int = 1) -> dict:
     def run(save: bool, resume: bytes | None = None) -> dict:
-        net, opt, diloco = build(5 if resume is None else 99, overlap, fragments)    # resumed: another init
+        net, opt, diloco = build(5 if resume is None else 99, overlap, fragments, tau)    # resumed: another init
         saved = None
         if resume is not None:
             diloco.load_state_dict(torch.load(io.BytesIO(resume), weights_only=False))
@@ -65,7 +65,10 @@ def train_interrupted(rank: int, world: int, overlap: bool, fragments: int = 1) 
             rounds(net, opt, diloco, rank, 0, SPLIT)
             if save:
                 buf = io.BytesIO()
-                torch.save(diloco.state_dict(), buf)
+                state = diloco.state_dict()
+                if fragments > 1 and tau > 1:       # a staggered fragment's update is still to move
+                    assert state["streams"]["unmoved"], state["streams"]
+                torch.save(state, buf)
                 saved = buf.getvalue()
         rounds(net, opt, diloco, rank, SPLIT, ROUNDS)
         diloco.finish()
@@ -109,10 +112,12 @@ def decisions(history: list[dict]) -> list[dict]:
             for h in history]
 
 
-@pytest.mark.parametrize("overlap,fragments", [(False, 1), (True, 1), (True, 3)])
-def test_a_resumed_run_computes_what_the_uninterrupted_run_computes(overlap, fragments):
-    """(fragments=3: a quantisation residual per fragment goes into the checkpoint.)"""
-    per_rank = run_ranks(2, train_interrupted, overlap, fragments, timeout=180)
+@pytest.mark.parametrize("overlap,fragments,tau", [(False, 1, 1), (True, 1, 1), (True, 3, 1), (True, 3, 2)])
+def test_a_resumed_run_computes_what_the_uninterrupted_run_computes(overlap, fragments, tau):
+    """(fragments=3: a quantisation residual per fragment goes into the checkpoint; staggered,
+    with τ = 2 the last fragment, fired after step 2 of 3, moves in the next round: the checkpoint
+    holds its move still to come.)"""
+    per_rank = run_ranks(2, train_interrupted, overlap, fragments, tau, timeout=180)
     for rank, res in enumerate(per_rank):
         whole = res["whole"]
         for name in ("saving", "resumed"):
@@ -124,7 +129,7 @@ def test_a_resumed_run_computes_what_the_uninterrupted_run_computes(overlap, fra
             assert other["stats"]["samples"] == whole["stats"]["samples"] == [ROUNDS * STEPS * 4] * 2
         for a, b in zip(per_rank[0]["resumed"]["global"], res["resumed"]["global"]):
             assert torch.equal(a, b), "ranks differ"
-    if overlap:      # the move happened mid-round (overlap_steps=1), in the resumed run too
+    if overlap and fragments == 1:      # the move happened mid-round (overlap_steps=1), in the resumed run too
         assert [h["landed_after_steps"] for h in per_rank[0]["resumed"]["history"]] == [[0, 0]] + [[1, 1]] * 3
 
 
@@ -190,6 +195,17 @@ def train_misuse(rank: int, world: int) -> dict:
     except ValueError as e:
         errors["policy"] = str(e)
     other.finish()
+    net, opt, staggered = build(5, True, 3)
+    rounds(net, opt, staggered, rank, 0, 1)
+    state = staggered.state_dict()
+    staggered.finish()
+    for name, kwargs in (("fragments", dict(fragments=2)), ("stagger", dict(fragments=3, stagger=False))):
+        other = hetcomm.DiLoCo(make(5), None, local_steps="fixed", steps=STEPS, overlap=True, **kwargs)
+        try:
+            other.load_state_dict(state)
+        except ValueError as e:
+            errors[name] = str(e)
+        other.finish()
     return errors
 
 
@@ -198,6 +214,8 @@ def test_checkpoints_at_the_wrong_moment_or_of_another_run_raise():
     assert "inside a round" in errors["mid_round"]
     assert "right after constructing" in errors["after_steps"]
     assert "'fixed' policy" in errors["policy"] and "'time'" in errors["policy"]
+    assert "fragments" in errors["fragments"] and "differ" in errors["fragments"]
+    assert "staggered" in errors["stagger"]
 
 
 def test_policy_and_step_times_state_round_trip():

@@ -322,16 +322,17 @@ def test_an_early_joiners_part_of_a_round_weighs_that_part_of_its_weight():
     from types import SimpleNamespace
 
     from hetcomm.train import elastic
+    from hetcomm.train.elastic import common
 
-    table = [[0.0] * 4 for _ in range(elastic._ROWS)]
-    table[elastic._STEPS], table[elastic._SAMPLES] = [8, 8, 8, 2], [64, 64, 64, 16]
-    table[elastic._SHARE] = [1.0, 1.0, 1.0, 0.25]
+    table = [[0.0] * 4 for _ in range(common._ROWS)]
+    table[common._STEPS], table[common._SAMPLES] = [8, 8, 8, 2], [64, 64, 64, 16]
+    table[common._SHARE] = [1.0, 1.0, 1.0, 0.25]
     for weighting in ("batch", "uniform"):
         w = elastic.ElasticDiLoCo._weights(SimpleNamespace(weighting=weighting), table)
         assert w == pytest.approx([1 / 3.25] * 3 + [0.25 / 3.25]), (weighting, w)
     w = elastic.ElasticDiLoCo._weights(SimpleNamespace(weighting="samples"), table)
     assert w == pytest.approx([64 / 208] * 3 + [16 / 208])
-    table[elastic._SHARE] = [1.0] * 4
+    table[common._SHARE] = [1.0] * 4
     assert elastic.ElasticDiLoCo._weights(SimpleNamespace(weighting="batch"), table) == pytest.approx([0.25] * 4)
 
 

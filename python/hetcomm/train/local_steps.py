@@ -131,6 +131,12 @@ class LocalStepPolicy:
         """What this policy decided for the round: identical on every rank."""
         return {"policy": self.name}
 
+    def planned_steps(self, times: StepTimes) -> int | None:
+        """The steps this rank (worker) is planned to take in the round that starts, from agreed
+        values only (identical on a worker's ranks); None: not known in advance. Staggered
+        fragments are spaced by it (`hetcomm.train.diloco.stream`)."""
+        return None
+
     # What a checkpoint keeps: the policy's decisions so far; not its configuration (the resumed
     # run's constructor arguments win), where this process is bound, nor deadlines on this
     # process's clock (the next round starts a new one).
@@ -158,6 +164,9 @@ class FixedSteps(LocalStepPolicy):
 
     def plan(self) -> dict:
         return {"policy": self.name, "steps": [self.steps] * self.world_size}
+
+    def planned_steps(self, times: StepTimes) -> int | None:
+        return self.steps
 
 
 class SpeedSteps(LocalStepPolicy):
@@ -208,6 +217,9 @@ class SpeedSteps(LocalStepPolicy):
 
     def plan(self) -> dict:
         return {"policy": self.name, "steps": self.counts}
+
+    def planned_steps(self, times: StepTimes) -> int | None:
+        return self.counts[self.rank]
 
 
 class TimeSteps(LocalStepPolicy):
@@ -267,6 +279,14 @@ class TimeSteps(LocalStepPolicy):
 
     def plan(self) -> dict:
         return {"policy": self.name, "round_seconds": self.round_seconds}
+
+    def planned_steps(self, times: StepTimes) -> int | None:
+        """The round's seconds over this worker's agreed step time (a measurement round: its
+        steps)."""
+        t = times.estimates()
+        if self.round_seconds is None or t is None:
+            return MEASUREMENT_STEPS
+        return max(1, int(self.round_seconds / t[self.rank]))
 
     def load_state_dict(self, state: dict) -> None:
         super().load_state_dict(state)

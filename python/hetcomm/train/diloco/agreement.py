@@ -1,0 +1,119 @@
+"""The agreement at a round's boundary: the exchange of the table (`table`), its checks, the
+reduction of the boundary's fragments with their outer steps, and what the ranks decide from it
+(the policy's measurements, the stop, the history). `Agreement` is a part of `DiLoCo`."""
+from __future__ import annotations
+
+import torch
+
+from hetcomm import compress as _compress
+from hetcomm.train import flat as _flat
+from hetcomm.train.diloco.outer import outer_weights
+from hetcomm.train.diloco.table import (_AGGREGATE, _BUDGETS, _COMPUTE, _DONE, _ELAPSED, _FINITE, _FRAGMENTS,
+                                        _LANDED, _REPLICA, _SAMPLES, _STEPS, _SYNC_WALL, _TOT_BYTES, _TOT_IDLE,
+                                        _TOT_SYNC, _TOT_WAN, _known, history_record, stop_decision)
+from hetcomm.train.partition import exchange_columns
+
+_PREFIX = "hetcomm DiLoCo"
+
+
+class Agreement:
+    """The round boundary's agreement and reduction (on the background thread with overlap)."""
+
+    def _exchange_and_reduce(self, column: list[float], delta: torch.Tensor, *, timed: bool,
+                             plan: dict) -> tuple[list[list[float]], list[float]]:
+        group = self._sync_group
+        start = self._clock()
+        ranks = exchange_columns(column, group=group)
+        agreed = self._clock()
+        if timed:
+            self._totals["idle"] += agreed - start
+            self._timeline.append(("idle", start, agreed))
+        round_index = len(self._history) + 1
+        bad = [r for r in range(self._world) if ranks[_FINITE][r] == 0.0]
+        if bad:
+            raise ValueError(f"{_PREFIX}: round {round_index}: the pseudo-gradient of rank(s) {bad} is not finite "
+                             "(NaN or Inf in their parameters); no outer update was applied")
+        for name, row in _BUDGETS.items():
+            if len(set(ranks[row])) > 1:
+                raise ValueError(f"{_PREFIX}: the ranks passed different {name} to loop(): "
+                                 f"{dict(enumerate(ranks[row]))} (0 = none); every rank must pass the same")
+        if len(set(ranks[_FRAGMENTS])) > 1:             # the reduction would not line up
+            raise ValueError(f"{_PREFIX}: the ranks reduce in different numbers of fragments: "
+                             f"{dict(enumerate(int(x) for x in ranks[_FRAGMENTS]))} (negative: staggered); construct "
+                             "DiLoCo with the same fragments, stagger (and model) everywhere")
+        split = self._workers.diverged(ranks[_REPLICA], list(zip(ranks[_STEPS], ranks[_LANDED])))
+        if split:
+            raise ValueError(f"{_PREFIX}: round {round_index}: the ranks of worker(s) {split} hold different replicas "
+                             "(different steps, pseudo-gradients or steps at which the late update landed): a "
+                             "worker's ranks must step together on the same replica (inner_sync=True, or DDP over "
+                             "diloco.worker_group)")
+        table = self._workers.aggregate(ranks, _AGGREGATE)
+        if not timed:
+            self._pending_agreed = (round_index, table)     # for `_shorten_last_round`, at once
+        any_steps = any(s > 0 for s in table[_STEPS])
+        weights = outer_weights(self.weighting, table[_SAMPLES], table[_STEPS])
+        if any_steps and any(w != 0.0 for w in weights):
+            for f, (i, j, a, b) in enumerate(self._boundary):
+                feedback = self._feedback[f] if self._feedback is not None else None
+                if self._workers.single:
+                    part = _compress.weighted_allreduce(delta[a:b], weights, codec=self._codec, group=group,
+                                                        feedback=feedback, finite_checked=True)
+                else:                          # each rank of a worker carries one shard across
+                    part = self._workers.reduce(delta[a:b], weights, codec=self._codec, feedback=feedback)
+                # The outer step of this fragment's parameters alone (the others have no gradient).
+                for g, piece in zip(self._global[i:j], _flat.split(part, self._global[i:j])):
+                    g.grad = piece.view(g.shape).to(g.dtype)
+                self.outer_optimizer.step()
+                self.outer_optimizer.zero_grad(set_to_none=True)
+                self._landed = f + 1           # the training thread may move onto these now
+        self._landed = len(self._boundary)
+        end = self._clock()
+        self._timeline.append(("sync", agreed, end))
+        if timed:
+            self._totals["sync"] += end - agreed
+        else:
+            # From the agreement (not from this rank's boundary: waiting there for the last rank
+            # would feed the skew between the ranks back into the round length). Not the first
+            # one's: it pays for the group's first collectives and fresh connections (2.1 s
+            # against 1.1 s at 20 Mbit/s, int4), and a round planned from it would be twice as
+            # long as the link needs; unknown (0), the round lasts until the one in flight lands.
+            self._background_syncs += 1
+            # With staggered fragments, the link's time per round is theirs too.
+            busy, self._stream_busy = self._stream_busy, 0.0
+            self._sync_wall = end - agreed + busy if self._background_syncs > 1 else 0.0
+        if any_steps:
+            self._record(table, weights, round_index, plan)
+        return table, weights
+
+    def _after_agreement(self, table: list[list[float]], ahead: bool = False) -> None:
+        self._times.update(table[_COMPUTE], table[_STEPS])
+        self._times.retire([d > 0 for d in table[_DONE]])
+        if self.overlap:
+            self._policy.sync_took(max(table[_SYNC_WALL]))
+        self._policy.agreed(self._times)
+        if self.overlap:
+            self._warn_if_link_bound()
+        self._agreed_totals = {
+            "compute": [0.0] * self._nworkers, "idle": table[_TOT_IDLE], "sync": table[_TOT_SYNC],
+            "bytes": _known(table[_TOT_BYTES]), "wan": _known(table[_TOT_WAN]),
+            "samples": [0.0] * self._nworkers, "steps": [0.0] * self._nworkers,
+        }
+        self._settled = len(self._history)
+        for rec in self._history:
+            for key, row in (("compute", "compute_seconds"), ("samples", "samples"), ("steps", "steps")):
+                self._agreed_totals[key] = [a + b for a, b in zip(self._agreed_totals[key], rec[row])]
+        if not self._stopped:
+            self._stop_reason = self._stop_decision(table, ahead)
+            self._stopped = self._stop_reason is not None
+        self._last_elapsed = max(table[_ELAPSED])
+
+    def _stop_decision(self, table: list[list[float]], ahead: bool, *, settled: int | None = None,
+                       samples: float | None = None) -> str | None:
+        """Why every rank stops after this agreement (`table.stop_decision`), by default with the
+        rounds and samples agreed so far."""
+        return stop_decision(table, ahead=ahead, rounds=self._settled if settled is None else settled,
+                             samples=sum(self._agreed_totals["samples"]) if samples is None else samples,
+                             last_elapsed=self._last_elapsed)
+
+    def _record(self, table: list[list[float]], weights: list[float], round_index: int, plan: dict) -> None:
+        self._history.append(history_record(table, weights, round_index, plan))

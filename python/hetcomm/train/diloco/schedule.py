@@ -1,0 +1,183 @@
+"""DiLoCo's synchronisation schedule with overlap: the fragments a pseudo-gradient is reduced in,
+and when the replica moves onto an update that lands in the background.
+
+`Overlap` is a part of `DiLoCo` (a mixin over its state); the derivation of the move:
+docs/diloco.md#overlap-the-derivation.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import warnings
+from collections.abc import Sequence
+
+import torch
+
+from hetcomm.train import flat as _flat
+from hetcomm.train.diloco.table import _SAMPLES, last_round_seconds
+
+_PREFIX = "hetcomm DiLoCo"
+# With overlap and `time`, rounds stretched to at least this many times H steps by the
+# synchronisation in flight are reported once (`Overlap._warn_if_link_bound`).
+LINK_BOUND_WARNING = 1.25
+
+
+def fragment_bounds(sizes: Sequence[int], fragments: int) -> list[tuple[int, int, int, int]]:
+    """Up to ``fragments`` runs of consecutive tensors of about equal total size, none empty, as
+    (first tensor, end tensor, first element, end element); fewer when fewer tensors hold
+    elements. Empty tensors go with a neighbour."""
+    n = len(sizes)
+    cum = [0]
+    for size in sizes:
+        cum.append(cum[-1] + size)
+    total = cum[-1]
+    cuts = [0]
+    for k in range(1, min(fragments, sum(1 for x in sizes if x > 0))):
+        # the tensor boundary nearest k/F of the elements that leaves both sides non-empty
+        options = [c for c in range(cuts[-1] + 1, n) if cum[cuts[-1]] < cum[c] < total]
+        if not options:
+            break
+        cuts.append(min(options, key=lambda c: abs(cum[c] - total * k / fragments)))
+    cuts.append(n)
+    return [(i, j, cum[i], cum[j]) for i, j in zip(cuts, cuts[1:])]
+
+
+class Overlap:
+    """The moves of `DiLoCo` onto the late update of the round boundary (``overlap=True``): its
+    fragments, ``_boundary`` (all of them, or with staggered fragments the first; the others:
+    `hetcomm.train.diloco.stream`)."""
+
+    def _shorten_last_round(self, round_index: int, table: list[list[float]]) -> None:
+        """With ``time`` and overlap, once the previous round's (``round_index``) background
+        synchronisation has agreed on its ``table``: if that agreement will stop the run
+        (`_stop_decision`, at this round's end, from the same agreed values) and a sample budget is
+        set, this round's deadline moves to where that budget is predicted to be reached
+        (`last_round_seconds` of computing, less what this rank has computed so far, from now) if
+        that is sooner: a long round at a slow link would otherwise overshoot it by up to a whole
+        round. It still lasts until the synchronisation in flight has landed: ending sooner would
+        only idle until then (the run ends at the same time either way), so the steps train
+        instead. Round and time budgets keep the round whole; ``fixed`` and ``speed`` keep their
+        step counts."""
+        policy = self._policy
+        if policy.deadline is None or policy.round_seconds is None:
+            return
+        # The rounds before it (the history gets round_index itself when its reduction ends).
+        samples = sum(sum(rec["samples"]) for rec in self._history[:round_index - 1]) + sum(table[_SAMPLES])
+        if self._stop_decision(table, ahead=True, settled=round_index, samples=samples) is None:
+            return
+        seconds = last_round_seconds(table, samples)
+        if seconds is not None:
+            policy.deadline = min(policy.deadline, self._clock() + max(0.0, seconds - self._r_compute))
+            # Yet not before the synchronisation in flight has landed: the round would only wait
+            # for it (1 s of a 17 s run at 20 Mbit/s, int4), and its steps train instead.
+            self._until_landed = True
+
+    def _maybe_rebase(self) -> None:
+        """Moves the replica onto θ^k once round k's late update is in (see the module doc):
+        p ← θ^k + β (p − θ̂_r^k), keeping a share β of the steps taken since its start; fragment by fragment
+        as they land (a worker's ranks agree on how many)."""
+        total = len(self._boundary)
+        if self._rebase_after is None:
+            # done: every fragment landed, or the synchronisation failed (-1: raised below on
+            # every rank of the worker at once, before any move onto a partial update)
+            done = self._pending.done()
+            landed = (-1 if self._pending.exception() is not None else total) if done else self._landed
+            if self._workers.size > 1:                 # a worker's replicas move at the same step
+                landed = int(self._workers.least(landed))
+            if landed < 0:
+                if done and self._pending.exception() is not None:
+                    self._pending.result()
+                raise RuntimeError(f"{_PREFIX}: another rank of this worker failed its synchronisation "
+                                   "(its error names the cause)")
+            if landed < total:
+                if landed > self._moved:
+                    self._move_onto_global(landed)
+                return
+        elif self._r_steps < self._rebase_after:
+            return
+        start = self._clock()
+        try:
+            concurrent.futures.wait([self._pending])
+        finally:
+            end = self._clock()
+            if end - start > 1e-4:
+                self._totals["idle"] += end - start
+                self._timeline.append(("idle", start, end))
+        self._pending.result()                         # raises here if the synchronisation failed
+        self._move_onto_global(total)
+        self._rebased = True
+
+    def _move_onto_global(self, upto: int) -> None:
+        """Moves the fragments of the round boundary's update landed since the last move (up to
+        ``upto``) onto it (`_move_range`)."""
+        if upto <= self._moved:
+            return
+        i, a = self._boundary[self._moved][0], self._boundary[self._moved][2]
+        j, b = self._boundary[upto - 1][1], self._boundary[upto - 1][3]
+        self._moved = upto
+        # The pseudo-gradient buffer not in flight is free (its synchronisation was waited for).
+        self._move_range(i, j, a, b, self._deltas[self._next_delta][a:b])
+
+    @torch.no_grad()
+    def _move_range(self, i: int, j: int, a: int, b: int, scratch: torch.Tensor) -> None:
+        """For parameters [i, j) (elements [a, b)), whose late update has landed:
+        p ← θ^k + β (p − start), start ← θ^k (θ^k: the global parameters; β: ``early_weight``),
+        through ``scratch`` (b − a elements); counts as sync."""
+        start = self._clock()
+        self._moved_at[a] = (b - a, self._r_steps)       # a fragment moved twice: its latest move
+        params, glob = self._params[i:j], self._global[i:j]
+        beta = self._early_weight
+        for p, g, s, t in zip(params, glob, _flat.split(self._start[a:b], params), _flat.split(scratch, params)):
+            new = g.detach().reshape(-1)
+            if beta == 1.0:                             # p + θ^k − start: a small displacement added
+                torch.sub(new, s, out=t)
+                p.add_(t.view(p.shape).to(p.device, p.dtype))
+            else:                                       # θ^k + β (p − start)
+                t.copy_(p.detach().reshape(-1))         # to the CPU and the master precision
+                t.sub_(s).mul_(beta).add_(new)
+                p.copy_(t.view(p.shape))
+            s.copy_(new)
+        end = self._clock()
+        self._totals["sync"] += end - start
+        self._timeline.append(("sync", start, end))
+
+    def _landed_steps(self) -> float:
+        """Steps this round before the late update moved the replica (per element, averaged over
+        its fragments; not yet moved: all of them; 0: nothing was in flight)."""
+        if self._r_landed is not None:
+            return self._r_landed
+        n = self._start.numel()
+        if n == 0:
+            return self._r_steps
+        moves = self._moved_at.values()
+        moved = sum(size for size, _ in moves)
+        return (sum(size * steps for size, steps in moves) + (n - moved) * self._r_steps) / n
+
+    def _wait_pending(self) -> None:
+        start = self._clock()
+        future, self._pending = self._pending, None
+        try:
+            table = future.result()[0]
+        finally:
+            end = self._clock()
+            self._totals["idle"] += end - start
+            self._timeline.append(("idle", start, end))
+        self._after_agreement(table, ahead=True)
+
+    def _warn_if_link_bound(self) -> None:
+        """Once per object (group rank 0): says so when the synchronisation in flight, not compute,
+        sets the length of `time`'s rounds. The replicas are then averaged less often per sample
+        than H steps a round would (README, "When the link sets the pace")."""
+        stretch = getattr(self._policy, "stretch", 1.0)
+        if self._warned_link_bound or stretch < LINK_BOUND_WARNING or self._rank != 0:
+            return
+        self._warned_link_bound = True
+        # Bytes per element: fp32 4, bf16/fp16 2, int8 about 1, int4 about 0.5 (plus a scale per block).
+        fewer = {"fp32": "; compress='int8' sends about a quarter of fp32's bytes, 'int4' an eighth",
+                 "bf16": "; compress='int8' sends about half the bytes of bf16, 'int4' a quarter",
+                 "fp16": "; compress='int8' sends about half the bytes of fp16, 'int4' a quarter",
+                 "int8": "; compress='int4' halves int8's bytes"}.get(self._codec.name, "")
+        compute = self._policy.round_seconds / stretch
+        warnings.warn(f"{_PREFIX}: the background synchronisation takes {self._policy.sync_seconds:.2f} s, longer "
+                      f"than the {compute:.2f} s of {self._policy.steps} steps of the slowest worker: rounds last "
+                      f"{stretch:.1f}x longer, so the replicas are averaged {stretch:.1f}x less often per sample than without "
+                      f"overlap (the link, not compute, sets the pace){fewer}", RuntimeWarning, stacklevel=6)

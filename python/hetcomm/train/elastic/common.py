@@ -1,0 +1,43 @@
+"""What the parts of `ElasticDiLoCo` share: the rows of the table every member contributes a
+column to at each epoch, the protocol's constants, the fingerprint of the global parameters and
+the store's polling."""
+from __future__ import annotations
+
+import hashlib
+import time
+
+import torch
+
+
+_PREFIX = "hetcomm ElasticDiLoCo"
+# Rows of the table every member contributes a column to at each epoch.
+(_STEPS, _SAMPLES, _LOSS_SUM, _LOSS_N, _FINITE, _PRINT, _HOLDS, _MAX_ROUNDS, _MAX_SAMPLES, _CONFIG, _SHARE,
+ _ROWS) = range(12)
+_MAX_ABORTS = 4               # attempts of one round in a row with the same members before giving up
+_TIMELINE = 100_000           # timeline entries kept (the latest)
+_POLL = (0.005, 0.1)          # the store is polled from every 5 ms, backing off to 100 ms
+
+
+_CHUNK = 4 << 20              # bytes per store value of an offer (the libuv TCPStore refuses over 8 MiB)
+
+
+def _fingerprint(flat: torch.Tensor) -> int:
+    """52 bits of a hash of the exact bytes (an integer a float64 carries exactly)."""
+    digest = hashlib.blake2b(flat.contiguous().numpy().tobytes(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 12
+
+
+# Settings that describe the job by global rank (HETCOMM_HOST_ID only in its per-rank form, with
+# commas): meaningless when ranks change every generation.
+_PER_RANK_VARIABLES = ("HETCOMM_HOST_ID", "HETCOMM_SITES", "HETCOMM_LINK_MBIT")
+
+
+class _Poll:
+    """Sleeps that start short and back off (a decision usually lands within milliseconds)."""
+
+    def __init__(self) -> None:
+        self.wait = _POLL[0]
+
+    def __call__(self) -> None:
+        time.sleep(self.wait)
+        self.wait = min(_POLL[1], self.wait * 1.5)

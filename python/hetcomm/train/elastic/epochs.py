@@ -1,0 +1,466 @@
+"""The membership protocol of `ElasticDiLoCo`: incarnations, join requests, the era's bootstrap,
+admission, and each synchronisation attempt (an epoch: arrive, decide, reduce, commit or
+abort) with its events. Protocol: docs/elastic.md#a-synchronisation-attempt-step-by-step."""
+from __future__ import annotations
+
+import hashlib
+import math
+import time
+import uuid
+from collections.abc import Sequence
+
+import torch
+
+from hetcomm import hosts as _hosts
+from hetcomm.train.elastic.common import _PREFIX, _MAX_ABORTS, _Poll
+from hetcomm.train.membership import Keys, Pulse, StoreUnreachable
+
+
+class Epochs:
+    """Admission and the epochs of a round's synchronisation."""
+
+    # ---- membership --------------------------------------------------------------------------
+
+    def _new_incarnation(self) -> None:
+        """A dropped worker joins again as a new incarnation: the others may have marked the old
+        one dead, and must not mistake it for a member."""
+        self._pulse.stop()
+        if self._snapped:
+            self._snapped = False
+            self._keys.delete(f"snapped/{self._me}")
+        self._me = f"{self.worker_id}#{uuid.uuid4().hex[:8]}"
+        self._pulse = Pulse(self._job_keys.clone(), self._me, self._heartbeat)
+
+    def _registrations(self, keys: Keys, start: int) -> tuple[list[tuple[int, dict]], int]:
+        """The join requests from index ``start`` on (index, request), and the index after them.
+        A request whose index was taken but whose record never appeared (its worker died in
+        between) is skipped once it has been missing for ``timeout`` seconds."""
+        regs, i, count = [], start, keys.add("joins", 0)
+        while i < count:
+            if keys.has(f"join/{i}"):
+                regs.append((i, keys.get(f"join/{i}")))
+            else:
+                first = self._gaps.setdefault(i, time.monotonic())
+                if time.monotonic() - first <= self._timeout:
+                    break                            # not written yet: next time
+            i += 1
+        return regs, i
+
+    def _watch_joiners(self) -> None:
+        """Between synchronisations, every half second (or heartbeat, if shorter): watch the
+        workers that asked to join, so that by the round's end they have shown they live and can
+        be admitted at once, and offer the state to those that join early."""
+        now = time.monotonic()
+        if self._decision is None or now - self._scanned[1] < min(self._heartbeat, 0.5):
+            return
+        regs, upto = self._registrations(self._keys, max(self._scanned[0], self._decision["admitted_upto"]))
+        ours, watch, early = self._config(), [], False
+        for _, r in regs:
+            why = self._refusal(r.get("config"), ours)
+            if why:
+                self._refuse(self._keys, r["who"], why)
+            else:
+                watch.append(r["who"])
+                early = early or bool(r.get("early"))
+        self._pulse.watch(watch)
+        self._scanned = (upto, now)
+        if early:                    # (a member offers whatever its own early_join)
+            self._offer_wanted = self._round
+        if self._offer_wanted == self._round:
+            self._offer_state()      # (retried at the next look if an upload is still under way)
+
+    def _era(self) -> int:
+        """The job's current era (1 at the first start). A worker that loaded a checkpoint and
+        finds the era's last members all silent starts the next one (a whole-job restart)."""
+        era = int(self._job_keys.first("era", 1))
+        if not self._checkpoint:
+            return era
+        keys = self._job_keys.under(f"era{era}")
+        if not keys.has("latest"):
+            return era
+        newest = int(keys.get("latest"))          # written after its decision: it may lag behind
+        while keys.has(f"e{newest + 1}/decision"):
+            newest += 1
+        last = keys.get(f"e{newest}/decision")
+        if keys.has("ended"):
+            dead = True
+        else:
+            self._pulse.watch(last["members"])
+            poll = _Poll()
+            while True:
+                self._pulse.check()
+                if keys.has(f"e{last['epoch'] + 1}/decision"):
+                    return era                       # the era is alive: join it
+                silent = min(self._pulse.silent(m) for m in last["members"])
+                if silent > self._timeout:
+                    dead = True
+                    break
+                poll()
+        if dead:
+            new = self._job_keys.swap("era", str(era), str(era + 1))
+            era = int(new)
+            self._log(f"era {era - 1} of job {self.job!r} has no live worker: this worker (checkpoint at round "
+                      f"{self._round}) starts era {era}")
+        return era
+
+    def _admit(self, resume: tuple[int, int] | None = None) -> None:
+        """Asks to join (or, with ``resume``, goes on waiting on the request it made: its join
+        index and the next epoch to read) and waits for a decision that admits this worker; then
+        takes part in epochs until one commits (this worker then holds the global state). Returns
+        early, with ``_early`` set, when it takes the state offered for the round in progress."""
+        keys = self._keys
+        begin = time.perf_counter()
+        if resume is None:
+            index = self._register()
+            epoch = int(keys.get("latest")) if keys.has("latest") else 1
+        else:
+            index, epoch = resume
+        poll, watched, last = _Poll(), None, None
+        while True:
+            self._pulse.check()
+            self._raise_if_refused(keys)
+            if keys.has("ended"):
+                ended = keys.get("ended")
+                self._stopped, self._stop_reason = True, f"the run ended at round {ended['round']} ({ended['reason']})"
+                self._joined = True
+                self._count("idle", begin)
+                return
+            if keys.has(f"e{epoch}/decision"):
+                decision = keys.get(f"e{epoch}/decision")
+                if self._me in decision.get("refused", {}):
+                    raise ValueError(f"{_PREFIX}: this worker cannot join run {self.job!r}: "
+                                     f"{decision['refused'][self._me]}")
+                self._pulse.watch(decision["members"])
+                if self._me in decision["members"]:
+                    self._count("idle", begin)
+                    if self._synchronise(None, self._column(None), admitted=decision):
+                        return
+                    self._event({"round": decision["round"], "worker": self.worker_id,
+                                 "dropped": f"while being admitted: {self._dropped_why}"},
+                                f"dropped while being admitted ({self._dropped_why}): asking again")
+                    self._destroy_group()
+                    self._new_incarnation()
+                    index, begin = self._register(), time.perf_counter()
+                    epoch = int(keys.get("latest"))
+                    continue
+                if decision["admitted_upto"] > index:
+                    # passed over (thought dead when the decision was taken), or refused in an
+                    # earlier decision than this one: ask again unless refused
+                    self._raise_if_refused(keys)
+                    self._new_incarnation()
+                    index = self._register()
+                epoch += 1
+                watched, last = decision["members"], decision
+                self._pulse.watch(watched)
+                self._pulse.keep(watched)
+                continue
+            if epoch == 1:
+                self._bootstrap(keys)
+            elif watched and all(self._pulse.silent(m) > self._timeout for m in watched):
+                raise RuntimeError(f"{_PREFIX}: every member of epoch {epoch - 1} ({self._names(watched)}) is gone, "
+                                   "and the run's state with them: restart the job from checkpoints (load_state_dict)")
+            elif watched and self._early_join and self._take_offer(index, epoch, last):
+                self._count("idle", begin)
+                return
+            poll()
+
+    def _register(self) -> int:
+        index = self._keys.add("joins", 1) - 1
+        self._keys.set(f"join/{index}", {"who": self._me, "holds": self._holds, "round": self._round,
+                                         "config": self._config(), "early": self._early_join})
+        return index
+
+    def _config(self) -> dict:
+        """What a worker must share with the run to be admitted: the model's layout, the outer
+        optimizer, the weighting, the compression, the backend and (for hetcomm) the settings
+        every rank of a group must agree on."""
+        shapes = ";".join(",".join(map(str, g.shape)) for g in self._global)
+        return {"model": f"{len(self._global)} tensors, {sum(g.numel() for g in self._global)} elements in "
+                         f"{str(self._master).removeprefix('torch.')}, shapes "
+                         f"{hashlib.sha256(shapes.encode()).hexdigest()[:12]}",
+                "outer optimizer": type(self.outer_optimizer).__name__, "weighting": self.weighting,
+                "compression": self._codec_name, "backend": self._backend,
+                "settings": _hosts.environment_settings() if "hetcomm" in str(self._backend) else {}}
+
+    @staticmethod
+    def _refusal(theirs, ours: dict) -> str | None:
+        """Why a worker that registered ``theirs`` (its `_config`) cannot be admitted into a run
+        whose members have ``ours`` (None: it can)."""
+        if not isinstance(theirs, dict) or not all(k in theirs for k in ours) or \
+                not isinstance(theirs["settings"], dict):
+            return "its join request does not describe its configuration (another version of hetcomm?)"
+        problems = [f"its {k} is {theirs[k]!r}, the run's {ours[k]!r}" for k in ours
+                    if k != "settings" and theirs[k] != ours[k]]
+        for name in sorted(set(ours["settings"]) | set(theirs["settings"])):
+            value, other = ours["settings"].get(name, ""), theirs["settings"].get(name, "")
+            if other != value:
+                problems.append(f"it was started with {name}={other!r}, the run's workers with {name}={value!r}")
+        return "; ".join(problems) or None
+
+    def _refuse(self, keys: Keys, who: str, why: str) -> None:
+        """Tells a joiner at once that it is refused (it also reads it in the next decision)."""
+        keys.first(f"refused/{who}", why)
+
+    def _note_waiting(self, line: str) -> None:
+        if line != getattr(self, "_last_wait_note", None):
+            self._last_wait_note = line
+            self._log(line)
+
+    def _raise_if_refused(self, keys: Keys) -> None:
+        if keys.has(f"refused/{self._me}"):
+            raise ValueError(f"{_PREFIX}: this worker cannot join run {self.job!r}: {keys.get(f'refused/{self._me}')}")
+
+    def _bootstrap(self, keys: Keys) -> None:
+        """The first decision of an era: once ``min_workers`` asked to join, they are its members
+        (sorted by worker id: a deterministic order of ranks), the holders of the latest
+        checkpoint its holders (else the first of them, whose fresh model everyone starts from).
+        The run's configuration is the holders' (else the one most of them share, ties to the
+        first): one whose configuration differs is refused."""
+        found, count = self._registrations(keys, 0)
+        if count < keys.add("joins", 0):
+            return                                   # a request not written yet: next poll
+        self._pulse.watch([r["who"] for _, r in found])
+        regs = []
+        for _, r in found:
+            if self._pulse.confirmed(r["who"]):
+                regs.append(r)
+            elif self._pulse.silent(r["who"]) <= self._timeout:
+                return                               # not known to live yet (nor to be dead): wait
+        regs.sort(key=lambda r: r["who"])
+        latest = max((r["round"] for r in regs if r["holds"]), default=None)
+        refused: dict[str, str] = {}
+        if regs:
+            configs = [r.get("config") for r in regs]
+            held = next((r.get("config") for r in regs if r["holds"] and r["round"] == latest), None)
+            reference = held or max(configs, key=lambda c: (configs.count(c), -configs.index(c)))
+            if isinstance(reference, dict) and isinstance(reference.get("settings"), dict):
+                refused = {r["who"]: why for r in regs if (why := self._refusal(r.get("config"), reference))}
+            regs = [r for r in regs if r["who"] not in refused]
+        if len(regs) < self._min_workers:
+            if refused:                              # refusals bind only with the decision: say why it waits
+                self._note_waiting(f"waiting for min_workers={self._min_workers} workers whose configuration "
+                                   f"agrees: {len(regs)} so far; " + "; ".join(
+                                       f"{self._names([w])} differs ({why})" for w, why in refused.items()))
+            return
+        members = [r["who"] for r in regs]
+        holders = [r["who"] for r in regs if r["holds"] and r["round"] == latest] or members[:1]
+        decision = keys.first("e1/decision", {"epoch": 1, "gen": 1, "round": latest or 0, "members": members,
+                                              "holders": holders, "left": {}, "joined": members,
+                                              "refused": refused, "admitted_upto": count, "fresh": latest is None})
+        for who, why in decision.get("refused", {}).items():
+            self._refuse(keys, who, why)
+        keys.set("latest", 1)
+
+    def _decide(self, epoch: int) -> dict:
+        """Waits until every member of the last epoch arrived at ``epoch`` or is out; the first to
+        see it writes the decision; returns the decision (everyone's)."""
+        keys, prev = self._keys, self._decision
+        members = prev["members"]
+        arrivals: dict[str, dict] = {}
+        poll, last_missing, since = _Poll(), None, time.perf_counter()
+        while True:
+            self._pulse.check()
+            if keys.has(f"e{epoch}/decision"):
+                return keys.get(f"e{epoch}/decision")
+            for m in members:
+                if m not in arrivals and keys.has(f"e{epoch}/arrive/{m}"):
+                    arrivals[m] = keys.get(f"e{epoch}/arrive/{m}")
+            out: dict[str, str] = {}
+            for m in members:
+                if m in arrivals:
+                    continue
+                if keys.has(f"leave/{m}"):
+                    out[m] = "left: " + keys.get(f"leave/{m}").get("why", "its data ended")
+                elif self._pulse.silent(m) > self._timeout:
+                    out[m] = self._why_gone(m)
+            missing = [m for m in members if m not in arrivals and m not in out]
+            if missing != last_missing:
+                last_missing, since = missing, time.perf_counter()
+            if missing and time.perf_counter() - since > self._late_timeout:
+                out.update({m: f"not at the synchronisation {self._late_timeout:.0f} s after the others"
+                            for m in missing})
+                missing = []
+            if not missing:
+                joiners, refused, upto, pending = self._joiners(keys, prev, [m for m in members if m in arrivals])
+                if not pending:
+                    break
+            poll()
+        continuing = [m for m in members if m in arrivals]
+        holders = [m for m in continuing if arrivals[m]["holds"]]
+        # Nothing committed yet in an era that started from fresh models: everyone's model is as
+        # good as the first holder's was. Anywhere else an empty list of holders is an error.
+        fresh = bool(prev.get("fresh")) and self._outcome != "commit"
+        if not holders and continuing and fresh and all(arrivals[m].get("fresh") for m in continuing):
+            holders = continuing[:1]
+        rounds = {arrivals[m]["round"] for m in holders} or {max(arrivals[m]["round"] for m in continuing)}
+        if len(rounds) > 1:
+            raise RuntimeError(f"{_PREFIX}: epoch {epoch}: members arrived at different rounds {sorted(rounds)} "
+                               "(a bug: please report it)")
+        rnd = rounds.pop()
+        # joiners that loaded the state this round started from (`_take_offer`) hold it too
+        holders += [j for j in joiners if keys.has(f"snapped/{j}") and keys.get(f"snapped/{j}") == rnd]
+        new_members = continuing + joiners
+        changed = new_members != members or self._outcome != "commit"
+        decision = {"epoch": epoch, "gen": prev["gen"] + (1 if changed else 0), "round": rnd,
+                    "members": new_members, "holders": holders,
+                    "left": out, "joined": joiners, "refused": refused, "admitted_upto": upto, "fresh": fresh}
+        decision = keys.first(f"e{epoch}/decision", decision)
+        keys.set("latest", epoch)
+        return decision
+
+    def _joiners(self, keys: Keys, prev: dict,
+                 continuing: list[str]) -> tuple[list[str], dict[str, str], int, bool]:
+        """The workers that asked to join and have shown they live, those refused (why: another
+        model, compression or hetcomm settings than the run's: they stop, the run goes on), the
+        join index after them, and whether to wait a moment for one that asked just now (it had
+        no time to show it lives). One not known to live after that waits for the next decision
+        (with those after it); one silent for ``timeout`` is passed over (if alive, it asks again)."""
+        regs, upto = self._registrations(keys, prev["admitted_upto"])
+        ours = self._config()
+        self._pulse.watch([r["who"] for _, r in regs if self._refusal(r.get("config"), ours) is None])
+        joiners: list[str] = []
+        refused: dict[str, str] = {}
+        for index, r in regs:
+            who = r["who"]
+            if who in continuing or who in joiners or who in refused or keys.has(f"leave/{who}"):
+                continue
+            why = self._refusal(r.get("config"), ours)
+            if why:
+                self._refuse(keys, who, why)
+                refused[who] = why
+            elif self._pulse.confirmed(who):
+                joiners.append(who)
+            elif self._pulse.silent(who) <= self._timeout:
+                if self._pulse.silent(who) <= 2 * self._heartbeat + 0.5:
+                    return joiners, refused, index, True
+                return joiners, refused, index, False
+        return joiners, refused, upto, False
+
+    def _synchronise(self, delta: torch.Tensor | None, column: list[float], admitted: dict | None = None) -> bool:
+        """Epochs until one commits (True) or a decision leaves this worker out (False)."""
+        while True:
+            if admitted is None:
+                begin = time.perf_counter()
+                epoch = self._decision["epoch"] + 1
+                self._keys.set(f"e{epoch}/arrive/{self._me}",
+                               {"holds": self._holds, "round": self._round,
+                                "fresh": not self._checkpoint and self._round == 0 and not self._history})
+                decision = self._decide(epoch)
+                self._count("idle", begin)
+                if self._me not in decision["members"]:
+                    self._dropped_why = decision["left"].get(self._me, "arrived after the decision")
+                    self._decision = None
+                    return False
+            else:
+                decision, admitted = admitted, None
+            if self._attempt(decision, delta, column):
+                return True
+
+    def _attempt(self, decision: dict, delta: torch.Tensor | None, column: list[float]) -> bool:
+        self._pulse.watch(decision["members"])
+        self._pulse.keep(decision["members"])
+        self._scanned = (decision["admitted_upto"], 0.0)     # watch the pending joiners again
+        # The decision says who holds the state: a worker that loaded a checkpoint but is not
+        # named (the run is past it) holds nothing until its transfer lands and a round commits.
+        self._holds = self._me in decision["holders"]
+        self._note_membership(decision)
+        begin = time.perf_counter()
+        if not decision["holders"]:
+            raise RuntimeError(f"{_PREFIX}: round {decision['round']}: no member of epoch {decision['epoch']} "
+                               "holds the run's state (every worker that did is gone): restart from checkpoints")
+        reduced, table, failure = None, None, None
+        try:
+            if decision["gen"] != self._gen:
+                self._form_group(decision)
+            if set(decision["holders"]) != set(decision["members"]):
+                self._transfer(decision)
+            table, reduced = self._reduce(decision, delta, column)
+        except StoreUnreachable:
+            raise
+        except ValueError:
+            raise                                     # the same on every member: not a link failure
+        except RuntimeError as e:
+            failure = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
+        self._count("sync", begin)
+        begin = time.perf_counter()
+        outcome = self._outcome_of(decision, failure)
+        self._count("idle", begin)
+        self._decision, self._outcome = decision, "commit" if outcome == "commit" else "abort"
+        if outcome != "commit":
+            self._event({"round": decision["round"], "epoch": decision["epoch"], "generation": decision["gen"],
+                         "aborted": outcome.removeprefix("abort: ")},
+                        f"round {decision['round']}: synchronisation failed ({outcome.removeprefix('abort: ')}); "
+                        "nothing applied, it is redone")
+            self._destroy_group()
+            members = tuple(decision["members"])
+            self._aborts = (self._aborts if self._aborts and self._aborts[-1] == members else []) + [members]
+            if len(self._aborts) >= _MAX_ABORTS:
+                raise RuntimeError(f"{_PREFIX}: round {decision['round']}: the synchronisation failed {len(self._aborts)} "
+                                   f"times in a row with the same members ({self._names(decision['members'])}); the "
+                                   f"last: {outcome.removeprefix('abort: ')}")
+            return False
+        self._aborts = []
+        begin = time.perf_counter()
+        self._apply(decision, table, reduced)
+        self._withdraw_offers()
+        self._count("sync", begin)
+        return True
+
+    def _outcome_of(self, decision: dict, failure: str | None) -> str:
+        """Two-phase end of an epoch: ``commit`` once every member is done, else ``abort: why``."""
+        keys, epoch, members = self._keys, decision["epoch"], decision["members"]
+        if failure is None:
+            keys.add(f"e{epoch}/done", 1)
+        else:
+            keys.first(f"e{epoch}/outcome", f"abort: {self.worker_id}: {failure}")
+        poll = _Poll()
+        while True:
+            self._pulse.check()
+            if keys.has(f"e{epoch}/outcome"):
+                return keys.get(f"e{epoch}/outcome")
+            if keys.add(f"e{epoch}/done", 0) >= len(members):
+                return keys.first(f"e{epoch}/outcome", "commit")
+            gone = [m for m in members if self._pulse.silent(m) > self._timeout]
+            if gone:
+                return keys.first(f"e{epoch}/outcome", "abort: " + "; ".join(
+                    f"{self._names([m])} gone during the synchronisation ({self._why_gone(m)})" for m in gone))
+            poll()
+
+    def _why_gone(self, member: str) -> str:
+        silent = self._pulse.silent(member)
+        return "its process exited" if math.isinf(silent) else f"no heartbeat for {silent:.1f} s"
+
+    def _note_membership(self, decision: dict) -> None:
+        refused = decision.get("refused", {})
+        if not decision["left"] and not decision["joined"] and not refused:
+            return
+        names = self._names
+        parts = [f"{names([m])} left ({why})" for m, why in decision["left"].items()]
+        if decision["joined"]:
+            parts.append(f"{names(decision['joined'])} joined")
+        parts += [f"{names([m])} refused ({why})" for m, why in refused.items()]
+        record = {"round": decision["round"], "epoch": decision["epoch"], "generation": decision["gen"],
+                  "left": {names([m]): why for m, why in decision["left"].items()},
+                  "joined": [names([m]) for m in decision["joined"]],
+                  "members": [names([m]) for m in decision["members"]]}
+        if refused:
+            record["refused"] = {names([m]): why for m, why in refused.items()}
+        self._event(record,
+                    f"round {decision['round']}: " + "; ".join(parts) +
+                    f"; members {names(decision['members'])} (generation {decision['gen']})")
+
+    def _event(self, record: dict, line: str) -> None:
+        if record in self._events:           # a joiner received the earlier ones already
+            return
+        self._events.append(record)
+        now = time.perf_counter()
+        self._timeline.append(("membership", now, now))
+        self._log(line)
+
+    def _log(self, line: str) -> None:
+        if self._verbose:
+            print(f"{_PREFIX} [{self.worker_id}]: {line}", flush=True)
+
+    @staticmethod
+    def _names(members: Sequence[str]) -> str:
+        return ",".join(m.split("#")[0] for m in members)

@@ -1,0 +1,211 @@
+"""A generation of `ElasticDiLoCo`'s members: its process group, the transfer of the run's state
+to members without it, the reduction of the round and the outer update."""
+from __future__ import annotations
+
+import datetime
+import time
+
+import torch
+import torch.distributed as dist
+
+from hetcomm import compress as _compress
+from hetcomm.train.diloco.outer import outer_weights
+from hetcomm.train.elastic.common import (_PREFIX, _STEPS, _SAMPLES, _LOSS_SUM, _LOSS_N, _FINITE, _PRINT, _HOLDS,
+                                          _MAX_ROUNDS, _MAX_SAMPLES, _CONFIG, _SHARE, _fingerprint)
+from hetcomm.train.partition import exchange_columns
+
+
+class Generation:
+    """The generation's group and what runs over it."""
+
+    # ---- the generation's group --------------------------------------------------------------
+
+    def _form_group(self, decision: dict) -> None:
+        self._destroy_group()
+        store = dist.PrefixStore(f"{self._keys.root}g{decision['gen']}", self._group_store.store)
+        # torch names the default group after a counter (its keys on the store carry the name)
+        # that a failed init_process_group advances and only destroy_process_group resets: put
+        # it back, or this worker's next group would wait on keys its peers never write.
+        count = dist.distributed_c10d._world.group_count
+        try:
+            dist.init_process_group(self._backend, store=store, rank=decision["members"].index(self._me),
+                                    world_size=len(decision["members"]),
+                                    timeout=datetime.timedelta(seconds=self._collective_timeout))
+        except BaseException:
+            if not dist.is_initialized():
+                dist.distributed_c10d._world.group_count = count
+            raise
+        self._gen = decision["gen"]
+
+    def _destroy_group(self) -> None:
+        self._gen = None
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:  # noqa: BLE001 - a failed group: it is being left behind anyway
+                pass
+
+    def _transfer(self, decision: dict) -> None:
+        """The holders send the run's state to the members without it, one shard each."""
+        members, holders = decision["members"], decision["holders"]
+        sources = [members.index(h) for h in holders]
+        mine = self._me in holders
+        tensors: list[torch.Tensor] = []
+        meta = None
+        if mine:
+            skeleton = self._skeleton(self.outer_optimizer.state_dict(), tensors)
+            meta = {"skeleton": skeleton, "round": self._round, "samples_total": self._samples_total,
+                    "history": self._history, "membership": self._events, "codec": self._codec_name,
+                    "shapes": [list(g.shape) for g in self._global],
+                    "sizes": [g.numel() for g in self._global] + [t.numel() for t in tensors]}
+        box = [meta]
+        dist.broadcast_object_list(box, src=sources[0])
+        meta = box[0]
+        if not mine:
+            shapes = [list(g.shape) for g in self._global]
+            if meta["shapes"] != shapes or meta["codec"] != self._codec_name:
+                raise ValueError(f"{_PREFIX}: this worker cannot join: the run's model has parameter shapes "
+                                 f"{meta['shapes']} and {meta['codec']}; this worker's {shapes} and {self._codec_name}")
+        total = sum(meta["sizes"])
+        if mine:
+            flat = torch.cat([g.detach().reshape(-1).double() for g in self._global] +
+                             [t.detach().reshape(-1).double() for t in tensors])
+        else:
+            flat = torch.zeros(total, dtype=torch.float64)
+        for src, shard in zip(sources, flat.tensor_split(len(sources))):
+            if shard.numel():
+                dist.broadcast(shard, src=src)
+        if mine:
+            return
+        pieces = flat.split(meta["sizes"])
+        with torch.no_grad():
+            for g, piece in zip(self._global, pieces):
+                g.copy_(piece.view(g.shape))
+        state = self._fill(meta["skeleton"], list(pieces[len(self._global):]))
+        self.outer_optimizer.load_state_dict(state)
+        self._round, self._samples_total = meta["round"], meta["samples_total"]
+        own = [e for e in self._events if e.get("worker") == self.worker_id and e not in meta["membership"]]
+        self._history, self._events = list(meta["history"]), list(meta["membership"]) + own
+        self._start = self._flatten_global()
+        self._load_global()
+
+    @classmethod
+    def _skeleton(cls, obj, tensors: list):
+        if isinstance(obj, torch.Tensor):
+            tensors.append(obj)
+            return {"__tensor__": len(tensors) - 1, "shape": list(obj.shape), "dtype": str(obj.dtype)}
+        if isinstance(obj, dict):
+            return {k: cls._skeleton(v, tensors) for k, v in obj.items()}
+        if isinstance(obj, (list, tuple)):
+            return type(obj)(cls._skeleton(v, tensors) for v in obj)
+        return obj
+
+    @classmethod
+    def _fill(cls, obj, pieces: list):
+        if isinstance(obj, dict) and "__tensor__" in obj:
+            dtype = getattr(torch, obj["dtype"].removeprefix("torch."))
+            return pieces[obj["__tensor__"]].view(obj["shape"]).to(dtype).clone()
+        if isinstance(obj, dict):
+            return {k: cls._fill(v, pieces) for k, v in obj.items()}
+        if isinstance(obj, (list, tuple)):
+            return type(obj)(cls._fill(v, pieces) for v in obj)
+        return obj
+
+    def _reduce(self, decision: dict, delta: torch.Tensor | None,
+                column: list[float]) -> tuple[list[list[float]], torch.Tensor | None]:
+        col = list(column)
+        col[_PRINT] = float(_fingerprint(self._flatten_global()))
+        col[_HOLDS] = 1.0 if self._me in decision["holders"] else 0.0
+        table = exchange_columns(col)
+        self._agree_on_budgets(decision, table)
+        prints = table[_PRINT]
+        if len(set(prints)) > 1:
+            raise ValueError(f"{_PREFIX}: round {decision['round']}: the members' global parameters differ "
+                             f"(fingerprints {dict(zip(self._names(decision['members']).split(','), prints))}): "
+                             "a bug, please report it")
+        self._leave_out_offenders(decision, table)
+        weights = self._weights(table)
+        if not any(s > 0 for s in table[_STEPS]) or not any(w != 0.0 for w in weights):
+            return table, None
+        x = delta if delta is not None else torch.zeros(self._start.numel(), dtype=torch.float32)
+        return table, _compress.weighted_allreduce(x, weights, codec=self._codec, finite_checked=True)
+
+    def _weights(self, table: list[list[float]]) -> list[float]:
+        """The outer update's weights. Under ``batch`` and ``uniform``, which weigh every member
+        as if it trained the whole round, a member that joined early and trained a part of it
+        weighs that part of its weight (its pseudo-gradient covers that part of a round: at full
+        weight its few steps would dilute the update); ``samples`` and ``normalized`` follow the
+        samples and steps themselves."""
+        weights = outer_weights(self.weighting, table[_SAMPLES], table[_STEPS])
+        if self.weighting in ("batch", "uniform") and any(f < 1.0 for f in table[_SHARE]):
+            scaled = [w * min(1.0, max(0.0, f)) for w, f in zip(weights, table[_SHARE])]
+            total = sum(scaled)
+            weights = [w / total for w in scaled] if total > 0 else weights
+        return weights
+
+    def _leave_out_offenders(self, decision: dict, table: list[list[float]]) -> None:
+        """A member whose pseudo-gradient is not finite, or whose compression or model size is not
+        the run's, stops with a ValueError saying why; the others abort the attempt and redo the
+        round without it. When every member is at fault, every member raises."""
+        configs = {c for c, h in zip(table[_CONFIG], table[_HOLDS]) if h}
+        if len(configs) > 1:
+            raise ValueError(f"{_PREFIX}: round {decision['round']}: the workers that hold the run's state use "
+                             "different compress/block settings or model sizes; every worker must use the same")
+        offenders = {}
+        for m, finite, config in zip(decision["members"], table[_FINITE], table[_CONFIG]):
+            if finite == 0.0:
+                offenders[m] = "its pseudo-gradient is not finite (NaN or Inf in its parameters)"
+            elif configs and config not in configs:
+                offenders[m] = "its compress/block settings or model size are not the run's"
+        if not offenders:
+            return
+        if self._me in offenders:
+            raise ValueError(f"{_PREFIX}: round {decision['round']}: this worker stops: {offenders[self._me]}; "
+                             "no outer update was applied" + ("" if len(offenders) == len(decision["members"])
+                                                              else " and the others go on without it"))
+        raise RuntimeError("; ".join(f"{self._names([m])} left out: {why}" for m, why in offenders.items()))
+
+    def _agree_on_budgets(self, decision: dict, table: list[list[float]]) -> None:
+        """The run's budgets (`loop`'s max_rounds, max_samples) are the holders': they must agree;
+        a joining worker started with others takes theirs (and says so)."""
+        run = {}
+        for name, row in (("max_rounds", _MAX_ROUNDS), ("max_samples", _MAX_SAMPLES)):
+            values = {v for v, h in zip(table[row], table[_HOLDS]) if h}
+            if len(values) > 1:
+                raise ValueError(f"{_PREFIX}: round {decision['round']}: the workers passed different {name} to "
+                                 f"loop(): {dict(zip(self._names(decision['members']).split(','), table[row]))} "
+                                 "(0 = none); every worker must pass the same")
+            run[name] = values.pop() if values else 0
+        if {k: self._budgets.get(k, 0) for k in run} != run:
+            self._log(f"the run's budgets are {run} (0 = none), not this worker's {self._budgets}: taking the run's")
+            self._budgets = run
+
+    def _apply(self, decision: dict, table: list[list[float]], reduced: torch.Tensor | None) -> None:
+        if reduced is not None:
+            for g, piece in zip(self._global, self._split(reduced)):
+                g.grad = piece.view(g.shape).to(g.dtype)
+            self.outer_optimizer.step()
+            self.outer_optimizer.zero_grad(set_to_none=True)
+        self._load_global()
+        self._start = self._flatten_global()
+        self._holds = True
+        if not any(s > 0 for s in table[_STEPS]):
+            self._round = decision["round"]         # an admission of the first generation: no round
+            return
+        weights = self._weights(table)
+        self._round = decision["round"] + 1
+        self._samples_total += round(sum(table[_SAMPLES]))
+        self._history.append({
+            "round": self._round, "epoch": decision["epoch"], "generation": decision["gen"],
+            "members": self._names(decision["members"]).split(","),
+            "steps": [round(s) for s in table[_STEPS]], "samples": [round(s) for s in table[_SAMPLES]],
+            "loss": [s / n if n > 0 else None for s, n in zip(table[_LOSS_SUM], table[_LOSS_N])],
+            "weights": weights, "fingerprint": _fingerprint(self._start),
+        })
+
+    # ---- parameters --------------------------------------------------------------------------
+
+    def _count(self, kind: str, begin: float) -> None:
+        end = time.perf_counter()
+        self._totals[kind] += end - begin
+        self._timeline.append((kind, begin, end))

@@ -1,0 +1,435 @@
+"""`ElasticDiLoCo`: the class, its construction and the training loop's side (`join`, `step`,
+`loop`, `finish`), checkpoints and the round's end; the protocol is the package's other modules
+(`hetcomm.train.elastic`)."""
+
+from __future__ import annotations
+
+import collections
+import zlib
+import math
+import os
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterable, Iterator, Sequence
+
+import torch
+import torch.distributed as dist
+
+from hetcomm import compress as _compress
+from hetcomm.train import flat as _flat
+from hetcomm.train.diloco.checkpoint import _cpu_copy
+from hetcomm.train.diloco.outer import WEIGHTINGS, default_outer_optimizer
+from hetcomm.train.elastic.common import (_PREFIX, _STEPS, _SAMPLES, _LOSS_SUM, _LOSS_N, _FINITE, _MAX_ROUNDS,
+                                          _MAX_SAMPLES, _CONFIG, _SHARE, _ROWS, _TIMELINE, _fingerprint,
+                                          _PER_RANK_VARIABLES)
+from hetcomm.train.elastic.early import EarlyJoin
+from hetcomm.train.elastic.epochs import Epochs
+from hetcomm.train.elastic.generation import Generation
+from hetcomm.train.membership import Keys, Pulse, StoreUnreachable, connect
+
+
+class ElasticDiLoCo(Epochs, EarlyJoin, Generation, _flat.FlatParameters):
+    """DiLoCo whose workers may die, come back and join while it runs (see the module doc).
+
+    Args:
+        model: this worker's replica; its floating-point parameters are synchronised.
+        inner_optimizer: the optimizer the training loop steps (kept across rounds).
+        store: the job's c10d store, ``"host:port"`` (`hetcomm.store`) or a torch.distributed Store.
+        worker_id: this worker's name in logs and `stats` (default ``$HETCOMM_WORKER_ID``, else
+            ``host:pid``); a restarted worker may reuse it.
+        job: the run's name on the store (a new run needs a new one).
+        steps: inner steps per round (each worker's own count), unless ``round_seconds``.
+        round_seconds: end each round after this many seconds on each worker's clock instead.
+        outer_optimizer: ``callable(params) -> Optimizer`` over the global parameters (CPU);
+            default `hetcomm.diloco.default_outer_optimizer`.
+        weighting, compress, block: as `hetcomm.DiLoCo`.
+        min_workers: the first generation forms once this many workers have asked to join.
+        heartbeat: seconds between heartbeats.
+        timeout: a worker whose heartbeat has not changed for this long is dropped (at most 10 s
+            by default, as INTELLECT-1's 2 s / 10 s).
+        late_timeout: a live worker still missing from the synchronisation this long after the
+            last change among the others (one arrived or was dropped) is dropped too (it
+            rejoins when it gets there).
+        collective_timeout: the generation group's operation timeout (a frozen peer).
+        backend: the generation group's backend (``"hetcomm"`` or ``"gloo"``).
+        early_join: when this worker asks to join while a round runs, it loads the state that
+            round started from (offered by the members through the store as soon as they see
+            the request) and trains in it, contributing at its end; without (or when the offer
+            is not complete in time) it is admitted at the round's end and contributes from the
+            next. Members offer to the joiners that ask for it whatever their own setting.
+        verbose: print one line per membership change (they are in `stats` either way).
+    """
+
+    def __init__(self, model: torch.nn.Module, inner_optimizer: torch.optim.Optimizer | None = None, *,
+                 store, worker_id: str | None = None, job: str = "diloco", steps: int = 50,
+                 round_seconds: float | None = None,
+                 outer_optimizer: Callable[[Sequence[torch.Tensor]], torch.optim.Optimizer] | None = None,
+                 weighting: str = "batch", compress: str = "fp32", block: int = 2048, min_workers: int = 1,
+                 heartbeat: float = 2.0, timeout: float = 10.0, late_timeout: float = 600.0,
+                 collective_timeout: float = 60.0, backend: str = "hetcomm", early_join: bool = True,
+                 verbose: bool = True) -> None:
+        if dist.is_available() and dist.is_initialized():
+            raise RuntimeError(f"{_PREFIX}: torch.distributed is already initialised; ElasticDiLoCo forms the "
+                               "default process group itself, once per generation of workers (start the worker "
+                               "without init_process_group)")
+        for name, value in (("heartbeat", heartbeat), ("timeout", timeout), ("late_timeout", late_timeout),
+                            ("collective_timeout", collective_timeout)):
+            if not (isinstance(value, (int, float)) and value > 0 and math.isfinite(value)):
+                raise ValueError(f"{_PREFIX}: {name} must be a positive number of seconds, got {value!r}")
+        if timeout < 3 * heartbeat:
+            raise ValueError(f"{_PREFIX}: timeout ({timeout} s) must be at least three heartbeats ({heartbeat} s): "
+                             "observers sample the heartbeat once per interval, and beats jitter")
+        if round_seconds is None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 1):
+            raise ValueError(f"{_PREFIX}: steps must be an int >= 1, got {steps!r}")
+        if round_seconds is not None and not (round_seconds > 0 and math.isfinite(round_seconds)):
+            raise ValueError(f"{_PREFIX}: round_seconds must be > 0, got {round_seconds!r}")
+        if isinstance(min_workers, bool) or not isinstance(min_workers, int) or min_workers < 1:
+            raise ValueError(f"{_PREFIX}: min_workers must be an int >= 1, got {min_workers!r}")
+        if weighting not in WEIGHTINGS:
+            raise ValueError(f"{_PREFIX}: unknown weighting {weighting!r}; expected one of {', '.join(WEIGHTINGS)}")
+        if not job or "/" in job:
+            raise ValueError(f"{_PREFIX}: job must be a non-empty name without '/', got {job!r}")
+        if "hetcomm" in str(backend):                 # also a device map such as "cpu:hetcomm"
+            for name in _PER_RANK_VARIABLES:
+                value = os.environ.get(name, "").strip()
+                if value and (name != "HETCOMM_HOST_ID" or "," in value):
+                    raise ValueError(f"{_PREFIX}: {name}={value!r} describes the job by rank, but ranks change "
+                                     "with every generation of workers: let hetcomm measure the links and find "
+                                     "the sites (a single HETCOMM_HOST_ID=<label> for this process is fine)")
+        self.model, self.inner_optimizer = model, inner_optimizer
+        self._params = [p for p in model.parameters() if p.is_floating_point()]
+        if not self._params:
+            raise ValueError(f"{_PREFIX}: the model has no floating-point parameters")
+        factory = outer_optimizer or default_outer_optimizer
+        if isinstance(factory, torch.optim.Optimizer) or not callable(factory):
+            raise TypeError(f"{_PREFIX}: outer_optimizer must be a callable params -> Optimizer")
+        self.weighting = weighting
+        self._codec = _compress.get_codec(compress, block=block)
+        self._codec_name = f"compress={compress!r}, block={block}"
+        self._steps, self._round_seconds = steps, round_seconds
+        self._min_workers, self._heartbeat, self._timeout = min_workers, float(heartbeat), float(timeout)
+        self._late_timeout, self._collective_timeout = float(late_timeout), float(collective_timeout)
+        self._backend, self._verbose, self.job = backend, verbose, job
+        self._early_join = bool(early_join)
+        self.worker_id = worker_id or os.environ.get("HETCOMM_WORKER_ID") or f"{socket.gethostname()}:{os.getpid()}"
+        if "#" in self.worker_id:
+            raise ValueError(f"{_PREFIX}: worker_id must not contain '#', got {self.worker_id!r}")
+        self._me = f"{self.worker_id}#{uuid.uuid4().hex[:8]}"     # this incarnation
+
+        client, address = connect(store, timeout=max(self._timeout, 5.0))
+        self._job_keys = Keys(client, address, f"hetcomm/ft/{job}/")
+        self._keys: Keys | None = None                            # the era's keys, once joined
+        self._group_store = self._job_keys.clone()                # the generation groups' rendezvous
+        self._group_store.set_timeout(2 * self._timeout)
+
+        master = torch.float64 if any(p.dtype == torch.float64 for p in self._params) else torch.float32
+        self._master = master
+        with torch.no_grad():
+            self._global = [torch.nn.Parameter(p.detach().to("cpu", master).clone()) for p in self._params]
+        self.outer_optimizer = factory(self._global)
+        self._start = self._flatten_global()
+
+        self._holds = False            # this worker holds the run's global state (after admission)
+        self._checkpoint = False       # it was loaded from a checkpoint before joining
+        self._round = 0                # rounds committed in the run
+        self._samples_total = 0
+        self._history: list[dict] = []
+        self._events: list[dict] = []
+        self._decision: dict | None = None    # the last epoch's decision this worker took part in
+        self._outcome = "commit"
+        self._gen: int | None = None
+        self._joined = self._stopped = self._closed = False
+        self._stop_reason: str | None = None
+        self._budgets: dict[str, float] = {}
+        self._pulse: Pulse | None = None
+        self._gaps: dict[int, float] = {}     # join indices taken but not (yet) written: since when
+        self._totals = {"compute": 0.0, "idle": 0.0, "sync": 0.0}
+        self._timeline: collections.deque[tuple[str, float, float]] = collections.deque(maxlen=_TIMELINE)
+        self._aborts: list[tuple[str, ...]] = []   # member lists of this round's failed attempts in a row
+        self._scanned = (0, 0.0)                   # join requests watched up to, and when last looked
+        self._step_calls = 0
+        self._early: dict | None = None            # joined early: trains in the round in progress
+        self._offered = -1                         # the round whose state this worker offered last
+        self._offers: list[tuple[int, list]] = []  # (round, layout) offers made, deleted later
+        self._uploader: threading.Thread | None = None
+        self._snap_keys: Keys | None = None        # the uploader's own store connection
+        self._early_joins = 0
+        self._offer_refused = -1                   # an offered round whose model is not this one
+        self._offer_wanted = -1                    # the round in which a joiner asked for an offer
+        self._snapped = False                      # this worker wrote snapped/<me>
+        self._reset_round()
+
+    # ---- the training loop's side ------------------------------------------------------------
+
+    def join(self) -> None:
+        """Connects, waits until a round boundary admits this worker, then loads the global
+        parameters into the model (`loop` calls it; call it yourself before the first inner step
+        of a loop of your own). Returns at once if the run has already ended (`should_stop`)."""
+        if self._joined:
+            return
+        if self._closed:
+            raise RuntimeError(f"{_PREFIX}: join() after close()")
+        self._joined = True
+        try:
+            self._pulse = Pulse(self._job_keys.clone(), self._me, self._heartbeat)
+            self._keys = self._job_keys.under(f"era{self._era()}")
+            self._admit()
+        except BaseException:
+            self.close()
+            raise
+        self._reset_round()
+        self._mark = time.perf_counter()
+
+    def step(self, samples: int | None = None, loss: float | None = None) -> bool:
+        """Call after every inner step; synchronises when the round is over (returns True then)."""
+        if not self._joined or self._closed or self._stopped:
+            raise RuntimeError(f"{_PREFIX}: step() " + ("before join() (or use loop())" if not self._joined
+                                                        else f"after the run stopped ({self._stop_reason})"
+                                                        if self._stopped else "after close()"))
+        now = time.perf_counter()
+        self._pulse.check()
+        self._watch_joiners()
+        n = 1 if samples is None else int(samples)
+        if n < 0:
+            raise ValueError(f"{_PREFIX}: samples must be >= 0, got {samples!r}")
+        self._step_calls += 1
+        self._r_steps += 1
+        self._r_samples += n
+        if loss is not None and n > 0:
+            self._r_loss += float(loss) * n
+            self._r_loss_n += n
+        self._totals["compute"] += now - self._mark
+        self._timeline.append(("compute", self._mark, now))
+        over = (self._r_steps >= self._steps if self._round_seconds is None
+                else now - self._round_start >= self._round_seconds)
+        try:
+            if self._early is not None:
+                over = self._early_step(over)
+            elif over:
+                self._end_round()
+        except BaseException:
+            self.close()
+            raise
+        self._mark = time.perf_counter()
+        return over
+
+    def loop(self, batches: Iterable, *, max_rounds: int | None = None,
+             max_samples: int | None = None) -> Iterator:
+        """Joins, yields ``batches`` until the run stops, then leaves (`finish`).
+
+        ``max_rounds`` (rounds of the run, counted across restarts and joins) and ``max_samples``
+        (samples of every worker together) stop every member at the same round; a worker whose
+        ``batches`` end synchronises its last partial round and leaves, and the others go on."""
+        for name, value in (("max_rounds", max_rounds), ("max_samples", max_samples)):
+            if value is not None and not (value > 0 and math.isfinite(value)):
+                raise ValueError(f"{_PREFIX}: {name} must be > 0, got {value!r}")
+        self._budgets = {"max_rounds": max_rounds or 0, "max_samples": max_samples or 0}
+        self.join()
+        try:
+            if not self._stopped and self._early is None:     # (an early joiner is not a member yet)
+                self._check_budgets()
+            for item in batches:
+                if self._stopped:
+                    break
+                calls = self._step_calls
+                yield item
+                if self._step_calls != calls + 1:
+                    raise RuntimeError(f"{_PREFIX}: the body of loop() must call step() exactly once per batch "
+                                       f"(it called it {self._step_calls - calls} times)")
+        except GeneratorExit:
+            if self._step_calls == calls + 1:     # the body stopped after its step (a break)
+                self._finish("its loop stopped")
+            else:
+                # stopped inside the body (an exception, or a break before step()): the model may
+                # be half-updated, so this round's steps are not synchronised
+                self._finish("it stopped inside its loop (its partial round is not synchronised)",
+                             synchronise=False)
+            raise
+        except BaseException:
+            self.close()
+            raise
+        self._finish("its data ended")
+
+    def finish(self) -> None:
+        """Leaves in good order: synchronises this worker's partial round (if it took steps since
+        the last synchronisation and the run goes on), tells the others it left (they drop it at
+        once instead of after ``timeout``), and releases the group and the heartbeat."""
+        self._finish("it finished")
+
+    def _finish(self, why: str, synchronise: bool = True) -> None:
+        if self._closed:
+            return
+        try:
+            if synchronise and self._joined and not self._stopped and self._r_steps and self._early is None:
+                self._end_round()     # (a worker that joined early and is not a member yet has no round to end)
+            if self._keys is not None:
+                self._keys.set(f"leave/{self._me}", {"round": self._round, "why": why})
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        """Releases the group and stops the heartbeat, without telling anyone (the others drop
+        this worker after ``timeout``). `finish` calls it."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._pulse is not None:
+            self._pulse.stop()
+        self._destroy_group()
+        if self._uploader is not None:
+            self._uploader.join(timeout=2.0)
+        try:
+            self._withdraw_offers(everything=True)
+        except StoreUnreachable:
+            pass
+
+    def __enter__(self) -> "ElasticDiLoCo":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.finish()
+        else:
+            self.close()
+
+    @property
+    def should_stop(self) -> bool:
+        return self._stopped
+
+    @property
+    def stop_reason(self) -> str | None:
+        return self._stop_reason
+
+    @property
+    def rounds(self) -> int:
+        """Rounds committed in the run (the same on every member)."""
+        return self._round
+
+    @property
+    def history(self) -> list[dict]:
+        """One record per round this worker committed (identical on every member of that round;
+        a joiner receives the earlier ones): round, epoch, generation, members (worker ids),
+        their steps, samples, mean losses and weights, and ``fingerprint``, a hash of the global
+        parameters after the round's update."""
+        return list(self._history)
+
+    @property
+    def membership(self) -> list[dict]:
+        """Membership changes and failed synchronisations this worker saw, in order."""
+        return list(self._events)
+
+    def global_parameters(self) -> list[torch.Tensor]:
+        return [g.detach() for g in self._global]
+
+    def fingerprint(self) -> int:
+        """A hash of the global parameters (equal on every member after each round)."""
+        return _fingerprint(self._flatten_global())
+
+    def stats(self) -> dict:
+        """This worker's view: rounds, generation, current members, membership changes, samples
+        of the run, and this worker's compute, idle (waiting for others) and sync seconds."""
+        members = self._decision["members"] if self._decision else []
+        return {"rounds": self._round, "generation": self._gen, "members": [m.split("#")[0] for m in members],
+                "membership": self.membership, "samples_total": self._samples_total,
+                "compute_seconds": self._totals["compute"], "idle_seconds": self._totals["idle"],
+                "sync_seconds": self._totals["sync"], "early_joins": self._early_joins}
+
+    def timeline(self) -> list[tuple[str, float, float]]:
+        """(kind, start, end) in time.time() seconds: compute, idle, sync and, at the instant of
+        each membership change, ("membership", t, t)."""
+        offset = time.time() - time.perf_counter()
+        return [(k, a + offset, b + offset) for k, a, b in self._timeline]
+
+    # ---- checkpoints -------------------------------------------------------------------------
+
+    _STATE_VERSION = 1
+
+    def state_dict(self) -> dict:
+        """The run's state as this worker holds it (CPU copies): global parameters, outer
+        optimizer, round, samples, history, membership, and this worker's model and inner
+        optimizer. Call it between rounds (after `join`, when `step` returned True, or after the
+        run stopped); no communication."""
+        if self._r_steps:
+            raise RuntimeError(f"{_PREFIX}: state_dict() inside a round ({self._r_steps} steps since the last "
+                               "synchronisation): call it when step() returned True")
+        if not self._holds:
+            raise RuntimeError(f"{_PREFIX}: state_dict() before this worker was admitted (it holds no state yet)")
+        return _cpu_copy({
+            "version": self._STATE_VERSION, "job": self.job, "global": list(self._global),
+            "outer_optimizer": self.outer_optimizer.state_dict(), "round": self._round,
+            "samples_total": self._samples_total, "history": self._history, "membership": self._events,
+            "model": self.model.state_dict(),
+            "inner_optimizer": self.inner_optimizer.state_dict() if self.inner_optimizer is not None else None,
+        })
+
+    def load_state_dict(self, state: dict) -> None:
+        """Loads a checkpoint before `join`: this worker then offers its state when the job's era
+        starts (the holders of the latest round provide it; see the module doc)."""
+        if self._joined:
+            raise RuntimeError(f"{_PREFIX}: load_state_dict() after join(): load the checkpoint first")
+        if state.get("version") != self._STATE_VERSION:
+            raise ValueError(f"{_PREFIX}: checkpoint version {state.get('version')!r}, expected {self._STATE_VERSION}")
+        if [tuple(t.shape) for t in state["global"]] != [tuple(g.shape) for g in self._global]:
+            raise ValueError(f"{_PREFIX}: the checkpoint's parameters do not match the model's shapes")
+        with torch.no_grad():
+            for g, t in zip(self._global, state["global"]):
+                g.copy_(t)
+        self.outer_optimizer.load_state_dict(state["outer_optimizer"])
+        self.model.load_state_dict(state["model"])
+        if state["inner_optimizer"] is not None and self.inner_optimizer is not None:
+            self.inner_optimizer.load_state_dict(state["inner_optimizer"])
+        self._round, self._samples_total = int(state["round"]), int(state["samples_total"])
+        self._history, self._events = list(state["history"]), list(state["membership"])
+        self._start = self._flatten_global()
+        self._holds = self._checkpoint = True
+
+    # ---- rounds ------------------------------------------------------------------------------
+
+    def _reset_round(self) -> None:
+        self._r_steps = self._r_samples = self._r_loss_n = 0
+        self._r_loss = 0.0
+        self._r_share = 1.0            # the part of the round this worker trained (< 1: joined early)
+        self._round_start = time.perf_counter()
+
+    def _end_round(self, admitted: dict | None = None) -> None:
+        """Synchronises the round (``admitted``: in the decision already read)."""
+        begin = time.perf_counter()
+        delta = (self._start - self._flatten_model()).float()
+        self._count("sync", begin)
+        column = self._column(delta)
+        if not self._synchronise(delta, column, admitted=admitted):
+            self._event({"round": self._round, "worker": self.worker_id, "dropped": self._dropped_why},
+                        f"round {self._round}: this worker was dropped ({self._dropped_why}); its "
+                        f"{self._r_steps} steps are discarded and it joins again")
+            self._holds = False
+            self._destroy_group()
+            self._reset_round()
+            self._new_incarnation()
+            self._admit()
+        self._check_budgets()
+        self._reset_round()
+
+    def _column(self, delta: torch.Tensor | None) -> list[float]:
+        total = float(delta.double().sum()) if delta is not None and delta.numel() else 0.0
+        col = [0.0] * _ROWS
+        col[_SHARE] = self._r_share
+        col[_STEPS], col[_SAMPLES] = self._r_steps, self._r_samples
+        col[_LOSS_SUM], col[_LOSS_N] = self._r_loss, self._r_loss_n
+        col[_FINITE] = 1.0 if math.isfinite(total) else 0.0
+        col[_MAX_ROUNDS] = self._budgets.get("max_rounds", 0)
+        col[_MAX_SAMPLES] = self._budgets.get("max_samples", 0)
+        col[_CONFIG] = float(zlib.crc32(f"{self._codec_name}, numel={self._start.numel()}".encode()))
+        return col
+
+    def _check_budgets(self) -> None:
+        limit_r, limit_s = self._budgets.get("max_rounds", 0), self._budgets.get("max_samples", 0)
+        reason = None
+        if limit_r and self._round >= limit_r:
+            reason = f"max_rounds: {self._round} rounds"
+        elif limit_s and self._samples_total >= limit_s:
+            reason = f"max_samples: {self._samples_total} samples"
+        if reason is not None:
+            self._stopped, self._stop_reason = True, reason
+            self._keys.first("ended", {"round": self._round, "reason": reason})

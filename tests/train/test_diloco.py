@@ -446,7 +446,7 @@ def train_failing_in_one_rank_of_a_worker(rank: int, world: int) -> dict:
     diloco = hetcomm.DiLoCo(net, opt, local_steps="fixed", steps=3, overlap=True, fragments=2, stagger=False,
                             workers=["a", "a", "b", "b"])
     if rank == 0:
-        original, calls = diloco._workers.reduce, {"n": 0}
+        original, calls = diloco._workers.reduce_range, {"n": 0}
 
         def failing(*args, **kwargs):
             out = original(*args, **kwargs)
@@ -455,7 +455,7 @@ def train_failing_in_one_rank_of_a_worker(rank: int, world: int) -> dict:
                 raise RuntimeError("injected failure after fragment 2")
             return out
 
-        diloco._workers.reduce = failing
+        diloco._workers.reduce_range = failing
 
     def one_step() -> bool:
         torch.manual_seed(rank // 2)                 # a worker's ranks step on the same batch

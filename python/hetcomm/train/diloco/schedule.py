@@ -111,19 +111,21 @@ class Overlap:
         ``upto``) onto it (`_move_range`)."""
         if upto <= self._moved:
             return
-        i, a = self._boundary[self._moved][0], self._boundary[self._moved][2]
-        j, b = self._boundary[upto - 1][1], self._boundary[upto - 1][3]
-        self._moved = upto
+        first, self._moved = self._moved, upto
         # The pseudo-gradient buffer not in flight is free (its synchronisation was waited for).
-        self._move_range(i, j, a, b, self._deltas[self._next_delta][a:b])
+        scratch = self._deltas[self._next_delta]
+        for f in range(first, upto):
+            self._move_range(f, scratch[self._boundary[f][2]:self._boundary[f][3]])
 
     @torch.no_grad()
-    def _move_range(self, i: int, j: int, a: int, b: int, scratch: torch.Tensor) -> None:
-        """For parameters [i, j) (elements [a, b)), whose late update has landed:
-        p ← θ^k + β (p − start), start ← θ^k (θ^k: the global parameters; β: ``early_weight``),
-        through ``scratch`` (b − a elements); counts as sync."""
+    def _move_range(self, f: int, scratch: torch.Tensor) -> None:
+        """For fragment f, whose late update has landed: p ← θ^k + β (p − start), start ← θ^k
+        (θ^k: the global parameters; β: ``early_weight``), through ``scratch`` (the fragment's
+        elements here); then the worker's ranks share the replica's new values (sharded state).
+        Counts as sync."""
         start = self._clock()
-        self._moved_at[a] = (b - a, self._r_steps)       # a fragment moved twice: its latest move
+        self._moved_at[f] = (self._whole_sizes[f], self._r_steps)   # a fragment moved twice: its latest move
+        i, j, a, b = self._fragments[f]
         params, glob = self._params[i:j], self._global[i:j]
         beta = self._early_weight
         for p, g, s, t in zip(params, glob, _flat.split(self._start[a:b], params), _flat.split(scratch, params)):
@@ -136,6 +138,7 @@ class Overlap:
                 t.sub_(s).mul_(beta).add_(new)
                 p.copy_(t.view(p.shape))
             s.copy_(new)
+        self._share([f])
         end = self._clock()
         self._totals["sync"] += end - start
         self._timeline.append(("sync", start, end))
@@ -145,7 +148,7 @@ class Overlap:
         its fragments; not yet moved: all of them; 0: nothing was in flight)."""
         if self._r_landed is not None:
             return self._r_landed
-        n = self._start.numel()
+        n = sum(self._whole_sizes)             # (whole fragments: the same on a worker's ranks)
         if n == 0:
             return self._r_steps
         moves = self._moved_at.values()

@@ -91,8 +91,12 @@ class Layout:
                     self.pieces.append((t, x - self._full[t], y - x))
                     local += y - x
             self.fragments.append((first, len(self.pieces), start, local))
-        self._local = _offsets(n for _, _, n in self.pieces)
         self.size = local                                      # elements this rank holds
+        if not self.pieces:
+            # A rank with no share: one empty piece, outside every fragment (an optimizer needs
+            # a parameter; the state is empty all the same).
+            self.pieces.append((0, 0, 0))
+        self._local = _offsets(n for _, _, n in self.pieces)
         longest = max((max(b - a for a, b in zip(s, s[1:])) for s in
                        (shard_bounds(f[3] - f[2], shards) for f in self.whole)), default=0)
         self.chunk = max(1, min(CHUNK, longest))

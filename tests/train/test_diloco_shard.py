@@ -82,11 +82,23 @@ def test_per_rank_state_shrinks_with_the_ranks_of_the_worker():
                 assert res["walked"] <= bound, (setting, shape, res["walked"], bound)
 
 
+def grouped_adamw(params):
+    """Groups by dimension, as training scripts do (no weight decay for biases): the factory must
+    see the parameters' shapes, not a rank's flat pieces of them."""
+    params = list(params)
+    return torch.optim.AdamW([{"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
+                              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}],
+                             lr=0.05, betas=(0.8, 0.9))
+
+
 def train(rank: int, world: int, labels: list, settings: list[dict]) -> list[dict]:
     """Each configuration sharded and replicated, the same float64 data: worker w's ranks split
-    its batch (their gradients averaged by the worker)."""
+    its batch (their gradients averaged by the worker). The exchange in chunks of 7 elements
+    (several per fragment and rank)."""
     import hetcomm
+    import hetcomm.train.diloco.shard as shard_module
 
+    shard_module.CHUNK = 7
     out = []
     for kwargs in settings:
         results = {}
@@ -95,8 +107,7 @@ def train(rank: int, world: int, labels: list, settings: list[dict]) -> list[dic
             net = nn.Sequential(nn.Linear(6, 10), nn.Tanh(), nn.Linear(10, 3)).double()
             opt = torch.optim.SGD(net.parameters(), lr=0.1)
             diloco = hetcomm.DiLoCo(net, opt, local_steps="fixed", steps=3, workers=labels, shard_state=shard,
-                                    outer_optimizer=lambda ps: torch.optim.Adam(ps, lr=0.05, betas=(0.8, 0.9)),
-                                    **kwargs)
+                                    outer_optimizer=grouped_adamw, **kwargs)
             worker = labels[rank]
             part, parts = labels[:rank].count(worker), labels.count(worker)
             for k in range(12):
@@ -112,7 +123,8 @@ def train(rank: int, world: int, labels: list, settings: list[dict]) -> list[dic
                               "history": [{k: h[k] for k in ("steps", "samples", "weights")} for h in diloco.history],
                               "sharded": diloco._layout is not None, "bytes": diloco.state_bytes(),
                               "held": diloco._layout.size if diloco._layout is not None else None,
-                              "chunk": diloco._layout.chunk if diloco._layout is not None else None}
+                              "chunk": diloco._layout.chunk if diloco._layout is not None else None,
+                              "groups": [len(g["params"]) for g in diloco.outer_optimizer.param_groups]}
         out.append(results)
     return out
 
@@ -128,6 +140,7 @@ def test_sharded_state_computes_what_the_replicated_state_computes(labels):
         for rank, res in enumerate(per_rank):
             sharded, replicated = res[i][None], res[i][False]
             assert sharded["sharded"] and not replicated["sharded"]
+            assert len(sharded["groups"]) == 2 and sharded["chunk"] == 7, sharded
             assert sharded["history"] == replicated["history"], kwargs
             for a, b, c in zip(sharded["global"], replicated["global"], per_rank[0][i][False]["global"]):
                 assert torch.equal(a, b) and torch.equal(b, c), (kwargs, rank)
@@ -156,7 +169,7 @@ def train_fsdp(rank: int, world: int) -> list[dict]:
                 fully_shard(net, mesh=mesh["shard"])
             opt = torch.optim.SGD(net.parameters(), lr=0.1)
             diloco = hetcomm.DiLoCo(net, opt, local_steps="fixed", steps=3, workers=[0, 0, 1, 1],
-                                    inner_sync=not fsdp, **kwargs)
+                                    inner_sync=not fsdp, shard_state=None if fsdp else False, **kwargs)
             worker, half = rank // 2, rank % 2
             for k in range(9):
                 g = torch.Generator().manual_seed(100 * worker + k)
@@ -205,7 +218,13 @@ def mismatched(rank: int, world: int) -> dict:
     except ValueError as e:
         errors["share"] = str(e)
     fresh.load_state_dict(states[(rank + 2) % 4])      # the same share of the other worker: resumes
+    try:
+        fresh.global_parameters()                       # this rank holds its share only
+    except RuntimeError as e:
+        errors["before_finish"] = str(e)
+    whole = fresh.gather_global_parameters()            # every rank of the worker: a collective
     fresh.finish()
+    errors["gathered"] = all(torch.equal(a, b) for a, b in zip(whole, fresh.global_parameters()))
     try:
         hetcomm.DiLoCo(net, opt, workers=[0, 1, 2, 3], shard_state=True)
     except ValueError as e:
@@ -223,3 +242,5 @@ def test_mismatched_shares_and_impossible_sharding_raise():
         assert "same share" in errors.get("share", ""), errors
         assert "two or more ranks" in errors.get("single", ""), errors
         assert "element-wise" in errors.get("optimizer", ""), errors
+        assert "gather_global_parameters" in errors.get("before_finish", ""), errors
+        assert errors["gathered"] is True, errors

@@ -18,7 +18,7 @@ The package: `loop` (the class, its loop and bookkeeping), `agreement` (the roun
 agreement and reduction), `schedule` (fragments and the
 overlap's moves), `stream` (staggered fragments), `shard` (the state split over a worker's
 ranks, or a model's FSDP2 shards), `outer` (weights, the outer step), `table` (what the ranks agree
-on, and what is decided from it), `checkpoint`.
+on, and what is decided from it), `results` (`stats`, `timeline`), `checkpoint`.
 """
 from hetcomm.train.diloco.loop import DiLoCo
 from hetcomm.train.diloco.outer import WEIGHTINGS, default_outer_optimizer, outer_weights

@@ -35,11 +35,12 @@ def _describe(layout: dict | None) -> str:
 class Checkpoint:
     """Saving and resuming a `DiLoCo` run."""
 
-    _STATE_VERSION = 3              # 2: "feedback" is a list (one per fragment), "sync_wall"; 3: "streams"
+    _STATE_VERSION = 4              # 2: "feedback" is a list (one per fragment), "sync_wall"; 3: "streams";
+    #                                 4: "layout" (the share of a sharded state)
 
     def state_dict(self) -> dict:
         """Everything a resumed run needs, for this rank (CPU copies): the global parameters and the
-        outer optimizer (identical on every rank), this rank's replica (the model's state), inner
+        outer optimizer (identical on every rank; with sharded state, this rank's share), this rank's replica (the model's state), inner
         optimizer, start point and quantisation residuals, the policy's and the step times' state,
         the agreed history (rounds, samples: budgets of `loop` go on counting) and totals; with
         overlap also the synchronisation in flight, which it waits for (it blocks until every rank
@@ -112,7 +113,7 @@ class Checkpoint:
         if self._step_calls or self._history:
             raise RuntimeError(f"{_PREFIX}: load_state_dict() after steps were taken: call it right after "
                                "constructing DiLoCo")
-        if state.get("version") not in (1, 2, self._STATE_VERSION):
+        if state.get("version") not in (1, 2, 3, self._STATE_VERSION):
             raise ValueError(f"{_PREFIX}: checkpoint version {state.get('version')!r}, expected 1 to {self._STATE_VERSION}")
         if list(state["labels"]) != list(self._labels):
             raise ValueError(f"{_PREFIX}: the checkpoint's workers {resolve_members(state['labels'])} differ from "
@@ -121,7 +122,8 @@ class Checkpoint:
         if state.get("layout") != layout:
             raise ValueError(f"{_PREFIX}: the checkpoint holds {_describe(state.get('layout'))}, this rank "
                              f"{_describe(layout)}: resume each rank from a checkpoint of the same share (the same "
-                             "workers, rank within its worker, shard_state, fragments and model)")
+                             "workers, rank within its worker, shard_state, fragments and model; a checkpoint of the "
+                             "whole state, e.g. from before sharding, resumes with shard_state=False)")
         shapes = [tuple(g.shape) for g in self._global]
         if [tuple(t.shape) for t in state["global"]] != shapes:
             raise ValueError(f"{_PREFIX}: the checkpoint's parameters do not match the model's shapes")

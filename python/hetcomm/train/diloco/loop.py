@@ -17,12 +17,13 @@ from hetcomm.train import flat as _flat
 from hetcomm.train.diloco.agreement import Agreement
 from hetcomm.train.diloco.checkpoint import Checkpoint
 from hetcomm.train.diloco.outer import PER_PARAMETER, WEIGHTINGS, default_outer_optimizer, estimate_step
+from hetcomm.train.diloco.results import Results
 from hetcomm.train.diloco.schedule import Overlap, fragment_bounds
 from hetcomm.train.diloco.shard import ShardedState
 from hetcomm.train.diloco.stream import Streams
 from hetcomm.train.diloco.table import (_AGGREGATE, _BUDGETS, _COMPUTE, _DONE, _ELAPSED, _FINITE, _FRAGMENTS,
                                         _LANDED, _LOSS_N, _LOSS_SUM, _REPLICA, _ROWS, _SAMPLES, _STEPS, _SYNC_WALL,
-                                        _TOT_BYTES, _TOT_IDLE, _TOT_SYNC, _TOT_WAN, _hetcomm_bytes_sent, _known)
+                                        _TOT_BYTES, _TOT_IDLE, _TOT_SYNC, _TOT_WAN, _known)
 from hetcomm.train.local_steps import FixedSteps, LocalStepPolicy, SpeedSteps, StepTimes, TimeSteps, make_policy
 from hetcomm.train.partition import exchange_columns
 from hetcomm.train.workers import Workers, resolve_labels, resolve_members
@@ -30,7 +31,7 @@ from hetcomm.train.workers import Workers, resolve_labels, resolve_members
 _PREFIX = "hetcomm DiLoCo"
 
 
-class DiLoCo(ShardedState, Agreement, Checkpoint, Streams, Overlap, _flat.FlatParameters):
+class DiLoCo(Results, ShardedState, Agreement, Checkpoint, Streams, Overlap, _flat.FlatParameters):
     """DiLoCo over ``group`` (default: the world) for ``model`` trained by ``inner_optimizer``.
 
     Args:
@@ -84,7 +85,9 @@ class DiLoCo(ShardedState, Agreement, Checkpoint, Streams, Overlap, _flat.FlatPa
             share of the model only, and the worker's ranks exchange the replica's new values
             after each update (`hetcomm.train.diloco.shard`). None (default): when every worker
             has two or more ranks and the outer optimizer is element-wise (SGD, Adam, ...); True:
-            required (else an error); False: every rank keeps the whole state.
+            required (else an error); False: every rank keeps the whole state. Sharded, a rank
+            holds only its share of the global parameters until `finish`:
+            `gather_global_parameters` gathers them (docs/diloco.md#state-sharded-over-a-workers-ranks).
         clock: the clock DiLoCo times steps, rounds and synchronisations by, in seconds
             (default ``time.perf_counter``); a simulation, or a test, may give one of its own.
     """
@@ -168,19 +171,7 @@ class DiLoCo(ShardedState, Agreement, Checkpoint, Streams, Overlap, _flat.FlatPa
         self._workers = Workers(self._labels, group, worker_backend=worker_backend, background=self.overlap)
         self._layout = self._choose_layout(shard_state, whole, self._labels, self._rank)
         self._broadcast_replica(group)
-        for _ in range(2):
-            self._fragments = whole if self._layout is None else self._layout.fragments
-            with torch.no_grad():
-                self._global = [torch.nn.Parameter(p.detach().to("cpu", master, copy=True)) for p in self._params]
-            self.outer_optimizer = factory(self._global)
-            if self._layout is None or type(self.outer_optimizer) in PER_PARAMETER:
-                break
-            # Pieces of tensors need an optimizer that treats every element on its own.
-            if shard_state or self._fsdp:
-                raise ValueError(f"{_PREFIX}: shard_state=True steps the outer optimizer on pieces of tensors, which "
-                                 f"only element-wise optimizers allow ({', '.join(sorted(c.__name__ for c in PER_PARAMETER))}); "
-                                 f"{type(self.outer_optimizer).__name__} is not known to be: use shard_state=False")
-            self._layout = None
+        self.outer_optimizer = self._make_outer_optimizer(factory, shard_state, whole)
         self._start = self._flatten_global()      # where the replica started this round
         if len(self._fragments) > 1 and type(self.outer_optimizer) not in PER_PARAMETER:
             raise ValueError(f"{_PREFIX}: fragments={fragments} steps the outer optimizer once per fragment, which "
@@ -427,8 +418,10 @@ class DiLoCo(ShardedState, Agreement, Checkpoint, Streams, Overlap, _flat.FlatPa
         self._exhausted = True
         try:
             self._drain()
-            if self._layout is not None:
-                self._final_global = self._gather_global()    # (the worker's groups go with close)
+            if self._layout is not None and any(p.dtype != self._master for p in self._model_params):
+                # The model holds the global parameters rounded to its dtype: gather them whole
+                # (the worker's groups go with close).
+                self._final_global = self._gather_global()
         except BaseException:
             self.close()
             raise
@@ -483,68 +476,6 @@ class DiLoCo(ShardedState, Agreement, Checkpoint, Streams, Overlap, _flat.FlatPa
 
     # ---- results -----------------------------------------------------------------------------
 
-    def global_parameters(self) -> list[torch.Tensor]:
-        """The global parameters (CPU, identical on every rank after each synchronisation); with
-        overlap, after the latest update that landed (a synchronisation in flight is waited for,
-        not applied; with staggered fragments, mid-round, that waits for the other ranks to reach
-        the fragments in flight: call it at a round boundary). With sharded state (``shard_state``)
-        a collective over the worker until `finish` (call it on all of the worker's ranks at the
-        same point); `finish` gathers them once for later calls."""
-        if self._final_global is not None:
-            return self._final_global
-        if self._layout is not None and self._layout.replicated and self._closed:
-            raise RuntimeError(f"{_PREFIX}: global_parameters() after close() without finish(): with sharded state "
-                               "each rank holds only its share of them")
-        if self._pending is not None and not self._closed:     # (a closed object's may never finish)
-            concurrent.futures.wait([self._pending])
-        if not self._closed:
-            self._join_streams()
-        return self._gather_global()
-
-    def stats(self) -> dict:
-        """Totals agreed at the last synchronisation, one entry per worker (per rank when every
-        worker is one rank), identical on every rank.
-
-        ``wan_bytes``: bytes each worker's ranks sent to ranks of other workers on DiLoCo's groups
-        (the measurements' exchange and the outer reduction; with workers from sites, what crossed
-        the WAN; None on groups that are not hetcomm's), ``wan_bytes_per_round`` their sum over
-        workers per round. ``workers``: the group ranks of each worker.
-        """
-        t = self._agreed_totals
-        if not t:
-            return {}
-        wall = [c + i + s for c, i, s in zip(t["compute"], t["idle"], t["sync"])]
-        known_wan = all(b is not None for b in t["wan"])
-        return {
-            "rounds": self._settled,
-            "workers": [list(m) for m in self._workers.members],
-            "steps": [round(x) for x in t["steps"]],
-            "samples": [round(x) for x in t["samples"]],
-            "compute_seconds": t["compute"],
-            "idle_seconds": t["idle"],
-            "sync_seconds": t["sync"],
-            "bytes_sent": t["bytes"],
-            "wan_bytes": t["wan"],
-            "wan_bytes_per_round": (sum(t["wan"]) / self._settled if known_wan and self._settled else None),
-            "compute_fraction": [c / w if w > 0 else 0.0 for c, w in zip(t["compute"], wall)],
-        }
-
-    @property
-    def workers(self) -> list[list[int]]:
-        """The group ranks of each worker (one list per worker, in the order of `history`'s columns)."""
-        return [list(m) for m in self._workers.members]
-
-    @property
-    def worker_group(self) -> dist.ProcessGroup | None:
-        """The process group of this rank's worker (None when every worker is one rank): for DDP
-        or FSDP inside the worker, with ``inner_sync=False``."""
-        return self._workers.worker_group
-
-    def timeline(self) -> list[tuple[str, float, float]]:
-        """This rank's (kind, start, end) intervals in wall-clock seconds (time.time()):
-        ``compute``, ``idle`` and ``sync`` (on the background thread with overlap)."""
-        return [(k, a + self._wall_offset, b + self._wall_offset) for k, a, b in self._timeline]
-
     # ---- synchronisation ---------------------------------------------------------------------
 
     def _reset_round(self) -> None:
@@ -578,16 +509,6 @@ class DiLoCo(ShardedState, Agreement, Checkpoint, Streams, Overlap, _flat.FlatPa
         for name, row in _BUDGETS.items():
             col[row] = self._budgets[name]
         return col
-
-    def _outer_groups(self) -> list:
-        """The groups DiLoCo's synchronisation uses (the default group as None)."""
-        groups = [self._sync_group]
-        if not self._workers.single:
-            groups += [self._workers.cross_group, self._workers.gather_group]
-        return list({id(g): g for g in groups}.values())
-
-    def _bytes_sent(self) -> float:
-        return math.fsum(_hetcomm_bytes_sent(g) for g in self._outer_groups())
 
     def _synchronise(self) -> None:
         # This thread's own work at the boundary (flattening, the start estimate, loading the

@@ -102,9 +102,20 @@ class Overlap:
             if end - start > 1e-4:
                 self._totals["idle"] += end - start
                 self._timeline.append(("idle", start, end))
-        self._pending.result()                         # raises here if the synchronisation failed
+        self._agree_landed([self._pending])            # raises here if the synchronisation failed
         self._move_onto_global(total)
         self._rebased = True
+
+    def _agree_landed(self, futures: list) -> None:
+        """After waiting for ``futures`` (jobs of the background thread): raises on every rank of
+        the worker if one of them failed on any (its own error where it failed), before any rank
+        moves its replica, whose new values the worker's ranks exchange (sharded state)."""
+        failed = any(f.exception() is not None for f in futures)
+        if self._workers.size > 1 and self._workers.least(-1.0 if failed else 0.0) < 0 and not failed:
+            raise RuntimeError(f"{_PREFIX}: another rank of this worker failed its synchronisation (its error names "
+                               "the cause)")
+        for f in futures:
+            f.result()
 
     def _move_onto_global(self, upto: int) -> None:
         """Moves the fragments of the round boundary's update landed since the last move (up to

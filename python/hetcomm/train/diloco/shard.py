@@ -20,7 +20,9 @@ docs/diloco.md#state-sharded-over-a-workers-ranks.
 from __future__ import annotations
 
 import bisect
+import concurrent.futures
 import math
+import warnings
 from collections.abc import Iterable, Sequence
 
 import torch
@@ -28,9 +30,10 @@ import torch.distributed as dist
 
 from hetcomm import compress as _compress
 from hetcomm.train import flat as _flat
+from hetcomm.train.diloco.outer import PER_PARAMETER
 from hetcomm.train.workers import resolve_members, shard_bounds
 
-__all__ = ["CHUNK", "Layout", "ShardedState", "shard_bounds"]
+__all__ = ["CHUNK", "Layout", "LocalShards", "ShardedState", "shard_bounds"]
 
 _PREFIX = "hetcomm DiLoCo"
 
@@ -111,9 +114,6 @@ class Layout:
         1-D views that write through to the parameters."""
         return [params[t].detach().view(-1)[o:o + n] for t, o, n in self.pieces]
 
-    def whole_fragment_elements(self, f: int) -> int:
-        return self.whole[f][3] - self.whole[f][2]
-
     @torch.no_grad()
     def exchange(self, fragments: Iterable[int], local: Sequence[torch.Tensor], full: Sequence[torch.Tensor], *,
                  group: dist.ProcessGroup | None, size: int, dtype: torch.dtype) -> None:
@@ -157,6 +157,7 @@ class LocalShards:
         self.whole = [tuple(f) for f in fragments]
         local = _offsets(p.to_local().numel() for p in params)
         self.fragments = [(i, j, local[i], local[j]) for i, j, _, _ in self.whole]
+        self.pieces = [(t, 0, local[t + 1] - local[t]) for t in range(len(params))]   # whole local shards
         self.size = local[-1]
 
     def describe(self) -> dict:
@@ -188,7 +189,8 @@ class ShardedState:
     """The parts of `DiLoCo` that depend on whether its state is sharded over a worker's ranks
     (``_layout``: a `Layout`, or None when every rank keeps all of it)."""
 
-    def _choose_layout(self, shard_state: bool | None, whole: list, labels: Sequence[int], rank: int) -> Layout | None:
+    def _choose_layout(self, shard_state: bool | None, whole: list, labels: Sequence[int],
+                       rank: int) -> Layout | LocalShards | None:
         """The layout of this rank's state: sharded over the worker when ``shard_state`` is True,
         or None (default) and the smallest worker has two or more ranks."""
         if shard_state is not None and not isinstance(shard_state, bool):
@@ -208,6 +210,8 @@ class ShardedState:
         if odd:
             if shard_state:
                 raise ValueError(f"{_PREFIX}: shard_state=True needs contiguous parameters (parameters {odd} are not)")
+            warnings.warn(f"{_PREFIX}: parameters {odd} are not contiguous (channels_last?): every rank of a worker "
+                          "keeps the whole DiLoCo state (shard_state=False)", RuntimeWarning, stacklevel=4)
             return None
         mine = members[labels[rank]].index(rank)
         return Layout(self._model_params, whole, shards, mine if mine < shards else None)
@@ -236,6 +240,41 @@ class ShardedState:
                 raise ValueError(f"{_PREFIX}: a parameter's local shard is not contiguous")
         return LocalShards(self._model_params, whole, len(mine), sorted(mine).index(dist.get_rank()))
 
+    def _make_outer_optimizer(self, factory, shard_state: bool | None, whole: list) -> torch.optim.Optimizer:
+        """The outer optimizer over ``_global``. Sharded, the factory sees placeholders of the
+        parameters' shapes (device meta), so that groups by shape, ndim or position come out as
+        over the whole model; the optimizer of its type is then built over this rank's pieces,
+        each in its tensor's group with that group's settings. An optimizer that is not
+        element-wise cannot step pieces: the state is then kept whole (the factory is called
+        again, on the real parameters), with a warning, or an error if sharding was asked for."""
+        with torch.no_grad():
+            self._global = [torch.nn.Parameter(p.detach().to("cpu", self._master, copy=True)) for p in self._params]
+        self._fragments = whole if self._layout is None else self._layout.fragments
+        if self._layout is None:
+            return factory(self._global)
+        proxies = [torch.nn.Parameter(torch.empty(p.shape, dtype=self._master, device="meta"))
+                   for p in self._model_params]
+        template = factory(proxies)
+        if type(template) in PER_PARAMETER:
+            group_of = {id(p): k for k, g in enumerate(template.param_groups) for p in g["params"]}
+            groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": []} for g in template.param_groups]
+            for piece, (t, _, _) in zip(self._global, self._layout.pieces):
+                k = group_of.get(id(proxies[t]))
+                if k is not None:                     # (a tensor the factory left out stays out)
+                    groups[k]["params"].append(piece)
+            return type(template)(groups)
+        allowed = ", ".join(sorted(c.__name__ for c in PER_PARAMETER))
+        if shard_state or self._fsdp:
+            raise ValueError(f"{_PREFIX}: {'an FSDP2 model' if self._fsdp else 'shard_state=True'} steps the outer "
+                             f"optimizer on pieces of tensors, which only element-wise optimizers allow ({allowed}); "
+                             f"{type(template).__name__} is not known to be"
+                             + ("" if self._fsdp else ": use shard_state=False"))
+        warnings.warn(f"{_PREFIX}: the outer optimizer {type(template).__name__} is not known to be element-wise "
+                      f"({allowed} are): every rank of a worker keeps the whole DiLoCo state (shard_state=False)",
+                      RuntimeWarning, stacklevel=4)
+        self._layout = None
+        return self._make_outer_optimizer(factory, shard_state, whole)
+
     @property
     def _fsdp(self) -> bool:
         return isinstance(self._layout, LocalShards)
@@ -258,6 +297,42 @@ class ShardedState:
         if self._layout is None:
             return self._model_params
         return self._layout.views(self._model_params)
+
+    def global_parameters(self) -> list[torch.Tensor]:
+        """The global parameters (CPU, identical on every rank after each synchronisation); with
+        overlap, after the latest update that landed (a synchronisation in flight is waited for,
+        not applied; with staggered fragments, mid-round, that waits for the other ranks to reach
+        the fragments in flight: call it at a round boundary). No communication: with state
+        sharded over a worker's ranks a rank holds only its share until `finish` (then the model
+        holds them), so this raises before; `gather_global_parameters` gathers them. With an
+        FSDP2 model: DTensors on the model's mesh."""
+        if self._final_global is not None:
+            return self._final_global
+        if self._layout is not None and self._layout.replicated:
+            if not self._finished:
+                raise RuntimeError(f"{_PREFIX}: global_parameters() before finish() with the state sharded over the "
+                                   "worker's ranks: this rank holds only its share; call "
+                                   "diloco.gather_global_parameters() on every rank of the worker (a collective), "
+                                   "or construct DiLoCo with shard_state=False")
+            return [p.detach().to("cpu", self._master) for p in self._model_params]
+        if self._pending is not None and not self._closed:     # (a closed object's may never finish)
+            concurrent.futures.wait([self._pending])
+        if not self._closed:
+            self._join_streams()
+        return self._gather_global()
+
+    def gather_global_parameters(self) -> list[torch.Tensor]:
+        """The whole global parameters as `global_parameters`, gathered from the worker's ranks when
+        the state is sharded over them: a collective over the worker (call it on all of its ranks
+        at the same point, at a round boundary), before `finish`."""
+        if self._layout is None or not self._layout.replicated or self._finished:
+            return self.global_parameters()
+        if self._closed:
+            raise RuntimeError(f"{_PREFIX}: gather_global_parameters() after close()")
+        if self._pending is not None:
+            concurrent.futures.wait([self._pending])
+        self._join_streams()
+        return self._gather_global()
 
     def _share(self, fragments: Iterable[int]) -> None:
         """After this rank wrote its pieces of the replica in ``fragments`` (as every rank of its

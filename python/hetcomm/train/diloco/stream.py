@@ -119,7 +119,7 @@ class Streams:
         for f in range(1, len(self._fragments)):
             self._fire(f, inline=True)
 
-    def _wait_job(self, job: dict) -> None:
+    def _wait_job(self, job: dict, *, check: bool = True) -> None:
         start = self._clock()
         try:
             concurrent.futures.wait([job["future"]])
@@ -128,7 +128,8 @@ class Streams:
             if end - start > 1e-4:
                 self._totals["idle"] += end - start
                 self._timeline.append(("idle", start, end))
-        job["future"].result()                      # raises here if it failed
+        if check:
+            job["future"].result()                  # raises here if it failed
 
     def _wait_stream(self, f: int, *, move: bool = False) -> None:
         """Waits for fragment f's job in flight (idle); then moves onto it if ``move``, else drops
@@ -241,6 +242,10 @@ class Streams:
             return
         if self._rebase_after is not None:
             due = [f for f, job in self._flight.items() if job["steps"] >= self._rebase_after]
+            if due and self._workers.size > 1:      # the same on the worker's ranks: agree on failures
+                for f in due:
+                    self._wait_job(self._flight[f], check=False)
+                self._agree_landed([self._flight[f]["future"] for f in due])
         else:
             landed = -1 if self._stream_failed else self._stream_landed
             if self._workers.size > 1:

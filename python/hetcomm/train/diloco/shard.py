@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import bisect
 import concurrent.futures
-import math
 import warnings
 from collections.abc import Iterable, Sequence
 
@@ -361,7 +360,10 @@ class ShardedState:
         if self._fsdp:
             return 0.0
         i, j = (0, len(self._model_params)) if fragment is None else self._layout.whole[fragment][:2]
-        return math.fsum(float(torch.sum(p.detach(), dtype=torch.float64)) for p in self._model_params[i:j])
+        if i == j:
+            return 0.0
+        # one sum per tensor on its device, then one transfer (not a synchronisation per tensor)
+        return float(torch.stack([torch.sum(p.detach(), dtype=torch.float64) for p in self._model_params[i:j]]).sum())
 
     def _reduce(self, delta: torch.Tensor, weights: Sequence[float], feedback) -> torch.Tensor:
         """Σ_w weights[w] Δ_w of this rank's part of a fragment (`hetcomm.train.workers`)."""

@@ -182,7 +182,7 @@ def train_fsdp(rank: int, world: int) -> list[dict]:
             glob = diloco.global_parameters()
             local = sum(g.to_local().numel() if fsdp else 0 for g in glob)
             results[fsdp] = {"global": [(g.full_tensor() if fsdp else g).clone() for g in glob],
-                             "held": diloco._layout.size, "local": local,
+                             "held": diloco._layout.size if fsdp else None, "local": local,
                              "model": [(p.full_tensor() if fsdp else p).detach().clone() for p in net.parameters()]}
         out.append(results)
     return out

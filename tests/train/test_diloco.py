@@ -434,19 +434,22 @@ def test_a_fragment_that_fails_raises_at_the_next_step():
         assert res["error"] and "injected failure" in res["error"], res
 
 
-def train_failing_in_one_rank_of_a_worker(rank: int, world: int) -> dict:
+def train_failing_in_one_rank_of_a_worker(rank: int, world: int, shard_state, tau) -> dict:
     """Workers [0, 1] and [2, 3]. Only rank 0's background reduction fails, at its last fragment
     (after that fragment's communication, so that no other rank is left waiting in it): rank 1,
     whose own reduction succeeded, must raise at the same step as rank 0 (before either moves onto
-    a partial update), and the other worker must not raise."""
+    a partial update), and the other worker must not raise. The state sharded (each rank reduces
+    its share: no collective inside the worker would fail with it) or whole; moved on arrival or
+    after τ steps."""
     import hetcomm
 
     net = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
     opt = torch.optim.SGD(net.parameters(), lr=0.01)
     diloco = hetcomm.DiLoCo(net, opt, local_steps="fixed", steps=3, overlap=True, fragments=2, stagger=False,
-                            workers=["a", "a", "b", "b"])
+                            workers=["a", "a", "b", "b"], shard_state=shard_state, overlap_steps=tau)
     if rank == 0:
-        original, calls = diloco._workers.reduce, {"n": 0}
+        name = "reduce" if shard_state is False else "reduce_range"
+        original, calls = getattr(diloco._workers, name), {"n": 0}
 
         def failing(*args, **kwargs):
             out = original(*args, **kwargs)
@@ -455,7 +458,7 @@ def train_failing_in_one_rank_of_a_worker(rank: int, world: int) -> dict:
                 raise RuntimeError("injected failure after fragment 2")
             return out
 
-        diloco._workers.reduce = failing
+        setattr(diloco._workers, name, failing)
 
     def one_step() -> bool:
         torch.manual_seed(rank // 2)                 # a worker's ranks step on the same batch
@@ -480,8 +483,9 @@ def train_failing_in_one_rank_of_a_worker(rank: int, world: int) -> dict:
     return {"error": None, "own_failed": own_failed}
 
 
-def test_a_sync_that_fails_on_one_rank_of_a_worker_raises_on_all_its_ranks_at_once():
-    res = run_ranks(4, train_failing_in_one_rank_of_a_worker, timeout=180)
+@pytest.mark.parametrize("shard_state,tau", [(None, None), (False, None), (None, 1)])
+def test_a_sync_that_fails_on_one_rank_of_a_worker_raises_on_all_its_ranks_at_once(shard_state, tau):
+    res = run_ranks(4, train_failing_in_one_rank_of_a_worker, shard_state, tau, timeout=180)
     assert [r["own_failed"] for r in res] == [True, False, False, False], res
     assert "injected failure after fragment 2" in (res[0]["error"] or ""), res[0]
     assert "another rank of this worker failed" in (res[1]["error"] or ""), res[1]

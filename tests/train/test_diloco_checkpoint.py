@@ -43,20 +43,21 @@ def rounds(net, opt, diloco, rank: int, first: int, last: int) -> None:
             assert diloco.step(samples=len(x)) == (i == STEPS - 1)
 
 
-def build(seed: int, overlap: bool, fragments: int = 1, tau: int = 1):
+def build(seed: int, overlap: bool, fragments: int = 1, tau: int = 1, workers="ranks"):
     import hetcomm
 
     net = make(seed)
     opt = torch.optim.AdamW(net.parameters(), lr=0.01)
     diloco = hetcomm.DiLoCo(net, opt, local_steps="fixed", steps=STEPS, compress="int8", block=16,
                             error_feedback=True, overlap=overlap, overlap_steps=tau if overlap else None,
-                            fragments=fragments)
+                            fragments=fragments, workers=workers)
     return net, opt, diloco
 
 
-def train_interrupted(rank: int, world: int, overlap: bool, fragments: int = 1, tau: int = 1) -> dict:
+def train_interrupted(rank: int, world: int, overlap: bool, fragments: int = 1, tau: int = 1,
+                      workers="ranks") -> dict:
     def run(save: bool, resume: bytes | None = None) -> dict:
-        net, opt, diloco = build(5 if resume is None else 99, overlap, fragments, tau)    # resumed: another init
+        net, opt, diloco = build(5 if resume is None else 99, overlap, fragments, tau, workers)    # resumed: another init
         saved = None
         if resume is not None:
             diloco.load_state_dict(torch.load(io.BytesIO(resume), weights_only=False))
@@ -112,12 +113,15 @@ def decisions(history: list[dict]) -> list[dict]:
             for h in history]
 
 
-@pytest.mark.parametrize("overlap,fragments,tau", [(False, 1, 1), (True, 1, 1), (True, 3, 1), (True, 3, 2)])
-def test_a_resumed_run_computes_what_the_uninterrupted_run_computes(overlap, fragments, tau):
+@pytest.mark.parametrize("overlap,fragments,tau,workers", [(False, 1, 1, None), (True, 1, 1, None), (True, 3, 1, None),
+                                                           (True, 3, 2, None), (True, 3, 2, [0, 0, 1, 1])])
+def test_a_resumed_run_computes_what_the_uninterrupted_run_computes(overlap, fragments, tau, workers):
     """(fragments=3: a quantisation residual per fragment goes into the checkpoint; staggered,
     with τ = 2 the last fragment, fired after step 2 of 3, moves in the next round: the checkpoint
-    holds its move still to come.)"""
-    per_rank = run_ranks(2, train_interrupted, overlap, fragments, tau, timeout=180)
+    holds its move still to come. Workers of two ranks: each rank's checkpoint holds its share of
+    the state.)"""
+    per_rank = run_ranks(4 if workers else 2, train_interrupted, overlap, fragments, tau, workers or "ranks",
+                         timeout=180)
     for rank, res in enumerate(per_rank):
         whole = res["whole"]
         for name in ("saving", "resumed"):
@@ -126,7 +130,7 @@ def test_a_resumed_run_computes_what_the_uninterrupted_run_computes(overlap, fra
                 assert torch.equal(a, b), f"rank {rank}: the {name} run's parameters differ from the uninterrupted run's"
             assert decisions(other["history"]) == decisions(whole["history"]), name
             assert other["stats"]["rounds"] == whole["stats"]["rounds"] == ROUNDS
-            assert other["stats"]["samples"] == whole["stats"]["samples"] == [ROUNDS * STEPS * 4] * 2
+            assert other["stats"]["samples"] == whole["stats"]["samples"] == [ROUNDS * STEPS * 4 * (2 if workers else 1)] * 2
         for a, b in zip(per_rank[0]["resumed"]["global"], res["resumed"]["global"]):
             assert torch.equal(a, b), "ranks differ"
     if overlap and fragments == 1:      # the move happened mid-round (overlap_steps=1), in the resumed run too

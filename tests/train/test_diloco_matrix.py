@@ -74,7 +74,7 @@ def run_matrix(rank: int, world: int) -> list[dict]:
             opt.zero_grad()
             clock.compute(STEP_S[rank])
             if diloco.step(samples=len(x)):
-                prints.append(digest(diloco.global_parameters()))
+                prints.append(digest(diloco.gather_global_parameters()))   # (sharded: from the worker's ranks)
         seen = [None] * world
         dist.all_gather_object(seen, prints)
         out.append({"config": (policy, codec, overlap, workers), "prints": seen, "history": diloco.history,

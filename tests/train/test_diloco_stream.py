@@ -287,13 +287,13 @@ def train_failing_stream(rank: int, world: int) -> dict:
     diloco = hetcomm.DiLoCo(net, opt, local_steps="fixed", steps=4, overlap=True, fragments=2,
                             workers=["a", "a", "b", "b"])
     if rank == 0:
-        original = diloco._workers.reduce
+        original = diloco._workers.reduce_range
 
         def failing(*args, **kwargs):
             original(*args, **kwargs)
             raise RuntimeError("injected failure in fragment 1")
 
-        diloco._workers.reduce = failing
+        diloco._workers.reduce_range = failing
     for step in range(1, 4):
         torch.manual_seed(rank // 2)
         net(torch.randn(2, 4)).sum().backward()

@@ -46,3 +46,22 @@ class FlatParameters:
 
     def _load_flat(self, flat: torch.Tensor) -> None:
         load(self._params, self._split(flat))
+
+
+@torch.no_grad()
+def broadcast(params: Sequence[torch.Tensor], dtype: torch.dtype, *, src: int, group, bucket: int = 1 << 22) -> None:
+    """Every rank's ``params`` become ``src``'s, sent in ``dtype`` (on the CPU), in buckets of about
+    ``bucket`` elements (a tensor larger than a bucket goes alone): the transient memory is a
+    bucket or the largest tensor, not the model."""
+    import torch.distributed as dist
+
+    i = 0
+    while i < len(params):
+        j, n = i + 1, params[i].numel()
+        while j < len(params) and n + params[j].numel() <= bucket:
+            n += params[j].numel()
+            j += 1
+        buf = flatten(params[i:j], dtype)
+        dist.broadcast(buf, src=src, group=group)
+        load(params[i:j], split(buf, params[i:j]))
+        i = j

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from hetcomm import compress as _compress
 from hetcomm.labels import ranks_by_label, renumber
 
-__all__ = ["Workers", "labels_from_sites", "resolve_labels", "resolve_members"]
+__all__ = ["Workers", "labels_from_sites", "resolve_labels", "resolve_members", "shard_bounds"]
 
 _PREFIX = "hetcomm DiLoCo workers"
 
@@ -73,7 +73,8 @@ def resolve_labels(workers, group: dist.ProcessGroup | None, world: int) -> list
 resolve_members = ranks_by_label
 
 
-def _shard_bounds(n: int, shards: int) -> list[int]:
+def shard_bounds(n: int, shards: int) -> list[int]:
+    """``n`` elements in ``shards`` contiguous ranges of sizes that differ by at most one."""
     base, extra = divmod(n, shards)
     bounds = [0]
     for i in range(shards):
@@ -179,7 +180,7 @@ class Workers:
     def reduce(self, delta: torch.Tensor, weights: Sequence[float], *, codec, feedback) -> torch.Tensor:
         """Σ_w weights[w] Δ_w, every rank of every worker alike (see the module doc)."""
         n = delta.numel()
-        bounds = _shard_bounds(n, self.shards)
+        bounds = shard_bounds(n, self.shards)
         longest = max(b - a for a, b in zip(bounds, bounds[1:]))
         mine = torch.zeros(longest, dtype=torch.float32)
         if self.local_rank < self.shards:
@@ -190,6 +191,16 @@ class Workers:
         pieces = [torch.empty(longest, dtype=torch.float32) for _ in range(self.size)]
         dist.all_gather(pieces, mine, group=self.gather_group)
         return torch.cat([pieces[i][:bounds[i + 1] - bounds[i]] for i in range(self.shards)])
+
+    def reduce_range(self, delta: torch.Tensor, weights: Sequence[float], *, codec, feedback) -> torch.Tensor:
+        """Σ_w weights[w] Δ_w of this rank's range of the model (DiLoCo's sharded state): with the
+        same range of every other worker, over this rank's cross group; nothing on a rank that
+        holds no range (or an empty one: so do the others with that range)."""
+        if self.local_rank >= self.shards or delta.numel() == 0:
+            return delta.float()
+        w = [weights[k] for k in self._cross_workers]
+        return _compress.weighted_allreduce(delta, w, codec=codec, group=self.cross_group, feedback=feedback,
+                                            finite_checked=True)
 
     def average_gradients(self, params: Sequence[torch.Tensor]) -> None:
         """Averages the gradients of ``params`` over the worker's ranks (missing ones count as 0)."""

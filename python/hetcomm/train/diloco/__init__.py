@@ -16,8 +16,9 @@ docs/diloco.md#the-algorithm, docs/diloco.md#outer-weights, docs/diloco.md#overl
 
 The package: `loop` (the class, its loop and bookkeeping), `agreement` (the round boundary's
 agreement and reduction), `schedule` (fragments and the
-overlap's moves), `outer` (weights, the outer step), `table` (what the ranks agree on, and what is
-decided from it), `checkpoint`.
+overlap's moves), `stream` (staggered fragments), `shard` (the state split over a worker's
+ranks, or a model's FSDP2 shards), `outer` (weights, the outer step), `table` (what the ranks agree
+on, and what is decided from it), `results` (`stats`, `timeline`), `checkpoint`.
 """
 from hetcomm.train.diloco.loop import DiLoCo
 from hetcomm.train.diloco.outer import WEIGHTINGS, default_outer_optimizer, outer_weights

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import torch
 
-from hetcomm import compress as _compress
 from hetcomm.train import flat as _flat
 from hetcomm.train.diloco.outer import outer_weights
 from hetcomm.train.diloco.table import (_AGGREGATE, _BUDGETS, _COMPUTE, _DONE, _ELAPSED, _FINITE, _FRAGMENTS,
@@ -54,12 +53,7 @@ class Agreement:
         weights = outer_weights(self.weighting, table[_SAMPLES], table[_STEPS])
         if any_steps and any(w != 0.0 for w in weights):
             for f, (i, j, a, b) in enumerate(self._boundary):
-                feedback = self._feedback[f] if self._feedback is not None else None
-                if self._workers.single:
-                    part = _compress.weighted_allreduce(delta[a:b], weights, codec=self._codec, group=group,
-                                                        feedback=feedback, finite_checked=True)
-                else:                          # each rank of a worker carries one shard across
-                    part = self._workers.reduce(delta[a:b], weights, codec=self._codec, feedback=feedback)
+                part = self._reduce(delta[a:b], weights, self._feedback[f] if self._feedback is not None else None)
                 # The outer step of this fragment's parameters alone (the others have no gradient).
                 for g, piece in zip(self._global[i:j], _flat.split(part, self._global[i:j])):
                     g.grad = piece.view(g.shape).to(g.dtype)

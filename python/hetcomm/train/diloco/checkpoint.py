@@ -26,14 +26,21 @@ def _cpu_copy(obj):
     return copy.deepcopy(obj)
 
 
+def _describe(layout: dict | None) -> str:
+    if layout is None:
+        return "the whole state"
+    return f"share {layout['index']} of {layout['shards']} of the state over fragments {layout['fragments']}"
+
+
 class Checkpoint:
     """Saving and resuming a `DiLoCo` run."""
 
-    _STATE_VERSION = 3              # 2: "feedback" is a list (one per fragment), "sync_wall"; 3: "streams"
+    _STATE_VERSION = 4              # 2: "feedback" is a list (one per fragment), "sync_wall"; 3: "streams";
+    #                                 4: "layout" (the share of a sharded state)
 
     def state_dict(self) -> dict:
         """Everything a resumed run needs, for this rank (CPU copies): the global parameters and the
-        outer optimizer (identical on every rank), this rank's replica (the model's state), inner
+        outer optimizer (identical on every rank; with sharded state, this rank's share), this rank's replica (the model's state), inner
         optimizer, start point and quantisation residuals, the policy's and the step times' state,
         the agreed history (rounds, samples: budgets of `loop` go on counting) and totals; with
         overlap also the synchronisation in flight, which it waits for (it blocks until every rank
@@ -43,7 +50,8 @@ class Checkpoint:
         `finish`); it does not communicate and changes nothing, so one rank may save alone (as
         long as the others keep stepping). Save each rank's dict (``torch.save``) if the replicas
         matter; `load_state_dict` on a freshly constructed object (same group, arguments and
-        workers) resumes. A resumed run computes what the uninterrupted run computes, except that
+        workers) resumes. With sharded state (``shard_state``) the dict holds this rank's share of
+        the global parameters and outer optimizer: save every rank's. A resumed run computes what the uninterrupted run computes, except that
         with overlap an update in flight that lands "as soon as it arrives" lands at the first
         step after resuming (with ``overlap_steps``: at the same step), and that with ``time`` the
         first background synchronisation after resuming pays for new connections again: its
@@ -71,6 +79,7 @@ class Checkpoint:
             "version": self._STATE_VERSION,
             "rank": self._rank,
             "labels": list(self._labels),
+            "layout": self._layout.describe() if self._layout is not None else None,
             "global": list(self._global),
             "outer_optimizer": self.outer_optimizer.state_dict(),
             "model": self.model.state_dict(),
@@ -98,17 +107,23 @@ class Checkpoint:
 
     def load_state_dict(self, state: dict) -> None:
         """Resumes from `state_dict`: call it on every rank, right after construction, before the
-        first `step` (no communication). Another rank's state (when the replicas are alike) resumes
-        the same global run; this rank then keeps its own counters and drops the other's
-        quantisation residuals."""
+        first `step` (no communication). Another rank's state (when the replicas are alike and,
+        with sharded state, it held the same share) resumes the same global run; this rank then
+        keeps its own counters and drops the other's quantisation residuals."""
         if self._step_calls or self._history:
             raise RuntimeError(f"{_PREFIX}: load_state_dict() after steps were taken: call it right after "
                                "constructing DiLoCo")
-        if state.get("version") not in (1, 2, self._STATE_VERSION):
+        if state.get("version") not in (1, 2, 3, self._STATE_VERSION):
             raise ValueError(f"{_PREFIX}: checkpoint version {state.get('version')!r}, expected 1 to {self._STATE_VERSION}")
         if list(state["labels"]) != list(self._labels):
             raise ValueError(f"{_PREFIX}: the checkpoint's workers {resolve_members(state['labels'])} differ from "
                              f"this run's {resolve_members(self._labels)} (the same group and workers are needed)")
+        layout = self._layout.describe() if self._layout is not None else None
+        if state.get("layout") != layout:
+            raise ValueError(f"{_PREFIX}: the checkpoint holds {_describe(state.get('layout'))}, this rank "
+                             f"{_describe(layout)}: resume each rank from a checkpoint of the same share (the same "
+                             "workers, rank within its worker, shard_state, fragments and model; a checkpoint of the "
+                             "whole state, e.g. from before sharding, resumes with shard_state=False)")
         shapes = [tuple(g.shape) for g in self._global]
         if [tuple(t.shape) for t in state["global"]] != shapes:
             raise ValueError(f"{_PREFIX}: the checkpoint's parameters do not match the model's shapes")

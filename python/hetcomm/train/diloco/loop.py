@@ -17,11 +17,13 @@ from hetcomm.train import flat as _flat
 from hetcomm.train.diloco.agreement import Agreement
 from hetcomm.train.diloco.checkpoint import Checkpoint
 from hetcomm.train.diloco.outer import PER_PARAMETER, WEIGHTINGS, default_outer_optimizer, estimate_step
+from hetcomm.train.diloco.results import Results
 from hetcomm.train.diloco.schedule import Overlap, fragment_bounds
+from hetcomm.train.diloco.shard import ShardedState
 from hetcomm.train.diloco.stream import Streams
 from hetcomm.train.diloco.table import (_AGGREGATE, _BUDGETS, _COMPUTE, _DONE, _ELAPSED, _FINITE, _FRAGMENTS,
                                         _LANDED, _LOSS_N, _LOSS_SUM, _REPLICA, _ROWS, _SAMPLES, _STEPS, _SYNC_WALL,
-                                        _TOT_BYTES, _TOT_IDLE, _TOT_SYNC, _TOT_WAN, _hetcomm_bytes_sent, _known)
+                                        _TOT_BYTES, _TOT_IDLE, _TOT_SYNC, _TOT_WAN, _known)
 from hetcomm.train.local_steps import FixedSteps, LocalStepPolicy, SpeedSteps, StepTimes, TimeSteps, make_policy
 from hetcomm.train.partition import exchange_columns
 from hetcomm.train.workers import Workers, resolve_labels, resolve_members
@@ -29,7 +31,7 @@ from hetcomm.train.workers import Workers, resolve_labels, resolve_members
 _PREFIX = "hetcomm DiLoCo"
 
 
-class DiLoCo(Agreement, Checkpoint, Streams, Overlap, _flat.FlatParameters):
+class DiLoCo(Results, ShardedState, Agreement, Checkpoint, Streams, Overlap, _flat.FlatParameters):
     """DiLoCo over ``group`` (default: the world) for ``model`` trained by ``inner_optimizer``.
 
     Args:
@@ -78,6 +80,14 @@ class DiLoCo(Agreement, Checkpoint, Streams, Overlap, _flat.FlatParameters):
         inner_sync: with workers of several ranks, average the gradients over the worker before
             every step of ``inner_optimizer``; False when DDP or FSDP over `worker_group` does it.
         worker_backend: the backend of the groups inside a worker (default: the group's).
+        shard_state: with workers of several ranks, each rank keeps DiLoCo's state (global
+            parameters, outer-optimizer state, start point, pseudo-gradients, residuals) for its
+            share of the model only, and the worker's ranks exchange the replica's new values
+            after each update (`hetcomm.train.diloco.shard`). None (default): when every worker
+            has two or more ranks and the outer optimizer is element-wise (SGD, Adam, ...); True:
+            required (else an error); False: every rank keeps the whole state. Sharded, a rank
+            holds only its share of the global parameters until `finish`:
+            `gather_global_parameters` gathers them (docs/diloco.md#state-sharded-over-a-workers-ranks).
         clock: the clock DiLoCo times steps, rounds and synchronisations by, in seconds
             (default ``time.perf_counter``); a simulation, or a test, may give one of its own.
     """
@@ -92,6 +102,7 @@ class DiLoCo(Agreement, Checkpoint, Streams, Overlap, _flat.FlatParameters):
                  early_weight: float | None = None,
                  ema: float = 0.3, threshold: float = 0.01,
                  workers="sites", inner_sync: bool = True, worker_backend: str | None = None,
+                 shard_state: bool | None = None,
                  clock: Callable[[], float] = time.perf_counter) -> None:
         if not (dist.is_available() and dist.is_initialized()):
             raise RuntimeError(f"{_PREFIX}: torch.distributed is not initialised "
@@ -116,8 +127,8 @@ class DiLoCo(Agreement, Checkpoint, Streams, Overlap, _flat.FlatParameters):
         self._times = StepTimes(self._nworkers, ema=ema)
 
         self.model = model
-        self._params = [p for p in model.parameters() if p.is_floating_point()]
-        if not self._params:
+        self._model_params = [p for p in model.parameters() if p.is_floating_point()]
+        if not self._model_params:
             raise ValueError(f"{_PREFIX}: the model has no floating-point parameters")
         if inner_optimizer is not None:
             mine = {id(p) for p in model.parameters()}
@@ -135,19 +146,6 @@ class DiLoCo(Agreement, Checkpoint, Streams, Overlap, _flat.FlatParameters):
             raise TypeError(f"{_PREFIX}: outer_optimizer must be a callable params -> Optimizer "
                             "(the global parameters live inside DiLoCo), e.g. "
                             "lambda ps: torch.optim.SGD(ps, lr=0.7, momentum=0.9, nesterov=True)")
-
-        # All replicas start from group rank 0's parameters, held in fp32 (fp64 for fp64 models).
-        master = torch.float64 if any(p.dtype == torch.float64 for p in self._params) else torch.float32
-        self._master = master
-        flat = self._flatten_model()
-        src = 0 if group is None else dist.get_global_rank(group, 0)
-        dist.broadcast(flat, src=src, group=group)
-        self._global = [torch.nn.Parameter(piece.view(p.shape).to(master).clone())
-                        for piece, p in zip(self._split(flat), self._params)]
-        self.outer_optimizer = factory(self._global)
-        self._load_global()
-        self._start = self._flatten_global()      # where the replica started this round
-
         self.overlap = bool(overlap)
         if overlap_steps is not None and (isinstance(overlap_steps, bool) or not isinstance(overlap_steps, int)
                                           or overlap_steps < 1 or not self.overlap):
@@ -163,7 +161,18 @@ class DiLoCo(Agreement, Checkpoint, Streams, Overlap, _flat.FlatParameters):
                                                                                              and not self.overlap):
             raise ValueError(f"{_PREFIX}: fragments must be an int >= 1, > 1 only with overlap=True (got "
                              f"{fragments!r}, overlap={overlap!r})")
-        self._fragments = fragment_bounds([p.numel() for p in self._params], fragments)
+        whole = fragment_bounds([p.numel() for p in self._model_params], fragments)
+        self._whole_sizes = [b - a for _, _, a, b in whole]      # elements of each fragment, whole model
+
+        # All replicas start from group rank 0's parameters; the state is held in fp32 (fp64 for
+        # fp64 models), for the whole model or (sharded) this rank's pieces of it.
+        master = torch.float64 if any(p.dtype == torch.float64 for p in self._model_params) else torch.float32
+        self._master = master
+        self._workers = Workers(self._labels, group, worker_backend=worker_backend, background=self.overlap)
+        self._layout = self._choose_layout(shard_state, whole, self._labels, self._rank)
+        self._broadcast_replica(group)
+        self.outer_optimizer = self._make_outer_optimizer(factory, shard_state, whole)
+        self._start = self._flatten_global()      # where the replica started this round
         if len(self._fragments) > 1 and type(self.outer_optimizer) not in PER_PARAMETER:
             raise ValueError(f"{_PREFIX}: fragments={fragments} steps the outer optimizer once per fragment, which "
                              f"only optimizers that treat each parameter on its own allow ({', '.join(sorted(c.__name__ for c in PER_PARAMETER))}); "
@@ -172,11 +181,22 @@ class DiLoCo(Agreement, Checkpoint, Streams, Overlap, _flat.FlatParameters):
             raise TypeError(f"{_PREFIX}: stagger must be True or False, got {stagger!r}")
         # The schedules of the collectives must line up from the first round on: agree now.
         shape = float(len(self._fragments) * (-1 if stagger and len(self._fragments) > 1 else 1))
-        shapes = exchange_columns([shape], group=group)[0]
+        index = -1.0 if self._layout is None or self._layout.index is None else float(self._layout.index)
+        shapes, sharded, indices, sizes = exchange_columns(
+            [shape, float(self._layout is not None), index, float(self._start.numel())], group=group)
         if len(set(shapes)) > 1:
             raise ValueError(f"{_PREFIX}: the ranks reduce in different numbers of fragments: "
                              f"{dict(enumerate(int(x) for x in shapes))} (negative: staggered); construct DiLoCo with "
                              "the same fragments, stagger (and model) everywhere")
+        if len(set(sharded)) > 1:
+            raise ValueError(f"{_PREFIX}: some ranks shard DiLoCo's state over their worker and some do not: "
+                             f"{dict(enumerate(bool(x) for x in sharded))}; construct DiLoCo with the same "
+                             "shard_state, outer optimizer and model everywhere")
+        odd = sorted({int(k) for k, n in zip(indices, sizes) if k >= 0 and n != sizes[indices.index(k)]})
+        if odd:
+            raise ValueError(f"{_PREFIX}: the ranks holding share(s) {odd} of the state hold different numbers of "
+                             f"elements ({dict(enumerate(int(n) for n in sizes))}): the workers' models (or their "
+                             "FSDP2 sharding) differ")
         self._landed = 0                         # fragments of the update in flight that have landed
         self._moved = 0                          # ... and that this replica has moved onto
         # quantisation residuals: one per fragment (each is reduced as a vector of its own)
@@ -207,9 +227,8 @@ class DiLoCo(Agreement, Checkpoint, Streams, Overlap, _flat.FlatParameters):
         self._next_delta = 0
         self._sync_wall = 0.0          # seconds the last background synchronisation took here
         self._background_syncs = 0     # started by this object (the first one is a warm-up)
-        self._workers = Workers(self._labels, group, worker_backend=worker_backend, background=self.overlap)
         self._hook = None
-        if self._workers.size > 1 and inner_sync:
+        if self._workers.size > 1 and inner_sync and not self._fsdp:
             params = [p for p in model.parameters() if p.requires_grad]
             self._hook = inner_optimizer.register_step_pre_hook(
                 lambda *_: self._workers.average_gradients(params))
@@ -229,6 +248,7 @@ class DiLoCo(Agreement, Checkpoint, Streams, Overlap, _flat.FlatParameters):
         self._settled = 0
         self._timeline: list[tuple[str, float, float]] = []
         self._finished = False
+        self._final_global: list[torch.Tensor] | None = None
         self._closed = False
         self._exhausted = False                  # this rank has no more steps to take
         self._stopped = False                    # every rank agreed that the run is over
@@ -398,6 +418,10 @@ class DiLoCo(Agreement, Checkpoint, Streams, Overlap, _flat.FlatParameters):
         self._exhausted = True
         try:
             self._drain()
+            if self._layout is not None and any(p.dtype != self._master for p in self._model_params):
+                # The model holds the global parameters rounded to its dtype: gather them whole
+                # (the worker's groups go with close).
+                self._final_global = self._gather_global()
         except BaseException:
             self.close()
             raise
@@ -452,61 +476,6 @@ class DiLoCo(Agreement, Checkpoint, Streams, Overlap, _flat.FlatParameters):
 
     # ---- results -----------------------------------------------------------------------------
 
-    def global_parameters(self) -> list[torch.Tensor]:
-        """The global parameters (CPU, identical on every rank after each synchronisation); with
-        overlap, after the latest update that landed (a synchronisation in flight is waited for,
-        not applied; with staggered fragments, mid-round, that waits for the other ranks to reach
-        the fragments in flight: call it at a round boundary)."""
-        if self._pending is not None and not self._closed:     # (a closed object's may never finish)
-            concurrent.futures.wait([self._pending])
-        if not self._closed:
-            self._join_streams()
-        return [g.detach() for g in self._global]
-
-    def stats(self) -> dict:
-        """Totals agreed at the last synchronisation, one entry per worker (per rank when every
-        worker is one rank), identical on every rank.
-
-        ``wan_bytes``: bytes each worker's ranks sent to ranks of other workers on DiLoCo's groups
-        (the measurements' exchange and the outer reduction; with workers from sites, what crossed
-        the WAN; None on groups that are not hetcomm's), ``wan_bytes_per_round`` their sum over
-        workers per round. ``workers``: the group ranks of each worker.
-        """
-        t = self._agreed_totals
-        if not t:
-            return {}
-        wall = [c + i + s for c, i, s in zip(t["compute"], t["idle"], t["sync"])]
-        known_wan = all(b is not None for b in t["wan"])
-        return {
-            "rounds": self._settled,
-            "workers": [list(m) for m in self._workers.members],
-            "steps": [round(x) for x in t["steps"]],
-            "samples": [round(x) for x in t["samples"]],
-            "compute_seconds": t["compute"],
-            "idle_seconds": t["idle"],
-            "sync_seconds": t["sync"],
-            "bytes_sent": t["bytes"],
-            "wan_bytes": t["wan"],
-            "wan_bytes_per_round": (sum(t["wan"]) / self._settled if known_wan and self._settled else None),
-            "compute_fraction": [c / w if w > 0 else 0.0 for c, w in zip(t["compute"], wall)],
-        }
-
-    @property
-    def workers(self) -> list[list[int]]:
-        """The group ranks of each worker (one list per worker, in the order of `history`'s columns)."""
-        return [list(m) for m in self._workers.members]
-
-    @property
-    def worker_group(self) -> dist.ProcessGroup | None:
-        """The process group of this rank's worker (None when every worker is one rank): for DDP
-        or FSDP inside the worker, with ``inner_sync=False``."""
-        return self._workers.worker_group
-
-    def timeline(self) -> list[tuple[str, float, float]]:
-        """This rank's (kind, start, end) intervals in wall-clock seconds (time.time()):
-        ``compute``, ``idle`` and ``sync`` (on the background thread with overlap)."""
-        return [(k, a + self._wall_offset, b + self._wall_offset) for k, a, b in self._timeline]
-
     # ---- synchronisation ---------------------------------------------------------------------
 
     def _reset_round(self) -> None:
@@ -518,7 +487,7 @@ class DiLoCo(Agreement, Checkpoint, Streams, Overlap, _flat.FlatParameters):
         # steps this round before the previous round's late update landed (0: none pending)
         # (staggered fragments: their moves this round count, whatever is in flight at the boundary)
         self._r_landed: float | None = None if self._pending is not None or self._stagger else 0
-        self._moved_at: dict[int, tuple[int, int]] = {}     # first element -> (elements, steps) of its move
+        self._moved_at: dict[int, tuple[int, int]] = {}     # fragment -> (whole elements, steps) of its move
 
     def _column(self, delta: torch.Tensor) -> list[float]:
         # One pass: the float64 sum of a float32 vector is finite iff every element is (it cannot
@@ -531,7 +500,7 @@ class DiLoCo(Agreement, Checkpoint, Streams, Overlap, _flat.FlatParameters):
         col[_TOT_IDLE], col[_TOT_SYNC] = self._totals["idle"], self._totals["sync"]
         col[_TOT_BYTES] = self._bytes_sent() - self._bytes0
         col[_TOT_WAN] = self._workers.inter_worker_bytes(self._outer_groups()) - self._wan0
-        col[_REPLICA] = total
+        col[_REPLICA] = total if self._layout is None else self._replica_print()
         col[_LANDED] = self._landed_steps()
         col[_SYNC_WALL] = self._sync_wall
         col[_FRAGMENTS] = len(self._fragments) * (-1 if self._stagger else 1)
@@ -540,16 +509,6 @@ class DiLoCo(Agreement, Checkpoint, Streams, Overlap, _flat.FlatParameters):
         for name, row in _BUDGETS.items():
             col[row] = self._budgets[name]
         return col
-
-    def _outer_groups(self) -> list:
-        """The groups DiLoCo's synchronisation uses (the default group as None)."""
-        groups = [self._sync_group]
-        if not self._workers.single:
-            groups += [self._workers.cross_group, self._workers.gather_group]
-        return list({id(g): g for g in groups}.values())
-
-    def _bytes_sent(self) -> float:
-        return math.fsum(_hetcomm_bytes_sent(g) for g in self._outer_groups())
 
     def _synchronise(self) -> None:
         # This thread's own work at the boundary (flattening, the start estimate, loading the
@@ -576,6 +535,7 @@ class DiLoCo(Agreement, Checkpoint, Streams, Overlap, _flat.FlatParameters):
             begin = self._clock()
             self._after_agreement(table)
             self._load_global()
+            self._share(range(len(self._fragments)))
             self._global_into(self._start)
             self._count_sync(begin)
             self._policy.start_round(self._clock())
@@ -595,6 +555,7 @@ class DiLoCo(Agreement, Checkpoint, Streams, Overlap, _flat.FlatParameters):
             self._pending_agreed = None
             self._pending = self._executor.submit(self._exchange_and_reduce, column, delta, timed=False, plan=plan)
             _flat.load(params, start)
+            self._share(range(len(self._boundary)))
             self._rebased = False
             self._shortening_checked = False
             self._until_landed = False

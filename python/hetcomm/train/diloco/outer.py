@@ -67,7 +67,10 @@ def estimate_step(optimizer: torch.optim.Optimizer, params: Sequence[torch.Tenso
     one per parameter, none of them a gradient); the optimizer and the parameters are left as
     they were. torch.optim.SGD in closed form, without copying its state; others on a scratch
     copy of these parameters' state only, so that a step of other parameters may run meanwhile
-    (streamed fragments), or with any other optimizer on a copy of its whole state."""
+    (streamed fragments), or with any other optimizer on a copy of its whole state. No
+    parameters (a rank with no share of them): nothing to do."""
+    if not params:
+        return
     if type(optimizer) is torch.optim.SGD:
         _sgd_step(optimizer, params, grads, outs)
     elif type(optimizer) in PER_PARAMETER:

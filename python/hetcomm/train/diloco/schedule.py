@@ -102,28 +102,41 @@ class Overlap:
             if end - start > 1e-4:
                 self._totals["idle"] += end - start
                 self._timeline.append(("idle", start, end))
-        self._pending.result()                         # raises here if the synchronisation failed
+        self._agree_landed([self._pending])            # raises here if the synchronisation failed
         self._move_onto_global(total)
         self._rebased = True
+
+    def _agree_landed(self, futures: list) -> None:
+        """After waiting for ``futures`` (jobs of the background thread): raises on every rank of
+        the worker if one of them failed on any (its own error where it failed), before any rank
+        moves its replica, whose new values the worker's ranks exchange (sharded state)."""
+        failed = any(f.exception() is not None for f in futures)
+        if self._workers.size > 1 and self._workers.least(-1.0 if failed else 0.0) < 0 and not failed:
+            raise RuntimeError(f"{_PREFIX}: another rank of this worker failed its synchronisation (its error names "
+                               "the cause)")
+        for f in futures:
+            f.result()
 
     def _move_onto_global(self, upto: int) -> None:
         """Moves the fragments of the round boundary's update landed since the last move (up to
         ``upto``) onto it (`_move_range`)."""
         if upto <= self._moved:
             return
-        i, a = self._boundary[self._moved][0], self._boundary[self._moved][2]
-        j, b = self._boundary[upto - 1][1], self._boundary[upto - 1][3]
-        self._moved = upto
+        first, self._moved = self._moved, upto
         # The pseudo-gradient buffer not in flight is free (its synchronisation was waited for).
-        self._move_range(i, j, a, b, self._deltas[self._next_delta][a:b])
+        scratch = self._deltas[self._next_delta]
+        for f in range(first, upto):
+            self._move_range(f, scratch[self._boundary[f][2]:self._boundary[f][3]])
 
     @torch.no_grad()
-    def _move_range(self, i: int, j: int, a: int, b: int, scratch: torch.Tensor) -> None:
-        """For parameters [i, j) (elements [a, b)), whose late update has landed:
-        p ← θ^k + β (p − start), start ← θ^k (θ^k: the global parameters; β: ``early_weight``),
-        through ``scratch`` (b − a elements); counts as sync."""
+    def _move_range(self, f: int, scratch: torch.Tensor) -> None:
+        """For fragment f, whose late update has landed: p ← θ^k + β (p − start), start ← θ^k
+        (θ^k: the global parameters; β: ``early_weight``), through ``scratch`` (the fragment's
+        elements here); then the worker's ranks share the replica's new values (sharded state).
+        Counts as sync."""
         start = self._clock()
-        self._moved_at[a] = (b - a, self._r_steps)       # a fragment moved twice: its latest move
+        self._moved_at[f] = (self._whole_sizes[f], self._r_steps)   # a fragment moved twice: its latest move
+        i, j, a, b = self._fragments[f]
         params, glob = self._params[i:j], self._global[i:j]
         beta = self._early_weight
         for p, g, s, t in zip(params, glob, _flat.split(self._start[a:b], params), _flat.split(scratch, params)):
@@ -136,6 +149,7 @@ class Overlap:
                 t.sub_(s).mul_(beta).add_(new)
                 p.copy_(t.view(p.shape))
             s.copy_(new)
+        self._share([f])
         end = self._clock()
         self._totals["sync"] += end - start
         self._timeline.append(("sync", start, end))
@@ -145,7 +159,7 @@ class Overlap:
         its fragments; not yet moved: all of them; 0: nothing was in flight)."""
         if self._r_landed is not None:
             return self._r_landed
-        n = self._start.numel()
+        n = sum(self._whole_sizes)             # (whole fragments: the same on a worker's ranks)
         if n == 0:
             return self._r_steps
         moves = self._moved_at.values()

@@ -29,7 +29,6 @@ import math
 
 import torch
 
-from hetcomm import compress as _compress
 from hetcomm.train import flat as _flat
 from hetcomm.train.diloco.outer import estimate_step, outer_weights
 from hetcomm.train.partition import exchange_columns
@@ -120,7 +119,7 @@ class Streams:
         for f in range(1, len(self._fragments)):
             self._fire(f, inline=True)
 
-    def _wait_job(self, job: dict) -> None:
+    def _wait_job(self, job: dict, *, check: bool = True) -> None:
         start = self._clock()
         try:
             concurrent.futures.wait([job["future"]])
@@ -129,7 +128,8 @@ class Streams:
             if end - start > 1e-4:
                 self._totals["idle"] += end - start
                 self._timeline.append(("idle", start, end))
-        job["future"].result()                      # raises here if it failed
+        if check:
+            job["future"].result()                  # raises here if it failed
 
     def _wait_stream(self, f: int, *, move: bool = False) -> None:
         """Waits for fragment f's job in flight (idle); then moves onto it if ``move``, else drops
@@ -140,8 +140,8 @@ class Streams:
         self._wait_job(job)
         if move:
             self._stream_moves += 1
-            i, j, a, b = self._fragments[f]
-            self._move_range(i, j, a, b, self._stream_scratch[a - self._stream_base:b - self._stream_base])
+            _, _, a, b = self._fragments[f]
+            self._move_range(f, self._stream_scratch[a - self._stream_base:b - self._stream_base])
 
     def _join_streams(self) -> None:
         """Every job in flight waited for, its move still to come (a checkpoint, the global
@@ -177,7 +177,7 @@ class Streams:
         column[_F_STEPS] = self._seen[0] - self._at_trigger[f][0]
         column[_F_SAMPLES] = self._seen[1] - self._at_trigger[f][1]
         column[_F_FINITE] = 1.0 if math.isfinite(total) else 0.0
-        column[_F_SUM] = total
+        column[_F_SUM] = total if self._layout is None else self._replica_print(f)
         self._at_trigger[f] = list(self._seen)
         travel = delta.float()
         if inline:
@@ -189,6 +189,7 @@ class Streams:
         # θ_f is final: its previous job was waited for, and only this fragment's job steps it.
         estimate_step(self.outer_optimizer, self._global[i:j], _flat.split(delta, params), start)
         _flat.load(params, start)
+        self._share([f])
         self._stream_seq += 1
         future = self._executor.submit(self._stream_job, f, column, travel, timed=False)
         self._flight[f] = {"future": future, "seq": self._stream_seq, "steps": 0}
@@ -218,12 +219,7 @@ class Streams:
             weights = outer_weights(self.weighting, table[_F_SAMPLES], table[_F_STEPS])
             if any(s > 0 for s in table[_F_STEPS]) and any(w != 0.0 for w in weights):
                 i, j, _, _ = self._fragments[f]
-                feedback = self._feedback[f] if self._feedback is not None else None
-                if self._workers.single:
-                    part = _compress.weighted_allreduce(delta, weights, codec=self._codec, group=self._sync_group,
-                                                        feedback=feedback, finite_checked=True)
-                else:
-                    part = self._workers.reduce(delta, weights, codec=self._codec, feedback=feedback)
+                part = self._reduce(delta, weights, self._feedback[f] if self._feedback is not None else None)
                 for g, piece in zip(self._global[i:j], _flat.split(part, self._global[i:j])):
                     g.grad = piece.view(g.shape).to(g.dtype)
                 self.outer_optimizer.step()
@@ -246,6 +242,10 @@ class Streams:
             return
         if self._rebase_after is not None:
             due = [f for f, job in self._flight.items() if job["steps"] >= self._rebase_after]
+            if due and self._workers.size > 1:      # the same on the worker's ranks: agree on failures
+                for f in due:
+                    self._wait_job(self._flight[f], check=False)
+                self._agree_landed([self._flight[f]["future"] for f in due])
         else:
             landed = -1 if self._stream_failed else self._stream_landed
             if self._workers.size > 1:

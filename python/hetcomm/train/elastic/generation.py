@@ -54,30 +54,41 @@ class Generation:
         meta = None
         if mine:
             skeleton = self._skeleton(self.outer_optimizer.state_dict(), tensors)
+            tensors = list(self._global) + tensors
             meta = {"skeleton": skeleton, "round": self._round, "samples_total": self._samples_total,
                     "history": self._history, "membership": self._events, "codec": self._codec_name,
                     "shapes": [list(g.shape) for g in self._global],
-                    "sizes": [g.numel() for g in self._global] + [t.numel() for t in tensors]}
+                    "sizes": [t.numel() for t in tensors], "dtypes": [str(t.dtype) for t in tensors]}
         box = [meta]
         dist.broadcast_object_list(box, src=sources[0])
         meta = box[0]
         if not mine:
+            if "dtypes" not in meta:
+                raise ValueError(f"{_PREFIX}: this worker cannot join: the holders of the run's state run another "
+                                 "version of hetcomm (run the same version on every worker)")
             shapes = [list(g.shape) for g in self._global]
             if meta["shapes"] != shapes or meta["codec"] != self._codec_name:
                 raise ValueError(f"{_PREFIX}: this worker cannot join: the run's model has parameter shapes "
                                  f"{meta['shapes']} and {meta['codec']}; this worker's {shapes} and {self._codec_name}")
-        total = sum(meta["sizes"])
-        if mine:
-            flat = torch.cat([g.detach().reshape(-1).double() for g in self._global] +
-                             [t.detach().reshape(-1).double() for t in tensors])
-        else:
-            flat = torch.zeros(total, dtype=torch.float64)
-        for src, shard in zip(sources, flat.tensor_split(len(sources))):
-            if shard.numel():
-                dist.broadcast(shard, src=src)
+        # In their own dtypes (fp32 state: half the bytes of a float64 copy), one vector per dtype,
+        # each cut in one shard per holder: the holders send at once, over the group, not the store.
+        sizes, pieces = meta["sizes"], [None] * len(meta["sizes"])
+        for name in dict.fromkeys(meta["dtypes"]):
+            dtype = getattr(torch, str(name).removeprefix("torch."), None)
+            if not isinstance(dtype, torch.dtype):
+                raise ValueError(f"{_PREFIX}: the run's state holds tensors of an unknown dtype {name!r}")
+            index = [i for i, d in enumerate(meta["dtypes"]) if d == name]
+            if mine:
+                flat = torch.cat([tensors[i].detach().reshape(-1) for i in index])
+            else:
+                flat = torch.empty(sum(sizes[i] for i in index), dtype=dtype)
+            for src, shard in zip(sources, flat.tensor_split(len(sources))):
+                if shard.numel():
+                    dist.broadcast(shard, src=src)
+            for i, piece in zip(index, flat.split([sizes[i] for i in index])):
+                pieces[i] = piece
         if mine:
             return
-        pieces = flat.split(meta["sizes"])
         with torch.no_grad():
             for g, piece in zip(self._global, pieces):
                 g.copy_(piece.view(g.shape))

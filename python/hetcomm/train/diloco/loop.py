@@ -531,7 +531,12 @@ class DiLoCo(Results, ShardedState, Agreement, Checkpoint, Streams, Overlap, _fl
             self._count_sync(begin)
             if self._stagger:
                 self._fire_last()                 # their steps since their trigger, here and now
-            table, _ = self._exchange_and_reduce(column, delta, timed=True, plan=plan)
+            error = None
+            try:
+                table, _ = self._exchange_and_reduce(column, delta, timed=True, plan=plan)
+            except Exception as e:  # noqa: BLE001 - raised below, once the worker's ranks know
+                error = e
+            self._worker_agrees(error)
             begin = self._clock()
             self._after_agreement(table)
             self._load_global()

@@ -57,6 +57,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ballast", type=int, default=0,
                    help="a parameter of this many elements outside the forward pass (a large state to send)")
     p.add_argument("--no-early-join", action="store_true", help="ElasticDiLoCo(early_join=False)")
+    p.add_argument("--counting-outer", action="store_true",
+                   help="an outer SGD that keeps an int32 step count per parameter and scales its step by it")
     p.add_argument("--wait-for", default="", help="FILE:R: ask to join once FILE reports round R")
     p.add_argument("--timeout", type=float, default=10.0,
                    help="ElasticDiLoCo(timeout=): a worker silent this long is dropped. Deaths close the "
@@ -127,7 +129,23 @@ def main(argv: list[str] | None = None) -> int:
     if args.ballast:
         model.ballast = torch.nn.Parameter(torch.linspace(-1, 1, args.ballast))
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.5)
-    diloco = hetcomm.ElasticDiLoCo(model, opt, store=args.store, worker_id=args.id, job=args.job,
+    outer = None
+    if args.counting_outer:
+        class CountingSGD(torch.optim.SGD):
+            """State in a dtype other than the parameters' (load_state_dict casts it to theirs)."""
+
+            @torch.no_grad()
+            def step(self, closure=None):
+                for group in self.param_groups:
+                    for q in group["params"]:
+                        if q.grad is not None:
+                            count = self.state[q].setdefault("count", torch.zeros((), dtype=torch.int32))
+                            count += 1
+                            q.grad.mul_(1.0 / (1.0 + 0.01 * int(count)))
+                return super().step(closure)
+
+        outer = lambda ps: CountingSGD(ps, lr=0.7, momentum=0.9, nesterov=True)  # noqa: E731
+    diloco = hetcomm.ElasticDiLoCo(model, opt, store=args.store, worker_id=args.id, job=args.job, outer_optimizer=outer,
                                    steps=args.steps, min_workers=args.min_workers, heartbeat=0.5, timeout=args.timeout,
                                    collective_timeout=args.collective_timeout, compress=args.compress, backend=args.backend,
                                    early_join=not args.no_early_join)

@@ -244,3 +244,53 @@ def test_mismatched_shares_and_impossible_sharding_raise():
         assert "element-wise" in errors.get("optimizer", ""), errors
         assert "gather_global_parameters" in errors.get("before_finish", ""), errors
         assert errors["gathered"] is True, errors
+
+
+def failing_share(rank: int, world: int, mode: str) -> dict:
+    """Workers [0, 0, 1, 1], sharded: the reduction of share 1 (ranks 1 and 3) fails at its second
+    call and those ranks stay alive a while (a failure that is not a death). The ranks of share 0
+    must raise at once, naming the other rank's failure, instead of waiting in the exchange of the
+    replica for a rank that will never come."""
+    import time
+
+    import hetcomm
+    from hetcomm.train import workers as workers_module
+
+    real, calls = workers_module.Workers.reduce_range, {"n": 0}
+
+    def flaky(self, delta, weights, **kwargs):
+        calls["n"] += 1
+        if self.local_rank == 1 and calls["n"] == 2:
+            raise RuntimeError("simulated failure of share 1's cross link")
+        return real(self, delta, weights, **kwargs)
+
+    workers_module.Workers.reduce_range = flaky
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 16))
+    opt = torch.optim.SGD(net.parameters(), lr=0.01)
+    kwargs = {"overlap": True, "fragments": 2} if mode == "staggered" else {}
+    diloco = hetcomm.DiLoCo(net, opt, local_steps="fixed", steps=2, workers=[0, 0, 1, 1], shard_state=True, **kwargs)
+    g = torch.Generator().manual_seed(rank // 2)
+    try:
+        for _ in range(12):
+            x = torch.randn(4, 16, generator=g)
+            nn.functional.mse_loss(net(x), x).backward()
+            opt.step()
+            opt.zero_grad()
+            diloco.step(samples=4)
+        diloco.finish()
+    except Exception as e:  # noqa: BLE001 - the outcome is the test's
+        diloco.close()
+        if "simulated" in str(e):
+            time.sleep(3.0)               # alive: the others learn nothing from a closed connection
+        return {"error": f"{type(e).__name__}: {e}"}
+    return {"error": None}
+
+
+@pytest.mark.parametrize("mode", ["sync", "staggered"])
+def test_a_share_whose_reduction_fails_fails_its_whole_worker_at_once(mode):
+    res = run_ranks(4, failing_share, mode, timeout=120)
+    for rank in (1, 3):
+        assert "simulated failure" in (res[rank]["error"] or ""), res
+    for rank in (0, 2):
+        assert "another rank of this worker failed" in (res[rank]["error"] or ""), res

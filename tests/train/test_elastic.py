@@ -278,6 +278,29 @@ def test_a_new_worker_joins_a_running_job(run):
 
 
 @pytest.mark.slow
+def test_a_worker_that_joined_once_sends_the_state_in_the_founders_dtypes(run):
+    """The outer optimizer keeps an int32 count per parameter, which a joiner's load_state_dict
+    casts to the parameters' float32. w2 joins at round 2; w3 joins at round 5 and receives the
+    state from w0, w1 and w2, in the dtypes the first holder names: every report of every round
+    agrees, and the counts scale the steps alike (a count read from float32 bits would not)."""
+    rounds = 12                     # rounds of about 1.2 s: a worker starts in 3-4 s
+    common = ("--rounds", str(rounds), "--step-seconds", "0.3", "--counting-outer", "--no-early-join")
+    for w in ("w0", "w1"):
+        run.start(w, *common, "--min-workers", "2")
+    for w, after in (("w2", 2), ("w3", 5)):
+        deadline = time.monotonic() + DEADLINE
+        while not any(r.get("round", 0) >= after for r in run.records("w0")):
+            assert time.monotonic() < deadline, run.logs()
+            time.sleep(0.1)
+        run.start(w, *common)
+    codes = run.wait_all()
+    assert all(c == [0] for c in codes.values()), f"{codes}\n{run.logs()}"
+    prints = check_agreement(run, ["w0", "w1", "w2", "w3"], rounds)
+    assert {final(run, w)["final"] for w in ("w0", "w1", "w2", "w3")} == {prints[rounds]}
+    assert any("w3" in r.get("members", []) for r in run.records("w0")), run.records("w0")
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("early", [True, False], ids=["early-join", "at-the-boundary"])
 def test_a_joiner_trains_in_the_round_in_progress_from_the_state_the_members_offer(run, early):
     """w3 asks to join right after round 2 was committed (--wait-for): the members offer it the

@@ -169,7 +169,17 @@ class DiLoCo(Results, ShardedState, Agreement, Checkpoint, Streams, Overlap, _fl
         master = torch.float64 if any(p.dtype == torch.float64 for p in self._model_params) else torch.float32
         self._master = master
         self._workers = Workers(self._labels, group, worker_backend=worker_backend, background=self.overlap)
-        self._layout = self._choose_layout(shard_state, whole, self._labels, self._rank)
+        error = None
+        try:
+            self._layout = self._choose_layout(shard_state, whole, self._labels, self._rank)
+        except (ValueError, TypeError) as e:      # (a check one rank alone may fail: tell the others)
+            error, self._layout = e, None
+        refused = [r for r, bad in enumerate(exchange_columns([float(error is not None)], group=group)[0]) if bad]
+        if error is not None:
+            raise error
+        if refused:
+            raise ValueError(f"{_PREFIX}: rank(s) {refused} could not lay out DiLoCo's state (their error names the "
+                             "cause)")
         self._broadcast_replica(group)
         self.outer_optimizer = self._make_outer_optimizer(factory, shard_state, whole)
         self._start = self._flatten_global()      # where the replica started this round
@@ -531,7 +541,12 @@ class DiLoCo(Results, ShardedState, Agreement, Checkpoint, Streams, Overlap, _fl
             self._count_sync(begin)
             if self._stagger:
                 self._fire_last()                 # their steps since their trigger, here and now
-            table, _ = self._exchange_and_reduce(column, delta, timed=True, plan=plan)
+            error = None
+            try:
+                table, _ = self._exchange_and_reduce(column, delta, timed=True, plan=plan)
+            except Exception as e:  # noqa: BLE001 - raised below, once the worker's ranks know
+                error = e
+            self._worker_agrees(error)
             begin = self._clock()
             self._after_agreement(table)
             self._load_global()

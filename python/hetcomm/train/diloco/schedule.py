@@ -110,12 +110,18 @@ class Overlap:
         """After waiting for ``futures`` (jobs of the background thread): raises on every rank of
         the worker if one of them failed on any (its own error where it failed), before any rank
         moves its replica, whose new values the worker's ranks exchange (sharded state)."""
-        failed = any(f.exception() is not None for f in futures)
-        if self._workers.size > 1 and self._workers.least(-1.0 if failed else 0.0) < 0 and not failed:
+        self._worker_agrees(next((f.exception() for f in futures if f.exception() is not None), None))
+
+    def _worker_agrees(self, error: BaseException | None) -> None:
+        """Raises ``error`` (this rank's, or None) here, and on the worker's other ranks at the same
+        point an error that names it: a worker's ranks go on to their collectives together or
+        not at all (a rank left alone in an exchange would wait for the group's timeout)."""
+        if self._workers.size > 1 and self._workers.least(-1.0 if error is not None else 0.0) < 0 \
+                and error is None:
             raise RuntimeError(f"{_PREFIX}: another rank of this worker failed its synchronisation (its error names "
                                "the cause)")
-        for f in futures:
-            f.result()
+        if error is not None:
+            raise error
 
     def _move_onto_global(self, upto: int) -> None:
         """Moves the fragments of the round boundary's update landed since the last move (up to
@@ -170,12 +176,13 @@ class Overlap:
         start = self._clock()
         future, self._pending = self._pending, None
         try:
-            table = future.result()[0]
+            concurrent.futures.wait([future])
         finally:
             end = self._clock()
             self._totals["idle"] += end - start
             self._timeline.append(("idle", start, end))
-        self._after_agreement(table, ahead=True)
+        self._agree_landed([future])
+        self._after_agreement(future.result()[0], ahead=True)
 
     def _warn_if_link_bound(self) -> None:
         """Once per object (group rank 0): says so when the synchronisation in flight, not compute,

@@ -328,9 +328,9 @@ class ShardedState:
             return self.global_parameters()
         if self._closed:
             raise RuntimeError(f"{_PREFIX}: gather_global_parameters() after close()")
-        if self._pending is not None:
-            concurrent.futures.wait([self._pending])
-        self._join_streams()
+        jobs = ([self._pending] if self._pending is not None else []) + [j["future"] for j in self._flight.values()]
+        concurrent.futures.wait(jobs)
+        self._agree_landed(jobs)              # (a rank whose job failed must not leave the others in the gather)
         return self._gather_global()
 
     def _share(self, fragments: Iterable[int]) -> None:
@@ -362,8 +362,11 @@ class ShardedState:
         i, j = (0, len(self._model_params)) if fragment is None else self._layout.whole[fragment][:2]
         if i == j:
             return 0.0
-        # one sum per tensor on its device, then one transfer (not a synchronisation per tensor)
-        return float(torch.stack([torch.sum(p.detach(), dtype=torch.float64) for p in self._model_params[i:j]]).sum())
+        # one sum per tensor on its device, then one transfer per device (not one per tensor)
+        sums: dict = {}
+        for p in self._model_params[i:j]:
+            sums.setdefault(p.device, []).append(torch.sum(p.detach(), dtype=torch.float64))
+        return sum(float(torch.stack(parts).sum()) for _, parts in sorted(sums.items(), key=lambda kv: str(kv[0])))
 
     def _reduce(self, delta: torch.Tensor, weights: Sequence[float], feedback) -> torch.Tensor:
         """Σ_w weights[w] Δ_w of this rank's part of a fragment (`hetcomm.train.workers`)."""

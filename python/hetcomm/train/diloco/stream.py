@@ -112,7 +112,7 @@ class Streams:
         """The last, synchronous round's boundary: every job waited for; the fragments this round
         did not fire, then every fragment's steps since its trigger, here (so that every rank runs
         the same collectives: each fragment once per round, then once more)."""
-        self._join_streams()
+        self._join_streams(agree=self._workers.size > 1)
         for f in range(1, len(self._fragments)):
             if not self._fired[f]:
                 self._fire(f, inline=True)
@@ -131,23 +131,28 @@ class Streams:
         if check:
             job["future"].result()                  # raises here if it failed
 
-    def _wait_stream(self, f: int, *, move: bool = False) -> None:
+    def _wait_stream(self, f: int, *, move: bool = False, agree: bool = False) -> None:
         """Waits for fragment f's job in flight (idle); then moves onto it if ``move``, else drops
-        the move (the steps since its trigger are kept whole)."""
+        the move (the steps since its trigger are kept whole). ``agree``: the worker's ranks agree
+        that it did not fail (where nothing agreed on it before)."""
         job = self._flight.pop(f, None)
         if job is None:
             return
-        self._wait_job(job)
+        self._wait_job(job, check=not agree)
+        if agree:
+            self._agree_landed([job["future"]])
         if move:
             self._stream_moves += 1
             _, _, a, b = self._fragments[f]
             self._move_range(f, self._stream_scratch[a - self._stream_base:b - self._stream_base])
 
-    def _join_streams(self) -> None:
+    def _join_streams(self, agree: bool = False) -> None:
         """Every job in flight waited for, its move still to come (a checkpoint, the global
-        parameters)."""
+        parameters); ``agree``: the worker's ranks agree that none failed (a collective)."""
         for f in sorted(self._flight):
-            self._wait_job(self._flight[f])
+            self._wait_job(self._flight[f], check=not agree)
+        if agree:
+            self._agree_landed([self._flight[f]["future"] for f in sorted(self._flight)])
 
     @torch.no_grad()
     def _window_delta(self, f: int) -> torch.Tensor:
@@ -167,7 +172,8 @@ class Streams:
         """Fragment f's trigger: its window's pseudo-gradient, the replica's jump to the start
         estimate, and its job (on the background thread; ``inline``: here, in the last round)."""
         self._fired[f] = True
-        self._wait_stream(f)                   # its previous job (not moved by now: steps kept whole)
+        # its previous job (not moved by now: steps kept whole)
+        self._wait_stream(f, agree=self._workers.size > 1 and not inline)
         begin = self._clock()                  # (the wait counted as idle)
         i, j, a, b = self._fragments[f]
         delta = self._window_delta(f)

@@ -180,6 +180,8 @@ class Epochs:
                          f"{hashlib.sha256(shapes.encode()).hexdigest()[:12]}",
                 "outer optimizer": type(self.outer_optimizer).__name__, "weighting": self.weighting,
                 "compression": self._codec_name, "backend": self._backend,
+                # how the state travels to a joiner (generation._transfer): raw bytes per dtype
+                "state transfer": 2,
                 "settings": _hosts.environment_settings() if "hetcomm" in str(self._backend) else {}}
 
     @staticmethod

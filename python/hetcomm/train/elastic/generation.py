@@ -63,26 +63,21 @@ class Generation:
         dist.broadcast_object_list(box, src=sources[0])
         meta = box[0]
         if not mine:
-            if "dtypes" not in meta:
-                raise ValueError(f"{_PREFIX}: this worker cannot join: the holders of the run's state run another "
-                                 "version of hetcomm (run the same version on every worker)")
-            shapes = [list(g.shape) for g in self._global]
-            if meta["shapes"] != shapes or meta["codec"] != self._codec_name:
-                raise ValueError(f"{_PREFIX}: this worker cannot join: the run's model has parameter shapes "
-                                 f"{meta['shapes']} and {meta['codec']}; this worker's {shapes} and {self._codec_name}")
-        # In their own dtypes (fp32 state: half the bytes of a float64 copy), one vector per dtype,
-        # each cut in one shard per holder: the holders send at once, over the group, not the store.
+            self._check_meta(meta)
+        # Each dtype's tensors as one vector of raw bytes (any dtype travels, whatever the backend
+        # supports), cut in one shard per holder: the holders send at once, over the group, not the
+        # store. A holder converts to the dtype the first holder named: a worker that joined once
+        # may hold the optimizer's state in other dtypes than the founders (load_state_dict casts).
         sizes, pieces = meta["sizes"], [None] * len(meta["sizes"])
         for name in dict.fromkeys(meta["dtypes"]):
-            dtype = getattr(torch, str(name).removeprefix("torch."), None)
-            if not isinstance(dtype, torch.dtype):
-                raise ValueError(f"{_PREFIX}: the run's state holds tensors of an unknown dtype {name!r}")
+            dtype = getattr(torch, name.removeprefix("torch."))
             index = [i for i, d in enumerate(meta["dtypes"]) if d == name]
             if mine:
-                flat = torch.cat([tensors[i].detach().reshape(-1) for i in index])
+                flat = torch.cat([tensors[i].detach().reshape(-1).to(dtype) for i in index])
             else:
                 flat = torch.empty(sum(sizes[i] for i in index), dtype=dtype)
-            for src, shard in zip(sources, flat.tensor_split(len(sources))):
+            raw = flat.view(torch.uint8) if flat.numel() else flat
+            for src, shard in zip(sources, raw.tensor_split(len(sources))):
                 if shard.numel():
                     dist.broadcast(shard, src=src)
             for i, piece in zip(index, flat.split([sizes[i] for i in index])):
@@ -94,11 +89,50 @@ class Generation:
                 g.copy_(piece.view(g.shape))
         state = self._fill(meta["skeleton"], list(pieces[len(self._global):]))
         self.outer_optimizer.load_state_dict(state)
+        self._restore_dtypes(state)
         self._round, self._samples_total = meta["round"], meta["samples_total"]
         own = [e for e in self._events if e.get("worker") == self.worker_id and e not in meta["membership"]]
         self._history, self._events = list(meta["history"]), list(meta["membership"]) + own
         self._start = self._flatten_global()
         self._load_global()
+
+    def _check_meta(self, meta) -> None:
+        """A joiner's checks of what the holders announce, before it allocates anything: a
+        ValueError (this worker cannot join) rather than an IndexError or a huge allocation."""
+        def refuse(why: str):
+            raise ValueError(f"{_PREFIX}: this worker cannot join: {why}")
+
+        if not isinstance(meta, dict) or "dtypes" not in meta:
+            refuse("the holders of the run's state run another version of hetcomm (run the same version on every "
+                   "worker)")
+        shapes = [list(g.shape) for g in self._global]
+        if meta.get("shapes") != shapes or meta.get("codec") != self._codec_name:
+            refuse(f"the run's model has parameter shapes {meta.get('shapes')} and {meta.get('codec')}; this "
+                   f"worker's {shapes} and {self._codec_name}")
+        sizes, dtypes = meta.get("sizes"), meta.get("dtypes")
+        if not (isinstance(sizes, list) and isinstance(dtypes, list) and len(sizes) == len(dtypes)
+                and all(isinstance(n, int) and n >= 0 for n in sizes) and all(isinstance(d, str) for d in dtypes)):
+            refuse("the holders announced a malformed state (sizes and dtypes)")
+        if sizes[:len(self._global)] != [g.numel() for g in self._global]:
+            refuse("the holders announced global parameters of other sizes than this worker's model")
+        if any(not isinstance(getattr(torch, d.removeprefix("torch."), None), torch.dtype) for d in dtypes):
+            refuse(f"the run's state holds tensors of an unknown dtype ({sorted(set(dtypes))})")
+        # The outer optimizer's state: a few tensors of the parameters' sizes (Adam: two) and scalars.
+        if sum(sizes[len(self._global):]) > 4 * sum(sizes[:len(self._global)]) + 1024 * len(sizes):
+            refuse(f"the holders announced an outer optimizer state of {sum(sizes[len(self._global):])} elements "
+                   f"for {sum(sizes[:len(self._global)])} parameters")
+
+    def _restore_dtypes(self, state: dict) -> None:
+        """Puts back the dtypes the holders keep the optimizer's state in (`load_state_dict` casts
+        it to the parameters' dtype), so that the joiner's next outer step is theirs bit for bit."""
+        saved = [i for group in state["param_groups"] for i in group["params"]]
+        params = [p for group in self.outer_optimizer.param_groups for p in group["params"]]
+        for i, p in zip(saved, params):
+            mine, theirs = self.outer_optimizer.state.get(p, {}), state["state"].get(i, {})
+            for key, value in theirs.items():
+                if isinstance(value, torch.Tensor) and isinstance(mine.get(key), torch.Tensor) \
+                        and mine[key].dtype != value.dtype:
+                    mine[key] = mine[key].to(value.dtype)
 
     @classmethod
     def _skeleton(cls, obj, tensors: list):

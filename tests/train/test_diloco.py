@@ -634,8 +634,10 @@ def test_a_budget_of_the_run_stops_every_rank_at_the_same_round(overlap):
     # which learns a round's totals one round later, from the previous round's: a fixed schedule).
     assert per_rank[0]["rounds"] == 3, per_rank
     assert per_rank[0]["reason"].startswith("max_samples"), per_rank
-    per_rank = run_ranks(2, train_budget, overlap, [{"max_rounds": 2}] * 2)
-    assert per_rank[0] == per_rank[1] and per_rank[0]["rounds"] == 2, per_rank
+    for rounds in (2, 1):       # (with overlap, 1 ran 2 rounds: no agreement lands before the first ends)
+        per_rank = run_ranks(2, train_budget, overlap, [{"max_rounds": rounds}] * 2)
+        assert per_rank[0] == per_rank[1] and per_rank[0]["rounds"] == rounds, per_rank
+        assert per_rank[0]["samples"] == 10 * rounds, per_rank
 
 
 ROUND_S, TIMED_STEP_S = 2.5, 0.05     # declared compute: 50 steps a round, 2 samples each, on each of 2 ranks

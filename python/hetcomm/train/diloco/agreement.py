@@ -1,15 +1,19 @@
 """The agreement at a round's boundary: the exchange of the table (`table`), its checks, the
 reduction of the boundary's fragments with their outer steps, and what the ranks decide from it
-(the policy's measurements, the stop, the history). `Agreement` is a part of `DiLoCo`."""
+(the policy's measurements, the stop, the history), and this rank's column of the table and
+pseudo-gradient. `Agreement` is a part of `DiLoCo`."""
 from __future__ import annotations
+
+import math
 
 import torch
 
 from hetcomm.train import flat as _flat
 from hetcomm.train.diloco.outer import outer_weights
 from hetcomm.train.diloco.table import (_AGGREGATE, _BUDGETS, _COMPUTE, _DONE, _ELAPSED, _FINITE, _FRAGMENTS,
-                                        _LANDED, _REPLICA, _SAMPLES, _STEPS, _SYNC_WALL, _TOT_BYTES, _TOT_IDLE,
-                                        _TOT_SYNC, _TOT_WAN, _known, history_record, stop_decision)
+                                        _LANDED, _LOSS_N, _LOSS_SUM, _REFORM, _REPLICA, _ROWS, _SAMPLES, _STEPS,
+                                        _SYNC_WALL, _TOT_BYTES, _TOT_IDLE, _TOT_SYNC, _TOT_WAN, _known, history_record,
+                                        stop_decision)
 from hetcomm.train.partition import exchange_columns
 
 _PREFIX = "hetcomm DiLoCo"
@@ -59,6 +63,7 @@ class Agreement:
                     g.grad = piece.view(g.shape).to(g.dtype)
                 self.outer_optimizer.step()
                 self.outer_optimizer.zero_grad(set_to_none=True)
+                self._applied += 1
                 self._landed = f + 1           # the training thread may move onto these now
         self._landed = len(self._boundary)
         end = self._clock()
@@ -110,4 +115,47 @@ class Agreement:
                              last_elapsed=self._last_elapsed)
 
     def _record(self, table: list[list[float]], weights: list[float], round_index: int, plan: dict) -> None:
-        self._history.append(history_record(table, weights, round_index, plan))
+        record = history_record(table, weights, round_index, plan)
+        if self._print_rounds:            # (whole state only: an elastic run does not shard)
+            record["fingerprint"] = _flat.fingerprint(_flat.flatten(self._global))
+        self._history.append(record)
+
+    def _column(self, delta: torch.Tensor) -> list[float]:
+        # One pass: the float64 sum of a float32 vector is finite iff every element is (it cannot
+        # overflow; an Inf or NaN anywhere makes it Inf or NaN). It is also the replica's fingerprint.
+        total = float(torch.sum(delta, dtype=torch.float64)) if delta.numel() else 0.0
+        finite = 1.0 if math.isfinite(total) else 0.0
+        col = [0.0] * _ROWS
+        col[_STEPS], col[_SAMPLES], col[_COMPUTE] = self._r_steps, self._r_samples, self._r_compute
+        col[_LOSS_SUM], col[_LOSS_N], col[_FINITE] = self._r_loss, self._r_loss_n, finite
+        col[_TOT_IDLE], col[_TOT_SYNC] = self._totals["idle"], self._totals["sync"]
+        col[_TOT_BYTES] = self._bytes_sent() - self._bytes0
+        col[_TOT_WAN] = self._workers.inter_worker_bytes(self._outer_groups()) - self._wan0
+        col[_REPLICA] = total if self._layout is None else self._replica_print()
+        col[_LANDED] = self._landed_steps()
+        col[_SYNC_WALL] = self._sync_wall
+        col[_FRAGMENTS] = len(self._fragments) * (-1 if self._stagger else 1)
+        col[_DONE] = 1.0 if self._exhausted else 0.0
+        col[_REFORM] = 1.0 if self._reform() else 0.0
+        col[_ELAPSED] = self._clock() - self._t0
+        for name, row in _BUDGETS.items():
+            col[row] = self._budgets[name]
+        return col
+
+    @torch.no_grad()
+    def _progress(self) -> torch.Tensor:
+        """start − replica (Δ_r, master precision), in the next pseudo-gradient buffer."""
+        out = self._deltas[self._next_delta]
+        self._next_delta = (self._next_delta + 1) % len(self._deltas)
+        for p, s, o in zip(self._params, self._split(self._start), self._split(out)):
+            src = p.detach().reshape(-1)
+            if src.device.type != "cpu" or src.dtype != o.dtype:
+                o.copy_(src)                        # to the CPU and the master precision, no new tensor
+                src = o
+            torch.sub(s, src, out=o)
+        return out
+
+    @torch.no_grad()
+    def _global_into(self, out: torch.Tensor) -> None:
+        for g, o in zip(self._global, self._split(out)):
+            o.copy_(g.detach().reshape(-1))

@@ -21,9 +21,7 @@ from hetcomm.train.diloco.results import Results
 from hetcomm.train.diloco.schedule import Overlap, fragment_bounds
 from hetcomm.train.diloco.shard import ShardedState
 from hetcomm.train.diloco.stream import Streams
-from hetcomm.train.diloco.table import (_AGGREGATE, _BUDGETS, _COMPUTE, _DONE, _ELAPSED, _FINITE, _FRAGMENTS,
-                                        _LANDED, _LOSS_N, _LOSS_SUM, _REPLICA, _ROWS, _SAMPLES, _STEPS, _SYNC_WALL,
-                                        _TOT_BYTES, _TOT_IDLE, _TOT_SYNC, _TOT_WAN, _known)
+from hetcomm.train.diloco.table import _AGGREGATE, _BUDGETS, _TOT_BYTES, _TOT_IDLE, _TOT_SYNC, _TOT_WAN, _known
 from hetcomm.train.local_steps import FixedSteps, LocalStepPolicy, SpeedSteps, StepTimes, TimeSteps, make_policy
 from hetcomm.train.partition import exchange_columns
 from hetcomm.train.workers import Workers, resolve_labels, resolve_members
@@ -90,10 +88,23 @@ class DiLoCo(Results, ShardedState, Agreement, Checkpoint, Streams, Overlap, _fl
             `gather_global_parameters` gathers them (docs/diloco.md#state-sharded-over-a-workers-ranks).
         clock: the clock DiLoCo times steps, rounds and synchronisations by, in seconds
             (default ``time.perf_counter``); a simulation, or a test, may give one of its own.
+        membership: None (default): the ranks of ``group``, fixed for the run;
+            ``hetcomm.Elastic(store=..., ...)``: workers may die, come back, join and leave while
+            it runs; the constructor then returns a `hetcomm.train.elastic.run.ElasticRun`, which
+            runs this class in generations over the members of the time (docs/elastic.md).
     """
 
+    def __new__(cls, *args, membership=None, **kwargs):
+        if membership is None or membership == "fixed":
+            return super().__new__(cls)
+        from hetcomm.train.elastic.run import Elastic, ElasticRun
+        if not isinstance(membership, Elastic):
+            raise TypeError(f"{_PREFIX}: membership must be None (the group's ranks, fixed) or "
+                            f"hetcomm.Elastic(store=...), got {membership!r}")
+        return ElasticRun(*args, membership=membership, **kwargs)
+
     def __init__(self, model: torch.nn.Module, inner_optimizer: torch.optim.Optimizer | None = None, *,
-                 group: dist.ProcessGroup | None = None,
+                 membership: None = None, group: dist.ProcessGroup | None = None,
                  outer_optimizer: Callable[[Sequence[torch.Tensor]], torch.optim.Optimizer] | None = None,
                  local_steps: str | LocalStepPolicy = "fixed", steps: int = 50,
                  round_seconds: float | None = None, weighting: str = "batch", compress: str = "fp32",
@@ -240,8 +251,7 @@ class DiLoCo(Results, ShardedState, Agreement, Checkpoint, Streams, Overlap, _fl
         self._hook = None
         if self._workers.size > 1 and inner_sync and not self._fsdp:
             params = [p for p in model.parameters() if p.requires_grad]
-            self._hook = inner_optimizer.register_step_pre_hook(
-                lambda *_: self._workers.average_gradients(params))
+            self._hook = inner_optimizer.register_step_pre_hook(lambda *_: self._average_gradients(params))
 
         # Round 1 starts together everywhere: a rank still receiving the broadcast (or still
         # starting up) must not count as a slow rank that the others idle for.
@@ -265,6 +275,14 @@ class DiLoCo(Results, ShardedState, Agreement, Checkpoint, Streams, Overlap, _fl
         self._stop_reason: str | None = None
         self._budgets = {k: 0.0 for k in _BUDGETS}
         self._step_calls = 0
+        # An elastic run's hooks (`hetcomm.train.elastic.run`): whether this rank asks to end the
+        # generation at the next agreement, and a fingerprint of the global parameters in every
+        # round's record. `_applied` counts the outer steps applied (one per fragment).
+        self._reform: Callable[[], bool] = lambda: False
+        self._defer_hook_errors = False          # a failure of the hook's collective: kept, raised by step
+        self._hook_error: RuntimeError | None = None
+        self._print_rounds = False
+        self._applied = 0
         self._t0 = self._clock()
         self._last_elapsed = 0.0
         self._policy.start_round(self._clock())
@@ -353,6 +371,17 @@ class DiLoCo(Results, ShardedState, Agreement, Checkpoint, Streams, Overlap, _fl
                     self._shorten_last_round(*agreed)
         self._mark = self._clock()
         return synced
+
+    def _average_gradients(self, params: list[torch.Tensor]) -> None:
+        """The inner optimizer's pre-step hook, with workers of several ranks."""
+        if self._hook_error is not None:
+            return                                  # the worker's group failed: step raises it
+        try:
+            self._workers.average_gradients(params)
+        except RuntimeError as e:
+            if not self._defer_hook_errors:
+                raise
+            self._hook_error = e                    # (an elastic run ends the generation in step)
 
     def loop(self, batches: Iterable, *, max_rounds: int | None = None, max_samples: int | None = None,
              max_seconds: float | None = None, max_steps: int | None = None) -> Iterator:
@@ -499,27 +528,6 @@ class DiLoCo(Results, ShardedState, Agreement, Checkpoint, Streams, Overlap, _fl
         self._r_landed: float | None = None if self._pending is not None or self._stagger else 0
         self._moved_at: dict[int, tuple[int, int]] = {}     # fragment -> (whole elements, steps) of its move
 
-    def _column(self, delta: torch.Tensor) -> list[float]:
-        # One pass: the float64 sum of a float32 vector is finite iff every element is (it cannot
-        # overflow; an Inf or NaN anywhere makes it Inf or NaN). It is also the replica's fingerprint.
-        total = float(torch.sum(delta, dtype=torch.float64)) if delta.numel() else 0.0
-        finite = 1.0 if math.isfinite(total) else 0.0
-        col = [0.0] * _ROWS
-        col[_STEPS], col[_SAMPLES], col[_COMPUTE] = self._r_steps, self._r_samples, self._r_compute
-        col[_LOSS_SUM], col[_LOSS_N], col[_FINITE] = self._r_loss, self._r_loss_n, finite
-        col[_TOT_IDLE], col[_TOT_SYNC] = self._totals["idle"], self._totals["sync"]
-        col[_TOT_BYTES] = self._bytes_sent() - self._bytes0
-        col[_TOT_WAN] = self._workers.inter_worker_bytes(self._outer_groups()) - self._wan0
-        col[_REPLICA] = total if self._layout is None else self._replica_print()
-        col[_LANDED] = self._landed_steps()
-        col[_SYNC_WALL] = self._sync_wall
-        col[_FRAGMENTS] = len(self._fragments) * (-1 if self._stagger else 1)
-        col[_DONE] = 1.0 if self._exhausted else 0.0
-        col[_ELAPSED] = self._clock() - self._t0
-        for name, row in _BUDGETS.items():
-            col[row] = self._budgets[name]
-        return col
-
     def _synchronise(self) -> None:
         # This thread's own work at the boundary (flattening, the start estimate, loading the
         # parameters) counts as sync; waiting and the exchange count themselves.
@@ -537,7 +545,11 @@ class DiLoCo(Results, ShardedState, Agreement, Checkpoint, Streams, Overlap, _fl
         # Once the run is to stop, the round is synchronous: the last round is never left in the
         # background. (A rank out of steps keeps the others' rhythm, agreements one round late,
         # so that the policy's plans, recorded in the history, stay identical on every rank.)
-        if not self.overlap or self._stopped:
+        # So is the round max_rounds makes the last, even when no agreement landed to say so
+        # (max_rounds=1, or the last round of a generation in an elastic run).
+        limit = self._budgets["max_rounds"]
+        last = bool(limit) and len(self._history) + 1 >= limit
+        if not self.overlap or self._stopped or last:
             self._count_sync(begin)
             if self._stagger:
                 self._fire_last()                 # their steps since their trigger, here and now
@@ -586,21 +598,3 @@ class DiLoCo(Results, ShardedState, Agreement, Checkpoint, Streams, Overlap, _fl
         end = self._clock()
         self._totals["sync"] += end - begin
         self._timeline.append(("sync", begin, end))
-
-    @torch.no_grad()
-    def _progress(self) -> torch.Tensor:
-        """start − replica (Δ_r, master precision), in the next pseudo-gradient buffer."""
-        out = self._deltas[self._next_delta]
-        self._next_delta = (self._next_delta + 1) % len(self._deltas)
-        for p, s, o in zip(self._params, self._split(self._start), self._split(out)):
-            src = p.detach().reshape(-1)
-            if src.device.type != "cpu" or src.dtype != o.dtype:
-                o.copy_(src)                        # to the CPU and the master precision, no new tensor
-                src = o
-            torch.sub(s, src, out=o)
-        return out
-
-    @torch.no_grad()
-    def _global_into(self, out: torch.Tensor) -> None:
-        for g, o in zip(self._global, self._split(out)):
-            o.copy_(g.detach().reshape(-1))

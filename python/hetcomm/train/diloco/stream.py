@@ -230,6 +230,7 @@ class Streams:
                     g.grad = piece.view(g.shape).to(g.dtype)
                 self.outer_optimizer.step()
                 self.outer_optimizer.zero_grad(set_to_none=True)
+                self._applied += 1
             end = self._clock()
             self._timeline.append(("sync", start, end))
             if timed:

@@ -14,12 +14,12 @@ import torch.distributed as dist
 # on every rank: `hetcomm.partition.exchange_columns`).
 (_STEPS, _SAMPLES, _COMPUTE, _LOSS_SUM, _LOSS_N, _FINITE, _TOT_IDLE, _TOT_SYNC, _TOT_BYTES,
  _DONE, _ELAPSED, _MAX_ROUNDS, _MAX_SAMPLES, _MAX_SECONDS, _TOT_WAN, _REPLICA, _LANDED, _SYNC_WALL,
- _FRAGMENTS) = range(19)
-_ROWS = 19
+ _FRAGMENTS, _REFORM) = range(20)
+_ROWS = 20
 # How a worker of several ranks sums up its ranks' columns (`hetcomm.train.workers`): its ranks
 # step together, so steps and seconds are its slowest rank's; samples, losses and bytes add up.
 _AGGREGATE = ("max", "sum", "max", "sum", "sum", "min", "max", "max", "sum", "min", "max", "max", "max", "max", "sum",
-              "max", "max", "max", "max")
+              "max", "max", "max", "max", "max")
 _BUDGETS = {"max_rounds": _MAX_ROUNDS, "max_samples": _MAX_SAMPLES, "max_seconds": _MAX_SECONDS}
 
 
@@ -74,6 +74,11 @@ def stop_decision(table: list[list[float]], *, ahead: bool, rounds: int, samples
         return f"max_samples: {samples:.0f} samples"
     if limit["max_seconds"] and elapsed >= limit["max_seconds"]:
         return f"max_seconds: {elapsed:.1f} s"
+    if any(x > 0 for x in table[_REFORM]):
+        # An elastic run (`hetcomm.train.elastic.run`): a worker asks to join, or one leaves; the
+        # generation ends here on every rank, and the next one forms with the new members (a
+        # budget reached at the same agreement ends the run instead).
+        return "membership: a worker asks to join or leave"
     return None
 
 

@@ -3,10 +3,9 @@ column to at each epoch, the protocol's constants, the fingerprint of the global
 the store's polling."""
 from __future__ import annotations
 
-import hashlib
 import time
 
-import torch
+from hetcomm.train.flat import fingerprint
 
 
 _PREFIX = "hetcomm ElasticDiLoCo"
@@ -21,10 +20,7 @@ _POLL = (0.005, 0.1)          # the store is polled from every 5 ms, backing off
 _CHUNK = 4 << 20              # bytes per store value of an offer (the libuv TCPStore refuses over 8 MiB)
 
 
-def _fingerprint(flat: torch.Tensor) -> int:
-    """52 bits of a hash of the exact bytes (an integer a float64 carries exactly)."""
-    digest = hashlib.blake2b(flat.contiguous().numpy().tobytes(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") >> 12
+_fingerprint = fingerprint
 
 
 # Settings that describe the job by global rank (HETCOMM_HOST_ID only in its per-rank form, with

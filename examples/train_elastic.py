@@ -10,7 +10,10 @@ around a store that runs where no worker does::
     # kill one (kill -9), start it again with the same command: it rejoins at a round boundary
 
 Every worker trains its replica with AdamW on its own random windows of the corpus and
-synchronises through `hetcomm.ElasticDiLoCo` every ``--steps`` steps (or ``--round-seconds``).
+synchronises through `hetcomm.ElasticDiLoCo` every ``--steps`` steps (or ``--round-seconds``);
+with ``--generations`` (or any of ``--local-steps``, ``--overlap``, ``--fragments``) through
+``hetcomm.DiLoCo(membership=hetcomm.Elastic(...))`` instead, DiLoCo in generations with every
+DiLoCo option (docs/elastic.md#diloco-in-generations).
 Each worker prints one line per round (members, samples, loss) and one per membership change;
 ``--jsonl PATH`` appends a JSON line per round (time, round, fingerprint of the global
 parameters, members, steps, samples) and, at the end, one with the held-out loss, the stats and
@@ -52,6 +55,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--outer-lr", type=float, default=0.7)
     p.add_argument("--jsonl", metavar="PATH", help="append this worker's records here")
     p.add_argument("--checkpoint", metavar="PATH", help="save after every round; resume from it if it exists")
+    p.add_argument("--generations", action="store_true",
+                   help="hetcomm.DiLoCo(membership=hetcomm.Elastic(...)) instead of hetcomm.ElasticDiLoCo")
+    p.add_argument("--local-steps", choices=["fixed", "speed", "time"], default=None,
+                   help="(--generations) the local-step policy; --steps is then H")
+    p.add_argument("--overlap", action="store_true", help="(--generations) synchronise in the background")
+    p.add_argument("--fragments", type=int, default=1, help="(--generations, --overlap) staggered fragments")
     p.add_argument("--save-globals", metavar="DIR",
                    help="save the global parameters after every round as DIR/round<r>.pt (a loss curve, evaluated later)")
     return p.parse_args(argv)
@@ -64,11 +73,19 @@ def main(argv=None) -> int:
     torch.set_num_threads(args.threads)
     train, held_out, model = build(args.corpus_chars, args.seed, args.block, args.d_model, args.layers, args.heads)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
-    diloco = hetcomm.ElasticDiLoCo(
-        model, opt, store=args.store, worker_id=args.id, job=args.job, steps=args.steps,
-        round_seconds=args.round_seconds, compress=args.compress, min_workers=args.min_workers,
-        heartbeat=args.heartbeat, timeout=args.timeout, backend=args.backend,
-        outer_optimizer=lambda ps: torch.optim.SGD(ps, lr=args.outer_lr, momentum=0.9, nesterov=True))
+    outer = lambda ps: torch.optim.SGD(ps, lr=args.outer_lr, momentum=0.9, nesterov=True)  # noqa: E731
+    if args.generations or args.local_steps or args.overlap or args.fragments > 1:
+        membership = hetcomm.Elastic(store=args.store, worker_id=args.id, job=args.job, min_workers=args.min_workers,
+                                     heartbeat=args.heartbeat, timeout=args.timeout, backend=args.backend)
+        diloco = hetcomm.DiLoCo(model, opt, membership=membership, local_steps=args.local_steps or "fixed",
+                                steps=args.steps, round_seconds=args.round_seconds, compress=args.compress,
+                                error_feedback=args.compress in ("int8", "int4"), overlap=args.overlap,
+                                fragments=args.fragments, outer_optimizer=outer)
+    else:
+        diloco = hetcomm.ElasticDiLoCo(
+            model, opt, store=args.store, worker_id=args.id, job=args.job, steps=args.steps,
+            round_seconds=args.round_seconds, compress=args.compress, min_workers=args.min_workers,
+            heartbeat=args.heartbeat, timeout=args.timeout, backend=args.backend, outer_optimizer=outer)
     if args.checkpoint and os.path.exists(args.checkpoint):
         diloco.load_state_dict(torch.load(args.checkpoint, weights_only=False))
         print(f"train_elastic [{diloco.worker_id}]: resuming from {args.checkpoint} (round {diloco.rounds})",
@@ -91,19 +108,24 @@ def main(argv=None) -> int:
 
     started = time.time()
     write({"start": started, "id": diloco.worker_id, "pid": os.getpid()})
+    reported = None
     for x, y in diloco.loop(windows(), max_samples=None if args.rounds else args.samples,
                             max_rounds=args.rounds or None):
+        if reported is None:            # the rounds before this worker joined are not its to report
+            reported = diloco.history[-1]["round"] if diloco.history else 0
         loss = mean_loss(model(x), y)
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        if diloco.step(samples=len(x), loss=loss.item()):
-            h = diloco.history[-1]
-            mine = h["members"].index(diloco.worker_id) if diloco.worker_id in h["members"] else None
-            print(f"train_elastic [{diloco.worker_id}]: round {h['round']:3d} | members {','.join(h['members'])} | "
+        diloco.step(samples=len(x), loss=loss.item())
+        for h in [h for h in diloco.history if h["round"] > reported]:   # (with overlap: a round late)
+            reported = h["round"]
+            members = h.get("members") or h["workers"]
+            mine = members.index(diloco.worker_id) if diloco.worker_id in members else None
+            print(f"train_elastic [{diloco.worker_id}]: round {h['round']:3d} | members {','.join(members)} | "
                   f"steps {h['steps']} | samples {diloco.stats()['samples_total']} | loss "
                   f"{None if mine is None or h['loss'][mine] is None else round(h['loss'][mine], 3)}", flush=True)
-            write({"t": time.time(), "round": h["round"], "fp": h["fingerprint"], "members": h["members"],
+            write({"t": time.time(), "round": h["round"], "fp": h["fingerprint"], "members": members,
                    "steps": h["steps"], "samples": h["samples"], "generation": h["generation"],
                    "id": diloco.worker_id, "pid": os.getpid()})
             if args.save_globals:

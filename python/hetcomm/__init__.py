@@ -23,13 +23,14 @@ from hetcomm._backend import (backend_of, get_plan, link_model, listen_address, 
 __version__ = "0.1.0"
 __all__ = ["register_backend", "backend_of", "get_plan", "set_plan", "probe", "link_model", "listen_address",
            "supported_devices", "monitored_barrier", "stats", "tls_available",
-           "AdaptiveDataParallel", "DiLoCo", "ElasticDiLoCo", "StoreUnreachable", "compress", "data", "hooks",
+           "AdaptiveDataParallel", "DiLoCo", "Elastic", "ElasticDiLoCo", "StoreUnreachable", "compress", "data", "hooks",
            "local_steps", "partition", "__version__"]
 
 # Names loaded on first use: attribute -> (module, name in it).
 _LAZY_NAMES = {
     "AdaptiveDataParallel": ("hetcomm.train.adaptive", "AdaptiveDataParallel"),
     "DiLoCo": ("hetcomm.train.diloco", "DiLoCo"),
+    "Elastic": ("hetcomm.train.elastic", "Elastic"),
     "ElasticDiLoCo": ("hetcomm.train.elastic", "ElasticDiLoCo"),
     "StoreUnreachable": ("hetcomm.train.membership", "StoreUnreachable"),
 }

@@ -65,6 +65,14 @@ def main(argv: list[str] | None = None) -> int:
                         "liveness connection and are known at once; only a frozen worker waits this out, so "
                         "the default is long enough that a starved one is not dropped")
     p.add_argument("--collective-timeout", type=float, default=30.0, help="ElasticDiLoCo(collective_timeout=)")
+    p.add_argument("--run", action="store_true",
+                   help="hetcomm.DiLoCo(membership=hetcomm.Elastic(...)): DiLoCo in generations, with the options below")
+    p.add_argument("--worker", default=None, help="--run: the DiLoCo worker this process is a rank of")
+    p.add_argument("--local-steps", default="fixed", help="--run: the local-step policy")
+    p.add_argument("--overlap", action="store_true", help="--run: overlap=True")
+    p.add_argument("--fragments", type=int, default=1, help="--run: fragments (staggered), with --overlap")
+    p.add_argument("--slow-until", default="", help="FILE:R: from round R on, steps take 0.2 s more until FILE exists "
+                   "(a restart's marker: the run does not end before the restart is back, however loaded the machine)")
     args = p.parse_args(argv)
 
     import hetcomm
@@ -145,10 +153,18 @@ def main(argv: list[str] | None = None) -> int:
                 return super().step(closure)
 
         outer = lambda ps: CountingSGD(ps, lr=0.7, momentum=0.9, nesterov=True)  # noqa: E731
-    diloco = hetcomm.ElasticDiLoCo(model, opt, store=args.store, worker_id=args.id, job=args.job, outer_optimizer=outer,
-                                   steps=args.steps, min_workers=args.min_workers, heartbeat=0.5, timeout=args.timeout,
-                                   collective_timeout=args.collective_timeout, compress=args.compress, backend=args.backend,
-                                   early_join=not args.no_early_join)
+    if args.run:
+        membership = hetcomm.Elastic(store=args.store, worker_id=args.id, worker=args.worker, job=args.job,
+                                     min_workers=args.min_workers, heartbeat=0.5, timeout=args.timeout,
+                                     collective_timeout=args.collective_timeout, backend=args.backend)
+        diloco = hetcomm.DiLoCo(model, opt, membership=membership, outer_optimizer=outer, steps=args.steps,
+                                local_steps=args.local_steps, compress=args.compress, overlap=args.overlap,
+                                fragments=args.fragments, error_feedback=args.compress in ("int8", "int4"))
+    else:
+        diloco = hetcomm.ElasticDiLoCo(model, opt, store=args.store, worker_id=args.id, job=args.job,
+                                       outer_optimizer=outer, steps=args.steps, min_workers=args.min_workers,
+                                       heartbeat=0.5, timeout=args.timeout, collective_timeout=args.collective_timeout,
+                                       compress=args.compress, backend=args.backend, early_join=not args.no_early_join)
     if args.wait_for:
         path, _, wanted = args.wait_for.rpartition(":")
         def reported() -> bool:
@@ -173,8 +189,15 @@ def main(argv: list[str] | None = None) -> int:
             step = (step + 1) % args.steps
 
     try:
-        step_in_round = 0
+        step_in_round, reported = 0, None
         for x, y in diloco.loop(batches(), max_rounds=args.rounds):
+            if reported is None:          # the rounds before this worker joined are the others' to report
+                reported = diloco.history[-1]["round"] if diloco.history else 0
+                open(os.path.join(args.out, f"{args.id}.joined"), "a").close()      # (for --slow-until)
+            if args.slow_until:
+                marker, _, from_round = args.slow_until.rpartition(":")
+                if diloco.rounds >= int(from_round) and not os.path.exists(marker):
+                    time.sleep(0.2)
             if diloco.rounds == args.nan_at:
                 with torch.no_grad():
                     model[0].weight.fill_(float("nan"))
@@ -190,8 +213,10 @@ def main(argv: list[str] | None = None) -> int:
                 kill_self()
             if diloco.step(samples=len(x), loss=loss.item()):
                 step_in_round = 0
-                rec = diloco.history[-1]
-                out.write(json.dumps({"round": rec["round"], "fp": rec["fingerprint"], "members": rec["members"],
+            for rec in [r for r in diloco.history if r["round"] > reported]:   # (with overlap, a round late)
+                reported = rec["round"]
+                out.write(json.dumps({"round": rec["round"], "fp": rec["fingerprint"],
+                                      "members": rec.get("members", rec.get("workers")),
                                       "steps": rec["steps"], "gen": rec["generation"], "pid": os.getpid()}) + "\n")
                 out.flush()
                 if args.save:

@@ -14,11 +14,16 @@ decide (compare_set on the store), admit, reduce, then commit or abort, so a rou
 completes on every member or is redone (membership on the store: `hetcomm.train.membership`).
 The protocol: docs/elastic.md#a-synchronisation-attempt-step-by-step; behaviour: docs/elastic.md.
 
-The package: `loop` (the class and the training loop's side), `epochs` (admission and each
+``hetcomm.DiLoCo(..., membership=hetcomm.Elastic(store=...))`` runs the same protocol between
+generations of a `DiLoCo` instead of at every round, so that every DiLoCo feature is there
+(`run`, `ElasticRun`).
+
+The package: `loop` (the class and the training loop's side), `run` (DiLoCo in generations), `epochs` (admission and each
 synchronisation attempt), `early` (joining inside a round through offers on the store),
 `generation` (the members' group, state transfer, reduction and update), `common`.
 """
 from hetcomm.train.elastic.loop import ElasticDiLoCo
+from hetcomm.train.elastic.run import Elastic, ElasticRun
 from hetcomm.train.membership import StoreUnreachable
 
-__all__ = ["ElasticDiLoCo", "StoreUnreachable"]
+__all__ = ["Elastic", "ElasticDiLoCo", "ElasticRun", "StoreUnreachable"]

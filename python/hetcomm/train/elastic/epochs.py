@@ -294,6 +294,7 @@ class Epochs:
         fresh = bool(prev.get("fresh")) and self._outcome != "commit"
         if not holders and continuing and fresh and all(arrivals[m].get("fresh") for m in continuing):
             holders = continuing[:1]
+        holders = self._latest_holders(holders, arrivals)
         rounds = {arrivals[m]["round"] for m in holders} or {max(arrivals[m]["round"] for m in continuing)}
         if len(rounds) > 1:
             raise RuntimeError(f"{_PREFIX}: epoch {epoch}: members arrived at different rounds {sorted(rounds)} "
@@ -309,6 +310,16 @@ class Epochs:
         decision = keys.first(f"e{epoch}/decision", decision)
         keys.set("latest", epoch)
         return decision
+
+    def _arrival(self) -> dict:
+        """What this worker says of itself when it arrives at an epoch."""
+        return {"holds": self._holds, "round": self._round,
+                "fresh": not self._checkpoint and self._round == 0 and not self._history}
+
+    def _latest_holders(self, holders: list[str], arrivals: dict[str, dict]) -> list[str]:
+        """The holders whose state the epoch carries on (every holder arrives at the same round
+        here; `hetcomm.train.elastic.run` picks the most advanced)."""
+        return holders
 
     def _joiners(self, keys: Keys, prev: dict,
                  continuing: list[str]) -> tuple[list[str], dict[str, str], int, bool]:
@@ -344,9 +355,7 @@ class Epochs:
             if admitted is None:
                 begin = time.perf_counter()
                 epoch = self._decision["epoch"] + 1
-                self._keys.set(f"e{epoch}/arrive/{self._me}",
-                               {"holds": self._holds, "round": self._round,
-                                "fresh": not self._checkpoint and self._round == 0 and not self._history})
+                self._keys.set(f"e{epoch}/arrive/{self._me}", self._arrival())
                 decision = self._decide(epoch)
                 self._count("idle", begin)
                 if self._me not in decision["members"]:

@@ -1,0 +1,437 @@
+"""DiLoCo with elastic membership: ``hetcomm.DiLoCo(..., membership=hetcomm.Elastic(store=...))``.
+
+The run is a sequence of *generations*. A generation is one `DiLoCo` over a process group of the
+members of the time: every feature of the fixed group (local-step policies, weighting,
+compression, overlap with fragments, workers of several ranks) runs in it unchanged. Membership
+changes only between generations, through the store protocol of `ElasticDiLoCo` (an *epoch*:
+arrive, decide, form the group, send the state to the members without it, commit), and so:
+
+* **a join**: a worker that asks to join is seen by the members between steps (the store, every
+  half second); a member that sees it says so in its column of DiLoCo's next agreement, and that
+  agreement ends the generation on every rank at the same boundary, as a budget would (its round
+  synchronised, with overlap the round in flight waited for). An epoch then admits the joiner.
+* **a leave**: a worker whose data ends says so the same way; its last round is synchronised,
+  then it leaves, and the others form the next generation without it.
+* **a failure**: a collective that fails (a dead peer, a broken link, ``collective_timeout``)
+  ends the generation on the ranks that see it, at once; the others see it at their next
+  collective. Nothing is rolled back: each rank's global state is what it applied. Ranks that
+  applied an outer step the others did not (the peer died inside a reduction some ranks had
+  finished) are ahead by at most one reduction; the epoch names the most advanced as the holders
+  (`_latest_holders`, by the count of outer steps applied), and they send their state to the
+  others. Every member then starts the next generation from the same global parameters, which
+  the epoch checks (fingerprints). The steps of the round the failure interrupted are discarded.
+
+The step times the policies measured and the ``time`` policy's round length carry over to the
+next generation (`_seed_policy`); the quantisation residuals (error feedback) and the replica's
+progress in a round a failure interrupted do not.
+A worker of several ranks (``Elastic(worker=...)``, the same name on each of its ranks) clears
+its inner optimizer's state at each new generation, so that its ranks start with identical
+replicas whichever of them is new. Checkpoints (`state_dict`) and joining inside a round are
+`ElasticDiLoCo`'s only, for now.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import copy
+import dataclasses
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from hetcomm.train import flat as _flat
+from hetcomm.train.diloco.loop import DiLoCo
+from hetcomm.train.diloco.outer import default_outer_optimizer
+from hetcomm.train.elastic.common import _MAX_ABORTS, _PREFIX
+from hetcomm.train.elastic.loop import ElasticDiLoCo
+from hetcomm.train.local_steps import TimeSteps, make_policy
+from hetcomm.train.membership import StoreUnreachable
+from hetcomm.train.partition import exchange_columns
+
+
+@dataclasses.dataclass(frozen=True)
+class Elastic:
+    """Elastic membership for `hetcomm.DiLoCo` (``membership=Elastic(store=...)``).
+
+    Args:
+        store: the job's c10d store, ``"host:port"`` (`hetcomm.store`) or a torch.distributed Store.
+        worker_id: this process's name in logs and records (default ``$HETCOMM_WORKER_ID``, else
+            ``host:pid``); a restarted process may reuse it.
+        worker: the DiLoCo worker this process is a rank of (default: its ``worker_id``, one rank
+            per worker); the ranks of a worker of several ranks give it the same name.
+        job, min_workers, heartbeat, timeout, late_timeout, collective_timeout, backend, verbose:
+            as `hetcomm.ElasticDiLoCo` (``min_workers`` counts processes).
+    """
+    store: object
+    worker_id: str | None = None
+    worker: str | None = None
+    job: str = "diloco"
+    min_workers: int = 1
+    heartbeat: float = 2.0
+    timeout: float = 10.0
+    late_timeout: float = 600.0
+    collective_timeout: float = 60.0
+    backend: str = "hetcomm"
+    verbose: bool = True
+
+
+class ElasticRun(ElasticDiLoCo):
+    """`DiLoCo` in generations over elastic membership (see the module doc). Construct it as
+    ``hetcomm.DiLoCo(model, opt, membership=Elastic(...), **options)``: the options are
+    DiLoCo's, the same on every worker (a joiner with others is refused)."""
+
+    def __init__(self, model: torch.nn.Module, inner_optimizer: torch.optim.Optimizer | None = None, *,
+                 membership: Elastic,
+                 outer_optimizer: Callable[[Sequence[torch.Tensor]], torch.optim.Optimizer] | None = None,
+                 local_steps: str = "fixed", steps: int = 50, round_seconds: float | None = None,
+                 weighting: str = "batch", compress: str = "fp32", block: int = 2048,
+                 error_feedback: bool = False, overlap: bool = False, overlap_steps: int | None = None,
+                 fragments: int = 1, stagger: bool = True, early_weight: float | None = None,
+                 ema: float = 0.3, threshold: float = 0.01, inner_sync: bool = True,
+                 worker_backend: str | None = None, **fixed_only) -> None:
+        for name, value in fixed_only.items():
+            if name in ("group", "workers", "clock") or (name == "shard_state" and value):
+                raise ValueError(f"{_PREFIX}: {name}= is not an option of an elastic run (the generations form "
+                                 "their groups; a worker is named by Elastic(worker=...); the state is whole)")
+            if name != "shard_state":
+                raise TypeError(f"{_PREFIX}: unknown argument {name!r}")
+        if not isinstance(local_steps, str):
+            raise TypeError(f"{_PREFIX}: local_steps must be 'fixed', 'speed' or 'time' in an elastic run (a policy "
+                            "object cannot follow the changing workers)")
+        make_policy(local_steps, steps, round_seconds=round_seconds, threshold=threshold)   # checks them now
+        m = membership
+        worker = m.worker if m.worker is not None else None
+        if worker is not None and (not isinstance(worker, str) or not worker or "#" in worker):
+            raise ValueError(f"{_PREFIX}: Elastic(worker=) must be a non-empty name without '#', got {worker!r}")
+        super().__init__(model, inner_optimizer, store=m.store, worker_id=m.worker_id, job=m.job, steps=steps,
+                         outer_optimizer=outer_optimizer, weighting=weighting, compress=compress, block=block,
+                         min_workers=m.min_workers, heartbeat=m.heartbeat, timeout=m.timeout,
+                         late_timeout=m.late_timeout, collective_timeout=m.collective_timeout, backend=m.backend,
+                         early_join=False, verbose=m.verbose)
+        self._factory = outer_optimizer or default_outer_optimizer
+        self._options = dict(local_steps=local_steps, steps=steps, round_seconds=round_seconds, weighting=weighting,
+                             compress=compress, block=block, error_feedback=error_feedback, overlap=overlap,
+                             overlap_steps=overlap_steps, fragments=fragments, stagger=stagger,
+                             early_weight=early_weight, ema=ema, threshold=threshold, inner_sync=inner_sync,
+                             worker_backend=worker_backend)
+        self._worker = worker or self.worker_id
+        self._inner: DiLoCo | None = None
+        self._base = (0, 0, None)          # (round, applied, generation) at the inner DiLoCo's start
+        self._applied_total = 0            # outer steps applied in the run (one per fragment)
+        self._leaving = False
+        self._waiting: set[str] = set()    # joiners seen since the last epoch
+        self._failures = 0                 # generations in a row that ended in a failure
+        self._generations: list[dict] = []
+        self._workers_names: list[str] = []
+        self._step_times: dict[str, tuple[float, int]] = {}   # worker name -> (seconds per step, windows)
+        self._policy_state: dict | None = None                 # the ``time`` policy's, last generation
+
+    # ---- the training loop's side ------------------------------------------------------------
+
+    def join(self) -> None:
+        """Waits until an epoch admits this worker, then starts the generation's DiLoCo."""
+        if self._joined:
+            return
+        super().join()
+        try:
+            self._generation()
+        except BaseException:
+            self.close()
+            raise
+
+    def step(self, samples: int | None = None, loss: float | None = None) -> bool:
+        """Call after every inner step; returns True when it synchronised (or the generation
+        ended and the next one started)."""
+        if not self._joined or self._closed or self._stopped:
+            raise RuntimeError(f"{_PREFIX}: step() " + ("before join() (or use loop())" if not self._joined
+                                                        else f"after the run stopped ({self._stop_reason})"
+                                                        if self._stopped else "after close()"))
+        self._step_calls += 1
+        try:
+            self._pulse.check()
+            self._scan()
+            inner, ended = self._inner, False
+            try:
+                if inner._hook_error is not None:      # the worker's gradient averaging failed
+                    raise inner._hook_error
+                synced = inner.step(samples, loss)
+                if inner.should_stop:                  # every rank stopped at this boundary
+                    inner.finish()
+                    ended = True
+            except StoreUnreachable:
+                raise
+            except RuntimeError as e:                  # a collective failed: the generation is over
+                self._recover(e)
+                return True
+            if ended:
+                self._inner = None
+                self._after_generation(inner)
+                return True
+        except BaseException:
+            self.close()
+            raise
+        return synced
+
+    def _finish(self, why: str, synchronise: bool = True) -> None:
+        if self._closed:
+            return
+        try:
+            if synchronise and self._joined and not self._stopped and self._inner is not None:
+                # Its last round is synchronised with the others, whose generation ends with it.
+                self._leaving = True
+                inner = self._inner
+                try:
+                    inner.finish()
+                    self._inner = None
+                    self._carry_out(inner)
+                except RuntimeError as e:
+                    self._log(f"leaving without synchronising its last round (the synchronisation failed: "
+                              f"{str(e).splitlines()[0][:200]})")
+            if self._keys is not None:
+                self._keys.set(f"leave/{self._me}", {"round": self.rounds, "why": why})
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        """Releases the generation's DiLoCo, the group and the heartbeat, without communicating."""
+        inner, self._inner = self._inner, None
+        if inner is not None:
+            inner.close()
+        super().close()
+
+    # ---- results -----------------------------------------------------------------------------
+
+    @property
+    def rounds(self) -> int:
+        """Rounds of the run whose outer update this worker has applied (counted across
+        generations, restarts and joins)."""
+        return self._round + (len(self._inner.history) if self._inner is not None else 0)
+
+    @property
+    def history(self) -> list[dict]:
+        """One record per round: DiLoCo's record (`DiLoCo.history`, its lists one entry per worker
+        of the generation) with the run's round number, the ``generation``, its ``workers`` (names)
+        and ``fingerprint``, a hash of the global parameters after the round's update."""
+        live = [] if self._inner is None else [self._renumber(r) for r in self._inner.history]
+        return list(self._history) + live
+
+    def stats(self) -> dict:
+        """The run's rounds, samples, current members and membership changes, and per generation
+        this worker took part in, its DiLoCo's `stats` (the current one's last)."""
+        out = super().stats()
+        out["rounds"] = self.rounds
+        live = self._inner.history if self._inner is not None else []
+        out["samples_total"] = self._samples_total + sum(sum(r["samples"]) for r in live)
+        out["generations"] = list(self._generations) + ([self._inner.stats()] if self._inner is not None else [])
+        return out
+
+    def fingerprint(self) -> int:
+        """A hash of the global parameters (equal on every member between rounds)."""
+        source = self._inner._global if self._inner is not None else self._global
+        return _flat.fingerprint(_flat.flatten(source))
+
+    def global_parameters(self) -> list[torch.Tensor]:
+        source = self._inner._global if self._inner is not None else self._global
+        return [g.detach() for g in source]
+
+    def state_dict(self) -> dict:
+        raise RuntimeError(f"{_PREFIX}: checkpoints of an elastic DiLoCo run in generations are not supported yet; "
+                           "use hetcomm.ElasticDiLoCo for a run that must resume from checkpoints")
+
+    def load_state_dict(self, state: dict) -> None:
+        self.state_dict()
+
+    # ---- generations -------------------------------------------------------------------------
+
+    def _config(self) -> dict:
+        return {**super()._config(), "diloco": repr(sorted(self._options.items()))}
+
+    def _arrival(self) -> dict:
+        return {**super()._arrival(), "applied": self._applied_total}
+
+    def _latest_holders(self, holders: list[str], arrivals: dict[str, dict]) -> list[str]:
+        """The holders that applied the most outer steps (a failure inside a reduction may leave
+        some one step ahead: they hold the state every member carries on from)."""
+        best = max((arrivals[m].get("applied", 0) for m in holders), default=0)
+        return [m for m in holders if arrivals[m].get("applied", 0) == best]
+
+    def _wants_reform(self) -> bool:
+        return self._leaving or any(self._pulse.confirmed(w) for w in self._waiting)
+
+    def _scan(self) -> None:
+        """Every half second (or heartbeat): the workers that asked to join since the last epoch
+        (refused at once when their configuration is not the run's; watched otherwise)."""
+        now = time.monotonic()
+        if self._decision is None or now - self._scanned[1] < min(self._heartbeat, 0.5):
+            return
+        regs, upto = self._registrations(self._keys, max(self._scanned[0], self._decision["admitted_upto"]))
+        ours = self._config()
+        for _, r in regs:
+            why = self._refusal(r.get("config"), ours)
+            if why:
+                self._refuse(self._keys, r["who"], why)
+            elif isinstance(r.get("who"), str):
+                self._waiting.add(r["who"])
+        self._pulse.watch(sorted(self._waiting))
+        self._scanned = (upto, now)
+
+    def _generation(self) -> None:
+        """Starts the generation's DiLoCo over the group the last epoch formed (another epoch
+        when that fails)."""
+        while True:
+            if not self._stopped:
+                # Every member (a joiner too: it has the run's round and budgets) decides alike.
+                self._check_budgets()
+            if self._stopped:
+                return
+            try:
+                self._inner = self._build()
+                return
+            except (StoreUnreachable, ValueError, TypeError):
+                raise
+            except RuntimeError as e:
+                self._abort(e, "while starting the generation")
+
+    def _build(self) -> DiLoCo:
+        # The count of outer steps applied is the holders' (the transfer does not carry it); the
+        # samples are everyone's after the transfer (the max: a guard). The epoch checked that
+        # the global parameters are equal.
+        applied, samples = exchange_columns([float(self._applied_total), float(self._samples_total)])
+        self._applied_total, self._samples_total = int(max(applied)), int(max(samples))
+        names: list = [None] * dist.get_world_size()
+        dist.all_gather_object(names, self._worker)
+        labels = [names.index(n) for n in names]
+        # What the policies measured, by worker name: rank 0's (a member of the last generation
+        # unless the era is new), so that every rank plans the first round alike.
+        box = [{"times": self._step_times, "policy": self._policy_state}]
+        dist.broadcast_object_list(box, src=0)
+        self._step_times, self._policy_state = dict(box[0]["times"]), box[0]["policy"]
+        if len(set(labels)) < len(labels) and self.inner_optimizer is not None:
+            self.inner_optimizer.state.clear()     # a worker's ranks start from identical replicas
+        inner = DiLoCo(self.model, self.inner_optimizer, outer_optimizer=self._factory, workers=labels,
+                       shard_state=False, **self._options)
+        try:
+            with torch.no_grad():
+                for mine, g in zip(inner._global, self._global):
+                    mine.copy_(g)
+                inner._start.copy_(inner._flatten_global())
+            inner.outer_optimizer.load_state_dict(copy.deepcopy(self.outer_optimizer.state_dict()))
+        except BaseException:
+            inner.close()
+            raise
+        self._workers_names = list(dict.fromkeys(names))
+        self._seed_policy(inner)
+        inner._reform = self._wants_reform
+        inner._defer_hook_errors = True
+        inner._print_rounds = True
+        limit_r, limit_s = self._budgets.get("max_rounds", 0), self._budgets.get("max_samples", 0)
+        inner._budgets = {"max_rounds": float(limit_r - self._round) if limit_r else 0.0,
+                          "max_samples": float(limit_s - self._samples_total) if limit_s else 0.0,
+                          "max_seconds": 0.0}
+        self._base = (self._round, self._applied_total, self._gen)
+        return inner
+
+    def _seed_policy(self, inner: DiLoCo) -> None:
+        """The step times measured in earlier generations (by worker name) and the ``time``
+        policy's round length: the generation plans its first round from them instead of
+        measuring again (a worker never measured counts as the slowest measured one, and is
+        measured in that round)."""
+        times = inner._times
+        for label, name in enumerate(self._workers_names):
+            if name in self._step_times:
+                times._t[label], times._windows[label] = self._step_times[name]
+        if self._policy_state is not None and isinstance(inner._policy, TimeSteps):
+            inner._policy.load_state_dict(self._policy_state)
+            if not inner.overlap:
+                inner._policy.sync_seconds = None
+        if times.estimates() is None:
+            return
+        inner._policy.agreed(times)
+        inner._policy.start_round(inner._clock())
+        inner._plan_triggers()
+        inner._mark = inner._clock()
+
+    def _renumber(self, record: dict) -> dict:
+        base_round, _, gen = self._base
+        return {**record, "round": base_round + record["round"], "generation": gen,
+                "workers": list(self._workers_names)}
+
+    def _carry_out(self, inner: DiLoCo) -> None:
+        """What the ended generation applied becomes the run's state (the rounds it recorded,
+        the global parameters, the outer optimizer's state)."""
+        records = [self._renumber(r) for r in inner._history]     # every one applied (and recorded)
+        with torch.no_grad():
+            for g, mine in zip(self._global, inner._global):
+                g.copy_(mine)
+        self.outer_optimizer.load_state_dict(copy.deepcopy(inner.outer_optimizer.state_dict()))
+        self._history.extend(records)
+        self._round = self._base[0] + len(records)
+        self._samples_total += sum(sum(r["samples"]) for r in records)
+        self._applied_total = self._base[1] + inner._applied
+        self._start = self._flatten_global()
+        times = inner._times
+        for label, name in enumerate(self._workers_names):
+            if times._t[label] is not None:
+                self._step_times[name] = (times._t[label], times._windows[label])
+        if isinstance(inner._policy, TimeSteps):
+            self._policy_state = inner._policy.state_dict()
+        try:
+            self._generations.append(inner.stats())
+        except Exception:  # noqa: BLE001 - the stats of a failed generation are best effort
+            pass
+
+    def _after_generation(self, inner: DiLoCo) -> None:
+        """Every rank finished the generation at the same boundary: the run ends (a budget) or
+        the next generation forms (a worker joins or leaves)."""
+        self._carry_out(inner)
+        self._failures = 0
+        reason = inner.stop_reason or ""
+        if reason.startswith("membership"):
+            self._reform()
+            self._generation()
+            return
+        self._check_budgets()
+        if not self._stopped:
+            self._stopped, self._stop_reason = True, reason
+            self._keys.first("ended", {"round": self._round, "reason": reason})
+
+    def _recover(self, error: BaseException) -> None:
+        inner, self._inner = self._inner, None
+        futures = [f for f in [inner._pending] + [j.get("future") for j in inner._flight.values()] if f is not None]
+        inner.close()
+        # The background thread may still be inside a collective of the failed group: wait for it
+        # (it fails within the collective timeout) before reading what it applied.
+        concurrent.futures.wait(futures, timeout=self._collective_timeout + 10.0)
+        if any(not f.done() for f in futures):
+            raise RuntimeError(f"{_PREFIX}: the background synchronisation did not end within "
+                               f"{self._collective_timeout + 10:.0f} s of a failure; the run cannot go on") from error
+        self._carry_out(inner)
+        self._abort(error, f"in round {self._round + 1}")
+        self._generation()
+
+    def _abort(self, error: BaseException, where: str) -> None:
+        """The generation failed: a new epoch, with whoever is still there."""
+        why = f"{type(error).__name__}: {str(error).splitlines()[0][:300] if str(error) else ''}"
+        self._failures += 1
+        self._event({"round": self._round, "generation": self._gen, "aborted": why},
+                    f"the generation failed {where} ({why}); the next forms from round {self._round}")
+        self._destroy_group()
+        if self._failures >= _MAX_ABORTS:
+            raise RuntimeError(f"{_PREFIX}: {self._failures} generations in a row failed before a round ended; the "
+                               f"last: {why}") from error
+        self._outcome = "abort"            # the next decision forms a new group, even with the same members
+        self._reform()
+
+    def _reform(self) -> None:
+        """An epoch: who is in the next generation, its group, and the state for those without it."""
+        self._waiting.clear()
+        if not self._synchronise(None, self._column(None)):
+            self._event({"round": self._round, "worker": self.worker_id, "dropped": self._dropped_why},
+                        f"round {self._round}: this worker was dropped ({self._dropped_why}); it joins again")
+            self._holds = False
+            self._destroy_group()
+            self._new_incarnation()
+            self._admit()
+        if not self._stopped:
+            self._check_budgets()

@@ -1,0 +1,115 @@
+"""DiLoCo with elastic membership (``hetcomm.DiLoCo(membership=hetcomm.Elastic(...))``,
+`hetcomm.train.elastic.run`): DiLoCo in generations, each one a DiLoCo over the members of the time.
+
+The matrix of features a real run combines -- {fixed, time} x {fp32, int8} x {no overlap,
+overlap with staggered fragments} x {one rank per worker, two-rank workers} -- with, in every
+configuration, a worker (or one rank of a worker) killed mid-round and restarted. Asserted every
+time: no process hangs (each has a deadline), every report of a round carries one fingerprint of
+the global parameters (restarted incarnations included), every survivor reaches the last round
+with the same final parameters, the victim's death and its restart are in the membership
+records, and the restart contributed steps to a round after it joined.
+"""
+from __future__ import annotations
+
+import pytest
+
+from elastic_job import Run, check_agreement, events, final, wait_for
+
+pytestmark = pytest.mark.usefixtures("backend_importable")
+
+
+FEATURES = {
+    "fixed-fp32": [],
+    "time-int8": ["--local-steps", "time", "--compress", "int8"],
+    "fixed-int8-overlap-staggered": ["--compress", "int8", "--overlap", "--fragments", "2"],
+    "time-int8-overlap-staggered": ["--local-steps", "time", "--compress", "int8", "--overlap", "--fragments", "2"],
+}
+
+
+def contributed_after_rejoining(run: Run, victim: str, worker: str, after: int) -> bool:
+    late = [rec for rec in run.records(victim) if "round" in rec and rec["round"] > after]
+    return any(rec["steps"][rec["members"].index(worker)] > 0 for rec in late)
+
+
+CASES = [(f, "local") for f in FEATURES] + [("fixed-fp32", "reduce"), ("time-int8-overlap-staggered", "reduce")]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("features,where", CASES, ids=[f"{f}-{w}" for f, w in CASES])
+def test_a_worker_killed_is_dropped_and_its_restart_rejoins(run, features, where):
+    """``local``: halfway through a round's steps; ``reduce``: inside the outer reduction (with
+    overlap, on the background thread), where the others may or may not have finished it."""
+    # ~0.6 s rounds: the restart finds the run going on, with rounds left to contribute to
+    rounds, ids = 10, ["w0", "w1", "w2"]
+    common = ["--run", "--rounds", str(rounds), "--steps", "4", "--step-seconds", "0.15", *FEATURES[features]]
+    procs = {w: run.start(w, *common, "--min-workers", "3", *(["--die", f"2:{where}"] if w == "w1" else
+                                                               ["--slow-until", f"{run.out / 'w1.joined'}:3"]))
+             for w in ids}
+    wait_for(procs["w1"], run)
+    assert procs["w1"].returncode == -9, run.logs()
+    (run.out / "w1.joined").unlink()          # (its first incarnation's)
+    run.start("w1", *common)
+    codes = run.wait_all()
+    assert all(c[-1] == 0 for c in codes.values()), f"{codes}\n{run.logs()}"
+    prints = check_agreement(run, ids, rounds)
+    for w in ids:
+        end = final(run, w)
+        assert end["rounds"] == rounds and end["final"] == prints[rounds], (w, end, run.logs())
+    left, joined = events(final(run, "w0"))
+    assert "w1" in left and "w1" in joined, final(run, "w0")["membership"]
+    assert contributed_after_rejoining(run, "w1", "w1", 2), f"{run.records('w1')}\n{run.logs()}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("features", ["fixed-fp32", "time-int8-overlap-staggered"])
+def test_one_rank_of_a_two_rank_worker_killed_and_restarted(run, features):
+    """Two workers of two ranks each (a, b): rank b1 dies mid-round; worker b goes on with one
+    rank, and b1's restart is a rank of b again."""
+    rounds = 10
+    ranks = {"a0": "a", "a1": "a", "b0": "b", "b1": "b"}
+    common = ["--run", "--rounds", str(rounds), "--steps", "4", "--step-seconds", "0.15", *FEATURES[features]]
+    procs = {r: run.start(r, *common, "--worker", w, "--min-workers", "4",
+                          *(["--die", "2:local"] if r == "b1" else ["--slow-until", f"{run.out / 'b1.joined'}:3"]))
+             for r, w in ranks.items()}
+    wait_for(procs["b1"], run)
+    assert procs["b1"].returncode == -9, run.logs()
+    (run.out / "b1.joined").unlink()
+    run.start("b1", *common, "--worker", "b")
+    codes = run.wait_all()
+    assert all(c[-1] == 0 for c in codes.values()), f"{codes}\n{run.logs()}"
+    prints = check_agreement(run, list(ranks), rounds)
+    for r in ranks:
+        assert final(run, r)["final"] == prints[rounds], (r, final(run, r))
+    assert all(rec["members"] == ["a", "b"] for rec in run.records("a0") if "round" in rec), run.records("a0")
+    assert contributed_after_rejoining(run, "b1", "b", 2), f"{run.records('b1')}\n{run.logs()}"
+
+
+def test_a_worker_whose_data_ends_leaves_after_its_last_round_and_the_others_go_on(run):
+    rounds, ids = 6, ["w0", "w1", "w2"]
+    for w in ids:
+        run.start(w, "--run", "--rounds", str(rounds), "--min-workers", "3", *(["--batches", "10"] if w == "w2" else []))
+    codes = run.wait_all()
+    assert all(c == [0] for c in codes.values()), f"{codes}\n{run.logs()}"
+    prints = check_agreement(run, ids, rounds)
+    assert final(run, "w0")["final"] == final(run, "w1")["final"] == prints[rounds]
+    left = [e["left"] for e in final(run, "w0")["membership"] if e.get("left")]
+    assert left == [{"w2": "left: its data ended"}], left
+    # its last partial round (10 batches = 2 rounds of 4 + 2 steps) was synchronised before it left
+    third = [rec for rec in run.records("w0") if rec.get("round") == 3]
+    assert third and third[0]["steps"][third[0]["members"].index("w2")] == 2, third
+    after = [rec for rec in run.records("w0") if rec.get("round", 0) > 3]
+    assert after and all(rec["members"] == ["w0", "w1"] for rec in after), after
+
+
+def test_a_new_worker_joins_at_a_boundary_and_contributes(run):
+    rounds = 8
+    common = ["--run", "--rounds", str(rounds), "--steps", "4", "--step-seconds", "0.15", "--overlap",
+              "--fragments", "2", "--compress", "int8"]
+    for w in ("w0", "w1"):
+        run.start(w, *common, "--min-workers", "2", "--slow-until", f"{run.out / 'w2.joined'}:3")
+    run.start("w2", *common, "--wait-for", f"{run.out / 'w0.jsonl'}:2")
+    codes = run.wait_all()
+    assert all(c == [0] for c in codes.values()), f"{codes}\n{run.logs()}"
+    prints = check_agreement(run, ["w0", "w1", "w2"], rounds)
+    assert final(run, "w2")["final"] == prints[rounds]
+    assert contributed_after_rejoining(run, "w2", "w2", 2), f"{run.records('w2')}\n{run.logs()}"

@@ -74,7 +74,13 @@ def main(argv=None) -> int:
     train, held_out, model = build(args.corpus_chars, args.seed, args.block, args.d_model, args.layers, args.heads)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
     outer = lambda ps: torch.optim.SGD(ps, lr=args.outer_lr, momentum=0.9, nesterov=True)  # noqa: E731
-    if args.generations or args.local_steps or args.overlap or args.fragments > 1:
+    generations = args.generations or args.local_steps or args.overlap or args.fragments > 1
+    if generations and args.checkpoint:
+        raise SystemExit("train_elastic: --checkpoint is not supported with --generations (DiLoCo in generations "
+                         "has no checkpoints yet)")
+    if generations and args.round_seconds is not None and args.local_steps != "time":
+        raise SystemExit("train_elastic: --round-seconds with --generations needs --local-steps time")
+    if generations:
         membership = hetcomm.Elastic(store=args.store, worker_id=args.id, job=args.job, min_workers=args.min_workers,
                                      heartbeat=args.heartbeat, timeout=args.timeout, backend=args.backend)
         diloco = hetcomm.DiLoCo(model, opt, membership=membership, local_steps=args.local_steps or "fixed",

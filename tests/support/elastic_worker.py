@@ -13,7 +13,8 @@ sends the state to a joining worker: after the metadata, before the parameters),
 (R ignored: right after asking to join, before the first round), ``formed`` (a member of a
 decision from round R on, just before forming its group: the others' group formation fails),
 ``offer`` (from round R on, when it is about to offer its shard of the state to a joiner: the
-offer is never complete). ``--wait-for FILE:R`` asks to join only once FILE (another worker's
+offer is never complete); ``behind`` is no death: from round R on, once, the reduction raises on
+this worker right after it returned (the others apply it, this one does not). ``--wait-for FILE:R`` asks to join only once FILE (another worker's
 JSON lines) reports round R, right after a round began (it then has the whole round to join early).
 """
 from __future__ import annotations
@@ -89,6 +90,18 @@ def main(argv: list[str] | None = None) -> int:
                 kill_self()
             return real(*a, **k)
         _compress.weighted_allreduce = dying_allreduce
+    elif where == "behind":
+        # Not a death: this worker fails right after a reduction returned, before applying it,
+        # once (the others apply it: they are one outer step ahead when the next generation forms)
+        real_reduce, fired = _compress.weighted_allreduce, []
+
+        def failing_allreduce(*a, **k):
+            out = real_reduce(*a, **k)
+            if diloco.rounds >= die_round and not fired:
+                fired.append(True)
+                raise RuntimeError("injected: this rank fails right after the reduction, before applying it")
+            return out
+        _compress.weighted_allreduce = failing_allreduce
     elif where == "done":
         real_outcome = elastic.ElasticDiLoCo._outcome_of
 

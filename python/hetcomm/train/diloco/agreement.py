@@ -22,6 +22,18 @@ _PREFIX = "hetcomm DiLoCo"
 class Agreement:
     """The round boundary's agreement and reduction (on the background thread with overlap)."""
 
+    _reform_at_boundary = False      # an elastic run's generation with overlap (see `_agree_on_reform`)
+
+    def _agree_on_reform(self) -> None:
+        """An elastic run's generation with overlap (`hetcomm.train.elastic.run`): whether any rank
+        asks to end the generation (a worker joins or leaves), agreed at this boundary over the
+        training thread's group (one small collective; the background thread has a group of its
+        own), so that the generation ends here, not a round later when the table's agreement lands."""
+        if not (self._reform_at_boundary and self.overlap) or self._stopped:
+            return
+        if any(x > 0 for x in exchange_columns([1.0 if self._reform() else 0.0], group=self._group)[0]):
+            self._stopped, self._stop_reason = True, "membership: a worker asks to join or leave"
+
     def _exchange_and_reduce(self, column: list[float], delta: torch.Tensor, *, timed: bool,
                              plan: dict) -> tuple[list[list[float]], list[float]]:
         group = self._sync_group

@@ -90,8 +90,8 @@ class DiLoCo(Results, ShardedState, Agreement, Checkpoint, Streams, Overlap, _fl
             (default ``time.perf_counter``); a simulation, or a test, may give one of its own.
         membership: None (default): the ranks of ``group``, fixed for the run;
             ``hetcomm.Elastic(store=..., ...)``: workers may die, come back, join and leave while
-            it runs; the constructor then returns a `hetcomm.train.elastic.run.ElasticRun`, which
-            runs this class in generations over the members of the time (docs/elastic.md).
+            it runs; the constructor then returns a `hetcomm.train.elastic.run.ElasticRun` (not a
+            DiLoCo), which runs this class in generations (docs/elastic.md#diloco-in-generations).
     """
 
     def __new__(cls, *args, membership=None, **kwargs):
@@ -248,14 +248,16 @@ class DiLoCo(Results, ShardedState, Agreement, Checkpoint, Streams, Overlap, _fl
         self._next_delta = 0
         self._sync_wall = 0.0          # seconds the last background synchronisation took here
         self._background_syncs = 0     # started by this object (the first one is a warm-up)
+        # Round 1 starts together everywhere: a rank still receiving the broadcast (or still
+        # starting up) must not count as a slow rank that the others idle for. (The hook goes on
+        # the optimizer after this last collective: a construction that fails leaves none.)
+        dist.barrier(group=group)
         self._hook = None
+        self._defer_hook_errors = False          # a failure of the hook's collective: kept, raised by step
+        self._hook_error: RuntimeError | None = None
         if self._workers.size > 1 and inner_sync and not self._fsdp:
             params = [p for p in model.parameters() if p.requires_grad]
             self._hook = inner_optimizer.register_step_pre_hook(lambda *_: self._average_gradients(params))
-
-        # Round 1 starts together everywhere: a rank still receiving the broadcast (or still
-        # starting up) must not count as a slow rank that the others idle for.
-        dist.barrier(group=group)
         self._clock = clock
         self._wall_offset = time.time() - self._clock()
         self._reset_round()
@@ -279,8 +281,6 @@ class DiLoCo(Results, ShardedState, Agreement, Checkpoint, Streams, Overlap, _fl
         # generation at the next agreement, and a fingerprint of the global parameters in every
         # round's record. `_applied` counts the outer steps applied (one per fragment).
         self._reform: Callable[[], bool] = lambda: False
-        self._defer_hook_errors = False          # a failure of the hook's collective: kept, raised by step
-        self._hook_error: RuntimeError | None = None
         self._print_rounds = False
         self._applied = 0
         self._t0 = self._clock()
@@ -542,6 +542,7 @@ class DiLoCo(Results, ShardedState, Agreement, Checkpoint, Streams, Overlap, _fl
             self._wait_pending()
         begin = self._clock()
         column = self._column(delta)
+        self._agree_on_reform()
         # Once the run is to stop, the round is synchronous: the last round is never left in the
         # background. (A rank out of steps keeps the others' rhythm, agreements one round late,
         # so that the policy's plans, recorded in the history, stay identical on every rank.)

@@ -281,7 +281,11 @@ class ShardedState:
     @torch.no_grad()
     def _broadcast_replica(self, group) -> None:
         """Every replica starts from the first worker's (its group rank 0's; with FSDP2, the shards
-        of the first worker's rank k go to rank k of every worker)."""
+        of the first worker's rank k go to rank k of every worker). Not when every replica is
+        known to be equal already (``_replicas_equal``: an elastic run's generation, whose epoch
+        loaded the checked global parameters into every model)."""
+        if getattr(self, "_replicas_equal", False):
+            return
         if not self._fsdp:
             _flat.broadcast(self._model_params, self._master, group=group,
                             src=0 if group is None else dist.get_global_rank(group, 0))

@@ -191,6 +191,9 @@ class Epochs:
         if not isinstance(theirs, dict) or not all(k in theirs for k in ours) or \
                 not isinstance(theirs["settings"], dict):
             return "its join request does not describe its configuration (another version of hetcomm?)"
+        if set(theirs) - set(ours):
+            return (f"its join request describes settings this run does not have ({sorted(set(theirs) - set(ours))}): "
+                    "another version of hetcomm, or ElasticDiLoCo and DiLoCo(membership=Elastic(...)) mixed")
         problems = [f"its {k} is {theirs[k]!r}, the run's {ours[k]!r}" for k in ours
                     if k != "settings" and theirs[k] != ours[k]]
         for name in sorted(set(ours["settings"]) | set(theirs["settings"])):
@@ -301,9 +304,12 @@ class Epochs:
                                "(a bug: please report it)")
         rnd = rounds.pop()
         # joiners that loaded the state this round started from (`_take_offer`) hold it too
-        holders += [j for j in joiners if keys.has(f"snapped/{j}") and keys.get(f"snapped/{j}") == rnd]
+        holders += self._snapped_holders(joiners, rnd)
         new_members = continuing + joiners
-        changed = new_members != members or self._outcome != "commit"
+        # A new group also when a member no longer has the last one (it destroyed it after a
+        # failure that the others did not see).
+        changed = new_members != members or self._outcome != "commit" or \
+            any(arrivals[m].get("group") != prev["gen"] for m in continuing)
         decision = {"epoch": epoch, "gen": prev["gen"] + (1 if changed else 0), "round": rnd,
                     "members": new_members, "holders": holders,
                     "left": out, "joined": joiners, "refused": refused, "admitted_upto": upto, "fresh": fresh}
@@ -313,13 +319,18 @@ class Epochs:
 
     def _arrival(self) -> dict:
         """What this worker says of itself when it arrives at an epoch."""
-        return {"holds": self._holds, "round": self._round,
+        return {"holds": self._holds, "round": self._round, "group": self._gen,
                 "fresh": not self._checkpoint and self._round == 0 and not self._history}
 
     def _latest_holders(self, holders: list[str], arrivals: dict[str, dict]) -> list[str]:
         """The holders whose state the epoch carries on (every holder arrives at the same round
         here; `hetcomm.train.elastic.run` picks the most advanced)."""
         return holders
+
+    def _snapped_holders(self, joiners: list[str], rnd: int) -> list[str]:
+        """The joiners that loaded the state round ``rnd`` started from (`_take_offer`)."""
+        keys = self._keys
+        return [j for j in joiners if keys.has(f"snapped/{j}") and keys.get(f"snapped/{j}") == rnd]
 
     def _joiners(self, keys: Keys, prev: dict,
                  continuing: list[str]) -> tuple[list[str], dict[str, str], int, bool]:

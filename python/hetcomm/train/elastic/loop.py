@@ -230,7 +230,7 @@ class ElasticDiLoCo(Epochs, EarlyJoin, Generation, _flat.FlatParameters):
         try:
             if not self._stopped and self._early is None:     # (an early joiner is not a member yet)
                 self._check_budgets()
-            for item in batches:
+            for item in self._agreed(batches):
                 if self._stopped:
                     break
                 calls = self._step_calls
@@ -251,6 +251,10 @@ class ElasticDiLoCo(Epochs, EarlyJoin, Generation, _flat.FlatParameters):
             self.close()
             raise
         self._finish("its data ended")
+
+    def _agreed(self, batches: Iterable) -> Iterator:
+        """The batches this worker steps on (`ElasticRun`: until any rank of its worker has none)."""
+        return iter(batches)
 
     def finish(self) -> None:
         """Leaves in good order: synchronises this worker's partial round (if it took steps since

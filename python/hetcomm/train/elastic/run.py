@@ -23,7 +23,8 @@ arrive, decide, form the group, send the state to the members without it, commit
 
 The step times the policies measured and the ``time`` policy's round length carry over to the
 next generation (`_seed_policy`); the quantisation residuals (error feedback) and the replica's
-progress in a round a failure interrupted do not.
+progress in a round a failure interrupted do not. What a generation starts from is agreed over
+its group, never unpickled and never taken from the store alone (`hetcomm.train.elastic.carry`).
 A worker of several ranks (``Elastic(worker=...)``, the same name on each of its ranks) clears
 its inner optimizer's state at each new generation, so that its ranks start with identical
 replicas whichever of them is new. Checkpoints (`state_dict`) and joining inside a round are
@@ -34,6 +35,7 @@ from __future__ import annotations
 import concurrent.futures
 import copy
 import dataclasses
+import re
 import time
 from collections.abc import Callable, Sequence
 
@@ -43,11 +45,21 @@ import torch.distributed as dist
 from hetcomm.train import flat as _flat
 from hetcomm.train.diloco.loop import DiLoCo
 from hetcomm.train.diloco.outer import default_outer_optimizer
+from hetcomm.train.elastic.carry import encode_name, share_timing, start_table
 from hetcomm.train.elastic.common import _MAX_ABORTS, _PREFIX
 from hetcomm.train.elastic.loop import ElasticDiLoCo
 from hetcomm.train.local_steps import TimeSteps, make_policy
 from hetcomm.train.membership import StoreUnreachable
-from hetcomm.train.partition import exchange_columns
+
+
+_INCARNATION = re.compile(r"[^#]{1,256}#[0-9a-f]{8}")    # `<worker_id>#<nonce>`, as ElasticDiLoCo names them
+
+
+class _Generation(DiLoCo):
+    """A generation's DiLoCo. Its replicas start equal (the epoch loaded the global parameters it
+    checked into every model), so it does not broadcast them again."""
+    _replicas_equal = True
+    _reform_at_boundary = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,12 +108,15 @@ class ElasticRun(ElasticDiLoCo):
                                  "their groups; a worker is named by Elastic(worker=...); the state is whole)")
             if name != "shard_state":
                 raise TypeError(f"{_PREFIX}: unknown argument {name!r}")
+        if not inner_sync:
+            raise ValueError(f"{_PREFIX}: inner_sync=False is not an option of an elastic run (its groups change "
+                             "with every generation: DiLoCo averages a worker's gradients itself)")
         if not isinstance(local_steps, str):
             raise TypeError(f"{_PREFIX}: local_steps must be 'fixed', 'speed' or 'time' in an elastic run (a policy "
                             "object cannot follow the changing workers)")
         make_policy(local_steps, steps, round_seconds=round_seconds, threshold=threshold)   # checks them now
         m = membership
-        worker = m.worker if m.worker is not None else None
+        worker = m.worker
         if worker is not None and (not isinstance(worker, str) or not worker or "#" in worker):
             raise ValueError(f"{_PREFIX}: Elastic(worker=) must be a non-empty name without '#', got {worker!r}")
         super().__init__(model, inner_optimizer, store=m.store, worker_id=m.worker_id, job=m.job, steps=steps,
@@ -116,6 +131,12 @@ class ElasticRun(ElasticDiLoCo):
                              early_weight=early_weight, ema=ema, threshold=threshold, inner_sync=inner_sync,
                              worker_backend=worker_backend)
         self._worker = worker or self.worker_id
+        self._explicit = worker is not None       # a worker of several ranks is named explicitly
+        try:
+            encode_name(self._worker)
+        except ValueError as e:
+            raise ValueError(f"{_PREFIX}: {e}") from None
+        self._carried = (0, 0, False)              # (round, outer steps, held the state) before the last epoch
         self._inner: DiLoCo | None = None
         self._base = (0, 0, None)          # (round, applied, generation) at the inner DiLoCo's start
         self._applied_total = 0            # outer steps applied in the run (one per fragment)
@@ -173,11 +194,34 @@ class ElasticRun(ElasticDiLoCo):
             raise
         return synced
 
+    def _agreed(self, batches):
+        """`loop`'s batches, while every rank of this worker has one (they step together)."""
+        if self._inner is not None:
+            self._inner._budgets = self._inner_budgets()     # (join() may have come before loop())
+        for item in batches:
+            if not self._worker_has(True):
+                return
+            yield item
+        self._worker_has(False)
+
+    def _worker_has(self, have: bool) -> bool:
+        inner = self._inner
+        if inner is None or inner._workers.size == 1:
+            return have
+        try:
+            return inner._workers.all_have(have)
+        except StoreUnreachable:
+            raise
+        except RuntimeError as e:          # a rank of the worker is gone: the generation is over
+            self._recover(e)
+            return have
+
     def _finish(self, why: str, synchronise: bool = True) -> None:
         if self._closed:
             return
         try:
-            if synchronise and self._joined and not self._stopped and self._inner is not None:
+            if synchronise and self._joined and not self._stopped and self._inner is not None \
+                    and self._inner._hook_error is None:
                 # Its last round is synchronised with the others, whose generation ends with it.
                 self._leaving = True
                 inner = self._inner
@@ -194,11 +238,24 @@ class ElasticRun(ElasticDiLoCo):
             self.close()
 
     def close(self) -> None:
-        """Releases the generation's DiLoCo, the group and the heartbeat, without communicating."""
+        """Releases the generation's DiLoCo, the group and the heartbeat, without communicating
+        (what the generation applied stays readable: `rounds`, `history`, `global_parameters`)."""
         inner, self._inner = self._inner, None
         if inner is not None:
+            busy = self._busy(inner)
             inner.close()
+            if not busy:
+                try:
+                    self._carry_out(inner)
+                except Exception:  # noqa: BLE001 - on the way out of an error: best effort
+                    pass
         super().close()
+
+    @staticmethod
+    def _busy(inner: DiLoCo) -> list:
+        """The background synchronisations of ``inner`` still running."""
+        return [f for f in [inner._pending] + [j.get("future") for j in inner._flight.values()]
+                if f is not None and not f.done()]
 
     # ---- results -----------------------------------------------------------------------------
 
@@ -252,27 +309,47 @@ class ElasticRun(ElasticDiLoCo):
 
     def _latest_holders(self, holders: list[str], arrivals: dict[str, dict]) -> list[str]:
         """The holders that applied the most outer steps (a failure inside a reduction may leave
-        some one step ahead: they hold the state every member carries on from)."""
-        best = max((arrivals[m].get("applied", 0) for m in holders), default=0)
-        return [m for m in holders if arrivals[m].get("applied", 0) == best]
+        some one step ahead: they hold the state every member carries on from). An arrival whose
+        count is not a non-negative int counts as none (`_build` checks the decision's round
+        against what the holders hold, over the group)."""
+        def applied(m: str) -> int:
+            v = arrivals[m].get("applied")
+            return v if isinstance(v, int) and not isinstance(v, bool) and v >= 0 else -1
+        best = max((applied(m) for m in holders), default=-1)
+        return [m for m in holders if applied(m) == best] or holders
+
+    def _snapped_holders(self, joiners: list[str], rnd: int) -> list[str]:
+        return []                  # no joining inside a round here: a snapped/ key is not ours
 
     def _wants_reform(self) -> bool:
         return self._leaving or any(self._pulse.confirmed(w) for w in self._waiting)
 
     def _scan(self) -> None:
         """Every half second (or heartbeat): the workers that asked to join since the last epoch
-        (refused at once when their configuration is not the run's; watched otherwise)."""
+        (refused at once when their configuration is not the run's; watched otherwise). A
+        request that names a member, one that left, or no incarnation is not a joiner; a
+        malformed record is skipped (a store writer must not end generations at will, nor crash
+        the members)."""
         now = time.monotonic()
         if self._decision is None or now - self._scanned[1] < min(self._heartbeat, 0.5):
             return
-        regs, upto = self._registrations(self._keys, max(self._scanned[0], self._decision["admitted_upto"]))
-        ours = self._config()
+        try:
+            regs, upto = self._registrations(self._keys, max(self._scanned[0], self._decision["admitted_upto"]))
+        except (ValueError, TypeError, AttributeError, KeyError) as e:
+            self._note_waiting(f"a join request on the store is malformed ({type(e).__name__}): not read")
+            self._scanned = (self._scanned[0], now)
+            return
+        ours, members = self._config(), set(self._decision["members"])
         for _, r in regs:
+            who = r.get("who") if isinstance(r, dict) else None
+            if not isinstance(who, str) or not _INCARNATION.fullmatch(who) or who in members \
+                    or self._keys.has(f"leave/{who}"):
+                continue
             why = self._refusal(r.get("config"), ours)
             if why:
-                self._refuse(self._keys, r["who"], why)
-            elif isinstance(r.get("who"), str):
-                self._waiting.add(r["who"])
+                self._refuse(self._keys, who, why)
+            else:
+                self._waiting.add(who)
         self._pulse.watch(sorted(self._waiting))
         self._scanned = (upto, now)
 
@@ -281,8 +358,13 @@ class ElasticRun(ElasticDiLoCo):
         when that fails)."""
         while True:
             if not self._stopped:
-                # Every member (a joiner too: it has the run's round and budgets) decides alike.
+                # Every member (a joiner too: it has the run's round and budgets) decides alike;
+                # a run another member ended (its budget, at a round this one did not finish) too.
                 self._check_budgets()
+                if not self._stopped and self._keys.has("ended"):
+                    ended = self._keys.get("ended")
+                    self._stopped = True
+                    self._stop_reason = f"the run ended at round {ended.get('round') if isinstance(ended, dict) else '?'}"
             if self._stopped:
                 return
             try:
@@ -294,22 +376,31 @@ class ElasticRun(ElasticDiLoCo):
                 self._abort(e, "while starting the generation")
 
     def _build(self) -> DiLoCo:
-        # The count of outer steps applied is the holders' (the transfer does not carry it); the
-        # samples are everyone's after the transfer (the max: a guard). The epoch checked that
-        # the global parameters are equal.
-        applied, samples = exchange_columns([float(self._applied_total), float(self._samples_total)])
-        self._applied_total, self._samples_total = int(max(applied)), int(max(samples))
-        names: list = [None] * dist.get_world_size()
-        dist.all_gather_object(names, self._worker)
+        # Agreed over the group, not taken from the store: the count of outer steps applied (the
+        # holders', the largest; the transfer does not carry it), the samples, the workers.
+        holder_round = self._carried[0] if self._me in self._decision["holders"] and self._carried[2] else None
+        start = start_table(self._worker, self._explicit, *self._carried[:2], self._samples_total,
+                            disowned=holder_round is not None and holder_round != self._decision["round"])
+        if start["disowned"]:
+            raise ValueError(f"{_PREFIX}: the decision of epoch {self._decision['epoch']} (on the store) names round "
+                             f"{self._decision['round']}, but rank(s) {start['disowned']} it names as holders of the "
+                             "run's state hold another round: the store's records were altered (or a bug)")
+        self._applied_total, self._samples_total = max(start["applied"]), max(start["samples"])
+        names = start["names"]
         labels = [names.index(n) for n in names]
+        shared = [r for r, label in enumerate(labels) if labels.count(label) > 1 and not start["explicit"][r]]
+        if shared:
+            raise ValueError(f"{_PREFIX}: ranks {shared} share the worker name(s) {sorted({names[r] for r in shared})} "
+                             "without naming a worker of several ranks: give each process its own worker_id, or "
+                             "the ranks of one worker the same Elastic(worker=...)")
+        self._workers_names = list(dict.fromkeys(names))
         # What the policies measured, by worker name: rank 0's (a member of the last generation
         # unless the era is new), so that every rank plans the first round alike.
-        box = [{"times": self._step_times, "policy": self._policy_state}]
-        dist.broadcast_object_list(box, src=0)
-        self._step_times, self._policy_state = dict(box[0]["times"]), box[0]["policy"]
-        if len(set(labels)) < len(labels) and self.inner_optimizer is not None:
+        self._step_times, self._policy_state = share_timing(self._step_times, self._policy_state,
+                                                            self._workers_names)
+        if labels.count(labels[dist.get_rank()]) > 1 and self.inner_optimizer is not None:
             self.inner_optimizer.state.clear()     # a worker's ranks start from identical replicas
-        inner = DiLoCo(self.model, self.inner_optimizer, outer_optimizer=self._factory, workers=labels,
+        inner = _Generation(self.model, self.inner_optimizer, outer_optimizer=self._factory, workers=labels,
                        shard_state=False, **self._options)
         try:
             with torch.no_grad():
@@ -317,20 +408,24 @@ class ElasticRun(ElasticDiLoCo):
                     mine.copy_(g)
                 inner._start.copy_(inner._flatten_global())
             inner.outer_optimizer.load_state_dict(copy.deepcopy(self.outer_optimizer.state_dict()))
+            self._seed_policy(inner)
         except BaseException:
             inner.close()
             raise
-        self._workers_names = list(dict.fromkeys(names))
-        self._seed_policy(inner)
         inner._reform = self._wants_reform
         inner._defer_hook_errors = True
         inner._print_rounds = True
-        limit_r, limit_s = self._budgets.get("max_rounds", 0), self._budgets.get("max_samples", 0)
-        inner._budgets = {"max_rounds": float(limit_r - self._round) if limit_r else 0.0,
-                          "max_samples": float(limit_s - self._samples_total) if limit_s else 0.0,
-                          "max_seconds": 0.0}
         self._base = (self._round, self._applied_total, self._gen)
+        inner._budgets = self._inner_budgets()
         return inner
+
+    def _inner_budgets(self) -> dict[str, float]:
+        """The run's budgets (`loop`) as what is left of them for the generation (the same on every
+        rank: the round and samples were agreed in `_build`)."""
+        limit_r, limit_s = self._budgets.get("max_rounds", 0), self._budgets.get("max_samples", 0)
+        return {"max_rounds": float(max(1, limit_r - self._base[0])) if limit_r else 0.0,
+                "max_samples": float(max(1, limit_s - self._samples_total)) if limit_s else 0.0,
+                "max_seconds": 0.0}
 
     def _seed_policy(self, inner: DiLoCo) -> None:
         """The step times measured in earlier generations (by worker name) and the ``time``
@@ -398,7 +493,7 @@ class ElasticRun(ElasticDiLoCo):
 
     def _recover(self, error: BaseException) -> None:
         inner, self._inner = self._inner, None
-        futures = [f for f in [inner._pending] + [j.get("future") for j in inner._flight.values()] if f is not None]
+        futures = self._busy(inner)
         inner.close()
         # The background thread may still be inside a collective of the failed group: wait for it
         # (it fails within the collective timeout) before reading what it applied.
@@ -406,6 +501,8 @@ class ElasticRun(ElasticDiLoCo):
         if any(not f.done() for f in futures):
             raise RuntimeError(f"{_PREFIX}: the background synchronisation did not end within "
                                f"{self._collective_timeout + 10:.0f} s of a failure; the run cannot go on") from error
+        if inner._applied:
+            self._failures = 0             # the generation moved the run on: not a failure in a row
         self._carry_out(inner)
         self._abort(error, f"in round {self._round + 1}")
         self._generation()
@@ -426,6 +523,7 @@ class ElasticRun(ElasticDiLoCo):
     def _reform(self) -> None:
         """An epoch: who is in the next generation, its group, and the state for those without it."""
         self._waiting.clear()
+        self._carried = (self._round, self._applied_total, self._holds)
         if not self._synchronise(None, self._column(None)):
             self._event({"round": self._round, "worker": self.worker_id, "dropped": self._dropped_why},
                         f"round {self._round}: this worker was dropped ({self._dropped_why}); it joins again")

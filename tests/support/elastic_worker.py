@@ -72,8 +72,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--local-steps", default="fixed", help="--run: the local-step policy")
     p.add_argument("--overlap", action="store_true", help="--run: overlap=True")
     p.add_argument("--fragments", type=int, default=1, help="--run: fragments (staggered), with --overlap")
-    p.add_argument("--slow-until", default="", help="FILE:R: from round R on, steps take 0.2 s more until FILE exists "
-                   "(a restart's marker: the run does not end before the restart is back, however loaded the machine)")
+    p.add_argument("--slow-until", default="", help="DIR/ID.joined:R: from round R on, until worker ID has joined (that "
+                   "file exists), hold until it has started (DIR/ID.started, at most 60 s), then take steps 0.2 s "
+                   "longer: the run does not end before a restarted worker is back, however loaded the machine")
     args = p.parse_args(argv)
 
     import hetcomm
@@ -187,6 +188,7 @@ def main(argv: list[str] | None = None) -> int:
             return any(json.loads(line).get("round", 0) >= int(wanted) for line in lines)
         while not reported():
             time.sleep(0.02)
+    open(os.path.join(args.out, f"{args.id}.started"), "a").close()      # (for --slow-until)
     if args.load:
         diloco.load_state_dict(torch.load(args.load, weights_only=False))
     truth = torch.linspace(-1, 1, 8)
@@ -210,6 +212,11 @@ def main(argv: list[str] | None = None) -> int:
             if args.slow_until:
                 marker, _, from_round = args.slow_until.rpartition(":")
                 if diloco.rounds >= int(from_round) and not os.path.exists(marker):
+                    # until the awaited worker has started (it asks to join right after): hold
+                    # (at most a minute); then slow steps until it is in
+                    started, deadline = marker.removesuffix(".joined") + ".started", time.time() + 60
+                    while not os.path.exists(started) and time.time() < deadline:
+                        time.sleep(0.05)
                     time.sleep(0.2)
             if diloco.rounds == args.nan_at:
                 with torch.no_grad():

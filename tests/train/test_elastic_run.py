@@ -44,11 +44,12 @@ def test_a_worker_killed_is_dropped_and_its_restart_rejoins(run, features, where
     rounds, ids = 10, ["w0", "w1", "w2"]
     common = ["--run", "--rounds", str(rounds), "--steps", "4", "--step-seconds", "0.15", *FEATURES[features]]
     procs = {w: run.start(w, *common, "--min-workers", "3", *(["--die", f"2:{where}"] if w == "w1" else
-                                                               ["--slow-until", f"{run.out / 'w1.joined'}:3"]))
+                                                               ["--slow-until", f"{run.out / 'w1.joined'}:4"]))
              for w in ids}
     wait_for(procs["w1"], run)
     assert procs["w1"].returncode == -9, run.logs()
-    (run.out / "w1.joined").unlink()          # (its first incarnation's)
+    for marker in ("w1.joined", "w1.started"):          # (its first incarnation's)
+        (run.out / marker).unlink()
     run.start("w1", *common)
     codes = run.wait_all()
     assert all(c[-1] == 0 for c in codes.values()), f"{codes}\n{run.logs()}"
@@ -92,11 +93,12 @@ def test_one_rank_of_a_two_rank_worker_killed_and_restarted(run, features):
     ranks = {"a0": "a", "a1": "a", "b0": "b", "b1": "b"}
     common = ["--run", "--rounds", str(rounds), "--steps", "4", "--step-seconds", "0.15", *FEATURES[features]]
     procs = {r: run.start(r, *common, "--worker", w, "--min-workers", "4",
-                          *(["--die", "2:local"] if r == "b1" else ["--slow-until", f"{run.out / 'b1.joined'}:3"]))
+                          *(["--die", "2:local"] if r == "b1" else ["--slow-until", f"{run.out / 'b1.joined'}:4"]))
              for r, w in ranks.items()}
     wait_for(procs["b1"], run)
     assert procs["b1"].returncode == -9, run.logs()
-    (run.out / "b1.joined").unlink()
+    for marker in ("b1.joined", "b1.started"):
+        (run.out / marker).unlink()
     run.start("b1", *common, "--worker", "b")
     codes = run.wait_all()
     assert all(c[-1] == 0 for c in codes.values()), f"{codes}\n{run.logs()}"

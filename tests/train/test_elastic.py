@@ -36,9 +36,12 @@ def test_a_killed_worker_is_dropped_and_its_restart_rejoins(run, victim, where):
     # two) leaves it rounds to contribute to (with 0.5 s rounds it sometimes came after the end)
     rounds = 10
     procs = {w: run.start(w, "--rounds", str(rounds), "--min-workers", "4", "--step-seconds", "0.25",
-                          *(["--die", f"2:{where}"] if w == victim else [])) for w in IDS}
+                          *(["--die", f"2:{where}"] if w == victim else
+                            ["--slow-until", f"{run.out / (victim + '.joined')}:4"])) for w in IDS}
     wait_for(procs[victim], run)
     assert procs[victim].returncode == -9, run.logs()
+    for marker in (".joined", ".started"):           # (its first incarnation's)
+        (run.out / (victim + marker)).unlink(missing_ok=True)
     time.sleep(1.0)
     run.start(victim, "--rounds", str(rounds), "--step-seconds", "0.25")
     codes = run.wait_all()

@@ -35,6 +35,11 @@ def kill_self() -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
+def linear_pull(worker_id: str) -> torch.Tensor:
+    """``--linear``: the constant gradient c_w of worker ``wK``: (1 + K) · linspace(0.5, 1.5, 8)."""
+    return (1.0 + int(worker_id.lstrip("w") or 0)) * torch.linspace(0.5, 1.5, 8)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--store", required=True)
@@ -72,6 +77,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--local-steps", default="fixed", help="--run: the local-step policy")
     p.add_argument("--overlap", action="store_true", help="--run: overlap=True")
     p.add_argument("--fragments", type=int, default=1, help="--run: fragments (staggered), with --overlap")
+    p.add_argument("--linear", action="store_true",
+                   help="a model whose inner steps move it by a constant: p -= 0.01 * c_w each step (c_w per worker: "
+                        "the float64 reference of the global parameters), plain SGD inside and out (outer lr 1)")
     p.add_argument("--slow-until", default="", help="DIR/ID.joined:R: from round R on, until worker ID has joined (that "
                    "file exists), hold until it has started (DIR/ID.started, at most 60 s), then take steps 0.2 s "
                    "longer: the run does not end before a restarted worker is back, however loaded the machine")
@@ -152,6 +160,12 @@ def main(argv: list[str] | None = None) -> int:
         model.ballast = torch.nn.Parameter(torch.linspace(-1, 1, args.ballast))
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.5)
     outer = None
+    if args.linear:
+        model = torch.nn.Linear(8, 1, bias=False)
+        torch.nn.init.zeros_(model.weight)
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        outer = lambda ps: torch.optim.SGD(ps, lr=1.0)  # noqa: E731
+        pull = linear_pull(args.id)
     if args.counting_outer:
         class CountingSGD(torch.optim.SGD):
             """State in a dtype other than the parameters' (load_state_dict casts it to theirs)."""
@@ -188,7 +202,8 @@ def main(argv: list[str] | None = None) -> int:
             return any(json.loads(line).get("round", 0) >= int(wanted) for line in lines)
         while not reported():
             time.sleep(0.02)
-    open(os.path.join(args.out, f"{args.id}.started"), "a").close()      # (for --slow-until)
+    with open(os.path.join(args.out, f"{args.id}.started"), "a") as f:     # (for --slow-until)
+        f.write(f"{time.time()}\n")                                       # (it asks to join now)
     if args.load:
         diloco.load_state_dict(torch.load(args.load, weights_only=False))
     truth = torch.linspace(-1, 1, 8)
@@ -204,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
             step = (step + 1) % args.steps
 
     try:
-        step_in_round, reported = 0, None
+        step_in_round, reported, taken = 0, None, 0
         for x, y in diloco.loop(batches(), max_rounds=args.rounds):
             if reported is None:          # the rounds before this worker joined are the others' to report
                 reported = diloco.history[-1]["round"] if diloco.history else 0
@@ -223,7 +238,10 @@ def main(argv: list[str] | None = None) -> int:
                     model[0].weight.fill_(float("nan"))
             if diloco.rounds == args.raise_at and step_in_round == 1:
                 raise RuntimeError("an exception in the body of the loop")
-            loss = torch.nn.functional.mse_loss(model(x), y)
+            if args.linear:
+                loss = (model.weight.view(-1) * pull).sum()
+            else:
+                loss = torch.nn.functional.mse_loss(model(x), y)
             loss.backward()
             opt.step()
             opt.zero_grad()
@@ -231,13 +249,15 @@ def main(argv: list[str] | None = None) -> int:
             step_in_round += 1
             if diloco.rounds == die_round and where == "local" and step_in_round == args.steps // 2:
                 kill_self()
+            taken += 1
             if diloco.step(samples=len(x), loss=loss.item()):
                 step_in_round = 0
             for rec in [r for r in diloco.history if r["round"] > reported]:   # (with overlap, a round late)
                 reported = rec["round"]
                 out.write(json.dumps({"round": rec["round"], "fp": rec["fingerprint"],
                                       "members": rec.get("members", rec.get("workers")),
-                                      "steps": rec["steps"], "gen": rec["generation"], "pid": os.getpid()}) + "\n")
+                                      "steps": rec["steps"], "weights": rec["weights"], "gen": rec["generation"],
+                                      "pid": os.getpid(), "t": time.time()}) + "\n")
                 out.flush()
                 if args.save:
                     torch.save(diloco.state_dict(), args.save)
@@ -245,7 +265,9 @@ def main(argv: list[str] | None = None) -> int:
                     diloco.close()
                     out.write(json.dumps({"stopped": diloco.rounds, "fp": diloco.fingerprint()}) + "\n")
                     return 0
-        out.write(json.dumps({"final": diloco.fingerprint(), "rounds": diloco.rounds,
+        out.write(json.dumps({"final": diloco.fingerprint(), "rounds": diloco.rounds, "steps_taken": taken,
+                              "global": [float(x) for g in diloco.global_parameters() for x in g.reshape(-1)]
+                              if args.linear else None,
                               "reason": diloco.stop_reason, "membership": diloco.membership,
                               "stats": {k: v for k, v in diloco.stats().items() if k != "membership"}}) + "\n")
     except Exception as e:  # noqa: BLE001 - reported to the test

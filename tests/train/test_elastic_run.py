@@ -8,13 +8,18 @@ a reduction the others applied. Asserted every
 time: no process hangs (each has a deadline), every report of a round carries one fingerprint of
 the global parameters (restarted incarnations included), every survivor reaches the last round
 with the same final parameters, the victim's death and its restart are in the membership
-records, and the restart contributed steps to a round after it joined.
+records, and the restart contributed steps to a round after it joined. Every step a surviving
+worker took is in exactly one round's record (the round a failure or a join interrupted goes on
+in the next generation), where no reduction in flight was lost; a joiner contributes to the
+round it asked to join in.
 """
 from __future__ import annotations
 
 import pytest
+import torch
 
 from elastic_job import Run, check_agreement, events, final, wait_for
+from elastic_worker import linear_pull
 
 pytestmark = pytest.mark.usefixtures("backend_importable")
 
@@ -25,6 +30,23 @@ FEATURES = {
     "fixed-int8-overlap-staggered": ["--compress", "int8", "--overlap", "--fragments", "2"],
     "time-int8-overlap-staggered": ["--local-steps", "time", "--compress", "int8", "--overlap", "--fragments", "2"],
 }
+
+
+def steps_recorded(run: Run, w: str) -> int:
+    """The steps of ``w`` in the rounds it reports (its own and those it received)."""
+    return sum(r["steps"][r["members"].index(w)] for r in run.records(w) if "round" in r and w in r["members"])
+
+
+def assert_linear_reference(run: Run, w: str) -> None:
+    """``--linear``: each step moves worker v's replica by −0.01·c_v, and the outer step (SGD, lr
+    1) moves the global parameters by the weighted mean of the workers' moves, so after the run
+    they are −0.01 Σ_rounds Σ_v weight·steps·c_v (float64, from the records ``w`` reports)."""
+    expected = torch.zeros(8, dtype=torch.float64)
+    for r in (r for r in run.records(w) if "round" in r):
+        for v, weight, steps in zip(r["members"], r["weights"], r["steps"]):
+            expected -= 0.01 * weight * steps * linear_pull(v).double()
+    got = torch.tensor(final(run, w)["global"], dtype=torch.float64)
+    assert torch.allclose(got, expected, rtol=1e-5, atol=1e-6), (got, expected, run.records(w))
 
 
 def contributed_after_rejoining(run: Run, victim: str, worker: str, after: int) -> bool:
@@ -60,6 +82,9 @@ def test_a_worker_killed_is_dropped_and_its_restart_rejoins(run, features, where
     left, joined = events(final(run, "w0"))
     assert "w1" in left and "w1" in joined, final(run, "w0")["membership"]
     assert contributed_after_rejoining(run, "w1", "w1", 2), f"{run.records('w1')}\n{run.logs()}"
+    if "overlap" not in features:      # (with overlap the round in flight when w1 died is lost)
+        for w in ("w0", "w2"):         # the survivors' steps of the round w1 died in went on
+            assert steps_recorded(run, w) == final(run, w)["steps_taken"], (w, run.records(w), run.logs())
 
 
 @pytest.mark.parametrize("features", ["fixed-fp32", "time-int8-overlap-staggered"])
@@ -77,6 +102,9 @@ def test_a_rank_that_fails_after_a_reduction_the_others_applied_catches_up_from_
     prints = check_agreement(run, ids, rounds)
     for w in ids:
         assert final(run, w)["final"] == prints[rounds], (w, final(run, w))
+        # every step counted once: w0's round is in the update it missed; the others' next round
+        # went on after their collective failed
+        assert steps_recorded(run, w) == final(run, w)["steps_taken"], (w, run.records(w), run.logs())
     # (w0's own event gave way to the holders' records, which it received: its log says it)
     assert "injected: this rank fails right after the reduction" in run.logs(), run.logs()
     assert any("aborted" in e for e in final(run, "w1")["membership"]), final(run, "w1")["membership"]
@@ -128,15 +156,37 @@ def test_a_worker_whose_data_ends_leaves_after_its_last_round_and_the_others_go_
     assert after and all(rec["members"] == ["w0", "w1"] for rec in after), after
 
 
-def test_a_new_worker_joins_at_a_boundary_and_contributes(run):
-    rounds = 8
-    common = ["--run", "--rounds", str(rounds), "--steps", "4", "--step-seconds", "0.15", "--overlap",
-              "--fragments", "2", "--compress", "int8"]
-    for w in ("w0", "w1"):
-        run.start(w, *common, "--min-workers", "2", "--slow-until", f"{run.out / 'w2.joined'}:3")
+JOINS = {
+    "fixed-fp32": ["--linear"],
+    "time-fp32": ["--linear", "--local-steps", "time"],
+    "time-int8-overlap-staggered": FEATURES["time-int8-overlap-staggered"],
+}
+
+
+@pytest.mark.parametrize("features", list(JOINS))
+def test_a_joiner_contributes_to_the_round_it_asked_to_join_in(run, features):
+    """w2 asks to join right after w0 reported round 2. The members cut round 3 where they see the
+    request, admit w2, and go on with round 3 (their steps in it carried), to which w2 contributes:
+    no step of anyone is lost or counted twice. With ``--linear`` (each step moves a worker's
+    replica by a constant) the final global parameters equal a float64 sum over the recorded
+    rounds' weights and steps."""
+    rounds, ids = 8, ["w0", "w1", "w2"]
+    # ~1.8 s rounds: the request is seen (store scan, heartbeat) well inside the round it came in
+    common = ["--run", "--rounds", str(rounds), "--steps", "6", "--step-seconds", "0.3", *JOINS[features]]
+    for w in ids[:2]:
+        run.start(w, *common, "--min-workers", "2", "--slow-until", f"{run.out / 'w2.joined'}:4")
     run.start("w2", *common, "--wait-for", f"{run.out / 'w0.jsonl'}:2")
     codes = run.wait_all()
     assert all(c == [0] for c in codes.values()), f"{codes}\n{run.logs()}"
-    prints = check_agreement(run, ["w0", "w1", "w2"], rounds)
-    assert final(run, "w2")["final"] == prints[rounds]
-    assert contributed_after_rejoining(run, "w2", "w2", 2), f"{run.records('w2')}\n{run.logs()}"
+    prints = check_agreement(run, ids, rounds)
+    for w in ids:
+        assert final(run, w)["final"] == prints[rounds], (w, final(run, w))
+        assert steps_recorded(run, w) == final(run, w)["steps_taken"], (w, run.records(w), final(run, w))
+    asked = float((run.out / "w2.started").read_text().split()[0])
+    # the round in progress when it asked (with overlap a round is reported a round late)
+    current = 1 + max((r["round"] for r in run.records("w0") if "round" in r and r["t"] <= asked), default=0)
+    late = 1 if "overlap" in features else 0
+    first = min(r["round"] for r in run.records("w2") if "round" in r and r["steps"][r["members"].index("w2")] > 0)
+    assert current <= first <= current + late, (current, first, run.records("w0"), run.logs())
+    if "--linear" in JOINS[features]:
+        assert_linear_reference(run, "w0")

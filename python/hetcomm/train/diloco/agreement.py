@@ -22,17 +22,37 @@ _PREFIX = "hetcomm DiLoCo"
 class Agreement:
     """The round boundary's agreement and reduction (on the background thread with overlap)."""
 
-    _reform_at_boundary = False      # an elastic run's generation with overlap (see `_agree_on_reform`)
+    _reform_at_boundary = False      # a generation of an elastic run (see `_agree_on_reform`)
+    _carry_round = False             # ... that ended without reducing its round (a join)
+    _sending: int | None = None      # outer steps applied when this rank began to send its round
 
-    def _agree_on_reform(self) -> None:
-        """An elastic run's generation with overlap (`hetcomm.train.elastic.run`): whether any rank
-        asks to end the generation (a worker joins or leaves), agreed at this boundary over the
-        training thread's group (one small collective; the background thread has a group of its
-        own), so that the generation ends here, not a round later when the table's agreement lands."""
-        if not (self._reform_at_boundary and self.overlap) or self._stopped:
+    def _agree_on_reform(self, last: bool) -> None:
+        """A generation of an elastic run (`hetcomm.train.elastic.run`): whether a rank asks to end
+        it, agreed at this boundary before the round is reduced, over the training thread's group
+        (one small collective; the background thread has a group of its own). ``_reform()`` says
+        2 when a worker leaves (its last round is reduced with the others'), 1 when workers wait to
+        join: then the round is not reduced (unless it is the run's last): every rank carries it
+        on into the next generation, where the joiners contribute to it (`_carry_on`)."""
+        if not self._reform_at_boundary or self._stopped:
             return
-        if any(x > 0 for x in exchange_columns([1.0 if self._reform() else 0.0], group=self._group)[0]):
+        code = max(exchange_columns([float(self._reform())], group=self._group)[0])
+        if code > 0:
             self._stopped, self._stop_reason = True, "membership: a worker asks to join or leave"
+            self._carry_round = code == 1 and not last
+
+    def _cut_for_joiners(self) -> bool:
+        """A generation of an elastic run ends its round at this step when workers wait to join
+        (and no synchronisation is in flight): the round goes on with them (`_carry_on`)."""
+        return self._reform_at_boundary and self._reform() == 1 and (self._pending is None or self._pending.done())
+
+    def _carry_on(self) -> None:
+        """The round is not reduced: it goes on in the next generation. Every fragment that some
+        rank fired this round is fired on every rank (their jobs line up), and every job is
+        waited for, so that the global parameters are final and what each rank carries
+        (``start − replica``, `hetcomm.train.elastic.run`) is only what it did not send."""
+        if self._stagger:
+            self._fire_rest()
+            self._join_streams(agree=self._workers.size > 1)
 
     def _exchange_and_reduce(self, column: list[float], delta: torch.Tensor, *, timed: bool,
                              plan: dict) -> tuple[list[list[float]], list[float]]:
@@ -148,7 +168,7 @@ class Agreement:
         col[_SYNC_WALL] = self._sync_wall
         col[_FRAGMENTS] = len(self._fragments) * (-1 if self._stagger else 1)
         col[_DONE] = 1.0 if self._exhausted else 0.0
-        col[_REFORM] = 1.0 if self._reform() else 0.0
+        col[_REFORM] = float(self._reform())
         col[_ELAPSED] = self._clock() - self._t0
         for name, row in _BUDGETS.items():
             col[row] = self._budgets[name]

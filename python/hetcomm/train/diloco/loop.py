@@ -280,7 +280,7 @@ class DiLoCo(Results, ShardedState, Agreement, Checkpoint, Streams, Overlap, _fl
         # An elastic run's hooks (`hetcomm.train.elastic.run`): whether this rank asks to end the
         # generation at the next agreement, and a fingerprint of the global parameters in every
         # round's record. `_applied` counts the outer steps applied (one per fragment).
-        self._reform: Callable[[], bool] = lambda: False
+        self._reform: Callable[[], int] = lambda: 0
         self._print_rounds = False
         self._applied = 0
         self._t0 = self._clock()
@@ -348,12 +348,14 @@ class DiLoCo(Results, ShardedState, Agreement, Checkpoint, Streams, Overlap, _fl
         self._own_step = dt if self._own_step is None else 0.7 * self._own_step + 0.3 * dt
         self._timeline.append(("compute", self._mark, now))
         synced = self._policy.round_over(self._r_steps, now, self._own_step)
+        synced = synced or self._cut_for_joiners()
         # With overlap a measurement round goes on until the previous synchronisation has landed:
         # its length is only a measurement, and the steps train instead of idling at its end.
         stretch = self._pending is not None and (self._policy.measuring or self._until_landed)
         if synced and stretch and not self._pending.done():
             synced = False
-        if self._workers.size > 1 and (stretch or not isinstance(self._policy, (FixedSteps, SpeedSteps))):
+        if self._workers.size > 1 and (stretch or self._reform_at_boundary
+                                       or not isinstance(self._policy, (FixedSteps, SpeedSteps))):
             synced = self._workers.agree(synced)      # a worker's ranks end the round together
         if self._stagger:
             self._after_step_streams(synced)
@@ -513,8 +515,6 @@ class DiLoCo(Results, ShardedState, Agreement, Checkpoint, Streams, Overlap, _fl
         else:
             self.close()
 
-    # ---- results -----------------------------------------------------------------------------
-
     # ---- synchronisation ---------------------------------------------------------------------
 
     def _reset_round(self) -> None:
@@ -542,7 +542,6 @@ class DiLoCo(Results, ShardedState, Agreement, Checkpoint, Streams, Overlap, _fl
             self._wait_pending()
         begin = self._clock()
         column = self._column(delta)
-        self._agree_on_reform()
         # Once the run is to stop, the round is synchronous: the last round is never left in the
         # background. (A rank out of steps keeps the others' rhythm, agreements one round late,
         # so that the policy's plans, recorded in the history, stay identical on every rank.)
@@ -550,7 +549,13 @@ class DiLoCo(Results, ShardedState, Agreement, Checkpoint, Streams, Overlap, _fl
         # (max_rounds=1, or the last round of a generation in an elastic run).
         limit = self._budgets["max_rounds"]
         last = bool(limit) and len(self._history) + 1 >= limit
+        self._agree_on_reform(last)
+        if self._carry_round:
+            self._carry_on()
+            self._count_sync(begin)
+            return
         if not self.overlap or self._stopped or last:
+            self._sending = self._applied         # until the global parameters are loaded
             self._count_sync(begin)
             if self._stagger:
                 self._fire_last()                 # their steps since their trigger, here and now
@@ -565,6 +570,7 @@ class DiLoCo(Results, ShardedState, Agreement, Checkpoint, Streams, Overlap, _fl
             self._load_global()
             self._share(range(len(self._fragments)))
             self._global_into(self._start)
+            self._sending = None
             self._count_sync(begin)
             self._policy.start_round(self._clock())
         else:

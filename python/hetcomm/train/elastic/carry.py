@@ -6,18 +6,25 @@ read from the store, and nothing is unpickled (a member's bytes are numbers and 
   samples, and whether the decision (from the store) names a round other than the one this
   member holds: the worker labels and the run's counts follow from it on every rank alike.
 * `share_timing`: rank 0's step times (by worker name) and ``time`` policy state, as numbers.
+* `take_round` and `resume_round`: the round a generation ended inside of (workers wait to join,
+  or a collective failed) goes on in the next generation: each rank keeps what its replica moved
+  since the round began (never sent), and its counts; the joiners contribute to the same round.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
 import torch.distributed as dist
 
+from hetcomm.train import flat as _flat
+from hetcomm.train.local_steps import TimeSteps
 from hetcomm.train.partition import exchange_columns
 
 NAME_BYTES = 128              # a worker's name, UTF-8 (`Elastic(worker=)`, `worker_id`)
-_HEAD = 6                     # rows before the name's bytes
+_HEAD = 11                    # rows before the name's bytes
+_FIRED_BITS = 50              # staggered fragments whose "fired" flags travel (exactly, in a float64)
 
 
 def encode_name(name: str) -> list[float]:
@@ -33,16 +40,90 @@ def _decode_name(values) -> str:
 
 
 def start_table(name: str, explicit: bool, carried_round: int, carried_applied: int, samples: int,
-                disowned: bool) -> dict:
+                disowned: bool, carried: tuple | None = None) -> dict:
     """One exchange over the generation's group. ``disowned``: this member holds the run's state
-    and the decision names another round than its own (a forged record on the store)."""
-    column = [float(carried_round), float(carried_applied), float(samples), float(explicit), float(disowned), 0.0]
+    and the decision names another round than its own (a forged record on the store).
+    ``carried``: `Round.summary` of the round this member carries in, if any."""
+    steps, total, compute, fired, sending = carried or (-1, 0.0, 0.0, 0, -1)
+    column = [float(carried_round), float(carried_applied), float(samples), float(explicit), float(disowned),
+              float(steps), float(total), float(compute), float(fired), float(sending), 0.0]
     table = exchange_columns(column + encode_name(name))
     world = len(table[0])
     names = [_decode_name([table[_HEAD + i][r] for i in range(NAME_BYTES)]) for r in range(world)]
     return {"rounds": [int(x) for x in table[0]], "applied": [int(x) for x in table[1]],
             "samples": [int(x) for x in table[2]], "explicit": [x > 0 for x in table[3]],
-            "disowned": [r for r in range(world) if table[4][r] > 0], "names": names}
+            "disowned": [r for r in range(world) if table[4][r] > 0], "names": names,
+            "carried": {"steps": [int(x) for x in table[5]], "sum": list(table[6]), "compute": list(table[7]),
+                        "fired": [int(x) for x in table[8]], "sending": [int(x) for x in table[9]]}}
+
+
+@dataclasses.dataclass
+class Round:
+    """This rank's part of a round that a generation ended inside of: what the replica moved
+    (``start − replica``, master precision: never sent), the round's counts, the staggered
+    fragments' windows, and the run's outer steps applied when it was taken and, when it was
+    taken inside the round's reduction, when that began (the state the next generation starts
+    from may hold the round then: it is dropped)."""
+    delta: torch.Tensor
+    counts: tuple[int, int, float, float, int]     # steps, samples, compute seconds, loss sum, loss samples
+    windows: tuple[list[int], list[list[int]], list[bool]] | None    # seen, at each trigger, fired
+    applied: int
+    sending: int | None
+
+    def summary(self) -> tuple[int, float, float, int, int]:
+        """steps, a float64 sum of the progress (equal over a worker's ranks), compute seconds, the
+        fragments fired (bits), the outer steps applied when it began to send (-1: it had not)."""
+        flags = self.windows[2] if self.windows and len(self.windows[2]) <= _FIRED_BITS else []
+        return (self.counts[0], float(torch.sum(self.delta, dtype=torch.float64)), self.counts[2],
+                sum(1 << f for f, x in enumerate(flags) if x), -1 if self.sending is None else self.sending)
+
+
+def take_round(inner, applied_before: int) -> Round | None:
+    """The round ``inner`` (a generation's `DiLoCo`, its background jobs over) ended inside of, or
+    None when it took no step in it. ``applied_before``: the run's outer steps before ``inner``."""
+    if inner._r_steps < 1:
+        return None
+    delta = inner._progress().clone()
+    windows = None
+    if inner._stagger:
+        windows = (list(inner._seen), [list(x) for x in inner._at_trigger], list(inner._fired))
+    return Round(delta, (inner._r_steps, inner._r_samples, inner._r_compute, inner._r_loss, inner._r_loss_n),
+                 windows, applied_before + inner._applied,
+                 None if inner._sending is None else applied_before + inner._sending)
+
+
+def resume_round(inner, mine: Round | None, start: dict, labels: list[int]) -> bool:
+    """The carried round goes on in the new generation ``inner`` (its global parameters loaded),
+    decided alike on every rank from ``start`` (`start_table`): a rank keeps its round unless it
+    was taken inside a reduction that the state now holds (a holder applied more outer steps
+    since), and a worker's ranks keep theirs only all together (the same steps and progress).
+    Whoever keeps it moves its replica onto the new global parameters by what it carries. Every
+    rank skips the fragments every keeper fired this round; the ``time`` policy's round started
+    when the longest-carried round did. Returns whether this rank kept its round."""
+    c = start["carried"]
+    world, best = len(labels), max(start["applied"])
+
+    def whole(r: int) -> bool:
+        return c["steps"][r] >= 1 and (c["sending"][r] < 0 or best <= c["sending"][r])
+    keep = [all(whole(q) and c["steps"][q] == c["steps"][r] and c["sum"][q] == c["sum"][r]
+                for q in range(world) if labels[q] == labels[r]) for r in range(world)]
+    kept = keep[dist.get_rank()] and mine is not None
+    if kept:
+        with torch.no_grad():
+            _flat.load(inner._params, inner._split(inner._start - mine.delta))
+        (inner._r_steps, inner._r_samples, inner._r_compute, inner._r_loss, inner._r_loss_n) = mine.counts
+        if inner._stagger and mine.windows is not None:
+            inner._seen, inner._at_trigger = list(mine.windows[0]), [list(x) for x in mine.windows[1]]
+    keepers = [r for r in range(world) if keep[r]]
+    if inner._stagger and len(inner._fragments) <= _FIRED_BITS:
+        inner._fired = [bool(keepers) and all(c["fired"][r] >> f & 1 for r in keepers)
+                        for f in range(len(inner._fragments))]
+    elapsed = max((c["compute"][r] for r in keepers), default=0.0)
+    policy = inner._policy
+    if elapsed > 0 and isinstance(policy, TimeSteps) and policy.deadline is not None:
+        now = inner._clock()
+        policy.start_round(now, start=now - elapsed)
+    return kept
 
 
 def share_timing(step_times: dict[str, tuple[float, int]], policy: dict | None,

@@ -7,9 +7,11 @@ changes only between generations, through the store protocol of `ElasticDiLoCo` 
 arrive, decide, form the group, send the state to the members without it, commit), and so:
 
 * **a join**: a worker that asks to join is seen by the members between steps (the store, every
-  half second); a member that sees it says so in its column of DiLoCo's next agreement, and that
-  agreement ends the generation on every rank at the same boundary, as a budget would (its round
-  synchronised, with overlap the round in flight waited for). An epoch then admits the joiner.
+  half second). A member that sees it ends its round at that step (once no synchronisation is in
+  flight), and an agreement at that boundary, before the round is reduced, ends the generation on
+  every rank (staggered fragments fired and waited for). The round is not reduced: each rank
+  carries it into the next generation (below), which an epoch forms with the joiner, and the
+  joiner contributes to that same round.
 * **a leave**: a worker whose data ends says so the same way; its last round is synchronised,
   then it leaves, and the others form the next generation without it.
 * **a failure**: a collective that fails (a dead peer, a broken link, ``collective_timeout``)
@@ -19,16 +21,23 @@ arrive, decide, form the group, send the state to the members without it, commit
   finished) are ahead by at most one reduction; the epoch names the most advanced as the holders
   (`_latest_holders`, by the count of outer steps applied), and they send their state to the
   others. Every member then starts the next generation from the same global parameters, which
-  the epoch checks (fingerprints). The steps of the round the failure interrupted are discarded.
+  the epoch checks (fingerprints), and carries on the round the failure interrupted.
+
+**A round carried on** (`carry.take_round`, `carry.resume_round`): a rank keeps what its replica
+moved since the round began and was never sent (``start − replica``), with the round's steps,
+samples and staggered windows, and moves its replica onto the new generation's global
+parameters by it; the ``time`` policy's deadline counts from when the round began. A rank drops
+it when it was taken inside the round's reduction and a holder applied an outer step since (the
+state holds the round already), and a worker's ranks keep theirs only all together. With
+overlap, a reduction in flight that fails is lost (it was sent).
 
 The step times the policies measured and the ``time`` policy's round length carry over to the
-next generation (`_seed_policy`); the quantisation residuals (error feedback) and the replica's
-progress in a round a failure interrupted do not. What a generation starts from is agreed over
-its group, never unpickled and never taken from the store alone (`hetcomm.train.elastic.carry`).
+next generation (`_seed_policy`); the quantisation residuals (error feedback) do not. What a
+generation starts from is agreed over its group, never unpickled and never taken from the store
+alone (`hetcomm.train.elastic.carry`).
 A worker of several ranks (``Elastic(worker=...)``, the same name on each of its ranks) clears
 its inner optimizer's state at each new generation, so that its ranks start with identical
-replicas whichever of them is new. Checkpoints (`state_dict`) and joining inside a round are
-`ElasticDiLoCo`'s only, for now.
+replicas whichever of them is new. Checkpoints (`state_dict`) are `ElasticDiLoCo`'s only, for now.
 """
 from __future__ import annotations
 
@@ -45,7 +54,7 @@ import torch.distributed as dist
 from hetcomm.train import flat as _flat
 from hetcomm.train.diloco.loop import DiLoCo
 from hetcomm.train.diloco.outer import default_outer_optimizer
-from hetcomm.train.elastic.carry import encode_name, share_timing, start_table
+from hetcomm.train.elastic.carry import Round, encode_name, resume_round, share_timing, start_table, take_round
 from hetcomm.train.elastic.common import _MAX_ABORTS, _PREFIX
 from hetcomm.train.elastic.loop import ElasticDiLoCo
 from hetcomm.train.local_steps import TimeSteps, make_policy
@@ -147,6 +156,7 @@ class ElasticRun(ElasticDiLoCo):
         self._workers_names: list[str] = []
         self._step_times: dict[str, tuple[float, int]] = {}   # worker name -> (seconds per step, windows)
         self._policy_state: dict | None = None                 # the ``time`` policy's, last generation
+        self._carry: Round | None = None   # the round a generation ended inside of, carried into the next
 
     # ---- the training loop's side ------------------------------------------------------------
 
@@ -178,6 +188,8 @@ class ElasticRun(ElasticDiLoCo):
                     raise inner._hook_error
                 synced = inner.step(samples, loss)
                 if inner.should_stop:                  # every rank stopped at this boundary
+                    if inner._carry_round:             # (a join: the round goes on in the next generation)
+                        self._carry = take_round(inner, self._base[1])
                     inner.finish()
                     ended = True
             except StoreUnreachable:
@@ -321,8 +333,12 @@ class ElasticRun(ElasticDiLoCo):
     def _snapped_holders(self, joiners: list[str], rnd: int) -> list[str]:
         return []                  # no joining inside a round here: a snapped/ key is not ours
 
-    def _wants_reform(self) -> bool:
-        return self._leaving or any(self._pulse.confirmed(w) for w in self._waiting)
+    def _wants_reform(self) -> int:
+        """2: this worker leaves (its last round is reduced); 1: workers wait to join (the round goes
+        on with them, `DiLoCo._agree_on_reform`); 0: neither."""
+        if self._leaving:
+            return 2
+        return 1 if any(self._pulse.confirmed(w) for w in self._waiting) else 0
 
     def _scan(self) -> None:
         """Every half second (or heartbeat): the workers that asked to join since the last epoch
@@ -380,7 +396,8 @@ class ElasticRun(ElasticDiLoCo):
         # holders', the largest; the transfer does not carry it), the samples, the workers.
         holder_round = self._carried[0] if self._me in self._decision["holders"] and self._carried[2] else None
         start = start_table(self._worker, self._explicit, *self._carried[:2], self._samples_total,
-                            disowned=holder_round is not None and holder_round != self._decision["round"])
+                            disowned=holder_round is not None and holder_round != self._decision["round"],
+                            carried=self._carry and self._carry.summary())
         if start["disowned"]:
             raise ValueError(f"{_PREFIX}: the decision of epoch {self._decision['epoch']} (on the store) names round "
                              f"{self._decision['round']}, but rank(s) {start['disowned']} it names as holders of the "
@@ -412,6 +429,10 @@ class ElasticRun(ElasticDiLoCo):
         except BaseException:
             inner.close()
             raise
+        if resume_round(inner, self._carry, start, labels):
+            self._log(f"round {self._round + 1} goes on in generation {self._gen} with {self._carry.counts[0]} "
+                      "steps carried in")
+        self._carry = None
         inner._reform = self._wants_reform
         inner._defer_hook_errors = True
         inner._print_rounds = True
@@ -501,6 +522,8 @@ class ElasticRun(ElasticDiLoCo):
         if any(not f.done() for f in futures):
             raise RuntimeError(f"{_PREFIX}: the background synchronisation did not end within "
                                f"{self._collective_timeout + 10:.0f} s of a failure; the run cannot go on") from error
+        if not inner._carry_round:         # (else taken at the boundary; finish() failed after it)
+            self._carry = take_round(inner, self._base[1])
         if inner._applied:
             self._failures = 0             # the generation moved the run on: not a failure in a row
         self._carry_out(inner)
@@ -528,8 +551,10 @@ class ElasticRun(ElasticDiLoCo):
             self._event({"round": self._round, "worker": self.worker_id, "dropped": self._dropped_why},
                         f"round {self._round}: this worker was dropped ({self._dropped_why}); it joins again")
             self._holds = False
+            self._carry = None             # (it joins again: from the run's state)
             self._destroy_group()
             self._new_incarnation()
             self._admit()
         if not self._stopped:
             self._check_budgets()
+

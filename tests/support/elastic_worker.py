@@ -35,9 +35,10 @@ def kill_self() -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-def linear_pull(worker_id: str) -> torch.Tensor:
-    """``--linear``: the constant gradient c_w of worker ``wK``: (1 + K) · linspace(0.5, 1.5, 8)."""
-    return (1.0 + int(worker_id.lstrip("w") or 0)) * torch.linspace(0.5, 1.5, 8)
+def linear_pull(worker: str) -> torch.Tensor:
+    """``--linear``: the constant gradient c_w of worker ``worker`` (its name: the same on a
+    worker's ranks): (1 + crc32(name) mod 4) · linspace(0.5, 1.5, 8)."""
+    return (1.0 + zlib.crc32(worker.encode()) % 4) * torch.linspace(0.5, 1.5, 8)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -165,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.nn.init.zeros_(model.weight)
         opt = torch.optim.SGD(model.parameters(), lr=0.01)
         outer = lambda ps: torch.optim.SGD(ps, lr=1.0)  # noqa: E731
-        pull = linear_pull(args.id)
+        pull = linear_pull(args.worker or args.id)
     if args.counting_outer:
         class CountingSGD(torch.optim.SGD):
             """State in a dtype other than the parameters' (load_state_dict casts it to theirs)."""
@@ -235,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
                     time.sleep(0.2)
             if diloco.rounds == args.nan_at:
                 with torch.no_grad():
-                    model[0].weight.fill_(float("nan"))
+                    next(model.parameters()).fill_(float("nan"))
             if diloco.rounds == args.raise_at and step_in_round == 1:
                 raise RuntimeError("an exception in the body of the loop")
             if args.linear:

@@ -25,7 +25,7 @@ pytestmark = pytest.mark.usefixtures("backend_importable")
 
 
 FEATURES = {
-    "fixed-fp32": [],
+    "fixed-fp32": ["--linear"],        # (each step moves the replica by a constant: `assert_linear_reference`)
     "time-int8": ["--local-steps", "time", "--compress", "int8"],
     "fixed-int8-overlap-staggered": ["--compress", "int8", "--overlap", "--fragments", "2"],
     "time-int8-overlap-staggered": ["--local-steps", "time", "--compress", "int8", "--overlap", "--fragments", "2"],
@@ -38,7 +38,7 @@ def steps_recorded(run: Run, w: str) -> int:
 
 
 def assert_linear_reference(run: Run, w: str) -> None:
-    """``--linear``: each step moves worker v's replica by −0.01·c_v, and the outer step (SGD, lr
+    """``--linear``: each step moves worker v's replica by −0.01·c_v (`linear_pull`), and the outer step (SGD, lr
     1) moves the global parameters by the weighted mean of the workers' moves, so after the run
     they are −0.01 Σ_rounds Σ_v weight·steps·c_v (float64, from the records ``w`` reports)."""
     expected = torch.zeros(8, dtype=torch.float64)
@@ -85,6 +85,8 @@ def test_a_worker_killed_is_dropped_and_its_restart_rejoins(run, features, where
     if "overlap" not in features:      # (with overlap the round in flight when w1 died is lost)
         for w in ("w0", "w2"):         # the survivors' steps of the round w1 died in went on
             assert steps_recorded(run, w) == final(run, w)["steps_taken"], (w, run.records(w), run.logs())
+    if "--linear" in FEATURES[features]:
+        assert_linear_reference(run, "w0")
 
 
 @pytest.mark.parametrize("features", ["fixed-fp32", "time-int8-overlap-staggered"])
@@ -105,6 +107,8 @@ def test_a_rank_that_fails_after_a_reduction_the_others_applied_catches_up_from_
         # every step counted once: w0's round is in the update it missed; the others' next round
         # went on after their collective failed
         assert steps_recorded(run, w) == final(run, w)["steps_taken"], (w, run.records(w), run.logs())
+    if "--linear" in FEATURES[features]:
+        assert_linear_reference(run, "w0")
     # (w0's own event gave way to the holders' records, which it received: its log says it)
     assert "injected: this rank fails right after the reduction" in run.logs(), run.logs()
     assert any("aborted" in e for e in final(run, "w1")["membership"]), final(run, "w1")["membership"]

@@ -24,6 +24,7 @@ class Agreement:
 
     _reform_at_boundary = False      # a generation of an elastic run (see `_agree_on_reform`)
     _carry_round = False             # ... that ended without reducing its round (a join)
+    _resumed = False                 # ... whose first round goes on from the last (`carry.resume_round`)
     _sending: int | None = None      # outer steps applied when this rank began to send its round
 
     def _agree_on_reform(self, last: bool) -> None:
@@ -32,18 +33,31 @@ class Agreement:
         (one small collective; the background thread has a group of its own). ``_reform()`` says
         2 when a worker leaves (its last round is reduced with the others'), 1 when workers wait to
         join: then the round is not reduced (unless it is the run's last): every rank carries it
-        on into the next generation, where the joiners contribute to it (`_carry_on`)."""
+        on into the next generation, where the joiners contribute to it (`_carry_on`). With
+        staggered fragments, the fragments not fired this round are fired before it (`_synchronise`):
+        a rank that waits for a fragment's job (``overlap_steps``) then finds it queued everywhere."""
         if not self._reform_at_boundary or self._stopped:
             return
         code = max(exchange_columns([float(self._reform())], group=self._group)[0])
         if code > 0:
             self._stopped, self._stop_reason = True, "membership: a worker asks to join or leave"
-            self._carry_round = code == 1 and not last
+            # A round is carried on once: one carried in is reduced first (joins that never
+            # come, or a store writer's, must not keep the run from any outer step).
+            self._carry_round = code == 1 and not last and not self._carrying_in()
+
+    def _carrying_in(self) -> bool:
+        return self._resumed and not self._history
 
     def _cut_for_joiners(self) -> bool:
-        """A generation of an elastic run ends its round at this step when workers wait to join
-        (and no synchronisation is in flight): the round goes on with them (`_carry_on`)."""
-        return self._reform_at_boundary and self._reform() == 1 and (self._pending is None or self._pending.done())
+        """A generation of an elastic run ends its round at this step when workers wait to join,
+        no synchronisation is in flight, and the round is to be carried on (`_carry_on`): not the
+        run's last, not one carried in already."""
+        if not self._reform_at_boundary or self._carrying_in():
+            return False
+        limit = self._budgets["max_rounds"]
+        if limit and len(self._history) + 1 >= limit:
+            return False
+        return self._reform() == 1 and (self._pending is None or self._pending.done())
 
     def _carry_on(self) -> None:
         """The round is not reduced: it goes on in the next generation. Every fragment that some

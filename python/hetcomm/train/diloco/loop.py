@@ -542,13 +542,16 @@ class DiLoCo(Results, ShardedState, Agreement, Checkpoint, Streams, Overlap, _fl
             self._wait_pending()
         begin = self._clock()
         column = self._column(delta)
-        # Once the run is to stop, the round is synchronous: the last round is never left in the
-        # background. (A rank out of steps keeps the others' rhythm, agreements one round late,
-        # so that the policy's plans, recorded in the history, stay identical on every rank.)
-        # So is the round max_rounds makes the last, even when no agreement landed to say so
-        # (max_rounds=1, or the last round of a generation in an elastic run).
+        # Once the run is to stop, the round is synchronous (never left in the background), and so
+        # is the round max_rounds makes the last, even when no agreement landed to say so. (A rank
+        # out of steps keeps the others' rhythm, agreements one round late, so that the policy's
+        # plans, recorded in the history, stay identical on every rank.)
         limit = self._budgets["max_rounds"]
         last = bool(limit) and len(self._history) + 1 >= limit
+        if self._reform_at_boundary and self._stagger and not self._stopped:
+            self._count_sync(begin)               # (before the agreement: see `_agree_on_reform`)
+            self._fire_rest()
+            begin = self._clock()
         self._agree_on_reform(last)
         if self._carry_round:
             self._carry_on()

@@ -50,11 +50,28 @@ def start_table(name: str, explicit: bool, carried_round: int, carried_applied: 
     table = exchange_columns(column + encode_name(name))
     world = len(table[0])
     names = [_decode_name([table[_HEAD + i][r] for i in range(NAME_BYTES)]) for r in range(world)]
-    return {"rounds": [int(x) for x in table[0]], "applied": [int(x) for x in table[1]],
-            "samples": [int(x) for x in table[2]], "explicit": [x > 0 for x in table[3]],
+    return {"rounds": _counts(table[0], "rounds"), "applied": _counts(table[1], "outer steps"),
+            "samples": _counts(table[2], "samples"), "explicit": [x > 0 for x in table[3]],
             "disowned": [r for r in range(world) if table[4][r] > 0], "names": names,
-            "carried": {"steps": [int(x) for x in table[5]], "sum": list(table[6]), "compute": list(table[7]),
-                        "fired": [int(x) for x in table[8]], "sending": [int(x) for x in table[9]]}}
+            "carried": {"steps": _counts(table[5], "carried steps", least=-1), "sum": list(table[6]),
+                        "compute": [x if math.isfinite(x) and 0 <= x <= _LONGEST else math.nan for x in table[7]],
+                        "fired": _counts(table[8], "fragments fired", most=(1 << _FIRED_BITS) - 1),
+                        "sending": _counts(table[9], "outer steps", least=-1)}}
+
+
+_LONGEST = 7 * 86400.0        # seconds a carried round may have lasted (longer: not taken into the deadline)
+
+
+def _counts(values, what: str, least: int = 0, most: int = (1 << 53) - 1) -> list[int]:
+    """Whole numbers in [least, most] from a generation's members (each rank checks the same table:
+    a member that sends anything else stops every rank alike)."""
+    out = []
+    for r, x in enumerate(values):
+        if not (math.isfinite(x) and x == int(x) and least <= x <= most):
+            raise ValueError(f"rank {r} of the generation sent {x!r} as its {what}: not a whole number in "
+                             f"[{least}, {most}] (a corrupted or malicious member)")
+        out.append(int(x))
+    return out
 
 
 @dataclasses.dataclass
@@ -104,7 +121,7 @@ def resume_round(inner, mine: Round | None, start: dict, labels: list[int]) -> b
     world, best = len(labels), max(start["applied"])
 
     def whole(r: int) -> bool:
-        return c["steps"][r] >= 1 and (c["sending"][r] < 0 or best <= c["sending"][r])
+        return c["steps"][r] >= 1 and math.isfinite(c["sum"][r]) and (c["sending"][r] < 0 or best <= c["sending"][r])
     keep = [all(whole(q) and c["steps"][q] == c["steps"][r] and c["sum"][q] == c["sum"][r]
                 for q in range(world) if labels[q] == labels[r]) for r in range(world)]
     kept = keep[dist.get_rank()] and mine is not None
@@ -115,10 +132,11 @@ def resume_round(inner, mine: Round | None, start: dict, labels: list[int]) -> b
         if inner._stagger and mine.windows is not None:
             inner._seen, inner._at_trigger = list(mine.windows[0]), [list(x) for x in mine.windows[1]]
     keepers = [r for r in range(world) if keep[r]]
+    inner._resumed = bool(keepers)            # (a round carried in is reduced before another is carried)
     if inner._stagger and len(inner._fragments) <= _FIRED_BITS:
         inner._fired = [bool(keepers) and all(c["fired"][r] >> f & 1 for r in keepers)
                         for f in range(len(inner._fragments))]
-    elapsed = max((c["compute"][r] for r in keepers), default=0.0)
+    elapsed = max((c["compute"][r] for r in keepers if math.isfinite(c["compute"][r])), default=0.0)
     policy = inner._policy
     if elapsed > 0 and isinstance(policy, TimeSteps) and policy.deadline is not None:
         now = inner._clock()

@@ -426,12 +426,15 @@ class ElasticRun(ElasticDiLoCo):
                 inner._start.copy_(inner._flatten_global())
             inner.outer_optimizer.load_state_dict(copy.deepcopy(self.outer_optimizer.state_dict()))
             self._seed_policy(inner)
+            kept = resume_round(inner, self._carry, start, labels)
         except BaseException:
             inner.close()
             raise
-        if resume_round(inner, self._carry, start, labels):
-            self._log(f"round {self._round + 1} goes on in generation {self._gen} with {self._carry.counts[0]} "
-                      "steps carried in")
+        if self._carry is not None:
+            self._log(f"round {self._round + 1} goes on in generation {self._gen}: " +
+                      (f"{self._carry.counts[0]} steps carried in" if kept else
+                       "this worker's steps in it are dropped (the state holds them already, its worker's other "
+                       "rank has none, or they are not finite)"))
         self._carry = None
         inner._reform = self._wants_reform
         inner._defer_hook_errors = True
@@ -522,7 +525,7 @@ class ElasticRun(ElasticDiLoCo):
         if any(not f.done() for f in futures):
             raise RuntimeError(f"{_PREFIX}: the background synchronisation did not end within "
                                f"{self._collective_timeout + 10:.0f} s of a failure; the run cannot go on") from error
-        if not inner._carry_round:         # (else taken at the boundary; finish() failed after it)
+        if self._carry is None:            # (else taken at the cut boundary; finish() failed after it)
             self._carry = take_round(inner, self._base[1])
         if inner._applied:
             self._failures = 0             # the generation moved the run on: not a failure in a row

@@ -164,6 +164,8 @@ JOINS = {
     "fixed-fp32": ["--linear"],
     "time-fp32": ["--linear", "--local-steps", "time"],
     "time-int8-overlap-staggered": FEATURES["time-int8-overlap-staggered"],
+    # τ: a rank waits for its fragment's job τ steps after firing it, whoever cut the round
+    "time-overlap-tau-staggered": ["--local-steps", "time", "--overlap", "--fragments", "3", "--overlap-steps", "2"],
 }
 
 

@@ -143,6 +143,25 @@ def test_one_rank_of_a_two_rank_worker_killed_and_restarted(run, features):
     assert any(rec["round"] > 2 for rec in run.records("b1") if "round" in rec), run.records("b1")
 
 
+@pytest.mark.parametrize("features", ["fixed-fp32", "time-int8-overlap-staggered"])
+def test_a_worker_whose_update_is_not_finite_stops_and_the_others_go_on(run, features):
+    """w1's parameters turn NaN in round 3: no outer update is applied with its pseudo-gradient;
+    w1 stops with a ValueError, w0 and w2 go on without it from the same global parameters."""
+    rounds, ids = 6, ["w0", "w1", "w2"]
+    for w in ids:
+        run.start(w, "--run", "--rounds", str(rounds), "--steps", "4", "--min-workers", "3", *FEATURES[features],
+                  *(["--nan-at", "2"] if w == "w1" else []))
+    codes = run.wait_all()
+    assert codes == {"w0": [0], "w1": [1], "w2": [0]}, f"{codes}\n{run.logs()}"
+    errors = [rec["error"] for rec in run.records("w1") if "error" in rec]
+    assert errors and "this worker stops: its pseudo-gradient is not finite" in errors[-1], run.logs()
+    prints = check_agreement(run, ["w0", "w2"], rounds)
+    for w in ("w0", "w2"):
+        assert final(run, w)["final"] == prints[rounds], (w, final(run, w))
+    late = [rec for rec in run.records("w0") if rec.get("round", 0) > 3]
+    assert late and all(rec["members"] == ["w0", "w2"] for rec in late), run.records("w0")
+
+
 def test_a_worker_whose_data_ends_leaves_after_its_last_round_and_the_others_go_on(run):
     rounds, ids = 6, ["w0", "w1", "w2"]
     for w in ids:

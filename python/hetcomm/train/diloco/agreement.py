@@ -19,6 +19,15 @@ from hetcomm.train.partition import exchange_columns
 _PREFIX = "hetcomm DiLoCo"
 
 
+class NonFinite(ValueError):
+    """A pseudo-gradient that is not finite (NaN or Inf): no outer update was applied. Raised
+    alike on every rank; ``ranks`` are those whose pseudo-gradient it was."""
+
+    def __init__(self, message: str, ranks: list[int]) -> None:
+        super().__init__(message)
+        self.ranks = list(ranks)
+
+
 class Agreement:
     """The round boundary's agreement and reduction (on the background thread with overlap)."""
 
@@ -80,8 +89,8 @@ class Agreement:
         round_index = len(self._history) + 1
         bad = [r for r in range(self._world) if ranks[_FINITE][r] == 0.0]
         if bad:
-            raise ValueError(f"{_PREFIX}: round {round_index}: the pseudo-gradient of rank(s) {bad} is not finite "
-                             "(NaN or Inf in their parameters); no outer update was applied")
+            raise NonFinite(f"{_PREFIX}: round {round_index}: the pseudo-gradient of rank(s) {bad} is not finite "
+                            "(NaN or Inf in their parameters); no outer update was applied", bad)
         for name, row in _BUDGETS.items():
             if len(set(ranks[row])) > 1:
                 raise ValueError(f"{_PREFIX}: the ranks passed different {name} to loop(): "

@@ -30,6 +30,7 @@ import math
 import torch
 
 from hetcomm.train import flat as _flat
+from hetcomm.train.diloco.agreement import NonFinite
 from hetcomm.train.diloco.outer import estimate_step, outer_weights
 from hetcomm.train.partition import exchange_columns
 
@@ -213,8 +214,8 @@ class Streams:
                                  "fragments, stagger and model everywhere")
             bad = [r for r, ok in enumerate(ranks[_F_FINITE]) if ok == 0.0]
             if bad:
-                raise ValueError(f"{_PREFIX}: fragment {f}: the pseudo-gradient of rank(s) {bad} is not finite "
-                                 "(NaN or Inf in their parameters); no outer update was applied")
+                raise NonFinite(f"{_PREFIX}: fragment {f}: the pseudo-gradient of rank(s) {bad} is not finite "
+                                "(NaN or Inf in their parameters); no outer update was applied", bad)
             split = self._workers.diverged(ranks[_F_SUM], ranks[_F_STEPS])
             if split:
                 raise ValueError(f"{_PREFIX}: fragment {f}: the ranks of worker(s) {split} hold different replicas "

@@ -52,6 +52,7 @@ import torch
 import torch.distributed as dist
 
 from hetcomm.train import flat as _flat
+from hetcomm.train.diloco.agreement import NonFinite
 from hetcomm.train.diloco.loop import DiLoCo
 from hetcomm.train.diloco.outer import default_outer_optimizer
 from hetcomm.train.elastic.carry import Round, encode_name, resume_round, share_timing, start_table, take_round
@@ -194,6 +195,9 @@ class ElasticRun(ElasticDiLoCo):
                     ended = True
             except StoreUnreachable:
                 raise
+            except NonFinite as e:                     # (on every rank alike)
+                self._left_out(inner, e)
+                return True
             except RuntimeError as e:                  # a collective failed: the generation is over
                 self._recover(e)
                 return True
@@ -241,7 +245,7 @@ class ElasticRun(ElasticDiLoCo):
                     inner.finish()
                     self._inner = None
                     self._carry_out(inner)
-                except RuntimeError as e:
+                except (RuntimeError, NonFinite) as e:
                     self._log(f"leaving without synchronising its last round (the synchronisation failed: "
                               f"{str(e).splitlines()[0][:200]})")
             if self._keys is not None:
@@ -532,6 +536,22 @@ class ElasticRun(ElasticDiLoCo):
         self._carry_out(inner)
         self._abort(error, f"in round {self._round + 1}")
         self._generation()
+
+    def _left_out(self, inner: DiLoCo, error: NonFinite) -> None:
+        """Workers whose pseudo-gradient is not finite stop (a ValueError on their ranks; they
+        leave); the others go on without them, carrying the round on (no update was applied)."""
+        labels = inner._labels
+        bad = sorted({labels[r] for r in error.ranks})
+        if labels[inner._rank] in bad:
+            why = "its pseudo-gradient is not finite (NaN or Inf in its parameters)"
+            try:
+                self._keys.set(f"leave/{self._me}", {"round": self.rounds, "why": why})
+            except StoreUnreachable:
+                pass                               # (its heartbeat ends with it: dropped all the same)
+            raise ValueError(f"{_PREFIX}: round {self.rounds + 1}: this worker stops: {why}; no outer update was "
+                             "applied and the others go on without it") from error
+        names = ", ".join(self._workers_names[label] for label in bad)
+        self._recover(RuntimeError(f"{names} left out: the pseudo-gradient is not finite"))
 
     def _abort(self, error: BaseException, where: str) -> None:
         """The generation failed: a new epoch, with whoever is still there."""

@@ -43,8 +43,9 @@ class Agreement:
         2 when a worker leaves (its last round is reduced with the others'), 1 when workers wait to
         join: then the round is not reduced (unless it is the run's last): every rank carries it
         on into the next generation, where the joiners contribute to it (`_carry_on`). With
-        staggered fragments, the fragments not fired this round are fired before it (`_synchronise`):
-        a rank that waits for a fragment's job (``overlap_steps``) then finds it queued everywhere."""
+        staggered fragments and ``overlap_steps``, the fragments not fired this round are fired
+        before it (`_synchronise`): a rank that waits for a fragment's job τ steps after firing it
+        then finds it queued everywhere (without τ nobody waits for a job inside a round)."""
         if not self._reform_at_boundary or self._stopped:
             return
         code = max(exchange_columns([float(self._reform())], group=self._group)[0])
@@ -61,12 +62,14 @@ class Agreement:
         """A generation of an elastic run ends its round at this step when workers wait to join,
         no synchronisation is in flight, and the round is to be carried on (`_carry_on`): not the
         run's last, not one carried in already."""
-        if not self._reform_at_boundary or self._carrying_in():
+        # (the synchronisation in flight first: it appends to the history when it lands)
+        if not self._reform_at_boundary or not (self._pending is None or self._pending.done()) \
+                or self._carrying_in():
             return False
         limit = self._budgets["max_rounds"]
         if limit and len(self._history) + 1 >= limit:
             return False
-        return self._reform() == 1 and (self._pending is None or self._pending.done())
+        return self._reform() == 1
 
     def _carry_on(self) -> None:
         """The round is not reduced: it goes on in the next generation. Every fragment that some

@@ -548,7 +548,7 @@ class DiLoCo(Results, ShardedState, Agreement, Checkpoint, Streams, Overlap, _fl
         # plans, recorded in the history, stay identical on every rank.)
         limit = self._budgets["max_rounds"]
         last = bool(limit) and len(self._history) + 1 >= limit
-        if self._reform_at_boundary and self._stagger and not self._stopped:
+        if self._reform_at_boundary and self._stagger and self._rebase_after is not None and not self._stopped:
             self._count_sync(begin)               # (before the agreement: see `_agree_on_reform`)
             self._fire_rest()
             begin = self._clock()

@@ -195,10 +195,7 @@ class ElasticRun(ElasticDiLoCo):
                     ended = True
             except StoreUnreachable:
                 raise
-            except NonFinite as e:                     # (on every rank alike)
-                self._left_out(inner, e)
-                return True
-            except RuntimeError as e:                  # a collective failed: the generation is over
+            except (RuntimeError, NonFinite) as e:     # a collective failed: the generation is over
                 self._recover(e)
                 return True
             if ended:
@@ -521,6 +518,7 @@ class ElasticRun(ElasticDiLoCo):
 
     def _recover(self, error: BaseException) -> None:
         inner, self._inner = self._inner, None
+        every = [f for f in [inner._pending] + [j.get("future") for j in inner._flight.values()] if f is not None]
         futures = self._busy(inner)
         inner.close()
         # The background thread may still be inside a collective of the failed group: wait for it
@@ -529,6 +527,13 @@ class ElasticRun(ElasticDiLoCo):
         if any(not f.done() for f in futures):
             raise RuntimeError(f"{_PREFIX}: the background synchronisation did not end within "
                                f"{self._collective_timeout + 10:.0f} s of a failure; the run cannot go on") from error
+        # A pseudo-gradient that was not finite (raised alike on every rank, here or in a job: a
+        # rank may first see the group fail after another left over it) leaves its worker out.
+        found = error if isinstance(error, NonFinite) else next(
+            (f.exception() for f in every if f.done() and not f.cancelled() and isinstance(f.exception(), NonFinite)),
+            None)
+        if found is not None:
+            error = self._left_out(inner, found)
         if self._carry is None:            # (else taken at the cut boundary; finish() failed after it)
             self._carry = take_round(inner, self._base[1])
         if inner._applied:
@@ -537,11 +542,12 @@ class ElasticRun(ElasticDiLoCo):
         self._abort(error, f"in round {self._round + 1}")
         self._generation()
 
-    def _left_out(self, inner: DiLoCo, error: NonFinite) -> None:
+    def _left_out(self, inner: DiLoCo, error: NonFinite) -> RuntimeError:
         """Workers whose pseudo-gradient is not finite stop (a ValueError on their ranks; they
-        leave); the others go on without them, carrying the round on (no update was applied)."""
+        leave); the others go on without them, carrying the round on (no update was applied
+        with it): what they record as the generation's end."""
         labels = inner._labels
-        bad = sorted({labels[r] for r in error.ranks})
+        bad = sorted({labels[r] for r in error.ranks if 0 <= r < len(labels)})
         if labels[inner._rank] in bad:
             why = "its pseudo-gradient is not finite (NaN or Inf in its parameters)"
             try:
@@ -551,7 +557,7 @@ class ElasticRun(ElasticDiLoCo):
             raise ValueError(f"{_PREFIX}: round {self.rounds + 1}: this worker stops: {why}; no outer update was "
                              "applied and the others go on without it") from error
         names = ", ".join(self._workers_names[label] for label in bad)
-        self._recover(RuntimeError(f"{names} left out: the pseudo-gradient is not finite"))
+        return RuntimeError(f"{names} left out: the pseudo-gradient is not finite")
 
     def _abort(self, error: BaseException, where: str) -> None:
         """The generation failed: a new epoch, with whoever is still there."""

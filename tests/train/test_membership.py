@@ -127,6 +127,27 @@ def test_keep_forgets_the_others_and_closes_their_connections(cluster):
     until(lambda: a.confirmed("b#1"))
 
 
+@pytest.mark.parametrize("garbage", [b"\xff\x00junk", b"-1", b"9" * 40, b'"127.0.0.1:0"', b'["x"]',
+                                     b"[" * 100000])
+def test_garbage_a_store_writer_puts_under_the_heartbeat_keys_stops_nothing(cluster, garbage):
+    """Under the watcher's own heartbeat (the store's `add` would fail on it and close the
+    connection), a watched worker's heartbeat and its address: the thread goes on beating, and
+    the worker without a usable address is judged by its heartbeat."""
+    pulse, keys = cluster
+    keys.set_bytes("hb/f#1", b"1")
+    keys.set_bytes("addr/f#1", garbage)
+    a = pulse("a#1")
+    a.watch(["f#1"])
+    keys.set_bytes("hb/a#1", garbage)
+    keys.set_bytes("hb/f#1", garbage)
+    beats(keys, "a#1")                          # (its counter is a number again: it overwrote it)
+    a.check()
+    assert not a._links                         # no connection to a garbage address
+    keys.set_bytes("hb/f#1", b"7")              # its heartbeat moves: alive
+    until(lambda: a.confirmed("f#1"))
+    a.check()
+
+
 def test_the_store_dying_is_raised_on_the_training_thread():
     server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     client, address = connect(f"127.0.0.1:{server.port}", 2)

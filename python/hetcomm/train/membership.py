@@ -17,6 +17,7 @@ import errno
 import json
 import math
 import os
+import re
 import selectors
 import socket
 import threading
@@ -105,10 +106,11 @@ class Keys:
         return self._call(f"compare_set {key}", self.store.compare_set, self.root + key, expected, new).decode()
 
     def counters(self, keys: Sequence[str]) -> list[int]:
+        """Heartbeat counters (decimal); a value that is not one (a store writer's) reads as -2."""
         if not keys:
             return []
         values = self._call("multi_get heartbeats", self.store.multi_get, [self.root + k for k in keys])
-        return [int(v) if v else 0 for v in values]
+        return [_counter(v) for v in values]
 
     def under(self, sub: str) -> "Keys":
         """The same connection, keys under ``sub/``."""
@@ -122,13 +124,34 @@ def _dump(value) -> str:
     return json.dumps(value, sort_keys=True)
 
 
+def _counter(raw: bytes) -> int:
+    if not raw:
+        return 0
+    if len(raw) <= 19 and raw.isdigit():
+        return int(raw)
+    return -2
+
+
+_ADDRESS = re.compile(r"([0-9A-Za-z.:%_-]{1,255}):([0-9]{1,5})")
+
+
+def _address(raw: bytes) -> tuple[str, int] | None:
+    """``"host:port"`` (JSON) as a worker publishes it (`Pulse`), or None for anything else (a
+    store writer's: read without a JSON parser, whose nesting could exhaust the stack)."""
+    text = raw.decode("ascii", "replace") if len(raw) <= 300 else ""
+    match = _ADDRESS.fullmatch(text[1:-1]) if len(text) > 2 and text[0] == text[-1] == '"' else None
+    if match is None or not 0 < int(match.group(2)) < 65536:
+        return None
+    return match.group(1), int(match.group(2))
+
+
 _LISTENER = object()       # selector data of the listening socket (a watched link's is its name)
 
 
 class Pulse:
     """This worker's heartbeat, and which of the workers it watches are alive.
 
-    A thread of its own (on its own store connection) adds to ``hb/<me>`` every ``interval``
+    A thread of its own (on its own store connection) counts ``hb/<me>`` up every ``interval``
     seconds and reads the watched counters: a worker whose counter has not changed for a while is
     *silent* (dead, frozen or cut off). Besides, every worker listens on a TCP port of its own
     (``addr/<me>`` on the store) and keeps a connection open to each worker it watches; the
@@ -169,7 +192,8 @@ class Pulse:
             self._selector.register(self._listener, selectors.EVENT_READ, _LISTENER)
             # No address published when none reachable was found: the heartbeat alone decides.
             self._keys.set(f"addr/{me}", "%s:%d" % (ip, self._listener.getsockname()[1]) if ip else "")
-            self._keys.add(f"hb/{me}", 1)                  # the keys exist before anyone watches them
+            self._beats = 1
+            self._keys.set(f"hb/{me}", self._beats)          # the keys exist before anyone watches them
         except BaseException:
             self._listener.close()
             raise
@@ -196,7 +220,10 @@ class Pulse:
             self._selector.close()
 
     def _beat(self) -> None:
-        self._keys.add(f"hb/{self._me}", 1)
+        # Set, not added: a store writer's garbage under the key would make the store's `add`
+        # fail and close this connection; a set overwrites it.
+        self._beats += 1
+        self._keys.set(f"hb/{self._me}", self._beats)
         with self._lock:
             names = list(self._watch)
         values = self._keys.counters([f"hb/{n}" for n in names])
@@ -232,14 +259,14 @@ class Pulse:
         for name in todo:
             self._tried[name] = now
             # (a get of a key not there waits for the store's timeout: the heartbeat would stop)
-            address = self._keys.get(f"addr/{name}") if self._keys.has(f"addr/{name}") else ""
-            if not address:
-                continue                          # it published none: the heartbeat decides
-            host, port = address.rsplit(":", 1)
+            raw = self._keys.get_bytes(f"addr/{name}") if self._keys.has(f"addr/{name}") else b""
+            address = _address(raw)
+            if address is None:
+                continue                          # none (or no address): the heartbeat decides
             try:
-                family, kind, proto, _, target = socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)[0]
+                family, kind, proto, _, target = socket.getaddrinfo(*address, type=socket.SOCK_STREAM)[0]
                 sock = socket.socket(family, kind, proto)
-            except OSError:
+            except (OSError, UnicodeError):
                 continue
             sock.setblocking(False)
             code = sock.connect_ex(target)

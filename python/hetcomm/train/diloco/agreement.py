@@ -33,7 +33,7 @@ class Agreement:
 
     _reform_at_boundary = False      # a generation of an elastic run (see `_agree_on_reform`)
     _carry_round = False             # ... that ended without reducing its round (a join)
-    _resumed = False                 # ... whose first round goes on from the last (`carry.resume_round`)
+    _resumed = False                 # ... whose first round a join cut in the last (`carry.resume_round`)
     _sending: int | None = None      # outer steps applied when this rank began to send its round
 
     def _agree_on_reform(self, last: bool) -> None:
@@ -51,8 +51,8 @@ class Agreement:
         code = max(exchange_columns([float(self._reform())], group=self._group)[0])
         if code > 0:
             self._stopped, self._stop_reason = True, "membership: a worker asks to join or leave"
-            # A round is carried on once: one carried in is reduced first (joins that never
-            # come, or a store writer's, must not keep the run from any outer step).
+            # A join cuts a round once: one a join cut is reduced first (joins that never come,
+            # or a store writer's, must not keep the run from any outer step).
             self._carry_round = code == 1 and not last and not self._carrying_in()
 
     def _carrying_in(self) -> bool:

@@ -44,9 +44,9 @@ def start_table(name: str, explicit: bool, carried_round: int, carried_applied: 
     """One exchange over the generation's group. ``disowned``: this member holds the run's state
     and the decision names another round than its own (a forged record on the store).
     ``carried``: `Round.summary` of the round this member carries in, if any."""
-    steps, total, compute, fired, sending = carried or (-1, 0.0, 0.0, 0, -1)
+    steps, total, compute, fired, sending, cut = carried or (-1, 0.0, 0.0, 0, -1, False)
     column = [float(carried_round), float(carried_applied), float(samples), float(explicit), float(disowned),
-              float(steps), float(total), float(compute), float(fired), float(sending), 0.0]
+              float(steps), float(total), float(compute), float(fired), float(sending), float(cut)]
     table = exchange_columns(column + encode_name(name))
     world = len(table[0])
     names = [_decode_name([table[_HEAD + i][r] for i in range(NAME_BYTES)]) for r in range(world)]
@@ -56,7 +56,7 @@ def start_table(name: str, explicit: bool, carried_round: int, carried_applied: 
             "carried": {"steps": _counts(table[5], "carried steps", least=-1), "sum": list(table[6]),
                         "compute": [x if math.isfinite(x) and 0 <= x <= _LONGEST else math.nan for x in table[7]],
                         "fired": _counts(table[8], "fragments fired", most=(1 << _FIRED_BITS) - 1),
-                        "sending": _counts(table[9], "outer steps", least=-1)}}
+                        "sending": _counts(table[9], "outer steps", least=-1), "cut": [x > 0 for x in table[10]]}}
 
 
 _LONGEST = 7 * 86400.0        # seconds a carried round may have lasted (longer: not taken into the deadline)
@@ -86,18 +86,21 @@ class Round:
     windows: tuple[list[int], list[list[int]], list[bool]] | None    # seen, at each trigger, fired
     applied: int
     sending: int | None
+    cut: bool = False             # taken at a boundary a join cut (else after a failure)
 
-    def summary(self) -> tuple[int, float, float, int, int]:
+    def summary(self) -> tuple[int, float, float, int, int, bool]:
         """steps, a float64 sum of the progress (equal over a worker's ranks), compute seconds, the
-        fragments fired (bits), the outer steps applied when it began to send (-1: it had not)."""
+        fragments fired (bits), the outer steps applied when it began to send (-1: it had not),
+        whether a join cut it."""
         flags = self.windows[2] if self.windows and len(self.windows[2]) <= _FIRED_BITS else []
         return (self.counts[0], float(torch.sum(self.delta, dtype=torch.float64)), self.counts[2],
-                sum(1 << f for f, x in enumerate(flags) if x), -1 if self.sending is None else self.sending)
+                sum(1 << f for f, x in enumerate(flags) if x), -1 if self.sending is None else self.sending, self.cut)
 
 
-def take_round(inner, applied_before: int) -> Round | None:
+def take_round(inner, applied_before: int, cut: bool = False) -> Round | None:
     """The round ``inner`` (a generation's `DiLoCo`, its background jobs over) ended inside of, or
-    None when it took no step in it. ``applied_before``: the run's outer steps before ``inner``."""
+    None when it took no step in it. ``applied_before``: the run's outer steps before ``inner``;
+    ``cut``: a join cut it (else a failure ended it)."""
     if inner._r_steps < 1:
         return None
     delta = inner._progress().clone()
@@ -106,7 +109,7 @@ def take_round(inner, applied_before: int) -> Round | None:
         windows = (list(inner._seen), [list(x) for x in inner._at_trigger], list(inner._fired))
     return Round(delta, (inner._r_steps, inner._r_samples, inner._r_compute, inner._r_loss, inner._r_loss_n),
                  windows, applied_before + inner._applied,
-                 None if inner._sending is None else applied_before + inner._sending)
+                 None if inner._sending is None else applied_before + inner._sending, cut)
 
 
 def resume_round(inner, mine: Round | None, start: dict, labels: list[int]) -> bool:
@@ -132,7 +135,9 @@ def resume_round(inner, mine: Round | None, start: dict, labels: list[int]) -> b
         if inner._stagger and mine.windows is not None:
             inner._seen, inner._at_trigger = list(mine.windows[0]), [list(x) for x in mine.windows[1]]
     keepers = [r for r in range(world) if keep[r]]
-    inner._resumed = bool(keepers)            # (a round carried in is reduced before another is carried)
+    # A round a join cut is not cut again before it is reduced (joins never admitted, or a store
+    # writer's, must not keep the run from its outer steps); one a failure ended may be.
+    inner._resumed = any(c["cut"][r] for r in keepers)
     if inner._stagger and len(inner._fragments) <= _FIRED_BITS:
         inner._fired = [bool(keepers) and all(c["fired"][r] >> f & 1 for r in keepers)
                         for f in range(len(inner._fragments))]

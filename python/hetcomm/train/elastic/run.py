@@ -190,7 +190,7 @@ class ElasticRun(ElasticDiLoCo):
                 synced = inner.step(samples, loss)
                 if inner.should_stop:                  # every rank stopped at this boundary
                     if inner._carry_round:             # (a join: the round goes on in the next generation)
-                        self._carry = take_round(inner, self._base[1])
+                        self._carry = take_round(inner, self._base[1], cut=True)
                     inner.finish()
                     ended = True
             except StoreUnreachable:

@@ -167,6 +167,48 @@ def rate(rounds: list[dict], first: int, last: int) -> float | None:
     return samples / (by[last]["t"] - by[first - 1]["t"])
 
 
+def victim_figures(table: list[dict], vid: str, restart_t: float, asked_t: float | None,
+                   first_contribution: int | None) -> dict:
+    """From the round table (times from the run's start, a round's time when its record was
+    written: with overlap up to a round after its steps) and the first round the restarted
+    incarnation contributed steps to (from its own records): the rounds without the victim,
+    how many rounds that contribution came after the restart (and after its join request), and
+    the survivors' samples/s while it was gone (over the rounds without it; when it rejoined
+    inside the round it died in, over that round, its own samples left out)."""
+    by = {r["round"]: r for r in table}
+    gone = [r["round"] for r in table if vid not in r["members"]]
+    b = first_contribution
+    out = {"gone_rounds": gone, "contributes_in_round": b, "rounds_from_restart_to_contribution": None,
+           "rounds_from_join_request_to_contribution": None, "survivors_samples_per_s": None,
+           "survivors_samples_per_s_after_detection": None}
+
+    def survivors(first: int, last: int) -> float | None:
+        if first - 1 not in by or last not in by or last < first or by[last]["t"] <= by[first - 1]["t"]:
+            return None
+        n = sum(s for i in range(first, last + 1) for m, s in zip(by[i]["members"], by[i]["samples"]) if m != vid)
+        return n / (by[last]["t"] - by[first - 1]["t"])
+    if gone:
+        out["survivors_samples_per_s"] = survivors(gone[0], gone[-1])
+        out["survivors_samples_per_s_after_detection"] = survivors(gone[0] + 1, gone[-1]) if len(gone) > 1 else None
+    elif b is not None:
+        out["survivors_samples_per_s"] = survivors(b, b)
+    if b is not None:
+        out["rounds_from_restart_to_contribution"] = b - max((r["round"] for r in table if r["t"] <= restart_t),
+                                                             default=0)
+        if asked_t is not None:
+            out["rounds_from_join_request_to_contribution"] = b - max(
+                (r["round"] for r in table if r["t"] <= asked_t), default=0)
+    return out
+
+
+def first_contribution(lines: list[dict], vid: str, restart_abs: float) -> int | None:
+    """The first round the incarnation started at ``restart_abs`` (or later) reports with steps of
+    its own (the example's records: a ``start`` line, then one per round it applied)."""
+    pid = next((r["pid"] for r in lines if "start" in r and r["start"] >= restart_abs - 1), None)
+    return next((r["round"] for r in lines if r.get("pid") == pid and "round" in r and vid in r["members"]
+                 and r["steps"][r["members"].index(vid)] > 0), None) if pid is not None else None
+
+
 def loss_curve(job: Job, rounds: list[dict], windows: int) -> list[tuple[int, float]]:
     """(samples so far, held-out loss of the global parameters) after every round the first
     worker saved (the example's model, corpus and seed)."""
@@ -231,27 +273,14 @@ def run_job(cluster, args, name, ranks, victim=None, seed=None) -> dict:
     if args.eval_windows:
         result["loss_curve"] = loss_curve(job, rounds, args.eval_windows)
     if victim is not None:
-        vid = f"w{victim}"
-        gone = [r["round"] for r in rounds if vid not in r["members"]]
-        back = [r for r in rounds if vid in r["members"] and r["round"] > (gone[0] if gone else 0)
-                and r["steps"][r["members"].index(vid)] > 0]
-        before_restart = [r["round"] for r in rounds if r["t"] <= restart]
-        asked = [r for r in job.records(victim) if "start" in r and r["start"] >= restart - 1]
-        before_ask = [r["round"] for r in rounds if asked and r["t"] <= asked[0]["start"]]
-        result.update({
-            "kill_t": job.kills[0]["t"] - started, "restart_t": restart - started,
-            "gone_rounds": gone,
-            "survivors_samples_per_s": rate(rounds, gone[0], gone[-1]) if gone else None,
-            "survivors_samples_per_s_after_detection": (rate(rounds, gone[0] + 1, gone[-1])
-                                                        if len(gone) > 1 else None),
-            "contributes_in_round": back[0]["round"] if back else None,
-            "restarted_worker_joined_early": (finals[victim]["stats"].get("early_joins", 0) > 0
-                                              if victim in finals else None),
-            "rounds_from_restart_to_contribution": (back[0]["round"] - max(before_restart, default=0)
-                                                    if back else None),
-            "rounds_from_join_request_to_contribution": (back[0]["round"] - max(before_ask, default=0)
-                                                         if back and asked else None),
-        })
+        lines = job.records(victim)
+        asked = [r for r in lines if "start" in r and r["start"] >= restart - 1]
+        result.update({"kill_t": job.kills[0]["t"] - started, "restart_t": restart - started,
+                       "asked_t": asked[0]["start"] - started if asked else None,
+                       "restarted_worker_joined_early": (finals[victim]["stats"].get("early_joins", 0) > 0
+                                                         if victim in finals else None)})
+        result.update(victim_figures(result["round_table"], f"w{victim}", result["restart_t"], result["asked_t"],
+                                     first_contribution(lines, f"w{victim}", restart)))
     print(f"  {name}: {result['rounds']} rounds, {result['samples']} samples, "
           f"{result['samples_per_s'] or 0:.1f} samples/s, loss {result['final_loss']}, hung {hung}, split {split}"
           + (f", survivors {result['survivors_samples_per_s'] or 0:.1f} samples/s "
@@ -329,6 +358,80 @@ def elastic_records(doc: dict) -> list[dict]:
     return out
 
 
+def summarise(runs: dict) -> tuple[list[dict], dict]:
+    """Per repeat, the kill run against the same repeat's three- and four-worker runs; then the
+    median and range of each figure over the repeats."""
+    ratios = []
+    for three, kill, four in zip(runs["three"], runs["kill"], runs["four"]):
+        ratios.append({
+            "survivors_vs_three": (kill["survivors_samples_per_s"] / three["samples_per_s"]
+                                   if kill["survivors_samples_per_s"] and three["samples_per_s"] else None),
+            "survivors_after_detection_vs_three": (
+                kill["survivors_samples_per_s_after_detection"] / three["samples_per_s"]
+                if kill["survivors_samples_per_s_after_detection"] and three["samples_per_s"] else None),
+            "loss_kill_vs_four": (kill["final_loss"] / four["final_loss"]
+                                  if kill["final_loss"] and four["final_loss"] else None),
+            "samples_kill_vs_four": kill["samples"] / four["samples"] if four["samples"] else None,
+            # both curves at the uninterrupted run's samples (the kill run ends past them)
+            "loss_kill_vs_four_equal_samples": (
+                at_samples(kill["loss_curve"], four["samples"]) / four["loss_curve"][-1][1]
+                if kill.get("loss_curve") and four.get("loss_curve")
+                and at_samples(kill["loss_curve"], four["samples"]) else None),
+            "rounds_from_restart_to_contribution": kill["rounds_from_restart_to_contribution"],
+            "rounds_from_join_request_to_contribution": kill["rounds_from_join_request_to_contribution"],
+        })
+
+    def med(key):
+        vals = [r[key] for r in ratios if r[key] is not None]
+        return {"median": statistics.median(vals), "min": min(vals), "max": max(vals)} if vals else None
+    summary = {k: med(k) for k in ratios[0]}
+    return ratios, summary
+
+
+def rescore(path: str) -> int:
+    """Recomputes a kill benchmark's victim figures and summary from its records (``--rescore``):
+    its runs' round tables, kill, restart and join-request times are kept; the command that
+    measured them stays in the header (``measured_by``)."""
+    from hetcomm.bench.records import read_with_trace
+    recs = read_with_trace(path)
+    head = next(r for r in recs if r["kind"] == RUN)
+    victim = f"w{len(str(head['cpu_quota']).split(',')) - 1}"
+    runs: dict[str, list[dict]] = {}
+    index: dict[tuple, dict] = {}
+    for r in recs:
+        body = {k: v for k, v in r.items() if k not in ("kind", "command")}
+        if r["kind"] == RESULT:
+            run = {**body, "round_table": [], "membership": [], "loss_curve": []}
+            runs.setdefault(body["name"], []).append(run)
+            index[(body["name"], body["repeat"])] = run
+        elif r["kind"] in ("round", "membership", "loss"):
+            run = index[(body.pop("name"), body.pop("repeat"))]
+            if r["kind"] == "round":
+                run["round_table"].append(body)
+            elif r["kind"] == "membership":
+                run["membership"].append(body)
+            else:
+                run["loss_curve"].append((body["samples"], body["loss"]))
+    for run in runs.get("kill", []):
+        # the victim's records (absolute times) against the run's (from its start)
+        lines = [json.loads(x) for x in open(os.path.join(run["out_dir"], f"{victim}.jsonl")) if x.strip()]
+        by = {r["round"]: r["t"] for r in run["round_table"]}
+        mine = [r for r in lines if "round" in r and r["round"] in by and "t" in r]
+        offset = statistics.median(r["t"] - by[r["round"]] for r in mine)
+        if "asked_t" not in run:
+            run["asked_t"] = next((r["start"] - offset for r in lines
+                                   if "start" in r and r["start"] - offset >= run["restart_t"] - 1), None)
+        run.update(victim_figures(run["round_table"], victim, run["restart_t"], run["asked_t"],
+                                  first_contribution(lines, victim, run["restart_t"] + offset)))
+    ratios, summary = summarise(runs)
+    header = {k: v for k, v in head.items() if k not in ("kind", "command", "trace", "summary", "per_repeat")}
+    doc = {**header, "measured_by": head.get("measured_by", head.get("command")), "summary": summary,
+           "per_repeat": ratios, "runs": runs}
+    print(json.dumps(summary, indent=1))
+    write_with_trace(path, elastic_records(doc), command_line(), TRACE_KINDS, RUN_KEY)
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--cpu-quota", default="0.8,0.4,0.2,0.2")
@@ -351,7 +454,11 @@ def main(argv=None) -> int:
     ap.add_argument("--eval-windows", type=int, default=512,
                     help="held-out windows for the per-round loss curve (0: none; the example's final loss uses 256)")
     ap.add_argument("--json", default="")
+    ap.add_argument("--rescore", metavar="JSON", help="recompute the victim figures and summary of a kill benchmark's "
+                    "results (its round tables and times), rewriting the file")
     args = ap.parse_args(argv)
+    if args.rescore:
+        return rescore(args.rescore)
     quotas = [float(q) for q in args.cpu_quota.split(",")]
     spec = SimSpec(cpu_quota=quotas, nic_mbit=[float(args.nic_mbit)] * len(quotas) if args.nic_mbit else None)
     with SimCluster(spec) as cluster:
@@ -367,30 +474,7 @@ def main(argv=None) -> int:
                 runs["three"].append(run_job(cluster, args, "three", list(range(len(quotas) - 1)), seed=seed))
                 runs["kill"].append(run_job(cluster, args, "kill", list(range(len(quotas))), victim=len(quotas) - 1,
                                             seed=seed))
-            ratios = []
-            for three, kill, four in zip(runs["three"], runs["kill"], runs["four"]):
-                ratios.append({
-                    "survivors_vs_three": (kill["survivors_samples_per_s"] / three["samples_per_s"]
-                                           if kill["survivors_samples_per_s"] and three["samples_per_s"] else None),
-                    "survivors_after_detection_vs_three": (
-                        kill["survivors_samples_per_s_after_detection"] / three["samples_per_s"]
-                        if kill["survivors_samples_per_s_after_detection"] and three["samples_per_s"] else None),
-                    "loss_kill_vs_four": (kill["final_loss"] / four["final_loss"]
-                                          if kill["final_loss"] and four["final_loss"] else None),
-                    "samples_kill_vs_four": kill["samples"] / four["samples"] if four["samples"] else None,
-                    # both curves at the uninterrupted run's samples (the kill run ends past them)
-                    "loss_kill_vs_four_equal_samples": (
-                        at_samples(kill["loss_curve"], four["samples"]) / four["loss_curve"][-1][1]
-                        if kill.get("loss_curve") and four.get("loss_curve")
-                        and at_samples(kill["loss_curve"], four["samples"]) else None),
-                    "rounds_from_restart_to_contribution": kill["rounds_from_restart_to_contribution"],
-                    "rounds_from_join_request_to_contribution": kill["rounds_from_join_request_to_contribution"],
-                })
-
-            def med(key):
-                vals = [r[key] for r in ratios if r[key] is not None]
-                return {"median": statistics.median(vals), "min": min(vals), "max": max(vals)} if vals else None
-            summary = {k: med(k) for k in ratios[0]}
+            ratios, summary = summarise(runs)
             hung = [r["hung"] for rs in runs.values() for r in rs if r["hung"]]
             split = [r["split_rounds"] for rs in runs.values() for r in rs if r["split_rounds"]]
             doc = {"scenario": "kill and restart", **vars(args), "summary": summary, "per_repeat": ratios,

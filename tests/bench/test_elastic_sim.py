@@ -1,0 +1,56 @@
+"""The figures `benchmarks/elastic_sim.py` derives for a killed and restarted worker, on round
+tables made by hand (the arithmetic of the kill benchmark's targets)."""
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+@pytest.fixture(scope="module")
+def sim():
+    spec = importlib.util.spec_from_file_location("elastic_sim", os.path.join(ROOT, "benchmarks", "elastic_sim.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def row(n, t, members, samples):
+    return {"round": n, "t": t, "members": members, "samples": samples}
+
+
+ALL = ["w0", "w1", "w2", "w3"]
+
+
+def test_a_victim_absent_for_a_round(sim):
+    table = [row(1, 10.0, ALL, [4, 2, 1, 1]), row(2, 20.0, ALL, [4, 2, 1, 1]),
+             row(3, 30.0, ALL[:3], [40, 20, 10]), row(4, 50.0, ALL, [8, 4, 2, 2])]
+    out = sim.victim_figures(table, "w3", restart_t=25.0, asked_t=28.0, first_contribution=4)
+    assert out["gone_rounds"] == [3]
+    assert out["survivors_samples_per_s"] == pytest.approx(70 / 10.0)      # round 3, from round 2's end
+    assert out["rounds_from_restart_to_contribution"] == 2                # round 3 in progress, then 4
+    assert out["rounds_from_join_request_to_contribution"] == 2
+
+
+def test_a_victim_back_inside_the_round_it_died_in(sim):
+    table = [row(1, 10.0, ALL, [4, 2, 1, 1]), row(2, 20.0, ALL, [4, 2, 1, 1]),
+             row(3, 45.0, ALL, [40, 20, 10, 3])]
+    out = sim.victim_figures(table, "w3", restart_t=25.0, asked_t=31.0, first_contribution=3)
+    assert out["gone_rounds"] == []
+    assert out["survivors_samples_per_s"] == pytest.approx(70 / 25.0)      # its own 3 samples left out
+    assert out["rounds_from_restart_to_contribution"] == 1
+    assert out["rounds_from_join_request_to_contribution"] == 1
+
+
+def test_the_first_contribution_is_the_restarted_incarnations(sim):
+    lines = [{"start": 100.0, "pid": 1},
+             {"round": 1, "pid": 1, "members": ALL, "steps": [1, 1, 1, 1]},
+             {"round": 2, "pid": 1, "members": ALL, "steps": [1, 1, 1, 1]},
+             {"start": 140.0, "pid": 2},
+             {"round": 3, "pid": 2, "members": ALL, "steps": [5, 5, 5, 0]},     # joined after its steps
+             {"round": 4, "pid": 2, "members": ALL, "steps": [5, 5, 5, 2]}]
+    assert sim.first_contribution(lines, "w3", 139.5) == 4
+    assert sim.first_contribution(lines, "w3", 150.0) is None                # no incarnation started then

@@ -141,6 +141,9 @@ def test_one_rank_of_a_two_rank_worker_killed_and_restarted(run, features):
     # b1 is a rank of worker b again: the last generation has two workers of two ranks each
     assert final(run, "a0")["stats"]["generations"][-1]["workers"] == [[0, 1], [2, 3]], final(run, "a0")["stats"]
     assert any(rec["round"] > 2 for rec in run.records("b1") if "round" in rec), run.records("b1")
+    if "overlap" not in features:      # worker a's steps of the round b1 died in went on (b's: dropped, b1 is new)
+        recorded = sum(r["steps"][r["members"].index("a")] for r in run.records("a0") if "round" in r)
+        assert recorded == final(run, "a0")["steps_taken"], (run.records("a0"), run.logs())
 
 
 @pytest.mark.parametrize("features", ["fixed-fp32", "time-int8-overlap-staggered"])

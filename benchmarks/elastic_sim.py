@@ -417,7 +417,9 @@ def rescore(path: str) -> int:
         lines = [json.loads(x) for x in open(os.path.join(run["out_dir"], f"{victim}.jsonl")) if x.strip()]
         by = {r["round"]: r["t"] for r in run["round_table"]}
         mine = [r for r in lines if "round" in r and r["round"] in by and "t" in r]
-        offset = statistics.median(r["t"] - by[r["round"]] for r in mine)
+        if not mine:
+            continue                                           # (the victim reported no round: nothing to place)
+        offset = min(r["t"] - by[r["round"]] for r in mine)    # (the table's time is the earliest report)
         if "asked_t" not in run:
             run["asked_t"] = next((r["start"] - offset for r in lines
                                    if "start" in r and r["start"] - offset >= run["restart_t"] - 1), None)

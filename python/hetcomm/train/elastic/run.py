@@ -505,7 +505,8 @@ class ElasticRun(ElasticDiLoCo):
         """Every rank finished the generation at the same boundary: the run ends (a budget) or
         the next generation forms (a worker joins or leaves)."""
         self._carry_out(inner)
-        self._failures = 0
+        if inner._history:
+            self._failures = 0             # (a cut that reduced nothing is no progress)
         reason = inner.stop_reason or ""
         if reason.startswith("membership"):
             self._reform()
@@ -535,7 +536,8 @@ class ElasticRun(ElasticDiLoCo):
         if found is not None:
             error = self._left_out(inner, found)
         if self._carry is None:            # (else taken at the cut boundary; finish() failed after it)
-            self._carry = take_round(inner, self._base[1])
+            # (a round a join cut stays protected from another cut through a failure)
+            self._carry = take_round(inner, self._base[1], cut=inner._carrying_in())
         if inner._applied:
             self._failures = 0             # the generation moved the run on: not a failure in a row
         self._carry_out(inner)

@@ -146,14 +146,15 @@ def main(argv: list[str] | None = None) -> int:
             return real_offer(self)
         elastic.ElasticDiLoCo._offer_state = dying_offer
     elif where == "transfer":
-        real_broadcast = torch.distributed.broadcast_object_list
+        from hetcomm.train.elastic import generation
+        real_broadcast = generation._broadcast_meta
 
-        def dying_broadcast(box, src, *a, **k):
-            result = real_broadcast(box, src, *a, **k)
+        def dying_broadcast(meta, src):
+            result = real_broadcast(meta, src)
             if diloco.rounds >= die_round and diloco._holds:          # a holder, sending
                 kill_self()
             return result
-        torch.distributed.broadcast_object_list = dying_broadcast
+        generation._broadcast_meta = dying_broadcast
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, args.hidden), torch.nn.Tanh(),

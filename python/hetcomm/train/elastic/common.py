@@ -23,6 +23,31 @@ _CHUNK = 4 << 20              # bytes per store value of an offer (the libuv TCP
 _fingerprint = fingerprint
 
 
+def _to_json(obj):
+    """An optimizer state's skeleton as JSON can carry it (integer keys and tuples kept)."""
+    if isinstance(obj, dict):
+        if all(isinstance(k, str) for k in obj):
+            return {k: _to_json(v) for k, v in obj.items()}
+        return {"__items__": [[k, _to_json(v)] for k, v in obj.items()]}
+    if isinstance(obj, tuple):
+        return {"__tuple__": [_to_json(v) for v in obj]}
+    if isinstance(obj, list):
+        return [_to_json(v) for v in obj]
+    return obj
+
+
+def _from_json(obj):
+    if isinstance(obj, dict):
+        if set(obj) == {"__items__"}:
+            return {k: _from_json(v) for k, v in obj["__items__"]}
+        if set(obj) == {"__tuple__"}:
+            return tuple(_from_json(v) for v in obj["__tuple__"])
+        return {k: _from_json(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_from_json(v) for v in obj]
+    return obj
+
+
 # Settings that describe the job by global rank (HETCOMM_HOST_ID only in its per-rank form, with
 # commas): meaningless when ranks change every generation.
 _PER_RANK_VARIABLES = ("HETCOMM_HOST_ID", "HETCOMM_SITES", "HETCOMM_LINK_MBIT")

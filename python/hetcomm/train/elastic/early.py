@@ -10,7 +10,7 @@ import time
 
 import torch
 
-from hetcomm.train.elastic.common import _PREFIX, _fingerprint, _Poll
+from hetcomm.train.elastic.common import _PREFIX, _fingerprint, _Poll, _to_json, _from_json
 from hetcomm.train.membership import StoreUnreachable
 
 
@@ -47,31 +47,6 @@ def _delete_offer(keys, rnd: int, layout: list[tuple[int, int, int]], only: int 
             keys.delete(f"snap/r{rnd}/{i}/{k}")
     if only is None:
         keys.delete(f"snap/r{rnd}/meta")
-
-
-def _to_json(obj):
-    """An optimizer state's skeleton as JSON can carry it (integer keys and tuples kept)."""
-    if isinstance(obj, dict):
-        if all(isinstance(k, str) for k in obj):
-            return {k: _to_json(v) for k, v in obj.items()}
-        return {"__items__": [[k, _to_json(v)] for k, v in obj.items()]}
-    if isinstance(obj, tuple):
-        return {"__tuple__": [_to_json(v) for v in obj]}
-    if isinstance(obj, list):
-        return [_to_json(v) for v in obj]
-    return obj
-
-
-def _from_json(obj):
-    if isinstance(obj, dict):
-        if set(obj) == {"__items__"}:
-            return {k: _from_json(v) for k, v in obj["__items__"]}
-        if set(obj) == {"__tuple__"}:
-            return tuple(_from_json(v) for v in obj["__tuple__"])
-        return {k: _from_json(v) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_from_json(v) for v in obj]
-    return obj
 
 
 class EarlyJoin:

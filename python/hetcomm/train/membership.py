@@ -14,12 +14,15 @@ from __future__ import annotations
 
 import datetime
 import errno
+import hashlib
+import hmac
 import json
 import math
 import os
 import re
 import selectors
 import socket
+import sys
 import threading
 import time
 from collections.abc import Sequence
@@ -55,17 +58,39 @@ def connect(store: str | dist.Store, timeout: float) -> tuple[dist.Store, str]:
     return store, address
 
 
-class Keys:
-    """The job's keys on one store client; every store failure becomes StoreUnreachable naming it."""
+class Forged(ValueError):
+    """A store value that does not open with the out-of-band secret's key: written by someone
+    without the secret, or moved from another key. It is never acted on."""
 
-    def __init__(self, store: dist.Store, address: str, root: str) -> None:
-        self.store, self.address, self.root = store, address, root
+
+_TAG = 32                     # bytes of the seal after a value (HMAC-SHA-256)
+_FIRST_TRIES = 50             # compare_set attempts against values that keep failing their seal
+
+
+class Keys:
+    """The job's keys on one store client; every store failure becomes StoreUnreachable naming it.
+
+    With an out-of-band secret (``seal``, from `hetcomm._engine.store_seal_key`), every value
+    written is followed by an HMAC over its full key and bytes, and every value read must carry
+    a valid one: one that does not raises `Forged` (a ValueError naming the key) instead of being
+    parsed, and `first` replaces it. Seals are deterministic, so a store writer can put back an
+    older value of the same key (heartbeats count only upwards for that reason) but can never
+    write a value of its own, or move one between keys or jobs. Counters (`add`) and presence
+    (`has`) are not sealed: a store writer can change those, and nothing is decided on them alone.
+    """
+
+    def __init__(self, store: dist.Store, address: str, root: str, seal: bytes | None = None) -> None:
+        self.store, self.address, self.root, self._seal_key = store, address, root, seal
+
+    @property
+    def sealed(self) -> bool:
+        return self._seal_key is not None
 
     def clone(self) -> "Keys":
         """Another connection to the same store (a TCPStore client is one socket: threads each
         get their own)."""
         try:
-            return Keys(self._call("connect", self.store.clone), self.address, self.root)
+            return Keys(self._call("connect", self.store.clone), self.address, self.root, self._seal_key)
         except (AttributeError, NotImplementedError):
             return self           # a store without clone (HashStore in tests): share it
 
@@ -76,52 +101,123 @@ class Keys:
             raise StoreUnreachable(f"{_PREFIX}: the store at {self.address} failed ({what}): {e} -- is the store "
                                    "process (python -m hetcomm.store) still running and reachable?") from e
 
+    def _tag(self, key: str, value: bytes) -> bytes:
+        full = (self.root + key).encode()
+        return hmac.new(self._seal_key, len(full).to_bytes(4, "little") + full + value, hashlib.sha256).digest()
+
+    def _sealed(self, key: str, value: bytes) -> bytes:
+        return value + self._tag(key, value) if self._seal_key is not None else value
+
+    def _open(self, key: str, raw: bytes) -> bytes | None:
+        """The value of a sealed record, or None when its seal is not right."""
+        if self._seal_key is None:
+            return raw
+        value, tag = raw[:-_TAG], raw[-_TAG:]
+        return value if len(raw) >= _TAG and hmac.compare_digest(tag, self._tag(key, value)) else None
+
+    def _opened(self, key: str, raw: bytes) -> bytes:
+        value = self._open(key, raw)
+        if value is None:
+            _log_forged(self.root + key)
+            raise Forged(f"{_PREFIX}: the store value {self.root + key} does not open with the out-of-band secret "
+                         "(someone without HETCOMM_SECRET(_FILE) wrote it, or a worker has another secret): "
+                         "ignored")
+        return value
+
     def set(self, key: str, value) -> None:
-        self._call(f"set {key}", self.store.set, self.root + key, _dump(value))
+        self.set_bytes(key, _dump(value).encode())
 
     def get(self, key: str):
-        return json.loads(self._call(f"get {key}", self.store.get, self.root + key))
+        return json.loads(self.get_bytes(key))
 
     def has(self, key: str) -> bool:
-        return bool(self._call(f"check {key}", self.store.check, [self.root + key]))
+        """Whether the key holds a value; with a seal, one that opens (a forged value is not
+        there: it is logged and ignored, and the worker goes on waiting for an authentic one)."""
+        present = self.has_raw(key)
+        if not present or self._seal_key is None:
+            return present
+        if self._open(key, self._call(f"get {key}", self.store.get, self.root + key)) is None:
+            _log_forged(self.root + key)
+            return False
+        return True
 
     def set_bytes(self, key: str, value: bytes) -> None:
-        self._call(f"set {key}", self.store.set, self.root + key, value)
+        self._call(f"set {key}", self.store.set, self.root + key, self._sealed(key, value))
 
     def get_bytes(self, key: str) -> bytes:
-        return self._call(f"get {key}", self.store.get, self.root + key)
+        return self._opened(key, self._call(f"get {key}", self.store.get, self.root + key))
 
     def delete(self, key: str) -> None:
         self._call(f"delete {key}", self.store.delete_key, self.root + key)
 
     def add(self, key: str, n: int) -> int:
+        """The store's counter, added to. A value there that is not a counter (a store writer's)
+        raises a ValueError naming the key: the store's `add` would fail on it and close this
+        client's connection."""
+        if self.has_raw(key) and not _is_counter(self._call(f"get {key}", self.store.get, self.root + key)):
+            raise ValueError(f"{_PREFIX}: the store value {self.root + key} is not a counter (someone else wrote it)")
         return int(self._call(f"add {key}", self.store.add, self.root + key, n))
 
+    def has_raw(self, key: str) -> bool:
+        """Whether the key holds anything (a counter, or any value, sealed or not)."""
+        return bool(self._call(f"check {key}", self.store.check, [self.root + key]))
+
     def first(self, key: str, value):
-        """compare_set from nothing: the value that is there afterwards (ours if we were first)."""
-        return json.loads(self._call(f"compare_set {key}", self.store.compare_set, self.root + key, "", _dump(value)))
+        """compare_set from nothing: the value that is there afterwards (ours if we were first).
+        A value there that fails its seal counts as nothing: ours replaces it."""
+        mine, expected = self._sealed(key, _dump(value).encode()), b""
+        for _ in range(_FIRST_TRIES):
+            raw = self._call(f"compare_set {key}", self.store.compare_set, self.root + key, expected, mine)
+            if expected and raw == expected:
+                expected = b""                    # the key is gone (torch then answers `expected`)
+                continue
+            opened = self._open(key, raw)
+            if opened is not None:
+                return json.loads(opened)
+            expected = raw                        # a forged value: replace it, unless someone did
+        raise Forged(f"{_PREFIX}: the store value {self.root + key} keeps being replaced by values that do not "
+                     "open with the out-of-band secret: someone without the secret is writing it")
 
     def swap(self, key: str, expected: str, new: str) -> str:
         """compare_set of a plain string: the value there afterwards."""
-        return self._call(f"compare_set {key}", self.store.compare_set, self.root + key, expected, new).decode()
+        raw = self._call(f"compare_set {key}", self.store.compare_set, self.root + key,
+                         self._sealed(key, expected.encode()), self._sealed(key, new.encode()))
+        return self._opened(key, raw).decode()
 
     def counters(self, keys: Sequence[str]) -> list[int]:
-        """Heartbeat counters (decimal); a value that is not one (a store writer's) reads as -2."""
+        """Heartbeat counters (decimal); a value that is not one, or does not open (a store
+        writer's), reads as -2."""
         if not keys:
             return []
         values = self._call("multi_get heartbeats", self.store.multi_get, [self.root + k for k in keys])
-        return [_counter(v) for v in values]
+        opened = [self._open(k, v) for k, v in zip(keys, values)]
+        return [-2 if v is None else _counter(v) for v in opened]
 
     def under(self, sub: str) -> "Keys":
         """The same connection, keys under ``sub/``."""
-        return Keys(self.store, self.address, f"{self.root}{sub}/")
+        return Keys(self.store, self.address, f"{self.root}{sub}/", self._seal_key)
 
     def set_timeout(self, seconds: float) -> None:
         self._call("set_timeout", self.store.set_timeout, datetime.timedelta(seconds=seconds))
 
 
+_LOGGED: set[str] = set()         # keys whose forged values were logged (each once; at most 1,000)
+
+
+def _log_forged(key: str) -> None:
+    if key not in _LOGGED and len(_LOGGED) < 1000:
+        _LOGGED.add(key)
+        print(f"{_PREFIX}: ignored the store value {key}: it does not open with the out-of-band secret "
+              "(written by someone without it)", file=sys.stderr, flush=True)
+
+
 def _dump(value) -> str:
     return json.dumps(value, sort_keys=True)
+
+
+def _is_counter(raw: bytes) -> bool:
+    """What the store's `add` accepts (and writes): a decimal number that fits in 64 bits."""
+    return 0 < len(raw) <= 18 and raw.isdigit()
 
 
 def _counter(raw: bytes) -> int:
@@ -231,7 +327,8 @@ class Pulse:
         with self._lock:
             for name, value in zip(names, values):
                 entry = self._watch.get(name)
-                if entry is not None and entry[0] != value:
+                # Only upwards: a store writer can put back an older sealed value, or garbage.
+                if entry is not None and value > entry[0]:
                     if entry[0] != -1:
                         self._confirmed.add(name)         # it moved while we watched
                     self._watch[name] = (value, now)
@@ -259,7 +356,10 @@ class Pulse:
         for name in todo:
             self._tried[name] = now
             # (a get of a key not there waits for the store's timeout: the heartbeat would stop)
-            raw = self._keys.get_bytes(f"addr/{name}") if self._keys.has(f"addr/{name}") else b""
+            try:
+                raw = self._keys.get_bytes(f"addr/{name}") if self._keys.has(f"addr/{name}") else b""
+            except Forged:
+                raw = b""                         # not the worker's: the heartbeat decides
             address = _address(raw)
             if address is None:
                 continue                          # none (or no address): the heartbeat decides

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import threading
 import time
 
@@ -47,6 +48,35 @@ def _delete_offer(keys, rnd: int, layout: list[tuple[int, int, int]], only: int 
             keys.delete(f"snap/r{rnd}/{i}/{k}")
     if only is None:
         keys.delete(f"snap/r{rnd}/meta")
+
+
+def _offer_problem(meta, global_bytes: int) -> str | None:
+    """What is wrong with an offer's metadata (read from the store: a store writer's, without an
+    out-of-band secret), before anything is allocated for it; None when it is well formed. Its
+    bytes are the global parameters and an outer optimizer state of at most four times them."""
+    if not isinstance(meta, dict):
+        return "not a JSON object"
+    ints = {k: meta.get(k) for k in ("round", "epoch", "shards", "bytes", "chunk", "globals", "samples_total")}
+    if not all(isinstance(v, int) and v >= 0 for v in ints.values()):
+        return "round, epoch, shards, bytes, chunk, globals and samples_total must be integers"
+    if ints["chunk"] != _CHUNK or not 1 <= ints["shards"] <= 4096 or ints["bytes"] > 5 * global_bytes + (1 << 20):
+        return f"{ints['bytes']} bytes in {ints['shards']} shards of chunk {ints['chunk']}"
+    tensors = meta.get("tensors")
+    if not (isinstance(tensors, list) and len(tensors) >= ints["globals"]
+            and all(isinstance(t, list) and len(t) == 3 and isinstance(t[0], str) and isinstance(t[2], int)
+                    and isinstance(t[1], list) and all(isinstance(d, int) and d >= 0 for d in t[1]) for t in tensors)):
+        return "its tensors are not [dtype, shape, bytes]"
+    for name, shape, nbytes in tensors:
+        dtype = getattr(torch, name.removeprefix("torch."), None)
+        if not isinstance(dtype, torch.dtype) or math.prod(shape) * dtype.itemsize != nbytes:
+            return f"a tensor of dtype {name[:40]!r}, shape {shape[:8]} cannot have {nbytes} bytes"
+    if sum(t[2] for t in tensors) != ints["bytes"]:
+        return "its tensors do not add up to its bytes"
+    if not (all(isinstance(meta.get(k), list) for k in ("history", "membership"))
+            and all(isinstance(r, dict) for k in ("history", "membership") for r in meta[k])
+            and isinstance(meta.get("budgets"), dict) and isinstance(meta.get("skeleton"), dict)):
+        return "its history, membership, budgets or skeleton are malformed"
+    return None
 
 
 class EarlyJoin:
@@ -144,6 +174,11 @@ class EarlyJoin:
             if not reader.has(f"snap/r{rnd}/meta"):
                 return False
             meta = reader.get(f"snap/r{rnd}/meta")
+            why = _offer_problem(meta, sum(g.numel() * g.element_size() for g in self._global))
+            if why:
+                self._offer_refused = rnd
+                self._log(f"the state offered for round {rnd} is malformed ({why}): waiting for the boundary")
+                return False
             if meta["epoch"] != epoch - 1:
                 return False                  # the state of an earlier decision
             if not all(reader.has(f"snap/r{rnd}/{i}/sum") for i in range(meta["shards"])):
@@ -160,8 +195,8 @@ class EarlyJoin:
                     self._log(f"the state offered for round {rnd} arrived damaged: waiting for the boundary")
                     return False
                 buf[lo:hi] = shard
-        except StoreUnreachable:
-            return False                      # withdrawn meanwhile, or the store died (the next call says)
+        except (StoreUnreachable, ValueError):
+            return False                      # withdrawn or replaced meanwhile, or the store died (the next call says)
         finally:
             del reader
         flat = torch.frombuffer(buf, dtype=torch.uint8) if buf else torch.empty(0, dtype=torch.uint8)

@@ -38,7 +38,12 @@ class Epochs:
         regs, i, count = [], start, keys.add("joins", 0)
         while i < count:
             if keys.has(f"join/{i}"):
-                regs.append((i, keys.get(f"join/{i}")))
+                try:
+                    record = keys.get(f"join/{i}")
+                except ValueError:                   # not JSON (a store writer's), or replaced meanwhile
+                    record = None
+                if isinstance(record, dict) and isinstance(record.get("who"), str):
+                    regs.append((i, record))        # (anything else is not a request: skipped)
             else:
                 first = self._gaps.setdefault(i, time.monotonic())
                 if time.monotonic() - first <= self._timeout:
@@ -53,7 +58,12 @@ class Epochs:
         now = time.monotonic()
         if self._decision is None or now - self._scanned[1] < min(self._heartbeat, 0.5):
             return
-        regs, upto = self._registrations(self._keys, max(self._scanned[0], self._decision["admitted_upto"]))
+        try:
+            regs, upto = self._registrations(self._keys, max(self._scanned[0], self._decision["admitted_upto"]))
+        except ValueError as e:                    # the join counter is not one (a store writer's)
+            self._log(f"cannot read the join requests: {e}")
+            self._scanned = (self._scanned[0], now)
+            return
         ours, watch, early = self._config(), [], False
         for _, r in regs:
             why = self._refusal(r.get("config"), ours)
@@ -432,7 +442,7 @@ class Epochs:
         """Two-phase end of an epoch: ``commit`` once every member is done, else ``abort: why``."""
         keys, epoch, members = self._keys, decision["epoch"], decision["members"]
         if failure is None:
-            keys.add(f"e{epoch}/done", 1)
+            keys.set(f"e{epoch}/done/{self._me}", 1)     # (a sealed record each, not a counter: see Keys)
         else:
             keys.first(f"e{epoch}/outcome", f"abort: {self.worker_id}: {failure}")
         poll = _Poll()
@@ -440,7 +450,7 @@ class Epochs:
             self._pulse.check()
             if keys.has(f"e{epoch}/outcome"):
                 return keys.get(f"e{epoch}/outcome")
-            if keys.add(f"e{epoch}/done", 0) >= len(members):
+            if all(keys.has(f"e{epoch}/done/{m}") for m in members):
                 return keys.first(f"e{epoch}/outcome", "commit")
             gone = [m for m in members if self._pulse.silent(m) > self._timeout]
             if gone:

@@ -148,6 +148,23 @@ def test_garbage_a_store_writer_puts_under_the_heartbeat_keys_stops_nothing(clus
     a.check()
 
 
+def test_a_heartbeat_put_back_to_an_older_value_is_not_a_beat(cluster):
+    """Seals are deterministic, so a store writer can put back an older authentic heartbeat: a
+    counter moves only upwards. A dead worker's counter, replayed, does not confirm it."""
+    pulse, keys = cluster
+    keys.set_bytes("hb/f#1", b"5")
+    keys.set_bytes("addr/f#1", b'""')            # no address: the heartbeat alone decides
+    a = pulse("a#1")
+    a.watch(["f#1"])
+    beats(keys, "a#1")                            # it has read 5
+    for old in (b"3", b"5", b"4"):
+        keys.set_bytes("hb/f#1", old)
+        beats(keys, "a#1", 2)
+    assert not a.confirmed("f#1")
+    keys.set_bytes("hb/f#1", b"6")
+    until(lambda: a.confirmed("f#1"))
+
+
 def test_the_store_dying_is_raised_on_the_training_thread():
     server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     client, address = connect(f"127.0.0.1:{server.port}", 2)

@@ -327,8 +327,9 @@ class Pulse:
         with self._lock:
             for name, value in zip(names, values):
                 entry = self._watch.get(name)
-                # Only upwards: a store writer can put back an older sealed value, or garbage.
-                if entry is not None and value > entry[0]:
+                # From the first value seen, only upwards: a store writer can put back an older
+                # sealed value, or garbage (-2).
+                if entry is not None and (entry[0] == -1 or value > entry[0]):
                     if entry[0] != -1:
                         self._confirmed.add(name)         # it moved while we watched
                     self._watch[name] = (value, now)

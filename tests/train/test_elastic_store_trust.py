@@ -106,6 +106,7 @@ class Rogue(threading.Thread):
         super().__init__(daemon=True)
         self.store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=10))
         self.root, self.attacks, self.stop, self.acted = f"hetcomm/ft/{job}/era1/", attacks, threading.Event(), set()
+        self.started: float | None = None
 
     def read(self, key: str):
         if not self.store.check([self.root + key]):
@@ -143,6 +144,12 @@ class Rogue(threading.Thread):
                     self.acted.add("join")
                 beats += 1
                 self.store.set(self.root + f"hb/{self.FAKE}", str(beats))
+            if decision is not None and self.started is None:
+                self.started = time.monotonic()        # the run is under way (its first decision)
+            if "counter" in self.attacks and "counter" not in self.acted and "join" in self.acted \
+                    and self.started is not None and time.monotonic() - self.started > 1.0:
+                self.store.set(self.root + "joins", b"\x00not a counter")   # (members then admit no one)
+                self.acted.add("counter")
             time.sleep(0.05)
 
 
@@ -163,14 +170,15 @@ def rogue_run(run, attacks: set[str], secret: bool, *mode: str) -> tuple[Rogue, 
 
 @pytest.mark.parametrize("mode", [[], ["--run"]], ids=["ElasticDiLoCo", "generations"])
 def test_a_store_writer_without_the_secret_cannot_steer_the_membership(run, mode):
-    rogue, codes = rogue_run(run, {"decision", "leave", "join"}, True, *mode)
+    rogue, codes = rogue_run(run, {"decision", "leave", "join", "counter"}, True, *mode)
     assert codes == {"w0": [0], "w1": [0], "w2": [0]}, f"{codes}\n{run.logs()}"
     prints = check_agreement(run, ["w0", "w1", "w2"], 6)
     for w in ("w0", "w1", "w2"):
         left, joined = events(final(run, w))
         assert not left and not joined, (w, final(run, w)["membership"])
         assert final(run, w)["final"] == prints[6]
-    assert rogue.acted >= ({"decision", "leave", "join"} if not mode else {"join", "leave"}), rogue.acted
+    assert rogue.acted >= ({"decision", "leave", "join", "counter"} if not mode else {"join", "leave", "counter"}), \
+        rogue.acted
     assert "ignored the store value" in run.logs()        # its values were read, and refused
 
 

@@ -64,6 +64,7 @@ class Forged(ValueError):
 
 
 _TAG = 32                     # bytes of the seal after a value (HMAC-SHA-256)
+_NOTHING = b"\0hetcomm: no value\0"   # what an atomic read is told to expect (`Keys.peek_bytes`)
 _FIRST_TRIES = 50             # compare_set attempts against values that keep failing their seal
 
 
@@ -128,24 +129,52 @@ class Keys:
         self.set_bytes(key, _dump(value).encode())
 
     def get(self, key: str):
-        return json.loads(self.get_bytes(key))
+        """The key's value (JSON); a ValueError naming the key when it has none, or a forged one,
+        or one that is not JSON. Callers look with `has` or `peek` first: the value was there."""
+        return self._parse(key, self.get_bytes(key))
 
     def has(self, key: str) -> bool:
         """Whether the key holds a value; with a seal, one that opens (a forged value is not
         there: it is logged and ignored, and the worker goes on waiting for an authentic one)."""
-        present = self.has_raw(key)
-        if not present or self._seal_key is None:
-            return present
-        if self._open(key, self._call(f"get {key}", self.store.get, self.root + key)) is None:
+        return self.peek_bytes(key) is not None
+
+    def peek_bytes(self, key: str) -> bytes | None:
+        """The key's value now, opened, or None when it has none (or a forged one): one atomic
+        read that never waits (a compare_set that cannot match: torch's store then answers the
+        value, or the `expected` it was given when there is none). Unlike `has` then `get`, no
+        store writer can change the value between the two, nor make the get wait for a key it
+        deleted."""
+        raw = self._call(f"read {key}", self.store.compare_set, self.root + key, _NOTHING, _NOTHING)
+        if raw == _NOTHING:
+            return None
+        value = self._open(key, raw)
+        if value is None:
             _log_forged(self.root + key)
-            return False
-        return True
+        return value
+
+    def peek(self, key: str):
+        """`peek_bytes` as JSON: None when there is no (authentic) value."""
+        raw = self.peek_bytes(key)
+        return None if raw is None else self._parse(key, raw)
+
+    def _parse(self, key: str, raw: bytes):
+        try:
+            return json.loads(raw)
+        except (ValueError, RecursionError) as e:
+            hint = (" (sealed by workers with HETCOMM_SECRET(_FILE)? every worker needs the same secret)"
+                    if self._seal_key is None and len(raw) > _TAG else "")
+            raise ValueError(f"{_PREFIX}: the store value {self.root + key} is not JSON{hint}: "
+                             f"{type(e).__name__}") from None
 
     def set_bytes(self, key: str, value: bytes) -> None:
         self._call(f"set {key}", self.store.set, self.root + key, self._sealed(key, value))
 
     def get_bytes(self, key: str) -> bytes:
-        return self._opened(key, self._call(f"get {key}", self.store.get, self.root + key))
+        value = self.peek_bytes(key)
+        if value is None:
+            raise Forged(f"{_PREFIX}: the store value {self.root + key} is gone, or does not open with the "
+                         "out-of-band secret (someone without it replaced it)")
+        return value
 
     def delete(self, key: str) -> None:
         self._call(f"delete {key}", self.store.delete_key, self.root + key)
@@ -154,13 +183,9 @@ class Keys:
         """The store's counter, added to. A value there that is not a counter (a store writer's)
         raises a ValueError naming the key: the store's `add` would fail on it and close this
         client's connection."""
-        if self.has_raw(key) and not _is_counter(self._call(f"get {key}", self.store.get, self.root + key)):
+        if self.count(key) is None:
             raise ValueError(f"{_PREFIX}: the store value {self.root + key} is not a counter (someone else wrote it)")
         return int(self._call(f"add {key}", self.store.add, self.root + key, n))
-
-    def has_raw(self, key: str) -> bool:
-        """Whether the key holds anything (a counter, or any value, sealed or not)."""
-        return bool(self._call(f"check {key}", self.store.check, [self.root + key]))
 
     def first(self, key: str, value):
         """compare_set from nothing: the value that is there afterwards (ours if we were first).
@@ -189,9 +214,15 @@ class Keys:
         writer's), reads as -2."""
         if not keys:
             return []
-        values = self._call("multi_get heartbeats", self.store.multi_get, [self.root + k for k in keys])
-        opened = [self._open(k, v) for k, v in zip(keys, values)]
+        # One atomic read each (a multi_get waits for a key a store writer deleted).
+        opened = [self.peek_bytes(k) for k in keys]
         return [-2 if v is None else _counter(v) for v in opened]
+
+    def count(self, key: str) -> int | None:
+        """A counter's value without adding to it (0 when there is none), or None when the value
+        there is not a counter (a store writer's)."""
+        raw = self._call(f"read {key}", self.store.compare_set, self.root + key, _NOTHING, _NOTHING)
+        return 0 if raw == _NOTHING else (int(raw) if _is_counter(raw) else None)
 
     def under(self, sub: str) -> "Keys":
         """The same connection, keys under ``sub/``."""

@@ -48,6 +48,41 @@ def _from_json(obj):
     return obj
 
 
+def _decision_ok(d) -> bool:
+    """Whether a decision read from the store has the fields and types the protocol uses (one
+    that does not, a store writer's without an out-of-band secret, is treated as absent)."""
+    return (isinstance(d, dict) and all(isinstance(d.get(k), int) for k in ("epoch", "gen", "round", "admitted_upto"))
+            and all(isinstance(d.get(k), list) and all(isinstance(m, str) for m in d[k])
+                    for k in ("members", "holders", "joined"))
+            and isinstance(d.get("left"), dict) and isinstance(d.get("refused", {}), dict))
+
+
+def _read_decision(keys, epoch: int) -> dict | None:
+    """Epoch ``epoch``'s decision, or None while there is none (or none well formed)."""
+    try:
+        d = keys.peek(f"e{epoch}/decision")
+    except ValueError:
+        return None
+    return d if _decision_ok(d) else None
+
+
+def _read_int(keys, key: str) -> int | None:
+    try:
+        value = keys.peek(key)
+    except ValueError:
+        return None
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
+
+
+def _read_ended(keys) -> dict | None:
+    """The run's end (``{"round", "reason"}``), or None while it goes on."""
+    try:
+        e = keys.peek("ended")
+    except ValueError:
+        return None
+    return {"round": e.get("round"), "reason": str(e.get("reason", ""))[:300]} if isinstance(e, dict) else None
+
+
 # Settings that describe the job by global rank (HETCOMM_HOST_ID only in its per-rank form, with
 # commas): meaningless when ranks change every generation.
 _PER_RANK_VARIABLES = ("HETCOMM_HOST_ID", "HETCOMM_SITES", "HETCOMM_LINK_MBIT")

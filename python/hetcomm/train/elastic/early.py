@@ -11,7 +11,8 @@ import time
 
 import torch
 
-from hetcomm.train.elastic.common import _PREFIX, _fingerprint, _Poll, _to_json, _from_json
+from hetcomm.train.elastic.common import (_PREFIX, _fingerprint, _Poll, _to_json, _from_json, _read_decision,
+                                          _read_ended, _read_int)
 from hetcomm.train.membership import StoreUnreachable
 
 
@@ -74,7 +75,8 @@ def _offer_problem(meta, global_bytes: int) -> str | None:
         return "its tensors do not add up to its bytes"
     if not (all(isinstance(meta.get(k), list) for k in ("history", "membership"))
             and all(isinstance(r, dict) for k in ("history", "membership") for r in meta[k])
-            and isinstance(meta.get("budgets"), dict) and isinstance(meta.get("skeleton"), dict)):
+            and isinstance(meta.get("budgets"), dict) and isinstance(meta.get("skeleton"), dict)
+            and all(isinstance(v, int) and v >= 0 for v in meta["budgets"].values())):
         return "its history, membership, budgets or skeleton are malformed"
     return None
 
@@ -160,10 +162,13 @@ class EarlyJoin:
         offer the state that decision committed, load it and train from it (True); `_early_step`
         then watches for the round's decision."""
         keys = self._keys
-        if (not keys.has("snap/latest") or not keys.has(f"e{epoch - 1}/outcome")
-                or keys.get(f"e{epoch - 1}/outcome") != "commit"):
+        try:
+            committed = keys.peek(f"e{epoch - 1}/outcome") == "commit"
+        except ValueError:
+            committed = False
+        rnd = _read_int(keys, "snap/latest")
+        if not committed or rnd is None:
             return False
-        rnd = int(keys.get("snap/latest"))
         if rnd == self._offer_refused or not keys.has(f"snap/r{rnd}/meta"):
             return False
         reader = keys.clone()
@@ -171,9 +176,9 @@ class EarlyJoin:
             reader.set_timeout(max(2.0, self._heartbeat))    # (an offer withdrawn meanwhile: no long wait)
         begin = time.perf_counter()
         try:
-            if not reader.has(f"snap/r{rnd}/meta"):
+            meta = reader.peek(f"snap/r{rnd}/meta")
+            if meta is None:
                 return False
-            meta = reader.get(f"snap/r{rnd}/meta")
             why = _offer_problem(meta, sum(g.numel() * g.element_size() for g in self._global))
             if why:
                 self._offer_refused = rnd
@@ -183,7 +188,7 @@ class EarlyJoin:
                 return False                  # the state of an earlier decision
             if not all(reader.has(f"snap/r{rnd}/{i}/sum") for i in range(meta["shards"])):
                 return False                  # not all there yet (or a member died offering it)
-            if meta["shapes"] != [list(g.shape) for g in self._global] or meta["codec"] != self._codec_name:
+            if meta.get("shapes") != [list(g.shape) for g in self._global] or meta.get("codec") != self._codec_name:
                 self._offer_refused = rnd     # another model: the decision refuses this worker
                 return False
             buf = bytearray(meta["bytes"])
@@ -211,7 +216,7 @@ class EarlyJoin:
             return False
         try:
             self.outer_optimizer.load_state_dict(self._fill(_from_json(meta["skeleton"]), pieces[meta["globals"]:]))
-        except (ValueError, KeyError, TypeError, RuntimeError) as e:
+        except (ValueError, KeyError, IndexError, TypeError, AttributeError, RuntimeError) as e:
             self._offer_refused = rnd         # another outer optimizer: the decision refuses this worker
             self._log(f"cannot load the outer optimizer's state offered for round {rnd} ({e}): waiting for the boundary")
             return False
@@ -231,7 +236,7 @@ class EarlyJoin:
         keys.set(f"snapped/{self._me}", rnd)
         self._snapped = True
         self._count("sync", begin)
-        if keys.has(f"e{epoch}/decision"):
+        if _read_decision(keys, epoch) is not None:
             return False                      # the round ended meanwhile: its decision says what next
         self._early = {"index": index, "epoch": epoch, "round": rnd, "watched": last["members"],
                        "looked": 0.0, "began": time.perf_counter()}
@@ -254,15 +259,15 @@ class EarlyJoin:
         early, keys = self._early, self._keys
         poll, begin = _Poll(), time.perf_counter()
         while True:
-            if keys.has(f"e{early['epoch']}/decision"):
-                decision = keys.get(f"e{early['epoch']}/decision")
+            decision = _read_decision(keys, early["epoch"])
+            if decision is not None:
                 break
             now = time.monotonic()
             if over or now - early["looked"] >= self._heartbeat:
                 early["looked"] = now
                 self._pulse.check()
                 self._raise_if_refused(keys)
-                if keys.has("ended"):
+                if _read_ended(keys) is not None:
                     decision = None
                     break
                 if all(self._pulse.silent(m) > self._timeout for m in early["watched"]):

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 import torch
 
 from hetcomm import hosts as _hosts
-from hetcomm.train.elastic.common import _PREFIX, _MAX_ABORTS, _Poll
+from hetcomm.train.elastic.common import _PREFIX, _MAX_ABORTS, _Poll, _read_decision, _read_ended, _read_int
 from hetcomm.train.membership import Keys, Pulse, StoreUnreachable
 
 
@@ -31,23 +31,30 @@ class Epochs:
         self._me = f"{self.worker_id}#{uuid.uuid4().hex[:8]}"
         self._pulse = Pulse(self._job_keys.clone(), self._me, self._heartbeat)
 
-    def _registrations(self, keys: Keys, start: int) -> tuple[list[tuple[int, dict]], int]:
+    def _registrations(self, keys: Keys, start: int, wait: bool = True) -> tuple[list[tuple[int, dict]], int]:
         """The join requests from index ``start`` on (index, request), and the index after them.
         A request whose index was taken but whose record never appeared (its worker died in
-        between) is skipped once it has been missing for ``timeout`` seconds."""
-        regs, i, count = [], start, keys.add("joins", 0)
+        between) is skipped once it has been missing for ``timeout`` seconds (at once without
+        ``wait``). A record that is not a request (a store writer's) is skipped; a join counter
+        that is not one reads as no new request."""
+        count = keys.count("joins")
+        if count is None:
+            self._note_waiting("the store's join counter holds something else (a store writer's): no worker can "
+                               "join until it is repaired")
+            return [], start
+        regs, i = [], start
         while i < count:
-            if keys.has(f"join/{i}"):
-                try:
-                    record = keys.get(f"join/{i}")
-                except ValueError:                   # not JSON (a store writer's), or replaced meanwhile
-                    record = None
-                if isinstance(record, dict) and isinstance(record.get("who"), str):
-                    regs.append((i, record))        # (anything else is not a request: skipped)
-            else:
+            try:
+                record = keys.peek(f"join/{i}")
+            except ValueError:                       # not JSON (a store writer's)
+                record = False
+            if record is None and wait:
                 first = self._gaps.setdefault(i, time.monotonic())
                 if time.monotonic() - first <= self._timeout:
                     break                            # not written yet: next time
+            elif isinstance(record, dict) and isinstance(record.get("who"), str) \
+                    and isinstance(record.get("holds"), bool) and isinstance(record.get("round"), int):
+                regs.append((i, record))
             i += 1
         return regs, i
 
@@ -86,20 +93,22 @@ class Epochs:
         if not self._checkpoint:
             return era
         keys = self._job_keys.under(f"era{era}")
-        if not keys.has("latest"):
+        newest = _read_int(keys, "latest")        # written after its decision: it may lag behind
+        if newest is None:
             return era
-        newest = int(keys.get("latest"))          # written after its decision: it may lag behind
-        while keys.has(f"e{newest + 1}/decision"):
+        while _read_decision(keys, newest + 1) is not None:
             newest += 1
-        last = keys.get(f"e{newest}/decision")
-        if keys.has("ended"):
+        last = _read_decision(keys, newest)
+        if last is None:
+            return era
+        if _read_ended(keys) is not None:
             dead = True
         else:
             self._pulse.watch(last["members"])
             poll = _Poll()
             while True:
                 self._pulse.check()
-                if keys.has(f"e{last['epoch'] + 1}/decision"):
+                if _read_decision(keys, last["epoch"] + 1) is not None:
                     return era                       # the era is alive: join it
                 silent = min(self._pulse.silent(m) for m in last["members"])
                 if silent > self._timeout:
@@ -122,21 +131,21 @@ class Epochs:
         begin = time.perf_counter()
         if resume is None:
             index = self._register()
-            epoch = int(keys.get("latest")) if keys.has("latest") else 1
+            epoch = _read_int(keys, "latest") or 1
         else:
             index, epoch = resume
         poll, watched, last = _Poll(), None, None
         while True:
             self._pulse.check()
             self._raise_if_refused(keys)
-            if keys.has("ended"):
-                ended = keys.get("ended")
+            ended = _read_ended(keys)
+            if ended is not None:
                 self._stopped, self._stop_reason = True, f"the run ended at round {ended['round']} ({ended['reason']})"
                 self._joined = True
                 self._count("idle", begin)
                 return
-            if keys.has(f"e{epoch}/decision"):
-                decision = keys.get(f"e{epoch}/decision")
+            decision = _read_decision(keys, epoch)
+            if decision is not None:
                 if self._me in decision.get("refused", {}):
                     raise ValueError(f"{_PREFIX}: this worker cannot join run {self.job!r}: "
                                      f"{decision['refused'][self._me]}")
@@ -151,7 +160,7 @@ class Epochs:
                     self._destroy_group()
                     self._new_incarnation()
                     index, begin = self._register(), time.perf_counter()
-                    epoch = int(keys.get("latest"))
+                    epoch = _read_int(keys, "latest") or epoch
                     continue
                 if decision["admitted_upto"] > index:
                     # passed over (thought dead when the decision was taken), or refused in an
@@ -222,8 +231,12 @@ class Epochs:
             self._log(line)
 
     def _raise_if_refused(self, keys: Keys) -> None:
-        if keys.has(f"refused/{self._me}"):
-            raise ValueError(f"{_PREFIX}: this worker cannot join run {self.job!r}: {keys.get(f'refused/{self._me}')}")
+        try:
+            why = keys.peek(f"refused/{self._me}")
+        except ValueError:
+            return
+        if why is not None:
+            raise ValueError(f"{_PREFIX}: this worker cannot join run {self.job!r}: {str(why)[:2000]}")
 
     def _bootstrap(self, keys: Keys) -> None:
         """The first decision of an era: once ``min_workers`` asked to join, they are its members
@@ -231,9 +244,9 @@ class Epochs:
         checkpoint its holders (else the first of them, whose fresh model everyone starts from).
         The run's configuration is the holders' (else the one most of them share, ties to the
         first): one whose configuration differs is refused."""
-        found, count = self._registrations(keys, 0)
-        if count < keys.add("joins", 0):
-            return                                   # a request not written yet: next poll
+        # (Gaps are not waited for: a store writer adding to the counter must not hold the start
+        # forever. A worker whose request lands after this decision is passed over: it asks again.)
+        found, count = self._registrations(keys, 0, wait=False)
         self._pulse.watch([r["who"] for _, r in found])
         regs = []
         for _, r in found:
@@ -266,7 +279,7 @@ class Epochs:
             self._refuse(keys, who, why)
         keys.set("latest", 1)
 
-    def _decide(self, epoch: int) -> dict:
+    def _decide(self, epoch: int, arrival: dict) -> dict:
         """Waits until every member of the last epoch arrived at ``epoch`` or is out; the first to
         see it writes the decision; returns the decision (everyone's)."""
         keys, prev = self._keys, self._decision
@@ -275,17 +288,23 @@ class Epochs:
         poll, last_missing, since = _Poll(), None, time.perf_counter()
         while True:
             self._pulse.check()
-            if keys.has(f"e{epoch}/decision"):
-                return keys.get(f"e{epoch}/decision")
+            keys.set(f"e{epoch}/arrive/{self._me}", arrival)   # (again every poll: a store writer may delete it)
+            decision = _read_decision(keys, epoch)
+            if decision is not None:
+                return decision
             for m in members:
-                if m not in arrivals and keys.has(f"e{epoch}/arrive/{m}"):
-                    arrivals[m] = keys.get(f"e{epoch}/arrive/{m}")
+                if m not in arrivals:
+                    arrival = self._peek_dict(keys, f"e{epoch}/arrive/{m}")
+                    if arrival is not None and isinstance(arrival.get("holds"), bool) \
+                            and isinstance(arrival.get("round"), int):
+                        arrivals[m] = arrival
             out: dict[str, str] = {}
             for m in members:
                 if m in arrivals:
                     continue
-                if keys.has(f"leave/{m}"):
-                    out[m] = "left: " + keys.get(f"leave/{m}").get("why", "its data ended")
+                leave = self._peek_dict(keys, f"leave/{m}")
+                if leave is not None:
+                    out[m] = "left: " + str(leave.get("why", "its data ended"))[:300]
                 elif self._pulse.silent(m) > self._timeout:
                     out[m] = self._why_gone(m)
             missing = [m for m in members if m not in arrivals and m not in out]
@@ -340,7 +359,7 @@ class Epochs:
     def _snapped_holders(self, joiners: list[str], rnd: int) -> list[str]:
         """The joiners that loaded the state round ``rnd`` started from (`_take_offer`)."""
         keys = self._keys
-        return [j for j in joiners if keys.has(f"snapped/{j}") and keys.get(f"snapped/{j}") == rnd]
+        return [j for j in joiners if _read_int(keys, f"snapped/{j}") == rnd]
 
     def _joiners(self, keys: Keys, prev: dict,
                  continuing: list[str]) -> tuple[list[str], dict[str, str], int, bool]:
@@ -376,8 +395,7 @@ class Epochs:
             if admitted is None:
                 begin = time.perf_counter()
                 epoch = self._decision["epoch"] + 1
-                self._keys.set(f"e{epoch}/arrive/{self._me}", self._arrival())
-                decision = self._decide(epoch)
+                decision = self._decide(epoch, self._arrival())
                 self._count("idle", begin)
                 if self._me not in decision["members"]:
                     self._dropped_why = decision["left"].get(self._me, "arrived after the decision")
@@ -441,15 +459,22 @@ class Epochs:
     def _outcome_of(self, decision: dict, failure: str | None) -> str:
         """Two-phase end of an epoch: ``commit`` once every member is done, else ``abort: why``."""
         keys, epoch, members = self._keys, decision["epoch"], decision["members"]
-        if failure is None:
-            keys.set(f"e{epoch}/done/{self._me}", 1)     # (a sealed record each, not a counter: see Keys)
-        else:
+        if failure is not None:
             keys.first(f"e{epoch}/outcome", f"abort: {self.worker_id}: {failure}")
-        poll = _Poll()
+        poll, deadline = _Poll(), time.monotonic() + self._collective_timeout
         while True:
             self._pulse.check()
-            if keys.has(f"e{epoch}/outcome"):
-                return keys.get(f"e{epoch}/outcome")
+            if failure is None:                   # (again every poll: a store writer may delete it)
+                keys.set(f"e{epoch}/done/{self._me}", 1)   # a sealed record each, not a counter: see Keys
+            if time.monotonic() > deadline:
+                return keys.first(f"e{epoch}/outcome", f"abort: no outcome within collective_timeout="
+                                  f"{self._collective_timeout:.0f} s (records on the store deleted?)")
+            try:
+                outcome = keys.peek(f"e{epoch}/outcome")
+            except ValueError:
+                outcome = None
+            if isinstance(outcome, str) and (outcome == "commit" or outcome.startswith("abort")):
+                return outcome
             if all(keys.has(f"e{epoch}/done/{m}") for m in members):
                 return keys.first(f"e{epoch}/outcome", "commit")
             gone = [m for m in members if self._pulse.silent(m) > self._timeout]
@@ -457,6 +482,15 @@ class Epochs:
                 return keys.first(f"e{epoch}/outcome", "abort: " + "; ".join(
                     f"{self._names([m])} gone during the synchronisation ({self._why_gone(m)})" for m in gone))
             poll()
+
+    @staticmethod
+    def _peek_dict(keys: Keys, key: str) -> dict | None:
+        """A record (a JSON object) at ``key``, or None when there is none (or anything else)."""
+        try:
+            value = keys.peek(key)
+        except ValueError:
+            return None
+        return value if isinstance(value, dict) else None
 
     def _why_gone(self, member: str) -> str:
         silent = self._pulse.silent(member)

@@ -3,6 +3,7 @@ to members without it, the reduction of the round and the outer update."""
 from __future__ import annotations
 
 import datetime
+import hashlib
 import json
 import time
 
@@ -27,11 +28,17 @@ def _broadcast_meta(meta: dict | None, src: int) -> dict:
     peer's bytes could run code), its length first. A process that got into the group without
     being a member (a store writer can redirect a Gloo group's rendezvous) can send garbage: it
     ends in a ValueError, not in a huge allocation."""
-    sending = dist.get_rank() == src
-    raw = json.dumps(_to_json(meta)).encode() if sending else b""
+    sending, problem = dist.get_rank() == src, None
+    try:
+        raw = json.dumps(_to_json(meta)).encode() if sending else b""
+    except (TypeError, ValueError) as e:         # the receivers must not wait for bytes that never come
+        raw, problem = b"", e
     length = torch.tensor([len(raw)], dtype=torch.int64)
     dist.broadcast(length, src=src)
     n = int(length.item())
+    if problem is not None:
+        raise ValueError(f"{_PREFIX}: cannot send the run's state to a joiner: the outer optimizer's state is not "
+                         f"plain data ({problem})") from problem
     if not 0 < n <= _MAX_META_BYTES:
         raise ValueError(f"{_PREFIX}: this worker cannot join: the holders announced {n} bytes of metadata "
                          f"(at most {_MAX_META_BYTES})")
@@ -57,7 +64,11 @@ class Generation:
 
     def _form_group(self, decision: dict) -> None:
         self._destroy_group()
-        store = dist.PrefixStore(f"{self._keys.root}g{decision['gen']}", self._group_store.store)
+        # The decision's digest in the prefix: members that read different decisions for the same
+        # generation (a store writer deleted one and a second was written) never meet in one group;
+        # their group formation fails and the epoch is redone.
+        digest = hashlib.sha256(json.dumps(decision, sort_keys=True).encode()).hexdigest()[:16]
+        store = dist.PrefixStore(f"{self._keys.root}g{decision['gen']}-{digest}", self._group_store.store)
         # torch names the default group after a counter (its keys on the store carry the name)
         # that a failed init_process_group advances and only destroy_process_group resets: put
         # it back, or this worker's next group would wait on keys its peers never write.
@@ -123,7 +134,7 @@ class Generation:
         try:
             state = self._fill(meta["skeleton"], list(pieces[len(self._global):]))
             self.outer_optimizer.load_state_dict(state)
-        except (ValueError, KeyError, IndexError, TypeError, RuntimeError) as e:
+        except (ValueError, KeyError, IndexError, TypeError, AttributeError, RuntimeError) as e:
             raise ValueError(f"{_PREFIX}: this worker cannot join: the holders' outer optimizer state does not "
                              f"load into this worker's ({type(e).__name__}: {e})") from e
         self._restore_dtypes(state)
@@ -153,6 +164,7 @@ class Generation:
             refuse("the holders announced a malformed state (round, samples, history or membership)")
         sizes, dtypes = meta.get("sizes"), meta.get("dtypes")
         if not (isinstance(sizes, list) and isinstance(dtypes, list) and len(sizes) == len(dtypes)
+                and len(sizes) <= 16 * len(self._global) + 64
                 and all(isinstance(n, int) and n >= 0 for n in sizes) and all(isinstance(d, str) for d in dtypes)):
             refuse("the holders announced a malformed state (sizes and dtypes)")
         if sizes[:len(self._global)] != [g.numel() for g in self._global]:
@@ -209,7 +221,8 @@ class Generation:
         if len(set(prints)) > 1:
             raise ValueError(f"{_PREFIX}: round {decision['round']}: the members' global parameters differ "
                              f"(fingerprints {dict(zip(self._names(decision['members']).split(','), prints))}): "
-                             "a bug, please report it")
+                             "a bug, please report it -- or a store writer deleted a decision or an outcome "
+                             "that some members had read (docs/security.md)")
         self._leave_out_offenders(decision, table)
         weights = self._weights(table)
         if not any(s > 0 for s in table[_STEPS]) or not any(w != 0.0 for w in weights):

@@ -9,6 +9,7 @@ import zlib
 import math
 import os
 import socket
+import sys
 import threading
 import time
 import uuid
@@ -123,6 +124,10 @@ class ElasticDiLoCo(Epochs, EarlyJoin, Generation, _flat.FlatParameters):
         root = f"hetcomm/ft/{job}/"
         # With HETCOMM_SECRET(_FILE), every value the workers trust is sealed (membership.Keys).
         self._job_keys = Keys(client, address, root, seal=store_seal_key(root))
+        if self._job_keys.sealed and "hetcomm" not in str(backend):
+            print(f"{_PREFIX}: warning: HETCOMM_SECRET seals the run's records on the store, but the {backend!r} "
+                  "groups of its generations meet through the store unsealed: a store writer can redirect them "
+                  "(use backend='hetcomm')", file=sys.stderr, flush=True)
         self._keys: Keys | None = None                            # the era's keys, once joined
         self._group_store = self._job_keys.clone()                # the generation groups' rendezvous
         self._group_store.set_timeout(2 * self._timeout)

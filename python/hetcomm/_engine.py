@@ -72,7 +72,11 @@ def store_seal_key(context: str) -> bytes | None:
     import os
     if "HETCOMM_SECRET_FILE" not in os.environ and "HETCOMM_SECRET" not in os.environ:
         return None
+    module = extension()
+    if not hasattr(module, "store_seal_key"):
+        raise ImportError("hetcomm: the compiled extension predates sealed elastic records: rebuild it "
+                          "(`pip install --no-build-isolation -e .`)")
     try:
-        return extension().store_seal_key(context)
+        return module.store_seal_key(context)
     except RuntimeError as e:                       # the engine's CommError: a secret it refuses
         raise ValueError(f"hetcomm: the out-of-band secret cannot be used: {e}") from e

@@ -118,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
 
         def dying_outcome(self, decision, failure):
             if self.rounds == die_round and failure is None:
-                self._keys.add(f"e{decision['epoch']}/done", 1)
+                self._keys.set(f"e{decision['epoch']}/done/{self._me}", 1)
                 kill_self()
             return real_outcome(self, decision, failure)
         elastic.ElasticDiLoCo._outcome_of = dying_outcome

@@ -19,7 +19,7 @@ import pytest
 import torch.distributed as dist
 
 from elastic_job import check_agreement, events, final
-from hetcomm.train.membership import Forged, Keys
+from hetcomm.train.membership import Forged, Keys, SecretMismatch
 
 pytestmark = pytest.mark.usefixtures("backend_importable")
 
@@ -73,6 +73,21 @@ def test_a_sealed_value_written_moved_or_replayed_by_a_store_writer_is_never_act
     rogue.set("hetcomm/ft/unit/ended", json.dumps({"round": 1}))
     plain = Keys(store, "test", "hetcomm/ft/unit/")
     assert plain.has("ended") and plain.get("ended") == {"round": 1} and not keys.has("ended")
+
+
+def test_a_worker_without_the_secret_in_a_sealed_job_says_so(stores):
+    """Not an attack but a mistake: a worker started without HETCOMM_SECRET in a job whose
+    workers have it stops with an error that says what to do, instead of waiting forever."""
+    from hetcomm.train.elastic.common import _read_decision
+
+    store, _ = stores
+    sealed = Keys(store, "test", "hetcomm/ft/mixed/", seal=b"s" * 32)
+    sealed.set("e1/decision", {"epoch": 1})
+    sealed.first("era", 1)
+    plain = Keys(store, "test", "hetcomm/ft/mixed/")
+    for read in (lambda: plain.first("era", 1), lambda: _read_decision(plain, 1), lambda: plain.peek("era")):
+        with pytest.raises(SecretMismatch, match="start every worker with the same secret"):
+            read()
 
 
 def test_first_over_a_forged_value_that_is_deleted_meanwhile(stores):

@@ -143,7 +143,9 @@ def test_garbage_a_store_writer_puts_under_the_heartbeat_keys_stops_nothing(clus
     beats(keys, "a#1")                          # (its counter is a number again: it overwrote it)
     a.check()
     assert not a._links                         # no connection to a garbage address
-    keys.set_bytes("hb/f#1", b"7")              # its heartbeat moves: alive
+    keys.set_bytes("hb/f#1", b"7")              # a number again (garbage is never a baseline) ...
+    beats(keys, "a#1", 2)
+    keys.set_bytes("hb/f#1", b"8")              # ... and it moves: alive
     until(lambda: a.confirmed("f#1"))
     a.check()
 

@@ -63,6 +63,11 @@ class Forged(ValueError):
     without the secret, or moved from another key. It is never acted on."""
 
 
+class SecretMismatch(ValueError):
+    """This worker has no out-of-band secret, and the job's records are sealed: its workers were
+    started with HETCOMM_SECRET(_FILE). Raised, not ignored: the worker must stop and say so."""
+
+
 _TAG = 32                     # bytes of the seal after a value (HMAC-SHA-256)
 _NOTHING = b"\0hetcomm: no value\0"   # what an atomic read is told to expect (`Keys.peek_bytes`)
 _FIRST_TRIES = 50             # compare_set attempts against values that keep failing their seal
@@ -76,8 +81,9 @@ class Keys:
     a valid one: one that does not raises `Forged` (a ValueError naming the key) instead of being
     parsed, and `first` replaces it. Seals are deterministic, so a store writer can put back an
     older value of the same key (heartbeats count only upwards for that reason) but can never
-    write a value of its own, or move one between keys or jobs. Counters (`add`) and presence
-    (`has`) are not sealed: a store writer can change those, and nothing is decided on them alone.
+    write a value of its own, or move one between keys or jobs. Counters (`add`, `count`) are not
+    sealed: a store writer can change them, and nothing is decided on them alone. Reads are
+    atomic (`peek_bytes`).
     """
 
     def __init__(self, store: dist.Store, address: str, root: str, seal: bytes | None = None) -> None:
@@ -161,9 +167,11 @@ class Keys:
         try:
             return json.loads(raw)
         except (ValueError, RecursionError) as e:
-            hint = (" (sealed by workers with HETCOMM_SECRET(_FILE)? every worker needs the same secret)"
-                    if self._seal_key is None and len(raw) > _TAG else "")
-            raise ValueError(f"{_PREFIX}: the store value {self.root + key} is not JSON{hint}: "
+            if self._seal_key is None and len(raw) > _TAG and _looks_sealed(raw):
+                raise SecretMismatch(f"{_PREFIX}: the store value {self.root + key} is sealed: the job's workers "
+                                     "were started with HETCOMM_SECRET(_FILE), this one without it; start every "
+                                     "worker with the same secret") from None
+            raise ValueError(f"{_PREFIX}: the store value {self.root + key} is not JSON: "
                              f"{type(e).__name__}") from None
 
     def set_bytes(self, key: str, value: bytes) -> None:
@@ -198,7 +206,7 @@ class Keys:
                 continue
             opened = self._open(key, raw)
             if opened is not None:
-                return json.loads(opened)
+                return self._parse(key, opened)
             expected = raw                        # a forged value: replace it, unless someone did
         raise Forged(f"{_PREFIX}: the store value {self.root + key} keeps being replaced by values that do not "
                      "open with the out-of-band secret: someone without the secret is writing it")
@@ -239,7 +247,17 @@ def _log_forged(key: str) -> None:
     if key not in _LOGGED and len(_LOGGED) < 1000:
         _LOGGED.add(key)
         print(f"{_PREFIX}: ignored the store value {key}: it does not open with the out-of-band secret "
-              "(written by someone without it)", file=sys.stderr, flush=True)
+              "(written by someone without it, or by a worker started without the same HETCOMM_SECRET)",
+              file=sys.stderr, flush=True)
+
+
+def _looks_sealed(raw: bytes) -> bool:
+    """Whether a value that is not JSON is JSON followed by a seal (an unsealed worker's read)."""
+    try:
+        json.loads(raw[:-_TAG])
+        return True
+    except (ValueError, RecursionError):
+        return False
 
 
 def _dump(value) -> str:
@@ -358,9 +376,9 @@ class Pulse:
         with self._lock:
             for name, value in zip(names, values):
                 entry = self._watch.get(name)
-                # From the first value seen, only upwards: a store writer can put back an older
-                # sealed value, or garbage (-2).
-                if entry is not None and (entry[0] == -1 or value > entry[0]):
+                # From the first number seen, only upwards: a store writer can put back an older
+                # sealed value, or garbage (-2, never a baseline).
+                if entry is not None and value > entry[0] and value >= 0:
                     if entry[0] != -1:
                         self._confirmed.add(name)         # it moved while we watched
                     self._watch[name] = (value, now)
@@ -388,10 +406,7 @@ class Pulse:
         for name in todo:
             self._tried[name] = now
             # (a get of a key not there waits for the store's timeout: the heartbeat would stop)
-            try:
-                raw = self._keys.get_bytes(f"addr/{name}") if self._keys.has(f"addr/{name}") else b""
-            except Forged:
-                raw = b""                         # not the worker's: the heartbeat decides
+            raw = self._keys.peek_bytes(f"addr/{name}") or b""   # none, or not the worker's: the heartbeat decides
             address = _address(raw)
             if address is None:
                 continue                          # none (or no address): the heartbeat decides

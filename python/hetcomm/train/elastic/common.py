@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 
 from hetcomm.train.flat import fingerprint
+from hetcomm.train.membership import SecretMismatch
 
 
 _PREFIX = "hetcomm ElasticDiLoCo"
@@ -61,6 +62,8 @@ def _read_decision(keys, epoch: int) -> dict | None:
     """Epoch ``epoch``'s decision, or None while there is none (or none well formed)."""
     try:
         d = keys.peek(f"e{epoch}/decision")
+    except SecretMismatch:
+        raise
     except ValueError:
         return None
     return d if _decision_ok(d) else None
@@ -69,6 +72,8 @@ def _read_decision(keys, epoch: int) -> dict | None:
 def _read_int(keys, key: str) -> int | None:
     try:
         value = keys.peek(key)
+    except SecretMismatch:
+        raise
     except ValueError:
         return None
     return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
@@ -78,6 +83,8 @@ def _read_ended(keys) -> dict | None:
     """The run's end (``{"round", "reason"}``), or None while it goes on."""
     try:
         e = keys.peek("ended")
+    except SecretMismatch:
+        raise
     except ValueError:
         return None
     return {"round": e.get("round"), "reason": str(e.get("reason", ""))[:300]} if isinstance(e, dict) else None

@@ -51,16 +51,21 @@ def _delete_offer(keys, rnd: int, layout: list[tuple[int, int, int]], only: int 
         keys.delete(f"snap/r{rnd}/meta")
 
 
+_PLAIN_INTS = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool)
+
+
 def _offer_problem(meta, global_bytes: int) -> str | None:
     """What is wrong with an offer's metadata (read from the store: a store writer's, without an
     out-of-band secret), before anything is allocated for it; None when it is well formed. Its
     bytes are the global parameters and an outer optimizer state of at most four times them."""
     if not isinstance(meta, dict):
         return "not a JSON object"
+    if not isinstance(meta.get("fingerprint"), (int, float)) or isinstance(meta.get("fingerprint"), bool):
+        return "no fingerprint"
     ints = {k: meta.get(k) for k in ("round", "epoch", "shards", "bytes", "chunk", "globals", "samples_total")}
     if not all(isinstance(v, int) and v >= 0 for v in ints.values()):
         return "round, epoch, shards, bytes, chunk, globals and samples_total must be integers"
-    if ints["chunk"] != _CHUNK or not 1 <= ints["shards"] <= 4096 or ints["bytes"] > 5 * global_bytes + (1 << 20):
+    if ints["chunk"] != _CHUNK or not 1 <= ints["shards"] <= 4096 or ints["globals"] < 1 or ints["bytes"] > 5 * global_bytes + (1 << 20):
         return f"{ints['bytes']} bytes in {ints['shards']} shards of chunk {ints['chunk']}"
     tensors = meta.get("tensors")
     if not (isinstance(tensors, list) and len(tensors) >= ints["globals"]
@@ -69,7 +74,8 @@ def _offer_problem(meta, global_bytes: int) -> str | None:
         return "its tensors are not [dtype, shape, bytes]"
     for name, shape, nbytes in tensors:
         dtype = getattr(torch, name.removeprefix("torch."), None)
-        if not isinstance(dtype, torch.dtype) or math.prod(shape) * dtype.itemsize != nbytes:
+        if not isinstance(dtype, torch.dtype) or not (dtype.is_floating_point or dtype in _PLAIN_INTS) \
+                or math.prod(shape) * dtype.itemsize != nbytes:
             return f"a tensor of dtype {name[:40]!r}, shape {shape[:8]} cannot have {nbytes} bytes"
     if sum(t[2] for t in tensors) != ints["bytes"]:
         return "its tensors do not add up to its bytes"
@@ -169,7 +175,7 @@ class EarlyJoin:
         rnd = _read_int(keys, "snap/latest")
         if not committed or rnd is None:
             return False
-        if rnd == self._offer_refused or not keys.has(f"snap/r{rnd}/meta"):
+        if rnd == self._offer_refused:
             return False
         reader = keys.clone()
         if reader is not keys:
@@ -209,7 +215,8 @@ class EarlyJoin:
         for dtype, shape, nbytes in meta["tensors"]:
             pieces.append(flat[at:at + nbytes].clone().view(getattr(torch, dtype.removeprefix("torch."))).view(shape))
             at += nbytes
-        if _fingerprint(torch.cat([p.reshape(-1).to(self._master) for p in pieces[:meta["globals"]]])) \
+        if [list(p.shape) for p in pieces[:meta["globals"]]] != [list(g.shape) for g in self._global] \
+                or _fingerprint(torch.cat([p.reshape(-1).to(self._master) for p in pieces[:meta["globals"]]])) \
                 != meta["fingerprint"]:
             self._offer_refused = rnd
             self._log(f"the state offered for round {rnd} does not match its fingerprint: waiting for the boundary")

@@ -12,9 +12,41 @@ from collections.abc import Sequence
 import torch
 
 from hetcomm import hosts as _hosts
-from hetcomm.train.elastic.common import _PREFIX, _MAX_ABORTS, _Poll, _read_decision, _read_ended, _read_int
+from hetcomm.train.elastic.common import (_PREFIX, _MAX_ABORTS, _Poll, _decision_ok, _read_decision, _read_ended,
+                                          _read_int)
 from hetcomm.train.membership import Keys, Pulse, StoreUnreachable
 
+
+
+
+def _checked_decision(keys: Keys, epoch: int, proposal: dict) -> dict:
+    """The epoch's decision: ours if we are the first to write one, else the one there. One
+    that is malformed (a store writer's, without an out-of-band secret) raises, naming the key."""
+    decision = keys.first(f"e{epoch}/decision", proposal)
+    if not _decision_ok(decision):
+        raise ValueError(f"{_PREFIX}: the store value {keys.root}e{epoch}/decision is not a decision (someone "
+                         "else wrote it; HETCOMM_SECRET seals the run's records)")
+    return decision
+
+
+def _first_outcome(keys: Keys, epoch: int, outcome: str) -> str:
+    result = keys.first(f"e{epoch}/outcome", outcome)
+    if not isinstance(result, str):
+        raise ValueError(f"{_PREFIX}: the store value {keys.root}e{epoch}/outcome is not an outcome (someone else "
+                         "wrote it; HETCOMM_SECRET seals the run's records)")
+    return result
+
+class _Rewrite:
+    """Writes a worker's own record now, and again every ``every`` seconds while it waits (a
+    store writer may delete it; every poll would cost a store round trip each time)."""
+
+    def __init__(self, keys: Keys, key: str, value, every: float) -> None:
+        self.keys, self.key, self.value, self.every, self.last = keys, key, value, every, -math.inf
+
+    def __call__(self) -> None:
+        if time.monotonic() - self.last >= self.every:
+            self.keys.set(self.key, self.value)
+            self.last = time.monotonic()
 
 class Epochs:
     """Admission and the epochs of a round's synchronisation."""
@@ -65,12 +97,7 @@ class Epochs:
         now = time.monotonic()
         if self._decision is None or now - self._scanned[1] < min(self._heartbeat, 0.5):
             return
-        try:
-            regs, upto = self._registrations(self._keys, max(self._scanned[0], self._decision["admitted_upto"]))
-        except ValueError as e:                    # the join counter is not one (a store writer's)
-            self._log(f"cannot read the join requests: {e}")
-            self._scanned = (self._scanned[0], now)
-            return
+        regs, upto = self._registrations(self._keys, max(self._scanned[0], self._decision["admitted_upto"]))
         ours, watch, early = self._config(), [], False
         for _, r in regs:
             why = self._refusal(r.get("config"), ours)
@@ -89,7 +116,10 @@ class Epochs:
     def _era(self) -> int:
         """The job's current era (1 at the first start). A worker that loaded a checkpoint and
         finds the era's last members all silent starts the next one (a whole-job restart)."""
-        era = int(self._job_keys.first("era", 1))
+        era = self._job_keys.first("era", 1)
+        if not isinstance(era, int) or isinstance(era, bool) or era < 1:
+            raise ValueError(f"{_PREFIX}: the store value {self._job_keys.root}era is not an era number "
+                             "(someone else wrote it)")
         if not self._checkpoint:
             return era
         keys = self._job_keys.under(f"era{era}")
@@ -272,7 +302,7 @@ class Epochs:
             return
         members = [r["who"] for r in regs]
         holders = [r["who"] for r in regs if r["holds"] and r["round"] == latest] or members[:1]
-        decision = keys.first("e1/decision", {"epoch": 1, "gen": 1, "round": latest or 0, "members": members,
+        decision = _checked_decision(keys, 1, {"epoch": 1, "gen": 1, "round": latest or 0, "members": members,
                                               "holders": holders, "left": {}, "joined": members,
                                               "refused": refused, "admitted_upto": count, "fresh": latest is None})
         for who, why in decision.get("refused", {}).items():
@@ -286,18 +316,19 @@ class Epochs:
         members = prev["members"]
         arrivals: dict[str, dict] = {}
         poll, last_missing, since = _Poll(), None, time.perf_counter()
+        rewrite = _Rewrite(keys, f"e{epoch}/arrive/{self._me}", arrival, self._heartbeat)
         while True:
             self._pulse.check()
-            keys.set(f"e{epoch}/arrive/{self._me}", arrival)   # (again every poll: a store writer may delete it)
+            rewrite()                             # (a store writer may delete it)
             decision = _read_decision(keys, epoch)
             if decision is not None:
                 return decision
             for m in members:
                 if m not in arrivals:
-                    arrival = self._peek_dict(keys, f"e{epoch}/arrive/{m}")
-                    if arrival is not None and isinstance(arrival.get("holds"), bool) \
-                            and isinstance(arrival.get("round"), int):
-                        arrivals[m] = arrival
+                    theirs = self._peek_dict(keys, f"e{epoch}/arrive/{m}")
+                    if theirs is not None and isinstance(theirs.get("holds"), bool) \
+                            and isinstance(theirs.get("round"), int):
+                        arrivals[m] = theirs
             out: dict[str, str] = {}
             for m in members:
                 if m in arrivals:
@@ -342,7 +373,7 @@ class Epochs:
         decision = {"epoch": epoch, "gen": prev["gen"] + (1 if changed else 0), "round": rnd,
                     "members": new_members, "holders": holders,
                     "left": out, "joined": joiners, "refused": refused, "admitted_upto": upto, "fresh": fresh}
-        decision = keys.first(f"e{epoch}/decision", decision)
+        decision = _checked_decision(keys, epoch, decision)
         keys.set("latest", epoch)
         return decision
 
@@ -460,14 +491,17 @@ class Epochs:
         """Two-phase end of an epoch: ``commit`` once every member is done, else ``abort: why``."""
         keys, epoch, members = self._keys, decision["epoch"], decision["members"]
         if failure is not None:
-            keys.first(f"e{epoch}/outcome", f"abort: {self.worker_id}: {failure}")
-        poll, deadline = _Poll(), time.monotonic() + self._collective_timeout
+            _first_outcome(keys, epoch, f"abort: {self.worker_id}: {failure}")
+        poll, deadline, done = _Poll(), time.monotonic() + self._collective_timeout, set()
+        # a sealed record each, not a counter (see Keys); written again now and then: a store
+        # writer may delete it
+        rewrite = _Rewrite(keys, f"e{epoch}/done/{self._me}", 1, self._heartbeat) if failure is None else None
         while True:
             self._pulse.check()
-            if failure is None:                   # (again every poll: a store writer may delete it)
-                keys.set(f"e{epoch}/done/{self._me}", 1)   # a sealed record each, not a counter: see Keys
+            if rewrite is not None:
+                rewrite()
             if time.monotonic() > deadline:
-                return keys.first(f"e{epoch}/outcome", f"abort: no outcome within collective_timeout="
+                return _first_outcome(keys, epoch, f"abort: no outcome within collective_timeout="
                                   f"{self._collective_timeout:.0f} s (records on the store deleted?)")
             try:
                 outcome = keys.peek(f"e{epoch}/outcome")
@@ -475,11 +509,12 @@ class Epochs:
                 outcome = None
             if isinstance(outcome, str) and (outcome == "commit" or outcome.startswith("abort")):
                 return outcome
-            if all(keys.has(f"e{epoch}/done/{m}") for m in members):
-                return keys.first(f"e{epoch}/outcome", "commit")
+            done.update(m for m in members if m not in done and keys.has(f"e{epoch}/done/{m}"))
+            if len(done) == len(members):
+                return _first_outcome(keys, epoch, "commit")
             gone = [m for m in members if self._pulse.silent(m) > self._timeout]
             if gone:
-                return keys.first(f"e{epoch}/outcome", "abort: " + "; ".join(
+                return _first_outcome(keys, epoch, "abort: " + "; ".join(
                     f"{self._names([m])} gone during the synchronisation ({self._why_gone(m)})" for m in gone))
             poll()
 

@@ -157,7 +157,8 @@ class Generation:
         if meta.get("shapes") != shapes or meta.get("codec") != self._codec_name:
             refuse(f"the run's model has parameter shapes {meta.get('shapes')} and {meta.get('codec')}; this "
                    f"worker's {shapes} and {self._codec_name}")
-        if not (all(isinstance(meta.get(k), int) and meta[k] >= 0 for k in ("round", "samples_total"))
+        if not (all(isinstance(meta.get(k), int) and not isinstance(meta[k], bool) and meta[k] >= 0
+                    for k in ("round", "samples_total"))
                 and all(isinstance(meta.get(k), list) and all(isinstance(r, dict) for r in meta[k])
                         for k in ("history", "membership"))
                 and isinstance(meta.get("skeleton"), dict)):

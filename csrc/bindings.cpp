@@ -10,6 +10,8 @@
 #include "backend/work.h"
 #include "backend/tensor_checks.h"
 #include "kernels/reduce.h"
+#include "transport/group_secret.h"
+#include "transport/hmac.h"
 #include "transport/tls.h"
 
 namespace py = pybind11;
@@ -290,6 +292,20 @@ PYBIND11_MODULE(_C, m) {
         return py::make_tuple(ok, why);
       },
       "(True, '') when OpenSSL 3 could be loaded for HETCOMM_TLS, else (False, why not).");
+  m.def(
+      "store_seal_key",
+      [](const std::string& context) -> py::object {
+        const auto master = hetcomm::outOfBandSecretFromEnv();
+        if (!master) return py::none();
+        static const char kLabel[] = "hetcomm python store v1";   // its NUL included: a separator
+        const auto key = hetcomm::hmacSha256(master->data(), master->size(),
+                                             {{kLabel, sizeof(kLabel)}, {context.data(), context.size()}});
+        return py::bytes(reinterpret_cast<const char*>(key.data()), key.size());
+      },
+      py::arg("context"),
+      "The key that seals the store values of `context` (an elastic job's key prefix) with the "
+      "out-of-band secret (HETCOMM_SECRET_FILE or HETCOMM_SECRET), derived from it and never stored; "
+      "None when neither is set. Raises as group creation does for a secret it refuses.");
   m.def("reduce_into", &reduceIntoTensor, py::arg("dst"), py::arg("src"), py::arg("op") = "sum",
         "dst = op(dst, src) with hetcomm's CPU reduce kernel (for benchmarks and tests).");
 }

@@ -63,3 +63,20 @@ def supported_devices() -> tuple[str, ...]:
             return ("cpu",)
         WITH_CUDA = bool(extension().built_with_cuda())
     return ("cpu", "cuda") if WITH_CUDA else ("cpu",)
+
+
+def store_seal_key(context: str) -> bytes | None:
+    """The key that seals ``context``'s store values with the out-of-band secret
+    (``hetcomm._C.store_seal_key``), or None when none is set: then the extension is not loaded
+    (an elastic run over Gloo needs no build)."""
+    import os
+    if "HETCOMM_SECRET_FILE" not in os.environ and "HETCOMM_SECRET" not in os.environ:
+        return None
+    module = extension()
+    if not hasattr(module, "store_seal_key"):
+        raise ImportError("hetcomm: the compiled extension predates sealed elastic records: rebuild it "
+                          "(`pip install --no-build-isolation -e .`)")
+    try:
+        return module.store_seal_key(context)
+    except RuntimeError as e:                       # the engine's CommError: a secret it refuses
+        raise ValueError(f"hetcomm: the out-of-band secret cannot be used: {e}") from e

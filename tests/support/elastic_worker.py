@@ -118,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
 
         def dying_outcome(self, decision, failure):
             if self.rounds == die_round and failure is None:
-                self._keys.add(f"e{decision['epoch']}/done", 1)
+                self._keys.set(f"e{decision['epoch']}/done/{self._me}", 1)
                 kill_self()
             return real_outcome(self, decision, failure)
         elastic.ElasticDiLoCo._outcome_of = dying_outcome
@@ -146,14 +146,15 @@ def main(argv: list[str] | None = None) -> int:
             return real_offer(self)
         elastic.ElasticDiLoCo._offer_state = dying_offer
     elif where == "transfer":
-        real_broadcast = torch.distributed.broadcast_object_list
+        from hetcomm.train.elastic import generation
+        real_broadcast = generation._broadcast_meta
 
-        def dying_broadcast(box, src, *a, **k):
-            result = real_broadcast(box, src, *a, **k)
+        def dying_broadcast(meta, src):
+            result = real_broadcast(meta, src)
             if diloco.rounds >= die_round and diloco._holds:          # a holder, sending
                 kill_self()
             return result
-        torch.distributed.broadcast_object_list = dying_broadcast
+        generation._broadcast_meta = dying_broadcast
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, args.hidden), torch.nn.Tanh(),

@@ -271,6 +271,51 @@ def test_an_early_joiners_part_of_a_round_weighs_that_part_of_its_weight():
     assert elastic.ElasticDiLoCo._weights(SimpleNamespace(weighting="batch"), table) == pytest.approx([0.25] * 4)
 
 
+def test_the_state_a_joiner_receives_is_never_unpickled(tmp_path):
+    """What the holders announce to a joiner travels as JSON: an outer optimizer's state layout
+    (integer keys, tuples) comes back as torch made it; a pickle that would run code, garbage,
+    deep nesting and wrong types are refused with a ValueError and run nothing."""
+    import json
+    import pickle
+    from types import SimpleNamespace
+
+    import torch
+
+    from hetcomm.train.elastic import common, generation
+
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.Adam(model.parameters(), lr=0.1, betas=(0.8, 0.9))
+    model(torch.ones(1, 3)).sum().backward()
+    opt.step()
+    tensors: list = []
+    skeleton = generation.Generation._skeleton(opt.state_dict(), tensors)
+    meta = {"skeleton": skeleton, "round": 3, "samples_total": 96, "history": [], "membership": []}
+    back = generation._decode_meta(json.dumps(common._to_json(meta)).encode())
+    assert back == meta and back["skeleton"]["param_groups"][0]["betas"] == (0.8, 0.9)
+    assert set(back["skeleton"]["state"]) == {0, 1}                   # integer keys, as torch's
+
+    marker = tmp_path / "ran"
+
+    class Payload:
+        def __reduce__(self):
+            return (open, (str(marker), "w"))
+
+    for raw in (pickle.dumps(Payload()), b"\x80\x04garbage", b"[1, 2]", b'{"__items__": 5}',
+                b"[" * 100_000 + b"]" * 100_000, b""):
+        with pytest.raises(ValueError, match="cannot join"):
+            generation._decode_meta(raw)
+    assert not marker.exists()
+
+    joiner = SimpleNamespace(_global=[torch.zeros(2, 3), torch.zeros(2)], _codec_name="fp32")
+    good = {"dtypes": ["torch.float32"] * 2, "sizes": [6, 2], "shapes": [[2, 3], [2]], "codec": "fp32",
+            "round": 1, "samples_total": 8, "history": [], "membership": [], "skeleton": {}}
+    generation.Generation._check_meta(joiner, good)
+    for bad in ({"history": "abc"}, {"round": -1}, {"membership": [1]}, {"skeleton": None},
+                {"sizes": [6, 2 ** 40]}, {"dtypes": ["torch.float32", "load"]}):
+        with pytest.raises(ValueError, match="cannot join"):
+            generation.Generation._check_meta(joiner, {**good, **bad})
+
+
 @pytest.mark.slow
 def test_a_member_dying_while_it_offers_the_state_leaves_the_joiner_to_the_boundary(run):
     """w1 dies as it is about to offer its shard: the offer is never complete, so w3 is admitted

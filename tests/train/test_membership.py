@@ -143,9 +143,28 @@ def test_garbage_a_store_writer_puts_under_the_heartbeat_keys_stops_nothing(clus
     beats(keys, "a#1")                          # (its counter is a number again: it overwrote it)
     a.check()
     assert not a._links                         # no connection to a garbage address
-    keys.set_bytes("hb/f#1", b"7")              # its heartbeat moves: alive
+    keys.set_bytes("hb/f#1", b"7")              # a number again (garbage is never a baseline) ...
+    beats(keys, "a#1", 2)
+    keys.set_bytes("hb/f#1", b"8")              # ... and it moves: alive
     until(lambda: a.confirmed("f#1"))
     a.check()
+
+
+def test_a_heartbeat_put_back_to_an_older_value_is_not_a_beat(cluster):
+    """Seals are deterministic, so a store writer can put back an older authentic heartbeat: a
+    counter moves only upwards. A dead worker's counter, replayed, does not confirm it."""
+    pulse, keys = cluster
+    keys.set_bytes("hb/f#1", b"5")
+    keys.set_bytes("addr/f#1", b'""')            # no address: the heartbeat alone decides
+    a = pulse("a#1")
+    a.watch(["f#1"])
+    beats(keys, "a#1")                            # it has read 5
+    for old in (b"3", b"5", b"4"):
+        keys.set_bytes("hb/f#1", old)
+        beats(keys, "a#1", 2)
+    assert not a.confirmed("f#1")
+    keys.set_bytes("hb/f#1", b"6")
+    until(lambda: a.confirmed("f#1"))
 
 
 def test_the_store_dying_is_raised_on_the_training_thread():

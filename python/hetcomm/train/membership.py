@@ -14,12 +14,15 @@ from __future__ import annotations
 
 import datetime
 import errno
+import hashlib
+import hmac
 import json
 import math
 import os
 import re
 import selectors
 import socket
+import sys
 import threading
 import time
 from collections.abc import Sequence
@@ -55,17 +58,46 @@ def connect(store: str | dist.Store, timeout: float) -> tuple[dist.Store, str]:
     return store, address
 
 
-class Keys:
-    """The job's keys on one store client; every store failure becomes StoreUnreachable naming it."""
+class Forged(ValueError):
+    """A store value that does not open with the out-of-band secret's key: written by someone
+    without the secret, or moved from another key. It is never acted on."""
 
-    def __init__(self, store: dist.Store, address: str, root: str) -> None:
-        self.store, self.address, self.root = store, address, root
+
+class SecretMismatch(ValueError):
+    """This worker has no out-of-band secret, and the job's records are sealed: its workers were
+    started with HETCOMM_SECRET(_FILE). Raised, not ignored: the worker must stop and say so."""
+
+
+_TAG = 32                     # bytes of the seal after a value (HMAC-SHA-256)
+_NOTHING = b"\0hetcomm: no value\0"   # what an atomic read is told to expect (`Keys.peek_bytes`)
+_FIRST_TRIES = 50             # compare_set attempts against values that keep failing their seal
+
+
+class Keys:
+    """The job's keys on one store client; every store failure becomes StoreUnreachable naming it.
+
+    With an out-of-band secret (``seal``, from `hetcomm._engine.store_seal_key`), every value
+    written is followed by an HMAC over its full key and bytes, and every value read must carry
+    a valid one: one that does not raises `Forged` (a ValueError naming the key) instead of being
+    parsed, and `first` replaces it. Seals are deterministic, so a store writer can put back an
+    older value of the same key (heartbeats count only upwards for that reason) but can never
+    write a value of its own, or move one between keys or jobs. Counters (`add`, `count`) are not
+    sealed: a store writer can change them, and nothing is decided on them alone. Reads are
+    atomic (`peek_bytes`).
+    """
+
+    def __init__(self, store: dist.Store, address: str, root: str, seal: bytes | None = None) -> None:
+        self.store, self.address, self.root, self._seal_key = store, address, root, seal
+
+    @property
+    def sealed(self) -> bool:
+        return self._seal_key is not None
 
     def clone(self) -> "Keys":
         """Another connection to the same store (a TCPStore client is one socket: threads each
         get their own)."""
         try:
-            return Keys(self._call("connect", self.store.clone), self.address, self.root)
+            return Keys(self._call("connect", self.store.clone), self.address, self.root, self._seal_key)
         except (AttributeError, NotImplementedError):
             return self           # a store without clone (HashStore in tests): share it
 
@@ -76,52 +108,165 @@ class Keys:
             raise StoreUnreachable(f"{_PREFIX}: the store at {self.address} failed ({what}): {e} -- is the store "
                                    "process (python -m hetcomm.store) still running and reachable?") from e
 
+    def _tag(self, key: str, value: bytes) -> bytes:
+        full = (self.root + key).encode()
+        return hmac.new(self._seal_key, len(full).to_bytes(4, "little") + full + value, hashlib.sha256).digest()
+
+    def _sealed(self, key: str, value: bytes) -> bytes:
+        return value + self._tag(key, value) if self._seal_key is not None else value
+
+    def _open(self, key: str, raw: bytes) -> bytes | None:
+        """The value of a sealed record, or None when its seal is not right."""
+        if self._seal_key is None:
+            return raw
+        value, tag = raw[:-_TAG], raw[-_TAG:]
+        return value if len(raw) >= _TAG and hmac.compare_digest(tag, self._tag(key, value)) else None
+
+    def _opened(self, key: str, raw: bytes) -> bytes:
+        value = self._open(key, raw)
+        if value is None:
+            _log_forged(self.root + key)
+            raise Forged(f"{_PREFIX}: the store value {self.root + key} does not open with the out-of-band secret "
+                         "(someone without HETCOMM_SECRET(_FILE) wrote it, or a worker has another secret): "
+                         "ignored")
+        return value
+
     def set(self, key: str, value) -> None:
-        self._call(f"set {key}", self.store.set, self.root + key, _dump(value))
+        self.set_bytes(key, _dump(value).encode())
 
     def get(self, key: str):
-        return json.loads(self._call(f"get {key}", self.store.get, self.root + key))
+        """The key's value (JSON); a ValueError naming the key when it has none, or a forged one,
+        or one that is not JSON. Callers look with `has` or `peek` first: the value was there."""
+        return self._parse(key, self.get_bytes(key))
 
     def has(self, key: str) -> bool:
-        return bool(self._call(f"check {key}", self.store.check, [self.root + key]))
+        """Whether the key holds a value; with a seal, one that opens (a forged value is not
+        there: it is logged and ignored, and the worker goes on waiting for an authentic one)."""
+        return self.peek_bytes(key) is not None
+
+    def peek_bytes(self, key: str) -> bytes | None:
+        """The key's value now, opened, or None when it has none (or a forged one): one atomic
+        read that never waits (a compare_set that cannot match: torch's store then answers the
+        value, or the `expected` it was given when there is none). Unlike `has` then `get`, no
+        store writer can change the value between the two, nor make the get wait for a key it
+        deleted."""
+        raw = self._call(f"read {key}", self.store.compare_set, self.root + key, _NOTHING, _NOTHING)
+        if raw == _NOTHING:
+            return None
+        value = self._open(key, raw)
+        if value is None:
+            _log_forged(self.root + key)
+        return value
+
+    def peek(self, key: str):
+        """`peek_bytes` as JSON: None when there is no (authentic) value."""
+        raw = self.peek_bytes(key)
+        return None if raw is None else self._parse(key, raw)
+
+    def _parse(self, key: str, raw: bytes):
+        try:
+            return json.loads(raw)
+        except (ValueError, RecursionError) as e:
+            if self._seal_key is None and len(raw) > _TAG and _looks_sealed(raw):
+                raise SecretMismatch(f"{_PREFIX}: the store value {self.root + key} is sealed: the job's workers "
+                                     "were started with HETCOMM_SECRET(_FILE), this one without it; start every "
+                                     "worker with the same secret") from None
+            raise ValueError(f"{_PREFIX}: the store value {self.root + key} is not JSON: "
+                             f"{type(e).__name__}") from None
 
     def set_bytes(self, key: str, value: bytes) -> None:
-        self._call(f"set {key}", self.store.set, self.root + key, value)
+        self._call(f"set {key}", self.store.set, self.root + key, self._sealed(key, value))
 
     def get_bytes(self, key: str) -> bytes:
-        return self._call(f"get {key}", self.store.get, self.root + key)
+        value = self.peek_bytes(key)
+        if value is None:
+            raise Forged(f"{_PREFIX}: the store value {self.root + key} is gone, or does not open with the "
+                         "out-of-band secret (someone without it replaced it)")
+        return value
 
     def delete(self, key: str) -> None:
         self._call(f"delete {key}", self.store.delete_key, self.root + key)
 
     def add(self, key: str, n: int) -> int:
+        """The store's counter, added to. A value there that is not a counter (a store writer's)
+        raises a ValueError naming the key: the store's `add` would fail on it and close this
+        client's connection."""
+        if self.count(key) is None:
+            raise ValueError(f"{_PREFIX}: the store value {self.root + key} is not a counter (someone else wrote it)")
         return int(self._call(f"add {key}", self.store.add, self.root + key, n))
 
     def first(self, key: str, value):
-        """compare_set from nothing: the value that is there afterwards (ours if we were first)."""
-        return json.loads(self._call(f"compare_set {key}", self.store.compare_set, self.root + key, "", _dump(value)))
+        """compare_set from nothing: the value that is there afterwards (ours if we were first).
+        A value there that fails its seal counts as nothing: ours replaces it."""
+        mine, expected = self._sealed(key, _dump(value).encode()), b""
+        for _ in range(_FIRST_TRIES):
+            raw = self._call(f"compare_set {key}", self.store.compare_set, self.root + key, expected, mine)
+            if expected and raw == expected:
+                expected = b""                    # the key is gone (torch then answers `expected`)
+                continue
+            opened = self._open(key, raw)
+            if opened is not None:
+                return self._parse(key, opened)
+            expected = raw                        # a forged value: replace it, unless someone did
+        raise Forged(f"{_PREFIX}: the store value {self.root + key} keeps being replaced by values that do not "
+                     "open with the out-of-band secret: someone without the secret is writing it")
 
     def swap(self, key: str, expected: str, new: str) -> str:
         """compare_set of a plain string: the value there afterwards."""
-        return self._call(f"compare_set {key}", self.store.compare_set, self.root + key, expected, new).decode()
+        raw = self._call(f"compare_set {key}", self.store.compare_set, self.root + key,
+                         self._sealed(key, expected.encode()), self._sealed(key, new.encode()))
+        return self._opened(key, raw).decode()
 
     def counters(self, keys: Sequence[str]) -> list[int]:
-        """Heartbeat counters (decimal); a value that is not one (a store writer's) reads as -2."""
+        """Heartbeat counters (decimal); a value that is not one, or does not open (a store
+        writer's), reads as -2."""
         if not keys:
             return []
-        values = self._call("multi_get heartbeats", self.store.multi_get, [self.root + k for k in keys])
-        return [_counter(v) for v in values]
+        # One atomic read each (a multi_get waits for a key a store writer deleted).
+        opened = [self.peek_bytes(k) for k in keys]
+        return [-2 if v is None else _counter(v) for v in opened]
+
+    def count(self, key: str) -> int | None:
+        """A counter's value without adding to it (0 when there is none), or None when the value
+        there is not a counter (a store writer's)."""
+        raw = self._call(f"read {key}", self.store.compare_set, self.root + key, _NOTHING, _NOTHING)
+        return 0 if raw == _NOTHING else (int(raw) if _is_counter(raw) else None)
 
     def under(self, sub: str) -> "Keys":
         """The same connection, keys under ``sub/``."""
-        return Keys(self.store, self.address, f"{self.root}{sub}/")
+        return Keys(self.store, self.address, f"{self.root}{sub}/", self._seal_key)
 
     def set_timeout(self, seconds: float) -> None:
         self._call("set_timeout", self.store.set_timeout, datetime.timedelta(seconds=seconds))
 
 
+_LOGGED: set[str] = set()         # keys whose forged values were logged (each once; at most 1,000)
+
+
+def _log_forged(key: str) -> None:
+    if key not in _LOGGED and len(_LOGGED) < 1000:
+        _LOGGED.add(key)
+        print(f"{_PREFIX}: ignored the store value {key}: it does not open with the out-of-band secret "
+              "(written by someone without it, or by a worker started without the same HETCOMM_SECRET)",
+              file=sys.stderr, flush=True)
+
+
+def _looks_sealed(raw: bytes) -> bool:
+    """Whether a value that is not JSON is JSON followed by a seal (an unsealed worker's read)."""
+    try:
+        json.loads(raw[:-_TAG])
+        return True
+    except (ValueError, RecursionError):
+        return False
+
+
 def _dump(value) -> str:
     return json.dumps(value, sort_keys=True)
+
+
+def _is_counter(raw: bytes) -> bool:
+    """What the store's `add` accepts (and writes): a decimal number that fits in 64 bits."""
+    return 0 < len(raw) <= 18 and raw.isdigit()
 
 
 def _counter(raw: bytes) -> int:
@@ -231,7 +376,9 @@ class Pulse:
         with self._lock:
             for name, value in zip(names, values):
                 entry = self._watch.get(name)
-                if entry is not None and entry[0] != value:
+                # From the first number seen, only upwards: a store writer can put back an older
+                # sealed value, or garbage (-2, never a baseline).
+                if entry is not None and value > entry[0] and value >= 0:
                     if entry[0] != -1:
                         self._confirmed.add(name)         # it moved while we watched
                     self._watch[name] = (value, now)
@@ -259,7 +406,7 @@ class Pulse:
         for name in todo:
             self._tried[name] = now
             # (a get of a key not there waits for the store's timeout: the heartbeat would stop)
-            raw = self._keys.get_bytes(f"addr/{name}") if self._keys.has(f"addr/{name}") else b""
+            raw = self._keys.peek_bytes(f"addr/{name}") or b""   # none, or not the worker's: the heartbeat decides
             address = _address(raw)
             if address is None:
                 continue                          # none (or no address): the heartbeat decides

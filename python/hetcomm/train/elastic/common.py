@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 
 from hetcomm.train.flat import fingerprint
+from hetcomm.train.membership import SecretMismatch
 
 
 _PREFIX = "hetcomm ElasticDiLoCo"
@@ -21,6 +22,72 @@ _CHUNK = 4 << 20              # bytes per store value of an offer (the libuv TCP
 
 
 _fingerprint = fingerprint
+
+
+def _to_json(obj):
+    """An optimizer state's skeleton as JSON can carry it (integer keys and tuples kept)."""
+    if isinstance(obj, dict):
+        if all(isinstance(k, str) for k in obj):
+            return {k: _to_json(v) for k, v in obj.items()}
+        return {"__items__": [[k, _to_json(v)] for k, v in obj.items()]}
+    if isinstance(obj, tuple):
+        return {"__tuple__": [_to_json(v) for v in obj]}
+    if isinstance(obj, list):
+        return [_to_json(v) for v in obj]
+    return obj
+
+
+def _from_json(obj):
+    if isinstance(obj, dict):
+        if set(obj) == {"__items__"}:
+            return {k: _from_json(v) for k, v in obj["__items__"]}
+        if set(obj) == {"__tuple__"}:
+            return tuple(_from_json(v) for v in obj["__tuple__"])
+        return {k: _from_json(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_from_json(v) for v in obj]
+    return obj
+
+
+def _decision_ok(d) -> bool:
+    """Whether a decision read from the store has the fields and types the protocol uses (one
+    that does not, a store writer's without an out-of-band secret, is treated as absent)."""
+    return (isinstance(d, dict) and all(isinstance(d.get(k), int) for k in ("epoch", "gen", "round", "admitted_upto"))
+            and all(isinstance(d.get(k), list) and all(isinstance(m, str) for m in d[k])
+                    for k in ("members", "holders", "joined"))
+            and isinstance(d.get("left"), dict) and isinstance(d.get("refused", {}), dict))
+
+
+def _read_decision(keys, epoch: int) -> dict | None:
+    """Epoch ``epoch``'s decision, or None while there is none (or none well formed)."""
+    try:
+        d = keys.peek(f"e{epoch}/decision")
+    except SecretMismatch:
+        raise
+    except ValueError:
+        return None
+    return d if _decision_ok(d) else None
+
+
+def _read_int(keys, key: str) -> int | None:
+    try:
+        value = keys.peek(key)
+    except SecretMismatch:
+        raise
+    except ValueError:
+        return None
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
+
+
+def _read_ended(keys) -> dict | None:
+    """The run's end (``{"round", "reason"}``), or None while it goes on."""
+    try:
+        e = keys.peek("ended")
+    except SecretMismatch:
+        raise
+    except ValueError:
+        return None
+    return {"round": e.get("round"), "reason": str(e.get("reason", ""))[:300]} if isinstance(e, dict) else None
 
 
 # Settings that describe the job by global rank (HETCOMM_HOST_ID only in its per-rank form, with

@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import threading
 import time
 
 import torch
 
-from hetcomm.train.elastic.common import _PREFIX, _fingerprint, _Poll
+from hetcomm.train.elastic.common import (_PREFIX, _fingerprint, _Poll, _to_json, _from_json, _read_decision,
+                                          _read_ended, _read_int)
 from hetcomm.train.membership import StoreUnreachable
 
 
@@ -49,29 +51,40 @@ def _delete_offer(keys, rnd: int, layout: list[tuple[int, int, int]], only: int 
         keys.delete(f"snap/r{rnd}/meta")
 
 
-def _to_json(obj):
-    """An optimizer state's skeleton as JSON can carry it (integer keys and tuples kept)."""
-    if isinstance(obj, dict):
-        if all(isinstance(k, str) for k in obj):
-            return {k: _to_json(v) for k, v in obj.items()}
-        return {"__items__": [[k, _to_json(v)] for k, v in obj.items()]}
-    if isinstance(obj, tuple):
-        return {"__tuple__": [_to_json(v) for v in obj]}
-    if isinstance(obj, list):
-        return [_to_json(v) for v in obj]
-    return obj
+_PLAIN_INTS = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool)
 
 
-def _from_json(obj):
-    if isinstance(obj, dict):
-        if set(obj) == {"__items__"}:
-            return {k: _from_json(v) for k, v in obj["__items__"]}
-        if set(obj) == {"__tuple__"}:
-            return tuple(_from_json(v) for v in obj["__tuple__"])
-        return {k: _from_json(v) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_from_json(v) for v in obj]
-    return obj
+def _offer_problem(meta, global_bytes: int) -> str | None:
+    """What is wrong with an offer's metadata (read from the store: a store writer's, without an
+    out-of-band secret), before anything is allocated for it; None when it is well formed. Its
+    bytes are the global parameters and an outer optimizer state of at most four times them."""
+    if not isinstance(meta, dict):
+        return "not a JSON object"
+    if not isinstance(meta.get("fingerprint"), (int, float)) or isinstance(meta.get("fingerprint"), bool):
+        return "no fingerprint"
+    ints = {k: meta.get(k) for k in ("round", "epoch", "shards", "bytes", "chunk", "globals", "samples_total")}
+    if not all(isinstance(v, int) and v >= 0 for v in ints.values()):
+        return "round, epoch, shards, bytes, chunk, globals and samples_total must be integers"
+    if ints["chunk"] != _CHUNK or not 1 <= ints["shards"] <= 4096 or ints["globals"] < 1 or ints["bytes"] > 5 * global_bytes + (1 << 20):
+        return f"{ints['bytes']} bytes in {ints['shards']} shards of chunk {ints['chunk']}"
+    tensors = meta.get("tensors")
+    if not (isinstance(tensors, list) and len(tensors) >= ints["globals"]
+            and all(isinstance(t, list) and len(t) == 3 and isinstance(t[0], str) and isinstance(t[2], int)
+                    and isinstance(t[1], list) and all(isinstance(d, int) and d >= 0 for d in t[1]) for t in tensors)):
+        return "its tensors are not [dtype, shape, bytes]"
+    for name, shape, nbytes in tensors:
+        dtype = getattr(torch, name.removeprefix("torch."), None)
+        if not isinstance(dtype, torch.dtype) or not (dtype.is_floating_point or dtype in _PLAIN_INTS) \
+                or math.prod(shape) * dtype.itemsize != nbytes:
+            return f"a tensor of dtype {name[:40]!r}, shape {shape[:8]} cannot have {nbytes} bytes"
+    if sum(t[2] for t in tensors) != ints["bytes"]:
+        return "its tensors do not add up to its bytes"
+    if not (all(isinstance(meta.get(k), list) for k in ("history", "membership"))
+            and all(isinstance(r, dict) for k in ("history", "membership") for r in meta[k])
+            and isinstance(meta.get("budgets"), dict) and isinstance(meta.get("skeleton"), dict)
+            and all(isinstance(v, int) and v >= 0 for v in meta["budgets"].values())):
+        return "its history, membership, budgets or skeleton are malformed"
+    return None
 
 
 class EarlyJoin:
@@ -155,25 +168,33 @@ class EarlyJoin:
         offer the state that decision committed, load it and train from it (True); `_early_step`
         then watches for the round's decision."""
         keys = self._keys
-        if (not keys.has("snap/latest") or not keys.has(f"e{epoch - 1}/outcome")
-                or keys.get(f"e{epoch - 1}/outcome") != "commit"):
+        try:
+            committed = keys.peek(f"e{epoch - 1}/outcome") == "commit"
+        except ValueError:
+            committed = False
+        rnd = _read_int(keys, "snap/latest")
+        if not committed or rnd is None:
             return False
-        rnd = int(keys.get("snap/latest"))
-        if rnd == self._offer_refused or not keys.has(f"snap/r{rnd}/meta"):
+        if rnd == self._offer_refused:
             return False
         reader = keys.clone()
         if reader is not keys:
             reader.set_timeout(max(2.0, self._heartbeat))    # (an offer withdrawn meanwhile: no long wait)
         begin = time.perf_counter()
         try:
-            if not reader.has(f"snap/r{rnd}/meta"):
+            meta = reader.peek(f"snap/r{rnd}/meta")
+            if meta is None:
                 return False
-            meta = reader.get(f"snap/r{rnd}/meta")
+            why = _offer_problem(meta, sum(g.numel() * g.element_size() for g in self._global))
+            if why:
+                self._offer_refused = rnd
+                self._log(f"the state offered for round {rnd} is malformed ({why}): waiting for the boundary")
+                return False
             if meta["epoch"] != epoch - 1:
                 return False                  # the state of an earlier decision
             if not all(reader.has(f"snap/r{rnd}/{i}/sum") for i in range(meta["shards"])):
                 return False                  # not all there yet (or a member died offering it)
-            if meta["shapes"] != [list(g.shape) for g in self._global] or meta["codec"] != self._codec_name:
+            if meta.get("shapes") != [list(g.shape) for g in self._global] or meta.get("codec") != self._codec_name:
                 self._offer_refused = rnd     # another model: the decision refuses this worker
                 return False
             buf = bytearray(meta["bytes"])
@@ -185,8 +206,8 @@ class EarlyJoin:
                     self._log(f"the state offered for round {rnd} arrived damaged: waiting for the boundary")
                     return False
                 buf[lo:hi] = shard
-        except StoreUnreachable:
-            return False                      # withdrawn meanwhile, or the store died (the next call says)
+        except (StoreUnreachable, ValueError):
+            return False                      # withdrawn or replaced meanwhile, or the store died (the next call says)
         finally:
             del reader
         flat = torch.frombuffer(buf, dtype=torch.uint8) if buf else torch.empty(0, dtype=torch.uint8)
@@ -194,14 +215,15 @@ class EarlyJoin:
         for dtype, shape, nbytes in meta["tensors"]:
             pieces.append(flat[at:at + nbytes].clone().view(getattr(torch, dtype.removeprefix("torch."))).view(shape))
             at += nbytes
-        if _fingerprint(torch.cat([p.reshape(-1).to(self._master) for p in pieces[:meta["globals"]]])) \
+        if [list(p.shape) for p in pieces[:meta["globals"]]] != [list(g.shape) for g in self._global] \
+                or _fingerprint(torch.cat([p.reshape(-1).to(self._master) for p in pieces[:meta["globals"]]])) \
                 != meta["fingerprint"]:
             self._offer_refused = rnd
             self._log(f"the state offered for round {rnd} does not match its fingerprint: waiting for the boundary")
             return False
         try:
             self.outer_optimizer.load_state_dict(self._fill(_from_json(meta["skeleton"]), pieces[meta["globals"]:]))
-        except (ValueError, KeyError, TypeError, RuntimeError) as e:
+        except (ValueError, KeyError, IndexError, TypeError, AttributeError, RuntimeError) as e:
             self._offer_refused = rnd         # another outer optimizer: the decision refuses this worker
             self._log(f"cannot load the outer optimizer's state offered for round {rnd} ({e}): waiting for the boundary")
             return False
@@ -221,7 +243,7 @@ class EarlyJoin:
         keys.set(f"snapped/{self._me}", rnd)
         self._snapped = True
         self._count("sync", begin)
-        if keys.has(f"e{epoch}/decision"):
+        if _read_decision(keys, epoch) is not None:
             return False                      # the round ended meanwhile: its decision says what next
         self._early = {"index": index, "epoch": epoch, "round": rnd, "watched": last["members"],
                        "looked": 0.0, "began": time.perf_counter()}
@@ -244,15 +266,15 @@ class EarlyJoin:
         early, keys = self._early, self._keys
         poll, begin = _Poll(), time.perf_counter()
         while True:
-            if keys.has(f"e{early['epoch']}/decision"):
-                decision = keys.get(f"e{early['epoch']}/decision")
+            decision = _read_decision(keys, early["epoch"])
+            if decision is not None:
                 break
             now = time.monotonic()
             if over or now - early["looked"] >= self._heartbeat:
                 early["looked"] = now
                 self._pulse.check()
                 self._raise_if_refused(keys)
-                if keys.has("ended"):
+                if _read_ended(keys) is not None:
                     decision = None
                     break
                 if all(self._pulse.silent(m) > self._timeout for m in early["watched"]):

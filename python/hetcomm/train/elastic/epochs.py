@@ -12,9 +12,41 @@ from collections.abc import Sequence
 import torch
 
 from hetcomm import hosts as _hosts
-from hetcomm.train.elastic.common import _PREFIX, _MAX_ABORTS, _Poll
+from hetcomm.train.elastic.common import (_PREFIX, _MAX_ABORTS, _Poll, _decision_ok, _read_decision, _read_ended,
+                                          _read_int)
 from hetcomm.train.membership import Keys, Pulse, StoreUnreachable
 
+
+
+
+def _checked_decision(keys: Keys, epoch: int, proposal: dict) -> dict:
+    """The epoch's decision: ours if we are the first to write one, else the one there. One
+    that is malformed (a store writer's, without an out-of-band secret) raises, naming the key."""
+    decision = keys.first(f"e{epoch}/decision", proposal)
+    if not _decision_ok(decision):
+        raise ValueError(f"{_PREFIX}: the store value {keys.root}e{epoch}/decision is not a decision (someone "
+                         "else wrote it; HETCOMM_SECRET seals the run's records)")
+    return decision
+
+
+def _first_outcome(keys: Keys, epoch: int, outcome: str) -> str:
+    result = keys.first(f"e{epoch}/outcome", outcome)
+    if not isinstance(result, str):
+        raise ValueError(f"{_PREFIX}: the store value {keys.root}e{epoch}/outcome is not an outcome (someone else "
+                         "wrote it; HETCOMM_SECRET seals the run's records)")
+    return result
+
+class _Rewrite:
+    """Writes a worker's own record now, and again every ``every`` seconds while it waits (a
+    store writer may delete it; every poll would cost a store round trip each time)."""
+
+    def __init__(self, keys: Keys, key: str, value, every: float) -> None:
+        self.keys, self.key, self.value, self.every, self.last = keys, key, value, every, -math.inf
+
+    def __call__(self) -> None:
+        if time.monotonic() - self.last >= self.every:
+            self.keys.set(self.key, self.value)
+            self.last = time.monotonic()
 
 class Epochs:
     """Admission and the epochs of a round's synchronisation."""
@@ -31,18 +63,30 @@ class Epochs:
         self._me = f"{self.worker_id}#{uuid.uuid4().hex[:8]}"
         self._pulse = Pulse(self._job_keys.clone(), self._me, self._heartbeat)
 
-    def _registrations(self, keys: Keys, start: int) -> tuple[list[tuple[int, dict]], int]:
+    def _registrations(self, keys: Keys, start: int, wait: bool = True) -> tuple[list[tuple[int, dict]], int]:
         """The join requests from index ``start`` on (index, request), and the index after them.
         A request whose index was taken but whose record never appeared (its worker died in
-        between) is skipped once it has been missing for ``timeout`` seconds."""
-        regs, i, count = [], start, keys.add("joins", 0)
+        between) is skipped once it has been missing for ``timeout`` seconds (at once without
+        ``wait``). A record that is not a request (a store writer's) is skipped; a join counter
+        that is not one reads as no new request."""
+        count = keys.count("joins")
+        if count is None:
+            self._note_waiting("the store's join counter holds something else (a store writer's): no worker can "
+                               "join until it is repaired")
+            return [], start
+        regs, i = [], start
         while i < count:
-            if keys.has(f"join/{i}"):
-                regs.append((i, keys.get(f"join/{i}")))
-            else:
+            try:
+                record = keys.peek(f"join/{i}")
+            except ValueError:                       # not JSON (a store writer's)
+                record = False
+            if record is None and wait:
                 first = self._gaps.setdefault(i, time.monotonic())
                 if time.monotonic() - first <= self._timeout:
                     break                            # not written yet: next time
+            elif isinstance(record, dict) and isinstance(record.get("who"), str) \
+                    and isinstance(record.get("holds"), bool) and isinstance(record.get("round"), int):
+                regs.append((i, record))
             i += 1
         return regs, i
 
@@ -72,24 +116,29 @@ class Epochs:
     def _era(self) -> int:
         """The job's current era (1 at the first start). A worker that loaded a checkpoint and
         finds the era's last members all silent starts the next one (a whole-job restart)."""
-        era = int(self._job_keys.first("era", 1))
+        era = self._job_keys.first("era", 1)
+        if not isinstance(era, int) or isinstance(era, bool) or era < 1:
+            raise ValueError(f"{_PREFIX}: the store value {self._job_keys.root}era is not an era number "
+                             "(someone else wrote it)")
         if not self._checkpoint:
             return era
         keys = self._job_keys.under(f"era{era}")
-        if not keys.has("latest"):
+        newest = _read_int(keys, "latest")        # written after its decision: it may lag behind
+        if newest is None:
             return era
-        newest = int(keys.get("latest"))          # written after its decision: it may lag behind
-        while keys.has(f"e{newest + 1}/decision"):
+        while _read_decision(keys, newest + 1) is not None:
             newest += 1
-        last = keys.get(f"e{newest}/decision")
-        if keys.has("ended"):
+        last = _read_decision(keys, newest)
+        if last is None:
+            return era
+        if _read_ended(keys) is not None:
             dead = True
         else:
             self._pulse.watch(last["members"])
             poll = _Poll()
             while True:
                 self._pulse.check()
-                if keys.has(f"e{last['epoch'] + 1}/decision"):
+                if _read_decision(keys, last["epoch"] + 1) is not None:
                     return era                       # the era is alive: join it
                 silent = min(self._pulse.silent(m) for m in last["members"])
                 if silent > self._timeout:
@@ -112,21 +161,21 @@ class Epochs:
         begin = time.perf_counter()
         if resume is None:
             index = self._register()
-            epoch = int(keys.get("latest")) if keys.has("latest") else 1
+            epoch = _read_int(keys, "latest") or 1
         else:
             index, epoch = resume
         poll, watched, last = _Poll(), None, None
         while True:
             self._pulse.check()
             self._raise_if_refused(keys)
-            if keys.has("ended"):
-                ended = keys.get("ended")
+            ended = _read_ended(keys)
+            if ended is not None:
                 self._stopped, self._stop_reason = True, f"the run ended at round {ended['round']} ({ended['reason']})"
                 self._joined = True
                 self._count("idle", begin)
                 return
-            if keys.has(f"e{epoch}/decision"):
-                decision = keys.get(f"e{epoch}/decision")
+            decision = _read_decision(keys, epoch)
+            if decision is not None:
                 if self._me in decision.get("refused", {}):
                     raise ValueError(f"{_PREFIX}: this worker cannot join run {self.job!r}: "
                                      f"{decision['refused'][self._me]}")
@@ -141,7 +190,7 @@ class Epochs:
                     self._destroy_group()
                     self._new_incarnation()
                     index, begin = self._register(), time.perf_counter()
-                    epoch = int(keys.get("latest"))
+                    epoch = _read_int(keys, "latest") or epoch
                     continue
                 if decision["admitted_upto"] > index:
                     # passed over (thought dead when the decision was taken), or refused in an
@@ -212,8 +261,12 @@ class Epochs:
             self._log(line)
 
     def _raise_if_refused(self, keys: Keys) -> None:
-        if keys.has(f"refused/{self._me}"):
-            raise ValueError(f"{_PREFIX}: this worker cannot join run {self.job!r}: {keys.get(f'refused/{self._me}')}")
+        try:
+            why = keys.peek(f"refused/{self._me}")
+        except ValueError:
+            return
+        if why is not None:
+            raise ValueError(f"{_PREFIX}: this worker cannot join run {self.job!r}: {str(why)[:2000]}")
 
     def _bootstrap(self, keys: Keys) -> None:
         """The first decision of an era: once ``min_workers`` asked to join, they are its members
@@ -221,9 +274,9 @@ class Epochs:
         checkpoint its holders (else the first of them, whose fresh model everyone starts from).
         The run's configuration is the holders' (else the one most of them share, ties to the
         first): one whose configuration differs is refused."""
-        found, count = self._registrations(keys, 0)
-        if count < keys.add("joins", 0):
-            return                                   # a request not written yet: next poll
+        # (Gaps are not waited for: a store writer adding to the counter must not hold the start
+        # forever. A worker whose request lands after this decision is passed over: it asks again.)
+        found, count = self._registrations(keys, 0, wait=False)
         self._pulse.watch([r["who"] for _, r in found])
         regs = []
         for _, r in found:
@@ -249,33 +302,40 @@ class Epochs:
             return
         members = [r["who"] for r in regs]
         holders = [r["who"] for r in regs if r["holds"] and r["round"] == latest] or members[:1]
-        decision = keys.first("e1/decision", {"epoch": 1, "gen": 1, "round": latest or 0, "members": members,
+        decision = _checked_decision(keys, 1, {"epoch": 1, "gen": 1, "round": latest or 0, "members": members,
                                               "holders": holders, "left": {}, "joined": members,
                                               "refused": refused, "admitted_upto": count, "fresh": latest is None})
         for who, why in decision.get("refused", {}).items():
             self._refuse(keys, who, why)
         keys.set("latest", 1)
 
-    def _decide(self, epoch: int) -> dict:
+    def _decide(self, epoch: int, arrival: dict) -> dict:
         """Waits until every member of the last epoch arrived at ``epoch`` or is out; the first to
         see it writes the decision; returns the decision (everyone's)."""
         keys, prev = self._keys, self._decision
         members = prev["members"]
         arrivals: dict[str, dict] = {}
         poll, last_missing, since = _Poll(), None, time.perf_counter()
+        rewrite = _Rewrite(keys, f"e{epoch}/arrive/{self._me}", arrival, self._heartbeat)
         while True:
             self._pulse.check()
-            if keys.has(f"e{epoch}/decision"):
-                return keys.get(f"e{epoch}/decision")
+            rewrite()                             # (a store writer may delete it)
+            decision = _read_decision(keys, epoch)
+            if decision is not None:
+                return decision
             for m in members:
-                if m not in arrivals and keys.has(f"e{epoch}/arrive/{m}"):
-                    arrivals[m] = keys.get(f"e{epoch}/arrive/{m}")
+                if m not in arrivals:
+                    theirs = self._peek_dict(keys, f"e{epoch}/arrive/{m}")
+                    if theirs is not None and isinstance(theirs.get("holds"), bool) \
+                            and isinstance(theirs.get("round"), int):
+                        arrivals[m] = theirs
             out: dict[str, str] = {}
             for m in members:
                 if m in arrivals:
                     continue
-                if keys.has(f"leave/{m}"):
-                    out[m] = "left: " + keys.get(f"leave/{m}").get("why", "its data ended")
+                leave = self._peek_dict(keys, f"leave/{m}")
+                if leave is not None:
+                    out[m] = "left: " + str(leave.get("why", "its data ended"))[:300]
                 elif self._pulse.silent(m) > self._timeout:
                     out[m] = self._why_gone(m)
             missing = [m for m in members if m not in arrivals and m not in out]
@@ -313,7 +373,7 @@ class Epochs:
         decision = {"epoch": epoch, "gen": prev["gen"] + (1 if changed else 0), "round": rnd,
                     "members": new_members, "holders": holders,
                     "left": out, "joined": joiners, "refused": refused, "admitted_upto": upto, "fresh": fresh}
-        decision = keys.first(f"e{epoch}/decision", decision)
+        decision = _checked_decision(keys, epoch, decision)
         keys.set("latest", epoch)
         return decision
 
@@ -330,7 +390,7 @@ class Epochs:
     def _snapped_holders(self, joiners: list[str], rnd: int) -> list[str]:
         """The joiners that loaded the state round ``rnd`` started from (`_take_offer`)."""
         keys = self._keys
-        return [j for j in joiners if keys.has(f"snapped/{j}") and keys.get(f"snapped/{j}") == rnd]
+        return [j for j in joiners if _read_int(keys, f"snapped/{j}") == rnd]
 
     def _joiners(self, keys: Keys, prev: dict,
                  continuing: list[str]) -> tuple[list[str], dict[str, str], int, bool]:
@@ -366,8 +426,7 @@ class Epochs:
             if admitted is None:
                 begin = time.perf_counter()
                 epoch = self._decision["epoch"] + 1
-                self._keys.set(f"e{epoch}/arrive/{self._me}", self._arrival())
-                decision = self._decide(epoch)
+                decision = self._decide(epoch, self._arrival())
                 self._count("idle", begin)
                 if self._me not in decision["members"]:
                     self._dropped_why = decision["left"].get(self._me, "arrived after the decision")
@@ -431,22 +490,42 @@ class Epochs:
     def _outcome_of(self, decision: dict, failure: str | None) -> str:
         """Two-phase end of an epoch: ``commit`` once every member is done, else ``abort: why``."""
         keys, epoch, members = self._keys, decision["epoch"], decision["members"]
-        if failure is None:
-            keys.add(f"e{epoch}/done", 1)
-        else:
-            keys.first(f"e{epoch}/outcome", f"abort: {self.worker_id}: {failure}")
-        poll = _Poll()
+        if failure is not None:
+            _first_outcome(keys, epoch, f"abort: {self.worker_id}: {failure}")
+        poll, deadline, done = _Poll(), time.monotonic() + self._collective_timeout, set()
+        # a sealed record each, not a counter (see Keys); written again now and then: a store
+        # writer may delete it
+        rewrite = _Rewrite(keys, f"e{epoch}/done/{self._me}", 1, self._heartbeat) if failure is None else None
         while True:
             self._pulse.check()
-            if keys.has(f"e{epoch}/outcome"):
-                return keys.get(f"e{epoch}/outcome")
-            if keys.add(f"e{epoch}/done", 0) >= len(members):
-                return keys.first(f"e{epoch}/outcome", "commit")
+            if rewrite is not None:
+                rewrite()
+            if time.monotonic() > deadline:
+                return _first_outcome(keys, epoch, f"abort: no outcome within collective_timeout="
+                                  f"{self._collective_timeout:.0f} s (records on the store deleted?)")
+            try:
+                outcome = keys.peek(f"e{epoch}/outcome")
+            except ValueError:
+                outcome = None
+            if isinstance(outcome, str) and (outcome == "commit" or outcome.startswith("abort")):
+                return outcome
+            done.update(m for m in members if m not in done and keys.has(f"e{epoch}/done/{m}"))
+            if len(done) == len(members):
+                return _first_outcome(keys, epoch, "commit")
             gone = [m for m in members if self._pulse.silent(m) > self._timeout]
             if gone:
-                return keys.first(f"e{epoch}/outcome", "abort: " + "; ".join(
+                return _first_outcome(keys, epoch, "abort: " + "; ".join(
                     f"{self._names([m])} gone during the synchronisation ({self._why_gone(m)})" for m in gone))
             poll()
+
+    @staticmethod
+    def _peek_dict(keys: Keys, key: str) -> dict | None:
+        """A record (a JSON object) at ``key``, or None when there is none (or anything else)."""
+        try:
+            value = keys.peek(key)
+        except ValueError:
+            return None
+        return value if isinstance(value, dict) else None
 
     def _why_gone(self, member: str) -> str:
         silent = self._pulse.silent(member)

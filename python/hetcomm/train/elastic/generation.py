@@ -3,6 +3,8 @@ to members without it, the reduction of the round and the outer update."""
 from __future__ import annotations
 
 import datetime
+import hashlib
+import json
 import time
 
 import torch
@@ -11,8 +13,48 @@ import torch.distributed as dist
 from hetcomm import compress as _compress
 from hetcomm.train.diloco.outer import outer_weights
 from hetcomm.train.elastic.common import (_PREFIX, _STEPS, _SAMPLES, _LOSS_SUM, _LOSS_N, _FINITE, _PRINT, _HOLDS,
-                                          _MAX_ROUNDS, _MAX_SAMPLES, _CONFIG, _SHARE, _fingerprint)
+                                          _MAX_ROUNDS, _MAX_SAMPLES, _CONFIG, _SHARE, _fingerprint, _to_json,
+                                          _from_json)
 from hetcomm.train.partition import exchange_columns
+
+
+# The most bytes of the metadata a joiner accepts from the holders (round, history, membership
+# events, the outer optimizer's layout): checked before it allocates them.
+_MAX_META_BYTES = 256 << 20
+
+
+def _broadcast_meta(meta: dict | None, src: int) -> dict:
+    """The first holder's metadata, on every member, as JSON over the group (never unpickled: a
+    peer's bytes could run code), its length first. A process that got into the group without
+    being a member (a store writer can redirect a Gloo group's rendezvous) can send garbage: it
+    ends in a ValueError, not in a huge allocation."""
+    sending, problem = dist.get_rank() == src, None
+    try:
+        raw = json.dumps(_to_json(meta)).encode() if sending else b""
+    except (TypeError, ValueError) as e:         # the receivers must not wait for bytes that never come
+        raw, problem = b"", e
+    length = torch.tensor([len(raw)], dtype=torch.int64)
+    dist.broadcast(length, src=src)
+    n = int(length.item())
+    if problem is not None:
+        raise ValueError(f"{_PREFIX}: cannot send the run's state to a joiner: the outer optimizer's state is not "
+                         f"plain data ({problem})") from problem
+    if not 0 < n <= _MAX_META_BYTES:
+        raise ValueError(f"{_PREFIX}: this worker cannot join: the holders announced {n} bytes of metadata "
+                         f"(at most {_MAX_META_BYTES})")
+    buf = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if sending else torch.empty(n, dtype=torch.uint8)
+    dist.broadcast(buf, src=src)
+    return meta if sending else _decode_meta(buf.numpy().tobytes())
+
+
+def _decode_meta(raw: bytes) -> dict:
+    try:
+        meta = _from_json(json.loads(raw))
+    except (ValueError, TypeError, RecursionError) as e:
+        raise ValueError(f"{_PREFIX}: this worker cannot join: the holders' metadata is malformed ({e})") from e
+    if not isinstance(meta, dict):
+        raise ValueError(f"{_PREFIX}: this worker cannot join: the holders' metadata is not a JSON object")
+    return meta
 
 
 class Generation:
@@ -22,7 +64,11 @@ class Generation:
 
     def _form_group(self, decision: dict) -> None:
         self._destroy_group()
-        store = dist.PrefixStore(f"{self._keys.root}g{decision['gen']}", self._group_store.store)
+        # The decision's digest in the prefix: members that read different decisions for the same
+        # generation (a store writer deleted one and a second was written) never meet in one group;
+        # their group formation fails and the epoch is redone.
+        digest = hashlib.sha256(json.dumps(decision, sort_keys=True).encode()).hexdigest()[:16]
+        store = dist.PrefixStore(f"{self._keys.root}g{decision['gen']}-{digest}", self._group_store.store)
         # torch names the default group after a counter (its keys on the store carry the name)
         # that a failed init_process_group advances and only destroy_process_group resets: put
         # it back, or this worker's next group would wait on keys its peers never write.
@@ -59,9 +105,7 @@ class Generation:
                     "history": self._history, "membership": self._events, "codec": self._codec_name,
                     "shapes": [list(g.shape) for g in self._global],
                     "sizes": [t.numel() for t in tensors], "dtypes": [str(t.dtype) for t in tensors]}
-        box = [meta]
-        dist.broadcast_object_list(box, src=sources[0])
-        meta = box[0]
+        meta = _broadcast_meta(meta, sources[0])
         if not mine:
             self._check_meta(meta)
         # Each dtype's tensors as one vector of raw bytes (any dtype travels, whatever the backend
@@ -87,8 +131,12 @@ class Generation:
         with torch.no_grad():
             for g, piece in zip(self._global, pieces):
                 g.copy_(piece.view(g.shape))
-        state = self._fill(meta["skeleton"], list(pieces[len(self._global):]))
-        self.outer_optimizer.load_state_dict(state)
+        try:
+            state = self._fill(meta["skeleton"], list(pieces[len(self._global):]))
+            self.outer_optimizer.load_state_dict(state)
+        except (ValueError, KeyError, IndexError, TypeError, AttributeError, RuntimeError) as e:
+            raise ValueError(f"{_PREFIX}: this worker cannot join: the holders' outer optimizer state does not "
+                             f"load into this worker's ({type(e).__name__}: {e})") from e
         self._restore_dtypes(state)
         self._round, self._samples_total = meta["round"], meta["samples_total"]
         own = [e for e in self._events if e.get("worker") == self.worker_id and e not in meta["membership"]]
@@ -109,8 +157,15 @@ class Generation:
         if meta.get("shapes") != shapes or meta.get("codec") != self._codec_name:
             refuse(f"the run's model has parameter shapes {meta.get('shapes')} and {meta.get('codec')}; this "
                    f"worker's {shapes} and {self._codec_name}")
+        if not (all(isinstance(meta.get(k), int) and not isinstance(meta[k], bool) and meta[k] >= 0
+                    for k in ("round", "samples_total"))
+                and all(isinstance(meta.get(k), list) and all(isinstance(r, dict) for r in meta[k])
+                        for k in ("history", "membership"))
+                and isinstance(meta.get("skeleton"), dict)):
+            refuse("the holders announced a malformed state (round, samples, history or membership)")
         sizes, dtypes = meta.get("sizes"), meta.get("dtypes")
         if not (isinstance(sizes, list) and isinstance(dtypes, list) and len(sizes) == len(dtypes)
+                and len(sizes) <= 16 * len(self._global) + 64
                 and all(isinstance(n, int) and n >= 0 for n in sizes) and all(isinstance(d, str) for d in dtypes)):
             refuse("the holders announced a malformed state (sizes and dtypes)")
         if sizes[:len(self._global)] != [g.numel() for g in self._global]:
@@ -167,7 +222,8 @@ class Generation:
         if len(set(prints)) > 1:
             raise ValueError(f"{_PREFIX}: round {decision['round']}: the members' global parameters differ "
                              f"(fingerprints {dict(zip(self._names(decision['members']).split(','), prints))}): "
-                             "a bug, please report it")
+                             "a bug, please report it -- or a store writer deleted a decision or an outcome "
+                             "that some members had read (docs/security.md)")
         self._leave_out_offenders(decision, table)
         weights = self._weights(table)
         if not any(s > 0 for s in table[_STEPS]) or not any(w != 0.0 for w in weights):

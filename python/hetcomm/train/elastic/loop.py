@@ -9,6 +9,7 @@ import zlib
 import math
 import os
 import socket
+import sys
 import threading
 import time
 import uuid
@@ -27,6 +28,7 @@ from hetcomm.train.elastic.common import (_PREFIX, _STEPS, _SAMPLES, _LOSS_SUM, 
 from hetcomm.train.elastic.early import EarlyJoin
 from hetcomm.train.elastic.epochs import Epochs
 from hetcomm.train.elastic.generation import Generation
+from hetcomm._engine import store_seal_key
 from hetcomm.train.membership import Keys, Pulse, StoreUnreachable, connect
 
 
@@ -119,7 +121,13 @@ class ElasticDiLoCo(Epochs, EarlyJoin, Generation, _flat.FlatParameters):
         self._me = f"{self.worker_id}#{uuid.uuid4().hex[:8]}"     # this incarnation
 
         client, address = connect(store, timeout=max(self._timeout, 5.0))
-        self._job_keys = Keys(client, address, f"hetcomm/ft/{job}/")
+        root = f"hetcomm/ft/{job}/"
+        # With HETCOMM_SECRET(_FILE), every value the workers trust is sealed (membership.Keys).
+        self._job_keys = Keys(client, address, root, seal=store_seal_key(root))
+        if self._job_keys.sealed and "hetcomm" not in str(backend):
+            print(f"{_PREFIX}: warning: HETCOMM_SECRET seals the run's records on the store, but the {backend!r} "
+                  "groups of its generations meet through the store unsealed: a store writer can redirect them "
+                  "(use backend='hetcomm')", file=sys.stderr, flush=True)
         self._keys: Keys | None = None                            # the era's keys, once joined
         self._group_store = self._job_keys.clone()                # the generation groups' rendezvous
         self._group_store.set_timeout(2 * self._timeout)

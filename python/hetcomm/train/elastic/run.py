@@ -56,7 +56,7 @@ from hetcomm.train.diloco.agreement import NonFinite
 from hetcomm.train.diloco.loop import DiLoCo
 from hetcomm.train.diloco.outer import default_outer_optimizer
 from hetcomm.train.elastic.carry import Round, encode_name, resume_round, share_timing, start_table, take_round
-from hetcomm.train.elastic.common import _MAX_ABORTS, _PREFIX
+from hetcomm.train.elastic.common import _MAX_ABORTS, _PREFIX, _read_ended
 from hetcomm.train.elastic.loop import ElasticDiLoCo
 from hetcomm.train.local_steps import TimeSteps, make_policy
 from hetcomm.train.membership import StoreUnreachable
@@ -378,10 +378,10 @@ class ElasticRun(ElasticDiLoCo):
                 # Every member (a joiner too: it has the run's round and budgets) decides alike;
                 # a run another member ended (its budget, at a round this one did not finish) too.
                 self._check_budgets()
-                if not self._stopped and self._keys.has("ended"):
-                    ended = self._keys.get("ended")
+                ended = None if self._stopped else _read_ended(self._keys)
+                if ended is not None:
                     self._stopped = True
-                    self._stop_reason = f"the run ended at round {ended.get('round') if isinstance(ended, dict) else '?'}"
+                    self._stop_reason = f"the run ended at round {ended['round']}"
             if self._stopped:
                 return
             try:

@@ -203,3 +203,23 @@ def test_without_the_secret_the_same_store_writer_drops_members(run):
     dropped = {w for w in ("w0", "w1", "w2") for rec in run.records(w) if "final" in rec
                for e in rec["membership"] for m, why in e.get("left", {}).items() if "rogue" in why}
     assert dropped or any(c != [0] for c in codes.values()), f"{codes}\n{run.logs()}"
+
+
+def test_a_join_request_a_store_writer_overwrites_is_written_again(run):
+    """w0 and w1 ask to join; a store writer overwrites both requests before w2 asks. Each
+    worker writes its request again while it waits (before: the first decision never came)."""
+    common = ["--rounds", "3", "--steps", "2", "--min-workers", "3"]
+    for w in ("w0", "w1"):
+        run.start(w, *common)
+    rogue = dist.TCPStore("127.0.0.1", run.port, is_master=False, timeout=datetime.timedelta(seconds=10))
+    root = f"hetcomm/ft/{run.job}/era1/"
+    deadline = time.monotonic() + 120
+    while not rogue.check([root + "join/0", root + "join/1"]):
+        assert time.monotonic() < deadline, run.logs()
+        time.sleep(0.02)
+    for i in (0, 1):
+        rogue.set(root + f"join/{i}", b"\x00 not a request")
+    run.start("w2", *common)
+    codes = run.wait_all()
+    assert codes == {"w0": [0], "w1": [0], "w2": [0]}, f"{codes}\n{run.logs()}"
+    check_agreement(run, ["w0", "w1", "w2"], 3)

@@ -164,10 +164,13 @@ class Epochs:
             epoch = _read_int(keys, "latest") or 1
         else:
             index, epoch = resume
-        poll, watched, last = _Poll(), None, None
+        poll, watched, last, kept = _Poll(), None, None, -math.inf
         while True:
             self._pulse.check()
             self._raise_if_refused(keys)
+            if time.monotonic() - kept >= self._heartbeat:
+                self._keep_request(index)
+                kept = time.monotonic()
             ended = _read_ended(keys)
             if ended is not None:
                 self._stopped, self._stop_reason = True, f"the run ended at round {ended['round']} ({ended['reason']})"
@@ -215,9 +218,23 @@ class Epochs:
 
     def _register(self) -> int:
         index = self._keys.add("joins", 1) - 1
-        self._keys.set(f"join/{index}", {"who": self._me, "holds": self._holds, "round": self._round,
-                                         "config": self._config(), "early": self._early_join})
+        self._keys.set(f"join/{index}", self._request())
         return index
+
+    def _request(self) -> dict:
+        return {"who": self._me, "holds": self._holds, "round": self._round, "config": self._config(),
+                "early": self._early_join}
+
+    def _keep_request(self, index: int) -> None:
+        """Writes this worker's join request again if it is no longer there as it wrote it (a
+        store writer overwrote or deleted it: the members would never see this worker ask)."""
+        mine = self._request()
+        try:
+            there = self._keys.peek(f"join/{index}")
+        except ValueError:
+            there = None
+        if there != mine:
+            self._keys.set(f"join/{index}", mine)
 
     def _config(self) -> dict:
         """What a worker must share with the run to be admitted: the model's layout, the outer

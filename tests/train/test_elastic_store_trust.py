@@ -223,3 +223,24 @@ def test_a_join_request_a_store_writer_overwrites_is_written_again(run):
     codes = run.wait_all()
     assert codes == {"w0": [0], "w1": [0], "w2": [0]}, f"{codes}\n{run.logs()}"
     check_agreement(run, ["w0", "w1", "w2"], 3)
+
+
+@pytest.mark.parametrize("counter", [b"\x00 not a counter", b"0"], ids=["garbage", "set-back"])
+def test_a_join_counter_a_store_writer_replaced_stops_no_one(run, counter):
+    """The counter only hands out join indices: w0 and w1 ask to join, a store writer replaces
+    the counter (garbage, or set back to 0), then w2 asks. Indices are claimed with compare_set
+    and the members read the records past the counter (before: nobody was ever admitted)."""
+    common = ["--rounds", "3", "--steps", "2", "--min-workers", "3"]
+    for w in ("w0", "w1"):
+        run.start(w, *common)
+    rogue = dist.TCPStore("127.0.0.1", run.port, is_master=False, timeout=datetime.timedelta(seconds=10))
+    root = f"hetcomm/ft/{run.job}/era1/"
+    deadline = time.monotonic() + 120
+    while not rogue.check([root + "join/0", root + "join/1"]):
+        assert time.monotonic() < deadline, run.logs()
+        time.sleep(0.02)
+    rogue.set(root + "joins", counter)
+    run.start("w2", *common)
+    codes = run.wait_all()
+    assert codes == {"w0": [0], "w1": [0], "w2": [0]}, f"{codes}\n{run.logs()}"
+    check_agreement(run, ["w0", "w1", "w2"], 3)

@@ -203,3 +203,37 @@ def test_without_the_secret_the_same_store_writer_drops_members(run):
     dropped = {w for w in ("w0", "w1", "w2") for rec in run.records(w) if "final" in rec
                for e in rec["membership"] for m, why in e.get("left", {}).items() if "rogue" in why}
     assert dropped or any(c != [0] for c in codes.values()), f"{codes}\n{run.logs()}"
+
+
+def two_ask_then_tamper(run, tamper) -> None:
+    """w0 and w1 ask to join (min_workers 3), ``tamper(rogue, root)`` acts on the store, w2
+    asks; every worker must finish every round with the same parameters."""
+    common = ["--rounds", "3", "--steps", "2", "--min-workers", "3"]
+    for w in ("w0", "w1"):
+        run.start(w, *common)
+    rogue = dist.TCPStore("127.0.0.1", run.port, is_master=False, timeout=datetime.timedelta(seconds=10))
+    root = f"hetcomm/ft/{run.job}/era1/"
+    deadline = time.monotonic() + 120
+    while not rogue.check([root + "join/0", root + "join/1"]):
+        assert time.monotonic() < deadline, run.logs()
+        time.sleep(0.02)
+    tamper(rogue, root)
+    run.start("w2", *common)
+    codes = run.wait_all()
+    assert codes == {"w0": [0], "w1": [0], "w2": [0]}, f"{codes}\n{run.logs()}"
+    check_agreement(run, ["w0", "w1", "w2"], 3)
+
+
+def test_a_join_request_a_store_writer_overwrites_is_written_again(run):
+    """A store writer overwrites w0's and w1's requests before w2 asks. Each worker writes its
+    request again while it waits (before: the first decision never came)."""
+    two_ask_then_tamper(run, lambda rogue, root: [rogue.set(root + f"join/{i}", b"\x00 not a request")
+                                                  for i in (0, 1)])
+
+
+@pytest.mark.parametrize("counter", [b"\x00 not a counter", b"0"], ids=["garbage", "set-back"])
+def test_a_join_counter_a_store_writer_replaced_stops_no_one(run, counter):
+    """The counter only hands out join indices: a store writer replaces it (garbage, or set back
+    to 0) between the first requests and the last. Indices are claimed with compare_set and the
+    members read the records past the counter (before: nobody was ever admitted)."""
+    two_ask_then_tamper(run, lambda rogue, root: rogue.set(root + "joins", counter))

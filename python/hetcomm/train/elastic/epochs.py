@@ -19,6 +19,8 @@ from hetcomm.train.membership import Keys, Pulse, StoreUnreachable
 
 
 
+_MAX_UNCOUNTED = 4096       # join records read past the counter (a store writer may set it back)
+
 def _checked_decision(keys: Keys, epoch: int, proposal: dict) -> dict:
     """The epoch's decision: ours if we are the first to write one, else the one there. One
     that is malformed (a store writer's, without an out-of-band secret) raises, naming the key."""
@@ -69,23 +71,26 @@ class Epochs:
         between) is skipped once it has been missing for ``timeout`` seconds (at once without
         ``wait``). A record that is not a request (a store writer's) is skipped; a join counter
         that is not one reads as no new request."""
-        count = keys.count("joins")
-        if count is None:
-            self._note_waiting("the store's join counter holds something else (a store writer's): no worker can "
-                               "join until it is repaired")
-            return [], start
-        regs, i = [], start
-        while i < count:
+        # The counter only hands out indices; the records are what counts. A counter a store
+        # writer replaced (garbage, or a smaller number) must not hide them: read on past it
+        # while records follow.
+        count = keys.count("joins") or 0
+        regs, i, seen = [], start, set()
+        while i < count + _MAX_UNCOUNTED:
             try:
                 record = keys.peek(f"join/{i}")
             except ValueError:                       # not JSON (a store writer's)
                 record = False
+            if record is None and i >= count:
+                break                                # past the counter and no record: the end
             if record is None and wait:
                 first = self._gaps.setdefault(i, time.monotonic())
                 if time.monotonic() - first <= self._timeout:
                     break                            # not written yet: next time
             elif isinstance(record, dict) and isinstance(record.get("who"), str) \
-                    and isinstance(record.get("holds"), bool) and isinstance(record.get("round"), int):
+                    and isinstance(record.get("holds"), bool) and isinstance(record.get("round"), int) \
+                    and record["who"] not in seen:   # (a copy of a request under another index: once)
+                seen.add(record["who"])
                 regs.append((i, record))
             i += 1
         return regs, i
@@ -164,10 +169,13 @@ class Epochs:
             epoch = _read_int(keys, "latest") or 1
         else:
             index, epoch = resume
-        poll, watched, last = _Poll(), None, None
+        poll, watched, last, kept = _Poll(), None, None, -math.inf
         while True:
             self._pulse.check()
             self._raise_if_refused(keys)
+            if time.monotonic() - kept >= self._heartbeat:
+                self._keep_request(index)
+                kept = time.monotonic()
             ended = _read_ended(keys)
             if ended is not None:
                 self._stopped, self._stop_reason = True, f"the run ended at round {ended['round']} ({ended['reason']})"
@@ -214,10 +222,40 @@ class Epochs:
             poll()
 
     def _register(self) -> int:
-        index = self._keys.add("joins", 1) - 1
-        self._keys.set(f"join/{index}", {"who": self._me, "holds": self._holds, "round": self._round,
-                                         "config": self._config(), "early": self._early_join})
-        return index
+        """Takes a join index and writes this worker's request there. The index is claimed with
+        compare_set (the first writer wins), so a counter a store writer set back cannot make two
+        workers share one; a counter that is not one is stepped over by reading the records."""
+        mine, keys = self._request(), self._keys
+        for _ in range(64):
+            try:
+                index = keys.add("joins", 1) - 1
+            except ValueError:                       # not a counter (a store writer's): the first free index
+                index = next(i for i in range(1 << 20) if self._free(i))
+            if keys.first(f"join/{index}", mine) == mine:
+                return index
+        raise ValueError(f"{_PREFIX}: this worker cannot ask to join run {self.job!r}: every join index it took "
+                         "was taken (the store's join counter is being tampered with)")
+
+    def _free(self, index: int) -> bool:
+        try:
+            return self._keys.peek(f"join/{index}") is None
+        except ValueError:
+            return False
+
+    def _request(self) -> dict:
+        return {"who": self._me, "holds": self._holds, "round": self._round, "config": self._config(),
+                "early": self._early_join}
+
+    def _keep_request(self, index: int) -> None:
+        """Writes this worker's join request again if it is no longer there as it wrote it (a
+        store writer overwrote or deleted it: the members would never see this worker ask)."""
+        mine = self._request()
+        try:
+            there = self._keys.peek(f"join/{index}")
+        except ValueError:
+            there = None
+        if there != mine:
+            self._keys.set(f"join/{index}", mine)
 
     def _config(self) -> dict:
         """What a worker must share with the run to be admitted: the model's layout, the outer

@@ -6,7 +6,10 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <cstdlib>
 #include <cstring>
+#include <mutex>
+#include <set>
 
 namespace hetcomm {
 namespace {
@@ -21,26 +24,71 @@ char* mapShared(int fd, size_t bytes, const std::string& name) {
   return static_cast<char*>(p);
 }
 
+// The names that segments of this process are to remove (removeNameWhenClosed) and have not yet:
+// removed at exit should their segments never be destroyed (a group object Python does not free
+// before it exits). Never destroyed itself, so a segment destroyed during exit may still use it.
+struct NamesToRemove {
+  std::mutex mu;
+  std::set<std::string> names;
+
+  static NamesToRemove& get() {
+    static NamesToRemove* const registry = [] {
+      auto* r = new NamesToRemove;
+      std::atexit([] {
+        NamesToRemove& all = get();
+        std::lock_guard<std::mutex> lock(all.mu);
+        for (const std::string& name : all.names) ShmSegment::unlink(name);
+        all.names.clear();
+      });
+      return r;
+    }();
+    return *registry;
+  }
+};
+
 }  // namespace
 
-ShmSegment::~ShmSegment() {
+void ShmSegment::release() noexcept {
   if (data_ != nullptr) ::munmap(data_, size_);
+  data_ = nullptr;
+  size_ = 0;
+  if (!nameToRemove_.empty()) {
+    unlink(nameToRemove_);
+    NamesToRemove& all = NamesToRemove::get();
+    std::lock_guard<std::mutex> lock(all.mu);
+    all.names.erase(nameToRemove_);
+    nameToRemove_.clear();
+  }
 }
 
-ShmSegment::ShmSegment(ShmSegment&& other) noexcept : data_(other.data_), size_(other.size_) {
+ShmSegment::~ShmSegment() { release(); }
+
+ShmSegment::ShmSegment(ShmSegment&& other) noexcept
+    : data_(other.data_), size_(other.size_), nameToRemove_(std::move(other.nameToRemove_)) {
   other.data_ = nullptr;
   other.size_ = 0;
+  other.nameToRemove_.clear();
 }
 
 ShmSegment& ShmSegment::operator=(ShmSegment&& other) noexcept {
   if (this != &other) {
-    if (data_ != nullptr) ::munmap(data_, size_);
+    release();
     data_ = other.data_;
     size_ = other.size_;
+    nameToRemove_ = std::move(other.nameToRemove_);
     other.data_ = nullptr;
     other.size_ = 0;
+    other.nameToRemove_.clear();
   }
   return *this;
+}
+
+void ShmSegment::removeNameWhenClosed(const std::string& name) {
+  HC_ENFORCE(data_ != nullptr && nameToRemove_.empty(), "removeNameWhenClosed: once, on a mapped segment");
+  NamesToRemove& all = NamesToRemove::get();
+  std::lock_guard<std::mutex> lock(all.mu);
+  all.names.insert(name);
+  nameToRemove_ = name;
 }
 
 ShmSegment ShmSegment::create(const std::string& name, size_t bytes) {

@@ -1,9 +1,10 @@
 """Throwaway certificates for trying HETCOMM_TLS, for the tests and the benchmarks:
 
-    python -m hetcomm.tls_certs DIR [--names rank0 rank1 ...] [--rogue]
+    python -m hetcomm.tls_certs DIR [--names rank0 rank1 ...] [--hosts NAME=HOST[,HOST...] ...] [--rogue]
 
 makes in DIR a CA (``ca.pem``, ``ca.key``) and, for each name, a key and a certificate it signed
-(``NAME.key``, ``NAME.pem``); with ``--rogue`` also a second, unrelated CA and a leaf it signed
+(``NAME.key``, ``NAME.pem``), whose subjectAltName lists the hosts ``--hosts`` gives that name (IP
+addresses or DNS names; for ``HETCOMM_TLS_VERIFY_NAME=host``); with ``--rogue`` also a second, unrelated CA and a leaf it signed
 (``rogue.pem``, ``rogue.key``), which hetcomm must refuse. EC P-256 keys, valid for 30 days, made
 with the ``openssl`` command-line tool. A real cluster's certificates come from its own CA and
 its usual tooling: this is a quick start, not a PKI.
@@ -14,11 +15,12 @@ Then, on every rank: ``HETCOMM_TLS=all`` (or ``inter-site``), ``HETCOMM_TLS_CA=D
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import os
 import shutil
 import subprocess
 import sys
-from typing import Sequence
+from typing import Mapping, Sequence
 
 _EC = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
 
@@ -36,19 +38,31 @@ def _ca(directory: str, name: str) -> None:
               "-subj", f"/CN=hetcomm-{name}"], directory)
 
 
-def _leaf(directory: str, name: str, ca: str) -> None:
-    _openssl(["req", "-new", *_EC, "-keyout", f"{name}.key", "-out", f"{name}.csr", "-subj", f"/CN={name}"], directory)
+def _alt_name(host: str) -> str:
+    try:
+        ipaddress.ip_address(host)
+        return f"IP:{host}"
+    except ValueError:
+        return f"DNS:{host}"
+
+
+def _leaf(directory: str, name: str, ca: str, hosts: Sequence[str] = ()) -> None:
+    alt = ["-addext", "subjectAltName=" + ",".join(_alt_name(h) for h in hosts)] if hosts else []
+    _openssl(["req", "-new", *_EC, "-keyout", f"{name}.key", "-out", f"{name}.csr", "-subj", f"/CN={name}", *alt],
+             directory)
     _openssl(["x509", "-req", "-in", f"{name}.csr", "-CA", f"{ca}.pem", "-CAkey", f"{ca}.key", "-CAcreateserial",
-              "-out", f"{name}.pem", "-days", "30"], directory)
+              *(["-copy_extensions", "copy"] if hosts else []), "-out", f"{name}.pem", "-days", "30"], directory)
     os.remove(os.path.join(directory, f"{name}.csr"))
 
 
-def make(directory: str, names: Sequence[str] = ("node",), rogue: bool = False) -> dict[str, str]:
-    """Makes the files (see the module's docstring); returns {name: certificate path}."""
+def make(directory: str, names: Sequence[str] = ("node",), rogue: bool = False,
+         hosts: Mapping[str, Sequence[str]] | None = None) -> dict[str, str]:
+    """Makes the files (see the module's docstring); returns {name: certificate path}.
+    ``hosts``: for some names, the hosts their certificate names (subjectAltName)."""
     os.makedirs(directory, exist_ok=True)
     _ca(directory, "ca")
     for name in names:
-        _leaf(directory, name, "ca")
+        _leaf(directory, name, "ca", (hosts or {}).get(name, ()))
     if rogue:
         _ca(directory, "rogue-ca")
         _leaf(directory, "rogue", "rogue-ca")
@@ -66,9 +80,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("directory")
     ap.add_argument("--names", nargs="+", default=["node"])
+    ap.add_argument("--hosts", nargs="+", default=[], metavar="NAME=HOST[,HOST...]",
+                    help="the hosts a name's certificate names (for HETCOMM_TLS_VERIFY_NAME=host)")
     ap.add_argument("--rogue", action="store_true")
     args = ap.parse_args(argv)
-    for name, path in make(args.directory, args.names, args.rogue).items():
+    hosts = {}
+    for item in args.hosts:
+        name, _, listed = item.partition("=")
+        if name not in args.names or not listed:
+            ap.error(f"--hosts {item}: give NAME=HOST[,HOST...] for one of --names")
+        hosts[name] = listed.split(",")
+    for name, path in make(args.directory, args.names, args.rogue, hosts).items():
         print(f"{name}: {path}")
     return 0
 

@@ -244,7 +244,8 @@ std::string ProcessGroupHetcomm::attachLocal(const std::vector<int64_t>& hostOf,
       } else if (channel) {
         // Not the last: the creator removes the name once the others have opened it. Should it die
         // first, and another rank of the host with it before it opened the segment, nobody would:
-        // this rank removes the name when its group goes (or at its exit).
+        // this rank removes the name when its group goes (or at its exit). A failure later in
+        // this rank's set-up removes it too, before slower ranks open it: the group fails anyway.
         channel->removeNameWhenClosed(name);
       }
     }

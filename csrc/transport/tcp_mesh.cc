@@ -71,10 +71,11 @@ void TcpMesh::setFailureHandler(std::function<void(const std::string&)> handler)
 void TcpMesh::setTls(std::shared_ptr<tls::Context> context, const char* mode, LinkPolicy needsTls) {
   std::string names;
   if (context && context->verifiesHost() && !context->namesHost(listenAddress_.host, &names)) {
+    const std::string address = listenAddress_.host.substr(0, listenAddress_.host.find('%'));
     throw tls::TlsError(strCat("hetcomm: HETCOMM_TLS_VERIFY_NAME=host, but this rank's own certificate (", names,
                                ") does not name ", listenAddress_.host, ", the address it listens on and publishes, "
                                "so every peer would refuse it: give it a certificate whose subjectAltName has IP:",
-                               listenAddress_.host, " (or listen elsewhere: HETCOMM_SOCKET_IFNAME)"));
+                               address, " (or listen elsewhere: HETCOMM_SOCKET_IFNAME)"));
   }
   std::lock_guard<std::mutex> lock(mu_);
   tls_ = std::move(context);
@@ -110,6 +111,9 @@ class HandshakeMismatch : public CommError {
   using CommError::CommError;
 };
 
+// Why a certificate with the right DNS name is refused all the same.
+constexpr char kNamesHint[] = " (ranks publish IP addresses: a certificate names them with IP entries in its subjectAltName)";
+
 }  // namespace
 
 std::unique_ptr<Link> TcpMesh::connectAndGreet(int peer, Channel channel, Deadline deadline, const Cancelled& callerCancelled) {
@@ -129,8 +133,9 @@ std::unique_ptr<Link> TcpMesh::connectAndGreet(int peer, Channel channel, Deadli
                                                              [&] { return strCat("rank ", peer, " at ", addr.str()); }));
         std::string names;
         if (tls_->verifiesHost() && !link->tlsSession()->namesHost(addr.host, &names)) {
-          throw tls::TlsError(strCat("the certificate of rank ", peer, " (", names, ") does not name ", addr.host,
-                                     ", the host it published, and HETCOMM_TLS_VERIFY_NAME=host on rank ", rank_));
+          throw tls::TlsError(strCat("the certificate presented at ", excerpt(addr.str(), 100), " (the address rank ", peer,
+                                     " published; ", names, ") does not name ", excerpt(addr.host, 80),
+                                     ", and HETCOMM_TLS_VERIFY_NAME=host on rank ", rank_, kNamesHint));
         }
       } else {
         link = tcpLink(std::move(s));
@@ -603,8 +608,8 @@ void TcpMesh::acceptGreeting(Greeting& g) {
     const HostPort addr = lookup_(hello.rank, g.deadline, [this] { return stopConnects_.load(); });
     std::string names;
     if (!g.link->tlsSession()->namesHost(addr.host, &names)) {
-      refuse(g, strCat("the certificate of rank ", hello.rank, " (", names, ") does not name ", addr.host,
-                       ", the host that rank published, and HETCOMM_TLS_VERIFY_NAME=host on rank ", rank_));
+      refuse(g, strCat("the certificate of rank ", hello.rank, " (", names, ") does not name ", excerpt(addr.host, 80),
+                       ", the host that rank published, and HETCOMM_TLS_VERIFY_NAME=host on rank ", rank_, kNamesHint));
     }
   }
 

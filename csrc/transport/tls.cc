@@ -22,7 +22,7 @@ namespace {
 
 using namespace abi;  // NOLINT: OpenSSL's names, as its own headers would give them
 
-// Constants of OpenSSL 3's ABI, from its headers (ssl.h, tls1.h, sslerr.h, bio.h, err.h, x509.h).
+// Constants of OpenSSL 3's ABI, from its headers (ssl.h, tls1.h, sslerr.h, err.h, x509.h).
 // Many of its "functions" are macros over SSL_CTX_ctrl; these are their command numbers.
 constexpr int kCtrlMode = 33;                // SSL_CTRL_MODE: SSL_CTX_set_mode
 constexpr int kCtrlSetMinProtoVersion = 123;  // SSL_CTRL_SET_MIN_PROTO_VERSION
@@ -106,11 +106,16 @@ bool certificateNames(X509* cert, const std::string& host, std::string* names) {
     if (names != nullptr) *names = "no certificate";
     return false;
   }
+  // A link-local IPv6 address's zone ("fe80::1%eth0") is this host's, no part of the address.
+  const std::string address = host.substr(0, host.find('%'));
   unsigned char ip[16];
-  const bool literal = ::inet_pton(AF_INET, host.c_str(), ip) == 1 || ::inet_pton(AF_INET6, host.c_str(), ip) == 1;
-  // 1: named; 0: not; negative: malformed input or out of memory, which names nothing either.
-  const int named = literal ? gSsl.X509_check_ip_asc(cert, host.c_str(), 0)
-                            : gSsl.X509_check_host(cert, host.data(), host.size(), 0, nullptr);
+  const bool literal =
+      ::inet_pton(AF_INET, address.c_str(), ip) == 1 || ::inet_pton(AF_INET6, address.c_str(), ip) == 1;
+  // 1: named; 0: not; negative: malformed input or out of memory, which names nothing either. An
+  // empty host is named by none (X509_check_host would compare it with a possibly empty CN).
+  const int named = host.empty()  ? 0
+                    : literal     ? gSsl.X509_check_ip_asc(cert, address.c_str(), 0)
+                                  : gSsl.X509_check_host(cert, host.data(), host.size(), 0, nullptr);
   gSsl.ERR_clear_error();
   if (named == 1) return true;
   if (names != nullptr) {

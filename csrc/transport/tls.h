@@ -4,14 +4,14 @@
 // that do the same. By default any certificate the CA signed is accepted, whatever it names, so
 // the CA should sign the cluster's certificates and nothing else. HETCOMM_TLS_VERIFY_NAME=host
 // restricts a certificate to the ranks on the hosts it names: the peer's certificate must name
-// the host of the address that the peer's rank published (a DNS name or an IP address in its
-// subjectAltName, else its common name), checked by both ends of every TLS link
-// (Session::namesHost; the mesh decides which address, tcp_mesh.cc).
+// the host of the address that the peer's rank published, checked by both ends of every TLS link
+// (Session::namesHost; the mesh decides which address, tcp_mesh.cc). Ranks publish numeric
+// addresses, so in practice the certificate needs an IP entry in its subjectAltName.
 //
 // OpenSSL is loaded at run time (dlopen of libssl.so.3, else libssl.so, or HETCOMM_TLS_LIBSSL),
 // never linked and its headers never included: hetcomm builds and runs without it, and its absence
-// is an error only when TLS is asked for. tls.cc declares the few functions and constants it uses
-// from OpenSSL 3's ABI.
+// is an error only when TLS is asked for. tls_openssl.h declares the few functions it uses from
+// OpenSSL 3's ABI, tls.cc the constants.
 //
 // A link uses it like this (link.h):
 //   auto context = Context::create(configFromEnv());             // once per process group
@@ -163,10 +163,11 @@ class Session {
   // What the failure of read() or write() was ("TLS send failed: Broken pipe", "TLS receive
   // failed: TLS error: decryption failed or bad record mac"); empty if none.
   std::string lastError() const;
-  // Whether the peer's certificate names `host` (an IP address, as an IP entry of its
-  // subjectAltName; a DNS name, as a DNS entry, wildcards in the leftmost label allowed, or as its
-  // common name when it has no DNS entries: OpenSSL's X509_check_host / X509_check_ip_asc). When
-  // not, *names (if given) says whom it names ("/CN=node-3"), for the error message.
+  // Whether the peer's certificate names `host`: an IP address (an IPv6 zone, "%eth0", dropped) as
+  // an IP entry of its subjectAltName; a DNS name as a DNS entry, wildcards in the leftmost label
+  // allowed, or as its common name when it has no DNS entries (OpenSSL's X509_check_ip_asc /
+  // X509_check_host). An empty host is named by none. When not named, *names (if given) is the
+  // certificate's subject ("/CN=node-3"), for the error message.
   bool namesHost(const std::string& host, std::string* names = nullptr) const;
   // Sends a close_notify alert, best effort and without waiting, so that the peer's read()
   // returns 0 rather than relying on the TCP EOF. Later writes fail with EPIPE.

@@ -6,7 +6,7 @@
 #include <cstdint>
 #include <string>
 
-// OpenSSL's opaque types (the struct tags of its typedefs; ssl_ctx_st and ssl_st are in tls.h).
+// OpenSSL's opaque types (the struct tags of its typedefs).
 struct ssl_ctx_st;
 struct ssl_st;
 struct ssl_method_st;

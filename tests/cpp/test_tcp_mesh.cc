@@ -272,9 +272,10 @@ TEST_CASE(certificates_must_name_the_host_of_the_rank_with_verify_name_host) {
   };
   auto always = [](int, Deadline, const Cancelled&) { return true; };
   // Rank 1 connects to rank 0 with the given certificates; what rank 1 was told ("" if connected).
-  auto connect = [&](const char* leaf0, bool verify0, const char* leaf1, bool verify1) {
-    // Rank 1's address, as rank 0 looks it up: only its host, 127.0.0.1, is checked.
-    TcpMesh acceptor(0, 2, "127.0.0.1", testSecret(), fixedLookup(deadAddress()));
+  // `published`: rank 1's address as rank 0 looks it up (only its host is checked).
+  auto connect = [&](const char* leaf0, bool verify0, const char* leaf1, bool verify1,
+                     const std::string& published = "127.0.0.1") {
+    TcpMesh acceptor(0, 2, "127.0.0.1", testSecret(), fixedLookup(HostPort{published, deadAddress().port}));
     acceptor.setTls(context(leaf0, verify0), "all", always);
     TcpMesh connector(1, 2, "127.0.0.1", testSecret(), fixedLookup(acceptor.listenAddress()));
     connector.setTls(context(leaf1, verify1), "all", always);
@@ -286,6 +287,9 @@ TEST_CASE(certificates_must_name_the_host_of_the_rank_with_verify_name_host) {
     return std::string();
   };
   CHECK_EQ(connect("d", true, "d", true), std::string());
+  // The published address decides, not where the connection comes from (127.0.0.1 either way).
+  std::string told0 = connect("d", true, "d", true, "127.0.0.2");
+  CHECK_MSG(told0.find("certificate of rank 1 (/CN=rank-d) does not name 127.0.0.2") != std::string::npos, told0);
   // The rogue connects: the acceptor refuses it and tells it why.
   std::string told = connect("d", true, "a", false);
   CHECK_MSG(told.find("refused the connection") != std::string::npos &&
@@ -294,7 +298,7 @@ TEST_CASE(certificates_must_name_the_host_of_the_rank_with_verify_name_host) {
             told);
   // The rogue accepts (as a rank whose address a store writer re-pointed would): the connector refuses it.
   told = connect("a", false, "d", true);
-  CHECK_MSG(told.find("certificate of rank 0 (/CN=rank-a) does not name 127.0.0.1") != std::string::npos &&
+  CHECK_MSG(told.find("the address rank 0 published; /CN=rank-a) does not name 127.0.0.1") != std::string::npos &&
                 told.find("HETCOMM_TLS_VERIFY_NAME=host on rank 1") != std::string::npos,
             told);
   // Without the check (the default), a certificate of any name from the CA is accepted.

@@ -479,10 +479,12 @@ TEST_CASE(peerCertificateNamesItsHosts) {
   auto d = contextOf(pki, "d", "caA");
   SecureLink s = secureLink(*a, *d);  // a serves, d connects
   // What the server sees of d: the subjectAltName only (its CN is not a name once it has DNS entries).
-  for (const char* host : {"node-d.example", "NODE-D.example", "h12.rack7.example", "127.0.0.1"}) {
+  for (const char* host : {"node-d.example", "NODE-D.example", "h12.rack7.example", "127.0.0.1", "::1", "0:0::1",
+                           "::1%lo"}) {
     CHECK_MSG(s.serverSession->namesHost(host), host);
   }
-  for (const char* host : {"rank-d", "node-e.example", "a.b.rack7.example", "rack7.example", "127.0.0.2", "::1", ""}) {
+  for (const char* host : {"rank-d", "node-e.example", "a.b.rack7.example", "rack7.example", "127.0.0.2", "::2",
+                           "127.0.0.1.example", ""}) {
     std::string names;
     CHECK_MSG(!s.serverSession->namesHost(host, &names), host);
     CHECK_MSG(contains(names, "CN=rank-d"), names);

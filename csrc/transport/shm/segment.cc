@@ -10,6 +10,7 @@
 #include <cstring>
 #include <mutex>
 #include <set>
+#include <utility>
 
 namespace hetcomm {
 namespace {
@@ -27,9 +28,11 @@ char* mapShared(int fd, size_t bytes, const std::string& name) {
 // The names that segments of this process are to remove (removeNameWhenClosed) and have not yet:
 // removed at exit should their segments never be destroyed (a group object Python does not free
 // before it exits). Never destroyed itself, so a segment destroyed during exit may still use it.
+// Each name with the process that registered it: a child forked after that inherits the set,
+// and must not remove its parent's names when it exits.
 struct NamesToRemove {
   std::mutex mu;
-  std::set<std::string> names;
+  std::set<std::pair<std::string, pid_t>> names;
 
   static NamesToRemove& get() {
     static NamesToRemove* const registry = [] {
@@ -37,7 +40,9 @@ struct NamesToRemove {
       std::atexit([] {
         NamesToRemove& all = get();
         std::lock_guard<std::mutex> lock(all.mu);
-        for (const std::string& name : all.names) ShmSegment::unlink(name);
+        for (const auto& [name, pid] : all.names) {
+          if (pid == ::getpid()) ShmSegment::unlink(name);
+        }
         all.names.clear();
       });
       return r;
@@ -52,19 +57,20 @@ void ShmSegment::release() noexcept {
   if (data_ != nullptr) ::munmap(data_, size_);
   data_ = nullptr;
   size_ = 0;
-  if (!nameToRemove_.empty()) {
+  // Not in a child forked since (it holds the mapping, not the group).
+  if (!nameToRemove_.empty() && nameOwner_ == ::getpid()) {
     unlink(nameToRemove_);
     NamesToRemove& all = NamesToRemove::get();
     std::lock_guard<std::mutex> lock(all.mu);
-    all.names.erase(nameToRemove_);
-    nameToRemove_.clear();
+    all.names.erase({nameToRemove_, nameOwner_});
   }
+  nameToRemove_.clear();
 }
 
 ShmSegment::~ShmSegment() { release(); }
 
 ShmSegment::ShmSegment(ShmSegment&& other) noexcept
-    : data_(other.data_), size_(other.size_), nameToRemove_(std::move(other.nameToRemove_)) {
+    : data_(other.data_), size_(other.size_), nameToRemove_(std::move(other.nameToRemove_)), nameOwner_(other.nameOwner_) {
   other.data_ = nullptr;
   other.size_ = 0;
   other.nameToRemove_.clear();
@@ -76,6 +82,7 @@ ShmSegment& ShmSegment::operator=(ShmSegment&& other) noexcept {
     data_ = other.data_;
     size_ = other.size_;
     nameToRemove_ = std::move(other.nameToRemove_);
+    nameOwner_ = other.nameOwner_;
     other.data_ = nullptr;
     other.size_ = 0;
     other.nameToRemove_.clear();
@@ -87,7 +94,8 @@ void ShmSegment::removeNameWhenClosed(const std::string& name) {
   HC_ENFORCE(data_ != nullptr && nameToRemove_.empty(), "removeNameWhenClosed: once, on a mapped segment");
   NamesToRemove& all = NamesToRemove::get();
   std::lock_guard<std::mutex> lock(all.mu);
-  all.names.insert(name);
+  nameOwner_ = ::getpid();
+  all.names.insert({name, nameOwner_});
   nameToRemove_ = name;
 }
 

@@ -7,6 +7,8 @@
 // it, and the creator unlinks the name as soon as every rank has mapped it. From then on the
 // memory lives only in the mappings: the kernel frees it when the last rank unmaps it, however
 // the ranks exit (a crash or a kill -9 included), so nothing is left in /dev/shm.
+#include <sys/types.h>
+
 #include <cstddef>
 #include <string>
 
@@ -51,6 +53,7 @@ class ShmSegment {
   char* data_ = nullptr;
   size_t size_ = 0;
   std::string nameToRemove_;
+  pid_t nameOwner_ = 0;  // the process that asked to remove it
 };
 
 }  // namespace hetcomm

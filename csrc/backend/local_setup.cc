@@ -13,7 +13,10 @@
 // creator to say whether it made the segment unlinks the name too: a creator killed between
 // creating and unlinking leaves nothing in /dev/shm once the others give up (at the group's
 // timeout; a launcher that kills them all first leaves the segment, as any process killed while
-// holding a name would).
+// holding a name would). A rank that mapped the segment but was not the last to open it removes
+// the name when its group goes, or at its exit (ShmSegment::removeNameWhenClosed): should the
+// creator die after saying it made the segment, and another rank before opening it, nobody else
+// would.
 //
 // Liveness: a rank waiting for a peer in shared memory asks every 100 ms whether the peer's
 // process is still there. The answer comes from the collective TCP connection to that peer, opened
@@ -74,11 +77,17 @@ class UnlinkGuard {
 
 // Debug hook for the tests of a creator killed mid-setup: HETCOMM_DEBUG_DIE_AFTER_SHM_CREATE=1
 // kills the host's first rank right after it created the segment.
-void maybeDieAfterCreate() {
-  if (envInt("HETCOMM_DEBUG_DIE_AFTER_SHM_CREATE", 0) != 0) {
-    HC_LOG(kError, "HETCOMM_DEBUG_DIE_AFTER_SHM_CREATE is set: this rank kills itself (a test hook)");
-    ::raise(SIGKILL);
-  }
+// HETCOMM_DEBUG_DIE_AFTER_SHM_CREATE=made kills it after it said that it made the segment, and
+// HETCOMM_DEBUG_DIE_BEFORE_SHM_OPEN=R kills group rank R as it is about to say that it opened it.
+void dieForTest(const char* variable) {
+  HC_LOG(kError, variable, " is set: this rank kills itself (a test hook)");
+  ::raise(SIGKILL);
+}
+void maybeDieAfterCreate(const char* when) {
+  if (envStr("HETCOMM_DEBUG_DIE_AFTER_SHM_CREATE") == when) dieForTest("HETCOMM_DEBUG_DIE_AFTER_SHM_CREATE");
+}
+void maybeDieBeforeOpen(int rank) {
+  if (envInt("HETCOMM_DEBUG_DIE_BEFORE_SHM_OPEN", -1) == rank) dieForTest("HETCOMM_DEBUG_DIE_BEFORE_SHM_OPEN");
 }
 
 // "/hetcomm-" + the group's incarnation (16 hex digits) + "-" + a random 64-bit tag: two groups,
@@ -181,13 +190,14 @@ std::string ProcessGroupHetcomm::attachLocal(const std::vector<int64_t>& hostOf,
       if (error.empty()) {
         try {
           channel = std::make_unique<ShmChannel>(ShmSegment::create(name, bytes), 0, L, slot, kDepth, true);
-          maybeDieAfterCreate();
+          maybeDieAfterCreate("1");
         } catch (const CommError& e) {
           error = e.what();
         }
       }
       if (!error.empty()) made = "!" + error;
       store_->set(key("made"), std::vector<uint8_t>(made.begin(), made.end()));
+      maybeDieAfterCreate("made");
       // Unlink once everyone has tried to open it, so that nothing outlives the ranks. Meanwhile the
       // two records stay as written (with an out-of-band secret, the others ignore forged ones and
       // wait for these).
@@ -212,6 +222,7 @@ std::string ProcessGroupHetcomm::attachLocal(const std::vector<int64_t>& hostOf,
       const std::string name = leaderRecord("name");
       unlinkAtExit.arm(name);  // the creator may die before it says whether it made the segment
       const std::string made = leaderRecord("made");
+      maybeDieBeforeOpen(rank_);
       // The creator is there: from now on only the last rank to open the segment unlinks it, so a
       // rank that fails here does not take the name from the others still opening it.
       unlinkAtExit.arm("");
@@ -228,7 +239,15 @@ std::string ProcessGroupHetcomm::attachLocal(const std::vector<int64_t>& hostOf,
       }
       // Mapped: the segment says so (no store key to leak). Not mapped: say so in the store.
       if (!channel) store_->set(doneKeys[me - 1], std::vector<uint8_t>{1});
-      if (settled(true)) unlinkAtExit.arm(name);  // the last to open it (or one of the last)
+      if (settled(true)) {
+        unlinkAtExit.arm(name);  // the last to open it (or one of the last)
+      } else if (channel) {
+        // Not the last: the creator removes the name once the others have opened it. Should it die
+        // first, and another rank of the host with it before it opened the segment, nobody would:
+        // this rank removes the name when its group goes (or at its exit). A failure later in
+        // this rank's set-up removes it too, before slower ranks open it: the group fails anyway.
+        channel->removeNameWhenClosed(name);
+      }
     }
   } catch (const std::exception& e) {
     // The store failed: that is not a reason to fall back, it is a broken group.

@@ -34,6 +34,7 @@ class TlsLink final : public Link {
     HC_ENFORCE(session_ != nullptr && session_->fd() == socket_.fd(), "a TLS link needs the session of its own socket");
   }
   Kind kind() const override { return Kind::kTls; }
+  const tls::Session* tlsSession() const override { return session_.get(); }
   ssize_t send(const void* data, size_t len) override { return session_->write(data, len); }
   ssize_t recv(void* data, size_t len) override { return session_->read(data, len); }
   void shutdown() override { socket_.shutdownBoth(); }

@@ -43,6 +43,8 @@ class Link {
   Link& operator=(const Link&) = delete;
 
   virtual Kind kind() const = 0;
+  // The TLS session of a TLS link (its peer's certificate); null for the other kinds.
+  virtual const tls::Session* tlsSession() const { return nullptr; }
   const char* kindName() const { return kind() == Kind::kTls ? "tls" : kind() == Kind::kShm ? "shm" : "tcp"; }
   // ::send semantics, without SIGPIPE: bytes taken (> 0), or -1 with errno (EAGAIN: nothing can
   // move now; EINTR: try again; EPIPE, ECONNRESET, ...: the link failed). On TLS a send that

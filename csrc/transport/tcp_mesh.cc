@@ -69,6 +69,14 @@ void TcpMesh::setFailureHandler(std::function<void(const std::string&)> handler)
 }
 
 void TcpMesh::setTls(std::shared_ptr<tls::Context> context, const char* mode, LinkPolicy needsTls) {
+  std::string names;
+  if (context && context->verifiesHost() && !context->namesHost(listenAddress_.host, &names)) {
+    const std::string address = listenAddress_.host.substr(0, listenAddress_.host.find('%'));
+    throw tls::TlsError(strCat("hetcomm: HETCOMM_TLS_VERIFY_NAME=host, but this rank's own certificate (", names,
+                               ") does not name ", listenAddress_.host, ", the address it listens on and publishes, "
+                               "so every peer would refuse it: give it a certificate whose subjectAltName has IP:",
+                               address, " (or listen elsewhere: HETCOMM_SOCKET_IFNAME)"));
+  }
   std::lock_guard<std::mutex> lock(mu_);
   tls_ = std::move(context);
   tlsMode_ = mode;
@@ -103,6 +111,9 @@ class HandshakeMismatch : public CommError {
   using CommError::CommError;
 };
 
+// Why a certificate with the right DNS name is refused all the same.
+constexpr char kNamesHint[] = " (ranks publish IP addresses: a certificate names them with IP entries in its subjectAltName)";
+
 }  // namespace
 
 std::unique_ptr<Link> TcpMesh::connectAndGreet(int peer, Channel channel, Deadline deadline, const Cancelled& callerCancelled) {
@@ -120,6 +131,12 @@ std::unique_ptr<Link> TcpMesh::connectAndGreet(int peer, Channel channel, Deadli
         const int fd = s.fd();
         link = tlsLink(std::move(s), tls::Session::handshake(*tls_, fd, /*server=*/false, deadline, cancelled,
                                                              [&] { return strCat("rank ", peer, " at ", addr.str()); }));
+        std::string names;
+        if (tls_->verifiesHost() && !link->tlsSession()->namesHost(addr.host, &names)) {
+          throw tls::TlsError(strCat("the certificate presented at ", excerpt(addr.str(), 100), " (the address rank ", peer,
+                                     " published; ", names, ") does not name ", excerpt(addr.host, 80),
+                                     ", and HETCOMM_TLS_VERIFY_NAME=host on rank ", rank_, kNamesHint));
+        }
       } else {
         link = tcpLink(std::move(s));
       }
@@ -556,6 +573,15 @@ void TcpMesh::challenge(Greeting& g) {
   g.got = 0;
 }
 
+void TcpMesh::refuse(Greeting& g, const std::string& why) {
+  const int from = g.parsed.rank;
+  const auto head = HelloAck::encodeRefusal(why.size());
+  sendAll(*g.link, head.data(), head.size(), g.deadline, [&] { return strCat("refusing rank ", from); });
+  sendAll(*g.link, why.data(), std::min(why.size(), HelloAck::kMaxReasonBytes), g.deadline,
+          [&] { return strCat("refusing rank ", from); });
+  throw CommError(why);
+}
+
 void TcpMesh::acceptGreeting(Greeting& g) {
   const Hello& hello = g.parsed;
   const auto want = handshakeMac(HandshakeRole::kConnector, secret_, g.hello, g.challenge);
@@ -572,13 +598,19 @@ void TcpMesh::acceptGreeting(Greeting& g) {
   // Waiting for it (up to the handshake timeout) let anyone with the secret stall every incoming
   // handshake. A member refused anyway tries again (connectAndGreet), so none is refused for good.
   if (g.link->kind() != Link::Kind::kTls && tls_ && needsTls_(hello.rank, Clock::now(), [this] { return stopConnects_.load(); })) {
-    const std::string why = strCat("rank ", hello.rank, " connected without TLS, but HETCOMM_TLS=", tlsMode_, " on rank ",
-                                   rank_, " requires it on this link (is HETCOMM_TLS the same on every rank?)");
-    const auto head = HelloAck::encodeRefusal(why.size());
-    sendAll(*g.link, head.data(), head.size(), g.deadline, [&] { return strCat("refusing rank ", hello.rank); });
-    sendAll(*g.link, why.data(), std::min(why.size(), HelloAck::kMaxReasonBytes), g.deadline,
-            [&] { return strCat("refusing rank ", hello.rank); });
-    throw CommError(why);
+    refuse(g, strCat("rank ", hello.rank, " connected without TLS, but HETCOMM_TLS=", tlsMode_, " on rank ", rank_,
+                     " requires it on this link (is HETCOMM_TLS the same on every rank?)"));
+  }
+  // HETCOMM_TLS_VERIFY_NAME=host: the certificate must name the host of the rank it proved to be.
+  // This runs on the TLS greeting's own thread (greetTls), so waiting for the address holds up no
+  // other greeting.
+  if (g.link->kind() == Link::Kind::kTls && tls_->verifiesHost()) {
+    const HostPort addr = lookup_(hello.rank, g.deadline, [this] { return stopConnects_.load(); });
+    std::string names;
+    if (!g.link->tlsSession()->namesHost(addr.host, &names)) {
+      refuse(g, strCat("the certificate of rank ", hello.rank, " (", names, ") does not name ", excerpt(addr.host, 80),
+                       ", the host that rank published, and HETCOMM_TLS_VERIFY_NAME=host on rank ", rank_, kNamesHint));
+    }
   }
 
   HelloAck ack;

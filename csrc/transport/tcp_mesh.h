@@ -22,7 +22,10 @@
 //   mutual certificates right after connecting, and the handshake above inside it. The acceptor
 //   tells a TLS connection by its first byte (a TLS handshake record, 0x16; a hello starts with
 //   "HTCM") and runs its handshake on a short-lived thread of its own; a cleartext connection on a
-//   link that needs TLS is refused, and so is a TLS connection on a rank without TLS.
+//   link that needs TLS is refused, and so is a TLS connection on a rank without TLS. With
+//   HETCOMM_TLS_VERIFY_NAME=host (tls.h), the connector checks that the acceptor's certificate
+//   names the host it dialled, and the acceptor, once the peer proved its rank, that the peer's
+//   certificate names the host that rank published (its address, from the PeerLookup).
 #include <array>
 #include <atomic>
 #include <condition_variable>
@@ -67,7 +70,9 @@ class TcpMesh {
   HostPort listenAddress() const { return listenAddress_; }
   void setInboundP2PHandler(InboundP2P handler);
   // TLS for the links `needsTls` names (call before any connection is made). Without it, every
-  // link is cleartext and TLS connections are refused.
+  // link is cleartext and TLS connections are refused. Throws tls::TlsError when the context
+  // verifies hosts (HETCOMM_TLS_VERIFY_NAME=host) and its own certificate does not name the
+  // address this mesh listens on: its peers would refuse every connection.
   void setTls(std::shared_ptr<tls::Context> context, const char* mode, LinkPolicy needsTls);
   // Called if the listener thread stops on an unexpected error (it then accepts nothing more).
   void setFailureHandler(std::function<void(const std::string&)> handler);
@@ -115,6 +120,8 @@ class TcpMesh {
   void challenge(Greeting& g);
   // Checks the proof; accepts the connection or throws.
   void acceptGreeting(Greeting& g);
+  // Tells the peer of a proven greeting why it is refused (HelloAck), then throws CommError(why).
+  [[noreturn]] void refuse(Greeting& g, const std::string& why);
   // Counts a refused connection and logs it (at most a line a second; only at debug level when quiet).
   void reject(const std::string& from, const std::string& why, bool quiet = false);
   // A connection that starts with a TLS record: its whole greeting on a thread of its own.

@@ -1,6 +1,6 @@
 #include "transport/tls.h"
 
-#include <dlfcn.h>
+#include <arpa/inet.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <sys/socket.h>
@@ -13,24 +13,16 @@
 #include <vector>
 
 #include "common/env.h"
-
-// OpenSSL's opaque types beside ssl_ctx_st and ssl_st (tls.h).
-struct ssl_method_st;
-struct bio_st;
-struct bio_method_st;
+#include "transport/tls_openssl.h"
 
 namespace hetcomm {
 namespace tls {
 
 namespace {
 
-using SSL_CTX = ssl_ctx_st;
-using SSL = ssl_st;
-using SSL_METHOD = ssl_method_st;
-using BIO = bio_st;
-using BIO_METHOD = bio_method_st;
+using namespace abi;  // NOLINT: OpenSSL's names, as its own headers would give them
 
-// Constants of OpenSSL 3's ABI, from its headers (ssl.h, tls1.h, sslerr.h, bio.h, err.h, x509.h).
+// Constants of OpenSSL 3's ABI, from its headers (ssl.h, tls1.h, sslerr.h, err.h, x509.h).
 // Many of its "functions" are macros over SSL_CTX_ctrl; these are their command numbers.
 constexpr int kCtrlMode = 33;                // SSL_CTRL_MODE: SSL_CTX_set_mode
 constexpr int kCtrlSetMinProtoVersion = 123;  // SSL_CTRL_SET_MIN_PROTO_VERSION
@@ -85,179 +77,6 @@ bool isCertificateAlert(int alert) {
 }
 constexpr int kAlertProtocolVersion = 70;
 
-// BIO flags and control commands (bio.h).
-constexpr int kBioFlagsRead = 0x01;
-constexpr int kBioFlagsWrite = 0x02;
-constexpr int kBioFlagsRws = 0x07;
-constexpr int kBioFlagsShouldRetry = 0x08;
-constexpr int kBioCtrlFlush = 11;
-constexpr int kBioTypeSourceSink = 0x0400;
-
-// Every OpenSSL function used, as (name, return type, parameters). Resolved by dlsym from libssl
-// (whose dependency libcrypto provides the ERR_, BIO_ and X509_ ones).
-#define HETCOMM_OPENSSL_FUNCTIONS(X)                                                 \
-  X(OpenSSL_version_num, unsigned long, (void))                                     \
-  X(OpenSSL_version, const char*, (int))                                            \
-  X(OPENSSL_init_ssl, int, (uint64_t, const void*))                                 \
-  X(TLS_method, const SSL_METHOD*, (void))                                          \
-  X(SSL_CTX_new, SSL_CTX*, (const SSL_METHOD*))                                     \
-  X(SSL_CTX_free, void, (SSL_CTX*))                                                 \
-  X(SSL_CTX_ctrl, long, (SSL_CTX*, int, long, void*))                               \
-  X(SSL_CTX_set_options, uint64_t, (SSL_CTX*, uint64_t))                            \
-  X(SSL_CTX_set_num_tickets, int, (SSL_CTX*, size_t))                               \
-  X(SSL_CTX_use_certificate_chain_file, int, (SSL_CTX*, const char*))               \
-  X(SSL_CTX_use_PrivateKey_file, int, (SSL_CTX*, const char*, int))                 \
-  X(SSL_CTX_check_private_key, int, (const SSL_CTX*))                               \
-  X(SSL_CTX_load_verify_locations, int, (SSL_CTX*, const char*, const char*))       \
-  X(SSL_CTX_set_verify, void, (SSL_CTX*, int, int (*)(int, void*)))                 \
-  X(SSL_new, SSL*, (SSL_CTX*))                                                      \
-  X(SSL_free, void, (SSL*))                                                         \
-  X(SSL_set_bio, void, (SSL*, BIO*, BIO*))                                          \
-  X(SSL_set_accept_state, void, (SSL*))                                             \
-  X(SSL_set_connect_state, void, (SSL*))                                            \
-  X(SSL_do_handshake, int, (SSL*))                                                  \
-  X(SSL_read_ex, int, (SSL*, void*, size_t, size_t*))                               \
-  X(SSL_write_ex, int, (SSL*, const void*, size_t, size_t*))                        \
-  X(SSL_get_error, int, (const SSL*, int))                                          \
-  X(SSL_pending, int, (const SSL*))                                                 \
-  X(SSL_shutdown, int, (SSL*))                                                      \
-  X(SSL_get_verify_result, long, (const SSL*))                                      \
-  X(SSL_alert_desc_string_long, const char*, (int))                                 \
-  X(X509_verify_cert_error_string, const char*, (long))                             \
-  X(ERR_get_error, unsigned long, (void))                                           \
-  X(ERR_peek_error, unsigned long, (void))                                          \
-  X(ERR_clear_error, void, (void))                                                  \
-  X(ERR_error_string_n, void, (unsigned long, char*, size_t))                       \
-  X(ERR_reason_error_string, const char*, (unsigned long))                          \
-  X(BIO_get_new_index, int, (void))                                                 \
-  X(BIO_meth_new, BIO_METHOD*, (int, const char*))                                  \
-  X(BIO_meth_set_write, int, (BIO_METHOD*, int (*)(BIO*, const char*, int)))        \
-  X(BIO_meth_set_read, int, (BIO_METHOD*, int (*)(BIO*, char*, int)))               \
-  X(BIO_meth_set_ctrl, int, (BIO_METHOD*, long (*)(BIO*, int, long, void*)))        \
-  X(BIO_new, BIO*, (const BIO_METHOD*))                                             \
-  X(BIO_set_data, void, (BIO*, void*))                                              \
-  X(BIO_get_data, void*, (BIO*))                                                    \
-  X(BIO_set_init, void, (BIO*, int))                                                \
-  X(BIO_set_flags, void, (BIO*, int))                                               \
-  X(BIO_clear_flags, void, (BIO*, int))
-
-struct OpenSsl {
-#define HETCOMM_DECLARE_POINTER(name, ret, params) ret(*name) params = nullptr;
-  HETCOMM_OPENSSL_FUNCTIONS(HETCOMM_DECLARE_POINTER)
-#undef HETCOMM_DECLARE_POINTER
-  BIO_METHOD* socketMethod = nullptr;  // our BIO: ::send(MSG_NOSIGNAL) and ::recv on an fd
-};
-
-// Filled once by load(); read-only afterwards. `gSsl` is only used once available() said yes
-// (a Context exists), so the I/O paths read it without synchronisation of their own: creating
-// the Context happened before, through call_once.
-OpenSsl gSsl;
-std::once_flag gLoadOnce;
-bool gLoaded = false;
-std::string gWhyNot;
-
-// --- the socket BIO ---------------------------------------------------------------------------
-// OpenSSL's own socket BIO writes with write(), which raises SIGPIPE on a connection the peer has
-// closed; ours sends with MSG_NOSIGNAL and keeps errno for the session (OpenSSL may overwrite
-// errno before SSL_get_error is asked).
-
-int bioWrite(BIO* bio, const char* data, int len) {
-  auto* io = static_cast<detail::SocketIo*>(gSsl.BIO_get_data(bio));
-  gSsl.BIO_clear_flags(bio, kBioFlagsRws | kBioFlagsShouldRetry);
-  while (true) {
-    const ssize_t n = ::send(io->fd, data, static_cast<size_t>(len), MSG_NOSIGNAL);
-    if (n >= 0) return static_cast<int>(n);
-    if (errno == EINTR) continue;
-    io->lastErrno = errno;
-    if (errno == EAGAIN || errno == EWOULDBLOCK) gSsl.BIO_set_flags(bio, kBioFlagsWrite | kBioFlagsShouldRetry);
-    return -1;
-  }
-}
-
-int bioRead(BIO* bio, char* data, int len) {
-  auto* io = static_cast<detail::SocketIo*>(gSsl.BIO_get_data(bio));
-  gSsl.BIO_clear_flags(bio, kBioFlagsRws | kBioFlagsShouldRetry);
-  while (true) {
-    const ssize_t n = ::recv(io->fd, data, static_cast<size_t>(len), 0);
-    if (n > 0) return static_cast<int>(n);
-    if (n == 0) {
-      io->eof = true;
-      return 0;
-    }
-    if (errno == EINTR) continue;
-    io->lastErrno = errno;
-    if (errno == EAGAIN || errno == EWOULDBLOCK) gSsl.BIO_set_flags(bio, kBioFlagsRead | kBioFlagsShouldRetry);
-    return -1;
-  }
-}
-
-// OpenSSL flushes after each handshake flight and fails the handshake if that fails; there is
-// nothing to flush (every write goes straight to the socket). Everything else is unsupported.
-long bioCtrl(BIO*, int cmd, long, void*) { return cmd == kBioCtrlFlush ? 1 : 0; }
-
-// --- loading ----------------------------------------------------------------------------------
-
-std::string dlerrorText() {
-  const char* e = dlerror();
-  return e != nullptr ? e : "unknown error";
-}
-
-void load() {
-  std::vector<std::string> candidates;
-  const std::string configured = envStr("HETCOMM_TLS_LIBSSL");
-  if (!configured.empty()) {
-    candidates.push_back(configured);  // only that one: it may be meant to simulate no OpenSSL
-  } else {
-    candidates = {"libssl.so.3", "libssl.so"};
-  }
-  void* handle = nullptr;
-  std::string name, failures;
-  for (const std::string& candidate : candidates) {
-    // RTLD_LOCAL: another OpenSSL the process may already hold (Python's ssl module) keeps its
-    // own symbols; dlsym on this handle searches libssl and its dependencies only.
-    handle = dlopen(candidate.c_str(), RTLD_NOW | RTLD_LOCAL);
-    if (handle != nullptr) {
-      name = candidate;
-      break;
-    }
-    failures += strCat(failures.empty() ? "" : "; ", "dlopen(", candidate, "): ", dlerrorText());
-  }
-  if (handle == nullptr) {
-    gWhyNot = failures + (configured.empty() ? " (install OpenSSL 3, or point HETCOMM_TLS_LIBSSL at its libssl)" : "");
-    return;
-  }
-  OpenSsl ssl;
-  std::string missing;
-#define HETCOMM_RESOLVE(fn, ret, params)                                                \
-  ssl.fn = reinterpret_cast<ret(*) params>(dlsym(handle, #fn));                         \
-  if (ssl.fn == nullptr) missing += strCat(missing.empty() ? "" : ", ", #fn);
-  HETCOMM_OPENSSL_FUNCTIONS(HETCOMM_RESOLVE)
-#undef HETCOMM_RESOLVE
-  if (!missing.empty()) {
-    gWhyNot = strCat(name, " lacks ", missing, " (hetcomm needs OpenSSL 3)");
-    dlclose(handle);
-    return;
-  }
-  // OpenSSL 3 changed the layout of error codes (ERR_GET_REASON) that the messages decode.
-  if (ssl.OpenSSL_version_num() < 0x30000000UL) {
-    gWhyNot = strCat(name, " is ", ssl.OpenSSL_version(0), "; hetcomm needs OpenSSL 3");
-    dlclose(handle);
-    return;
-  }
-  if (ssl.OPENSSL_init_ssl(0, nullptr) != 1) {
-    gWhyNot = strCat(name, ": OPENSSL_init_ssl failed");
-    return;  // OpenSSL may be half-initialised: keep it mapped
-  }
-  ssl.socketMethod = ssl.BIO_meth_new(ssl.BIO_get_new_index() | kBioTypeSourceSink, "hetcomm socket");
-  if (ssl.socketMethod == nullptr || ssl.BIO_meth_set_write(ssl.socketMethod, bioWrite) != 1 ||
-      ssl.BIO_meth_set_read(ssl.socketMethod, bioRead) != 1 || ssl.BIO_meth_set_ctrl(ssl.socketMethod, bioCtrl) != 1) {
-    gWhyNot = strCat(name, ": cannot create a BIO method");
-    return;
-  }
-  gSsl = ssl;
-  gLoaded = true;
-}
-
 // Every error in OpenSSL's (per-thread) queue, oldest first, which empties it.
 std::vector<unsigned long> takeErrors() {
   std::vector<unsigned long> errors;
@@ -281,13 +100,36 @@ std::string reasonText(unsigned long e) {
   return r != nullptr ? r : strCat("error code ", e);
 }
 
+// Whether `cert` names `host` (Session::namesHost); when not, *names says whom it names.
+bool certificateNames(X509* cert, const std::string& host, std::string* names) {
+  if (cert == nullptr) {
+    if (names != nullptr) *names = "no certificate";
+    return false;
+  }
+  // A link-local IPv6 address's zone ("fe80::1%eth0") is this host's, no part of the address.
+  const std::string address = host.substr(0, host.find('%'));
+  unsigned char ip[16];
+  const bool literal =
+      ::inet_pton(AF_INET, address.c_str(), ip) == 1 || ::inet_pton(AF_INET6, address.c_str(), ip) == 1;
+  // 1: named; 0: not; negative: malformed input or out of memory, which names nothing either. An
+  // empty host is named by none (X509_check_host would compare it with a possibly empty CN).
+  const int named = host.empty()  ? 0
+                    : literal     ? gSsl.X509_check_ip_asc(cert, address.c_str(), 0)
+                                  : gSsl.X509_check_host(cert, host.data(), host.size(), 0, nullptr);
+  gSsl.ERR_clear_error();
+  if (named == 1) return true;
+  if (names != nullptr) {
+    char subject[256] = {0};
+    const X509_NAME* name = gSsl.X509_get_subject_name(cert);
+    if (name == nullptr || gSsl.X509_NAME_oneline(name, subject, sizeof(subject)) == nullptr) subject[0] = 0;
+    *names = subject[0] != 0 ? subject : "a certificate without a subject";
+  }
+  return false;
+}
+
 }  // namespace
 
-bool available(std::string* why) {
-  std::call_once(gLoadOnce, load);
-  if (!gLoaded && why != nullptr) *why = gWhyNot;
-  return gLoaded;
-}
+bool available(std::string* why) { return load(why); }
 
 // --- configuration ----------------------------------------------------------------------------
 
@@ -306,7 +148,18 @@ const char* modeName(Config::Mode mode) {
 Config configFromEnv() {
   Config config;
   const std::string mode = envStr("HETCOMM_TLS", "off");
-  if (mode == "off") return config;
+  const std::string verify = envStr("HETCOMM_TLS_VERIFY_NAME", "off");
+  if (verify != "off" && verify != "host") {
+    throw TlsError(strCat("hetcomm: HETCOMM_TLS_VERIFY_NAME=", excerpt(verify, 64), " is not one of host, off"));
+  }
+  const bool verifyHost = verify == "host";
+  if (mode == "off") {
+    if (verifyHost) {
+      throw TlsError("hetcomm: HETCOMM_TLS_VERIFY_NAME=host checks the names in TLS certificates, but HETCOMM_TLS is "
+                     "off: set HETCOMM_TLS=all or inter-site too");
+    }
+    return config;
+  }
   if (mode == "all") {
     config.mode = Config::Mode::kAll;
   } else if (mode == "inter-site") {
@@ -327,6 +180,7 @@ Config configFromEnv() {
       throw TlsError(strCat("hetcomm: HETCOMM_TLS=", mode, " needs ", f.variable, ": the PEM file of ", f.meaning));
     }
   }
+  config.verifyHost = verifyHost;
   return config;
 }
 
@@ -347,6 +201,10 @@ void checkReadable(const char* variable, const std::string& path) {
 
 Context::~Context() { gSsl.SSL_CTX_free(ctx_); }
 
+bool Context::namesHost(const std::string& host, std::string* names) const {
+  return certificateNames(gSsl.SSL_CTX_get0_certificate(ctx_), host, names);
+}
+
 std::shared_ptr<Context> Context::create(const Config& config) {
   std::string why;
   if (!available(&why)) {
@@ -360,7 +218,7 @@ std::shared_ptr<Context> Context::create(const Config& config) {
   s.ERR_clear_error();
   SSL_CTX* ctx = s.SSL_CTX_new(s.TLS_method());
   if (ctx == nullptr) throw TlsError(strCat("hetcomm: SSL_CTX_new failed: ", errorQueueText()));
-  std::shared_ptr<Context> context(new Context(ctx));  // frees ctx if a check below throws
+  std::shared_ptr<Context> context(new Context(ctx, config.verifyHost));  // frees ctx if a check below throws
 
   if (s.SSL_CTX_ctrl(ctx, kCtrlSetMinProtoVersion, kTls13Version, nullptr) != 1 ||
       s.SSL_CTX_ctrl(ctx, kCtrlSetMaxProtoVersion, kTls13Version, nullptr) != 1) {
@@ -616,6 +474,11 @@ bool Session::pending() const {
 std::string Session::lastError() const {
   std::lock_guard<std::mutex> lock(mutex_);
   return lastError_;
+}
+
+bool Session::namesHost(const std::string& host, std::string* names) const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return certificateNames(gSsl.SSL_get0_peer_certificate(ssl_), host, names);
 }
 
 void Session::closeNotify() {

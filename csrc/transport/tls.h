@@ -1,13 +1,17 @@
 #pragma once
 // TLS 1.3 on hetcomm's TCP links (HETCOMM_TLS=all|inter-site|off), mutually authenticated: every
 // rank presents a certificate signed by the cluster's CA (HETCOMM_TLS_CA) and accepts only peers
-// that do the same. Any certificate the CA signed is accepted; names are not checked, so the CA
-// should sign the cluster's certificates and nothing else.
+// that do the same. By default any certificate the CA signed is accepted, whatever it names, so
+// the CA should sign the cluster's certificates and nothing else. HETCOMM_TLS_VERIFY_NAME=host
+// restricts a certificate to the ranks on the hosts it names: the peer's certificate must name
+// the host of the address that the peer's rank published, checked by both ends of every TLS link
+// (Session::namesHost; the mesh decides which address, tcp_mesh.cc). Ranks publish numeric
+// addresses, so in practice the certificate needs an IP entry in its subjectAltName.
 //
 // OpenSSL is loaded at run time (dlopen of libssl.so.3, else libssl.so, or HETCOMM_TLS_LIBSSL),
 // never linked and its headers never included: hetcomm builds and runs without it, and its absence
-// is an error only when TLS is asked for. tls.cc declares the few functions and constants it uses
-// from OpenSSL 3's ABI.
+// is an error only when TLS is asked for. tls_openssl.h declares the few functions it uses from
+// OpenSSL 3's ABI, tls.cc the constants.
 //
 // A link uses it like this (link.h):
 //   auto context = Context::create(configFromEnv());             // once per process group
@@ -74,6 +78,8 @@ struct Config {
   // which links those are); kAll: every TCP link.
   enum class Mode { kOff, kInterSite, kAll };
   Mode mode = Mode::kOff;
+  // HETCOMM_TLS_VERIFY_NAME=host: a peer's certificate must name its rank's host (above).
+  bool verifyHost = false;
   std::string cert;  // PEM certificate chain of this process (leaf first)
   std::string key;   // PEM private key of that certificate
   std::string ca;    // PEM certificates of the CA(s) that sign the peers' certificates
@@ -81,7 +87,8 @@ struct Config {
 // "off", "inter-site" or "all": the spelling of HETCOMM_TLS.
 const char* modeName(Config::Mode mode);
 // HETCOMM_TLS=all|inter-site|off (default off) and, when not off, the files HETCOMM_TLS_CERT,
-// HETCOMM_TLS_KEY and HETCOMM_TLS_CA, which are then required. Throws TlsError naming the
+// HETCOMM_TLS_KEY and HETCOMM_TLS_CA, which are then required, and HETCOMM_TLS_VERIFY_NAME=host|off
+// (default off; host without TLS is an error, not a silent no-op). Throws TlsError naming the
 // variable at fault. Files are read by Context::create, not here.
 Config configFromEnv();
 
@@ -97,11 +104,16 @@ class Context {
   ~Context();
   Context(const Context&) = delete;
   Context& operator=(const Context&) = delete;
+  // Config::verifyHost: the links check that a peer's certificate names its rank's host.
+  bool verifiesHost() const { return verifyHost_; }
+  // Whether this process's own certificate names `host` (as Session::namesHost).
+  bool namesHost(const std::string& host, std::string* names = nullptr) const;
 
  private:
   friend class Session;
-  explicit Context(ssl_ctx_st* ctx) : ctx_(ctx) {}
+  Context(ssl_ctx_st* ctx, bool verifyHost) : ctx_(ctx), verifyHost_(verifyHost) {}
   ssl_ctx_st* ctx_;
+  bool verifyHost_;
 };
 
 // One TLS connection (an SSL) on one connected, non-blocking TCP socket. It uses the fd but does
@@ -151,6 +163,12 @@ class Session {
   // What the failure of read() or write() was ("TLS send failed: Broken pipe", "TLS receive
   // failed: TLS error: decryption failed or bad record mac"); empty if none.
   std::string lastError() const;
+  // Whether the peer's certificate names `host`: an IP address (an IPv6 zone, "%eth0", dropped) as
+  // an IP entry of its subjectAltName; a DNS name as a DNS entry, wildcards in the leftmost label
+  // allowed, or as its common name when it has no DNS entries (OpenSSL's X509_check_ip_asc /
+  // X509_check_host). An empty host is named by none. When not named, *names (if given) is the
+  // certificate's subject ("/CN=node-3"), for the error message.
+  bool namesHost(const std::string& host, std::string* names = nullptr) const;
   // Sends a close_notify alert, best effort and without waiting, so that the peer's read()
   // returns 0 rather than relying on the TCP EOF. Later writes fail with EPIPE.
   void closeNotify();

@@ -250,3 +250,66 @@ TEST_CASE(the_listener_asks_the_tls_policy_without_waiting) {
   CHECK_MSG(refused.find("without TLS") != std::string::npos, refused);
   CHECK_MSG(slackMs.load() <= 0, std::to_string(slackMs.load()) + " ms");
 }
+
+// HETCOMM_TLS_VERIFY_NAME=host, acted out by a rogue that holds a certificate the cluster's CA
+// signed for another host (tls_pki.h: a names only rank-a; d names 127.0.0.1, where every mesh
+// here listens) and does not check names itself. It is refused whether it accepts or connects,
+// and says why; honest ranks whose certificates name their address connect; and a rank whose own
+// certificate does not name its address is told so before any peer refuses it.
+TEST_CASE(certificates_must_name_the_host_of_the_rank_with_verify_name_host) {
+  const tls_pki::Pki& pki = tls_pki::Pki::get();
+  std::string why;
+  if (!tls::available(&why)) SKIP_TEST("OpenSSL cannot be loaded: " + why);
+  if (!pki.error().empty()) SKIP_TEST(pki.error());
+  auto context = [&](const char* leaf, bool verify) {
+    tls::Config c;
+    c.mode = tls::Config::Mode::kAll;
+    c.cert = pki.path(std::string(leaf) + ".pem");
+    c.key = pki.path(std::string(leaf) + ".key");
+    c.ca = pki.path("caA.pem");
+    c.verifyHost = verify;
+    return tls::Context::create(c);
+  };
+  auto always = [](int, Deadline, const Cancelled&) { return true; };
+  // Rank 1 connects to rank 0 with the given certificates; what rank 1 was told ("" if connected).
+  // `published`: rank 1's address as rank 0 looks it up (only its host is checked).
+  auto connect = [&](const char* leaf0, bool verify0, const char* leaf1, bool verify1,
+                     const std::string& published = "127.0.0.1") {
+    TcpMesh acceptor(0, 2, "127.0.0.1", testSecret(), fixedLookup(HostPort{published, deadAddress().port}));
+    acceptor.setTls(context(leaf0, verify0), "all", always);
+    TcpMesh connector(1, 2, "127.0.0.1", testSecret(), fixedLookup(acceptor.listenAddress()));
+    connector.setTls(context(leaf1, verify1), "all", always);
+    try {
+      connector.connectP2P(0, in(20));
+    } catch (const CommError& e) {
+      return std::string(e.what());
+    }
+    return std::string();
+  };
+  CHECK_EQ(connect("d", true, "d", true), std::string());
+  // The published address decides, not where the connection comes from (127.0.0.1 either way).
+  std::string told0 = connect("d", true, "d", true, "127.0.0.2");
+  CHECK_MSG(told0.find("certificate of rank 1 (/CN=rank-d) does not name 127.0.0.2") != std::string::npos, told0);
+  // The rogue connects: the acceptor refuses it and tells it why.
+  std::string told = connect("d", true, "a", false);
+  CHECK_MSG(told.find("refused the connection") != std::string::npos &&
+                told.find("certificate of rank 1 (/CN=rank-a) does not name 127.0.0.1") != std::string::npos &&
+                told.find("HETCOMM_TLS_VERIFY_NAME=host on rank 0") != std::string::npos,
+            told);
+  // The rogue accepts (as a rank whose address a store writer re-pointed would): the connector refuses it.
+  told = connect("a", false, "d", true);
+  CHECK_MSG(told.find("the address rank 0 published; /CN=rank-a) does not name 127.0.0.1") != std::string::npos &&
+                told.find("HETCOMM_TLS_VERIFY_NAME=host on rank 1") != std::string::npos,
+            told);
+  // Without the check (the default), a certificate of any name from the CA is accepted.
+  CHECK_EQ(connect("a", false, "b", false), std::string());
+  // A rank's own certificate that does not name its address: told at once.
+  TcpMesh misconfigured(0, 2, "127.0.0.1", testSecret(), fixedLookup(deadAddress()));
+  std::string own;
+  try {
+    misconfigured.setTls(context("a", true), "all", always);
+  } catch (const tls::TlsError& e) {
+    own = e.what();
+  }
+  CHECK_MSG(own.find("this rank's own certificate (/CN=rank-a) does not name 127.0.0.1") != std::string::npos, own);
+}

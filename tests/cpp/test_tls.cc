@@ -436,7 +436,7 @@ TEST_CASE(availabilityWithoutOpenSsl) {
 
 // (f) The settings: defaults, a bad mode, a missing file variable.
 TEST_CASE(configFromEnvironment) {
-  const char* vars[] = {"HETCOMM_TLS", "HETCOMM_TLS_CERT", "HETCOMM_TLS_KEY", "HETCOMM_TLS_CA"};
+  const char* vars[] = {"HETCOMM_TLS", "HETCOMM_TLS_CERT", "HETCOMM_TLS_KEY", "HETCOMM_TLS_CA", "HETCOMM_TLS_VERIFY_NAME"};
   for (const char* v : vars) ::unsetenv(v);
   CHECK(tls::configFromEnv().mode == tls::Config::Mode::kOff);
 
@@ -456,9 +456,45 @@ TEST_CASE(configFromEnvironment) {
   CHECK(c.cert == "/c.pem" && c.key == "/k.pem" && c.ca == "/ca.pem");
   ::setenv("HETCOMM_TLS", "all", 1);
   CHECK(tls::configFromEnv().mode == tls::Config::Mode::kAll);
+  CHECK(!tls::configFromEnv().verifyHost);
+  ::setenv("HETCOMM_TLS_VERIFY_NAME", "host", 1);
+  CHECK(tls::configFromEnv().verifyHost);
+  ::setenv("HETCOMM_TLS_VERIFY_NAME", "rank", 1);
+  message = errorOf(tls::configFromEnv);
+  CHECK_MSG(contains(message, "HETCOMM_TLS_VERIFY_NAME=rank is not one of host, off"), message);
+  ::setenv("HETCOMM_TLS_VERIFY_NAME", "host", 1);
   ::setenv("HETCOMM_TLS", "off", 1);
+  message = errorOf(tls::configFromEnv);  // a check asked for must not silently do nothing
+  CHECK_MSG(contains(message, "HETCOMM_TLS_VERIFY_NAME=host") && contains(message, "HETCOMM_TLS is off"), message);
+  ::unsetenv("HETCOMM_TLS_VERIFY_NAME");
   CHECK(tls::configFromEnv().mode == tls::Config::Mode::kOff);
   for (const char* v : vars) ::unsetenv(v);
+}
+
+// HETCOMM_TLS_VERIFY_NAME=host: which hosts a peer's certificate names, as OpenSSL's rules say
+// (hand-made cases: a certificate with a subjectAltName, and one with only a common name).
+TEST_CASE(peerCertificateNamesItsHosts) {
+  const Pki& pki = requirePki();
+  auto a = contextOf(pki, "a", "caA");
+  auto d = contextOf(pki, "d", "caA");
+  SecureLink s = secureLink(*a, *d);  // a serves, d connects
+  // What the server sees of d: the subjectAltName only (its CN is not a name once it has DNS entries).
+  for (const char* host : {"node-d.example", "NODE-D.example", "h12.rack7.example", "127.0.0.1", "::1", "0:0::1",
+                           "::1%lo"}) {
+    CHECK_MSG(s.serverSession->namesHost(host), host);
+  }
+  for (const char* host : {"rank-d", "node-e.example", "a.b.rack7.example", "rack7.example", "127.0.0.2", "::2",
+                           "127.0.0.1.example", ""}) {
+    std::string names;
+    CHECK_MSG(!s.serverSession->namesHost(host, &names), host);
+    CHECK_MSG(contains(names, "CN=rank-d"), names);
+  }
+  // What the client sees of a: no subjectAltName, so its common name.
+  CHECK(s.clientSession->namesHost("rank-a"));
+  std::string names;
+  CHECK(!s.clientSession->namesHost("rank-b", &names));
+  CHECK_MSG(contains(names, "CN=rank-a"), names);
+  CHECK(!s.clientSession->namesHost("127.0.0.1"));
 }
 
 // (g) Credentials that cannot be used: the message names the files.

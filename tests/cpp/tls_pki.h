@@ -3,6 +3,8 @@
 // tool in a fresh temporary folder (removed at exit):
 //   caA.pem/.key  a CA;                 a.pem/.key, b.pem/.key  leaves it signed (rank-a, rank-b)
 //   caB.pem/.key  another, unrelated CA; c.pem/.key             a leaf it signed (rank-c)
+//   d.pem/.key    a leaf of caA (CN rank-d) whose subjectAltName names node-d.example,
+//                 *.rack7.example, 127.0.0.1 and ::1 (-extfile: also the openssl tool of 1.1.1)
 // EC P-256 keys: generating them takes milliseconds, RSA keys a second each.
 #include <stdlib.h>
 
@@ -45,6 +47,10 @@ class Pki {
                 " ; openssl x509 -req -in " + name + ".csr -CA " + ca + ".pem -CAkey " + ca + ".key -CAcreateserial -out " +
                 name + ".pem -days 2";
     }
+    script += std::string(" ; echo 'subjectAltName=DNS:node-d.example,DNS:*.rack7.example,IP:127.0.0.1,IP:::1' > d.ext") +
+              " ; openssl req -new" + ec + " -keyout d.key -out d.csr -subj /CN=rank-d" +
+              " ; openssl x509 -req -in d.csr -CA caA.pem -CAkey caA.key -CAcreateserial -extfile d.ext" +
+              " -out d.pem -days 2";
     script += ") > openssl.log 2>&1";
     if (std::system(script.c_str()) != 0) error_ = "making test certificates failed (see " + dir_ + "/openssl.log)";
   }

@@ -365,3 +365,18 @@ def test_a_creator_killed_before_it_unlinked_leaves_no_segment() -> None:
     assert outcomes[0].status == "died", outcomes[0].describe()
     assert outcomes[1].status == "raised" and "shared memory" in outcomes[1].message, outcomes[1].describe()
     assert set(glob.glob(SEGMENTS)) <= before
+
+
+@pytest.mark.serial  # looks at every hetcomm segment in /dev/shm: no other job may run
+def test_a_creator_killed_after_it_made_the_segment_with_a_rank_dead_before_opening_leaves_no_segment() -> None:
+    """Three ranks on a host. The first creates the segment, says so, and is killed
+    (HETCOMM_DEBUG_DIE_AFTER_SHM_CREATE=made); rank 2 is killed before it opens the segment
+    (HETCOMM_DEBUG_DIE_BEFORE_SHM_OPEN=2). Rank 1 opens it but is not the last to, and the creator
+    that would remove the name once all had opened it is gone: before, the segment stayed in
+    /dev/shm until reboot. Now rank 1 removes the name with its group (or at its exit)."""
+    before = set(glob.glob(SEGMENTS))
+    env = {"HETCOMM_DEBUG_DIE_AFTER_SHM_CREATE": "made", "HETCOMM_DEBUG_DIE_BEFORE_SHM_OPEN": "2"}
+    outcomes = run_ranks_outcomes(3, _formed, pg_timeout=3, env=env)
+    assert [o.status for o in outcomes][0::2] == ["died", "died"], [o.describe() for o in outcomes]
+    assert outcomes[1].status != "died", outcomes[1].describe()
+    assert set(glob.glob(SEGMENTS)) <= before

@@ -45,11 +45,15 @@ def certs(tmp_path_factory) -> str:
     if shutil.which("openssl") is None:
         pytest.skip("the openssl command-line tool (to make test certificates) is not installed")
     directory = str(tmp_path_factory.mktemp("certs"))
-    tls_certs.make(directory, [f"rank{r}" for r in range(4)], rogue=True)
+    # rank0-3 name the loopback address the ranks of these tests listen on (for
+    # HETCOMM_TLS_VERIFY_NAME=host); "elsewhere" is the CA's certificate of another host.
+    hosts = {**{f"rank{r}": ["127.0.0.1"] for r in range(4)}, "elsewhere": ["10.9.9.9", "node-9.example"]}
+    tls_certs.make(directory, [*hosts], rogue=True, hosts=hosts)
     return directory
 
 
-def _init(rank: int, world_size: int, port: Optional[int], env: dict[str, str]) -> None:
+def _init(rank: int, world_size: int, port: Optional[int], env: dict[str, str],
+          pg_timeout: float = PG_TIMEOUT_S) -> None:
     os.environ.update(env)
     import hetcomm  # noqa: F401
 
@@ -58,7 +62,7 @@ def _init(rank: int, world_size: int, port: Optional[int], env: dict[str, str]) 
     port = port if port is not None else int(os.environ["MASTER_PORT"])
     store = dist.TCPStore(host, port, world_size, rank == 0, timeout=datetime.timedelta(seconds=60))
     dist.init_process_group("hetcomm", store=store, rank=rank, world_size=world_size,
-                            timeout=datetime.timedelta(seconds=PG_TIMEOUT_S))
+                            timeout=datetime.timedelta(seconds=pg_timeout))
 
 
 def _tls_env(certs: str, name: str, mode: str = "all") -> dict[str, str]:
@@ -130,6 +134,35 @@ def test_tls_on_some_ranks_only_fails_with_an_error_naming_the_setting(certs) ->
     results = run_ranks(2, tls_on_one_rank_only, free_port(), certs, init=None, timeout=180)
     for rank, message in enumerate(results):
         assert "HETCOMM_TLS" in message, (rank, message)
+
+
+def verified_host(rank: int, world_size: int, port: int, certs: str, misnamed: int) -> str:
+    env = {**_tls_env(certs, "elsewhere" if rank == misnamed else f"rank{rank}"), "HETCOMM_TLS_VERIFY_NAME": "host"}
+    try:
+        # Short: when one rank fails at creation, the other waits for it until this timeout.
+        _init(rank, world_size, port, env, pg_timeout=5.0)
+        t = torch.full((10,), float(rank + 1))
+        dist.all_reduce(t)
+        return f"sum {t[0].item():g}"
+    except Exception as e:  # noqa: BLE001 - the error is the result
+        return str(e)
+
+
+@pytest.mark.parametrize("misnamed", [None, 1], ids=["names-its-host", "names-another-host"])
+def test_verify_name_host_takes_certificates_that_name_the_rank_s_address(certs, misnamed) -> None:
+    """HETCOMM_TLS_VERIFY_NAME=host end to end: certificates whose subjectAltName has the ranks'
+    address work; a rank given the certificate of another host (signed by the same CA) is told at
+    group creation that its own certificate does not name its address. The check between ranks,
+    against a rogue that skips its own, is acted out in tests/cpp/test_tcp_mesh.cc."""
+    results = run_ranks(2, verified_host, free_port(), certs, -1 if misnamed is None else misnamed, init=None,
+                        timeout=180)
+    if misnamed is None:
+        assert results == ["sum 3", "sum 3"]
+    else:
+        message = results[misnamed]
+        assert "HETCOMM_TLS_VERIFY_NAME=host" in message and "own certificate" in message, message
+        assert "does not name 127.0.0.1" in message and "CN=elsewhere" in message, message
+        assert "sum" not in results[1 - misnamed], results  # its peer never came
 
 
 def inter_site(rank: int, world_size: int, port: int, certs: str, declared_by: str) -> list:

@@ -57,6 +57,8 @@ class ShmChannel {
   // Where the segment is mapped (for registering it with a device).
   char* base() const { return segment_.data(); }
   size_t bytes() const { return segment_.size(); }
+  // ShmSegment::removeNameWhenClosed: the name goes when this channel does (or at exit).
+  void removeNameWhenClosed(const std::string& name) { segment_.removeNameWhenClosed(name); }
 
   // Rank l's slot for chunk g, and its header for chunk g.
   char* slot(int l, uint64_t g) const;

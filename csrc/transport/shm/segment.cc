@@ -6,7 +6,11 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <cstdlib>
 #include <cstring>
+#include <mutex>
+#include <set>
+#include <utility>
 
 namespace hetcomm {
 namespace {
@@ -21,26 +25,78 @@ char* mapShared(int fd, size_t bytes, const std::string& name) {
   return static_cast<char*>(p);
 }
 
+// The names that segments of this process are to remove (removeNameWhenClosed) and have not yet:
+// removed at exit should their segments never be destroyed (a group object Python does not free
+// before it exits). Never destroyed itself, so a segment destroyed during exit may still use it.
+// Each name with the process that registered it: a child forked after that inherits the set,
+// and must not remove its parent's names when it exits.
+struct NamesToRemove {
+  std::mutex mu;
+  std::set<std::pair<std::string, pid_t>> names;
+
+  static NamesToRemove& get() {
+    static NamesToRemove* const registry = [] {
+      auto* r = new NamesToRemove;
+      std::atexit([] {
+        NamesToRemove& all = get();
+        std::lock_guard<std::mutex> lock(all.mu);
+        for (const auto& [name, pid] : all.names) {
+          if (pid == ::getpid()) ShmSegment::unlink(name);
+        }
+        all.names.clear();
+      });
+      return r;
+    }();
+    return *registry;
+  }
+};
+
 }  // namespace
 
-ShmSegment::~ShmSegment() {
+void ShmSegment::release() noexcept {
   if (data_ != nullptr) ::munmap(data_, size_);
+  data_ = nullptr;
+  size_ = 0;
+  // Not in a child forked since (it holds the mapping, not the group).
+  if (!nameToRemove_.empty() && nameOwner_ == ::getpid()) {
+    unlink(nameToRemove_);
+    NamesToRemove& all = NamesToRemove::get();
+    std::lock_guard<std::mutex> lock(all.mu);
+    all.names.erase({nameToRemove_, nameOwner_});
+  }
+  nameToRemove_.clear();
 }
 
-ShmSegment::ShmSegment(ShmSegment&& other) noexcept : data_(other.data_), size_(other.size_) {
+ShmSegment::~ShmSegment() { release(); }
+
+ShmSegment::ShmSegment(ShmSegment&& other) noexcept
+    : data_(other.data_), size_(other.size_), nameToRemove_(std::move(other.nameToRemove_)), nameOwner_(other.nameOwner_) {
   other.data_ = nullptr;
   other.size_ = 0;
+  other.nameToRemove_.clear();
 }
 
 ShmSegment& ShmSegment::operator=(ShmSegment&& other) noexcept {
   if (this != &other) {
-    if (data_ != nullptr) ::munmap(data_, size_);
+    release();
     data_ = other.data_;
     size_ = other.size_;
+    nameToRemove_ = std::move(other.nameToRemove_);
+    nameOwner_ = other.nameOwner_;
     other.data_ = nullptr;
     other.size_ = 0;
+    other.nameToRemove_.clear();
   }
   return *this;
+}
+
+void ShmSegment::removeNameWhenClosed(const std::string& name) {
+  HC_ENFORCE(data_ != nullptr && nameToRemove_.empty(), "removeNameWhenClosed: once, on a mapped segment");
+  NamesToRemove& all = NamesToRemove::get();
+  std::lock_guard<std::mutex> lock(all.mu);
+  nameOwner_ = ::getpid();
+  all.names.insert({name, nameOwner_});
+  nameToRemove_ = name;
 }
 
 ShmSegment ShmSegment::create(const std::string& name, size_t bytes) {

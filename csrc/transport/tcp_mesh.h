@@ -120,6 +120,9 @@ class TcpMesh {
   void challenge(Greeting& g);
   // Checks the proof; accepts the connection or throws.
   void acceptGreeting(Greeting& g);
+  // Why a certificate with the right DNS name is refused all the same (HETCOMM_TLS_VERIFY_NAME).
+  static constexpr char kNamesHint[] =
+      " (ranks publish IP addresses: a certificate names them with IP entries in its subjectAltName)";
   // Tells the peer of a proven greeting why it is refused (HelloAck), then throws CommError(why).
   [[noreturn]] void refuse(Greeting& g, const std::string& why);
   // Counts a refused connection and logs it (at most a line a second; only at debug level when quiet).

@@ -74,9 +74,6 @@ std::optional<std::vector<std::string>> declaredSites(const std::vector<int64_t>
 
 }  // namespace
 
-std::string addressKey(const std::string& incarnation, int rank) { return strCat("hetcomm/addr/", incarnation, "/", rank); }
-std::string leftKey(const std::string& incarnation, int rank) { return strCat("hetcomm/left/", incarnation, "/", rank); }
-std::string abortKey(const std::string& incarnation, int rank) { return strCat("hetcomm/abort/", incarnation, "/", rank); }
 std::string siteKey(const std::string& incarnation, int rank) { return strCat("hetcomm/site/", incarnation, "/", rank); }
 
 std::string awaitPeerRecord(SealedStore& store, const std::string& key, int rank, int peer, const char* what,

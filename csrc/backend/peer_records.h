@@ -1,6 +1,6 @@
 #pragma once
-// What ranks learn about each other through the group's store: where each record lives, a peer's
-// record (its address, its site) waited for until it opens, and which links HETCOMM_TLS covers (from the declared sites
+// What ranks learn about each other through the group's store: a peer's record (its address, its
+// site) waited for until it opens, and which links HETCOMM_TLS covers (from the declared sites
 // where they decide, else from the site labels the ranks publish).
 #include <cstdint>
 #include <functional>
@@ -16,18 +16,6 @@ namespace hetcomm {
 
 // Where a rank publishes its site label (HETCOMM_TLS=inter-site, before its address).
 std::string siteKey(const std::string& incarnation, int rank);
-// Where a rank publishes its address ("host:port").
-std::string addressKey(const std::string& incarnation, int rank);
-// Which ranks of this incarnation have left, one key each: the last to leave removes the group's
-// keys (a rank may still look a peer's address up until it leaves itself). Not a counter: the
-// store closes the connection of a client that adds to a value a store writer filled with garbage.
-std::string leftKey(const std::string& incarnation, int rank);
-// Where a rank leaves the reason it gave up, for the peers that only see its connection close.
-std::string abortKey(const std::string& incarnation, int rank);
-// The group's first failure, "incarnation|rank R: cause", written by the first rank that fails
-// (compare-and-set): the ranks that share no connection with it learn it from here
-// (ProcessGroupHetcomm::watchFailures).
-inline constexpr const char* kFailedKey = "hetcomm/failed";
 
 // A peer's record, polled rather than one long store wait, so that an abort or a shutdown
 // interrupts it; a value that fails its seal counts as none yet. Throws TimeoutError at `deadline`

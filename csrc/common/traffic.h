@@ -5,8 +5,8 @@
 // socket, headers included, as the send()/recv() system calls return them: collective messages
 // (algorithms/pipeline.cc sendSome/recvSome, used by the host and the staged pipeline) and
 // point-to-point messages (transport/p2p_engine.cc). Not counted: the connection handshakes
-// (Hello/HelloAck, transport/tcp_mesh.cc), the liveness probes of the point-to-point engine, and
-// what TCP/IP adds below. So bytesSent[b] on rank a equals bytesReceived[a] on rank b once both
+// (Hello/HelloAck, transport/tcp_mesh.cc and tcp_mesh_accept.cc), the liveness probes of the
+// point-to-point engine, and what TCP/IP adds below. So bytesSent[b] on rank a equals bytesReceived[a] on rank b once both
 // have finished the operations that moved them.
 //
 // Writers add with relaxed atomics (one per system call: negligible next to the call itself);

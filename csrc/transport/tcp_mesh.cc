@@ -1,3 +1,5 @@
+// The connecting side of TcpMesh and its life cycle (tcp_mesh.h); the accepting side, the
+// listener and its greetings: tcp_mesh_accept.cc.
 #include "transport/tcp_mesh.h"
 
 #include <arpa/inet.h>

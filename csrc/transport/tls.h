@@ -5,7 +5,7 @@
 // the CA should sign the cluster's certificates and nothing else. HETCOMM_TLS_VERIFY_NAME=host
 // restricts a certificate to the ranks on the hosts it names: the peer's certificate must name
 // the host of the address that the peer's rank published, checked by both ends of every TLS link
-// (Session::namesHost; the mesh decides which address, tcp_mesh.cc). Ranks publish numeric
+// (Session::namesHost; the mesh decides which address, tcp_mesh.cc and tcp_mesh_accept.cc). Ranks publish numeric
 // addresses, so in practice the certificate needs an IP entry in its subjectAltName.
 //
 // OpenSSL is loaded at run time (dlopen of libssl.so.3, else libssl.so, or HETCOMM_TLS_LIBSSL),

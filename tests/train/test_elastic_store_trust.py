@@ -26,11 +26,27 @@ pytestmark = pytest.mark.usefixtures("backend_importable")
 SECRET = "an out-of-band secret of the job's own"
 
 
+class SyncedClient:
+    """A plain store client whose writes have landed when they return: TCPStore's `set` does not
+    wait for the server, so a member's next request, on its own connection, could otherwise be
+    served first. A read on the same connection afterwards waits for the write."""
+
+    def __init__(self, store) -> None:
+        self.store = store
+
+    def __getattr__(self, name):
+        return getattr(self.store, name)
+
+    def set(self, key, value) -> None:
+        self.store.set(key, value)
+        self.store.check([key])
+
+
 @pytest.fixture(scope="module")
 def stores():
     """A TCPStore, a member's client and a rogue's (a plain client, no secret)."""
     server = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=datetime.timedelta(seconds=5))
-    rogue = dist.TCPStore("127.0.0.1", server.port, is_master=False, timeout=datetime.timedelta(seconds=5))
+    rogue = SyncedClient(dist.TCPStore("127.0.0.1", server.port, is_master=False, timeout=datetime.timedelta(seconds=5)))
     yield server, rogue
 
 
@@ -88,6 +104,33 @@ def test_a_worker_without_the_secret_in_a_sealed_job_says_so(stores):
     for read in (lambda: plain.first("era", 1), lambda: _read_decision(plain, 1), lambda: plain.peek("era")):
         with pytest.raises(SecretMismatch, match="start every worker with the same secret"):
             read()
+
+
+def test_a_counter_made_garbage_right_after_a_worker_read_it_does_not_cut_the_worker_off(stores):
+    """The store's own `add` on a value that is not a decimal closes the client's connection
+    (torch's libuv store): a writer that puts one there right after the worker read the counter
+    gets a ValueError naming the key, and the worker's connection goes on working."""
+    store, rogue = stores
+    keys = Keys(store, "test", "hetcomm/ft/race/", seal=b"r" * 32)
+    assert keys.add("joins", 1) == 1
+    real = keys.store
+
+    class Tampering:
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        def compare_set(self, key, expected, desired):
+            out = real.compare_set(key, expected, desired)
+            if expected == desired:                 # a read: the rogue writes right after it
+                rogue.set(key, b"\x00garbage")
+            return out
+
+    keys.store = Tampering()
+    with pytest.raises(ValueError, match="joins is not a counter"):
+        keys.add("joins", 1)
+    keys.store = real
+    rogue.set("hetcomm/ft/race/joins", "5")
+    assert keys.add("joins", 2) == 7
 
 
 def test_first_over_a_forged_value_that_is_deleted_meanwhile(stores):

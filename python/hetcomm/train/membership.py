@@ -188,12 +188,27 @@ class Keys:
         self._call(f"delete {key}", self.store.delete_key, self.root + key)
 
     def add(self, key: str, n: int) -> int:
-        """The store's counter, added to. A value there that is not a counter (a store writer's)
-        raises a ValueError naming the key: the store's `add` would fail on it and close this
-        client's connection."""
-        if self.count(key) is None:
-            raise ValueError(f"{_PREFIX}: the store value {self.root + key} is not a counter (someone else wrote it)")
-        return int(self._call(f"add {key}", self.store.add, self.root + key, n))
+        """A decimal counter in the store, added to with compare_set; the value after. A value
+        there that is not a counter (a store writer's) raises a ValueError naming the key.
+
+        Not the store's own `add`: on a value that is not a decimal the store closes the client's
+        connection, and a store writer could put one there between any check and the `add`.
+        compare_set answers the value there, not whether it was ours, so two workers adding at
+        once may both read the same value: callers take the counter as a hint (the join index is
+        claimed with `first`)."""
+        for _ in range(_FIRST_TRIES):
+            raw = self._call(f"read {key}", self.store.compare_set, self.root + key, _NOTHING, _NOTHING)
+            if raw == _NOTHING:
+                now, expected = 0, b""            # compare_set from nothing creates the key
+            elif _is_counter(raw):
+                now, expected = int(raw), raw
+            else:
+                raise ValueError(f"{_PREFIX}: the store value {self.root + key} is not a counter (someone else wrote it)")
+            desired = str(now + n).encode()
+            if self._call(f"add {key}", self.store.compare_set, self.root + key, expected, desired) == desired:
+                return now + n
+        raise Forged(f"{_PREFIX}: the store counter {self.root + key} keeps changing under this worker's "
+                     "compare_set: someone is writing it")
 
     def first(self, key: str, value):
         """compare_set from nothing: the value that is there afterwards (ours if we were first).

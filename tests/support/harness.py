@@ -380,7 +380,9 @@ class Cases:
 # thread pool, such as OpenBLAS's, is rebuilt in the child by its fork handlers).
 # HETCOMM_TEST_START=spawn goes back to fresh interpreters.
 START_METHOD = os.environ.get("HETCOMM_TEST_START", "forkserver")
-PRELOAD = ["torch", "torch.distributed", "numpy", "pytest", "harness", "values"]
+# torch._dynamo: the first optimizer a process makes imports it (Optimizer.__init__ wraps its
+# methods with torch._disable_dynamo), 1.5 s of a core in every rank that trains, otherwise.
+PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "numpy", "pytest", "harness", "values"]
 # What a hetcomm group and the training tests load (the extension's settings are read from the
 # environment on first use, in the rank, not when it is loaded).
 HETCOMM_PRELOAD = ["hetcomm", "hetcomm._C", "hetcomm.topology", "hetcomm.train.diloco", "hetcomm.train.elastic"]

@@ -40,14 +40,15 @@ def host_model(hosts, sites, slow_host: int, slow_factor: float) -> LinkModel:
 
 
 def host_topologies():
-    """Hosts of several ranks on up to 8 ranks (all of them up to 5 ranks, a fixed sample above),
+    """Hosts of several ranks on up to 8 ranks (all of them up to 5 ranks, a fixed sample above:
+    12 layouts of 6 and 7 ranks, 6 of 8, whose reference, every ring of 8 ranks, costs 4 s each),
     in one site or with their hosts alternating between two sites, one host slow."""
     rng = np.random.default_rng(8)
     out = []
     for P in range(2, 9):
         layouts = [h for h in partitions(P) if max(h) + 1 < P]
         if P > 5:
-            layouts = [layouts[i] for i in sorted(rng.choice(len(layouts), 12, replace=False))]
+            layouts = [layouts[i] for i in sorted(rng.choice(len(layouts), 12 if P < 8 else 6, replace=False))]
         for hosts in layouts:
             H = max(hosts) + 1
             for two_sites in (False, True):

@@ -9,9 +9,6 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 start=$(date +%s)
 stamp() { echo "[test.sh] $1 at $(( $(date +%s) - start )) s"; }
-bash scripts/install.sh --deps-only
-stamp "dependencies installed"
-torch_prefix=$(python -c 'import torch; print(torch.utils.cmake_prefix_path)')
 # The CUDA kernels are compiled (not run) wherever nvcc is found, on PATH or where CUDA installs
 # it, so that a kernel that does not build cannot land even though CI has no GPU.
 nvcc_path=$(command -v nvcc || true)
@@ -26,9 +23,27 @@ else
   cuda_args=(-DHETCOMM_BUILD_CUDA_KERNELS=OFF)
 fi
 # The torch-free core (hetcomm_base), the C++ tests and the CUDA kernels, once: the extension
-# below links this hetcomm_base instead of compiling its sources again.
-cmake -S . -B build -G Ninja -DCMAKE_PREFIX_PATH="$torch_prefix" -DHETCOMM_BUILD_TORCH_CORE=OFF "${cuda_args[@]}" > build-cmake.log
-cmake --build build
+# below links this hetcomm_base instead of compiling its sources again. It needs neither torch
+# nor pip's ninja, so where cmake and ninja are installed already it builds while pip installs
+# the dependencies (pip mostly unpacks torch, on one core); its output follows pip's.
+build_core() {
+  cmake -S . -B build -G Ninja -DHETCOMM_BUILD_TORCH_CORE=OFF "${cuda_args[@]}" > build-cmake.log && cmake --build build
+}
+core_pid=
+if command -v cmake > /dev/null && command -v ninja > /dev/null; then
+  build_core > build-core.log 2>&1 &
+  core_pid=$!
+fi
+bash scripts/install.sh --deps-only
+stamp "dependencies installed"
+if [ -n "$core_pid" ]; then
+  core_status=0
+  wait "$core_pid" || core_status=$?
+  cat build-core.log
+  [ "$core_status" = 0 ] || { echo "[test.sh] the C++ core's build failed (exit $core_status)"; exit "$core_status"; }
+else
+  build_core
+fi
 stamp "C++ core and tests built"
 HETCOMM_PREBUILT_BASE="$PWD/build/libhetcomm_base.a" python -m pip install --quiet --no-build-isolation -e .
 stamp "extension built"

@@ -126,9 +126,11 @@ def test_a_counter_made_garbage_right_after_a_worker_read_it_does_not_cut_the_wo
             return out
 
     keys.store = Tampering()
-    with pytest.raises(ValueError, match="joins is not a counter"):
-        keys.add("joins", 1)
-    keys.store = real
+    try:
+        with pytest.raises(ValueError, match="joins is not a counter"):
+            keys.add("joins", 1)
+    finally:
+        keys.store = real
     rogue.set("hetcomm/ft/race/joins", "5")
     assert keys.add("joins", 2) == 7
 
@@ -274,9 +276,13 @@ def test_a_join_request_a_store_writer_overwrites_is_written_again(run):
                                                   for i in (0, 1)])
 
 
-@pytest.mark.parametrize("counter", [b"\x00 not a counter", b"0"], ids=["garbage", "set-back"])
+@pytest.mark.parametrize("counter", [b"\x00 not a counter", b"0", b"99999999999999999"],
+                         ids=["garbage", "set-back", "huge"])
 def test_a_join_counter_a_store_writer_replaced_stops_no_one(run, counter):
-    """The counter only hands out join indices: a store writer replaces it (garbage, or set back
-    to 0) between the first requests and the last. Indices are claimed with compare_set and the
-    members read the records past the counter (before: nobody was ever admitted)."""
+    """The counter only hands out join indices: a store writer replaces it (garbage, set back to
+    0, or a number far past the records) between the first requests and the last. Indices are
+    claimed with compare_set, the members read the records past the counter (before: nobody was
+    ever admitted) and stop at a run of missing ones, and a joiner whose index from the counter
+    follows a missing record takes the first free one instead (before, with the huge counter:
+    the members read every index up to it, for ever)."""
     two_ask_then_tamper(run, lambda rogue, root: rogue.set(root + "joins", counter))

@@ -193,9 +193,10 @@ class Keys:
 
         Not the store's own `add`: on a value that is not a decimal the store closes the client's
         connection, and a store writer could put one there between any check and the `add`.
-        compare_set answers the value there, not whether it was ours, so two workers adding at
-        once may both read the same value: callers take the counter as a hint (the join index is
-        claimed with `first`)."""
+        compare_set answers the value there, not whether it was ours: two workers adding at once
+        may both get the same value back and the counter move once (a lost update), so callers
+        take the counter as a hint (the join index is claimed with `first`). Raises Forged (a
+        ValueError) after _FIRST_TRIES attempts that each found the value changed."""
         for _ in range(_FIRST_TRIES):
             raw = self._call(f"read {key}", self.store.compare_set, self.root + key, _NOTHING, _NOTHING)
             if raw == _NOTHING:
@@ -207,8 +208,8 @@ class Keys:
             desired = str(now + n).encode()
             if self._call(f"add {key}", self.store.compare_set, self.root + key, expected, desired) == desired:
                 return now + n
-        raise Forged(f"{_PREFIX}: the store counter {self.root + key} keeps changing under this worker's "
-                     "compare_set: someone is writing it")
+        raise Forged(f"{_PREFIX}: the store counter {self.root + key} changed under each of this worker's "
+                     f"{_FIRST_TRIES} compare_sets (many workers adding at once, or someone writing it)")
 
     def first(self, key: str, value):
         """compare_set from nothing: the value that is there afterwards (ours if we were first).

@@ -14,12 +14,14 @@ import torch
 from hetcomm import hosts as _hosts
 from hetcomm.train.elastic.common import (_PREFIX, _MAX_ABORTS, _Poll, _decision_ok, _read_decision, _read_ended,
                                           _read_int)
-from hetcomm.train.membership import Keys, Pulse, StoreUnreachable
+from hetcomm.train.membership import Forged, Keys, Pulse, StoreUnreachable
 
 
 
 
 _MAX_UNCOUNTED = 4096       # join records read past the counter (a store writer may set it back)
+_MAX_GAP = 64               # missing join records in a row that end a scan (a store writer may inflate the counter)
+_MAX_CLAIMS = 1 << 16       # join indices a worker tries before it gives up
 
 def _checked_decision(keys: Keys, epoch: int, proposal: dict) -> dict:
     """The epoch's decision: ours if we are the first to write one, else the one there. One
@@ -75,14 +77,20 @@ class Epochs:
         # writer replaced (garbage, or a smaller number) must not hide them: read on past it
         # while records follow.
         count = keys.count("joins") or 0
-        regs, i, seen = [], start, set()
+        regs, i, seen, missing = [], start, set(), 0
         while i < count + _MAX_UNCOUNTED:
             try:
                 record = keys.peek(f"join/{i}")
             except ValueError:                       # not JSON (a store writer's)
                 record = False
+            missing = missing + 1 if record is None else 0
             if record is None and i >= count:
                 break                                # past the counter and no record: the end
+            if missing > _MAX_GAP:
+                # A counter far past the records (a store writer's): the end, and the next scan
+                # starts again at the first missing record, where the next joiner writes its own
+                i -= missing - 1
+                break
             if record is None and wait:
                 first = self._gaps.setdefault(i, time.monotonic())
                 if time.monotonic() - first <= self._timeout:
@@ -226,15 +234,24 @@ class Epochs:
         compare_set (the first writer wins), so a counter a store writer set back cannot make two
         workers share one; a counter that is not one is stepped over by reading the records."""
         mine, keys = self._request(), self._keys
-        for _ in range(64):
+        try:
+            index = keys.add("joins", 1) - 1
+        except ValueError:                           # not a counter (a store writer's)
+            index = None
+        if index is None or (index > 0 and self._free(index - 1)):
+            # no counter, or one far past the records (a store writer's, or a joiner that died
+            # between the two): the first free index, which the members' scan reaches
+            index = next(i for i in range(1 << 20) if self._free(i))
+        for _ in range(_MAX_CLAIMS):
             try:
-                index = keys.add("joins", 1) - 1
-            except ValueError:                       # not a counter (a store writer's): the first free index
-                index = next(i for i in range(1 << 20) if self._free(i))
-            if keys.first(f"join/{index}", mine) == mine:
-                return index
-        raise ValueError(f"{_PREFIX}: this worker cannot ask to join run {self.job!r}: every join index it took "
-                         "was taken (the store's join counter is being tampered with)")
+                if keys.first(f"join/{index}", mine) == mine:
+                    return index
+            except Forged:                           # a store writer keeps replacing it
+                pass
+            index += 1                               # taken: the next (a counter set back lands on
+                                                     # records; the members read on past it)
+        raise ValueError(f"{_PREFIX}: this worker cannot ask to join run {self.job!r}: every join index it tried "
+                         "was taken (the store's join records are being tampered with)")
 
     def _free(self, index: int) -> bool:
         try:

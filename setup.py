@@ -131,44 +131,89 @@ PCH_HEADERS = ("ATen/ATen.h", "ATen/core/ivalue.h", "torch/csrc/distributed/c10d
                "torch/csrc/distributed/c10d/Work.hpp")
 
 
-def precompile_torch_headers(build_directory: str, cflags: list, post_cflags: list) -> str:
+def _dependencies_digest(depfile: str) -> str:
+    """Path, size and modification time of every file a make-style dependency file lists (the
+    headers the precompiled header was made from): a torch whose headers changed under the same
+    version string makes it again."""
+    with open(depfile) as f:
+        text = f.read().replace("\\\n", " ")
+    paths = shlex.split(text.partition(":")[2]) if ":" in text else []
+    h = hashlib.sha256()
+    for path in paths:
+        st = os.stat(path)
+        h.update(f"{path}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+    return h.hexdigest()
+
+
+def precompile_torch_headers(build_directory: str, cflags: list, post_cflags: list):
     """Compiles PCH_HEADERS into a GCC precompiled header in ``build_directory``, with exactly
     the flags (already shell-quoted) that the translation units are compiled with, and returns
-    the header to force-include (``-include``): GCC takes the ``.gch`` beside it when the flags
-    match, the header itself otherwise (slower, the same code). Made again only when the
-    compiler, the flags or torch change."""
+    the header to force-include (``-include``), or None where GCC would not take it (then the
+    units are compiled as without). Made again when the compiler, the flags, torch's version or
+    any header it was made from changes; checked with -Werror=invalid-pch before it is used."""
     compiler = shlex.quote(os.environ.get("CXX", "c++"))   # as torch's build.ninja names it
-    header = os.path.join(os.path.abspath(build_directory), "hetcomm_torch_headers.h")
-    command = f"{compiler} {' '.join(cflags)} -x c++-header {shlex.quote(header)} -o {shlex.quote(header + '.gch')} {' '.join(post_cflags)}"
     version = subprocess.run(f"{compiler} --version", shell=True, capture_output=True, text=True).stdout
-    stamp = hashlib.sha256("\n".join([command, version, torch.__version__, *PCH_HEADERS]).encode()).hexdigest()
-    stamp_path = header + ".stamp"
-    if os.path.exists(header + ".gch") and os.path.exists(stamp_path) and open(stamp_path).read() == stamp:
-        return header
-    os.makedirs(build_directory, exist_ok=True)
-    with open(header, "w") as f:
-        f.write("// Written by setup.py: torch's headers, precompiled once for every translation unit.\n")
-        f.writelines(f"#include <{h}>\n" for h in PCH_HEADERS)
-    print("hetcomm: precompiling torch's headers", flush=True)
-    subprocess.run(command, shell=True, check=True)
-    with open(stamp_path, "w") as f:
-        f.write(stamp)
+    if "Free Software Foundation" not in version:
+        return None          # GCC only: clang makes a mismatched or outdated .gch a hard error
+    header = os.path.join(os.path.abspath(build_directory), "hetcomm_torch_headers.h")
+    gch, depfile, stamp_path = header + ".gch", header + ".d", header + ".stamp"
+    flags = f"{' '.join(cflags)} -x c++-header {' '.join(post_cflags)}"
+    made_from = "\n".join([flags, version, torch.__version__, str(torch.version.git_version), *PCH_HEADERS])
+
+    def stamp() -> str:
+        return hashlib.sha256(f"{made_from}\n{_dependencies_digest(depfile)}".encode()).hexdigest()
+
+    try:
+        current = os.path.exists(gch) and open(stamp_path).read() == stamp()
+    except OSError:
+        current = False
+    if not current:
+        os.makedirs(build_directory, exist_ok=True)
+        for stale in (stamp_path, gch):
+            if os.path.exists(stale):
+                os.remove(stale)
+        with open(header, "w") as f:
+            f.write("// Written by setup.py: torch's headers, precompiled once for every translation unit.\n")
+            f.writelines(f"#include <{h}>\n" for h in PCH_HEADERS)
+        print("hetcomm: precompiling torch's headers", flush=True)
+        partial = gch + ".partial"
+        subprocess.run(f"{compiler} {' '.join(cflags)} -x c++-header {shlex.quote(header)} -o {shlex.quote(partial)} "
+                       f"-MD -MF {shlex.quote(depfile)} {' '.join(post_cflags)}", shell=True, check=True)
+        os.replace(partial, gch)
+        with open(stamp_path, "w") as f:
+            f.write(stamp())
+    # GCC takes a .gch silently or not at all: a one-line unit that must take it, or no -include
+    probe = os.path.join(os.path.abspath(build_directory), "hetcomm_pch_probe.cc")
+    with open(probe, "w") as f:
+        f.write("int hetcomm_pch_probe;\n")
+    check = subprocess.run(f"{compiler} {' '.join(cflags)} -fsyntax-only {shlex.quote(probe)} {' '.join(post_cflags)} "
+                           f"-include {shlex.quote(header)} -Werror=invalid-pch", shell=True, capture_output=True, text=True)
+    if check.returncode != 0:
+        print(f"hetcomm: GCC does not take the precompiled torch headers; building without:\n{check.stderr[-2000:]}",
+              flush=True)
+        return None
     return header
 
 
 def with_precompiled_torch_headers(compile_objects):
     """Wraps torch.utils.cpp_extension's ninja compile step so that the C++ translation units
-    force-include the precompiled torch headers. Where torch's step has another shape, or the
+    force-include the precompiled torch headers. Where torch's step has another shape, a compiler
+    cache would wrap the compiler (it would not cache units that include a .gch), or
     precompiling fails, the build goes on as without (slower, never different)."""
+    from torch.utils import cpp_extension
+    wrapper = getattr(cpp_extension, "_wrap_compiler", lambda c: [c])
+
     def compile_with_pch(*args, **kwargs):
         if args or not isinstance(kwargs.get("cflags"), list) or not isinstance(kwargs.get("post_cflags"), list) \
-                or "build_directory" not in kwargs or os.environ.get("HETCOMM_NO_PCH"):
+                or "build_directory" not in kwargs or os.environ.get("HETCOMM_NO_PCH") \
+                or len(wrapper(os.environ.get("CXX", "c++"))) > 1:
             return compile_objects(*args, **kwargs)
         try:
             header = precompile_torch_headers(kwargs["build_directory"], kwargs["cflags"], kwargs["post_cflags"])
         except (OSError, subprocess.CalledProcessError) as e:
             print(f"hetcomm: torch's headers not precompiled ({e}); building without", flush=True)
-        else:
+            header = None
+        if header:
             kwargs["post_cflags"] = kwargs["post_cflags"] + ["-include", shlex.quote(header), "-Winvalid-pch"]
         return compile_objects(**kwargs)
     return compile_with_pch

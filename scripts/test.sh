@@ -34,7 +34,14 @@ if command -v cmake > /dev/null && command -v ninja > /dev/null; then
   build_core > build-core.log 2>&1 &
   core_pid=$!
 fi
-bash scripts/install.sh --deps-only
+deps_status=0
+bash scripts/install.sh --deps-only || deps_status=$?
+if [ "$deps_status" != 0 ]; then
+  # (the core's build is left to end first: it writes build/, which the next run would race)
+  [ -z "$core_pid" ] || wait "$core_pid" || true
+  echo "[test.sh] installing the dependencies failed (exit $deps_status)"
+  exit "$deps_status"
+fi
 stamp "dependencies installed"
 if [ -n "$core_pid" ]; then
   core_status=0

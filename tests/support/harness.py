@@ -391,7 +391,7 @@ HETCOMM_PRELOAD = ["hetcomm", "hetcomm._C", "hetcomm.topology", "hetcomm.train.d
 # Variables that torch, OpenMP or the C++ runtime read when torch is imported (the debug level of
 # torch.distributed, its C++ log level and stack traces, thread pools): a job that sets one of
 # them differently needs a fresh interpreter, since the fork server imported torch under its own.
-_READ_AT_IMPORT = ("TORCH_", "PYTORCH_", "OMP_", "MKL_", "KMP_", "GOMP_", "CUDA_", "NCCL_", "GLOO_", "LD_")
+_READ_AT_IMPORT = ("TORCH_", "PYTORCH_", "TORCHDYNAMO_", "TORCHINDUCTOR_", "OMP_", "MKL_", "KMP_", "GOMP_", "CUDA_", "NCCL_", "GLOO_", "LD_")
 _SERVER_ENVIRON: dict[str, str] = {}
 
 

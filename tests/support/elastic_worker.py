@@ -125,8 +125,8 @@ def main(argv: list[str] | None = None) -> int:
     elif where == "registered":
         real_register = elastic.ElasticDiLoCo._register
 
-        def dying_register(self):
-            real_register(self)
+        def dying_register(self, *args, **kwargs):
+            real_register(self, *args, **kwargs)
             kill_self()
         elastic.ElasticDiLoCo._register = dying_register
     elif where == "formed":

@@ -14,14 +14,9 @@ import torch
 from hetcomm import hosts as _hosts
 from hetcomm.train.elastic.common import (_PREFIX, _MAX_ABORTS, _Poll, _decision_ok, _read_decision, _read_ended,
                                           _read_int)
-from hetcomm.train.membership import Forged, Keys, Pulse, StoreUnreachable
+from hetcomm.train.elastic.joins import JoinRecords
+from hetcomm.train.membership import Keys, Pulse, StoreUnreachable
 
-
-
-
-_MAX_UNCOUNTED = 4096       # join records read past the counter (a store writer may set it back)
-_MAX_GAP = 64               # missing join records in a row that end a scan (a store writer may inflate the counter)
-_MAX_CLAIMS = 1 << 16       # join indices a worker tries before it gives up
 
 def _checked_decision(keys: Keys, epoch: int, proposal: dict) -> dict:
     """The epoch's decision: ours if we are the first to write one, else the one there. One
@@ -52,7 +47,7 @@ class _Rewrite:
             self.keys.set(self.key, self.value)
             self.last = time.monotonic()
 
-class Epochs:
+class Epochs(JoinRecords):
     """Admission and the epochs of a round's synchronisation."""
 
     # ---- membership --------------------------------------------------------------------------
@@ -66,42 +61,6 @@ class Epochs:
             self._keys.delete(f"snapped/{self._me}")
         self._me = f"{self.worker_id}#{uuid.uuid4().hex[:8]}"
         self._pulse = Pulse(self._job_keys.clone(), self._me, self._heartbeat)
-
-    def _registrations(self, keys: Keys, start: int, wait: bool = True) -> tuple[list[tuple[int, dict]], int]:
-        """The join requests from index ``start`` on (index, request), and the index after them.
-        A request whose index was taken but whose record never appeared (its worker died in
-        between) is skipped once it has been missing for ``timeout`` seconds (at once without
-        ``wait``). A record that is not a request (a store writer's) is skipped; a join counter
-        that is not one reads as no new request."""
-        # The counter only hands out indices; the records are what counts. A counter a store
-        # writer replaced (garbage, or a smaller number) must not hide them: read on past it
-        # while records follow.
-        count = keys.count("joins") or 0
-        regs, i, seen, missing = [], start, set(), 0
-        while i < count + _MAX_UNCOUNTED:
-            try:
-                record = keys.peek(f"join/{i}")
-            except ValueError:                       # not JSON (a store writer's)
-                record = False
-            missing = missing + 1 if record is None else 0
-            if record is None and i >= count:
-                break                                # past the counter and no record: the end
-            if missing > _MAX_GAP:
-                # A counter far past the records (a store writer's): the end, and the next scan
-                # starts again at the first missing record, where the next joiner writes its own
-                i -= missing - 1
-                break
-            if record is None and wait:
-                first = self._gaps.setdefault(i, time.monotonic())
-                if time.monotonic() - first <= self._timeout:
-                    break                            # not written yet: next time
-            elif isinstance(record, dict) and isinstance(record.get("who"), str) \
-                    and isinstance(record.get("holds"), bool) and isinstance(record.get("round"), int) \
-                    and record["who"] not in seen:   # (a copy of a request under another index: once)
-                seen.add(record["who"])
-                regs.append((i, record))
-            i += 1
-        return regs, i
 
     def _watch_joiners(self) -> None:
         """Between synchronisations, every half second (or heartbeat, if shorter): watch the
@@ -213,7 +172,7 @@ class Epochs:
                     # earlier decision than this one: ask again unless refused
                     self._raise_if_refused(keys)
                     self._new_incarnation()
-                    index = self._register()
+                    index = self._register(decision["admitted_upto"])
                 epoch += 1
                 watched, last = decision["members"], decision
                 self._pulse.watch(watched)
@@ -228,51 +187,6 @@ class Epochs:
                 self._count("idle", begin)
                 return
             poll()
-
-    def _register(self) -> int:
-        """Takes a join index and writes this worker's request there. The index is claimed with
-        compare_set (the first writer wins), so a counter a store writer set back cannot make two
-        workers share one; a counter that is not one is stepped over by reading the records."""
-        mine, keys = self._request(), self._keys
-        try:
-            index = keys.add("joins", 1) - 1
-        except ValueError:                           # not a counter (a store writer's)
-            index = None
-        if index is None or (index > 0 and self._free(index - 1)):
-            # no counter, or one far past the records (a store writer's, or a joiner that died
-            # between the two): the first free index, which the members' scan reaches
-            index = next(i for i in range(1 << 20) if self._free(i))
-        for _ in range(_MAX_CLAIMS):
-            try:
-                if keys.first(f"join/{index}", mine) == mine:
-                    return index
-            except Forged:                           # a store writer keeps replacing it
-                pass
-            index += 1                               # taken: the next (a counter set back lands on
-                                                     # records; the members read on past it)
-        raise ValueError(f"{_PREFIX}: this worker cannot ask to join run {self.job!r}: every join index it tried "
-                         "was taken (the store's join records are being tampered with)")
-
-    def _free(self, index: int) -> bool:
-        try:
-            return self._keys.peek(f"join/{index}") is None
-        except ValueError:
-            return False
-
-    def _request(self) -> dict:
-        return {"who": self._me, "holds": self._holds, "round": self._round, "config": self._config(),
-                "early": self._early_join}
-
-    def _keep_request(self, index: int) -> None:
-        """Writes this worker's join request again if it is no longer there as it wrote it (a
-        store writer overwrote or deleted it: the members would never see this worker ask)."""
-        mine = self._request()
-        try:
-            there = self._keys.peek(f"join/{index}")
-        except ValueError:
-            there = None
-        if there != mine:
-            self._keys.set(f"join/{index}", mine)
 
     def _config(self) -> dict:
         """What a worker must share with the run to be admitted: the model's layout, the outer

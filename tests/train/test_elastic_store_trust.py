@@ -19,7 +19,6 @@ import pytest
 import torch.distributed as dist
 
 from elastic_job import check_agreement, events, final
-from hetcomm.train.elastic.joins import JoinRecords
 from hetcomm.train.membership import Forged, Keys, SecretMismatch
 
 pytestmark = pytest.mark.usefixtures("backend_importable")
@@ -134,40 +133,6 @@ def test_a_counter_made_garbage_right_after_a_worker_read_it_does_not_cut_the_wo
         keys.store = real
     rogue.set("hetcomm/ft/race/joins", "5")
     assert keys.add("joins", 2) == 7
-
-
-class _Joiner(JoinRecords):
-    """The join-record side of a worker, alone: what `ElasticDiLoCo` mixes in."""
-
-    def __init__(self, keys: Keys, me: str) -> None:
-        self._keys, self._me, self._gaps, self._timeout = keys, me, {}, 0.0
-
-    def _request(self) -> dict:
-        return {"who": self._me, "holds": False, "round": 0, "config": {}, "early": False}
-
-
-@pytest.mark.parametrize("sealed", [False, True], ids=["plain", "sealed"])
-def test_a_joiner_next_to_a_gap_the_members_passed_over_is_read(stores, sealed):
-    """Index 0 was taken by a worker that died before it wrote its request, and the members
-    passed over it (the newest decision admitted up to index 2). Index 2 is taken by a joiner
-    that has not written yet when the next one takes 3 from the counter: that one must write
-    where the members read, from 2 on (before: it took the first free index, 0, below where the
-    members read, and was never admitted)."""
-    store, rogue = stores
-    root = f"hetcomm/ft/gap-{sealed}/"
-    keys = Keys(store, "test", root, seal=b"g" * 32 if sealed else None)
-    first = _Joiner(keys, "w1#a")
-    keys.set("join/1", first._request())
-    decision = {"epoch": 1, "gen": 1, "round": 0, "admitted_upto": 2, "members": ["w1#a"], "holders": ["w1#a"],
-                "joined": ["w1#a"], "left": {}, "refused": {}}
-    keys.set("e1/decision", decision)
-    keys.set("latest", 1)
-    assert keys.add("joins", 3) == 3                 # 0: died, 1: admitted, 2: being written
-    late = _Joiner(keys, "w2#b")
-    index = late._register()
-    assert index >= 2
-    requests, _ = late._registrations(keys, 2, wait=False)
-    assert [r["who"] for _, r in requests] == ["w2#b"]
 
 
 def test_first_over_a_forged_value_that_is_deleted_meanwhile(stores):

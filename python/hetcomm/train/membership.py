@@ -144,13 +144,18 @@ class Keys:
         there: it is logged and ignored, and the worker goes on waiting for an authentic one)."""
         return self.peek_bytes(key) is not None
 
+    def _raw(self, key: str) -> bytes:
+        """The key's bytes as stored (sealed or not), or _NOTHING: one atomic read that never
+        waits (a compare_set that cannot match: torch's store then answers the value, or the
+        `expected` it was given when there is none)."""
+        return self._call(f"read {key}", self.store.compare_set, self.root + key, _NOTHING, _NOTHING)
+
     def peek_bytes(self, key: str) -> bytes | None:
         """The key's value now, opened, or None when it has none (or a forged one): one atomic
-        read that never waits (a compare_set that cannot match: torch's store then answers the
-        value, or the `expected` it was given when there is none). Unlike `has` then `get`, no
+        read that never waits (`_raw`). Unlike `has` then `get`, no
         store writer can change the value between the two, nor make the get wait for a key it
         deleted."""
-        raw = self._call(f"read {key}", self.store.compare_set, self.root + key, _NOTHING, _NOTHING)
+        raw = self._raw(key)
         if raw == _NOTHING:
             return None
         value = self._open(key, raw)
@@ -198,7 +203,7 @@ class Keys:
         take the counter as a hint (the join index is claimed with `first`). Raises Forged (a
         ValueError) after _FIRST_TRIES attempts that each found the value changed."""
         for _ in range(_FIRST_TRIES):
-            raw = self._call(f"read {key}", self.store.compare_set, self.root + key, _NOTHING, _NOTHING)
+            raw = self._raw(key)
             if raw == _NOTHING:
                 now, expected = 0, b""            # compare_set from nothing creates the key
             elif _is_counter(raw):
@@ -210,6 +215,18 @@ class Keys:
                 return now + n
         raise Forged(f"{_PREFIX}: the store counter {self.root + key} changed under each of this worker's "
                      f"{_FIRST_TRIES} compare_sets (many workers adding at once, or someone writing it)")
+
+    def at_least(self, key: str, n: int) -> None:
+        """Puts a decimal counter back to ``n`` if it is below (or not a counter: a store
+        writer's), with compare_set; gives up quietly after _FIRST_TRIES changes under it (the
+        caller tries again later)."""
+        for _ in range(_FIRST_TRIES):
+            raw = self._raw(key)
+            if raw != _NOTHING and _is_counter(raw) and int(raw) >= n:
+                return
+            expected = b"" if raw == _NOTHING else raw
+            if self._call(f"set {key}", self.store.compare_set, self.root + key, expected, str(n).encode()) == str(n).encode():
+                return
 
     def first(self, key: str, value):
         """compare_set from nothing: the value that is there afterwards (ours if we were first).
@@ -245,7 +262,7 @@ class Keys:
     def count(self, key: str) -> int | None:
         """A counter's value without adding to it (0 when there is none), or None when the value
         there is not a counter (a store writer's)."""
-        raw = self._call(f"read {key}", self.store.compare_set, self.root + key, _NOTHING, _NOTHING)
+        raw = self._raw(key)
         return 0 if raw == _NOTHING else (int(raw) if _is_counter(raw) else None)
 
     def under(self, sub: str) -> "Keys":

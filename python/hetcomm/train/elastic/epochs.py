@@ -15,7 +15,7 @@ from hetcomm import hosts as _hosts
 from hetcomm.train.elastic.common import (_PREFIX, _MAX_ABORTS, _Poll, _decision_ok, _read_decision, _read_ended,
                                           _read_int)
 from hetcomm.train.elastic.joins import JoinRecords
-from hetcomm.train.membership import Keys, Pulse, StoreUnreachable
+from hetcomm.train.membership import Keys, Pulse, SecretMismatch, StoreUnreachable
 
 
 def _checked_decision(keys: Keys, epoch: int, proposal: dict) -> dict:
@@ -172,11 +172,14 @@ class Epochs(JoinRecords):
                     # earlier decision than this one: ask again unless refused
                     self._raise_if_refused(keys)
                     self._new_incarnation()
-                    index = self._register(decision["admitted_upto"])
+                    index = self._register()
                 epoch += 1
                 watched, last = decision["members"], decision
                 self._pulse.watch(watched)
                 self._pulse.keep(watched)
+                continue
+            if _read_decision(keys, epoch + 1) is not None:
+                epoch += 1                       # this one deleted (a store writer): read on
                 continue
             if epoch == 1:
                 self._bootstrap(keys)
@@ -222,7 +225,12 @@ class Epochs(JoinRecords):
 
     def _refuse(self, keys: Keys, who: str, why: str) -> None:
         """Tells a joiner at once that it is refused (it also reads it in the next decision)."""
-        keys.first(f"refused/{who}", why)
+        try:
+            keys.first(f"refused/{who}", why)
+        except SecretMismatch:
+            raise
+        except ValueError:                       # a store writer's value there: the decision tells
+            pass
 
     def _note_waiting(self, line: str) -> None:
         if line != getattr(self, "_last_wait_note", None):

@@ -8,7 +8,7 @@ from __future__ import annotations
 import time
 
 from hetcomm.train.elastic.common import _PREFIX, _read_decision, _read_int
-from hetcomm.train.membership import Forged, Keys
+from hetcomm.train.membership import Keys, SecretMismatch
 
 _MAX_UNCOUNTED = 4096       # join records read past the counter (a store writer may set it back)
 _MAX_GAP = 64               # missing join records in a row that end a scan (a store writer may inflate the counter)
@@ -16,26 +16,29 @@ _MAX_CLAIMS = 1 << 16       # join indices a worker tries before it gives up
 
 
 class JoinRecords:
-    """Taking a join index and scanning the requests (a mixin of `ElasticDiLoCo`)."""
+    """Taking a join index and scanning the requests (a mixin of `ElasticDiLoCo`, whose
+    ``_keys``, ``_me``, ``_timeout``, ``_gaps`` (join index -> when first seen missing), ``job``,
+    ``_holds``, ``_round``, ``_early_join`` and ``_config()`` it uses)."""
 
     def _registrations(self, keys: Keys, start: int, wait: bool = True) -> tuple[list[tuple[int, dict]], int]:
         """The join requests from index ``start`` on (index, request), and the index after them.
         A request whose index was taken but whose record never appeared (its worker died in
         between) is skipped once it has been missing for ``timeout`` seconds (at once without
-        ``wait``). A record that is not a request (a store writer's) is skipped; a join counter
+        ``wait``); the missing records of a run are timed from when the scan first met the run,
+        together. A record that is not a request (a store writer's) is skipped; a join counter
         that is not one reads as no new request."""
         # The counter only hands out indices; the records are what counts. A counter a store
         # writer replaced (garbage, or a smaller number) must not hide them: read on past it
-        # while records follow.
-        count = keys.count("joins") or 0
+        # while records follow (and a waiting joiner puts the counter back past its own index).
+        end = max(keys.count("joins") or 0, start)
         regs, i, seen, missing = [], start, set(), 0
-        while i < count + _MAX_UNCOUNTED:
+        while i < end + _MAX_UNCOUNTED:
             try:
                 record = keys.peek(f"join/{i}")
             except ValueError:                       # not JSON (a store writer's)
                 record = False
             missing = missing + 1 if record is None else 0
-            if record is None and i >= count:
+            if record is None and i >= end:
                 break                                # past the counter and no record: the end
             if missing > _MAX_GAP:
                 # A counter far past the records (a store writer's): the end, and the next scan
@@ -43,42 +46,47 @@ class JoinRecords:
                 # index from the newest decision's admitted_upto: _register)
                 i -= missing - 1
                 break
-            if record is None and wait:
-                first = self._gaps.setdefault(i, time.monotonic())
-                if time.monotonic() - first <= self._timeout:
-                    break                            # not written yet: next time
-            elif isinstance(record, dict) and isinstance(record.get("who"), str) \
-                    and isinstance(record.get("holds"), bool) and isinstance(record.get("round"), int) \
-                    and record["who"] not in seen:   # (a copy of a request under another index: once)
-                seen.add(record["who"])
-                regs.append((i, record))
+            if record is None:
+                if wait:
+                    now = time.monotonic()
+                    first = self._gaps.setdefault(i, now)
+                    if now - first <= self._timeout:
+                        for j in range(i + 1, min(end, i + _MAX_GAP)):
+                            self._gaps.setdefault(j, now)   # the rest of a run times out with it
+                        break                        # not written yet: next time
+            else:
+                self._gaps.pop(i, None)              # (a record deleted later is timed afresh)
+                if isinstance(record, dict) and isinstance(record.get("who"), str) \
+                        and isinstance(record.get("holds"), bool) and isinstance(record.get("round"), int) \
+                        and record["who"] not in seen:   # (a copy of a request under another index: once)
+                    seen.add(record["who"])
+                    regs.append((i, record))
             i += 1
         return regs, i
 
-    def _register(self, floor: int | None = None) -> int:
-        """Takes a join index and writes this worker's request there; ``floor``: the newest
-        decision's ``admitted_upto`` (read here when not given), below which the members no
-        longer read. The index is claimed with compare_set (the first writer wins), so a counter
-        a store writer set back cannot make two workers share one, and a lost claim moves to the
+    def _register(self) -> int:
+        """Takes a join index and writes this worker's request there, at or above the floor: the
+        newest decision's ``admitted_upto``, below which the members no longer read. The index
+        is claimed with compare_set (the first writer wins), so a counter a store writer set
+        back cannot make two workers share one, and a lost claim (or garbage there) moves to the
         next index. An index from the counter below the floor, or after a run of more than
         _MAX_GAP missing records (a counter a store writer inflated), is replaced by the first
         free index from the floor, which the members' scans reach."""
-        mine, keys = self._request(), self._keys
-        if floor is None:
-            floor = self._join_floor()
+        mine, keys, floor = self._request(), self._keys, self._join_floor()
         try:
             index = keys.add("joins", 1) - 1
         except ValueError:                           # not a counter (a store writer's)
             index = None
-        if index is None or index < floor or (index > floor and self._free(index - 1)
-                                              and self._missing_before(index, floor) > _MAX_GAP):
+        if index is None or index < floor or self._missing_before(index, floor) > _MAX_GAP:
             index = self._first_free(floor)
         for _ in range(_MAX_CLAIMS):
             try:
                 if keys.first(f"join/{index}", mine) == mine:
                     return index
-            except Forged:                           # a store writer keeps replacing it
-                pass
+            except SecretMismatch:
+                raise
+            except ValueError:                       # garbage there, or a store writer keeps
+                pass                                 # replacing it (Forged): taken
             index += 1                               # taken: the next (a counter set back lands on
                                                      # records; the members read on past it)
         raise ValueError(f"{_PREFIX}: this worker cannot ask to join run {self.job!r}: every join index it tried "
@@ -86,14 +94,16 @@ class JoinRecords:
 
     def _join_floor(self) -> int:
         """The newest decision's ``admitted_upto`` (0 before the first): the lowest join index
-        the members still read. ``latest`` may lag behind its decision: read on past it."""
+        the members still read. ``latest`` may lag behind its decision (read on past it), and a
+        store writer may have deleted the newest decisions (look back past them)."""
         epoch = _read_int(self._keys, "latest") or 0
-        decision = _read_decision(self._keys, epoch) if epoch else None
-        while True:
-            newer = _read_decision(self._keys, epoch + 1)
-            if newer is None:
-                return decision["admitted_upto"] if decision else 0
-            epoch, decision = epoch + 1, newer
+        while _read_decision(self._keys, epoch + 1) is not None:
+            epoch += 1
+        for back in range(epoch, max(0, epoch - _MAX_GAP), -1):
+            decision = _read_decision(self._keys, back)
+            if decision is not None:
+                return decision["admitted_upto"]
+        return 0
 
     def _missing_before(self, index: int, floor: int) -> int:
         """Missing join records right below ``index`` (down to ``floor``), counted up to _MAX_GAP + 1."""
@@ -122,7 +132,9 @@ class JoinRecords:
 
     def _keep_request(self, index: int) -> None:
         """Writes this worker's join request again if it is no longer there as it wrote it (a
-        store writer overwrote or deleted it: the members would never see this worker ask)."""
+        store writer overwrote or deleted it: the members would never see this worker ask), and
+        puts the counter back past its index if a store writer set it back below (the members'
+        scans end at the first missing record past the counter)."""
         mine = self._request()
         try:
             there = self._keys.peek(f"join/{index}")
@@ -130,3 +142,4 @@ class JoinRecords:
             there = None
         if there != mine:
             self._keys.set(f"join/{index}", mine)
+        self._keys.at_least("joins", index + 1)

@@ -1,0 +1,158 @@
+"""The join records of an elastic run against a store writer (issue 43): the `joins` counter
+cannot be sealed, and a store writer may delete any record or decision. A joiner must always
+write its request where the members read, and the members must read it, whatever the counter
+says. Each case acts on `JoinRecords` (the join side of `ElasticDiLoCo`, alone) over a real
+TCPStore, with a plain client beside it as the store writer; each fails on the code before its fix.
+"""
+from __future__ import annotations
+
+import datetime
+import itertools
+import time
+
+import pytest
+import torch.distributed as dist
+
+from hetcomm.train.elastic.epochs import Epochs
+from hetcomm.train.elastic.joins import JoinRecords
+from hetcomm.train.membership import Keys
+
+pytestmark = pytest.mark.usefixtures("backend_importable")
+
+_jobs = itertools.count()
+
+
+class _Joiner(JoinRecords):
+    """The join-record side of a worker, alone: what `ElasticDiLoCo` mixes in."""
+
+    def __init__(self, keys: Keys, me: str, timeout: float = 0.0) -> None:
+        self._keys, self._me, self._gaps, self._timeout = keys, me, {}, timeout
+
+    def _request(self) -> dict:
+        return {"who": self._me, "holds": False, "round": 0, "config": {}, "early": False}
+
+
+@pytest.fixture(scope="module")
+def server():
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=datetime.timedelta(seconds=5))
+    yield store
+
+
+@pytest.fixture(params=[False, True], ids=["plain", "sealed"])
+def job(server, request):
+    """(keys of a fresh job, the raw root for the store writer)."""
+    root = f"hetcomm/ft/joins{next(_jobs)}/"
+    return Keys(server, "test", root, seal=b"j" * 32 if request.param else None), root
+
+
+def decide(keys: Keys, epoch: int, admitted_upto: int) -> None:
+    keys.set(f"e{epoch}/decision", {"epoch": epoch, "gen": 1, "round": 0, "admitted_upto": admitted_upto,
+                                     "members": ["w0#a"], "holders": ["w0#a"], "joined": ["w0#a"], "left": {},
+                                     "refused": {}})
+    keys.set("latest", epoch)
+
+
+def members_read(keys: Keys, start: int) -> list[str]:
+    requests, _ = _Joiner(keys, "w0#a")._registrations(keys, start, wait=False)
+    return [r["who"] for _, r in requests]
+
+
+def test_a_joiner_next_to_a_gap_the_members_passed_over_is_read(job):
+    """Index 0 was taken by a worker that died before it wrote its request, and the members
+    passed over it (the newest decision admitted up to index 2). Index 2 is taken by a joiner
+    that has not written yet when the next one takes 3 from the counter: that one must write
+    where the members read, from 2 on (before: it took the first free index, 0, below where the
+    members read, and was never admitted)."""
+    keys, _ = job
+    keys.set("join/1", _Joiner(keys, "w1#a")._request())
+    decide(keys, 1, 2)
+    assert keys.add("joins", 3) == 3                 # 0: died, 1: admitted, 2: being written
+    late = _Joiner(keys, "w2#b")
+    assert late._register() == 3
+    assert members_read(keys, 2) == ["w2#b"]
+
+
+def test_a_counter_set_back_below_a_missing_record_is_put_back_by_the_joiner_past_it(job, server):
+    """Index 3 was taken by a worker that died; a joiner writes at 4; then a store writer sets
+    the counter back to 0 (or garbage). The members' scans end at the first missing record past
+    the counter, so the waiting joiner puts the counter back past its index (before: every scan
+    stopped at 3, for ever)."""
+    keys, root = job
+    for i in range(3):
+        keys.set(f"join/{i}", _Joiner(keys, f"m{i}#a")._request())
+    decide(keys, 1, 3)
+    assert keys.add("joins", 4) == 4                 # 3: died before writing
+    joiner = _Joiner(keys, "w4#b")
+    index = joiner._register()
+    assert index == 4
+    for setback in (b"0", b"\x00 not a counter"):
+        server.set(root + "joins", setback)
+        joiner._keep_request(index)                  # what it does every heartbeat while it waits
+        assert members_read(keys, 3) == ["w4#b"]
+
+
+def test_members_far_past_a_deleted_counter_still_read(job, server):
+    """The members read from index 5000 (admitted_upto) when a store writer deletes the counter:
+    a scan bounded by the counter alone (0 + 4096) read nothing there (before), while the joiner
+    wrote at 5000."""
+    keys, root = job
+    decide(keys, 1, 5000)
+    server.delete_key(root + "joins")
+    joiner = _Joiner(keys, "w9#b")
+    assert joiner._register() == 5000
+    assert members_read(keys, 5000) == ["w9#b"]
+
+
+def test_a_run_of_missing_records_times_out_together(job):
+    """Ten indices were taken and never written (a store writer inflated the counter, or ten
+    registrants died): the members skip them after one `timeout`, not one `timeout` each (before:
+    the second scan skipped one)."""
+    keys, _ = job
+    assert keys.add("joins", 11) == 11
+    keys.set("join/10", _Joiner(keys, "w10#b")._request())
+    member = _Joiner(keys, "w0#a", timeout=0.2)
+    assert member._registrations(keys, 0)[0] == []   # the first look times the run
+    time.sleep(0.3)
+    requests, upto = member._registrations(keys, 0)
+    assert [r["who"] for _, r in requests] == ["w10#b"] and upto == 11
+
+
+def test_the_floor_skips_a_newest_decision_a_store_writer_deleted(job, server):
+    """The newest decision (admitted up to 5) is deleted: the floor is the one before it (3),
+    not 0, below which every index is one the members passed over long ago."""
+    keys, root = job
+    decide(keys, 1, 3)
+    decide(keys, 2, 5)
+    server.delete_key(root + "e2/decision")
+    assert _Joiner(keys, "w5#b")._join_floor() == 3
+
+
+def test_garbage_where_a_refusal_goes_stops_no_member(job, server):
+    """A store writer puts garbage under refused/<who> before a member refuses that joiner: the
+    member goes on (the decision carries the refusal too); before, `first` raised out of step()."""
+    keys, root = job
+    server.set(root + "refused/evil#1", b"\x00 garbage")
+    Epochs._refuse(None, keys, "evil#1", "its model differs")
+
+
+@pytest.mark.parametrize("counter", ["set-back", "inflated", "garbage-at-index"])
+def test_a_joiner_writes_at_the_floor_whatever_the_counter_says(job, server, counter):
+    """Records 0 and 1 were admitted (floor 2). A store writer sets the counter back to 0 (its
+    index would be below the floor), inflates it past 65 missing records, or puts garbage at the
+    index the counter hands out: the joiner writes at 2 (at 3 past the garbage without the
+    secret; with it, garbage is no value and is replaced). Before, the garbage raised out of
+    `_register` in a job without the secret, and the counter's index was kept."""
+    keys, root = job
+    for i in range(2):
+        keys.set(f"join/{i}", _Joiner(keys, f"m{i}#a")._request())
+    decide(keys, 1, 2)
+    if counter == "set-back":
+        server.set(root + "joins", b"0")
+    elif counter == "inflated":
+        server.set(root + "joins", b"100")
+    else:
+        server.set(root + "joins", b"2")
+        server.set(root + "join/2", b"\x00 not a request")
+    joiner = _Joiner(keys, "w2#b")
+    assert joiner._register() == (3 if counter == "garbage-at-index" and not keys.sealed else 2)
+    assert members_read(keys, 2) == ["w2#b"]

@@ -105,6 +105,9 @@ PYBIND11_MODULE(_C, m) {
            }),
            py::arg("store"), py::arg("rank"), py::arg("size"), py::arg("timeout_ms"), py::arg("listen_ip") = "",
            py::arg("global_ranks") = std::vector<int64_t>{})
+      .def(
+          "timeout_ms", [](const hetcomm::ProcessGroupHetcomm& g) { return static_cast<int64_t>(g.timeout().count()); },
+          "The group's operation timeout, in milliseconds (init_process_group's or new_group's timeout).")
       .def("listen_address", &hetcomm::ProcessGroupHetcomm::listenAddress,
            "This rank's listening address, ip:port.")
       .def("link_security", &hetcomm::ProcessGroupHetcomm::collectiveLinkSecurity,

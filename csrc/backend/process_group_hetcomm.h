@@ -59,6 +59,7 @@ class ProcessGroupHetcomm : public c10d::Backend {
 
   const std::string getBackendName() const override { return "hetcomm"; }
   void setTimeout(std::chrono::milliseconds timeout) override { options_.timeout = timeout; }
+  std::chrono::milliseconds timeout() const { return options_.timeout; }
 
   c10::intrusive_ptr<c10d::Work> broadcast(std::vector<at::Tensor>& tensors, const c10d::BroadcastOptions& opts) override;
   c10::intrusive_ptr<c10d::Work> allreduce(std::vector<at::Tensor>& tensors, const c10d::AllreduceOptions& opts) override;

@@ -82,6 +82,24 @@ def _create_backend(dist_backend_opts, backend_options) -> "ProcessGroupHetcomm"
     return backend
 
 
+def group_timeout(group: Optional[dist.ProcessGroup] = None) -> Optional[datetime.timedelta]:
+    """The operation timeout ``group`` (the default group when None) was created with, for the
+    groups made from it (torch's ``new_group`` otherwise gives them its own default, 30 minutes):
+    hetcomm's, or Gloo's; None where the backend does not tell."""
+    pg = group if group is not None else dist.distributed_c10d._get_default_group()
+    for device in ("cpu", "cuda"):
+        try:
+            backend = pg._get_backend(torch.device(device))
+        except RuntimeError:
+            continue
+        if hasattr(backend, "timeout_ms"):
+            return datetime.timedelta(milliseconds=backend.timeout_ms())
+        timeout = getattr(getattr(backend, "options", None), "_timeout", None)
+        if isinstance(timeout, datetime.timedelta):
+            return timeout
+    return None
+
+
 def supported_devices() -> list[str]:
     """The device types this build of hetcomm moves: ``["cpu", "cuda"]`` when it was compiled
     against a CUDA build of torch with nvcc present, else ``["cpu"]``. Does not load the

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from hetcomm import compress as _compress
+from hetcomm._backend import group_timeout
 from hetcomm.train import flat as _flat
 from hetcomm.train.diloco.agreement import Agreement
 from hetcomm.train.diloco.checkpoint import Checkpoint
@@ -236,7 +237,9 @@ class DiLoCo(Results, ShardedState, Agreement, Checkpoint, Streams, Overlap, _fl
             # Named by torch's group counter when every rank of the job calls this (a hashed name
             # depends on how many groups each rank has seen, which may differ across ranks).
             whole = len(ranks) == dist.get_world_size()
-            self._sync_group = dist.new_group(ranks, backend=backend, use_local_synchronization=not whole)
+            # (the parent's timeout: a background collective a failure left waiting ends with it)
+            self._sync_group = dist.new_group(ranks, backend=backend, timeout=group_timeout(group),
+                                              use_local_synchronization=not whole)
             self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="hetcomm-diloco")
         # The round boundary works in place, in buffers of the model's size kept for the run: a
         # fresh 10 MB tensor costs its page faults every round (measured: 9 ms for one
@@ -490,10 +493,13 @@ class DiLoCo(Results, ShardedState, Agreement, Checkpoint, Streams, Overlap, _fl
         self._closed = True
         # A synchronisation still running in the background (only on the way out of an error)
         # keeps using its group: leave both to the process's exit rather than pull them away.
-        busy = any(f is not None and not f.done() for f in [self._pending] + [j["future"] for j in self._flight.values()])
+        # One still queued is cancelled first: it never joins its collective, so the group is
+        # destroyed, and the peers already in that collective fail at once instead of at their
+        # timeout.
         if self._executor is not None:
             self._executor.shutdown(wait=False, cancel_futures=True)
             self._executor = None
+        busy = any(f is not None and not f.done() for f in [self._pending] + [j["future"] for j in self._flight.values()])
         if self._hook is not None:
             self._hook.remove()
             self._hook = None

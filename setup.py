@@ -131,15 +131,40 @@ PCH_HEADERS = ("ATen/ATen.h", "ATen/core/ivalue.h", "torch/csrc/distributed/c10d
                "torch/csrc/distributed/c10d/Work.hpp")
 
 
+def _make_paths(text: str) -> list:
+    """The paths a make-style rule lists (``target: dep dep \\``): GCC escapes a space in a path
+    as ``\\ `` and a dollar sign as ``$$``; quotes are plain characters."""
+    paths, current, i = [], "", 0
+    text = text.replace("\\\n", " ")
+    while i < len(text):
+        c = text[i]
+        if c == "\\" and i + 1 < len(text) and text[i + 1] in " #\\":
+            current, i = current + text[i + 1], i + 2
+            continue
+        if c == "$" and text[i + 1:i + 2] == "$":
+            current, i = current + "$", i + 2
+            continue
+        if c.isspace():
+            if current:
+                paths.append(current)
+            current = ""
+        else:
+            current += c
+        i += 1
+    if current:
+        paths.append(current)
+    return paths
+
+
 def _dependencies_digest(depfile: str) -> str:
     """Path, size and modification time of every file a make-style dependency file lists (the
     headers the precompiled header was made from): a torch whose headers changed under the same
     version string makes it again."""
     with open(depfile) as f:
-        text = f.read().replace("\\\n", " ")
-    paths = shlex.split(text.partition(":")[2]) if ":" in text else []
+        text = f.read()
+    target, colon, deps = text.partition(": ")
     h = hashlib.sha256()
-    for path in paths:
+    for path in _make_paths(deps if colon else ""):
         st = os.stat(path)
         h.update(f"{path}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
     return h.hexdigest()
@@ -150,24 +175,32 @@ def precompile_torch_headers(build_directory: str, cflags: list, post_cflags: li
     the flags (already shell-quoted) that the translation units are compiled with, and returns
     the header to force-include (``-include``), or None where GCC would not take it (then the
     units are compiled as without). Made again when the compiler, the flags, torch's version or
-    any header it was made from changes; checked with -Werror=invalid-pch before it is used."""
+    any header it was made from changes; checked with -Werror=invalid-pch before it is used, and
+    made once more if GCC refuses it (a compiler that changed under the same version text)."""
     compiler = shlex.quote(os.environ.get("CXX", "c++"))   # as torch's build.ninja names it
     version = subprocess.run(f"{compiler} --version", shell=True, capture_output=True, text=True).stdout
     if "Free Software Foundation" not in version:
         return None          # GCC only: clang makes a mismatched or outdated .gch a hard error
     header = os.path.join(os.path.abspath(build_directory), "hetcomm_torch_headers.h")
     gch, depfile, stamp_path = header + ".gch", header + ".d", header + ".stamp"
-    flags = f"{' '.join(cflags)} -x c++-header {' '.join(post_cflags)}"
-    made_from = "\n".join([flags, version, torch.__version__, str(torch.version.git_version), *PCH_HEADERS])
+    make = f"{compiler} {' '.join(cflags)} -x c++-header {shlex.quote(header)} -o {shlex.quote(gch + '.partial')} " \
+           f"-MD -MF {shlex.quote(depfile)} {' '.join(post_cflags)}"
+    where = shutil.which(os.environ.get("CXX", "c++")) or ""
+    made_from = "\n".join([make, os.path.realpath(where) if where else "", version, torch.__version__,
+                           str(torch.version.git_version), *PCH_HEADERS,
+                           *(os.environ.get(v, "") for v in ("CPATH", "CPLUS_INCLUDE_PATH"))])
 
     def stamp() -> str:
         return hashlib.sha256(f"{made_from}\n{_dependencies_digest(depfile)}".encode()).hexdigest()
 
-    try:
-        current = os.path.exists(gch) and open(stamp_path).read() == stamp()
-    except OSError:
-        current = False
-    if not current:
+    def current() -> bool:
+        try:
+            with open(stamp_path) as f:
+                return os.path.exists(gch) and f.read() == stamp()
+        except OSError:
+            return False
+
+    def remake() -> None:
         os.makedirs(build_directory, exist_ok=True)
         for stale in (stamp_path, gch):
             if os.path.exists(stale):
@@ -176,18 +209,26 @@ def precompile_torch_headers(build_directory: str, cflags: list, post_cflags: li
             f.write("// Written by setup.py: torch's headers, precompiled once for every translation unit.\n")
             f.writelines(f"#include <{h}>\n" for h in PCH_HEADERS)
         print("hetcomm: precompiling torch's headers", flush=True)
-        partial = gch + ".partial"
-        subprocess.run(f"{compiler} {' '.join(cflags)} -x c++-header {shlex.quote(header)} -o {shlex.quote(partial)} "
-                       f"-MD -MF {shlex.quote(depfile)} {' '.join(post_cflags)}", shell=True, check=True)
-        os.replace(partial, gch)
+        subprocess.run(make, shell=True, check=True)
+        os.replace(gch + ".partial", gch)
         with open(stamp_path, "w") as f:
             f.write(stamp())
-    # GCC takes a .gch silently or not at all: a one-line unit that must take it, or no -include
-    probe = os.path.join(os.path.abspath(build_directory), "hetcomm_pch_probe.cc")
-    with open(probe, "w") as f:
-        f.write("int hetcomm_pch_probe;\n")
-    check = subprocess.run(f"{compiler} {' '.join(cflags)} -fsyntax-only {shlex.quote(probe)} {' '.join(post_cflags)} "
-                           f"-include {shlex.quote(header)} -Werror=invalid-pch", shell=True, capture_output=True, text=True)
+
+    def taken() -> subprocess.CompletedProcess:
+        # GCC takes a .gch silently or not at all: a one-line unit that must take it
+        probe = os.path.join(os.path.abspath(build_directory), "hetcomm_pch_probe.cc")
+        with open(probe, "w") as f:
+            f.write("int hetcomm_pch_probe;\n")
+        return subprocess.run(f"{compiler} {' '.join(cflags)} -fsyntax-only {shlex.quote(probe)} "
+                              f"{' '.join(post_cflags)} -include {shlex.quote(header)} -Werror=invalid-pch",
+                              shell=True, capture_output=True, text=True)
+
+    if not current():
+        remake()
+    check = taken()
+    if check.returncode != 0:
+        remake()
+        check = taken()
     if check.returncode != 0:
         print(f"hetcomm: GCC does not take the precompiled torch headers; building without:\n{check.stderr[-2000:]}",
               flush=True)
@@ -205,16 +246,19 @@ def with_precompiled_torch_headers(compile_objects):
 
     def compile_with_pch(*args, **kwargs):
         if args or not isinstance(kwargs.get("cflags"), list) or not isinstance(kwargs.get("post_cflags"), list) \
-                or "build_directory" not in kwargs or os.environ.get("HETCOMM_NO_PCH") \
+                or "build_directory" not in kwargs or os.environ.get("HETCOMM_NO_PCH") == "1" \
                 or len(wrapper(os.environ.get("CXX", "c++"))) > 1:
             return compile_objects(*args, **kwargs)
         try:
             header = precompile_torch_headers(kwargs["build_directory"], kwargs["cflags"], kwargs["post_cflags"])
-        except (OSError, subprocess.CalledProcessError) as e:
-            print(f"hetcomm: torch's headers not precompiled ({e}); building without", flush=True)
+        except Exception as e:  # noqa: BLE001 - the header only saves time: never fail the build for it
+            print(f"hetcomm: torch's headers not precompiled ({type(e).__name__}: {e}); building without", flush=True)
             header = None
         if header:
-            kwargs["post_cflags"] = kwargs["post_cflags"] + ["-include", shlex.quote(header), "-Winvalid-pch"]
+            # -fpch-deps: each unit's dependency file lists the headers the .gch was made from,
+            # so that ninja rebuilds the units when torch's headers change
+            kwargs["post_cflags"] = kwargs["post_cflags"] + ["-include", shlex.quote(header), "-Winvalid-pch",
+                                                             "-fpch-deps"]
         return compile_objects(**kwargs)
     return compile_with_pch
 

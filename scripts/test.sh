@@ -30,9 +30,21 @@ build_core() {
   cmake -S . -B build -G Ninja -DHETCOMM_BUILD_TORCH_CORE=OFF "${cuda_args[@]}" > build-cmake.log && cmake --build build
 }
 core_pid=
+# Interrupted (Ctrl-C, a CI cancel): the background build stops with the script, instead of
+# writing build/ under the next run. It runs in a process group of its own (set -m) for that.
+stop_core() {
+  if [ -n "$core_pid" ] && kill -0 "$core_pid" 2> /dev/null; then
+    kill -- "-$core_pid" 2> /dev/null || true
+    wait "$core_pid" 2> /dev/null || true
+  fi
+}
+trap 'stop_core; exit 130' INT
+trap 'stop_core; exit 143' TERM
 if command -v cmake > /dev/null && command -v ninja > /dev/null; then
-  build_core > build-core.log 2>&1 &
+  set -m
+  build_core < /dev/null > build-core.log 2>&1 &
   core_pid=$!
+  set +m
 fi
 deps_status=0
 bash scripts/install.sh --deps-only || deps_status=$?
@@ -46,6 +58,7 @@ stamp "dependencies installed"
 if [ -n "$core_pid" ]; then
   core_status=0
   wait "$core_pid" || core_status=$?
+  core_pid=
   cat build-core.log
   [ "$core_status" = 0 ] || { echo "[test.sh] the C++ core's build failed (exit $core_status)"; exit "$core_status"; }
 else

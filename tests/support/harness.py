@@ -38,6 +38,7 @@ import contextlib
 import dataclasses
 import datetime
 import faulthandler
+import importlib
 import json
 import multiprocessing
 import os
@@ -438,14 +439,19 @@ def _context(environ: dict | None = None):
     differs from the server's in something read at import (then fresh interpreters)."""
     if START_METHOD == "forkserver" and not _forkserver_is_private():
         return multiprocessing.get_context("spawn")
+    preload = PRELOAD + (HETCOMM_PRELOAD if BACKEND == "hetcomm" else [])
     if START_METHOD == "forkserver":
         if not _SERVER_ENVIRON:
-            _SERVER_ENVIRON.update(os.environ)          # what the server starts with (once)
+            # What the server starts with (once), after what its preload sets on import, as
+            # this process does once it imports the same (torch._dynamo sets
+            # TORCHINDUCTOR_CACHE_DIR): not a difference a job made.
+            for name in preload:
+                importlib.import_module(name)
+            _SERVER_ENVIRON.update(os.environ)
         if environ is not None and _read_at_import(environ) != _read_at_import(_SERVER_ENVIRON):
             return multiprocessing.get_context("spawn")
     ctx = multiprocessing.get_context(START_METHOD)
     if START_METHOD == "forkserver":
-        preload = PRELOAD + (HETCOMM_PRELOAD if BACKEND == "hetcomm" else [])
         ctx.set_forkserver_preload(preload)  # takes effect when the server starts (once)
     return ctx
 

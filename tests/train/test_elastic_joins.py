@@ -13,9 +13,10 @@ import time
 import pytest
 import torch.distributed as dist
 
+from hetcomm.train.elastic.common import _next_decided, _read_decision
 from hetcomm.train.elastic.epochs import Epochs
 from hetcomm.train.elastic.joins import JoinRecords
-from hetcomm.train.membership import Keys
+from hetcomm.train.membership import Keys, SecretMismatch
 
 pytestmark = pytest.mark.usefixtures("backend_importable")
 
@@ -133,6 +134,8 @@ def test_garbage_where_a_refusal_goes_stops_no_member(job, server):
     keys, root = job
     server.set(root + "refused/evil#1", b"\x00 garbage")
     Epochs._refuse(None, keys, "evil#1", "its model differs")
+    Epochs._refuse(None, keys, "other#2", "its model differs")
+    assert keys.peek("refused/other#2") == "its model differs"
 
 
 @pytest.mark.parametrize("counter", ["set-back", "inflated", "garbage-at-index"])
@@ -156,3 +159,64 @@ def test_a_joiner_writes_at_the_floor_whatever_the_counter_says(job, server, cou
     joiner = _Joiner(keys, "w2#b")
     assert joiner._register() == (3 if counter == "garbage-at-index" and not keys.sealed else 2)
     assert members_read(keys, 2) == ["w2#b"]
+
+
+def test_no_fixed_bytes_read_as_absent(job, server):
+    """A read is a compare_set told to expect a marker, which the store answers when the key has
+    no value. Marker bytes a store writer puts under a key must read as what they are (not a
+    counter), not as absent: before, the fixed marker under `joins` read as 0, and a waiting
+    joiner's compare_set from absent never replaced it."""
+    keys, root = job
+    server.set(root + "joins", b"\0hetcomm: no value\0")
+    assert keys.count("joins") is None
+    keys.at_least("joins", 5)
+    assert keys.count("joins") == 5
+
+
+def test_a_value_that_looks_sealed_is_garbage_once_the_job_is_known_plain(server):
+    """Without the secret, a value that looks sealed means "this worker lacks the job's secret"
+    only until it read a plain record of the job: afterwards a store writer's sealed-looking
+    bytes (JSON and 32 bytes) are garbage, and a member that refuses a joiner goes on (before,
+    it stopped with a false SecretMismatch)."""
+    root = f"hetcomm/ft/joins{next(_jobs)}/"
+    keys = Keys(server, "test", root)
+    looks_sealed = b'"x"' + bytes(range(32))
+    server.set(root + "refused/evil#1", looks_sealed)
+    with pytest.raises(SecretMismatch):             # nothing plain read yet: it may be the worker's fault
+        keys.peek("refused/evil#1")
+    decide(keys, 1, 0)
+    assert keys.under("x").clone().peek("nothing") is None and keys.peek("e1/decision")["epoch"] == 1
+    Epochs._refuse(None, keys, "evil#1", "its model differs")
+    server.set(root + "e2/decision", looks_sealed)
+    assert _read_decision(keys.clone(), 2) is None
+
+
+@pytest.mark.parametrize("deleted", ["two", "two-and-latest"])
+def test_a_waiting_worker_reads_past_deleted_decisions(job, server, deleted):
+    """A joiner waits for decision 2; a store writer deletes decisions 2 and 3 (and `latest`):
+    the joiner reads on to decision 4 (before, it looked one epoch ahead at most, and not at all
+    as an early joiner)."""
+    keys, root = job
+    for epoch in range(1, 5):
+        decide(keys, epoch, 0)
+    for gone in ("e2/decision", "e3/decision") + (("latest",) if deleted == "two-and-latest" else ()):
+        server.delete_key(root + gone)
+    assert _next_decided(keys, 2) == 4
+    assert _next_decided(keys, 4) == 4
+
+
+def test_a_counter_past_a_long_run_of_missing_records_is_not_taken(job, server):
+    """Records 0 and 1 admitted (floor 2); a store writer sets the counter to 202 and writes a
+    request-shaped record at 201: the index the counter hands out (202) follows a record, but
+    the members' scans stop at the run of missing records from 2 and never get there. The joiner
+    takes 2 (before: 202, and it waited for ever). With the secret the record at 201 is no
+    record, and the run alone sends the joiner to 2 as well."""
+    keys, root = job
+    for i in range(2):
+        keys.set(f"join/{i}", _Joiner(keys, f"m{i}#a")._request())
+    decide(keys, 1, 2)
+    server.set(root + "joins", b"202")
+    server.set(root + "join/201", b'{"who": "ghost#1", "holds": false, "round": 0}')
+    joiner = _Joiner(keys, "w2#b")
+    assert joiner._register() == 2
+    assert "w2#b" in members_read(keys, 2)

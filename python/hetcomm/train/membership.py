@@ -65,11 +65,16 @@ class Forged(ValueError):
 
 class SecretMismatch(ValueError):
     """This worker has no out-of-band secret, and the job's records are sealed: its workers were
-    started with HETCOMM_SECRET(_FILE). Raised, not ignored: the worker must stop and say so."""
+    started with HETCOMM_SECRET(_FILE). Raised, not ignored: the worker must stop and say so.
+    Only until the worker parsed a plain record of the job (`Keys`): after that, a value that
+    looks sealed is a store writer's garbage, which must not stop a member."""
 
 
 _TAG = 32                     # bytes of the seal after a value (HMAC-SHA-256)
-_NOTHING = b"\0hetcomm: no value\0"   # what an atomic read is told to expect (`Keys.peek_bytes`)
+# What an atomic read is told to expect (`Keys._raw`): the store answers it when the key has no
+# value. Random per process: a store writer who could put these bytes under a key would make it
+# read as absent (and a compare_set from absent never match it).
+_NOTHING = b"\0hetcomm: no value " + os.urandom(16).hex().encode() + b"\0"
 _FIRST_TRIES = 50             # compare_set attempts against values that keep failing their seal
 
 
@@ -86,8 +91,13 @@ class Keys:
     atomic (`peek_bytes`).
     """
 
-    def __init__(self, store: dist.Store, address: str, root: str, seal: bytes | None = None) -> None:
+    def __init__(self, store: dist.Store, address: str, root: str, seal: bytes | None = None,
+                 plain_seen: list | None = None) -> None:
         self.store, self.address, self.root, self._seal_key = store, address, root, seal
+        # Whether a plain (unsealed) record of the job parsed: the job is then not sealed, and a
+        # value that looks sealed is a store writer's garbage, not a sign that this worker lacks
+        # the secret (shared by the clones and sub-keys of one job's keys).
+        self._plain_seen = plain_seen if plain_seen is not None else [False]
 
     @property
     def sealed(self) -> bool:
@@ -97,7 +107,8 @@ class Keys:
         """Another connection to the same store (a TCPStore client is one socket: threads each
         get their own)."""
         try:
-            return Keys(self._call("connect", self.store.clone), self.address, self.root, self._seal_key)
+            return Keys(self._call("connect", self.store.clone), self.address, self.root, self._seal_key,
+                        self._plain_seen)
         except (AttributeError, NotImplementedError):
             return self           # a store without clone (HashStore in tests): share it
 
@@ -170,14 +181,17 @@ class Keys:
 
     def _parse(self, key: str, raw: bytes):
         try:
-            return json.loads(raw)
+            value = json.loads(raw)
         except (ValueError, RecursionError) as e:
-            if self._seal_key is None and len(raw) > _TAG and _looks_sealed(raw):
+            if self._seal_key is None and not self._plain_seen[0] and len(raw) > _TAG and _looks_sealed(raw):
                 raise SecretMismatch(f"{_PREFIX}: the store value {self.root + key} is sealed: the job's workers "
                                      "were started with HETCOMM_SECRET(_FILE), this one without it; start every "
                                      "worker with the same secret") from None
             raise ValueError(f"{_PREFIX}: the store value {self.root + key} is not JSON: "
                              f"{type(e).__name__}") from None
+        if self._seal_key is None:
+            self._plain_seen[0] = True
+        return value
 
     def set_bytes(self, key: str, value: bytes) -> None:
         self._call(f"set {key}", self.store.set, self.root + key, self._sealed(key, value))
@@ -267,7 +281,7 @@ class Keys:
 
     def under(self, sub: str) -> "Keys":
         """The same connection, keys under ``sub/``."""
-        return Keys(self.store, self.address, f"{self.root}{sub}/", self._seal_key)
+        return Keys(self.store, self.address, f"{self.root}{sub}/", self._seal_key, self._plain_seen)
 
     def set_timeout(self, seconds: float) -> None:
         self._call("set_timeout", self.store.set_timeout, datetime.timedelta(seconds=seconds))

@@ -79,6 +79,22 @@ def _read_int(keys, key: str) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
 
 
+_MAX_SKIPPED = 64            # deleted decisions in a row a waiting worker reads past
+
+
+def _next_decided(keys, epoch: int) -> int:
+    """The epoch a worker waiting for decision ``epoch`` reads instead: ``epoch`` while no later
+    decision exists, else the first later one (a store writer deleted this one, and perhaps the
+    next few). Looks as far as ``latest`` says, or _MAX_SKIPPED epochs when ``latest`` is gone,
+    never further."""
+    newest = _read_int(keys, "latest")
+    reach = epoch + _MAX_SKIPPED if newest is None else min(max(newest, epoch + 1), epoch + _MAX_SKIPPED)
+    for e in range(epoch + 1, reach + 1):
+        if _read_decision(keys, e) is not None:
+            return e
+    return epoch
+
+
 def _read_ended(keys) -> dict | None:
     """The run's end (``{"round", "reason"}``), or None while it goes on."""
     try:

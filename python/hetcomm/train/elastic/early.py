@@ -11,8 +11,8 @@ import time
 
 import torch
 
-from hetcomm.train.elastic.common import (_PREFIX, _fingerprint, _Poll, _to_json, _from_json, _read_decision,
-                                          _read_ended, _read_int)
+from hetcomm.train.elastic.common import (_PREFIX, _fingerprint, _Poll, _to_json, _from_json, _next_decided,
+                                          _read_decision, _read_ended, _read_int)
 from hetcomm.train.membership import StoreUnreachable
 
 
@@ -274,8 +274,8 @@ class EarlyJoin:
                 early["looked"] = now
                 self._pulse.check()
                 self._raise_if_refused(keys)
-                if _read_ended(keys) is not None:
-                    decision = None
+                if _read_ended(keys) is not None or _next_decided(keys, early["epoch"]) != early["epoch"]:
+                    decision = None              # (its decision deleted: the round went on without it)
                     break
                 if all(self._pulse.silent(m) > self._timeout for m in early["watched"]):
                     raise RuntimeError(f"{_PREFIX}: every member of epoch {early['epoch'] - 1} "

@@ -12,8 +12,8 @@ from collections.abc import Sequence
 import torch
 
 from hetcomm import hosts as _hosts
-from hetcomm.train.elastic.common import (_PREFIX, _MAX_ABORTS, _Poll, _decision_ok, _read_decision, _read_ended,
-                                          _read_int)
+from hetcomm.train.elastic.common import (_PREFIX, _MAX_ABORTS, _Poll, _decision_ok, _next_decided, _read_decision,
+                                          _read_ended, _read_int)
 from hetcomm.train.elastic.joins import JoinRecords
 from hetcomm.train.membership import Keys, Pulse, SecretMismatch, StoreUnreachable
 
@@ -136,7 +136,7 @@ class Epochs(JoinRecords):
             epoch = _read_int(keys, "latest") or 1
         else:
             index, epoch = resume
-        poll, watched, last, kept = _Poll(), None, None, -math.inf
+        poll, watched, last, kept, looked = _Poll(), None, None, -math.inf, -math.inf
         while True:
             self._pulse.check()
             self._raise_if_refused(keys)
@@ -172,15 +172,18 @@ class Epochs(JoinRecords):
                     # earlier decision than this one: ask again unless refused
                     self._raise_if_refused(keys)
                     self._new_incarnation()
-                    index = self._register()
+                    index = self._register(decision["admitted_upto"])
                 epoch += 1
                 watched, last = decision["members"], decision
                 self._pulse.watch(watched)
                 self._pulse.keep(watched)
                 continue
-            if _read_decision(keys, epoch + 1) is not None:
-                epoch += 1                       # this one deleted (a store writer): read on
-                continue
+            if time.monotonic() - looked >= self._heartbeat:
+                looked = time.monotonic()
+                later = _next_decided(keys, epoch)
+                if later != epoch:
+                    epoch = later                # decisions deleted (a store writer): read on
+                    continue
             if epoch == 1:
                 self._bootstrap(keys)
             elif watched and all(self._pulse.silent(m) > self._timeout for m in watched):

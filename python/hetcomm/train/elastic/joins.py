@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import time
 
-from hetcomm.train.elastic.common import _PREFIX, _read_decision, _read_int
+from hetcomm.train.elastic.common import _MAX_SKIPPED, _PREFIX, _read_decision, _read_int
 from hetcomm.train.membership import Keys, SecretMismatch
 
 _MAX_UNCOUNTED = 4096       # join records read past the counter (a store writer may set it back)
@@ -31,7 +31,11 @@ class JoinRecords:
         # writer replaced (garbage, or a smaller number) must not hide them: read on past it
         # while records follow (and a waiting joiner puts the counter back past its own index).
         end = max(keys.count("joins") or 0, start)
+        for passed in [k for k in self._gaps if k < start]:
+            del self._gaps[passed]                   # (the members read no further below)
         regs, i, seen, missing = [], start, set(), 0
+        # A run of missing records is timed from when a scan first met its first index, so
+        # that the whole run is skipped after one timeout (not one timeout per record).
         while i < end + _MAX_UNCOUNTED:
             try:
                 record = keys.peek(f"join/{i}")
@@ -47,13 +51,9 @@ class JoinRecords:
                 i -= missing - 1
                 break
             if record is None:
-                if wait:
-                    now = time.monotonic()
-                    first = self._gaps.setdefault(i, now)
-                    if now - first <= self._timeout:
-                        for j in range(i + 1, min(end, i + _MAX_GAP)):
-                            self._gaps.setdefault(j, now)   # the rest of a run times out with it
-                        break                        # not written yet: next time
+                if wait and time.monotonic() - self._gaps.setdefault(i - missing + 1, time.monotonic()) \
+                        <= self._timeout:
+                    break                            # not written yet: next time
             else:
                 self._gaps.pop(i, None)              # (a record deleted later is timed afresh)
                 if isinstance(record, dict) and isinstance(record.get("who"), str) \
@@ -64,20 +64,21 @@ class JoinRecords:
             i += 1
         return regs, i
 
-    def _register(self) -> int:
+    def _register(self, at_least: int = 0) -> int:
         """Takes a join index and writes this worker's request there, at or above the floor: the
-        newest decision's ``admitted_upto``, below which the members no longer read. The index
+        newest decision's ``admitted_upto``, below which the members no longer read (at least
+        ``at_least``, the one of a decision in hand: a store writer may have deleted the
+        decisions `_join_floor` reads). The index
         is claimed with compare_set (the first writer wins), so a counter a store writer set
         back cannot make two workers share one, and a lost claim (or garbage there) moves to the
-        next index. An index from the counter below the floor, or after a run of more than
-        _MAX_GAP missing records (a counter a store writer inflated), is replaced by the first
-        free index from the floor, which the members' scans reach."""
-        mine, keys, floor = self._request(), self._keys, self._join_floor()
+        next index. An index from the counter the members' scans would not reach (`_reachable`)
+        is replaced by the first free index from the floor."""
+        mine, keys, floor = self._request(), self._keys, max(self._join_floor(), at_least)
         try:
             index = keys.add("joins", 1) - 1
         except ValueError:                           # not a counter (a store writer's)
             index = None
-        if index is None or index < floor or self._missing_before(index, floor) > _MAX_GAP:
+        if index is None or not self._reachable(index, floor):
             index = self._first_free(floor)
         for _ in range(_MAX_CLAIMS):
             try:
@@ -99,18 +100,25 @@ class JoinRecords:
         epoch = _read_int(self._keys, "latest") or 0
         while _read_decision(self._keys, epoch + 1) is not None:
             epoch += 1
-        for back in range(epoch, max(0, epoch - _MAX_GAP), -1):
+        for back in range(epoch, max(0, epoch - _MAX_SKIPPED), -1):
             decision = _read_decision(self._keys, back)
             if decision is not None:
                 return decision["admitted_upto"]
         return 0
 
-    def _missing_before(self, index: int, floor: int) -> int:
-        """Missing join records right below ``index`` (down to ``floor``), counted up to _MAX_GAP + 1."""
-        n = 0
-        while n <= _MAX_GAP and index - n - 1 >= floor and self._free(index - n - 1):
-            n += 1
-        return n
+    def _reachable(self, index: int, floor: int) -> bool:
+        """Whether the members' scans, which start at ``floor``, reach ``index``: it is not below
+        the floor nor more than _MAX_UNCOUNTED past it, and no run of more than _MAX_GAP missing
+        records lies between (a counter a store writer inflated, with or without a record of
+        its own past the run: the scans rewind at the run and never get there)."""
+        if not floor <= index <= floor + _MAX_UNCOUNTED:
+            return False
+        missing = 0
+        for i in range(floor, index):
+            missing = missing + 1 if self._free(i) else 0
+            if missing > _MAX_GAP:
+                return False
+        return True
 
     def _first_free(self, floor: int) -> int:
         for i in range(floor, floor + _MAX_CLAIMS):

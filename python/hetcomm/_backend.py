@@ -90,11 +90,12 @@ def group_timeout(group: Optional[dist.ProcessGroup] = None) -> Optional[datetim
     for device in ("cpu", "cuda"):
         try:
             backend = pg._get_backend(torch.device(device))
-        except RuntimeError:
+            backend = getattr(backend, "wrapped_pg", backend)    # (TORCH_DISTRIBUTED_DEBUG=DETAIL)
+            if hasattr(backend, "timeout_ms"):
+                return datetime.timedelta(milliseconds=backend.timeout_ms())
+            timeout = backend.options._timeout
+        except Exception:  # noqa: BLE001 - no such device, or a backend without options: untold
             continue
-        if hasattr(backend, "timeout_ms"):
-            return datetime.timedelta(milliseconds=backend.timeout_ms())
-        timeout = getattr(getattr(backend, "options", None), "_timeout", None)
         if isinstance(timeout, datetime.timedelta):
             return timeout
     return None

@@ -19,7 +19,6 @@ import torch
 import torch.distributed as dist
 
 from hetcomm import compress as _compress
-from hetcomm._backend import group_timeout
 from hetcomm.labels import ranks_by_label, renumber
 
 __all__ = ["Workers", "labels_from_sites", "resolve_labels", "resolve_members", "shard_bounds"]
@@ -119,10 +118,8 @@ class Workers:
         backend = backend or dist.get_backend(group)
         worker_backend = worker_backend or backend
 
-        timeout = group_timeout(group)                 # (new_group's own default: 30 minutes)
-
         def make(ranks: list[int], on: str) -> dist.ProcessGroup | None:
-            g = dist.new_group(sorted(ranks), backend=on, timeout=timeout)   # every rank of the job, in order
+            g = dist.new_group(sorted(ranks), backend=on)      # every rank of the job, the same order
             mine = dist.get_rank() in ranks
             if mine:
                 self._owned.append(g)

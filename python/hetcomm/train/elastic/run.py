@@ -255,8 +255,8 @@ class ElasticRun(ElasticDiLoCo):
         (what the generation applied stays readable: `rounds`, `history`, `global_parameters`)."""
         inner, self._inner = self._inner, None
         if inner is not None:
+            inner.close()                  # (cancels the queued jobs: only a running one is busy)
             busy = self._busy(inner)
-            inner.close()
             if not busy:
                 try:
                     self._carry_out(inner)

@@ -223,10 +223,11 @@ def precompile_torch_headers(build_directory: str, cflags: list, post_cflags: li
                               f"{' '.join(post_cflags)} -include {shlex.quote(header)} -Werror=invalid-pch",
                               shell=True, capture_output=True, text=True)
 
-    if not current():
+    made = not current()
+    if made:
         remake()
     check = taken()
-    if check.returncode != 0:
+    if check.returncode != 0 and not made:      # (one made in this call is not made twice)
         remake()
         check = taken()
     if check.returncode != 0:

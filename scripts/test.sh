@@ -38,8 +38,9 @@ stop_core() {
     wait "$core_pid" 2> /dev/null || true
   fi
 }
-trap 'stop_core; exit 130' INT
-trap 'stop_core; exit 143' TERM
+trap 'stop_core; trap - INT; kill -INT $$' INT
+trap 'stop_core; trap - TERM; kill -TERM $$' TERM
+trap 'stop_core' EXIT
 if command -v cmake > /dev/null && command -v ninja > /dev/null; then
   set -m
   build_core < /dev/null > build-core.log 2>&1 &

@@ -13,7 +13,7 @@ import time
 import pytest
 import torch.distributed as dist
 
-from hetcomm.train.elastic.common import _next_decided, _read_decision
+from hetcomm.train.elastic.common import _next_decided, _read_decision, _start_epoch
 from hetcomm.train.elastic.epochs import Epochs
 from hetcomm.train.elastic.joins import JoinRecords
 from hetcomm.train.membership import Keys, SecretMismatch
@@ -175,17 +175,20 @@ def test_no_fixed_bytes_read_as_absent(job, server):
 
 def test_a_value_that_looks_sealed_is_garbage_once_the_job_is_known_plain(server):
     """Without the secret, a value that looks sealed means "this worker lacks the job's secret"
-    only until it read a plain record of the job: afterwards a store writer's sealed-looking
-    bytes (JSON and 32 bytes) are garbage, and a member that refuses a joiner goes on (before,
-    it stopped with a false SecretMismatch)."""
+    only until it read a plain decision of the job (its own write read back is none):
+    afterwards a store writer's sealed-looking bytes (JSON and 32 bytes) are garbage, and a
+    member that refuses a joiner goes on (before, it stopped with a false SecretMismatch)."""
     root = f"hetcomm/ft/joins{next(_jobs)}/"
     keys = Keys(server, "test", root)
     looks_sealed = b'"x"' + bytes(range(32))
     server.set(root + "refused/evil#1", looks_sealed)
     with pytest.raises(SecretMismatch):             # nothing plain read yet: it may be the worker's fault
         keys.peek("refused/evil#1")
+    assert keys.first("era", 1) == 1                 # its own write, read back, is no evidence
+    with pytest.raises(SecretMismatch):
+        keys.peek("refused/evil#1")
     decide(keys, 1, 0)
-    assert keys.under("x").clone().peek("nothing") is None and keys.peek("e1/decision")["epoch"] == 1
+    assert _read_decision(keys, 1)["epoch"] == 1     # a plain decision of the job: it is not sealed
     Epochs._refuse(None, keys, "evil#1", "its model differs")
     server.set(root + "e2/decision", looks_sealed)
     assert _read_decision(keys.clone(), 2) is None
@@ -220,3 +223,30 @@ def test_a_counter_past_a_long_run_of_missing_records_is_not_taken(job, server):
     joiner = _Joiner(keys, "w2#b")
     assert joiner._register() == 2
     assert "w2#b" in members_read(keys, 2)
+
+
+def test_a_joiner_starts_at_a_decision_whatever_latest_says(job, server):
+    """`latest` names where a joiner starts reading. A store writer forges one far past every
+    decision (without the secret), deletes it, or deletes the decision it names: the joiner
+    starts at the newest decision there is, or at the epoch after the last it read (before:
+    at the forged epoch, which no decision would reach, for ever)."""
+    keys, root = job
+    for epoch in range(1, 4):
+        decide(keys, epoch, 0)
+    assert _start_epoch(keys) == 3
+    server.delete_key(root + "e3/decision")
+    assert _start_epoch(keys) == 2
+    server.delete_key(root + "latest")
+    assert _start_epoch(keys) == 1 and _start_epoch(keys, 3) == 3
+    if not keys.sealed:
+        server.set(root + "latest", b"99999999")
+        assert _start_epoch(keys, 2) == 2
+
+
+def test_a_worker_far_behind_deleted_decisions_jumps_to_latest(job, server):
+    """Decisions 2 to 80 were deleted (past epochs nobody reads again): a worker waiting at 2
+    reads on at `latest`'s decision, 81, not only 64 epochs ahead (before: for ever at 2)."""
+    keys, root = job
+    for epoch in (1, 81):
+        decide(keys, epoch, 0)
+    assert _next_decided(keys, 2) == 81

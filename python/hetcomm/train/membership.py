@@ -66,8 +66,9 @@ class Forged(ValueError):
 class SecretMismatch(ValueError):
     """This worker has no out-of-band secret, and the job's records are sealed: its workers were
     started with HETCOMM_SECRET(_FILE). Raised, not ignored: the worker must stop and say so.
-    Only until the worker parsed a plain record of the job (`Keys`): after that, a value that
-    looks sealed is a store writer's garbage, which must not stop a member."""
+    Only until the worker read a well-formed plain decision of the job (`Keys.saw_plain_record`):
+    after that, a value that looks sealed is a store writer's garbage, which must not stop a
+    member."""
 
 
 _TAG = 32                     # bytes of the seal after a value (HMAC-SHA-256)
@@ -94,10 +95,14 @@ class Keys:
     def __init__(self, store: dist.Store, address: str, root: str, seal: bytes | None = None,
                  plain_seen: list | None = None) -> None:
         self.store, self.address, self.root, self._seal_key = store, address, root, seal
-        # Whether a plain (unsealed) record of the job parsed: the job is then not sealed, and a
-        # value that looks sealed is a store writer's garbage, not a sign that this worker lacks
-        # the secret (shared by the clones and sub-keys of one job's keys).
+        # Whether a plain (unsealed) decision of the job was read (`saw_plain_record`): the job
+        # is then not sealed, and a value that looks sealed is a store writer's garbage, not a
+        # sign that this worker lacks the secret (shared by the clones and sub-keys of one job's
+        # keys). Not any plain value: a worker's own write, or one anyone can plant, is none.
         self._plain_seen = plain_seen if plain_seen is not None else [False]
+
+    def saw_plain_record(self) -> None:
+        self._plain_seen[0] = True
 
     @property
     def sealed(self) -> bool:
@@ -189,8 +194,6 @@ class Keys:
                                      "worker with the same secret") from None
             raise ValueError(f"{_PREFIX}: the store value {self.root + key} is not JSON: "
                              f"{type(e).__name__}") from None
-        if self._seal_key is None:
-            self._plain_seen[0] = True
         return value
 
     def set_bytes(self, key: str, value: bytes) -> None:

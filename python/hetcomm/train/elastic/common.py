@@ -66,7 +66,11 @@ def _read_decision(keys, epoch: int) -> dict | None:
         raise
     except ValueError:
         return None
-    return d if _decision_ok(d) else None
+    if not _decision_ok(d):
+        return None
+    if not keys.sealed:
+        keys.saw_plain_record()          # (the job is not sealed: `SecretMismatch`)
+    return d
 
 
 def _read_int(keys, key: str) -> int | None:
@@ -88,11 +92,26 @@ def _next_decided(keys, epoch: int) -> int:
     next few). Looks as far as ``latest`` says, or _MAX_SKIPPED epochs when ``latest`` is gone,
     never further."""
     newest = _read_int(keys, "latest")
+    if newest is not None and newest > epoch + _MAX_SKIPPED and _read_decision(keys, newest) is not None:
+        return newest                    # (far behind: the decisions between may be gone too)
     reach = epoch + _MAX_SKIPPED if newest is None else min(max(newest, epoch + 1), epoch + _MAX_SKIPPED)
     for e in range(epoch + 1, reach + 1):
         if _read_decision(keys, e) is not None:
             return e
     return epoch
+
+
+def _start_epoch(keys, known: int = 1) -> int:
+    """Where a worker that asks to join starts reading decisions: ``latest`` when its decision
+    is there, else the newest decision up to _MAX_SKIPPED below it (a store writer may have
+    deleted ``latest``'s, or forged a ``latest`` no decision will reach), never below
+    ``known`` (past the last decision this worker read); ``known`` when none is found."""
+    newest = _read_int(keys, "latest")
+    if newest is not None:
+        for e in range(newest, max(known - 1, newest - _MAX_SKIPPED, 0), -1):
+            if _read_decision(keys, e) is not None:
+                return e
+    return known
 
 
 def _read_ended(keys) -> dict | None:

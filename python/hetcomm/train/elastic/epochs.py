@@ -13,7 +13,7 @@ import torch
 
 from hetcomm import hosts as _hosts
 from hetcomm.train.elastic.common import (_PREFIX, _MAX_ABORTS, _Poll, _decision_ok, _next_decided, _read_decision,
-                                          _read_ended, _read_int)
+                                          _read_ended, _read_int, _start_epoch)
 from hetcomm.train.elastic.joins import JoinRecords
 from hetcomm.train.membership import Keys, Pulse, SecretMismatch, StoreUnreachable
 
@@ -133,9 +133,12 @@ class Epochs(JoinRecords):
         begin = time.perf_counter()
         if resume is None:
             index = self._register()
-            epoch = _read_int(keys, "latest") or 1
+            epoch = _start_epoch(keys, self._dropped_at + 1)
         else:
             index, epoch = resume
+        # The era's first decision is written by a waiting worker only while nothing says the
+        # era started (a store writer who deleted its first decisions must not fork it).
+        started = resume is not None or self._dropped_at > 0 or _read_decision(keys, epoch) is not None
         poll, watched, last, kept, looked = _Poll(), None, None, -math.inf, -math.inf
         while True:
             self._pulse.check()
@@ -151,6 +154,7 @@ class Epochs(JoinRecords):
                 return
             decision = _read_decision(keys, epoch)
             if decision is not None:
+                started = True
                 if self._me in decision.get("refused", {}):
                     raise ValueError(f"{_PREFIX}: this worker cannot join run {self.job!r}: "
                                      f"{decision['refused'][self._me]}")
@@ -165,7 +169,7 @@ class Epochs(JoinRecords):
                     self._destroy_group()
                     self._new_incarnation()
                     index, begin = self._register(), time.perf_counter()
-                    epoch = _read_int(keys, "latest") or epoch
+                    epoch = _start_epoch(keys, epoch)
                     continue
                 if decision["admitted_upto"] > index:
                     # passed over (thought dead when the decision was taken), or refused in an
@@ -184,7 +188,7 @@ class Epochs(JoinRecords):
                 if later != epoch:
                     epoch = later                # decisions deleted (a store writer): read on
                     continue
-            if epoch == 1:
+            if epoch == 1 and not started:
                 self._bootstrap(keys)
             elif watched and all(self._pulse.silent(m) > self._timeout for m in watched):
                 raise RuntimeError(f"{_PREFIX}: every member of epoch {epoch - 1} ({self._names(watched)}) is gone, "
@@ -410,7 +414,7 @@ class Epochs(JoinRecords):
                 self._count("idle", begin)
                 if self._me not in decision["members"]:
                     self._dropped_why = decision["left"].get(self._me, "arrived after the decision")
-                    self._decision = None
+                    self._decision, self._dropped_at = None, decision["epoch"]
                     return False
             else:
                 decision, admitted = admitted, None

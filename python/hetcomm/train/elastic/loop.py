@@ -146,6 +146,7 @@ class ElasticDiLoCo(Epochs, EarlyJoin, Generation, _flat.FlatParameters):
         self._history: list[dict] = []
         self._events: list[dict] = []
         self._decision: dict | None = None    # the last epoch's decision this worker took part in
+        self._dropped_at = 0                  # the epoch of the decision that last dropped this worker
         self._outcome = "commit"
         self._gen: int | None = None
         self._joined = self._stopped = self._closed = False

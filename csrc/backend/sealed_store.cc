@@ -3,6 +3,7 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <mutex>
 #include <set>
@@ -81,9 +82,15 @@ GroupKeys keysThroughTheStore(c10d::Store& store, int rank, std::chrono::millise
 std::optional<std::vector<uint8_t>> readNow(c10d::Store& store, const std::string& key) {
   // compareSet(key, x, x) reads without waiting and, for a missing key, writes nothing (x is not
   // empty) and answers x: no check-then-get that a deletion in between turns into a long wait.
+  // Random per process: fixed bytes a store writer planted would read as "no value", and a wait
+  // for that key would then last the store's timeout rather than kForgedRecordPatience.
   static const std::vector<uint8_t> kAbsentMark = [] {
-    const std::string mark = "hetcomm: no value \x01\x02\x03 (a read that found none)";
-    return std::vector<uint8_t>(mark.begin(), mark.end());
+    const std::string mark = "hetcomm: no value (a read that found none) ";
+    std::vector<uint8_t> bytes(mark.begin(), mark.end());
+    std::array<uint8_t, 16> nonce{};
+    secureRandom(nonce.data(), nonce.size());
+    for (uint8_t b : nonce) bytes.push_back(static_cast<uint8_t>("0123456789abcdef"[b & 15]));
+    return bytes;
   }();
   if (!noCompareSet.load()) {
     try {

@@ -148,10 +148,31 @@ def formed_then_inspected(rank: int, world_size: int, port: int) -> str:
     # The inner level of the host formed through the sealed records too.
     assert hetcomm.backend_of().inner_levels() == [os.environ.get("HETCOMM_LOCAL", "shm")], \
         hetcomm.backend_of().inner_levels()
+    if rank == 0 and os.environ.get("HETCOMM_LOCAL", "shm") == "shm":
+        _planted_marker_reads_as_forged(store, hetcomm.backend_of().sealed_store())
     store.set(f"formed/{rank}", "1")
     _await(store, "inspected")
     _exact_allreduce(rank)
     return hetcomm.listen_address()
+
+
+# The bytes a sealed store's atomic read expected, to mean "no value", before they were made random
+# per process: planted under a key, they read as absent, and a wait for that key then lasted the
+# store's timeout rather than the patience with a value that does not open.
+_OLD_ABSENT_MARK = b"hetcomm: no value \x01\x02\x03 (a read that found none)"
+
+
+def _planted_marker_reads_as_forged(raw, sealed) -> None:
+    sealed.set("locate-me", b"x")
+    (full,) = [k for k in raw.list_keys() if k.endswith("locate-me")]
+    raw.set(full[:-len("locate-me")] + "planted", _OLD_ABSENT_MARK)
+    before = sealed.timeout
+    sealed.set_timeout(datetime.timedelta(seconds=1))
+    try:
+        with pytest.raises(dist.DistStoreError, match="failed its authentication"):
+            sealed.get("planted")
+    finally:
+        sealed.set_timeout(before)
 
 
 def read_everything(store) -> dict:

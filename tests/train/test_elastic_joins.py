@@ -17,6 +17,7 @@ from hetcomm.train.elastic.common import _next_decided, _read_decision, _start_e
 from hetcomm.train.elastic.epochs import Epochs
 from hetcomm.train.elastic.joins import JoinRecords
 from hetcomm.train.membership import Keys, SecretMismatch
+from hetcomm.train.pulse import Pulse
 
 pytestmark = pytest.mark.usefixtures("backend_importable")
 
@@ -173,7 +174,7 @@ def test_no_fixed_bytes_read_as_absent(job, server):
     assert keys.count("joins") == 5
 
 
-def test_a_value_that_looks_sealed_is_garbage_once_the_job_is_known_plain(server):
+def test_a_value_that_looks_sealed_is_garbage_once_the_job_is_known_plain(server, capsys):
     """Without the secret, a value that looks sealed means "this worker lacks the job's secret"
     only until it read a plain decision of the job (its own write read back is none):
     afterwards a store writer's sealed-looking bytes (JSON and 32 bytes) are garbage, and a
@@ -192,6 +193,8 @@ def test_a_value_that_looks_sealed_is_garbage_once_the_job_is_known_plain(server
     Epochs._refuse(None, keys, "evil#1", "its model differs")
     server.set(root + "e2/decision", looks_sealed)
     assert _read_decision(keys.clone(), 2) is None
+    # The plain decision may be a store writer's too: the worker says what else it can be.
+    assert f"{root}e2/decision: it looks sealed" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("deleted", ["two", "two-and-latest"])
@@ -250,3 +253,62 @@ def test_a_worker_far_behind_deleted_decisions_jumps_to_latest(job, server):
     for epoch in (1, 81):
         decide(keys, epoch, 0)
     assert _next_decided(keys, 2) == 81
+
+
+class _EraReader(Epochs):
+    """The era lookup of a worker without a checkpoint, alone."""
+
+    def __init__(self, job_keys: Keys) -> None:
+        self._job_keys, self._checkpoint = job_keys, False
+
+
+@pytest.mark.parametrize("attack", ["deleted", "old-value-back"])
+def test_a_joiner_finds_the_era_whatever_the_era_key_says(job, server, attack):
+    """The job is in era 2 (its first decision written); a store writer deletes the `era` key
+    (the next joiner then writes 1) or puts back the value it copied in era 1 (sealed, it still
+    opens). A joiner must go to era 2, not to the dead era 1 (before: it joined era 1, waited
+    for its silent members and stopped with a RuntimeError)."""
+    keys, root = job
+    assert keys.first("era", 1) == 1
+    old = server.get(root + "era")
+    keys.at_least("era", 2, sealed=True)
+    assert keys.peek("era") == 2
+    decide(keys.under("era2"), 1, 1)
+    if attack == "deleted":
+        server.delete_key(root + "era")
+    else:
+        server.set(root + "era", old)
+    assert _EraReader(keys)._era() == 2
+    # An era whose first worker has asked to join, with no decision yet, has begun too.
+    keys.under("era3").set("join/0", _Joiner(keys, "w3#c")._request())
+    server.set(root + "era", old)
+    assert _EraReader(keys)._era() == 3
+    # A forged record there (without the secret: garbage) is no sign of a later era.
+    server.set(root + "era4/join/0", b'{"who": "evil#1"}' + bytes(32))
+    server.set(root + "era4/e1/decision", b"not a decision")
+    assert _EraReader(keys)._era() == 3
+
+
+def test_a_workers_heartbeat_puts_a_set_back_era_key_back(job, server):
+    """Every worker holds the `era` key at its era (`Pulse.hold`): deleted, or set back to an
+    old value, it is put back within a beat, so that the evidence `_newest_era` reads on from
+    need not be all there is."""
+    keys, root = job
+    assert keys.first("era", 1) == 1
+    old = server.get(root + "era")
+    keys.at_least("era", 2, sealed=True)
+    pulse = Pulse(keys.clone(), "w0#a", 0.02)
+    try:
+        pulse.hold("era", 2)
+        for attack in ("delete", "old", "garbage"):
+            if attack == "delete":
+                server.delete_key(root + "era")
+            else:
+                server.set(root + "era", old if attack == "old" else b"\xff" * 40)
+            deadline = time.monotonic() + 5
+            while keys.peek_bytes("era") != b"2" and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert keys.peek("era") == 2, attack
+            pulse.check()
+    finally:
+        pulse.stop()

@@ -15,7 +15,8 @@ import time
 import pytest
 import torch.distributed as dist
 
-from hetcomm.train.membership import Keys, Pulse, StoreUnreachable, connect
+from hetcomm.train.membership import Keys, StoreUnreachable, connect
+from hetcomm.train.pulse import Pulse
 
 INTERVAL = 0.2
 

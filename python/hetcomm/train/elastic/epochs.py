@@ -12,10 +12,11 @@ from collections.abc import Sequence
 import torch
 
 from hetcomm import hosts as _hosts
-from hetcomm.train.elastic.common import (_PREFIX, _MAX_ABORTS, _Poll, _decision_ok, _next_decided, _read_decision,
-                                          _read_ended, _read_int, _start_epoch)
+from hetcomm.train.elastic.common import (_PREFIX, _MAX_ABORTS, _MAX_SKIPPED, _Poll, _decision_ok, _next_decided,
+                                          _read_decision, _read_ended, _read_int, _start_epoch)
 from hetcomm.train.elastic.joins import JoinRecords
-from hetcomm.train.membership import Keys, Pulse, SecretMismatch, StoreUnreachable
+from hetcomm.train.membership import Keys, SecretMismatch, StoreUnreachable
+from hetcomm.train.pulse import Pulse
 
 
 def _checked_decision(keys: Keys, epoch: int, proposal: dict) -> dict:
@@ -61,6 +62,7 @@ class Epochs(JoinRecords):
             self._keys.delete(f"snapped/{self._me}")
         self._me = f"{self.worker_id}#{uuid.uuid4().hex[:8]}"
         self._pulse = Pulse(self._job_keys.clone(), self._me, self._heartbeat)
+        self._pulse.hold("era", self._era_number)
 
     def _watch_joiners(self) -> None:
         """Between synchronisations, every half second (or heartbeat, if shorter): watch the
@@ -92,6 +94,7 @@ class Epochs(JoinRecords):
         if not isinstance(era, int) or isinstance(era, bool) or era < 1:
             raise ValueError(f"{_PREFIX}: the store value {self._job_keys.root}era is not an era number "
                              "(someone else wrote it)")
+        era = self._newest_era(era)
         if not self._checkpoint:
             return era
         keys = self._job_keys.under(f"era{era}")
@@ -118,10 +121,32 @@ class Epochs(JoinRecords):
                     break
                 poll()
         if dead:
-            new = self._job_keys.swap("era", str(era), str(era + 1))
-            era = int(new)
+            # (not a swap from `era`: a store writer may have set the key back; if another
+            # worker started the next era first, this one joins it)
+            self._job_keys.at_least("era", era + 1, sealed=True)
+            era = self._newest_era(era + 1)
             self._log(f"era {era - 1} of job {self.job!r} has no live worker: this worker (checkpoint at round "
                       f"{self._round}) starts era {era}")
+        return era
+
+    def _newest_era(self, era: int) -> int:
+        """``era``, or the newest later era that has begun: one with a decision, or a request to
+        join at its first index (what a worker that starts an era writes first). The ``era`` key
+        may be older than the job's era: a store writer deleted it (the next worker then writes
+        1) or put an old value back (with a secret, an old sealed value still opens); members
+        put it back every heartbeat (`Pulse.hold`), and a worker reads on from it here."""
+        for _ in range(_MAX_SKIPPED):
+            keys = self._job_keys.under(f"era{era + 1}")
+            try:
+                first = keys.peek("join/0")
+            except SecretMismatch:
+                raise
+            except ValueError:
+                first = None
+            if not (isinstance(first, dict) or _read_decision(keys, 1) is not None
+                    or _start_epoch(keys, 0) > 0):
+                return era
+            era += 1
         return era
 
     def _admit(self, resume: tuple[int, int] | None = None) -> None:

@@ -29,7 +29,8 @@ from hetcomm.train.elastic.early import EarlyJoin
 from hetcomm.train.elastic.epochs import Epochs
 from hetcomm.train.elastic.generation import Generation
 from hetcomm._engine import store_seal_key
-from hetcomm.train.membership import Keys, Pulse, StoreUnreachable, connect
+from hetcomm.train.membership import Keys, StoreUnreachable, connect
+from hetcomm.train.pulse import Pulse
 
 
 class ElasticDiLoCo(Epochs, EarlyJoin, Generation, _flat.FlatParameters):
@@ -129,6 +130,7 @@ class ElasticDiLoCo(Epochs, EarlyJoin, Generation, _flat.FlatParameters):
                   "groups of its generations meet through the store unsealed: a store writer can redirect them "
                   "(use backend='hetcomm')", file=sys.stderr, flush=True)
         self._keys: Keys | None = None                            # the era's keys, once joined
+        self._era_number = 0                                      # its era, once joined
         self._group_store = self._job_keys.clone()                # the generation groups' rendezvous
         self._group_store.set_timeout(2 * self._timeout)
 
@@ -183,7 +185,9 @@ class ElasticDiLoCo(Epochs, EarlyJoin, Generation, _flat.FlatParameters):
         self._joined = True
         try:
             self._pulse = Pulse(self._job_keys.clone(), self._me, self._heartbeat)
-            self._keys = self._job_keys.under(f"era{self._era()}")
+            self._era_number = self._era()
+            self._pulse.hold("era", self._era_number)       # (a store writer may set it back)
+            self._keys = self._job_keys.under(f"era{self._era_number}")
             self._admit()
         except BaseException:
             self.close()

@@ -1,0 +1,296 @@
+"""A worker's heartbeat in an elastic run (`Pulse`): a thread that counts ``hb/<me>`` up on the
+store, reads the counters of the workers it watches, keeps a liveness connection to each (a
+dead process's kernel closes it, so its death is known at once) and keeps the job's era key from
+being set back (`Pulse.hold`). Split from `hetcomm.train.membership`, whose `Keys` it uses."""
+from __future__ import annotations
+
+import errno
+import math
+import os
+import re
+import selectors
+import socket
+import threading
+import time
+
+from hetcomm.train.membership import _PREFIX, Keys, StoreUnreachable
+
+
+_ADDRESS = re.compile(r"([0-9A-Za-z.:%_-]{1,255}):([0-9]{1,5})")
+
+
+def _address(raw: bytes) -> tuple[str, int] | None:
+    """``"host:port"`` (JSON) as a worker publishes it (`Pulse`), or None for anything else (a
+    store writer's: read without a JSON parser, whose nesting could exhaust the stack)."""
+    text = raw.decode("ascii", "replace") if len(raw) <= 300 else ""
+    match = _ADDRESS.fullmatch(text[1:-1]) if len(text) > 2 and text[0] == text[-1] == '"' else None
+    if match is None or not 0 < int(match.group(2)) < 65536:
+        return None
+    return match.group(1), int(match.group(2))
+
+
+_LISTENER = object()       # selector data of the listening socket (a watched link's is its name)
+
+
+class Pulse:
+    """This worker's heartbeat, and which of the workers it watches are alive.
+
+    A thread of its own (on its own store connection) counts ``hb/<me>`` up every ``interval``
+    seconds and reads the watched counters: a worker whose counter has not changed for a while is
+    *silent* (dead, frozen or cut off). Besides, every worker listens on a TCP port of its own
+    (``addr/<me>`` on the store) and keeps a connection open to each worker it watches; the
+    listener greets every connection with its incarnation's name, so a connection counts only
+    once the right worker answered (a stranger on a reused port, or an address that leads to
+    another machine, is not taken for it). When a watched process dies, its kernel closes that
+    connection and the death is known at once (``silent`` is then infinite) instead of after the
+    heartbeat timeout; a machine that vanishes, a cut link, a port that refuses (a firewall's
+    REJECT looks the same as a dead process) or a worker never reached fall back to the
+    heartbeat. Connections are made without blocking (the heartbeat never waits for one).
+    A worker is *confirmed* alive once its connection answered or its counter changed while
+    watched. Any failure of the thread (the store's above all) is kept and raised by `check` on
+    the training thread: every worker names the store within about ``interval`` of its death
+    (plus the store client's timeout when the store's machine is unreachable rather than its
+    process dead).
+    """
+
+    RETRY = 5.0            # seconds between connection attempts to a worker not reached yet
+    GREETING = 5.0         # seconds a connection may take to be established and greeted
+
+    def __init__(self, keys: Keys, me: str, interval: float) -> None:
+        self._keys, self._me, self._interval = keys, me, interval
+        self._lock = threading.Lock()
+        # Shared with the training thread (under the lock):
+        self._watch: dict[str, tuple[int, float]] = {}     # who -> (last value, when it changed)
+        self._dead: set[str] = set()                       # their verified connection closed
+        self._confirmed: set[str] = set()                  # answered, or their counter moved
+        self._held: dict[str, int] = {}                    # job key -> the number it is kept at, at least
+        self._error: Exception | None = None
+        # The thread's own:
+        self._links: dict[str, tuple[socket.socket, str, float, bytes]] = {}  # who -> sock, state, since, greeting
+        self._tried: dict[str, float] = {}                 # when we last tried to connect
+        self._stop = threading.Event()
+        self._selector = selectors.DefaultSelector()
+        ip = _local_ip(keys.address)
+        self._listener = socket.create_server((ip or "0.0.0.0", 0))
+        try:
+            self._listener.setblocking(False)
+            self._selector.register(self._listener, selectors.EVENT_READ, _LISTENER)
+            # No address published when none reachable was found: the heartbeat alone decides.
+            self._keys.set(f"addr/{me}", "%s:%d" % (ip, self._listener.getsockname()[1]) if ip else "")
+            self._beats = 1
+            self._keys.set(f"hb/{me}", self._beats)          # the keys exist before anyone watches them
+        except BaseException:
+            self._listener.close()
+            raise
+        self._thread = threading.Thread(target=self._run, name="hetcomm-elastic-pulse", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        next_beat = 0.0
+        try:
+            while not self._stop.is_set():
+                if time.monotonic() >= next_beat:
+                    self._beat()
+                    next_beat = time.monotonic() + self._interval
+                self._prune()
+                self._connect()
+                wait = max(0.0, min(0.2, next_beat - time.monotonic()))
+                for key, events in self._selector.select(wait):
+                    self._event(key.fileobj, key.data, events)
+        except Exception as e:  # noqa: BLE001 - kept for the training thread, which raises it
+            self._error = e
+        finally:
+            for key in list(self._selector.get_map().values()):
+                key.fileobj.close()
+            self._selector.close()
+
+    def _beat(self) -> None:
+        # Set, not added: a store writer's garbage under the key would make the store's `add`
+        # fail and close this connection; a set overwrites it.
+        self._beats += 1
+        self._keys.set(f"hb/{self._me}", self._beats)
+        with self._lock:
+            names, held = list(self._watch), list(self._held.items())
+        for key, n in held:
+            self._keys.at_least(key, n, sealed=True)
+        values = self._keys.counters([f"hb/{n}" for n in names])
+        now = time.monotonic()
+        with self._lock:
+            for name, value in zip(names, values):
+                entry = self._watch.get(name)
+                # From the first number seen, only upwards: a store writer can put back an older
+                # sealed value, or garbage (-2, never a baseline).
+                if entry is not None and value > entry[0] and value >= 0:
+                    if entry[0] != -1:
+                        self._confirmed.add(name)         # it moved while we watched
+                    self._watch[name] = (value, now)
+
+    def _drop_link(self, name: str) -> None:
+        sock = self._links.pop(name)[0]
+        self._selector.unregister(sock)
+        sock.close()
+
+    def _prune(self) -> None:
+        """Closes links to workers no longer watched, and attempts that took too long."""
+        now = time.monotonic()
+        with self._lock:
+            watched = set(self._watch)
+        for name, (_, state, since, _) in list(self._links.items()):
+            if name not in watched or (state != "verified" and now - since > self.GREETING):
+                self._drop_link(name)
+
+    def _connect(self) -> None:
+        """Starts a connection (without waiting for it) to each watched worker that has none."""
+        now = time.monotonic()
+        with self._lock:
+            todo = [n for n in self._watch if n not in self._dead and n not in self._links
+                    and now - self._tried.get(n, -math.inf) >= self.RETRY]
+        for name in todo:
+            self._tried[name] = now
+            # (a get of a key not there waits for the store's timeout: the heartbeat would stop)
+            raw = self._keys.peek_bytes(f"addr/{name}") or b""   # none, or not the worker's: the heartbeat decides
+            address = _address(raw)
+            if address is None:
+                continue                          # none (or no address): the heartbeat decides
+            try:
+                family, kind, proto, _, target = socket.getaddrinfo(*address, type=socket.SOCK_STREAM)[0]
+                sock = socket.socket(family, kind, proto)
+            except (OSError, UnicodeError):
+                continue
+            sock.setblocking(False)
+            code = sock.connect_ex(target)
+            if code not in (0, errno.EINPROGRESS, errno.EWOULDBLOCK):
+                sock.close()                      # refused at once: the heartbeat decides
+                continue
+            self._links[name] = (sock, "connecting", now, b"")
+            self._selector.register(sock, selectors.EVENT_WRITE, name)
+
+    def _event(self, sock: socket.socket, name, events: int) -> None:
+        if name is _LISTENER:
+            try:
+                conn, _ = sock.accept()
+            except OSError:
+                return
+            try:
+                conn.setblocking(False)           # kept open (closed by the kernel when we die)
+                conn.send(f"{self._me}\n".encode())
+            except OSError:
+                conn.close()
+                return
+            self._selector.register(conn, selectors.EVENT_READ, None)
+            return
+        if name is None:                          # a connection of a worker that watches us
+            try:
+                if sock.recv(4096):
+                    return
+            except BlockingIOError:
+                return
+            except OSError:
+                pass
+            self._selector.unregister(sock)
+            sock.close()
+            return
+        entry = self._links.get(name)
+        if entry is None or entry[0] is not sock:
+            return
+        _, state, since, greeting = entry
+        if state == "connecting":
+            if sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR):
+                self._drop_link(name)             # refused or unreachable: the heartbeat decides
+                return
+            self._links[name] = (sock, "greeting", since, b"")
+            self._selector.modify(sock, selectors.EVENT_READ, name)
+            return
+        try:
+            data = sock.recv(4096)
+        except BlockingIOError:
+            return
+        except OSError:
+            data = b""
+        if state == "greeting":
+            greeting += data
+            if not data or b"\n" in greeting:
+                if greeting.split(b"\n", 1)[0] == name.encode():
+                    self._links[name] = (sock, "verified", since, b"")
+                    with self._lock:
+                        self._confirmed.add(name)
+                else:
+                    self._drop_link(name)         # closed early, or someone else: not proof of death
+            elif len(greeting) > 1024:
+                self._drop_link(name)
+            else:
+                self._links[name] = (sock, state, since, greeting)
+            return
+        if data:
+            return
+        self._drop_link(name)                     # EOF or reset on a verified link: it is gone
+        with self._lock:
+            if name in self._watch:
+                self._dead.add(name)
+
+    def watch(self, names) -> None:
+        """Watch these incarnations (their keys exist); from now, unless watched already."""
+        now = time.monotonic()
+        with self._lock:
+            for name in names:
+                if name != self._me and name not in self._watch:
+                    self._watch[name] = (-1, now)
+
+    def hold(self, key: str, n: int) -> None:
+        """Keep the job's (sealed) number ``key`` at ``n`` at least, from the next beat on: a
+        store writer who sets it back or deletes it sees it put back within a beat."""
+        with self._lock:
+            self._held[key] = max(n, self._held.get(key, n))
+
+    def keep(self, names) -> None:
+        """Stop watching everyone but ``names`` (the thread closes their connections)."""
+        keep = set(names)
+        with self._lock:
+            for name in [n for n in self._watch if n not in keep]:
+                del self._watch[name]
+                self._dead.discard(name)
+                self._confirmed.discard(name)
+
+    def silent(self, name: str) -> float:
+        """Seconds since ``name``'s heartbeat last changed (0 for this worker or the unwatched;
+        infinite once its liveness connection closed)."""
+        with self._lock:
+            if name in self._dead:
+                return math.inf
+            entry = self._watch.get(name)
+        return 0.0 if entry is None else time.monotonic() - entry[1]
+
+    def confirmed(self, name: str) -> bool:
+        """Whether ``name`` (watched) has shown it lives: its connection answered, or its
+        heartbeat moved while watched. This worker itself always has."""
+        with self._lock:
+            return name == self._me or (name in self._confirmed and name not in self._dead)
+
+    def check(self) -> None:
+        """Raises what stopped the thread (StoreUnreachable when the store failed)."""
+        if self._error is not None:
+            if isinstance(self._error, StoreUnreachable):
+                raise self._error
+            raise RuntimeError(f"{_PREFIX}: the heartbeat thread failed: {self._error!r}") from self._error
+        if not self._thread.is_alive() and not self._stop.is_set():
+            raise RuntimeError(f"{_PREFIX}: the heartbeat thread stopped")
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=2 * self._interval + 5)
+
+
+def _local_ip(store_address: str) -> str:
+    """The address other workers reach this one at: $HETCOMM_LISTEN_IP, else the local end of
+    the route to the store ("" when there is none)."""
+    if os.environ.get("HETCOMM_LISTEN_IP"):
+        return os.environ["HETCOMM_LISTEN_IP"]
+    host = store_address.rpartition(":")[0]
+    if not host:
+        return ""                                  # a store with no address (HashStore, FileStore)
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.connect((host, 9))
+            return probe.getsockname()[0]
+    except OSError:
+        return ""

@@ -36,14 +36,14 @@ def beats(keys: Keys, who: str, n: int = 3) -> None:
     until(lambda: keys.counters([f"hb/{who}"])[0] >= start + n)
 
 
-@pytest.fixture
-def cluster():
+@pytest.fixture(params=[None, b"s" * 32], ids=["plain", "sealed"])
+def cluster(request):
     server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     client, address = connect(f"127.0.0.1:{server.port}", 10)
     pulses: list[Pulse] = []
 
     def keys() -> Keys:
-        return Keys(dist.TCPStore("127.0.0.1", server.port, is_master=False), address, "t/")
+        return Keys(dist.TCPStore("127.0.0.1", server.port, is_master=False), address, "t/", seal=request.param)
 
     def pulse(me: str) -> Pulse:
         pulses.append(Pulse(keys(), me, INTERVAL))
@@ -70,20 +70,38 @@ def test_a_watched_worker_is_confirmed_through_its_connection_and_dead_once_it_c
 
 
 def test_a_stranger_on_the_address_is_not_taken_for_the_worker(cluster):
+    """Strangers listen where watched workers' addresses lead. Without a secret one greets with
+    another name. With a secret, where the worker must seal the watcher's challenge, one greets
+    with the worker's bare name and one replays a greeting sealed for another challenge (before,
+    the bare name counted). Without a secret the name is all a greeting has (docs/security.md)."""
     pulse, keys = cluster
-    stranger = socket.create_server(("127.0.0.1", 0))
-    keys.set("addr/c#1", "127.0.0.1:%d" % stranger.getsockname()[1])
-    keys.add("hb/c#1", 1)
+    greetings = {"c#1": b"c#1\n", "g#1": b"g#1 " + keys.mac("pulse/g#1", b"0" * 64).hex().encode() + b"\n"} \
+        if keys.sealed else {"c#1": b"x#9\n"}
+    strangers = {}
+    for name in greetings:
+        strangers[name] = socket.create_server(("127.0.0.1", 0))
+        keys.set(f"addr/{name}", "127.0.0.1:%d" % strangers[name].getsockname()[1])
+        keys.set(f"hb/{name}", 1)
     a = pulse("a#1")
-    a.watch(["c#1"])
-    conn, _ = stranger.accept()
-    conn.sendall(b"x#9\n")                      # someone else's greeting
+    a.watch(list(greetings))
+    conns = []
+    for name, greeting in greetings.items():
+        conn, _ = strangers[name].accept()
+        conn.settimeout(30)                    # (a guard against a hang)
+        if keys.sealed:
+            challenge = conn.recv(100)
+            assert len(challenge) == 65 and challenge.endswith(b"\n"), challenge
+        conn.sendall(greeting)
+        conns.append(conn)
     beats(keys, "a#1")
-    assert not a.confirmed("c#1") and a.silent("c#1") < math.inf
-    conn.close()                               # and its going away proves nothing either
+    for name in greetings:
+        assert not a.confirmed(name) and a.silent(name) < math.inf, name
+    for conn in conns:
+        conn.close()                           # and their going away proves nothing either
     beats(keys, "a#1")
-    assert a.silent("c#1") < math.inf
-    stranger.close()
+    for name in greetings:
+        assert a.silent(name) < math.inf
+        strangers[name].close()
 
 
 def test_a_refused_port_is_left_to_the_heartbeat(cluster):
@@ -92,7 +110,7 @@ def test_a_refused_port_is_left_to_the_heartbeat(cluster):
     port = closed.getsockname()[1]
     closed.close()                             # refuses from now on (a dead process, or a firewall's REJECT)
     keys.set("addr/d#1", f"127.0.0.1:{port}")
-    keys.add("hb/d#1", 1)
+    keys.set("hb/d#1", 1)
     a = pulse("a#1")
     a.watch(["d#1"])
     beats(keys, "a#1")
@@ -100,7 +118,7 @@ def test_a_refused_port_is_left_to_the_heartbeat(cluster):
     beats(keys, "a#1")
     silent = a.silent("d#1")                   # the heartbeat's verdict: silent, longer and longer
     assert not a.confirmed("d#1") and before < silent < math.inf
-    keys.add("hb/d#1", 1)                       # its heartbeat moves: alive after all
+    keys.set("hb/d#1", 2)                       # its heartbeat moves: alive after all
     until(lambda: a.confirmed("d#1"))
     assert a.silent("d#1") < silent             # and its silence starts over
 
@@ -108,7 +126,7 @@ def test_a_refused_port_is_left_to_the_heartbeat(cluster):
 def test_a_worker_that_publishes_no_address_is_judged_by_its_heartbeat(cluster):
     pulse, keys = cluster
     keys.set("addr/e#1", "")
-    keys.add("hb/e#1", 1)
+    keys.set("hb/e#1", 1)
     a = pulse("a#1")
     a.watch(["e#1"])
     until(lambda: a.silent("e#1") > 4 * INTERVAL)

@@ -101,6 +101,11 @@ class Keys:
     def sealed(self) -> bool:
         return self._seal_key is not None
 
+    def mac(self, key: str, value: bytes) -> bytes:
+        """The seal a sealed value of ``key`` would carry (b"" without a secret): for data that
+        goes elsewhere than the store (the liveness greeting)."""
+        return self._tag(key, value) if self._seal_key is not None else b""
+
     def clone(self) -> "Keys":
         """Another connection to the same store (a TCPStore client is one socket: threads each
         get their own)."""

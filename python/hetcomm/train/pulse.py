@@ -68,6 +68,8 @@ class Pulse:
         # The thread's own:
         self._links: dict[str, tuple[socket.socket, str, float, bytes]] = {}  # who -> sock, state, since, greeting
         self._tried: dict[str, float] = {}                 # when we last tried to connect
+        self._challenges: dict[str, bytes] = {}            # who -> what we asked it to seal (a secret)
+        self._asked: dict[socket.socket, bytes] = {}       # watchers' connections not answered yet
         self._stop = threading.Event()
         self._selector = selectors.DefaultSelector()
         ip = _local_ip(keys.address)
@@ -127,6 +129,7 @@ class Pulse:
 
     def _drop_link(self, name: str) -> None:
         sock = self._links.pop(name)[0]
+        self._challenges.pop(name, None)
         self._selector.unregister(sock)
         sock.close()
 
@@ -173,7 +176,10 @@ class Pulse:
                 return
             try:
                 conn.setblocking(False)           # kept open (closed by the kernel when we die)
-                conn.send(f"{self._me}\n".encode())
+                if self._keys.sealed:
+                    self._asked[conn] = b""       # greeted once it sent its challenge
+                else:
+                    conn.send(f"{self._me}\n".encode())
             except OSError:
                 conn.close()
                 return
@@ -181,12 +187,14 @@ class Pulse:
             return
         if name is None:                          # a connection of a worker that watches us
             try:
-                if sock.recv(4096):
-                    return
+                data = sock.recv(4096)
             except BlockingIOError:
                 return
             except OSError:
-                pass
+                data = b""
+            if data and self._answer(sock, data):
+                return
+            self._asked.pop(sock, None)
             self._selector.unregister(sock)
             sock.close()
             return
@@ -198,6 +206,15 @@ class Pulse:
             if sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR):
                 self._drop_link(name)             # refused or unreachable: the heartbeat decides
                 return
+            if self._keys.sealed:
+                # With a secret, the worker proves who it is: it seals our challenge with its name
+                # (a stranger that greets with the name, or replays a greeting, is not taken for it).
+                self._challenges[name] = os.urandom(32).hex().encode()
+                try:
+                    sock.send(self._challenges[name] + b"\n")
+                except OSError:
+                    self._drop_link(name)
+                    return
             self._links[name] = (sock, "greeting", since, b"")
             self._selector.modify(sock, selectors.EVENT_READ, name)
             return
@@ -210,7 +227,7 @@ class Pulse:
         if state == "greeting":
             greeting += data
             if not data or b"\n" in greeting:
-                if greeting.split(b"\n", 1)[0] == name.encode():
+                if greeting.split(b"\n", 1)[0] == self._greeting(name, self._challenges.get(name, b"")):
                     self._links[name] = (sock, "verified", since, b"")
                     with self._lock:
                         self._confirmed.add(name)
@@ -227,6 +244,30 @@ class Pulse:
         with self._lock:
             if name in self._watch:
                 self._dead.add(name)
+
+    def _greeting(self, name: str, challenge: bytes) -> bytes:
+        """What worker ``name`` greets a watcher with: its name, and with a secret the seal of the
+        watcher's challenge under a key that names it."""
+        mac = self._keys.mac(f"pulse/{name}", challenge)
+        return name.encode() + (b" " + mac.hex().encode() if mac else b"")
+
+    def _answer(self, sock: socket.socket, data: bytes) -> bool:
+        """Data from a watcher: with a secret, its challenge (answered once); else ignored.
+        False when the connection is to be closed (a challenge that is not one)."""
+        if sock not in self._asked:
+            return True
+        got = self._asked.pop(sock) + data
+        if b"\n" not in got:
+            self._asked[sock] = got
+            return len(got) <= 64
+        challenge = got.split(b"\n", 1)[0]
+        if len(challenge) != 64:
+            return False
+        try:
+            sock.send(self._greeting(self._me, challenge) + b"\n")
+        except OSError:
+            return False
+        return True
 
     def watch(self, names) -> None:
         """Watch these incarnations (their keys exist); from now, unless watched already."""

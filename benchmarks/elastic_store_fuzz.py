@@ -32,11 +32,11 @@ import datetime
 import json
 import os
 import random
-import subprocess
 import sys
-import tempfile
 import threading
 import time
+
+from fuzz_common import Processes, write_results
 
 SECRET = "elastic store fuzz secret, 0123456789abcdef"
 WORKERS = 3
@@ -150,37 +150,6 @@ def _fuzz(store, trial: int, rng: random.Random, stop: threading.Event, deletes:
             log.append({"key": key, "fuzzer_error": str(e)[:100]})
 
 
-class Workers:
-    def __init__(self, control_port: int, data_port: int, secret: bool) -> None:
-        self.control_port, self.data_port, self.secret = control_port, data_port, secret
-        self.procs: list[subprocess.Popen] = []
-        self.logs = tempfile.mkdtemp(prefix="hetcomm-elastic-fuzz-")
-
-    def start(self, control) -> None:
-        env = dict(os.environ)
-        env.pop("HETCOMM_SECRET", None)
-        env.pop("HETCOMM_SECRET_FILE", None)
-        if self.secret:
-            env["HETCOMM_SECRET"] = SECRET
-        env.setdefault("HETCOMM_PROBE", "0")
-        for r in range(WORKERS):
-            control.delete_key(f"up/{r}")
-        self.procs = []
-        for r in range(WORKERS):
-            with open(os.path.join(self.logs, f"worker{r}.log"), "a") as log:
-                self.procs.append(subprocess.Popen([sys.executable, __file__, "--worker", str(r),
-                                                    str(self.control_port), str(self.data_port)], env=env,
-                                                   stdout=log, stderr=subprocess.STDOUT))
-        control.wait([f"up/{r}" for r in range(WORKERS)], datetime.timedelta(seconds=180))
-
-    def kill(self) -> None:
-        for p in self.procs:
-            p.kill()
-        for p in self.procs:
-            p.wait()
-        self.procs = []
-
-
 def _verdict(outcomes: list[dict]) -> str:
     if any(o["status"] in ("hang", "crash") for o in outcomes):
         return "hang" if any(o["status"] == "hang" for o in outcomes) else "crash"
@@ -208,7 +177,8 @@ def main() -> int:
     control = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timeout)
     data = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timeout)
     fuzz_client = dist.TCPStore("127.0.0.1", data.port, is_master=False, timeout=timeout)
-    workers = Workers(control.port, data.port, args.secret)
+    workers = Processes(__file__, WORKERS, [str(control.port), str(data.port)], SECRET if args.secret else None,
+                        "elastic", 180)
     workers.start(control)
     rng = random.Random(args.seed)
     records, start = [], time.monotonic()
@@ -219,24 +189,9 @@ def main() -> int:
         for r in range(WORKERS):
             control.set(f"go/{r}", str(trial))
         fuzzer.start()
-        outcomes: dict[int, dict] = {}
-        deadline = time.monotonic() + args.limit
-        while len(outcomes) < WORKERS and time.monotonic() < deadline:
-            for r in range(WORKERS):
-                if r not in outcomes and control.check([f"result/{trial}/{r}"]):
-                    outcomes[r] = json.loads(control.get(f"result/{trial}/{r}"))
-            for r, p in enumerate(workers.procs):
-                if p.poll() is not None and r not in outcomes:
-                    outcomes[r] = {"status": "crash", "exitcode": p.returncode}
-            time.sleep(0.05)
-        for r in range(WORKERS):
-            outcomes.setdefault(r, {"status": "hang"})
+        ordered = workers.outcomes(control, trial, args.limit, 0.05)
         stop.set()
         fuzzer.join()
-        ordered = [outcomes[r] for r in range(WORKERS)]
-        for o in ordered:
-            if o["status"] == "error":
-                o["clear"] = "hetcomm" in o["message"]
         verdict = _verdict(ordered)
         if verdict != "ok":                       # a fresh start: no state of a disturbed run carries over
             workers.kill()
@@ -244,10 +199,7 @@ def main() -> int:
         records.append({"trial": trial, "verdict": verdict, "mutations": log, "workers": ordered})
         print(f"trial {trial} ({ordered[0].get('mode', '?')}): {verdict} {[o['status'] for o in ordered]} after "
               f"{[m.get('key') + ': ' + str(m.get('value', ''))[:24] for m in log]}", flush=True)
-    for r in range(WORKERS):
-        control.set(f"go/{r}", "-1")
-    time.sleep(0.5)
-    workers.kill()
+    workers.stop(control)
     flat = [o for rec in records for o in rec["workers"]]
     summary = {
         "command": "python benchmarks/elastic_store_fuzz.py " + " ".join(sys.argv[1:]),
@@ -258,19 +210,11 @@ def main() -> int:
         "worker_outcomes": {s: sum(o["status"] == s for o in flat) for s in ("ok", "error", "hang", "crash")},
         "unclear_errors": [o["message"] for o in flat if o["status"] == "error" and not o["clear"]][:20],
         "errors": sorted({o["message"][:160] for o in flat if o["status"] == "error"})[:20],
-        "worker_logs": workers.logs,
+        "logs": workers.logs,
     }
     print(json.dumps(summary, indent=1))
     if args.out:
-        from hetcomm.bench.records import RESULT, RUN, record, write_records
-
-        command = summary.pop("command")
-        summary.pop("worker_logs")
-        rows = [record(RESULT, trial=rec["trial"], verdict=rec["verdict"],
-                       mutations=[f"{m.get('key')}: {m.get('value', m.get('fuzzer_error'))}"[:60] for m in rec["mutations"]],
-                       workers=[{k: (v[:100] if isinstance(v, str) else v) for k, v in o.items()} for o in rec["workers"]])
-                for rec in records]
-        write_records(args.out, [record(RUN, summary), *rows], command)
+        write_results(args.out, summary, records, "workers")
     v = summary["verdicts"]
     bad = v["diverged"] + v["hang"] + v["crash"] + len(summary["unclear_errors"])
     if args.secret and not args.deletes:

@@ -31,11 +31,11 @@ import json
 import os
 import random
 import socket
-import subprocess
 import sys
-import tempfile
 import threading
 import time
+
+from fuzz_common import Processes, write_results
 
 SECRET = "store fuzz secret, 0123456789abcdef"
 
@@ -169,38 +169,6 @@ def _fuzz(store, control, trial: int, rng: random.Random, stop: threading.Event,
             log.append({"key": key, "fuzzer_error": str(e)[:100]})
 
 
-class Ranks:
-    def __init__(self, world: int, control_port: int, data_port: int, secret: bool, timeout_s: float) -> None:
-        self.world, self.control_port, self.data_port, self.secret = world, control_port, data_port, secret
-        self.timeout_s = timeout_s
-        self.procs: list[subprocess.Popen] = []
-        self.logs = tempfile.mkdtemp(prefix="hetcomm-store-fuzz-")
-
-    def start(self, control) -> None:
-        env = dict(os.environ)
-        env.pop("HETCOMM_SECRET", None)
-        if self.secret:
-            env["HETCOMM_SECRET"] = SECRET
-        env.setdefault("HETCOMM_PROBE", "0")
-        for r in range(self.world):
-            control.delete_key(f"up/{r}")
-        self.procs = []
-        for r in range(self.world):
-            with open(os.path.join(self.logs, f"rank{r}.log"), "a") as log:
-                self.procs.append(subprocess.Popen([sys.executable, __file__, "--worker", str(r), str(self.world),
-                                                    str(self.control_port), str(self.data_port),
-                                                    str(self.timeout_s)], env=env,
-                                                   stdout=log, stderr=subprocess.STDOUT))
-        control.wait([f"up/{r}" for r in range(self.world)], datetime.timedelta(seconds=120))
-
-    def kill(self) -> None:
-        for p in self.procs:
-            p.kill()
-        for p in self.procs:
-            p.wait()
-        self.procs = []
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--trials", type=int, default=200)
@@ -219,7 +187,8 @@ def main() -> int:
     data = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timeout)
     fuzz_client = dist.TCPStore("127.0.0.1", data.port, is_master=False, timeout=timeout)
     listener = socket.create_server(("127.0.0.1", 0))
-    ranks = Ranks(args.ranks, control.port, data.port, args.secret, args.timeout)
+    ranks = Processes(__file__, args.ranks, [str(args.ranks), str(control.port), str(data.port), str(args.timeout)],
+                      SECRET if args.secret else None, "store", 120)
     ranks.start(control)
     rng = random.Random(args.seed)
     records, start = [], time.monotonic()
@@ -230,34 +199,17 @@ def main() -> int:
         for r in range(args.ranks):
             control.set(f"go/{r}", str(trial))
         fuzzer.start()
-        outcomes: dict[int, dict] = {}
-        deadline = time.monotonic() + args.limit
-        while len(outcomes) < args.ranks and time.monotonic() < deadline:
-            for r in range(args.ranks):
-                if r not in outcomes and control.check([f"result/{trial}/{r}"]):
-                    outcomes[r] = json.loads(control.get(f"result/{trial}/{r}"))
-            dead = [r for r, p in enumerate(ranks.procs) if p.poll() is not None and r not in outcomes]
-            for r in dead:
-                outcomes[r] = {"status": "crash", "exitcode": ranks.procs[r].returncode}
-            time.sleep(0.02)
-        for r in range(args.ranks):
-            outcomes.setdefault(r, {"status": "hang"})
+        outcomes = ranks.outcomes(control, trial, args.limit, 0.02)
         stop.set()
         fuzzer.join()
-        if any(o["status"] in ("hang", "crash") for o in outcomes.values()):
+        if any(o["status"] in ("hang", "crash") for o in outcomes):
             ranks.kill()
             ranks.start(control)
-        for o in outcomes.values():
-            if o["status"] == "error":
-                o["clear"] = "hetcomm" in o["message"]
-        record = {"trial": trial, "mutations": log, "ranks": [outcomes[r] for r in range(args.ranks)]}
+        record = {"trial": trial, "mutations": log, "ranks": outcomes}
         records.append(record)
         print(f"trial {trial}: {[o['status'] for o in record['ranks']]} after "
               f"{[m.get('key') for m in log]}", flush=True)
-    for r in range(args.ranks):
-        control.set(f"go/{r}", "-1")
-    time.sleep(0.5)
-    ranks.kill()
+    ranks.stop(control)
     flat = [o for rec in records for o in rec["ranks"]]
     summary = {
         "command": "python benchmarks/store_fuzz.py " + " ".join(sys.argv[1:]),
@@ -265,20 +217,11 @@ def main() -> int:
         "rank_outcomes": {s: sum(o["status"] == s for o in flat) for s in ("ok", "error", "wrong", "hang", "crash")},
         "unclear_errors": [o["message"] for o in flat if o["status"] == "error" and not o["clear"]][:20],
         "trials_all_ok": sum(all(o["status"] == "ok" for o in rec["ranks"]) for rec in records),
-        "rank_logs": ranks.logs,
+        "logs": ranks.logs,
     }
     print(json.dumps(summary, indent=1))
     if args.out:
-        from hetcomm.bench.records import RESULT, RUN, record, write_records
-
-        command = summary.pop("command")
-        summary.pop("rank_logs")
-        # Cut short, so that 200 trials stay a summary (under 128 KiB).
-        rows = [record(RESULT, trial=rec["trial"],
-                       mutations=[f"{m.get('key')}: {m.get('value', m.get('fuzzer_error'))}"[:60] for m in rec["mutations"]],
-                       ranks=[{k: (v[:100] if isinstance(v, str) else v) for k, v in o.items()} for o in rec["ranks"]])
-                for rec in records]
-        write_records(args.out, [record(RUN, summary), *rows], command)
+        write_results(args.out, summary, records, "ranks")
     bad = summary["rank_outcomes"]["wrong"] + summary["rank_outcomes"]["hang"] + summary["rank_outcomes"]["crash"]
     bad += len(summary["unclear_errors"])
     if args.secret:

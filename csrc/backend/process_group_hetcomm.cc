@@ -11,10 +11,8 @@
 
 #include <sys/stat.h>
 
-#include <array>
 #include <cstdio>
 #include <future>
-#include <limits>
 #include <mutex>
 #include <random>
 #include <set>
@@ -37,12 +35,6 @@ namespace {
 // keys (a rank may still look a peer's address up until it leaves itself). Not a counter: the
 // store closes the connection of a client that adds to a value a store writer filled with garbage.
 std::string leftKey(const std::string& incarnation, int rank) { return strCat("hetcomm/left/", incarnation, "/", rank); }
-// The group's first failure, "rank R: cause", written by the first rank that fails (compare-and-set):
-// the ranks that share no connection with it learn it from here (watchFailures).
-constexpr const char* kFailedKey = "hetcomm/failed";
-// How often a rank with operations pending looks at kFailedKey, and how long one look may take.
-HETCOMM_PARAM(paramFailurePollMs, "HETCOMM_FAILURE_POLL_MS", 500)
-constexpr std::chrono::milliseconds kWatchStoreTimeout{2000};
 // How long a failing rank waits for its report to reach the store before it shuts its links.
 constexpr std::chrono::milliseconds kReportWait{300};
 std::string addressKey(const std::string& incarnation, int rank) { return strCat("hetcomm/addr/", incarnation, "/", rank); }
@@ -54,7 +46,6 @@ std::string abortKey(const std::string& incarnation, int rank) {
 // that fails writes its reason before it closes its links (failGroup), so a short wait suffices;
 // a killed one leaves none, and every survivor would wait this long for nothing.
 constexpr std::chrono::milliseconds kAbortReasonWait{500};
-constexpr size_t kMaxAbortReasonBytes = 2048;
 // The emulated device (HETCOMM_DEBUG_EMULATE_DEVICE): small slots and few of them, so that the
 // tests' medium-sized tensors already span several slots and wait for slots to come free, and a
 // random pause before each queued operation, so that missing waits show up as wrong bytes.
@@ -118,26 +109,6 @@ bool storeGone(const HostPort& address) {
   }
 }
 
-std::exception_ptr distError(const std::string& message) {
-  try {
-    C10_THROW_ERROR(DistBackendError, message);
-  } catch (...) {
-    return std::current_exception();
-  }
-}
-
-// Point-to-point errors arrive as CommError; torch users expect DistBackendError.
-std::exception_ptr asDistError(std::exception_ptr e) {
-  if (!e) return nullptr;
-  try {
-    std::rethrow_exception(e);
-  } catch (const std::exception& x) {
-    return distError(x.what());
-  } catch (...) {
-    return distError("hetcomm: unknown error");
-  }
-}
-
 }  // namespace
 
 ProcessGroupHetcomm::ProcessGroupHetcomm(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
@@ -197,56 +168,6 @@ ProcessGroupHetcomm::ProcessGroupHetcomm(const c10::intrusive_ptr<c10d::Store>& 
   startFailureWatch();
 }
 
-void ProcessGroupHetcomm::startFailureWatch() {
-  c10::intrusive_ptr<SealedStore> store;
-  try {
-    store = store_->cloneSealed();
-    store->setTimeout(kWatchStoreTimeout);
-  } catch (const std::exception& e) {
-    // A store that cannot be cloned (a Python store): failures reach the other ranks over the links only.
-    HC_LOG(kInfo, "rank ", rank_, ": the store cannot be cloned (", e.what(), "): failures of ranks this one shares "
-           "no connection with reach it only at its own timeout");
-    return;
-  }
-  auto watch = std::make_shared<FailureWatch>();
-  watch->busy = [this] {
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      if (!brokenReason_.empty()) return false;  // failed already: nothing more to learn
-      if (!queue_.empty() || running_) return true;
-    }
-    return !p2p_->idle();
-  };
-  watch->failed = [this] {
-    std::lock_guard<std::mutex> lock(mu_);
-    return !brokenReason_.empty();
-  };
-  watch->fail = [this](const std::string& why) { failGroup(why); };
-  watch->kept = kept_;
-  try {
-    startThread("failure watcher", [watch, store, incarnation = incarnation_, rank = rank_] {
-      watchFailures(watch, store, incarnation, rank);
-    }).detach();
-  } catch (const std::system_error& e) {
-    HC_LOG(kWarn, "rank ", rank_, ": no thread to watch for other ranks' failures: ", e.what());
-    return;
-  }
-  watch_ = std::move(watch);
-}
-
-void ProcessGroupHetcomm::stopFailureWatch() {
-  if (!watch_) return;
-  {
-    // Waits for a call into this group in progress; the watcher then touches nothing of it.
-    std::lock_guard<std::mutex> lock(watch_->mu);
-    watch_->stop = true;
-    watch_->busy = nullptr;
-    watch_->failed = nullptr;
-    watch_->fail = nullptr;
-  }
-  watch_->cv.notify_all();
-}
-
 void ProcessGroupHetcomm::workerDied(const std::string& what) {
   failGroup(what);
   std::deque<Pending> orphans;
@@ -257,57 +178,6 @@ void ProcessGroupHetcomm::workerDied(const std::string& what) {
     running_ = false;
   }
   for (Pending& op : orphans) op.work->complete(distError(what));
-}
-
-void ProcessGroupHetcomm::restoreKept(FailureWatch& watch, SealedStore& store, int rank) {
-  for (const auto& [key, raw] : watch.kept) {
-    try {
-      if (!putBack(*store.inner(), key, raw)) continue;
-    } catch (const std::exception&) {
-      return;  // the store is unreachable now
-    }
-    if (watch.restored.insert(key).second) {
-      HC_LOG(kWarn, "hetcomm: rank ", rank, " put its record '", key, "' back in the store: someone replaced or "
-             "removed it");
-    }
-  }
-}
-
-// Detached, and holding only `watch` and its own store clone: a store call that outlasts the group
-// (a store host that stopped answering) keeps nothing of the group alive or waiting.
-void ProcessGroupHetcomm::watchFailures(std::shared_ptr<FailureWatch> watch, c10::intrusive_ptr<SealedStore> store,
-                                        std::string incarnation, int rank) {
-  {
-    const auto poll = std::chrono::milliseconds(std::max<int64_t>(10, paramFailurePollMs()));
-    const std::string tag = incarnation + "|";
-    while (true) {
-      {
-        std::unique_lock<std::mutex> lock(watch->mu);
-        watch->cv.wait_for(lock, poll, [&] { return watch->stop; });
-        if (watch->stop) return;
-        // Under the lock: never after shutdown went on to remove the group's keys.
-        // Every poll while the group is young (creation, first connections), then every tenth:
-        // each look is a store round trip per record, on every rank.
-        const bool look = watch->polls < 60 || watch->polls % 10 == 0;
-        ++watch->polls;
-        if (look && !watch->kept.empty() && !watch->failed()) restoreKept(*watch, *store, rank);
-        if (!watch->busy()) continue;  // nothing waits: nothing to fail
-      }
-      std::string failed;
-      try {
-        // One that fails its seal (a store writer's) is ignored: only a member can fail the group.
-        std::vector<uint8_t> v;
-        if (store->tryGet(kFailedKey, v) == SealedStore::Read::kValue) failed.assign(v.begin(), v.end());
-      } catch (const std::exception&) {
-        continue;  // the store is unreachable now: the links still tell what they know
-      }
-      if (failed.rfind(tag, 0) != 0) continue;  // none, or an earlier group's
-      std::lock_guard<std::mutex> lock(watch->mu);
-      if (watch->stop) return;
-      watch->fail(strCat("hetcomm: rank ", rank, " stops: the process group failed on ",
-                         excerpt(failed.substr(tag.size()), kMaxAbortReasonBytes)));
-    }
-  }
 }
 
 ProcessGroupHetcomm::~ProcessGroupHetcomm() { shutdown(); }
@@ -734,155 +604,5 @@ void ProcessGroupHetcomm::shutdown() {
 }
 
 // The collectives themselves (validation, wire header, body): collective_ops.cc.
-
-// ---------------------------------------------------------------------------------------------
-// Point-to-point
-
-// A CUDA tensor to send is first copied into pinned host memory, on the group's point-to-point
-// stream after what the caller had queued, and the calling thread waits for that stream (only)
-// before handing the bytes to the engine. Waiting here keeps the messages to one peer in the order
-// they were posted, which tag matching relies on; sends are rare in data-parallel training.
-at::Tensor ProcessGroupHetcomm::stageForSend(const at::Tensor& data) {
-  const c10::Stream stream = p2pStream(data.device());
-  markCurrentStream(data.device()).block(stream);
-  at::Tensor host = at::empty({static_cast<int64_t>(data.nbytes())}, at::TensorOptions().dtype(at::kByte).pinned_memory(true));
-  if (data.nbytes() > 0) {
-    c10::StreamGuard onStream(stream);
-    host.copy_(asBytes(data), /*non_blocking=*/true);
-  }
-  stream.synchronize();
-  return host;
-}
-
-c10::intrusive_ptr<c10d::Work> ProcessGroupHetcomm::send(std::vector<at::Tensor>& tensors, int dstRank, int tag) {
-  checkCount(tensors, 1, "send", "input");
-  checkDense(tensors[0], "send");
-  TORCH_CHECK_VALUE(dstRank >= 0 && dstRank < size_ && dstRank != rank_, "hetcomm send: invalid destination rank ",
-                    dstRank, " (this is rank ", rank_, " of ", size_, ")");
-  at::Tensor data = contiguousOf(tensors[0]);
-  if (data.is_cuda()) data = stageForSend(data);
-  auto work = c10::make_intrusive<WorkHetcomm>(rank_, c10d::OpType::SEND, "hetcomm:send", std::vector<at::Tensor>{},
-                                               0, completions_);
-  const auto timeout = options_.timeout;
-  // The lambda keeps `data` (and its storage) alive until the bytes are on the wire.
-  p2p_->postSend(dstRank, tag, static_cast<const char*>(data.data_ptr()), data.nbytes(), Clock::now() + timeout,
-                 timeout.count(), [work, data](std::exception_ptr e, int /*peer*/, Clock::time_point at) {
-                   (void)data;
-                   work->complete(asDistError(e), at);
-                 });
-  return work;
-}
-
-void ProcessGroupHetcomm::monitoredBarrier(const c10d::BarrierOptions& opts, bool waitAllRanks) {
-  const auto timeout = effectiveTimeout(opts.timeout);
-  const Deadline deadline = Clock::now() + timeout;
-  // A tag no torch call can use (torch's tags are 32-bit ints).
-  constexpr int64_t kTag = std::numeric_limits<int64_t>::min() + 1;
-  struct Pending {
-    std::array<char, 1> byte{};
-    std::promise<std::exception_ptr> done;
-  };
-  auto post = [&](bool send, int peer) {
-    auto op = std::make_shared<Pending>();
-    auto result = op->done.get_future();
-    auto finish = [op](std::exception_ptr e, int, Clock::time_point) { op->done.set_value(e); };
-    if (send) {
-      p2p_->postSend(peer, kTag, op->byte.data(), 1, deadline, timeout.count(), finish);
-    } else {
-      p2p_->postRecv(peer, kTag, op->byte.data(), 1, deadline, timeout.count(), finish);
-    }
-    return result;
-  };
-  // The engine fails every operation by its deadline; the slack only covers its wake-up.
-  auto failed = [&](std::future<std::exception_ptr>& f) {
-    if (f.wait_until(deadline + std::chrono::seconds(5)) != std::future_status::ready) return true;
-    return f.get() != nullptr;
-  };
-  auto failure = [&](const std::vector<int>& ranks) {
-    std::string who;
-    for (int r : ranks) who += strCat(who.empty() ? "" : ", ", r);
-    return strCat("hetcomm monitored barrier: ", ranks.size() == 1 ? "rank " : "ranks ", who,
-                  " failed to pass the barrier in ", timeout.count(), " ms (rank ", rank_, " waited for them)");
-  };
-  if (size_ == 1) return;
-  if (rank_ != 0) {
-    auto checkIn = post(true, 0);
-    auto release = post(false, 0);
-    if (failed(checkIn) || failed(release)) C10_THROW_ERROR(DistBackendError, failure({0}));
-    return;
-  }
-  std::vector<std::future<std::exception_ptr>> arrivals;
-  for (int r = 1; r < size_; ++r) arrivals.push_back(post(false, r));
-  std::vector<int> missing;
-  for (int r = 1; r < size_; ++r) {
-    if (failed(arrivals[r - 1])) {
-      missing.push_back(r);
-      if (!waitAllRanks) break;
-    }
-  }
-  if (!missing.empty()) C10_THROW_ERROR(DistBackendError, failure(missing));
-  std::vector<std::future<std::exception_ptr>> releases;
-  for (int r = 1; r < size_; ++r) releases.push_back(post(true, r));
-  for (auto& f : releases) failed(f);  // a rank that left after checking in fails on its own side
-}
-
-c10::intrusive_ptr<c10d::Work> ProcessGroupHetcomm::recv(std::vector<at::Tensor>& tensors, int srcRank, int tag) {
-  TORCH_CHECK_VALUE(srcRank >= 0 && srcRank < size_ && srcRank != rank_, "hetcomm recv: invalid source rank ", srcRank,
-                    " (this is rank ", rank_, " of ", size_, ")");
-  return postReceive(tensors, srcRank, tag);
-}
-
-// From whichever rank sends a message with this tag first; wait() then sourceRank() says which.
-c10::intrusive_ptr<c10d::Work> ProcessGroupHetcomm::recvAnysource(std::vector<at::Tensor>& tensors, int tag) {
-  TORCH_CHECK_VALUE(size_ > 1, "hetcomm recv from any source: this rank is alone in its group");
-  return postReceive(tensors, P2PEngine::kAnySource, tag);
-}
-
-c10::intrusive_ptr<c10d::Work> ProcessGroupHetcomm::postReceive(std::vector<at::Tensor>& tensors, int srcRank, int tag) {
-  checkCount(tensors, 1, "recv", "output");
-  checkDense(tensors[0], "recv");
-  at::Tensor target = tensors[0];
-  // A CUDA target receives into pinned host memory; the engine's callback then queues the copy
-  // into the target on the group's point-to-point stream, after what the caller had queued.
-  std::optional<c10::Stream> stream;
-  std::shared_ptr<c10::Event> targetReady;
-  at::Tensor buffer;
-  if (target.is_cuda()) {
-    stream = p2pStream(target.device());
-    targetReady = std::make_shared<c10::Event>(markCurrentStream(target.device()));
-    keepAliveOnStream({target}, *stream);
-    buffer = at::empty({static_cast<int64_t>(target.nbytes())},
-                       at::TensorOptions().dtype(at::kByte).pinned_memory(true));
-  } else {
-    buffer = target.is_contiguous() ? target : at::empty_like(target, at::MemoryFormat::Contiguous);
-  }
-  auto work = c10::make_intrusive<WorkHetcomm>(rank_, srcRank == P2PEngine::kAnySource ? c10d::OpType::RECVANYSOURCE
-                                                                                         : c10d::OpType::RECV,
-                                               "hetcomm:recv", std::vector<at::Tensor>{target}, 0, completions_, stream);
-  const auto timeout = options_.timeout;
-  p2p_->postRecv(srcRank, tag, static_cast<char*>(buffer.data_ptr()), buffer.nbytes(), Clock::now() + timeout,
-                 timeout.count(), [work, target, buffer, stream, targetReady](std::exception_ptr e, int peer,
-                                                                              Clock::time_point at) {
-                   if (!e) {
-                     try {
-                       if (stream) {
-                         c10::StreamGuard onStream(*stream);
-                         targetReady->block(*stream);
-                         const_cast<at::Tensor&>(target).copy_(
-                             buffer.view(target.scalar_type()).view(target.sizes()), /*non_blocking=*/true);
-                       } else if (!target.is_same(buffer)) {
-                         const_cast<at::Tensor&>(target).copy_(buffer);
-                       }
-                     }
-                     HETCOMM_RETHROW_FORCED_UNWIND
-                     catch (...) {
-                       e = std::current_exception();
-                     }
-                   }
-                   if (!e && peer >= 0) work->setSourceRank(peer);
-                   work->complete(asDistError(e), at);
-                 });
-  return work;
-}
 
 }  // namespace hetcomm

@@ -165,6 +165,11 @@ class ProcessGroupHetcomm : public c10d::Backend {
   void release_resources() override;
 
  private:
+  // The group's first failure, "rank R: cause", written by the first rank that fails (compare-and-set):
+  // the ranks that share no connection with it learn it from here (watchFailures).
+  static constexpr const char* kFailedKey = "hetcomm/failed";
+  // The longest reason a rank reads from the store (a failure or another rank's abort).
+  static constexpr size_t kMaxAbortReasonBytes = 2048;
   using Body = std::function<void(CollectiveContext&)>;
   struct Pending {
     c10::intrusive_ptr<WorkHetcomm> work;

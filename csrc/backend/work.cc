@@ -1,9 +1,29 @@
 #include "backend/work.h"
 
 #include <c10/core/StreamGuard.h>
+#include <c10/util/Exception.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
 
 namespace hetcomm {
+
+std::exception_ptr distError(const std::string& message) {
+  try {
+    C10_THROW_ERROR(DistBackendError, message);
+  } catch (...) {
+    return std::current_exception();
+  }
+}
+
+std::exception_ptr asDistError(std::exception_ptr e) {
+  if (!e) return nullptr;
+  try {
+    std::rethrow_exception(e);
+  } catch (const std::exception& x) {
+    return distError(x.what());
+  } catch (...) {
+    return distError("hetcomm: unknown error");
+  }
+}
 namespace {
 
 std::vector<c10::Device> devicesOf(const std::optional<c10::Stream>& stream) {

@@ -6,15 +6,22 @@
 #include <c10/core/Stream.h>
 
 #include <atomic>
+#include <exception>
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <string>
 
 #include "transport/socket.h"  // Clock
 
 #include "backend/completion_pool.h"
 
 namespace hetcomm {
+
+// An exception that torch users expect (DistBackendError) with this message.
+std::exception_ptr distError(const std::string& message);
+// `e` as a DistBackendError with the same message (the core fails with CommError); null stays null.
+std::exception_ptr asDistError(std::exception_ptr e);
 
 // How the program waits for a group's operations: whether it waited for the last one right
 // after it was issued (within `window`, HETCOMM_INLINE_WINDOW_US), as a synchronous call does.

@@ -1,4 +1,4 @@
-"""The heartbeat thread of ElasticDiLoCo (`hetcomm.train.membership.Pulse`) on its own, in one
+"""The heartbeat thread of ElasticDiLoCo (`hetcomm.train.pulse.Pulse`) on its own, in one
 process: whom it confirms alive, whom it takes for dead, and what it does not conclude from.
 
 What is asserted is which path decided (a closed connection makes a worker infinitely silent at
@@ -89,8 +89,10 @@ def test_a_stranger_on_the_address_is_not_taken_for_the_worker(cluster):
         conn, _ = strangers[name].accept()
         conn.settimeout(30)                    # (a guard against a hang)
         if keys.sealed:
-            challenge = conn.recv(100)
-            assert len(challenge) == 65 and challenge.endswith(b"\n"), challenge
+            challenge = b""
+            while not challenge.endswith(b"\n") and len(challenge) < 100:
+                challenge += conn.recv(100) or b"!"     # (closed: fails below)
+            assert len(challenge) == 65, challenge
         conn.sendall(greeting)
         conns.append(conn)
     beats(keys, "a#1")
@@ -196,3 +198,39 @@ def test_the_store_dying_is_raised_on_the_training_thread():
     with pytest.raises(StoreUnreachable, match=r"the store at 127\.0\.0\.1:\d+ failed"):
         until(lambda: a.check() or False)
     a.stop()
+
+
+def _closed_by_peer(conn: socket.socket) -> bool:
+    try:
+        return conn.recv(100) == b""
+    except ConnectionResetError:
+        return True
+    except socket.timeout:
+        return False
+
+
+def test_a_flood_of_connections_to_the_liveness_port_is_bounded(cluster, monkeypatch):
+    """Anyone who can reach a worker's liveness port may open connections to it. Beyond
+    `WATCHERS` they are closed at once; with a secret, one that sends no challenge within
+    `GREETING` is closed too (before, every connection was kept for ever: enough of them ran
+    the process out of file descriptors, and its store connections and groups with it)."""
+    monkeypatch.setattr(Pulse, "WATCHERS", 3)
+    monkeypatch.setattr(Pulse, "GREETING", 0.3)
+    pulse, keys = cluster
+    a = pulse("a#1")
+    host, port = keys.peek("addr/a#1").rsplit(":", 1)
+    flood = [socket.create_connection((host, int(port))) for _ in range(5)]
+    for conn in flood:
+        conn.settimeout(2 if keys.sealed else 0.5)   # (a guard against a hang)
+    beats(keys, "a#1")
+    closed = [_closed_by_peer(conn) for conn in flood]
+    # Without a secret the first three are watchers' connections, kept (the worker greets them);
+    # with one, no challenge came: all are closed.
+    assert closed == ([True] * 5 if keys.sealed else [False, False, False, True, True]), closed
+    a.check()
+    for conn in flood:
+        conn.close()
+    # The port still serves a watcher once the flood is gone.
+    b = pulse("b#1")
+    b.watch(["a#1"])
+    until(lambda: b.confirmed("a#1") and b.linked("a#1"))

@@ -4,8 +4,8 @@ The store (`hetcomm.store`, a TCPStore served outside the workers) is the only t
 share besides their process group, and the only place where they agree on membership: keys under
 ``hetcomm/ft/<job>/`` for the era, each incarnation's heartbeat and liveness address, join
 requests, arrivals, the decision and outcome of each epoch (written once with compare_set: the
-first writer wins), and the state offered to joiners. `Pulse` is a worker's heartbeat and the
-liveness connections that tell a death at once. ``who`` is an incarnation, ``<worker_id>#<nonce>``, so a restarted
+first writer wins), and the state offered to joiners, through `Keys`. A worker's heartbeat and
+the liveness connections that tell a death at once are `hetcomm.train.pulse.Pulse`. ``who`` is an incarnation, ``<worker_id>#<nonce>``, so a restarted
 worker's heartbeat cannot keep its dead predecessor looking alive.
 
 Every key: docs/elastic.md#store-keys.
@@ -101,10 +101,15 @@ class Keys:
     def sealed(self) -> bool:
         return self._seal_key is not None
 
-    def mac(self, key: str, value: bytes) -> bytes:
-        """The seal a sealed value of ``key`` would carry (b"" without a secret): for data that
-        goes elsewhere than the store (the liveness greeting)."""
-        return self._tag(key, value) if self._seal_key is not None else b""
+    def mac(self, what: str, value: bytes) -> bytes:
+        """A MAC of ``value`` for data that goes elsewhere than the store (the liveness greeting,
+        ``what`` naming it), b"" without a secret: under a key of its own, so that no store
+        record's seal can be obtained this way."""
+        if self._seal_key is None:
+            return b""
+        key = hmac.new(self._seal_key, b"hetcomm elastic: not a store record", hashlib.sha256).digest()
+        full = (self.root + what).encode()
+        return hmac.new(key, len(full).to_bytes(4, "little") + full + value, hashlib.sha256).digest()
 
     def clone(self) -> "Keys":
         """Another connection to the same store (a TCPStore client is one socket: threads each

@@ -5,6 +5,7 @@ being set back (`Pulse.hold`). Split from `hetcomm.train.membership`, whose `Key
 from __future__ import annotations
 
 import errno
+import hmac
 import math
 import os
 import re
@@ -55,6 +56,7 @@ class Pulse:
 
     RETRY = 5.0            # seconds between connection attempts to a worker not reached yet
     GREETING = 5.0         # seconds a connection may take to be established and greeted
+    WATCHERS = 512         # connections of watchers kept at most (a flood beyond is refused)
 
     def __init__(self, keys: Keys, me: str, interval: float) -> None:
         self._keys, self._me, self._interval = keys, me, interval
@@ -63,6 +65,7 @@ class Pulse:
         self._watch: dict[str, tuple[int, float]] = {}     # who -> (last value, when it changed)
         self._dead: set[str] = set()                       # their verified connection closed
         self._confirmed: set[str] = set()                  # answered, or their counter moved
+        self._linked: set[str] = set()                     # their liveness connection answered and is open
         self._held: dict[str, int] = {}                    # job key -> the number it is kept at, at least
         self._error: Exception | None = None
         # The thread's own:
@@ -70,6 +73,8 @@ class Pulse:
         self._tried: dict[str, float] = {}                 # when we last tried to connect
         self._challenges: dict[str, bytes] = {}            # who -> what we asked it to seal (a secret)
         self._asked: dict[socket.socket, bytes] = {}       # watchers' connections not answered yet
+        self._watchers: dict[socket.socket, float] = {}    # watchers' connections -> since when
+        self._echoed: bytes | None = None                  # the last `probe` echoed (`_beat`)
         self._stop = threading.Event()
         self._selector = selectors.DefaultSelector()
         ip = _local_ip(keys.address)
@@ -115,6 +120,12 @@ class Pulse:
             names, held = list(self._watch), list(self._held.items())
         for key, n in held:
             self._keys.at_least(key, n, sealed=True)
+        # A worker that asks whether the job's era is alive writes a fresh nonce under `probe`;
+        # every worker's heartbeat answers it under `echo/<me>` (a replayed heartbeat cannot).
+        probe = self._keys.peek_bytes("probe")
+        if probe is not None and len(probe) <= 64 and probe != self._echoed:
+            self._keys.set_bytes(f"echo/{self._me}", probe)
+            self._echoed = probe
         values = self._keys.counters([f"hb/{n}" for n in names])
         now = time.monotonic()
         with self._lock:
@@ -130,6 +141,8 @@ class Pulse:
     def _drop_link(self, name: str) -> None:
         sock = self._links.pop(name)[0]
         self._challenges.pop(name, None)
+        with self._lock:
+            self._linked.discard(name)
         self._selector.unregister(sock)
         sock.close()
 
@@ -141,6 +154,14 @@ class Pulse:
         for name, (_, state, since, _) in list(self._links.items()):
             if name not in watched or (state != "verified" and now - since > self.GREETING):
                 self._drop_link(name)
+        for sock in [c for c in self._asked if now - self._watchers[c] > self.GREETING]:
+            self._close_watcher(sock)             # no challenge in time: not a worker's watcher
+
+    def _close_watcher(self, sock: socket.socket) -> None:
+        self._asked.pop(sock, None)
+        self._watchers.pop(sock, None)
+        self._selector.unregister(sock)
+        sock.close()
 
     def _connect(self) -> None:
         """Starts a connection (without waiting for it) to each watched worker that has none."""
@@ -156,7 +177,9 @@ class Pulse:
             if address is None:
                 continue                          # none (or no address): the heartbeat decides
             try:
-                family, kind, proto, _, target = socket.getaddrinfo(*address, type=socket.SOCK_STREAM)[0]
+                # (numeric only: resolving a name a store writer chose could stall this thread)
+                family, kind, proto, _, target = socket.getaddrinfo(*address, type=socket.SOCK_STREAM,
+                                                                    flags=socket.AI_NUMERICHOST)[0]
                 sock = socket.socket(family, kind, proto)
             except (OSError, UnicodeError):
                 continue
@@ -173,6 +196,10 @@ class Pulse:
             try:
                 conn, _ = sock.accept()
             except OSError:
+                time.sleep(0.05)                  # out of descriptors (a flood): no busy loop
+                return
+            if len(self._watchers) >= self.WATCHERS:
+                conn.close()                      # a flood: the watchers already here stay
                 return
             try:
                 conn.setblocking(False)           # kept open (closed by the kernel when we die)
@@ -184,6 +211,7 @@ class Pulse:
                 conn.close()
                 return
             self._selector.register(conn, selectors.EVENT_READ, None)
+            self._watchers[conn] = time.monotonic()
             return
         if name is None:                          # a connection of a worker that watches us
             try:
@@ -194,9 +222,7 @@ class Pulse:
                 data = b""
             if data and self._answer(sock, data):
                 return
-            self._asked.pop(sock, None)
-            self._selector.unregister(sock)
-            sock.close()
+            self._close_watcher(sock)
             return
         entry = self._links.get(name)
         if entry is None or entry[0] is not sock:
@@ -227,10 +253,12 @@ class Pulse:
         if state == "greeting":
             greeting += data
             if not data or b"\n" in greeting:
-                if greeting.split(b"\n", 1)[0] == self._greeting(name, self._challenges.get(name, b"")):
+                if hmac.compare_digest(greeting.split(b"\n", 1)[0],
+                                       self._greeting(name, self._challenges.get(name, b""))):
                     self._links[name] = (sock, "verified", since, b"")
                     with self._lock:
                         self._confirmed.add(name)
+                        self._linked.add(name)
                 else:
                     self._drop_link(name)         # closed early, or someone else: not proof of death
             elif len(greeting) > 1024:
@@ -280,6 +308,8 @@ class Pulse:
     def hold(self, key: str, n: int) -> None:
         """Keep the job's (sealed) number ``key`` at ``n`` at least, from the next beat on: a
         store writer who sets it back or deletes it sees it put back within a beat."""
+        if n < 1:
+            return                                # (nothing to hold: not joined yet)
         with self._lock:
             self._held[key] = max(n, self._held.get(key, n))
 
@@ -300,6 +330,12 @@ class Pulse:
                 return math.inf
             entry = self._watch.get(name)
         return 0.0 if entry is None else time.monotonic() - entry[1]
+
+    def linked(self, name: str) -> bool:
+        """Whether ``name``'s liveness connection answered (with a secret: proved who it is) and
+        is open now: positive evidence that it lives, which no store writer can give."""
+        with self._lock:
+            return name in self._linked
 
     def confirmed(self, name: str) -> bool:
         """Whether ``name`` (watched) has shown it lives: its connection answered, or its

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import datetime
 import itertools
+import threading
 import time
 
 import pytest
@@ -16,6 +17,7 @@ import torch.distributed as dist
 from hetcomm.train.elastic.common import _next_decided, _read_decision, _start_epoch
 from hetcomm.train.elastic.epochs import Epochs
 from hetcomm.train.elastic.joins import JoinRecords
+from hetcomm.train import membership
 from hetcomm.train.membership import Keys, SecretMismatch
 from hetcomm.train.pulse import Pulse
 
@@ -174,11 +176,12 @@ def test_no_fixed_bytes_read_as_absent(job, server):
     assert keys.count("joins") == 5
 
 
-def test_a_value_that_looks_sealed_is_garbage_once_the_job_is_known_plain(server, capsys):
+def test_a_value_that_looks_sealed_is_garbage_once_the_job_is_known_plain(server, capsys, monkeypatch):
     """Without the secret, a value that looks sealed means "this worker lacks the job's secret"
     only until it read a plain decision of the job (its own write read back is none):
     afterwards a store writer's sealed-looking bytes (JSON and 32 bytes) are garbage, and a
     member that refuses a joiner goes on (before, it stopped with a false SecretMismatch)."""
+    monkeypatch.setattr(membership, "_LOGGED", set())   # (what was logged once in this process)
     root = f"hetcomm/ft/joins{next(_jobs)}/"
     keys = Keys(server, "test", root)
     looks_sealed = b'"x"' + bytes(range(32))
@@ -283,7 +286,8 @@ def test_a_joiner_finds_the_era_whatever_the_era_key_says(job, server, attack):
     keys.under("era3").set("join/0", _Joiner(keys, "w3#c")._request())
     server.set(root + "era", old)
     assert _EraReader(keys)._era() == 3
-    # A forged record there (without the secret: garbage) is no sign of a later era.
+    # A record there that does not open, or is not JSON, is no sign of a later era (without the
+    # secret, well-formed plain records there would be: a store writer may steer a plain run).
     server.set(root + "era4/join/0", b'{"who": "evil#1"}' + bytes(32))
     server.set(root + "era4/e1/decision", b"not a decision")
     assert _EraReader(keys)._era() == 3
@@ -312,3 +316,84 @@ def test_a_workers_heartbeat_puts_a_set_back_era_key_back(job, server):
             pulse.check()
     finally:
         pulse.stop()
+
+
+class _Restarter(Epochs):
+    """The era lookup of a worker restarted from a checkpoint, alone, with its heartbeat."""
+
+    def __init__(self, job_keys: Keys, timeout: float = 0.6, heartbeat: float = 0.05) -> None:
+        self._job_keys, self._checkpoint, self._round, self.job = job_keys, True, 7, "test"
+        self._timeout, self._heartbeat, self._verbose = timeout, heartbeat, False
+        self._pulse = Pulse(job_keys.clone(), "r#1", heartbeat)
+
+    def era(self) -> int:
+        try:
+            return self._era()
+        finally:
+            self._pulse.stop()
+
+
+def _decide_era(keys: Keys, epoch: int, members: list[str]) -> None:
+    keys.set(f"e{epoch}/decision", {"epoch": epoch, "gen": 1, "round": epoch, "admitted_upto": 0,
+                                     "members": members, "holders": members, "joined": members, "left": {},
+                                     "refused": {}})
+
+
+def test_a_restarted_worker_judges_the_era_by_its_newest_decision_past_a_gap(job, server):
+    """Era 1 decided epochs 1 to 3; epoch 3's member lives (its heartbeat echoes, no liveness
+    port). A store writer puts `latest` back to 1 and deletes decision 2: the restarted worker
+    must still find decision 3 and join era 1 (before: it judged the era by epoch 1's members,
+    long gone, waited for the deleted decision 2 and started era 2 while era 1 lived)."""
+    keys, root = job
+    assert keys.first("era", 1) == 1
+    era1 = keys.under("era1")
+    _decide_era(era1, 1, ["old#1"])
+    era1.set("latest", 1)
+    old_latest = server.get(root + "era1/latest")
+    _decide_era(era1, 2, ["old#1", "m#1"])
+    _decide_era(era1, 3, ["m#1"])
+    era1.set("latest", 3)
+    member = Pulse(keys.clone(), "m#1", 0.05)          # alive; it publishes no reachable address
+    try:
+        keys.set("addr/m#1", "")
+        server.set(root + "era1/latest", old_latest)
+        server.delete_key(root + "era1/e2/decision")
+        assert _Restarter(keys).era() == 1
+    finally:
+        member.stop()
+    # Its member gone for good (the heartbeat stops), the era is dead: the next one starts.
+    assert _Restarter(keys).era() == 2 and keys.peek("era") == 2
+
+
+def test_replayed_heartbeats_neither_fork_the_era_nor_hold_a_restarted_worker(job, server):
+    """The era's only member is dead; a store writer replays its heartbeat values (sealed, in
+    order: each reads as a move). The restarted worker must neither start a new era (the member
+    may be alive) nor wait for ever: it stops with an error that says why (before: it waited as
+    long as there were values to replay)."""
+    keys, root = job
+    assert keys.first("era", 1) == 1
+    era1 = keys.under("era1")
+    _decide_era(era1, 1, ["m#1"])
+    era1.set("latest", 1)
+    recorded = []
+    for beat in range(1, 200):
+        keys.set("hb/m#1", beat)
+        recorded.append(server.get(root + "hb/m#1"))
+    server.set(root + "hb/m#1", recorded[0])
+    stop = threading.Event()
+
+    def replay() -> None:
+        for value in recorded[1:]:
+            if stop.wait(0.05):
+                return
+            server.set(root + "hb/m#1", value)
+
+    rogue = threading.Thread(target=replay, daemon=True)
+    rogue.start()
+    try:
+        with pytest.raises(RuntimeError, match="replaying their heartbeats"):
+            _Restarter(keys).era()
+    finally:
+        stop.set()
+        rogue.join()
+    assert keys.peek("era") == 1

@@ -101,6 +101,17 @@ def _next_decided(keys, epoch: int) -> int:
     return epoch
 
 
+def _last_decided(keys, epoch: int) -> int:
+    """The newest decision from ``epoch`` on: read on past up to _MAX_SKIPPED missing ones at a
+    time, whatever ``latest`` says (a store writer may have put an old value back)."""
+    while True:
+        later = next((e for e in range(epoch + 1, epoch + _MAX_SKIPPED + 1) if _read_decision(keys, e) is not None),
+                     None)
+        if later is None:
+            return epoch
+        epoch = later
+
+
 def _start_epoch(keys, known: int = 1) -> int:
     """Where a worker that asks to join starts reading decisions: ``latest`` when its decision
     is there, else the newest decision up to _MAX_SKIPPED below it (a store writer may have

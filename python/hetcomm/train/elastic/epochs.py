@@ -12,8 +12,9 @@ from collections.abc import Sequence
 import torch
 
 from hetcomm import hosts as _hosts
-from hetcomm.train.elastic.common import (_PREFIX, _MAX_ABORTS, _MAX_SKIPPED, _Poll, _decision_ok, _next_decided,
-                                          _read_decision, _read_ended, _read_int, _start_epoch)
+from hetcomm.train.elastic.common import (_PREFIX, _MAX_ABORTS, _Poll, _decision_ok, _next_decided, _read_decision,
+                                          _read_ended, _read_int, _start_epoch)
+from hetcomm.train.elastic.eras import Eras
 from hetcomm.train.elastic.joins import JoinRecords
 from hetcomm.train.membership import Keys, SecretMismatch, StoreUnreachable
 from hetcomm.train.pulse import Pulse
@@ -48,7 +49,7 @@ class _Rewrite:
             self.keys.set(self.key, self.value)
             self.last = time.monotonic()
 
-class Epochs(JoinRecords):
+class Epochs(JoinRecords, Eras):
     """Admission and the epochs of a round's synchronisation."""
 
     # ---- membership --------------------------------------------------------------------------
@@ -86,68 +87,6 @@ class Epochs(JoinRecords):
             self._offer_wanted = self._round
         if self._offer_wanted == self._round:
             self._offer_state()      # (retried at the next look if an upload is still under way)
-
-    def _era(self) -> int:
-        """The job's current era (1 at the first start). A worker that loaded a checkpoint and
-        finds the era's last members all silent starts the next one (a whole-job restart)."""
-        era = self._job_keys.first("era", 1)
-        if not isinstance(era, int) or isinstance(era, bool) or era < 1:
-            raise ValueError(f"{_PREFIX}: the store value {self._job_keys.root}era is not an era number "
-                             "(someone else wrote it)")
-        era = self._newest_era(era)
-        if not self._checkpoint:
-            return era
-        keys = self._job_keys.under(f"era{era}")
-        newest = _read_int(keys, "latest")        # written after its decision: it may lag behind
-        if newest is None:
-            return era
-        while _read_decision(keys, newest + 1) is not None:
-            newest += 1
-        last = _read_decision(keys, newest)
-        if last is None:
-            return era
-        if _read_ended(keys) is not None:
-            dead = True
-        else:
-            self._pulse.watch(last["members"])
-            poll = _Poll()
-            while True:
-                self._pulse.check()
-                if _read_decision(keys, last["epoch"] + 1) is not None:
-                    return era                       # the era is alive: join it
-                silent = min(self._pulse.silent(m) for m in last["members"])
-                if silent > self._timeout:
-                    dead = True
-                    break
-                poll()
-        if dead:
-            # (not a swap from `era`: a store writer may have set the key back; if another
-            # worker started the next era first, this one joins it)
-            self._job_keys.at_least("era", era + 1, sealed=True)
-            era = self._newest_era(era + 1)
-            self._log(f"era {era - 1} of job {self.job!r} has no live worker: this worker (checkpoint at round "
-                      f"{self._round}) starts era {era}")
-        return era
-
-    def _newest_era(self, era: int) -> int:
-        """``era``, or the newest later era that has begun: one with a decision, or a request to
-        join at its first index (what a worker that starts an era writes first). The ``era`` key
-        may be older than the job's era: a store writer deleted it (the next worker then writes
-        1) or put an old value back (with a secret, an old sealed value still opens); members
-        put it back every heartbeat (`Pulse.hold`), and a worker reads on from it here."""
-        for _ in range(_MAX_SKIPPED):
-            keys = self._job_keys.under(f"era{era + 1}")
-            try:
-                first = keys.peek("join/0")
-            except SecretMismatch:
-                raise
-            except ValueError:
-                first = None
-            if not (isinstance(first, dict) or _read_decision(keys, 1) is not None
-                    or _start_epoch(keys, 0) > 0):
-                return era
-            era += 1
-        return era
 
     def _admit(self, resume: tuple[int, int] | None = None) -> None:
         """Asks to join (or, with ``resume``, goes on waiting on the request it made: its join
@@ -216,6 +155,14 @@ class Epochs(JoinRecords):
             if epoch == 1 and not started:
                 self._bootstrap(keys)
             elif watched and all(self._pulse.silent(m) > self._timeout for m in watched):
+                if self._newest_era(self._era_number) > self._era_number:
+                    # A later era began (a store writer had set the `era` key back): ask there.
+                    self._era_number = self._newest_era(self._era_number)
+                    self._pulse.hold("era", self._era_number)
+                    self._keys = self._job_keys.under(f"era{self._era_number}")
+                    self._dropped_at = 0                 # (an epoch of the other era)
+                    self._new_incarnation()
+                    return self._admit()
                 raise RuntimeError(f"{_PREFIX}: every member of epoch {epoch - 1} ({self._names(watched)}) is gone, "
                                    "and the run's state with them: restart the job from checkpoints (load_state_dict)")
             elif watched and self._early_join and self._take_offer(index, epoch, last):

@@ -1,0 +1,102 @@
+"""Eras of an elastic run: the job's `era` key, and whether the era it names is alive. A whole
+job restarted from checkpoints finds the last era's members gone and starts the next era; a store
+writer may set the key back, delete the records that show an era began, or replay the members'
+heartbeats, and must not send a worker to a dead era, make it fork a live one, or hold it for
+ever."""
+from __future__ import annotations
+
+import math
+import time
+import uuid
+
+from hetcomm.train.elastic.common import (_PREFIX, _Poll, _last_decided, _next_decided, _read_decision,
+                                          _read_ended, _read_int, _start_epoch)
+from hetcomm.train.membership import Keys, SecretMismatch
+
+_MAX_ERAS_AHEAD = 64         # later eras a worker reads on to from the `era` key (a store writer set it back)
+_FIRST_REQUESTS = 8          # join requests at the start of an era that show it has begun
+
+
+class Eras:
+    """The era lookup (a mixin of `ElasticDiLoCo`, whose ``_job_keys``, ``_checkpoint``,
+    ``_pulse``, ``_timeout``, ``_heartbeat``, ``_round``, ``job``, ``_log`` and ``_names`` it
+    uses)."""
+
+    def _era(self) -> int:
+        """The job's current era (1 at the first start). A worker that loaded a checkpoint and
+        finds the era's last members all silent starts the next one (a whole-job restart)."""
+        era = self._job_keys.first("era", 1)
+        if not isinstance(era, int) or isinstance(era, bool) or era < 1:
+            raise ValueError(f"{_PREFIX}: the store value {self._job_keys.root}era is not an era number "
+                             "(someone else wrote it)")
+        era = self._newest_era(era)
+        if not self._checkpoint:
+            return era
+        keys = self._job_keys.under(f"era{era}")
+        # The newest decision: from `latest` (it may lag behind, or be an old value put back) on,
+        # past decisions a store writer deleted.
+        last = _read_decision(keys, _last_decided(keys, _start_epoch(keys, 1)))
+        if last is None:
+            return era
+        if _read_ended(keys) is None and self._era_alive(keys, last):
+            return era                               # join it
+        # (not a swap from `era`: a store writer may have set the key back; if another worker
+        # started the next era, or a later one, first, this one joins it)
+        self._job_keys.at_least("era", era + 1, sealed=True)
+        there = _read_int(self._job_keys, "era")
+        dead, era = era, self._newest_era(max(era + 1, there or 0))
+        self._log(f"era {dead} of job {self.job!r} has no live worker: this worker (checkpoint at round "
+                  f"{self._round}) starts or joins era {era}")
+        return era
+
+    def _era_alive(self, keys: Keys, last: dict) -> bool:
+        """Whether the era whose newest decision is ``last`` is alive: a later decision appears,
+        a member answers on its liveness connection, or one echoes this worker's fresh `probe`
+        (a heartbeat a store writer replays cannot). False once every member has been silent for
+        ``timeout``; a RuntimeError when heartbeats move but nothing fresh answers for longer than
+        a live member takes (someone replays them: neither starting a new era, which would fork
+        a live one, nor waiting for ever)."""
+        members, nonce = last["members"], uuid.uuid4().hex.encode()
+        self._pulse.watch(members)
+        poll, start, asked = _Poll(), time.monotonic(), -math.inf
+        while True:
+            self._pulse.check()
+            if _next_decided(keys, last["epoch"]) != last["epoch"] or any(self._pulse.linked(m) for m in members):
+                return True
+            if time.monotonic() - asked >= min(self._heartbeat, 0.5):
+                asked = time.monotonic()
+                self._job_keys.set_bytes("probe", nonce)
+                if any(self._job_keys.peek_bytes(f"echo/{m}") == nonce for m in members):
+                    return True
+            if min(self._pulse.silent(m) for m in members) > self._timeout:
+                return False
+            if time.monotonic() - start > 2 * (self._timeout + self._heartbeat):
+                raise RuntimeError(f"{_PREFIX}: era {keys.root.rstrip('/').rpartition('/')[2]} of job {self.job!r}: "
+                                   f"the heartbeats of its members ({self._names(members)}) move, but none "
+                                   "answers this worker: someone may be replaying their heartbeats in the store. "
+                                   "Not starting a new era (it could fork a live one): check the store's access, "
+                                   "then start this worker again")
+            poll()
+
+    def _newest_era(self, era: int) -> int:
+        """``era``, or the newest later era that has begun: one with a decision, or a request to
+        join at its first index (what a worker that starts an era writes first). The ``era`` key
+        may be older than the job's era: a store writer deleted it (the next worker then writes
+        1) or put an old value back (with a secret, an old sealed value still opens); members
+        put it back every heartbeat (`Pulse.hold`), and a worker reads on from it here."""
+        for _ in range(_MAX_ERAS_AHEAD):
+            keys = self._job_keys.under(f"era{era + 1}")
+            if not (_next_decided(keys, 0) > 0 or _start_epoch(keys, 0) > 0
+                    or any(isinstance(self._request_at(keys, i), dict) for i in range(_FIRST_REQUESTS))):
+                return era
+            era += 1
+        return era
+
+    @staticmethod
+    def _request_at(keys: Keys, index: int):
+        try:
+            return keys.peek(f"join/{index}")
+        except SecretMismatch:
+            raise
+        except ValueError:
+            return None

@@ -89,7 +89,10 @@ std::optional<std::vector<uint8_t>> readNow(c10d::Store& store, const std::strin
     std::vector<uint8_t> bytes(mark.begin(), mark.end());
     std::array<uint8_t, 16> nonce{};
     secureRandom(nonce.data(), nonce.size());
-    for (uint8_t b : nonce) bytes.push_back(static_cast<uint8_t>("0123456789abcdef"[b & 15]));
+    for (uint8_t b : nonce) {
+      bytes.push_back(static_cast<uint8_t>("0123456789abcdef"[b >> 4]));
+      bytes.push_back(static_cast<uint8_t>("0123456789abcdef"[b & 15]));
+    }
     return bytes;
   }();
   if (!noCompareSet.load()) {

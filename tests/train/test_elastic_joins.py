@@ -354,8 +354,8 @@ def test_a_restarted_worker_judges_the_era_by_its_newest_decision_past_a_gap(job
     _decide_era(era1, 3, ["m#1"])
     era1.set("latest", 3)
     member = Pulse(keys.clone(), "m#1", 0.05)          # alive; it publishes no reachable address
+    member.member_of(1)
     try:
-        keys.set("addr/m#1", "")
         server.set(root + "era1/latest", old_latest)
         server.delete_key(root + "era1/e2/decision")
         assert _Restarter(keys).era() == 1
@@ -397,3 +397,21 @@ def test_replayed_heartbeats_neither_fork_the_era_nor_hold_a_restarted_worker(jo
         stop.set()
         rogue.join()
     assert keys.peek("era") == 1
+
+
+def test_a_live_member_no_decision_found_names_still_keeps_its_era(job, server):
+    """The decisions that name the live member (epochs 2 to 70) and `latest` are deleted: the
+    newest decision a restarted worker finds names only a long-gone incarnation. The era is still
+    alive: its member answers the probe whoever it is (before: the worker checked only the gone
+    one's heartbeat and echo, and started era 2 beside the live era 1)."""
+    keys, root = job
+    assert keys.first("era", 1) == 1
+    era1 = keys.under("era1")
+    _decide_era(era1, 1, ["old#1"])
+    _decide_era(era1, 71, ["m#1"])
+    member = Pulse(keys.clone(), "m#1", 0.05)
+    member.member_of(1)
+    try:
+        assert _Restarter(keys).era() == 1
+    finally:
+        member.stop()

@@ -90,9 +90,9 @@ def test_a_stranger_on_the_address_is_not_taken_for_the_worker(cluster):
         conn.settimeout(30)                    # (a guard against a hang)
         if keys.sealed:
             challenge = b""
-            while not challenge.endswith(b"\n") and len(challenge) < 100:
+            while not challenge.endswith(b"\n") and len(challenge) < 200:
                 challenge += conn.recv(100) or b"!"     # (closed: fails below)
-            assert len(challenge) == 65, challenge
+            assert len(challenge) == 130, challenge            # the challenge and its seal
         conn.sendall(greeting)
         conns.append(conn)
     beats(keys, "a#1")
@@ -211,8 +211,8 @@ def _closed_by_peer(conn: socket.socket) -> bool:
 
 def test_a_flood_of_connections_to_the_liveness_port_is_bounded(cluster, monkeypatch):
     """Anyone who can reach a worker's liveness port may open connections to it. Beyond
-    `WATCHERS` they are closed at once; with a secret, one that sends no challenge within
-    `GREETING` is closed too (before, every connection was kept for ever: enough of them ran
+    `WATCHERS` they are closed at once; with a secret, one that sends no sealed challenge within
+    `GREETING` is closed too (and one whose challenge is not sealed at once) (before, every connection was kept for ever: enough of them ran
     the process out of file descriptors, and its store connections and groups with it)."""
     monkeypatch.setattr(Pulse, "WATCHERS", 3)
     monkeypatch.setattr(Pulse, "GREETING", 0.3)
@@ -223,6 +223,8 @@ def test_a_flood_of_connections_to_the_liveness_port_is_bounded(cluster, monkeyp
     for conn in flood:
         conn.settimeout(2 if keys.sealed else 0.5)   # (a guard against a hang)
     beats(keys, "a#1")
+    if keys.sealed:
+        flood[0].sendall(b"a" * 64 + b"\n")        # a challenge without the watcher's seal
     closed = [_closed_by_peer(conn) for conn in flood]
     # Without a secret the first three are watchers' connections, kept (the worker greets them);
     # with one, no challenge came: all are closed.

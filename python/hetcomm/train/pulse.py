@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import errno
 import hmac
+import json
 import math
 import os
 import re
@@ -74,7 +75,7 @@ class Pulse:
         self._challenges: dict[str, bytes] = {}            # who -> what we asked it to seal (a secret)
         self._asked: dict[socket.socket, bytes] = {}       # watchers' connections not answered yet
         self._watchers: dict[socket.socket, float] = {}    # watchers' connections -> since when
-        self._echoed: bytes | None = None                  # the last `probe` echoed (`_beat`)
+        self._member_of = 0                                # the era this worker is a member of (echoes)
         self._stop = threading.Event()
         self._selector = selectors.DefaultSelector()
         ip = _local_ip(keys.address)
@@ -83,7 +84,8 @@ class Pulse:
             self._listener.setblocking(False)
             self._selector.register(self._listener, selectors.EVENT_READ, _LISTENER)
             # No address published when none reachable was found: the heartbeat alone decides.
-            self._keys.set(f"addr/{me}", "%s:%d" % (ip, self._listener.getsockname()[1]) if ip else "")
+            self._address = json.dumps("%s:%d" % (ip, self._listener.getsockname()[1]) if ip else "").encode()
+            self._keys.set_bytes(f"addr/{me}", self._address)
             self._beats = 1
             self._keys.set(f"hb/{me}", self._beats)          # the keys exist before anyone watches them
         except BaseException:
@@ -120,12 +122,16 @@ class Pulse:
             names, held = list(self._watch), list(self._held.items())
         for key, n in held:
             self._keys.at_least(key, n, sealed=True)
-        # A worker that asks whether the job's era is alive writes a fresh nonce under `probe`;
-        # every worker's heartbeat answers it under `echo/<me>` (a replayed heartbeat cannot).
-        probe = self._keys.peek_bytes("probe")
-        if probe is not None and len(probe) <= 64 and probe != self._echoed:
-            self._keys.set_bytes(f"echo/{self._me}", probe)
-            self._echoed = probe
+        # A worker that asks whether an era is alive writes a fresh nonce under `probe`; every
+        # member's heartbeat copies it to `era<n>/echo` (a replayed heartbeat cannot), and puts
+        # its liveness address back if a store writer removed it.
+        if self._member_of:
+            probe = self._keys.peek_bytes("probe")
+            echo = f"era{self._member_of}/echo"
+            if probe is not None and len(probe) <= 64 and self._keys.peek_bytes(echo) != probe:
+                self._keys.set_bytes(echo, probe)
+        if self._keys.peek_bytes(f"addr/{self._me}") != self._address:
+            self._keys.set_bytes(f"addr/{self._me}", self._address)
         values = self._keys.counters([f"hb/{n}" for n in names])
         now = time.monotonic()
         with self._lock:
@@ -237,7 +243,8 @@ class Pulse:
                 # (a stranger that greets with the name, or replays a greeting, is not taken for it).
                 self._challenges[name] = os.urandom(32).hex().encode()
                 try:
-                    sock.send(self._challenges[name] + b"\n")
+                    # (sealed too: the worker keeps only watchers that hold the secret)
+                    sock.send(self._challenges[name] + b" " + self._keys.mac("pulse-watcher", self._challenges[name]).hex().encode() + b"\n")
                 except OSError:
                     self._drop_link(name)
                     return
@@ -287,10 +294,10 @@ class Pulse:
         got = self._asked.pop(sock) + data
         if b"\n" not in got:
             self._asked[sock] = got
-            return len(got) <= 64
-        challenge = got.split(b"\n", 1)[0]
-        if len(challenge) != 64:
-            return False
+            return len(got) <= 129
+        challenge, _, mac = got.split(b"\n", 1)[0].partition(b" ")
+        if len(challenge) != 64 or not hmac.compare_digest(mac, self._keys.mac("pulse-watcher", challenge).hex().encode()):
+            return False                          # not a watcher that holds the secret
         try:
             sock.send(self._greeting(self._me, challenge) + b"\n")
         except OSError:
@@ -304,6 +311,10 @@ class Pulse:
             for name in names:
                 if name != self._me and name not in self._watch:
                     self._watch[name] = (-1, now)
+
+    def member_of(self, era: int) -> None:
+        """From now on, answer probes as a member of ``era`` (`_beat`)."""
+        self._member_of = era
 
     def hold(self, key: str, n: int) -> None:
         """Keep the job's (sealed) number ``key`` at ``n`` at least, from the next beat on: a

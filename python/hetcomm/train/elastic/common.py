@@ -92,8 +92,12 @@ def _next_decided(keys, epoch: int) -> int:
     next few). Looks as far as ``latest`` says, or _MAX_SKIPPED epochs when ``latest`` is gone,
     never further."""
     newest = _read_int(keys, "latest")
-    if newest is not None and newest > epoch + _MAX_SKIPPED and _read_decision(keys, newest) is not None:
-        return newest                    # (far behind: the decisions between may be gone too)
+    if newest is not None and newest > epoch + _MAX_SKIPPED:
+        # (far behind: the decisions between may be gone too; `latest`'s own, or the newest of
+        # the _MAX_SKIPPED below it)
+        below = _start_epoch(keys, epoch)
+        if below > epoch:
+            return below
     reach = epoch + _MAX_SKIPPED if newest is None else min(max(newest, epoch + 1), epoch + _MAX_SKIPPED)
     for e in range(epoch + 1, reach + 1):
         if _read_decision(keys, e) is not None:
@@ -101,15 +105,20 @@ def _next_decided(keys, epoch: int) -> int:
     return epoch
 
 
+_MAX_HOPS = 4096              # steps of `_last_decided` (a store writer may write decisions ahead of the reader)
+
+
 def _last_decided(keys, epoch: int) -> int:
     """The newest decision from ``epoch`` on: read on past up to _MAX_SKIPPED missing ones at a
-    time, whatever ``latest`` says (a store writer may have put an old value back)."""
-    while True:
+    time, whatever ``latest`` says (a store writer may have put an old value back); at most
+    _MAX_HOPS decisions on (without a secret, a store writer could write them faster)."""
+    for _ in range(_MAX_HOPS):
         later = next((e for e in range(epoch + 1, epoch + _MAX_SKIPPED + 1) if _read_decision(keys, e) is not None),
                      None)
         if later is None:
-            return epoch
+            break
         epoch = later
+    return epoch
 
 
 def _start_epoch(keys, known: int = 1) -> int:

@@ -92,7 +92,13 @@ class Epochs(JoinRecords, Eras):
         """Asks to join (or, with ``resume``, goes on waiting on the request it made: its join
         index and the next epoch to read) and waits for a decision that admits this worker; then
         takes part in epochs until one commits (this worker then holds the global state). Returns
-        early, with ``_early`` set, when it takes the state offered for the round in progress."""
+        early, with ``_early`` set, when it takes the state offered for the round in progress.
+        Asks again in a later era when its era's members are all gone and a later era began."""
+        while self._admit_in_era(resume):
+            resume = None
+
+    def _admit_in_era(self, resume: tuple[int, int] | None) -> bool:
+        """`_admit` in this worker's era: True when it moved to a later era (ask there)."""
         keys = self._keys
         begin = time.perf_counter()
         if resume is None:
@@ -115,7 +121,7 @@ class Epochs(JoinRecords, Eras):
                 self._stopped, self._stop_reason = True, f"the run ended at round {ended['round']} ({ended['reason']})"
                 self._joined = True
                 self._count("idle", begin)
-                return
+                return False
             decision = _read_decision(keys, epoch)
             if decision is not None:
                 started = True
@@ -125,8 +131,9 @@ class Epochs(JoinRecords, Eras):
                 self._pulse.watch(decision["members"])
                 if self._me in decision["members"]:
                     self._count("idle", begin)
+                    self._pulse.member_of(self._era_number)
                     if self._synchronise(None, self._column(None), admitted=decision):
-                        return
+                        return False
                     self._event({"round": decision["round"], "worker": self.worker_id,
                                  "dropped": f"while being admitted: {self._dropped_why}"},
                                 f"dropped while being admitted ({self._dropped_why}): asking again")
@@ -162,12 +169,12 @@ class Epochs(JoinRecords, Eras):
                     self._keys = self._job_keys.under(f"era{self._era_number}")
                     self._dropped_at = 0                 # (an epoch of the other era)
                     self._new_incarnation()
-                    return self._admit()
+                    return True
                 raise RuntimeError(f"{_PREFIX}: every member of epoch {epoch - 1} ({self._names(watched)}) is gone, "
                                    "and the run's state with them: restart the job from checkpoints (load_state_dict)")
             elif watched and self._early_join and self._take_offer(index, epoch, last):
                 self._count("idle", begin)
-                return
+                return False
             poll()
 
     def _config(self) -> dict:
@@ -263,7 +270,7 @@ class Epochs(JoinRecords, Eras):
                                               "refused": refused, "admitted_upto": count, "fresh": latest is None})
         for who, why in decision.get("refused", {}).items():
             self._refuse(keys, who, why)
-        keys.set("latest", 1)
+        self._set_latest(keys, 1)
 
     def _decide(self, epoch: int, arrival: dict) -> dict:
         """Waits until every member of the last epoch arrived at ``epoch`` or is out; the first to
@@ -330,8 +337,16 @@ class Epochs(JoinRecords, Eras):
                     "members": new_members, "holders": holders,
                     "left": out, "joined": joiners, "refused": refused, "admitted_upto": upto, "fresh": fresh}
         decision = _checked_decision(keys, epoch, decision)
-        keys.set("latest", epoch)
+        self._set_latest(keys, epoch)
+        if self._me in decision["members"]:
+            self._pulse.member_of(self._era_number)
         return decision
+
+    def _set_latest(self, keys: Keys, epoch: int) -> None:
+        """Writes ``latest``, and keeps it there (every heartbeat puts it back: a store writer who
+        deletes it must not make a new worker take the era for unstarted)."""
+        keys.set("latest", epoch)
+        self._pulse.hold(f"era{self._era_number}/latest", epoch)
 
     def _arrival(self) -> dict:
         """What this worker says of itself when it arrives at an epoch."""

@@ -50,12 +50,14 @@ class Eras:
         return era
 
     def _era_alive(self, keys: Keys, last: dict) -> bool:
-        """Whether the era whose newest decision is ``last`` is alive: a later decision appears,
-        a member answers on its liveness connection, or one echoes this worker's fresh `probe`
-        (a heartbeat a store writer replays cannot). False once every member has been silent for
-        ``timeout``; a RuntimeError when heartbeats move but nothing fresh answers for longer than
-        a live member takes (someone replays them: neither starting a new era, which would fork
-        a live one, nor waiting for ever)."""
+        """Whether the era whose newest decision found is ``last`` is alive: a later decision
+        appears, a member of it answers on its liveness connection, or any member of the era
+        (whoever: a store writer may have deleted the decisions that name the live ones) echoes
+        this worker's fresh `probe` under ``era<n>/echo`` (a heartbeat a store writer replays
+        cannot). False once ``last``'s members have all been silent for ``timeout`` and no member
+        answered for two heartbeats; a RuntimeError when their heartbeats move but nothing
+        fresh answers for longer than a live member takes (someone replays them: neither
+        starting a new era, which would fork a live one, nor waiting for ever)."""
         members, nonce = last["members"], uuid.uuid4().hex.encode()
         self._pulse.watch(members)
         poll, start, asked = _Poll(), time.monotonic(), -math.inf
@@ -66,12 +68,13 @@ class Eras:
             if time.monotonic() - asked >= min(self._heartbeat, 0.5):
                 asked = time.monotonic()
                 self._job_keys.set_bytes("probe", nonce)
-                if any(self._job_keys.peek_bytes(f"echo/{m}") == nonce for m in members):
+                if keys.peek_bytes("echo") == nonce:
                     return True
-            if min(self._pulse.silent(m) for m in members) > self._timeout:
+            waited = time.monotonic() - start
+            if min(self._pulse.silent(m) for m in members) > self._timeout and waited > 2 * self._heartbeat + 1:
                 return False
-            if time.monotonic() - start > 2 * (self._timeout + self._heartbeat):
-                raise RuntimeError(f"{_PREFIX}: era {keys.root.rstrip('/').rpartition('/')[2]} of job {self.job!r}: "
+            if waited > 2 * (self._timeout + self._heartbeat):
+                raise RuntimeError(f"{_PREFIX}: {keys.root.rstrip('/').rpartition('/')[2]} of job {self.job!r}: "
                                    f"the heartbeats of its members ({self._names(members)}) move, but none "
                                    "answers this worker: someone may be replaying their heartbeats in the store. "
                                    "Not starting a new era (it could fork a live one): check the store's access, "

@@ -19,7 +19,8 @@ deletion. Each worker's outcome per trial:
 
 A trial *diverged* when workers that finished report different final parameters (never
 acceptable); it was *disturbed* when all finished but the membership changed (a worker dropped
-and joined again). Targets (issue 43): 0 hangs, 0 crashes, 0 divergence, every error clear;
+and joined again, or was dropped and not back in when the run ended: it stops with fewer rounds
+and ``stop_reason`` "the run ended ..."). Targets (issue 43): 0 hangs, 0 crashes, 0 divergence, every error clear;
 with ``--secret`` (HETCOMM_SECRET on every worker) and without ``--deletes`` every trial ok and
 undisturbed: overwriting a sealed record is never acted on. The workers are long-lived processes
 (one run after another, started again after a trial that was not ok). ``--out`` writes the
@@ -92,7 +93,8 @@ def _trial(index: int, trial: int, data_port: int) -> dict:
             diloco.step(samples=len(x), loss=loss.item())
         changes = [e for e in diloco.membership if e.get("round", 0) > 0]
         return {"status": "ok", "mode": mode, "rounds": diloco.rounds, "fingerprint": diloco.fingerprint(),
-                "changes": len(changes)}
+                "changes": len(changes), "stopped": diloco.stop_reason,
+                "dropped": any(e.get("worker") == f"w{index}" and "dropped" in e for e in diloco.membership)}
     except Exception as e:  # noqa: BLE001 - the outcome is the record
         return {"status": "error", "mode": mode, "type": type(e).__name__, "message": str(e)[:600]}
 
@@ -154,11 +156,17 @@ def _verdict(outcomes: list[dict]) -> str:
     if any(o["status"] in ("hang", "crash") for o in outcomes):
         return "hang" if any(o["status"] == "hang" for o in outcomes) else "crash"
     done = [o for o in outcomes if o["status"] == "ok"]
-    if len({(o["rounds"], o["fingerprint"]) for o in done}) > 1:
+    last = max((o["rounds"] for o in done), default=0)
+    # A worker dropped (or never admitted) that was not back in when the run ended stops with
+    # fewer rounds, told so: left out, not diverged. Any other difference is divergence.
+    left_out = [o for o in done if o["rounds"] < last and (o.get("stopped") or "").startswith("the run ended")
+                and (o["rounds"] == 0 or o.get("dropped"))]
+    members = [o for o in done if o not in left_out]
+    if len({(o["rounds"], o["fingerprint"]) for o in members}) > 1:
         return "diverged"
     if len(done) < len(outcomes):
         return "error"
-    return "disturbed" if any(o["changes"] for o in done) else "ok"
+    return "disturbed" if left_out or any(o["changes"] for o in done) else "ok"
 
 
 def main() -> int:

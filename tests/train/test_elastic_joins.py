@@ -415,3 +415,84 @@ def test_a_live_member_no_decision_found_names_still_keeps_its_era(job, server):
         assert _Restarter(keys).era() == 1
     finally:
         member.stop()
+
+
+def test_a_member_keeps_its_era_marked_begun_and_echoes_probes(job, server):
+    """A member's heartbeat keeps `era<n>/echo` there (no worker writes the first decision of
+    an era that has it: a store writer who deletes the era's decisions and `latest` must not
+    make a joiner start it again), and copies a fresh `probe` into it."""
+    keys, root = job
+    member = Pulse(keys.clone(), "m#1", 0.02)
+    try:
+        member.member_of(3)
+
+        def until(check) -> None:
+            deadline = time.monotonic() + 30
+            while not check():
+                assert time.monotonic() < deadline, "not within 30 s (a hang)"
+                time.sleep(0.01)
+
+        until(lambda: keys.peek_bytes("era3/echo") is not None)
+        server.delete_key(root + "era3/echo")
+        until(lambda: keys.peek_bytes("era3/echo") is not None)
+        keys.set_bytes("probe/2", b"n" * 32)
+        until(lambda: keys.peek_bytes("era3/echo/2") == b"n" * 32)
+        assert keys.peek_bytes("era3/echo") is not None
+        member.check()
+    finally:
+        member.stop()
+
+
+class _Stop(Exception):
+    pass
+
+
+class _WaitingJoiner(Epochs):
+    """A fresh joiner's wait for admission (`_admit_in_era`), alone: its heartbeat is a stand-in
+    that ends the wait after ``looks`` turns; `_bootstrap` records that it was called."""
+
+    class _Heart:
+        def __init__(self, looks: int) -> None:
+            self.looks = looks
+
+        def check(self) -> None:
+            self.looks -= 1
+            if self.looks < 0:
+                raise _Stop()
+
+        def watch(self, names) -> None:
+            pass
+
+        keep = watch
+
+        def silent(self, name) -> float:
+            return 0.0
+
+    def __init__(self, keys: Keys, looks: int) -> None:
+        self._keys, self._me, self._gaps, self._timeout, self._heartbeat = keys, "j#1", {}, 1.0, 0.01
+        self._dropped_at, self._early_join, self.job, self._era_number = 0, False, "test", 1
+        self._pulse, self.bootstrapped = self._Heart(looks), False
+
+    def _request(self) -> dict:
+        return {"who": self._me, "holds": False, "round": 0, "config": {}, "early": False}
+
+    def _bootstrap(self, keys: Keys) -> None:
+        self.bootstrapped = True
+        raise _Stop()
+
+    def _count(self, *_) -> None:
+        pass
+
+
+@pytest.mark.parametrize("marked", [False, True], ids=["fresh-era", "begun-era"])
+def test_a_joiner_does_not_start_an_era_a_member_marked_begun(job, marked):
+    """A store writer deleted every decision of the era and `latest`: a joiner must not write
+    its first decision again while a member's heartbeat keeps `echo` there (before: it did,
+    a fork of the live era); in a fresh era it does."""
+    keys, _ = job
+    if marked:
+        keys.set_bytes("echo", b"member")
+    joiner = _WaitingJoiner(keys, looks=50)
+    with pytest.raises(_Stop):
+        joiner._admit_in_era(None)
+    assert joiner.bootstrapped is not marked

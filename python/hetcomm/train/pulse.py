@@ -31,6 +31,7 @@ def _address(raw: bytes) -> tuple[str, int] | None:
     return match.group(1), int(match.group(2))
 
 
+PROBE_SLOTS = 4            # `probe/<slot>` keys a member's heartbeat echoes
 _LISTENER = object()       # selector data of the listening socket (a watched link's is its name)
 
 
@@ -76,6 +77,7 @@ class Pulse:
         self._asked: dict[socket.socket, bytes] = {}       # watchers' connections not answered yet
         self._watchers: dict[socket.socket, float] = {}    # watchers' connections -> since when
         self._member_of = 0                                # the era this worker is a member of (echoes)
+        self._echoed: dict[int, bytes] = {}                # probe slot -> the nonce last echoed there
         self._stop = threading.Event()
         self._selector = selectors.DefaultSelector()
         ip = _local_ip(keys.address)
@@ -122,14 +124,21 @@ class Pulse:
             names, held = list(self._watch), list(self._held.items())
         for key, n in held:
             self._keys.at_least(key, n, sealed=True)
-        # A worker that asks whether an era is alive writes a fresh nonce under `probe`; every
-        # member's heartbeat copies it to `era<n>/echo` (a replayed heartbeat cannot), and puts
-        # its liveness address back if a store writer removed it.
-        if self._member_of:
-            probe = self._keys.peek_bytes("probe")
-            echo = f"era{self._member_of}/echo"
-            if probe is not None and len(probe) <= 64 and self._keys.peek_bytes(echo) != probe:
-                self._keys.set_bytes(echo, probe)
+        # A member keeps `era<n>/echo` there (the era has begun: nobody may write its first
+        # decision again). A worker that asks whether an era is alive writes fresh nonces under
+        # `probe/<slot>` (a slot of its own choosing, PROBE_SLOTS of them: several may ask at
+        # once); every member's heartbeat copies each new one to `era<n>/echo/<slot>` (a
+        # replayed heartbeat cannot). It puts its liveness address back if a store writer
+        # removed it.
+        era = self._member_of
+        if era:
+            if self._keys.peek_bytes(f"era{era}/echo") is None:
+                self._keys.set_bytes(f"era{era}/echo", b"member")
+            for slot in range(PROBE_SLOTS):
+                probe = self._keys.peek_bytes(f"probe/{slot}")
+                if probe is not None and len(probe) <= 64 and probe != self._echoed.get(slot):
+                    self._keys.set_bytes(f"era{era}/echo/{slot}", probe)
+                    self._echoed[slot] = probe
         if self._keys.peek_bytes(f"addr/{self._me}") != self._address:
             self._keys.set_bytes(f"addr/{self._me}", self._address)
         values = self._keys.counters([f"hb/{n}" for n in names])
@@ -313,7 +322,9 @@ class Pulse:
                     self._watch[name] = (-1, now)
 
     def member_of(self, era: int) -> None:
-        """From now on, answer probes as a member of ``era`` (`_beat`)."""
+        """From now on, answer probes as a member of ``era`` (`_beat`); 0: of none."""
+        if era != self._member_of:
+            self._echoed = {}
         self._member_of = era
 
     def hold(self, key: str, n: int) -> None:

@@ -131,7 +131,6 @@ class Epochs(JoinRecords, Eras):
                 self._pulse.watch(decision["members"])
                 if self._me in decision["members"]:
                     self._count("idle", begin)
-                    self._pulse.member_of(self._era_number)
                     if self._synchronise(None, self._column(None), admitted=decision):
                         return False
                     self._event({"round": decision["round"], "worker": self.worker_id,
@@ -159,7 +158,9 @@ class Epochs(JoinRecords, Eras):
                 if later != epoch:
                     epoch = later                # decisions deleted (a store writer): read on
                     continue
-            if epoch == 1 and not started:
+            if epoch == 1 and not started and keys.peek_bytes("echo") is None:
+                # (a member's heartbeat keeps `echo` in an era that began: a store writer who
+                # deleted its decisions and `latest` must not make this worker start it again)
                 self._bootstrap(keys)
             elif watched and all(self._pulse.silent(m) > self._timeout for m in watched):
                 if self._newest_era(self._era_number) > self._era_number:
@@ -338,8 +339,6 @@ class Epochs(JoinRecords, Eras):
                     "left": out, "joined": joiners, "refused": refused, "admitted_upto": upto, "fresh": fresh}
         decision = _checked_decision(keys, epoch, decision)
         self._set_latest(keys, epoch)
-        if self._me in decision["members"]:
-            self._pulse.member_of(self._era_number)
         return decision
 
     def _set_latest(self, keys: Keys, epoch: int) -> None:
@@ -402,6 +401,7 @@ class Epochs(JoinRecords, Eras):
                 if self._me not in decision["members"]:
                     self._dropped_why = decision["left"].get(self._me, "arrived after the decision")
                     self._decision, self._dropped_at = None, decision["epoch"]
+                    self._pulse.member_of(0)             # (no longer answers for the era)
                     return False
             else:
                 decision, admitted = admitted, None
@@ -409,6 +409,10 @@ class Epochs(JoinRecords, Eras):
                 return True
 
     def _attempt(self, decision: dict, delta: torch.Tensor | None, column: list[float]) -> bool:
+        # A member (every way in goes through here): it answers probes for the era and keeps
+        # `latest` there (a store writer who deletes it must not make the era look unstarted).
+        self._pulse.member_of(self._era_number)
+        self._pulse.hold(f"era{self._era_number}/latest", decision["epoch"])
         self._pulse.watch(decision["members"])
         self._pulse.keep(decision["members"])
         self._scanned = (decision["admitted_upto"], 0.0)     # watch the pending joiners again

@@ -5,13 +5,16 @@ heartbeats, and must not send a worker to a dead era, make it fork a live one, o
 ever."""
 from __future__ import annotations
 
+import collections
 import math
+import random
 import time
 import uuid
 
 from hetcomm.train.elastic.common import (_PREFIX, _Poll, _last_decided, _next_decided, _read_decision,
                                           _read_ended, _read_int, _start_epoch)
 from hetcomm.train.membership import Keys, SecretMismatch
+from hetcomm.train.pulse import PROBE_SLOTS
 
 _MAX_ERAS_AHEAD = 64         # later eras a worker reads on to from the `era` key (a store writer set it back)
 _FIRST_REQUESTS = 8          # join requests at the start of an era that show it has begun
@@ -58,7 +61,7 @@ class Eras:
         answered for two heartbeats; a RuntimeError when their heartbeats move but nothing
         fresh answers for longer than a live member takes (someone replays them: neither
         starting a new era, which would fork a live one, nor waiting for ever)."""
-        members, nonce = last["members"], uuid.uuid4().hex.encode()
+        members, slot, sent = last["members"], random.randrange(PROBE_SLOTS), collections.deque(maxlen=64)
         self._pulse.watch(members)
         poll, start, asked = _Poll(), time.monotonic(), -math.inf
         while True:
@@ -67,9 +70,13 @@ class Eras:
                 return True
             if time.monotonic() - asked >= min(self._heartbeat, 0.5):
                 asked = time.monotonic()
-                self._job_keys.set_bytes("probe", nonce)
-                if keys.peek_bytes("echo") == nonce:
+                if keys.peek_bytes(f"echo/{slot}") in sent:
                     return True
+                # A fresh nonce every time: a member echoes each new one (an echo a store writer
+                # deleted is written again), and another worker asking in the same slot only
+                # delays the answer.
+                sent.append(uuid.uuid4().hex.encode())
+                self._job_keys.set_bytes(f"probe/{slot}", sent[-1])
             waited = time.monotonic() - start
             if min(self._pulse.silent(m) for m in members) > self._timeout and waited > 2 * self._heartbeat + 1:
                 return False

@@ -40,6 +40,8 @@ def main(argv=None) -> int:
     p.add_argument("--plain", action="store_true", help="the data-parallel script without DiLoCo")
     p.add_argument("--workers", default="sites", help="sites, ranks, or one label per rank (a,b,...)")
     p.add_argument("--steps", type=int, default=20, help="H: inner steps per round")
+    p.add_argument("--local-steps", default="time", choices=["time", "fixed"],
+                   help="time: each worker's steps from its measured speed (default); fixed: H steps each")
     p.add_argument("--samples", type=int, default=20000, help="stop after this many samples (all ranks)")
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--backend", default="hetcomm")
@@ -65,7 +67,7 @@ def main(argv=None) -> int:
                 break
     else:
         labels = args.workers.split(",") if "," in args.workers else args.workers
-        diloco = hetcomm.DiLoCo(model, opt, local_steps="time", steps=args.steps,         # DiLoCo
+        diloco = hetcomm.DiLoCo(model, opt, local_steps=args.local_steps, steps=args.steps,  # DiLoCo
                                 compress="int8", overlap=True, fragments=2,                # DiLoCo
                                 workers=labels, inner_sync=False)                          # DiLoCo
         net = model if diloco.worker_group is None else DDP(model, process_group=diloco.worker_group)  # DiLoCo

@@ -1,16 +1,21 @@
-"""DDP training step on CUDA: hetcomm beside gloo, in the same processes, alternating.
+"""DDP training step on CUDA: hetcomm beside gloo and NCCL, in the same processes, alternating.
 
     python benchmarks/ddp_step_cuda.py [--nprocs 2] [--params-m 25] [--steps 20] [--rounds 3]
+                                       [--backends hetcomm,gloo,nccl]
                                        [--json benchmarks/results/ddp_step_cuda.json]
+
+Backends: hetcomm (its default levels), hetcomm-nccl (NCCL as the inner level of the host,
+HETCOMM_LOCAL=nccl), gloo, nccl. Ranks that share a GPU get an NCCL_HOSTID each (unless it is
+set), so that NCCL starts: it then connects them as separate machines.
 
 Every rank trains the same MLP (``--params-m`` million fp32 parameters, so that the gradient
 allreduce carries 4 x that many MB per step) with DistributedDataParallel's default hook, once on
-a hetcomm group and once on a gloo group, ``--rounds`` times alternately so that a drift of the
-machine affects both alike. A step is zero_grad, forward, backward (which runs DDP's bucketed
+a group of each backend, ``--rounds`` times in turn so that a drift of the machine affects all
+alike. A step is zero_grad, forward, backward (which runs DDP's bucketed
 allreduces), optimizer step, and ends when the current stream has finished it. Ranks are placed
 on GPU ``rank mod visible GPUs``: with one GPU every rank shares it. The reported time of a
-round is the slowest rank's median step; the result is the median over rounds, and the ratio is
-gloo / hetcomm (above 1: hetcomm is faster).
+round is the slowest rank's median step; the result is the median over rounds, and the ratios
+are each other backend's time / hetcomm's (above 1: hetcomm is faster).
 
 The two runs start from the same parameters and see the same batches, so their final parameters
 must agree; the script checks that and fails otherwise (a benchmark of wrong numbers is no
@@ -39,6 +44,7 @@ import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from hetcomm.bench.records import command_line, write_document
+from hetcomm.bench.worker import give_ranks_nccl_hosts
 
 WIDTH = 2048
 
@@ -83,9 +89,25 @@ def rank_main(rank: int, world_size: int, port: int, args: argparse.Namespace, q
 
     device = torch.device("cuda", rank % torch.cuda.device_count())
     torch.cuda.set_device(device)
+    give_ranks_nccl_hosts(args.backends, rank, world_size)
     timeout = datetime.timedelta(seconds=args.timeout)
     dist.init_process_group("hetcomm", timeout=timeout)
-    groups = {"hetcomm": dist.group.WORLD, "gloo": dist.new_group(backend="gloo", timeout=timeout)}
+    groups = {}
+    for name in args.backends:
+        if name == "hetcomm":
+            groups[name] = dist.group.WORLD
+        elif name == "hetcomm-nccl":
+            saved = os.environ.get("HETCOMM_LOCAL")
+            os.environ["HETCOMM_LOCAL"] = "nccl"     # read when the group is created
+            try:
+                groups[name] = dist.new_group(backend="hetcomm", timeout=timeout)
+            finally:
+                if saved is None:
+                    del os.environ["HETCOMM_LOCAL"]
+                else:
+                    os.environ["HETCOMM_LOCAL"] = saved
+        else:
+            groups[name] = dist.new_group(backend=name, timeout=timeout)
     control = dist.new_group(backend="gloo", timeout=timeout)  # for the numbers, not measured
     rounds = {name: [] for name in groups}
     finals = {}
@@ -100,7 +122,8 @@ def rank_main(rank: int, world_size: int, port: int, args: argparse.Namespace, q
             if rank == 0:
                 print(f"ddp_step_cuda: round {r + 1}/{args.rounds} {name}: {float(median) * 1e3:.2f} ms "
                       "per step (slowest rank's median)", file=sys.stderr, flush=True)
-    worst = max(float((a - b).abs().max()) for a, b in zip(finals["hetcomm"], finals["gloo"]))
+    worst = max((float((a - b).abs().max()) for name in groups if name != "hetcomm"
+                 for a, b in zip(finals["hetcomm"], finals[name])), default=0.0)
     dist.barrier(group=control)
     if rank == 0:
         params = sum(p.numel() for p in finals["hetcomm"])
@@ -120,7 +143,9 @@ def rank_main(rank: int, world_size: int, port: int, args: argparse.Namespace, q
             "step_seconds": {name: statistics.median(v) for name, v in rounds.items()},
             "final_params_max_abs_diff": worst,
         }
-        result["speedup_gloo_over_hetcomm"] = result["step_seconds"]["gloo"] / result["step_seconds"]["hetcomm"]
+        for name in groups:
+            if name != "hetcomm":
+                result[f"speedup_{name}_over_hetcomm"] = result["step_seconds"][name] / result["step_seconds"]["hetcomm"]
         queue.put(result)
     dist.destroy_process_group()
 
@@ -140,9 +165,14 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=20, help="timed steps per round (default 20)")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps per round (default 3)")
     parser.add_argument("--rounds", type=int, default=3, help="rounds, each backend once (default 3)")
+    parser.add_argument("--backends", default="hetcomm,gloo,nccl",
+                        help="comma-separated, hetcomm first: hetcomm, hetcomm-nccl, gloo, nccl (default hetcomm,gloo,nccl)")
     parser.add_argument("--timeout", type=float, default=300.0)
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
+    args.backends = [b.strip() for b in args.backends.split(",") if b.strip()]
+    if args.backends[:1] != ["hetcomm"] or not set(args.backends) <= {"hetcomm", "hetcomm-nccl", "gloo", "nccl"}:
+        parser.error(f"--backends {','.join(args.backends)}: hetcomm first, then any of hetcomm-nccl, gloo, nccl")
     if not torch.cuda.is_available():
         parser.error("needs a CUDA GPU (torch.cuda.is_available() is False)")
     with socket.socket() as s:
@@ -175,7 +205,7 @@ def main() -> int:
         write_document(args.json, ddp_document(result), result["command"])
     ok = result["final_params_max_abs_diff"] <= 1e-4
     if not ok:
-        print(f"ddp_step_cuda: hetcomm and gloo ended with different parameters "
+        print(f"ddp_step_cuda: hetcomm and another backend ended with different parameters "
               f"(max diff {result['final_params_max_abs_diff']:.3g})", file=sys.stderr)
     return 0 if ok else 1
 

@@ -309,6 +309,10 @@ PYBIND11_MODULE(_C, m) {
       "The key that seals the store values of `context` (an elastic job's key prefix) with the "
       "out-of-band secret (HETCOMM_SECRET_FILE or HETCOMM_SECRET), derived from it and never stored; "
       "None when neither is set. Raises as group creation does for a secret it refuses.");
+  m.def("staging_host_bytes", &hetcomm::stagingHostBytes,
+        "Bytes of host staging memory (pinned, in a CUDA build) that this process's groups hold now "
+        "for device tensors: their staging slots and whole-message buffers; 0 once every group "
+        "that moved device tensors is destroyed.");
   m.def("reduce_into", &reduceIntoTensor, py::arg("dst"), py::arg("src"), py::arg("op") = "sum",
         "dst = op(dst, src) with hetcomm's CPU reduce kernel (for benchmarks and tests).");
 }

@@ -7,17 +7,25 @@
 #    torch, numpy, scipy and pytest must already be installed), and the C++ tests and the CUDA
 #    kernel benchmark with CMake;
 # 2. runs ctest (the CUDA reduce kernels bit for bit against the CPU ones) and the CUDA pytest
-#    suite (tests/backend/test_cuda.py, with HETCOMM_REQUIRE_CUDA=1 so that nothing skips silently);
-# 3. runs the CUDA benchmarks: reduce kernel vs device-to-device copy (bench_reduce), allreduce of
-#    CUDA tensors, 2 ranks on one GPU, hetcomm beside gloo (python -m hetcomm.bench --device cuda),
-#    a DDP training step, hetcomm beside gloo (benchmarks/ddp_step_cuda.py), and the staging
-#    settings' sweep (benchmarks/cuda/staging_sweep.sh).
+#    suite (tests/backend/test_cuda.py, with HETCOMM_REQUIRE_CUDA=1 so that nothing skips
+#    silently): every collective, stream semantics, DDP, and every path a CUDA tensor takes (one
+#    host through shared memory, TCP and the NCCL inner level; hosts of two through shared memory
+#    and NCCL; sites; three levels with NCCL), with fp16/bf16 AVG of large values and the pinned
+#    staging memory after a 1 GiB allreduce and after destroy;
+# 3. runs the CUDA benchmarks, 2 ranks on the GPU(s): reduce kernel vs device-to-device copy
+#    (bench_reduce); allreduce of CUDA tensors, hetcomm's paths beside torch's NCCL and gloo
+#    (python -m hetcomm.bench --device cuda); a DDP training step, hetcomm beside gloo and NCCL
+#    (benchmarks/ddp_step_cuda.py); with GPU_CHECK_SWEEP=1 also the staging settings' sweep
+#    (benchmarks/cuda/staging_sweep.sh).
 #
-# OUTDIR receives eight files: summary.txt (one line per phase: status, seconds), build.log,
-# tests.log, bench.log, the three benchmarks' JSON and staging_sweep.txt. About 6 minutes on a
-# 16-core H100 machine. Every phase runs even if an earlier
-# one failed (except after a failed build); the exit status is the number of failed phases.
-# Environment: PYTHON (default python3), GPU_CHECK_ARCH (CUDA architectures, default: the GPU's).
+# Ranks that share a GPU get an NCCL_HOSTID each (the tests and benchmarks set it), so that NCCL
+# starts; NCCL's sockets then stay on loopback (NCCL_SOCKET_IFNAME=lo unless set).
+#
+# OUTDIR receives summary.txt (one line per phase: status, seconds), build.log, tests.log,
+# bench.log and the benchmarks' JSON. About 6 minutes on a 16-core H100 machine. Every phase runs
+# even if an earlier one failed (except after a failed build); the exit status is the number of
+# failed phases. Environment: PYTHON (default python3), GPU_CHECK_ARCH (CUDA architectures,
+# default: the GPU's), GPU_CHECK_SWEEP.
 set -uo pipefail
 OUT=${1:?usage: scripts/gpu_check.sh OUTDIR}
 mkdir -p "$OUT"
@@ -26,6 +34,7 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1
 export PYTHONPATH="$PWD/python${PYTHONPATH:+:$PYTHONPATH}"
+export NCCL_SOCKET_IFNAME=${NCCL_SOCKET_IFNAME:-lo}
 failed=0
 
 record() {  # record NAME RC START_SECONDS
@@ -76,15 +85,25 @@ record cmake_build $? $cmake_start
 rm -f "$OUT/cmake.log"
 phase ctest "$OUT/tests.log" 300 ctest --test-dir build-gpu --output-on-failure
 phase bench_reduce_kernel "$OUT/bench.log" 300 bash -c "build-gpu/benchmarks/cuda/bench_reduce --mb 256 --iters 50 > '$OUT/reduce_kernel.json'"
-phase bench_allreduce_cuda "$OUT/bench.log" 300 "$PY" -m hetcomm.bench --device cuda --nprocs 2 \
-  --backends hetcomm,gloo --sizes 8,32K,1M,16M,64M,256M --seconds-per-size 1.0 --min-iters 5 --timeout 60 \
-  --json "$OUT/allreduce_cuda_2ranks_1gpu.json"
 # HETCOMM_TEST_START=spawn: every rank a new interpreter, not a fork of the harness's fork server,
 # which has the CUDA build of the extension loaded (CUDA must not be initialised before a fork).
-phase pytest_cuda "$OUT/tests.log" 420 env HETCOMM_REQUIRE_CUDA=1 HETCOMM_TEST_START=spawn "$PY" -m pytest -q -rs tests/backend/test_cuda.py
+# -rP: the staging memory each path held (printed by the tests) goes into the log.
+phase pytest_cuda "$OUT/tests.log" 420 env HETCOMM_REQUIRE_CUDA=1 HETCOMM_TEST_START=spawn "$PY" -m pytest -q -rsP \
+  -p no:cacheprovider tests/backend/test_cuda.py
+phase bench_allreduce_cuda "$OUT/bench.log" 300 "$PY" -m hetcomm.bench --device cuda --nprocs 2 \
+  --backends nccl,hetcomm,hetcomm-tcp,gloo --sizes 8,1M,16M,64M,256M --seconds-per-size 1.0 --min-iters 5 \
+  --timeout 60 --json "$OUT/allreduce_cuda_2ranks_1gpu.json"
 phase bench_ddp_step_cuda "$OUT/bench.log" 300 "$PY" benchmarks/ddp_step_cuda.py --nprocs 2 --rounds 5 \
-  --timeout 60 --json "$OUT/ddp_step_cuda_2ranks_1gpu.json"
-phase bench_staging_sweep "$OUT/bench.log" 300 benchmarks/cuda/staging_sweep.sh "$OUT/staging_sweep.txt"
+  --backends hetcomm,gloo,nccl --timeout 60 --json "$OUT/ddp_step_cuda_2ranks_1gpu.json"
+# NCCL as hetcomm's inner level, apart: a failure there leaves the figures above whole.
+phase bench_allreduce_nccl_level "$OUT/bench.log" 300 "$PY" -m hetcomm.bench --device cuda --nprocs 2 \
+  --backends hetcomm-nccl,nccl --sizes 8,1M,16M,64M,256M --seconds-per-size 1.0 --min-iters 5 \
+  --timeout 60 --json "$OUT/allreduce_cuda_nccl_level_2ranks_1gpu.json"
+phase bench_ddp_step_nccl_level "$OUT/bench.log" 300 "$PY" benchmarks/ddp_step_cuda.py --nprocs 2 --rounds 5 \
+  --backends hetcomm,hetcomm-nccl,nccl --timeout 60 --json "$OUT/ddp_step_cuda_nccl_level_2ranks_1gpu.json"
+if [ "${GPU_CHECK_SWEEP:-0}" = 1 ]; then
+  phase bench_staging_sweep "$OUT/bench.log" 300 benchmarks/cuda/staging_sweep.sh "$OUT/staging_sweep.txt"
+fi
 
 echo "--- summary ($failed failed)"
 cat "$OUT/summary.txt"

@@ -78,6 +78,13 @@ class DeviceOps {
   virtual void testDelay() {}
 };
 
+// Bytes of host staging memory (pinned, for CUDA) that this process's DeviceOps hold now: their
+// slots and whole-message buffers. Each implementation counts what it allocates and frees, so a
+// test or benchmark can check that staging stays bounded by a piece and returns to 0 once every
+// group is destroyed (hetcomm.staging_host_bytes()).
+int64_t stagingHostBytes();
+void countStagingHostBytes(int64_t delta);
+
 // Settles `ops` (if any) when a collective returns or throws.
 class SettleOnExit {
  public:

@@ -15,6 +15,7 @@ EmulatedDeviceOps::EmulatedDeviceOps(size_t slotBytes, int slotCount, int jitter
   slots_.slotBytes = slotBytes;
   slots_.queueReadsUntil.assign(slotCount, 0);
   thread_ = startThread("emulated device", [this] { loop(); });
+  countStagingHostBytes(static_cast<int64_t>(slotMemory_.size()));
 }
 
 EmulatedDeviceOps::~EmulatedDeviceOps() {
@@ -24,6 +25,7 @@ EmulatedDeviceOps::~EmulatedDeviceOps() {
   }
   cv_.notify_all();
   thread_.join();
+  countStagingHostBytes(-static_cast<int64_t>(slotMemory_.size() + bulk_.size()));
 }
 
 void EmulatedDeviceOps::enqueue(std::function<void()> task) {
@@ -96,7 +98,9 @@ void EmulatedDeviceOps::waitFor(Ticket ticket) {
 char* EmulatedDeviceOps::hostBuffer(size_t bytes) {
   if (bulk_.size() < bytes) {
     waitFor(mark());  // the queue may still read the old buffer
+    const auto before = static_cast<int64_t>(bulk_.size());
     bulk_.assign(bytes, 0);
+    countStagingHostBytes(static_cast<int64_t>(bytes) - before);
   }
   return bulk_.data();
 }

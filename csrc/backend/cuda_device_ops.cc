@@ -49,14 +49,18 @@ class CudaDeviceOps final : public DeviceOps {
     c10::cuda::CUDAGuard guard(device_);
     events_.assign(kEvents, nullptr);
     for (cudaEvent_t& e : events_) check(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), "cudaEventCreate");
+    {
+      // Allocated while our stream is current: the caching allocator then ties the block to it.
+      c10::cuda::CUDAStreamGuard streamGuard(stream_);
+      scratch_ = c10::cuda::CUDACachingAllocator::get()->allocate(slotBytes_ + 16);
+    }
+    // Last, so that nothing allocated here is left behind (uncounted or leaked) if a step fails.
     void* slots = nullptr;
     check(cudaHostAlloc(&slots, slotBytes_ * kSlots, cudaHostAllocDefault), "cudaHostAlloc of the staging slots");
+    countStagingHostBytes(static_cast<int64_t>(slotBytes_ * kSlots));
     slots_.base = static_cast<char*>(slots);
     slots_.slotBytes = slotBytes_;
     slots_.queueReadsUntil.assign(kSlots, 0);
-    // Allocated while our stream is current: the caching allocator then ties the block to it.
-    c10::cuda::CUDAStreamGuard streamGuard(stream_);
-    scratch_ = c10::cuda::CUDACachingAllocator::get()->allocate(slotBytes_ + 16);
   }
 
   ~CudaDeviceOps() override {
@@ -68,6 +72,7 @@ class CudaDeviceOps final : public DeviceOps {
     }
     if (slots_.base != nullptr) cudaFreeHost(slots_.base);
     if (bulk_ != nullptr) cudaFreeHost(bulk_);
+    countStagingHostBytes(-static_cast<int64_t>((slots_.base != nullptr ? slotBytes_ * kSlots : 0) + bulkBytes_));
     (void)cudaGetLastError();
   }
 
@@ -125,16 +130,19 @@ class CudaDeviceOps final : public DeviceOps {
 
   char* hostBuffer(size_t bytes) override {
     if (bytes <= bulkBytes_) return bulk_;
-    size_t grown = std::max<size_t>(bulkBytes_ * 2, 64 * 1024);
-    while (grown < bytes) grown *= 2;
+    // Exactly what is asked (a piece, at most, across hosts or sites): pinned memory is scarce,
+    // and the sizes asked for repeat (pieces, DDP's buckets), so regrowth is rare.
+    const size_t grown = bytes;
     check(cudaStreamSynchronize(raw_), "cudaStreamSynchronize");  // the old buffer may still be read
     if (bulk_ != nullptr) check(cudaFreeHost(bulk_), "cudaFreeHost");
+    countStagingHostBytes(-static_cast<int64_t>(bulkBytes_));
     bulk_ = nullptr;
     bulkBytes_ = 0;
     void* p = nullptr;
     check(cudaHostAlloc(&p, grown, cudaHostAllocDefault), "cudaHostAlloc of a staging buffer");
     bulk_ = static_cast<char*>(p);
     bulkBytes_ = grown;
+    countStagingHostBytes(static_cast<int64_t>(grown));
     return bulk_;
   }
 

@@ -556,6 +556,16 @@ void ProcessGroupHetcomm::shutdown() {
     pendingLocal_.reset();
   }
   completions_->stop();
+  {
+    // The staging memory goes with the group (torch's destroy_process_group shuts it down while
+    // Python may still hold the group object): nothing runs on it any more.
+    std::vector<std::unique_ptr<DeviceOps>> staging;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      for (auto& entry : devices_) staging.push_back(std::move(entry.second.ops));
+      staging.push_back(std::move(emulatedDevice_));
+    }
+  }  // destroyed here, outside the lock (a CUDA one waits for its stream)
   // The last rank to leave cleans the group's keys: before that, a rank still in the group may look
   // a peer's address up (lazily, at its first message to that peer), or still be starting. A rank
   // that crashed never leaves, and its group's keys stay until the store goes. A store that has

@@ -67,6 +67,9 @@ at::Tensor TorchInnerLevel::tensorOver(const CollectiveContext& ctx, const void*
     options = options.device(current);
   }
   (void)ctx;
+  // Nothing to wrap: an empty tensor's pointer may be null, which from_blob refuses for a CUDA
+  // device ("not registered with any CUDA device"), and the level neither reads nor writes it.
+  if (count == 0) return at::empty({0}, options);
   return at::from_blob(const_cast<void*>(data), {static_cast<int64_t>(count)}, options);
 }
 

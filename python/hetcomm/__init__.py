@@ -18,11 +18,12 @@ import importlib.util as _importlib_util
 import sys as _sys
 
 from hetcomm._backend import (backend_of, get_plan, link_model, listen_address, monitored_barrier, probe,
-                              register_backend, set_plan, stats, supported_devices, tls_available)
+                              register_backend, set_plan, staging_host_bytes, stats, supported_devices,
+                              tls_available)
 
 __version__ = "0.1.0"
 __all__ = ["register_backend", "backend_of", "get_plan", "set_plan", "probe", "link_model", "listen_address",
-           "supported_devices", "monitored_barrier", "stats", "tls_available",
+           "supported_devices", "monitored_barrier", "stats", "staging_host_bytes", "tls_available",
            "AdaptiveDataParallel", "DiLoCo", "Elastic", "ElasticDiLoCo", "StoreUnreachable", "compress", "data", "hooks",
            "local_steps", "partition", "__version__"]
 

@@ -113,6 +113,16 @@ def tls_available() -> tuple[bool, str]:
     return _engine.extension().tls_available()
 
 
+def staging_host_bytes() -> int:
+    """Bytes of host memory this process's hetcomm groups hold now to stage device tensors (pinned
+    memory in a CUDA build): each group's staging slots (8 of ``HETCOMM_DEVICE_SLOT_BYTES`` per
+    CUDA device it moved tensors of; under HETCOMM_DEBUG_EMULATE_DEVICE, the emulation's, from
+    the group's creation) and a buffer the size of the largest message staged whole, at most a
+    piece (``HETCOMM_SITE_PIECE_BYTES``) for an allreduce across hosts or sites. Not a
+    collective; freed when a group is shut down, so 0 once every group is destroyed."""
+    return int(_engine.extension().staging_host_bytes())
+
+
 def register_backend() -> None:
     """Registers ``"hetcomm"`` with torch.distributed (idempotent; ``import hetcomm`` calls it).
 

@@ -198,22 +198,28 @@ def inner_level_choice() -> tuple[str, str]:
 
 def _nccl_device() -> str:
     """This rank's GPU for NCCL ("cuda:<uuid>": the physical GPU, whatever CUDA_VISIBLE_DEVICES
-    numbers it), or why there is none. Never raises: every rank must reach the exchange after it."""
+    numbers it, then "@<NCCL_HOSTID>" where that is set), or why there is none. Never raises:
+    every rank must reach the exchange after it.
+
+    NCCL refuses a GPU twice only among ranks it takes for one machine, by NCCL_HOSTID where set:
+    ranks given distinct NCCL_HOSTIDs may share a GPU (NCCL then connects them as it connects
+    machines, through its network transport), as on a test machine with one GPU."""
     try:
         if not torch.distributed.is_nccl_available():
             return "no NCCL in this torch"
         if not torch.cuda.is_available():
             return "no CUDA device"
         props = torch.cuda.get_device_properties(torch.cuda.current_device())
-        return f"cuda:{getattr(props, 'uuid', torch.cuda.current_device())}"
+        nccl_host = os.environ.get("NCCL_HOSTID", "")
+        return f"cuda:{getattr(props, 'uuid', torch.cuda.current_device())}" + (f"@{nccl_host}" if nccl_host else "")
     except Exception as e:  # noqa: BLE001 (a broken driver on one rank)
         return f"no usable CUDA device ({type(e).__name__})"
 
 
 def _nccl_problem(devices: Sequence[str], labels: Sequence[int]) -> str:
     """Why NCCL cannot join the ranks of every host ("" when it can): a rank without it, or two
-    ranks of a host on one GPU (NCCL refuses a communicator with a GPU twice; set each rank's
-    device, torch.cuda.set_device, before creating the group)."""
+    ranks of a host on one GPU under one NCCL_HOSTID (NCCL refuses a communicator with a GPU twice
+    on one machine; set each rank's device, torch.cuda.set_device, before creating the group)."""
     for rank, device in enumerate(devices):
         if not device.startswith("cuda:"):
             return f"rank {rank} has {device}"
@@ -283,7 +289,7 @@ def setup_inner_levels(backend, labels: Sequence[int], store=None, timeout_ms: i
         raise ValueError("hetcomm: a torch process group as a host's inner level needs the group's store")
     if device:
         # NCCL for CUDA tensors needs it on every rank, each rank of a host on its own GPU.
-        devices = [_decode(r) for r in _allgather_rows(backend, _encode(_nccl_device(), 64))]
+        devices = [_decode(r) for r in _allgather_rows(backend, _encode(_nccl_device(), 160))]
         problem = _nccl_problem(devices, labels)
         if problem:
             raise ValueError(f"hetcomm: HETCOMM_LOCAL=nccl, but {problem}")

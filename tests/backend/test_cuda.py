@@ -14,6 +14,16 @@
   - no collective waits for the whole device (an unrelated stream stays busy throughout).
 * DDP (test_ddp.py's job: built-in hooks, fp16, PowerSGD, Join, the sample-weighted hooks) on
   CUDA, against gloo on CUDA.
+* Every path a CUDA tensor can take (CUDA_PATHS): one host through shared memory, through TCP
+  (staged) and through the NCCL inner level; hosts of two through shared memory and through NCCL
+  (only each rank's slice of a piece leaves the GPU); sites of hosts (pinned pieces between
+  sites); three levels with NCCL inside hosts. On each: fp16/bf16 AVG of values whose sum
+  overflows stays finite and within rounding of a float64 mean (tests/support/device_suite.py,
+  which CI runs on the emulated device), every dtype and op of the level's plan (level_suite),
+  and the pinned staging memory after a 1 GiB allreduce (at most the slots and one piece) and
+  after the group is destroyed (none). Two ranks share the one GPU of a test machine through
+  NCCL with a distinct NCCL_HOSTID each (NCCL then connects them as machines); HETCOMM_HOST_ID
+  keeps them in one hetcomm host.
 
 Without a GPU, or with a CPU-only build of hetcomm, every test here skips and says which. Set
 HETCOMM_REQUIRE_CUDA=1 (scripts/gpu_check.sh does) to make that a failure instead: on a GPU
@@ -32,6 +42,8 @@ from harness import Cases, run_suite
 from values import assert_same
 from collective_suite import FAMILIES, NEEDS_PEER, collective_suite, family_params
 from ddp_suite import VARIANTS, ddp_suite
+from device_suite import AVG_FAMILIES, large_avg_suite, staging_suite
+from level_suite import level_suite
 
 
 def _missing_cuda() -> str:
@@ -216,3 +228,80 @@ def _ddp_report():
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_ddp_on_cuda_matches_gloo(variant: str) -> None:
     _ddp_report().assert_family(variant)
+
+
+# --------------------------------------------------------------------------------------------
+# Every path a CUDA tensor takes
+# --------------------------------------------------------------------------------------------
+
+def _nccl_hosts(ws: int) -> list[str]:
+    return [f"hetcomm-test-rank{r}" for r in range(ws)]
+
+
+NCCL = {"HETCOMM_LOCAL": "nccl"}
+LEVELS = {"HETCOMM_SMALL_ALLREDUCE_BYTES": "0"}   # small allreduces take the level's plan too
+# name: (world size, environment, the level's plan for level_suite or None for one host, inner level)
+CUDA_PATHS = {
+    "one-host-shm": (2, {}, None, "shm"),
+    "one-host-tcp": (2, {"HETCOMM_LOCAL": "tcp"}, None, None),
+    "one-host-nccl": (2, {**NCCL, "NCCL_HOSTID": _nccl_hosts(2)}, None, "nccl"),
+    "hosts-shm": (4, {"HETCOMM_HOST_ID": "0,0,1,1", **LEVELS}, "host", "shm"),
+    "hosts-nccl": (4, {"HETCOMM_HOST_ID": "0,0,1,1", **LEVELS, **NCCL, "NCCL_HOSTID": _nccl_hosts(4)}, "host",
+                   "nccl"),
+    # Declared links slow between the sites, so that the planner takes the site plan.
+    "sites": (4, {"HETCOMM_HOST_ID": "0,1,2,3", "HETCOMM_SITES": "0,0,1,1",
+                  "HETCOMM_LINK_MBIT": "0,10000,100,100;10000,0,100,100;100,100,0,10000;100,100,10000,0"},
+              None, None),
+    "three-levels-nccl": (6, {"HETCOMM_HOST_ID": "0,1,1,2,3,3", "HETCOMM_SITES": "0,0,0,0,1,1", **LEVELS, **NCCL,
+                              "NCCL_HOSTID": _nccl_hosts(6)}, "three", "nccl"),
+}
+PATH_ENV = {"HETCOMM_PROBE": "0"}
+LEVEL_FAMILIES = ["all_reduce", "identical", "path"]
+GIB_FLOATS = 1 << 28                                  # a 1 GiB float32 allreduce
+STAGING_BOUND = 8 * (1 << 20) + (32 << 20)            # 8 slots of 1 MiB + one 32 MiB piece (the defaults)
+
+
+def _path_families(path: str) -> list[str]:
+    ws, _, level, _ = CUDA_PATHS[path]
+    one_host = FAMILIES if path == "one-host-nccl" else []
+    return ["inner_level"] + AVG_FAMILIES + (LEVEL_FAMILIES if level else []) + one_host + ["staging"]
+
+
+def path_suite(rank: int, ws: int, path: str) -> dict:
+    import hetcomm
+    _, _, level, inner = CUDA_PATHS[path]
+    hosts = os.environ.get("HETCOMM_HOST_ID", "").split(",")
+    if len(hosts) == ws and hosts.count(hosts[rank]) < 2:
+        inner = None                                  # alone on its host: nothing to join
+    with Cases(rank).case("inner_level", f"this rank's host took {inner or 'no'} inner level"):
+        levels = hetcomm.backend_of().inner_levels()
+        assert (inner in levels) if inner else not levels, levels
+        if os.environ.get("HETCOMM_SITES"):
+            assert hetcomm.get_plan().sites is not None, "no site plan"
+    large_avg_suite(rank, ws, "cuda")
+    if level:
+        level_suite(rank, ws, level, "cuda")
+    if path == "one-host-nccl":
+        collective_suite(rank, ws, "cuda")
+    return staging_suite(rank, ws, "cuda", GIB_FLOATS, STAGING_BOUND)
+
+
+_PATH_REPORTS: dict = {}
+
+
+def _path_report(path: str):
+    if path not in _PATH_REPORTS:
+        ws, env, _, _ = CUDA_PATHS[path]
+        report = run_suite(ws, path_suite, path, families=_path_families(path), timeout=300, pg_timeout=60,
+                           env={**PATH_ENV, **env})
+        print(f"staging memory per rank, {path}: " + ", ".join(
+            f"rank {r}: {v['held']} bytes after a 1 GiB allreduce, {v['after_destroy']} after destroy"
+            if v else f"rank {r}: none" for r, v in enumerate(report.values)))
+        _PATH_REPORTS[path] = report
+    return _PATH_REPORTS[path]
+
+
+@pytest.mark.parametrize("path,family", [pytest.param(p, f, id=f"{p}-{f}")
+                                         for p in CUDA_PATHS for f in _path_families(p)])
+def test_every_cuda_path(path: str, family: str) -> None:
+    _path_report(path).assert_family(family)

@@ -132,6 +132,9 @@ def test_nccl_needs_a_gpu_per_rank_of_a_host() -> None:
     # GPUs by UUID: two ranks that each see their GPU as cuda:0 (CUDA_VISIBLE_DEVICES) differ.
     assert _nccl_problem(["cuda:GPU-a", "cuda:GPU-b", "cuda:GPU-a"], [0, 0, 1]) == ""
     assert _nccl_problem(["cuda:GPU-a", "cuda:GPU-a"], [0, 0]) == "ranks 0 and 1 of one host are both on cuda:GPU-a"
+    # distinct NCCL_HOSTIDs: NCCL takes the ranks for two machines, so they may share the GPU
+    assert _nccl_problem(["cuda:GPU-a@r0", "cuda:GPU-a@r1"], [0, 0]) == ""
+    assert _nccl_problem(["cuda:GPU-a@h", "cuda:GPU-a@h"], [0, 0]) == "ranks 0 and 1 of one host are both on cuda:GPU-a@h"
     assert _nccl_problem(["cuda:GPU-a", "no CUDA device"], [0, 1]) == "rank 1 has no CUDA device"
 
 

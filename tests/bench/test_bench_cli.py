@@ -201,7 +201,11 @@ def test_backend_variants_and_their_environment(monkeypatch):
         declared_link_mbit({})
     assert cli.check_backends(["hetcomm-uniform", "gloo"]) is None
     error = cli.check_backends(["nosuch"])
-    assert "nosuch" in error and "hetcomm-uniform" in error
+    assert "nosuch" in error and "hetcomm-uniform" in error and "hetcomm-nccl" not in error
+    assert "--device cuda" in cli.check_backends(["hetcomm-nccl"])       # NCCL moves CUDA tensors only
+    assert "'nccl'" in cli.check_backends(["nccl"])                      # not for CPU tensors
+    assert variant_environment("hetcomm-nccl", {}) == {"HETCOMM_LOCAL": "nccl"}
+    assert variant_environment("hetcomm-tcp", {}) == {"HETCOMM_LOCAL": "tcp"}
 
 
 # ============================================================================================

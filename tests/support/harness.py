@@ -459,10 +459,11 @@ def _context(environ: dict | None = None):
 def run_ranks_outcomes(world_size: int, fn: Callable, *args: Any, backend: str | None = None,
                        timeout: float = DEFAULT_TIMEOUT_S,
                        pg_timeout: float = DEFAULT_PG_TIMEOUT_S,
-                       env: dict[str, str] | None = None, init: str | None = "store",
+                       env: dict[str, Any] | None = None, init: str | None = "store",
                        destroy: bool = True, fresh: bool = False) -> list[RankOutcome]:
     """Runs the job and returns what happened on every rank; never raises for a rank's fate.
 
+    ``env``: variables for every rank (None unsets one; a list gives each rank its own value).
     ``fresh``: every rank a new interpreter (spawned), for a test of how a process exits: a
     forked rank runs the program's exit handlers but then ends with ``os._exit``, without the
     interpreter's finalization (threads that outlive it, destructors at exit)."""
@@ -483,14 +484,18 @@ def run_ranks_outcomes(world_size: int, fn: Callable, *args: Any, backend: str |
     else:
         init_arg = None
     environ = dict(os.environ)
+    per_rank = {k: v for k, v in (env or {}).items() if isinstance(v, (list, tuple))}  # one value per rank
+    assert all(len(v) == world_size and None not in v for v in per_rank.values()), per_rank
     for k, v in (env or {}).items():  # None unsets a variable
         if v is None:
             environ.pop(k, None)
-        else:
+        elif k not in per_rank:
             environ[k] = str(v)
     spec = _RankSpec(fn=fn, args=args, backend=backend, init=init, init_arg=init_arg,
                      pg_timeout_s=pg_timeout, workdir=workdir, destroy=destroy, environ=environ)
 
+    # A per-rank value read at import (NCCL_*) must not be taken from the fork server's.
+    fresh = fresh or bool(_read_at_import({k: "" for k in per_rank}))
     ctx = multiprocessing.get_context("spawn") if fresh else _context(environ)
     spec.forked = ctx.get_start_method() != "spawn"
     spec_bytes = pickle.dumps(spec)
@@ -499,9 +504,10 @@ def run_ranks_outcomes(world_size: int, fn: Callable, *args: Any, backend: str |
     try:
         for rank in range(world_size):
             parent_end, child_end = ctx.Pipe(duplex=False)
-            p = ctx.Process(target=_rank_entry, args=(rank, world_size, environ, workdir, spec_bytes, child_end),
+            rank_environ = {**environ, **{k: str(v[rank]) for k, v in per_rank.items()}}
+            p = ctx.Process(target=_rank_entry, args=(rank, world_size, rank_environ, workdir, spec_bytes, child_end),
                             name=f"rank{rank}", daemon=True)
-            with environment_for(ctx, environ):
+            with environment_for(ctx, rank_environ):
                 p.start()
             child_end.close()  # else the parent never sees EOF from a dead child
             procs.append(p)

@@ -99,7 +99,11 @@ def build_parser() -> argparse.ArgumentParser:
                              "hetcomm-flat (hetcomm without the site-aware schedule: the ring at every "
                              "size) and "
                              "hetcomm-declared (hetcomm planning from the simulated cluster's "
-                             "declared rates, HETCOMM_LINK_MBIT)")
+                             "declared rates, HETCOMM_LINK_MBIT), hetcomm-nccl (NCCL as the inner "
+                             "level of a host: HETCOMM_LOCAL=nccl, CUDA tensors) and hetcomm-tcp "
+                             "(no inner level: every byte over TCP, HETCOMM_LOCAL=tcp). With "
+                             "--device cuda, nccl too; ranks that share a GPU then get an "
+                             "NCCL_HOSTID each (unless it is set), so that NCCL starts")
     parser.add_argument("--nprocs", type=int, default=None,
                         help=f"local ranks to launch (default {DEFAULT_NPROCS}; "
                              "ignored under torchrun)")
@@ -241,7 +245,7 @@ def check_device(device: str, backends: Sequence[str]) -> Optional[str]:
     return None
 
 
-def check_backends(backends: Sequence[str]) -> Optional[str]:
+def check_backends(backends: Sequence[str], device: str = "cpu") -> Optional[str]:
     """An error message if some backend cannot run here, else None.
 
     ``hetcomm`` is imported first (it registers itself on import) so that a broken build is
@@ -257,11 +261,17 @@ def check_backends(backends: Sequence[str]) -> Optional[str]:
             return f"backend 'hetcomm' requested, but `import hetcomm` failed: " \
                    f"{type(error).__name__}: {error}"
     usable = usable_backends()
+    if device == "cuda":
+        import torch.distributed as dist
+        usable += ["nccl"] if dist.is_nccl_available() else []
     unknown = [name for name in requested if torch_backend(name) not in usable]
     if unknown:
-        variants = [name for name in BACKEND_VARIANTS if torch_backend(name) in usable]
+        variants = [name for name in BACKEND_VARIANTS if torch_backend(name) in usable
+                    and (device == "cuda" or name != "hetcomm-nccl")]
         return (f"unknown or unusable backend(s) {', '.join(map(repr, unknown))}: "
-                f"usable here for CPU tensors are {', '.join(usable + variants)}")
+                f"usable here for {device.upper()} tensors are {', '.join(usable + variants)}")
+    if device == "cpu" and "hetcomm-nccl" in requested:
+        return "backend 'hetcomm-nccl' moves CUDA tensors through NCCL: use it with --device cuda"
     return None
 
 
@@ -352,7 +362,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         config = config_from_args(args, argv, spec)
     except ValueError as error:
         parser.error(str(error))
-    backend_error = check_backends(config.backends) or check_device(config.device, config.backends)
+    backend_error = (check_backends(config.backends, config.device)
+                     or check_device(config.device, config.backends))
     if backend_error:
         parser.error(backend_error)
     if config.plot_path is not None:

@@ -55,6 +55,8 @@ BACKEND_VARIANTS: dict[str, str] = {
     "hetcomm-uniform": "hetcomm",
     "hetcomm-declared": "hetcomm",
     "hetcomm-flat": "hetcomm",
+    "hetcomm-nccl": "hetcomm",
+    "hetcomm-tcp": "hetcomm",
 }
 
 # Defaults of a run on a simulated cluster (--sim-*): the target sizes, few iterations
@@ -119,6 +121,10 @@ def variant_environment(name: str, environ: Mapping[str, str]) -> dict[str, Opti
         return {"HETCOMM_LINK_MBIT": declared_link_mbit(environ)}
     if name == "hetcomm-flat":
         return {"HETCOMM_HIERARCHICAL": "0"}
+    if name == "hetcomm-nccl":
+        return {"HETCOMM_LOCAL": "nccl"}
+    if name == "hetcomm-tcp":
+        return {"HETCOMM_LOCAL": "tcp"}
     return {}
 
 

@@ -22,7 +22,7 @@ import shlex
 import socket
 import sys
 from datetime import timedelta
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -156,6 +156,19 @@ def run_backend(backend: str, index: int, config: BenchConfig, store: dist.Store
     return results
 
 
+def give_ranks_nccl_hosts(backends: Sequence[str], rank: int, world_size: int) -> None:
+    """Ranks that share a GPU get an NCCL_HOSTID each, unless it is set: NCCL refuses a GPU twice
+    on one machine, and so takes them for machines of their own (it then connects them through
+    its network transport, not through the GPU's memory). hetcomm's host is unchanged."""
+    uses_nccl = any(name in ("nccl", "hetcomm-nccl") for name in backends)
+    if not uses_nccl or world_size <= torch.cuda.device_count() or os.environ.get("NCCL_HOSTID"):
+        return
+    os.environ["NCCL_HOSTID"] = f"rank{rank}-{socket.gethostname()}"  # the rank first: it must survive a cut
+    if rank == 0:
+        print(f"{report.PREFIX}: {world_size} ranks share {torch.cuda.device_count()} GPU(s): each has an "
+              "NCCL_HOSTID of its own, so NCCL connects them as separate machines", file=sys.stderr, flush=True)
+
+
 def new_report(config: BenchConfig, launch: str, world_size: int) -> BenchReport:
     argv = list(config.argv)
     if os.environ.get(ARGV_ENV):
@@ -178,6 +191,7 @@ def run_rank(config: BenchConfig, launch: str, heartbeat: Heartbeat) -> int:
     if config.device == "cuda":
         from hetcomm.bench.measure import rank_device
         torch.cuda.set_device(rank_device(config.device, rank))
+        give_ranks_nccl_hosts(config.backends, rank, world_size)
     control = ControlPlane(store, rank, world_size, timedelta(seconds=config.timeout_s))
     bench_report = new_report(config, launch, world_size)
     if rank == 0 and sim_spec is not None:

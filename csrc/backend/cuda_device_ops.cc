@@ -130,9 +130,9 @@ class CudaDeviceOps final : public DeviceOps {
 
   char* hostBuffer(size_t bytes) override {
     if (bytes <= bulkBytes_) return bulk_;
-    // Exactly what is asked (a piece, at most, across hosts or sites): pinned memory is scarce,
-    // and the sizes asked for repeat (pieces, DDP's buckets), so regrowth is rare.
-    const size_t grown = bytes;
+    // Small buffers double (a run of growing small messages reallocates rarely); from 4 MiB on,
+    // exactly what is asked (a piece at most, across hosts or sites): pinned memory is scarce.
+    const size_t grown = std::max({bytes, std::min<size_t>(bulkBytes_ * 2, 4 << 20), size_t{64 * 1024}});
     check(cudaStreamSynchronize(raw_), "cudaStreamSynchronize");  // the old buffer may still be read
     if (bulk_ != nullptr) check(cudaFreeHost(bulk_), "cudaFreeHost");
     countStagingHostBytes(-static_cast<int64_t>(bulkBytes_));

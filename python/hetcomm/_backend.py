@@ -117,8 +117,9 @@ def staging_host_bytes() -> int:
     """Bytes of host memory this process's hetcomm groups hold now to stage device tensors (pinned
     memory in a CUDA build): each group's staging slots (8 of ``HETCOMM_DEVICE_SLOT_BYTES`` per
     CUDA device it moved tensors of; under HETCOMM_DEBUG_EMULATE_DEVICE, the emulation's, from
-    the group's creation) and a buffer the size of the largest message staged whole, at most a
-    piece (``HETCOMM_SITE_PIECE_BYTES``) for an allreduce across hosts or sites. Not a
+    the group's creation) and a buffer for the largest message staged whole: for an allreduce
+    across hosts or sites at most a piece (``HETCOMM_SITE_PIECE_BYTES``) or 4 MiB, whichever is
+    larger. Not a
     collective; freed when a group is shut down, so 0 once every group is destroyed."""
     return int(_engine.extension().staging_host_bytes())
 

@@ -777,6 +777,42 @@ def test_last_round_seconds_predicts_where_a_budget_is_reached():
     assert d.last_round_seconds(empty, 400) is None                          # no rate to predict by
 
 
+def test_a_measurement_round_that_ends_the_run_lasts_until_the_sample_budget():
+    """With time and overlap, a stop decided from a measurement round's table (no deadline yet:
+    the round would end whenever the synchronisation in flight lands) gives the last round the
+    deadline where the sample budget is predicted to be reached. Without it, a synchronisation
+    that landed early ended a run at 7,296 of its 12,000 samples."""
+    import types
+
+    from hetcomm.train.diloco import table as d
+    from hetcomm.train.diloco.schedule import Overlap
+    from hetcomm.train.local_steps import TimeSteps
+
+    t = [[0.0, 0.0] for _ in range(d._ROWS)]
+    # The previous round: 6,336 samples in 4 s of compute (the slowest rank); 128 before it.
+    t[d._SAMPLES], t[d._COMPUTE], t[d._MAX_SAMPLES] = [5888.0, 448.0], [4.0, 3.5], [12000.0, 12000.0]
+    policy = TimeSteps(20)
+    policy.start_round(100.0)
+    assert policy.deadline is None                      # a measurement round
+    fake = types.SimpleNamespace(_policy=policy, _history=[{"samples": [64, 64]}], _clock=lambda: 100.0,
+                                 _r_compute=0.5, _until_landed=False,
+                                 _stop_decision=lambda table, ahead, settled, samples: d.stop_decision(
+                                     table, ahead=ahead, rounds=settled, samples=samples, last_elapsed=0.0))
+    Overlap._shorten_last_round(fake, 2, t)
+    # 12,000 - 6,464 = 5,536 samples at 6,336 per 4 s: 3.495 s of computing, 0.5 s of it done.
+    assert fake._policy.deadline == pytest.approx(100.0 + 5536 * 4.0 / 6336 - 0.5)
+    assert fake._until_landed
+    # A planned round keeps the sooner of its own deadline and the budget's.
+    policy.deadline = 101.0
+    Overlap._shorten_last_round(fake, 2, t)
+    assert policy.deadline == 101.0
+    # No stop decided (a larger budget): a measurement round is left alone.
+    t[d._MAX_SAMPLES] = [50000.0, 50000.0]
+    policy.deadline = None
+    Overlap._shorten_last_round(fake, 2, t)
+    assert policy.deadline is None
+
+
 def test_budgets_that_differ_across_ranks_raise_on_every_rank():
     per_rank = run_ranks(2, train_budget, False, [{"max_rounds": 2}, {"max_rounds": 3}])
     for res in per_rank:

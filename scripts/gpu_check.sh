@@ -91,7 +91,7 @@ phase bench_reduce_kernel "$OUT/bench.log" 300 bash -c "build-gpu/benchmarks/cud
 phase pytest_cuda "$OUT/tests.log" 420 env HETCOMM_REQUIRE_CUDA=1 HETCOMM_TEST_START=spawn "$PY" -m pytest -q -rsP \
   -p no:cacheprovider tests/backend/test_cuda.py
 phase bench_allreduce_cuda "$OUT/bench.log" 300 "$PY" -m hetcomm.bench --device cuda --nprocs 2 \
-  --backends nccl,hetcomm,hetcomm-tcp,gloo --sizes 8,1M,16M,64M,256M --seconds-per-size 1.0 --min-iters 5 \
+  --backends nccl,hetcomm,hetcomm-shm-pin,hetcomm-tcp,gloo --sizes 8,1M,16M,64M,256M --seconds-per-size 1.0 --min-iters 5 \
   --timeout 60 --json "$OUT/allreduce_cuda_2ranks_1gpu.json"
 phase bench_ddp_step_cuda "$OUT/bench.log" 300 "$PY" benchmarks/ddp_step_cuda.py --nprocs 2 --rounds 5 \
   --backends hetcomm,gloo,nccl --timeout 60 --json "$OUT/ddp_step_cuda_2ranks_1gpu.json"

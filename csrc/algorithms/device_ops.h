@@ -72,6 +72,16 @@ class DeviceOps {
   // that works on CPU tensors can take it, after settle().
   virtual bool hostAddressable() const { return false; }
 
+  // Registers host memory that the queue copies to and from (a host's shared-memory segment), so
+  // that those copies run asynchronously at full speed (CUDA: page-locked by cudaHostRegister);
+  // undone when the DeviceOps goes, which must be before the memory is unmapped. False when it
+  // could not: the copies still work, from pageable memory. Nothing to do for the emulation.
+  virtual bool registerHostMemory(void* base, size_t bytes) {
+    (void)base;
+    (void)bytes;
+    return false;
+  }
+
   // Test seam (HETCOMM_TEST_DEVICE_DELAY_MS): makes the queue stall before the last writes of a
   // collective, so that a caller that reads the result without waiting for the backend's stream
   // sees stale data, deterministically. No-op unless the variable is set.

@@ -13,6 +13,7 @@
 
 #include "common/env.h"
 #include "common/error.h"
+#include "common/logging.h"
 #include "kernels/reduce_cuda.h"
 #include "kernels/spin_cuda.h"
 
@@ -67,6 +68,7 @@ class CudaDeviceOps final : public DeviceOps {
     // Nothing queued may still use our memory when it goes: wait for our stream (not the device).
     // Errors are ignored: at process exit the CUDA runtime may already be shutting down.
     cudaStreamSynchronize(raw_);
+    for (void* p : registered_) cudaHostUnregister(p);
     for (cudaEvent_t e : events_) {
       if (e != nullptr) cudaEventDestroy(e);
     }
@@ -148,6 +150,19 @@ class CudaDeviceOps final : public DeviceOps {
 
   void settle() noexcept override {}
 
+  bool registerHostMemory(void* base, size_t bytes) override {
+    c10::cuda::CUDAGuard guard(device_);
+    const cudaError_t err = cudaHostRegister(base, bytes, cudaHostRegisterDefault);
+    if (err != cudaSuccess) {
+      HC_LOG(kWarn, "hetcomm: cudaHostRegister of ", bytes, " bytes of shared memory failed (",
+             cudaGetErrorString(err), "): its copies stay pageable");
+      (void)cudaGetLastError();
+      return false;
+    }
+    registered_.push_back(base);
+    return true;
+  }
+
   void testDelay() override {
     if (delayNs_ > 0) spinCuda(delayNs_, raw_);
   }
@@ -164,6 +179,7 @@ class CudaDeviceOps final : public DeviceOps {
   c10::DataPtr scratch_;
   char* bulk_ = nullptr;
   size_t bulkBytes_ = 0;
+  std::vector<void*> registered_;  // host memory registered with registerHostMemory
 };
 
 }  // namespace

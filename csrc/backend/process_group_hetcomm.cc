@@ -238,6 +238,13 @@ DeviceOps* ProcessGroupHetcomm::deviceOps(const c10::Stream& stream) {
   if (!state->ops) {
 #ifdef HETCOMM_WITH_CUDA
     state->ops = makeCudaDeviceOps(stream);
+    std::shared_ptr<LocalGroup> local;
+    if (paramShmPin() != 0) {
+      std::lock_guard<std::mutex> lock(mu_);
+      local = local_;
+    }
+    // (a segment attached after this rank's first CUDA collective stays pageable)
+    if (local && local->channel) state->ops->registerHostMemory(local->channel->base(), local->channel->bytes());
 #else
     HC_ENFORCE(false, "a device operation in a build without CUDA");
 #endif
@@ -550,15 +557,11 @@ void ProcessGroupHetcomm::shutdown() {
   stopFailureWatch();  // after the worker: failures still end its queued operations early
   if (p2p_) p2p_->stop("the process group was shut down");
   if (mesh_) mesh_->close();
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    local_.reset();  // unmaps this rank's view of the host's segment
-    pendingLocal_.reset();
-  }
   completions_->stop();
   {
     // The staging memory goes with the group (torch's destroy_process_group shuts it down while
-    // Python may still hold the group object): nothing runs on it any more.
+    // Python may still hold the group object): nothing runs on it any more. Before the segment
+    // is unmapped, which a device may have registered (HETCOMM_SHM_PIN).
     std::vector<std::unique_ptr<DeviceOps>> staging;
     {
       std::lock_guard<std::mutex> lock(mu_);
@@ -566,6 +569,11 @@ void ProcessGroupHetcomm::shutdown() {
       staging.push_back(std::move(emulatedDevice_));
     }
   }  // destroyed here, outside the lock (a CUDA one waits for its stream)
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    local_.reset();  // unmaps this rank's view of the host's segment
+    pendingLocal_.reset();
+  }
   // The last rank to leave cleans the group's keys: before that, a rank still in the group may look
   // a peer's address up (lazily, at its first message to that peer), or still be starting. A rank
   // that crashed never leaves, and its group's keys stay until the store goes. A store that has

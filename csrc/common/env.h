@@ -66,6 +66,12 @@ HETCOMM_PARAM(paramDevicePollUs, "HETCOMM_DEVICE_POLL_US", 20)
 // memory (bounded by the piece, not by the message), and host ranks cut the same pieces, so the
 // two still meet on the wire. Every rank must use the same value.
 HETCOMM_PARAM(paramSitePieceBytes, "HETCOMM_SITE_PIECE_BYTES", 32 << 20)
+// 1: a CUDA rank registers its host's shared-memory segment with the device (cudaHostRegister), so
+// that the one-host path copies between the GPU and the segment asynchronously, from pinned
+// memory, instead of synchronously from pageable memory (measured on an H200 without it: that
+// path at 0.72-0.81x the staged TCP one). Off by default until it has been measured on a GPU; a
+// registration that fails leaves the copies pageable, with a warning.
+HETCOMM_PARAM(paramShmPin, "HETCOMM_SHM_PIN", 0)
 // Log level: 0 errors, 1 warnings (default), 2 info, 3 debug.
 HETCOMM_PARAM(paramLogLevel, "HETCOMM_LOG_LEVEL", 1)
 

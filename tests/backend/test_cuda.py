@@ -14,7 +14,8 @@
   - no collective waits for the whole device (an unrelated stream stays busy throughout).
 * DDP (test_ddp.py's job: built-in hooks, fp16, PowerSGD, Join, the sample-weighted hooks) on
   CUDA, against gloo on CUDA.
-* Every path a CUDA tensor can take (CUDA_PATHS): one host through shared memory, through TCP
+* Every path a CUDA tensor can take (CUDA_PATHS): one host through shared memory (its segment
+  pageable, and registered with the GPU: HETCOMM_SHM_PIN=1), through TCP
   (staged) and through the NCCL inner level; hosts of two through shared memory and through NCCL
   (only each rank's slice of a piece leaves the GPU); sites of hosts (pinned pieces between
   sites); three levels with NCCL inside hosts. On each: fp16/bf16 AVG of values whose sum
@@ -243,6 +244,7 @@ LEVELS = {"HETCOMM_SMALL_ALLREDUCE_BYTES": "0"}   # small allreduces take the le
 # name: (world size, environment, the level's plan for level_suite or None for one host, inner level)
 CUDA_PATHS = {
     "one-host-shm": (2, {}, None, "shm"),
+    "one-host-shm-pinned": (2, {"HETCOMM_SHM_PIN": "1"}, None, "shm"),   # the segment registered
     "one-host-tcp": (2, {"HETCOMM_LOCAL": "tcp"}, None, None),
     "one-host-nccl": (2, {**NCCL, "NCCL_HOSTID": _nccl_hosts(2)}, None, "nccl"),
     "hosts-shm": (4, {"HETCOMM_HOST_ID": "0,0,1,1", **LEVELS}, "host", "shm"),

@@ -206,6 +206,7 @@ def test_backend_variants_and_their_environment(monkeypatch):
     assert "'nccl'" in cli.check_backends(["nccl"])                      # not for CPU tensors
     assert variant_environment("hetcomm-nccl", {}) == {"HETCOMM_LOCAL": "nccl"}
     assert variant_environment("hetcomm-tcp", {}) == {"HETCOMM_LOCAL": "tcp"}
+    assert variant_environment("hetcomm-shm-pin", {}) == {"HETCOMM_SHM_PIN": "1"}
 
 
 # ============================================================================================

@@ -101,7 +101,8 @@ def build_parser() -> argparse.ArgumentParser:
                              "hetcomm-declared (hetcomm planning from the simulated cluster's "
                              "declared rates, HETCOMM_LINK_MBIT), hetcomm-nccl (NCCL as the inner "
                              "level of a host: HETCOMM_LOCAL=nccl, CUDA tensors) and hetcomm-tcp "
-                             "(no inner level: every byte over TCP, HETCOMM_LOCAL=tcp). With "
+                             "(no inner level: every byte over TCP, HETCOMM_LOCAL=tcp), hetcomm-shm-pin "
+                             "(the shared-memory segment registered with the GPU: HETCOMM_SHM_PIN=1). With "
                              "--device cuda, nccl too; ranks that share a GPU then get an "
                              "NCCL_HOSTID each (unless it is set), so that NCCL starts")
     parser.add_argument("--nprocs", type=int, default=None,

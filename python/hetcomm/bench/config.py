@@ -57,6 +57,7 @@ BACKEND_VARIANTS: dict[str, str] = {
     "hetcomm-flat": "hetcomm",
     "hetcomm-nccl": "hetcomm",
     "hetcomm-tcp": "hetcomm",
+    "hetcomm-shm-pin": "hetcomm",
 }
 
 # Defaults of a run on a simulated cluster (--sim-*): the target sizes, few iterations
@@ -125,6 +126,8 @@ def variant_environment(name: str, environ: Mapping[str, str]) -> dict[str, Opti
         return {"HETCOMM_LOCAL": "nccl"}
     if name == "hetcomm-tcp":
         return {"HETCOMM_LOCAL": "tcp"}
+    if name == "hetcomm-shm-pin":
+        return {"HETCOMM_SHM_PIN": "1"}
     return {}
 
 

@@ -350,6 +350,14 @@ class DiLoCo(Results, ShardedState, Agreement, Checkpoint, Streams, Overlap, _fl
             self._r_loss_n += n
         self._own_step = dt if self._own_step is None else 0.7 * self._own_step + 0.3 * dt
         self._timeline.append(("compute", self._mark, now))
+        # As soon as the background synchronisation has agreed on its table (at its start; its last
+        # fragment lands near this round's end): before the round can end, so that a round whose
+        # synchronisation agreed and landed within one step still takes the last round's deadline.
+        agreed = self._pending_agreed if self._pending is not None else None
+        if agreed is not None and not self._shortening_checked:
+            self._shortening_checked = True
+            if isinstance(self._policy, TimeSteps):
+                self._shorten_last_round(*agreed)
         synced = self._policy.round_over(self._r_steps, now, self._own_step)
         synced = synced or self._cut_for_joiners()
         # With overlap a measurement round goes on until the previous synchronisation has landed:
@@ -364,16 +372,8 @@ class DiLoCo(Results, ShardedState, Agreement, Checkpoint, Streams, Overlap, _fl
             self._after_step_streams(synced)
         if synced:
             self._synchronise()
-        elif self._pending is not None:
-            if not self._rebased:
-                self._maybe_rebase()
-            # As soon as the background synchronisation has agreed on its table, at its start:
-            # its last fragment lands near this round's end (the round outlasts it by design).
-            agreed = self._pending_agreed
-            if agreed is not None and not self._shortening_checked:
-                self._shortening_checked = True
-                if isinstance(self._policy, TimeSteps):
-                    self._shorten_last_round(*agreed)
+        elif self._pending is not None and not self._rebased:
+            self._maybe_rebase()
         self._mark = self._clock()
         return synced
 

@@ -313,6 +313,8 @@ PYBIND11_MODULE(_C, m) {
         "Bytes of host staging memory (pinned, in a CUDA build) that this process's groups hold now "
         "for device tensors: their staging slots and whole-message buffers; 0 once every group "
         "that moved device tensors is destroyed.");
+  m.def("registered_host_bytes", &hetcomm::registeredHostBytes,
+        "Bytes of shared memory this process's groups registered with a GPU (HETCOMM_SHM_PIN=1) now.");
   m.def("reduce_into", &reduceIntoTensor, py::arg("dst"), py::arg("src"), py::arg("op") = "sum",
         "dst = op(dst, src) with hetcomm's CPU reduce kernel (for benchmarks and tests).");
 }

@@ -94,6 +94,9 @@ class DeviceOps {
 // group is destroyed (hetcomm.staging_host_bytes()).
 int64_t stagingHostBytes();
 void countStagingHostBytes(int64_t delta);
+// Bytes of host memory (shared-memory segments) registered with a device now (registerHostMemory).
+int64_t registeredHostBytes();
+void countRegisteredHostBytes(int64_t delta);
 
 // Settles `ops` (if any) when a collective returns or throws.
 class SettleOnExit {

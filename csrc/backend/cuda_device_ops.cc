@@ -9,6 +9,7 @@
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
+#include <utility>
 #include <vector>
 
 #include "common/env.h"
@@ -67,8 +68,15 @@ class CudaDeviceOps final : public DeviceOps {
   ~CudaDeviceOps() override {
     // Nothing queued may still use our memory when it goes: wait for our stream (not the device).
     // Errors are ignored: at process exit the CUDA runtime may already be shutting down.
+    c10::cuda::CUDAGuard guard(device_);  // the device it registered on (shutdown may run elsewhere)
     cudaStreamSynchronize(raw_);
-    for (void* p : registered_) cudaHostUnregister(p);
+    for (const auto& [p, bytes] : registered_) {
+      const cudaError_t err = cudaHostUnregister(p);
+      if (err != cudaSuccess) {
+        HC_LOG(kWarn, "hetcomm: cudaHostUnregister of shared memory failed (", cudaGetErrorString(err), ")");
+      }
+      countRegisteredHostBytes(-static_cast<int64_t>(bytes));
+    }
     for (cudaEvent_t e : events_) {
       if (e != nullptr) cudaEventDestroy(e);
     }
@@ -152,14 +160,15 @@ class CudaDeviceOps final : public DeviceOps {
 
   bool registerHostMemory(void* base, size_t bytes) override {
     c10::cuda::CUDAGuard guard(device_);
-    const cudaError_t err = cudaHostRegister(base, bytes, cudaHostRegisterDefault);
+    const cudaError_t err = cudaHostRegister(base, bytes, cudaHostRegisterPortable);
     if (err != cudaSuccess) {
       HC_LOG(kWarn, "hetcomm: cudaHostRegister of ", bytes, " bytes of shared memory failed (",
              cudaGetErrorString(err), "): its copies stay pageable");
       (void)cudaGetLastError();
       return false;
     }
-    registered_.push_back(base);
+    registered_.emplace_back(base, bytes);
+    countRegisteredHostBytes(static_cast<int64_t>(bytes));
     return true;
   }
 
@@ -179,7 +188,7 @@ class CudaDeviceOps final : public DeviceOps {
   c10::DataPtr scratch_;
   char* bulk_ = nullptr;
   size_t bulkBytes_ = 0;
-  std::vector<void*> registered_;  // host memory registered with registerHostMemory
+  std::vector<std::pair<void*, size_t>> registered_;  // host memory registered with registerHostMemory
 };
 
 }  // namespace

@@ -281,11 +281,21 @@ def path_suite(rank: int, ws: int, path: str) -> dict:
         if os.environ.get("HETCOMM_SITES"):
             assert hetcomm.get_plan().sites is not None, "no site plan"
     large_avg_suite(rank, ws, "cuda")
+    if os.environ.get("HETCOMM_SHM_PIN") == "1":
+        from hetcomm._engine import extension
+        with Cases(rank).case("inner_level", "the segment is registered with the GPU"):
+            # (a registration that failed would only warn, and the path would pass unpinned)
+            assert extension().registered_host_bytes() > 0, "HETCOMM_SHM_PIN=1, but nothing is registered"
     if level:
         level_suite(rank, ws, level, "cuda")
     if path == "one-host-nccl":
         collective_suite(rank, ws, "cuda")
-    return staging_suite(rank, ws, "cuda", GIB_FLOATS, STAGING_BOUND)
+    held = staging_suite(rank, ws, "cuda", GIB_FLOATS, STAGING_BOUND)    # destroys the group
+    if os.environ.get("HETCOMM_SHM_PIN") == "1":
+        from hetcomm._engine import extension
+        with Cases(rank).case("staging", "the segment is unregistered once the group is destroyed"):
+            assert extension().registered_host_bytes() == 0, extension().registered_host_bytes()
+    return held
 
 
 _PATH_REPORTS: dict = {}

@@ -777,11 +777,12 @@ def test_last_round_seconds_predicts_where_a_budget_is_reached():
     assert d.last_round_seconds(empty, 400) is None                          # no rate to predict by
 
 
-def test_a_measurement_round_that_ends_the_run_lasts_until_the_sample_budget():
+def test_the_rounds_near_the_sample_budget_end_where_it_is_predicted_reached():
     """With time and overlap, a stop decided from a measurement round's table (no deadline yet:
     the round would end whenever the synchronisation in flight lands) gives the last round the
     deadline where the sample budget is predicted to be reached. Without it, a synchronisation
-    that landed early ended a run at 7,296 of its 12,000 samples."""
+    that landed early ended a run at 7,296 of its 12,000 samples. A planned round that does not
+    end the run ends there too if that is sooner (one ran 990 steps, 124,480 samples of 12,000)."""
     import types
 
     from hetcomm.train.diloco import table as d
@@ -806,11 +807,19 @@ def test_a_measurement_round_that_ends_the_run_lasts_until_the_sample_budget():
     policy.deadline = 101.0
     Overlap._shorten_last_round(fake, 2, t)
     assert policy.deadline == 101.0
-    # No stop decided (a larger budget): a measurement round is left alone.
+    # No stop decided (a larger budget): a measurement round is left alone...
     t[d._MAX_SAMPLES] = [50000.0, 50000.0]
     policy.deadline = None
     Overlap._shorten_last_round(fake, 2, t)
     assert policy.deadline is None
+    # ...and a planned round only where it would train past the budget: 50,000 - 6,464 samples
+    # at 6,336 per 4 s is 27.48 s of computing, 0.5 s of it done.
+    policy.deadline = 200.0
+    Overlap._shorten_last_round(fake, 2, t)
+    assert policy.deadline == pytest.approx(100.0 + 43536 * 4.0 / 6336 - 0.5)
+    policy.deadline = 110.0
+    Overlap._shorten_last_round(fake, 2, t)
+    assert policy.deadline == 110.0
 
 
 def test_budgets_that_differ_across_ranks_raise_on_every_rank():

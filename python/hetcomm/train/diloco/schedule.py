@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import torch
 
 from hetcomm.train import flat as _flat
-from hetcomm.train.diloco.table import _SAMPLES, last_round_seconds
+from hetcomm.train.diloco.table import _SAMPLES, budget_seconds, last_round_seconds
 
 _PREFIX = "hetcomm DiLoCo"
 # With overlap and `time`, rounds stretched to at least this many times H steps by the
@@ -62,11 +62,19 @@ class Overlap:
         deadline too: the stop was decided from a prediction that this round trains what the
         previous one did, and a synchronisation that lands early (a slow link's first one, a
         loaded machine's) would otherwise end the run that many samples short (7,296 of 12,000
-        trained, once, on a loaded machine)."""
+        trained, once, on a loaded machine).
+
+        A planned round that does not end the run still ends where the budget is predicted to be
+        reached, if that is sooner: a round planned from a synchronisation that a loaded CPU
+        slowed down ran 990 steps, ten times a run's --samples, otherwise. (The run then stops
+        after the next round, which this cuts to its first step after the landing.)"""
         policy = self._policy
         # The rounds before it (the history gets round_index itself when its reduction ends).
         samples = sum(sum(rec["samples"]) for rec in self._history[:round_index - 1]) + sum(table[_SAMPLES])
         if self._stop_decision(table, ahead=True, settled=round_index, samples=samples) is None:
+            seconds = budget_seconds(table, samples)
+            if seconds is not None and policy.deadline is not None:
+                policy.deadline = min(policy.deadline, self._clock() + max(0.0, seconds - self._r_compute))
             return
         seconds = last_round_seconds(table, samples)
         if seconds is not None:

@@ -39,16 +39,24 @@ def _hetcomm_bytes_sent(group: dist.ProcessGroup | None) -> float:
         return math.nan
 
 
-def last_round_seconds(table: Sequence[Sequence[float]], agreed_samples: float) -> float | None:
-    """With overlap, from the agreed table of the round before the last and the samples of every
-    agreed round: after how many seconds of computing in the last round its sample budget is
-    predicted to be reached, at the previous round's rate (its samples over its slowest rank's
-    compute seconds, so idling does not count). None when there is no sample budget, it is not
-    reached, or there is no rate to predict by."""
+def budget_seconds(table: Sequence[Sequence[float]], agreed_samples: float) -> float | None:
+    """From an agreed round's table and the samples of every agreed round: after how many seconds
+    of computing from now the sample budget is predicted to be reached, at that round's rate (its
+    samples over its slowest rank's compute seconds, so idling does not count). None when there
+    is no sample budget or no rate to predict by."""
     limit, last, compute = table[_MAX_SAMPLES][0], sum(table[_SAMPLES]), max(table[_COMPUTE])
-    if not (limit and last > 0 and compute > 0 and agreed_samples + last >= limit):
+    if not (limit and last > 0 and compute > 0):
         return None
     return max(0.0, (limit - agreed_samples) * compute / last)
+
+
+def last_round_seconds(table: Sequence[Sequence[float]], agreed_samples: float) -> float | None:
+    """With overlap, from the agreed table of the round before the last: `budget_seconds` when
+    the last round, predicted to train as much as that one, reaches the sample budget; else None
+    (no sample budget, not reached, or no rate to predict by)."""
+    if not agreed_samples + sum(table[_SAMPLES]) >= table[_MAX_SAMPLES][0]:
+        return None
+    return budget_seconds(table, agreed_samples)
 
 
 def stop_decision(table: list[list[float]], *, ahead: bool, rounds: int, samples: float,

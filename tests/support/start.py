@@ -16,6 +16,7 @@ import threading
 
 BACKEND: str = os.environ.get("HETCOMM_TEST_BACKEND", "hetcomm")
 
+
 def enter_process(environ: dict, output: str) -> None:
     """What a process the harness starts does first, before it imports any code of the test: take
     the job's environment (a forked one starts with the fork server's; os.environ writes through

@@ -814,12 +814,12 @@ def test_the_rounds_near_the_sample_budget_end_where_it_is_predicted_reached():
     assert policy.deadline is None
     # ...and a planned round only where it would train past the budget: 50,000 - 6,464 samples
     # at 6,336 per 4 s is 27.48 s of computing, 0.5 s of it done.
-    policy.deadline = 200.0
+    policy.deadline, fake._until_landed = 200.0, False
     Overlap._shorten_last_round(fake, 2, t)
-    assert policy.deadline == pytest.approx(100.0 + 43536 * 4.0 / 6336 - 0.5)
-    policy.deadline = 110.0
+    assert policy.deadline == pytest.approx(100.0 + 43536 * 4.0 / 6336 - 0.5) and fake._until_landed
+    policy.deadline, fake._until_landed = 110.0, False
     Overlap._shorten_last_round(fake, 2, t)
-    assert policy.deadline == 110.0
+    assert policy.deadline == 110.0 and not fake._until_landed
 
 
 def test_budgets_that_differ_across_ranks_raise_on_every_rank():

@@ -67,14 +67,18 @@ class Overlap:
         A planned round that does not end the run still ends where the budget is predicted to be
         reached, if that is sooner: a round planned from a synchronisation that a loaded CPU
         slowed down ran 990 steps, ten times a run's --samples, otherwise. (The run then stops
-        after the next round, which this cuts to its first step after the landing.)"""
+        after the next round, which this cuts to its first step after the landing.) The cap is in
+        seconds of the clock, so time that is not computing (waits for a landing fragment) ends
+        such a round a little short of the prediction; the last round makes up for it."""
         policy = self._policy
         # The rounds before it (the history gets round_index itself when its reduction ends).
         samples = sum(sum(rec["samples"]) for rec in self._history[:round_index - 1]) + sum(table[_SAMPLES])
         if self._stop_decision(table, ahead=True, settled=round_index, samples=samples) is None:
             seconds = budget_seconds(table, samples)
-            if seconds is not None and policy.deadline is not None:
-                policy.deadline = min(policy.deadline, self._clock() + max(0.0, seconds - self._r_compute))
+            cut = None if seconds is None else self._clock() + max(0.0, seconds - self._r_compute)
+            if cut is not None and policy.deadline is not None and cut < policy.deadline:
+                policy.deadline = cut
+                self._until_landed = True       # (as below: its steps train rather than idle)
             return
         seconds = last_round_seconds(table, samples)
         if seconds is not None:

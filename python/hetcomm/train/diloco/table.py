@@ -11,7 +11,8 @@ from collections.abc import Sequence
 import torch.distributed as dist
 
 # Rows of the table exchanged at every synchronisation (one column per rank, exact and identical
-# on every rank: `hetcomm.partition.exchange_columns`).
+# on every rank: `hetcomm.partition.exchange_columns`; agreed, one column per worker, its ranks'
+# samples summed).
 (_STEPS, _SAMPLES, _COMPUTE, _LOSS_SUM, _LOSS_N, _FINITE, _TOT_IDLE, _TOT_SYNC, _TOT_BYTES,
  _DONE, _ELAPSED, _MAX_ROUNDS, _MAX_SAMPLES, _MAX_SECONDS, _TOT_WAN, _REPLICA, _LANDED, _SYNC_WALL,
  _FRAGMENTS, _REFORM) = range(20)
@@ -41,7 +42,7 @@ def _hetcomm_bytes_sent(group: dist.ProcessGroup | None) -> float:
 
 def budget_seconds(table: Sequence[Sequence[float]], agreed_samples: float) -> float | None:
     """From an agreed round's table and the samples of every agreed round: after how many seconds
-    of computing from now the sample budget is predicted to be reached, at that round's rate (its
+    of computing in the round after it the sample budget is predicted to be reached, at its rate (its
     samples over its slowest rank's compute seconds, so idling does not count). None when there
     is no sample budget or no rate to predict by."""
     limit, last, compute = table[_MAX_SAMPLES][0], sum(table[_SAMPLES]), max(table[_COMPUTE])

@@ -75,9 +75,11 @@ class Processes:
 
 
 def write_results(out: str, summary: dict, records: list[dict], party: str) -> None:
-    """The summary and a record per trial (JSON Lines, hetcomm.bench.records), each cut short so
-    that 200 trials stay a summary (under 128 KiB); ``party`` names the list of outcomes."""
-    from hetcomm.bench.records import RESULT, RUN, record, write_records
+    """The summary and a record per trial (JSON Lines, hetcomm.bench.records), each cut short;
+    the trials' records go to the gzip trace beside the summary (200 trials of the elastic
+    fuzzer, with each worker's stop reason, came to 139 KB: over what a summary may be).
+    ``party`` names the list of outcomes."""
+    from hetcomm.bench.records import RESULT, RUN, record, write_with_trace
 
     summary = dict(summary)
     command = summary.pop("command")
@@ -86,4 +88,4 @@ def write_results(out: str, summary: dict, records: list[dict], party: str) -> N
                    mutations=[f"{m.get('key')}: {m.get('value', m.get('fuzzer_error'))}"[:60] for m in rec["mutations"]],
                    **{party: [{k: (v[:100] if isinstance(v, str) else v) for k, v in o.items()} for o in rec[party]]})
             for rec in records]
-    write_records(out, [record(RUN, summary), *rows], command)
+    write_with_trace(out, [record(RUN, summary), *rows], command, kinds=[RESULT], key=[])

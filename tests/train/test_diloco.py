@@ -822,6 +822,18 @@ def test_the_rounds_near_the_sample_budget_end_where_it_is_predicted_reached():
     assert policy.deadline == 110.0 and not fake._until_landed
 
 
+def test_a_sample_budget_reached_by_a_prediction_says_so():
+    from hetcomm.train.diloco import table as d
+
+    t = [[0.0, 0.0] for _ in range(d._ROWS)]
+    t[d._SAMPLES], t[d._MAX_SAMPLES], t[d._ELAPSED] = [300.0, 200.0], [1000.0, 1000.0], [5.0, 5.0]
+    assert d.stop_decision(t, ahead=False, rounds=3, samples=1000, last_elapsed=4.0) == "max_samples: 1000 samples"
+    # With overlap the round now ending counts as the last agreed one: 600 + 500 samples.
+    assert d.stop_decision(t, ahead=True, rounds=3, samples=600, last_elapsed=4.0) == (
+        "max_samples: 1100 samples predicted (the last round as the one before it)")
+    assert d.stop_decision(t, ahead=True, rounds=3, samples=400, last_elapsed=4.0) is None
+
+
 def test_budgets_that_differ_across_ranks_raise_on_every_rank():
     per_rank = run_ranks(2, train_budget, False, [{"max_rounds": 2}, {"max_rounds": 3}])
     for res in per_rank:

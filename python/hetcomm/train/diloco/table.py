@@ -80,7 +80,9 @@ def stop_decision(table: list[list[float]], *, ahead: bool, rounds: int, samples
     if limit["max_rounds"] and rounds >= limit["max_rounds"]:
         return f"max_rounds: {rounds} rounds"
     if limit["max_samples"] and samples >= limit["max_samples"]:
-        return f"max_samples: {samples:.0f} samples"
+        # (with overlap a prediction: the run's `history` has what was trained)
+        return f"max_samples: {samples:.0f} samples" + (" predicted (the last round as the one before it)"
+                                                         if ahead else "")
     if limit["max_seconds"] and elapsed >= limit["max_seconds"]:
         return f"max_seconds: {elapsed:.1f} s"
     if any(x > 0 for x in table[_REFORM]):

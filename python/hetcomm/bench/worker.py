@@ -159,13 +159,16 @@ def run_backend(backend: str, index: int, config: BenchConfig, store: dist.Store
 def give_ranks_nccl_hosts(backends: Sequence[str], rank: int, world_size: int) -> None:
     """Ranks that share a GPU get an NCCL_HOSTID each, unless it is set: NCCL refuses a GPU twice
     on one machine, and so takes them for machines of their own (it then connects them through
-    its network transport, not through the GPU's memory). hetcomm's host is unchanged."""
+    its network transport, not through the GPU's memory). hetcomm's host is unchanged. Only when
+    this machine's ranks (LOCAL_WORLD_SIZE, as torchrun and the local launcher set it) outnumber
+    its GPUs: machines whose ranks each have a GPU keep NCCL's transports within a machine."""
     uses_nccl = any(name in ("nccl", "hetcomm-nccl") for name in backends)
-    if not uses_nccl or world_size <= torch.cuda.device_count() or os.environ.get("NCCL_HOSTID"):
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    if not uses_nccl or local_ranks <= torch.cuda.device_count() or os.environ.get("NCCL_HOSTID"):
         return
     os.environ["NCCL_HOSTID"] = f"rank{rank}-{socket.gethostname()}"  # the rank first: it must survive a cut
     if rank == 0:
-        print(f"{report.PREFIX}: {world_size} ranks share {torch.cuda.device_count()} GPU(s): each has an "
+        print(f"{report.PREFIX}: {local_ranks} ranks share {torch.cuda.device_count()} GPU(s): each has an "
               "NCCL_HOSTID of its own, so NCCL connects them as separate machines", file=sys.stderr, flush=True)
 
 

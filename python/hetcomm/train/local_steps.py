@@ -14,12 +14,16 @@ from __future__ import annotations
 
 import copy
 import math
+import statistics
 from collections.abc import Sequence
 
 # Steps per rank in a round before step times are agreed.
 MEASUREMENT_STEPS = 1
-# ``time`` with overlap: a round lasts at least this many times the last synchronisation.
+# ``time`` with overlap: a round lasts at least this many times the synchronisation's duration,
+# the median of the last SYNC_WINDOW agreed ones (the lower of two): one synchronisation that a
+# busy CPU slowed down does not plan a round many times H steps long.
 SYNC_MARGIN = 1.1
+SYNC_WINDOW = 3
 
 __all__ = ["StepTimes", "LocalStepPolicy", "FixedSteps", "SpeedSteps", "TimeSteps", "make_policy", "POLICIES"]
 
@@ -34,13 +38,18 @@ def _positive_int(value: int, what: str) -> int:
 
 
 class StepTimes:
-    """Agreed EMA of every rank's seconds per inner step, updated identically on every rank.
+    """Agreed estimate of every rank's seconds per inner step, updated identically on every rank.
 
     `update` takes one agreed window per rank (seconds computing, steps); a rank without steps in
-    the window keeps its previous estimate. A rank's first two windows replace the estimate
-    instead of blending into it: the first holds the run's first step, which pays for allocations
-    and caches, and must not linger in the average. `estimates` fills ranks never measured with
-    the slowest measured one (None before any measurement).
+    the window keeps its previous estimate. The estimate is a ratio of two exponential moving
+    averages, of the windows' seconds and of their steps (weight ``ema``): for windows of equal
+    length it is the EMA of the seconds per step, and a long window outweighs short ones as its
+    steps do (a round of 170 steps after measurement rounds of 3 sets the estimate almost alone,
+    where an EMA of the per-window rates kept 70% of the short windows' slow warm-up steps: on
+    the simulator's elastic benchmark, rounds 1.9, 1.7, 1.5 and 1.4x H steps long after the first). A rank's first two windows replace the estimate instead of
+    blending into it: the first holds the run's first step, which pays for allocations and caches,
+    and must not linger in the average. `estimates` fills ranks never measured with the slowest
+    measured one (None before any measurement).
     """
 
     def __init__(self, world_size: int, ema: float = 0.3) -> None:
@@ -49,16 +58,24 @@ class StepTimes:
         self.world_size, self.ema = world_size, float(ema)
         self._t: list[float | None] = [None] * world_size
         self._windows = [0] * world_size
+        # The EMA of the windows' steps (None: unknown, as for an estimate set from outside; the
+        # next window then blends as in a plain EMA of the rates).
+        self._n: list[float | None] = [None] * world_size
 
     def update(self, seconds: Sequence[float], steps: Sequence[float]) -> None:
         if len(seconds) != self.world_size or len(steps) != self.world_size:
             raise ValueError(f"{_PREFIX}: expected {self.world_size} values per row")
         for r, (s, n) in enumerate(zip(seconds, steps)):
-            if n <= 0 or not math.isfinite(s) or s < 0:
+            if n <= 0 or not math.isfinite(s) or s < 0 or not math.isfinite(n):
                 continue
-            t = s / n
-            old = self._t[r]
-            self._t[r] = t if self._windows[r] < 2 else (1.0 - self.ema) * old + self.ema * t
+            old, old_n = self._t[r], self._n[r]
+            if self._windows[r] < 2 or old is None:
+                self._t[r], self._n[r] = s / n, float(n)
+            else:
+                prior = n if old_n is None else old_n            # the EMAs' previous values: t·N and N
+                blended = (1.0 - self.ema) * prior + self.ema * n
+                self._t[r] = ((1.0 - self.ema) * prior * old + self.ema * s) / blended
+                self._n[r] = blended
             self._windows[r] += 1
 
     def retire(self, done: Sequence[bool]) -> None:
@@ -74,12 +91,15 @@ class StepTimes:
         return list(self._windows)
 
     def state_dict(self) -> dict:
-        return {"t": list(self._t), "windows": list(self._windows)}
+        return {"t": list(self._t), "windows": list(self._windows), "n": list(self._n)}
 
     def load_state_dict(self, state: dict) -> None:
         if len(state["t"]) != self.world_size:
             raise ValueError(f"{_PREFIX}: step times of {len(state['t'])} workers, this run has {self.world_size}")
         self._t, self._windows = list(state["t"]), [int(w) for w in state["windows"]]
+        # (checkpoints before the steps' EMA was kept have none: the next window blends plainly)
+        n = state.get("n")
+        self._n = list(n) if n is not None and len(n) == self.world_size else [None] * self.world_size
 
     def estimates(self) -> list[float] | None:
         known = [t for t in self._t if t is not None]
@@ -233,6 +253,7 @@ class TimeSteps(LocalStepPolicy):
         self.round_seconds: float | None = round_seconds
         self.deadline: float | None = None
         self.sync_seconds: float | None = None       # None: no overlap (never told)
+        self.recent_syncs: list[float] = []          # the last SYNC_WINDOW durations agreed
         # With overlap: how many times longer than H steps the synchronisation in flight made the
         # round (1.0: not at all, compute sets the pace)
         self.stretch: float = 1.0
@@ -241,7 +262,10 @@ class TimeSteps(LocalStepPolicy):
         # A warm-up (DiLoCo's first background synchronisation, also the first after resuming
         # from a checkpoint) reports 0: the duration agreed before it still plans the rounds.
         if math.isfinite(seconds) and seconds > 0:
-            self.sync_seconds = float(seconds)
+            # (a policy given its duration some other way, as a new generation's is, starts from it)
+            recent = list(self.recent_syncs) or ([self.sync_seconds] if self.sync_seconds else [])
+            self.recent_syncs = (recent + [float(seconds)])[-SYNC_WINDOW:]
+            self.sync_seconds = statistics.median_low(self.recent_syncs)
         elif not self.sync_seconds:
             self.sync_seconds = 0.0
 

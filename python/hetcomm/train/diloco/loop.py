@@ -69,7 +69,7 @@ class DiLoCo(Results, ShardedState, Agreement, Checkpoint, Streams, Overlap, _fl
             doc): 1 keeps those steps whole (the behaviour before this option), 0 drops them.
             Default (None) 0.25. The same on every rank. A round in which the update did not
             land before its end keeps its steps whole (the move then has no steps after it).
-        ema: weight of the newest measurement in the agreed step times.
+        ema: weight of the newest round in the agreed step times (`StepTimes`: of its seconds and of its steps).
         threshold: ``speed`` hysteresis: the predicted idle fraction must fall by this much.
         workers: what a DiLoCo worker is: ``"sites"`` (default: hetcomm's sites when the group
             spans two or more, else every rank), ``"ranks"``, or one label per group rank. A

@@ -261,6 +261,7 @@ def main(argv: list[str] | None = None) -> int:
                 out.write(json.dumps({"round": rec["round"], "fp": rec["fingerprint"],
                                       "members": rec.get("members", rec.get("workers")),
                                       "steps": rec["steps"], "weights": rec["weights"], "gen": rec["generation"],
+                                      "plan": rec.get("plan"),
                                       "pid": os.getpid(), "t": time.time()}) + "\n")
                 out.flush()
                 if args.save:

@@ -433,7 +433,10 @@ def test_a_joiner_with_other_settings_is_refused_and_the_run_goes_on(run, differ
     rounds = 12
     for w in IDS[:2]:
         run.start(w, "--rounds", str(rounds), "--min-workers", "2", "--step-seconds", "0.25")
+    deadline = time.monotonic() + DEADLINE
     while len([r for r in run.records("w0") if "round" in r]) < 1:
+        if time.monotonic() > deadline or any(p.poll() is not None for _, p in run.procs):
+            pytest.fail(f"the run recorded no round\n{run.logs()}")
         time.sleep(0.2)
     run.start("w2", "--rounds", str(rounds), *differs.get("args", []), env=differs.get("env"))
     codes = run.wait_all()

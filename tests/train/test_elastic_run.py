@@ -15,10 +15,12 @@ round it asked to join in.
 """
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
-from elastic_job import Run, check_agreement, events, final, wait_for
+from elastic_job import DEADLINE, Run, check_agreement, events, final, wait_for
 from elastic_worker import linear_pull
 
 pytestmark = pytest.mark.usefixtures("backend_importable")
@@ -87,6 +89,36 @@ def test_a_worker_killed_is_dropped_and_its_restart_rejoins(run, features, where
             assert steps_recorded(run, w) == final(run, w)["steps_taken"], (w, run.records(w), run.logs())
     if "--linear" in FEATURES[features]:
         assert_linear_reference(run, "w0")
+
+
+@pytest.mark.slow
+def test_a_worker_restarted_after_a_generation_without_it_is_planned_from_its_step_times(run):
+    """``time``: w1 dies after four rounds and comes back only once w0 and w2 recorded a round
+    without it. The generation it rejoins re-plans the round length at its first agreement,
+    from every worker's step times: w1's, measured before it died, were kept through the
+    generation without it. (Lost, w1 counts as unmeasured and the rounds keep the plan carried
+    in until it has been measured twice again: the first two plans of that generation equal.)"""
+    rounds, ids = 14, ["w0", "w1", "w2"]
+    common = ["--run", "--rounds", str(rounds), "--steps", "4", "--step-seconds", "0.15", "--local-steps", "time"]
+    procs = {w: run.start(w, *common, "--min-workers", "3", *(["--die", "4:local"] if w == "w1" else []))
+             for w in ids}
+    wait_for(procs["w1"], run)
+    deadline = time.monotonic() + DEADLINE
+    while not any("round" in r and "w1" not in r["members"] for r in run.records("w0")):
+        if time.monotonic() > deadline or any(p.poll() is not None for w, p in procs.items() if w != "w1"):
+            pytest.fail(f"no round without w1 was recorded\n{run.logs()}")
+        time.sleep(0.05)
+    for marker in ("w1.joined", "w1.started"):
+        (run.out / marker).unlink()
+    run.start("w1", *common)
+    codes = run.wait_all()
+    assert all(c[-1] == 0 for c in codes.values()), f"{codes}\n{run.logs()}"
+    recs = [r for r in run.records("w0") if "round" in r]
+    without = min(r["gen"] for r in recs if "w1" not in r["members"])
+    back = min((r["gen"] for r in recs if r["gen"] > without and "w1" in r["members"]), default=None)
+    assert back is not None, f"w1 never rejoined\n{recs}\n{run.logs()}"
+    plans = [r["plan"]["round_seconds"] for r in recs if r["gen"] == back]
+    assert len(plans) >= 2 and None not in plans and plans[1] != plans[0], (plans, recs)
 
 
 @pytest.mark.parametrize("features", ["fixed-fp32", "time-int8-overlap-staggered"])

@@ -149,14 +149,15 @@ def resume_round(inner, mine: Round | None, start: dict, labels: list[int]) -> b
     return kept
 
 
-def share_timing(step_times: dict[str, tuple[float, int]], policy: dict | None,
-                 names: list[str]) -> tuple[dict[str, tuple[float, int]], dict | None]:
-    """Rank 0's step times of this generation's workers (``names``, one per worker) and its
-    ``time`` policy state, broadcast as float64 and checked: every rank plans alike."""
+def share_timing(step_times: dict[str, tuple[float, int, float | None]], policy: dict | None,
+                 names: list[str]) -> tuple[dict[str, tuple[float, int, float | None]], dict | None]:
+    """Rank 0's step times of this generation's workers (``names``, one per worker: seconds per
+    step, windows, the steps' EMA, `StepTimes`) and its ``time`` policy state, broadcast as
+    float64 and checked: every rank plans alike."""
     values = []
     for name in names:
-        t, windows = step_times.get(name, (math.nan, 0))
-        values += [float(t), float(windows)]
+        t, windows, n = step_times.get(name, (math.nan, 0, None))
+        values += [float(t), float(windows), _num(n)]
     p = policy or {}
     values += [1.0 if policy is not None else 0.0, _num(p.get("round_seconds")), _num(p.get("sync_seconds")),
                _num(p.get("stretch"))]
@@ -165,10 +166,10 @@ def share_timing(step_times: dict[str, tuple[float, int]], policy: dict | None,
     values = flat.tolist()
     times = {}
     for i, name in enumerate(names):
-        t, windows = values[2 * i], values[2 * i + 1]
+        t, windows, n = values[3 * i:3 * i + 3]
         if math.isfinite(t) and t > 0 and math.isfinite(windows) and windows >= 0:
-            times[name] = (t, int(min(windows, 1 << 30)))
-    has, round_seconds, sync_seconds, stretch = values[2 * len(names):]
+            times[name] = (t, int(min(windows, 1 << 30)), _positive(n))
+    has, round_seconds, sync_seconds, stretch = values[3 * len(names):]
     if not has:
         return times, None
     return times, {"name": "time", "round_seconds": _positive(round_seconds),

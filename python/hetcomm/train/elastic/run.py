@@ -155,7 +155,8 @@ class ElasticRun(ElasticDiLoCo):
         self._failures = 0                 # generations in a row that ended in a failure
         self._generations: list[dict] = []
         self._workers_names: list[str] = []
-        self._step_times: dict[str, tuple[float, int]] = {}   # worker name -> (seconds per step, windows)
+        # worker name -> (seconds per step, windows, the steps' EMA): `StepTimes`, by name
+        self._step_times: dict[str, tuple[float, int, float | None]] = {}
         self._policy_state: dict | None = None                 # the ``time`` policy's, last generation
         self._carry: Round | None = None   # the round a generation ended inside of, carried into the next
 
@@ -413,9 +414,12 @@ class ElasticRun(ElasticDiLoCo):
                              "the ranks of one worker the same Elastic(worker=...)")
         self._workers_names = list(dict.fromkeys(names))
         # What the policies measured, by worker name: rank 0's (a member of the last generation
-        # unless the era is new), so that every rank plans the first round alike.
-        self._step_times, self._policy_state = share_timing(self._step_times, self._policy_state,
-                                                            self._workers_names)
+        # unless the era is new), so that every rank plans the first round alike. The workers not
+        # in this generation keep theirs (unused in it): one who comes back (a restart) is planned
+        # from them, where the rounds would otherwise keep their old plan until it had been
+        # measured twice again (`TimeSteps.agreed`).
+        shared, self._policy_state = share_timing(self._step_times, self._policy_state, self._workers_names)
+        self._step_times = {**{k: v for k, v in self._step_times.items() if k not in self._workers_names}, **shared}
         if labels.count(labels[dist.get_rank()]) > 1 and self.inner_optimizer is not None:
             self.inner_optimizer.state.clear()     # a worker's ranks start from identical replicas
         inner = _Generation(self.model, self.inner_optimizer, outer_optimizer=self._factory, workers=labels,
@@ -460,7 +464,7 @@ class ElasticRun(ElasticDiLoCo):
         times = inner._times
         for label, name in enumerate(self._workers_names):
             if name in self._step_times:
-                times._t[label], times._windows[label] = self._step_times[name]
+                times._t[label], times._windows[label], times._n[label] = self._step_times[name]
         if self._policy_state is not None and isinstance(inner._policy, TimeSteps):
             inner._policy.load_state_dict(self._policy_state)
             if not inner.overlap:
@@ -493,7 +497,7 @@ class ElasticRun(ElasticDiLoCo):
         times = inner._times
         for label, name in enumerate(self._workers_names):
             if times._t[label] is not None:
-                self._step_times[name] = (times._t[label], times._windows[label])
+                self._step_times[name] = (times._t[label], times._windows[label], times._n[label])
         if isinstance(inner._policy, TimeSteps):
             self._policy_state = inner._policy.state_dict()
         try:

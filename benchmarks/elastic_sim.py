@@ -20,6 +20,10 @@ from its join request, after Python and torch imported); final held-out loss aga
 and (``--eval-windows``) the held-out loss of the global parameters after every round (saved by
 the first worker, which is never killed, evaluated here after the run) as a curve over the
 samples, so that ``kill`` is compared with ``four`` at equal samples (linear between rounds).
+Round records land late with overlap and hold the policies' measurement rounds, so the survivors'
+figure is also taken directly, from the workers' progress lines (samples trained, about once a
+second): the survivors' samples from the kill to the moment a survivor saw the victim admitted
+again, against the samples of the ``three`` run over the same seconds from its start.
 
 **Random kills** (``--random-kills N``): one long run; every ``--kill-every`` rounds a random live
 worker is killed at a random moment of the round and restarted 2-8 s later. Reported: hangs (a
@@ -32,8 +36,9 @@ a ``run`` header (the options; kill and restart: ``summary``, ``per_repeat``, ``
 ``split_rounds``; random kills: the run's figures), then one ``result`` per run (``name``,
 ``repeat``, its figures). The trace, ``traces/NAME.jsonl.gz`` beside it
 (hetcomm.bench.records.write_with_trace), holds per run (``name``, ``repeat``) a ``round`` per
-committed round (``t``, ``members``, ``samples``), a ``membership`` per membership event and a
-``loss`` per point of the loss curve (``samples``, ``loss``); random kills: a ``kill`` per kill.
+committed round (``t``, ``members``, ``samples``), a ``membership`` per membership event, a
+``loss`` per point of the loss curve (``samples``, ``loss``) and a ``progress`` per progress line
+(``rank``, ``t``, ``samples``); random kills: a ``kill`` per kill.
 """
 from __future__ import annotations
 
@@ -96,7 +101,8 @@ class Job:
                 "--min-workers", str(len(self.ranks)), "--steps", str(a.steps), "--batch", str(self.batch(rank)),
                 "--samples", str(a.samples), "--rounds", str(a.rounds), "--seed", str(self.seed),
                 "--heartbeat", str(a.heartbeat), "--timeout", str(a.timeout),
-                "--jsonl", os.path.join(self.out, f"w{rank}.jsonl"), *a.example_args.split()]
+                "--jsonl", os.path.join(self.out, f"w{rank}.jsonl"), "--progress-seconds", "1",
+                *a.example_args.split()]
         if rank == 0 and a.eval_windows:
             os.makedirs(os.path.join(self.out, "globals"), exist_ok=True)
             argv += ["--save-globals", os.path.join(self.out, "globals")]
@@ -165,6 +171,27 @@ def rate(rounds: list[dict], first: int, last: int) -> float | None:
         return None
     samples = sum(sum(by[i]["samples"]) for i in range(first, last + 1))
     return samples / (by[last]["t"] - by[first - 1]["t"])
+
+
+def progress_of(job: Job, started: float) -> list[list]:
+    """[rank, seconds from ``started``, samples it trained so far], from the example's progress
+    lines (about one a second, and one at each membership change it saw), in time order."""
+    return sorted([k, r["t"] - started, r["progress"]] for k in job.ranks for r in job.records(k) if "progress" in r)
+
+
+def samples_between(progress: list[list], ranks, t0: float, t1: float) -> int:
+    """Samples ``ranks`` trained between ``t0`` and ``t1`` (seconds from the run's start): each
+    rank's last progress line at or before each end (one incarnation per rank: survivors)."""
+    def at(k: int, t: float) -> int:
+        return max((n for r, u, n in progress if r == k and u <= t), default=0)
+    return sum(at(k, t1) - at(k, t0) for k in ranks)
+
+
+def back_time(job: Job, victim: int, restart_abs: float, started: float) -> float | None:
+    """When the first survivor saw the restarted victim admitted (seconds from ``started``)."""
+    return min((r["t"] - started for k in job.ranks if k != victim for r in job.records(k)
+                if "event" in r and r["t"] >= restart_abs and f"w{victim}" in r["event"].get("joined", [])),
+               default=None)
 
 
 def victim_figures(table: list[dict], vid: str, restart_t: float, asked_t: float | None,
@@ -268,6 +295,7 @@ def run_job(cluster, args, name, ranks, victim=None, seed=None) -> dict:
               "round_table": [{"round": r["round"], "t": r["t"] - started, "members": r["members"],
                                "samples": r["samples"]} for r in rounds],
               "out_dir": out}
+    result["progress"] = progress_of(job, started)
     last = rounds[-1]["round"] if rounds else 0
     result["samples_per_s"] = rate(rounds, 2, last)
     if args.eval_windows:
@@ -276,6 +304,7 @@ def run_job(cluster, args, name, ranks, victim=None, seed=None) -> dict:
         lines = job.records(victim)
         asked = [r for r in lines if "start" in r and r["start"] >= restart - 1]
         result.update({"kill_t": job.kills[0]["t"] - started, "restart_t": restart - started,
+                       "back_t": back_time(job, victim, restart, started),
                        "asked_t": asked[0]["start"] - started if asked else None,
                        "restarted_worker_joined_early": (finals[victim]["stats"].get("early_joins", 0) > 0
                                                          if victim in finals else None)})
@@ -336,9 +365,10 @@ def random_kills(cluster, args) -> dict:
     return result
 
 
-TRACE_KINDS = ("round", "membership", "loss", "kill")   # per round, per event, per curve point, per kill
+# per round, per event, per curve point, per progress line, per kill
+TRACE_KINDS = ("round", "membership", "loss", "progress", "kill")
 RUN_KEY = ("name", "repeat")                             # what ties a trace record to its run's result
-_TRACED = ("round_table", "membership", "loss_curve")    # a run's series, one trace record per element
+_TRACED = ("round_table", "membership", "loss_curve", "progress")   # a run's series, one trace record each
 
 
 def elastic_records(doc: dict) -> list[dict]:
@@ -355,6 +385,7 @@ def elastic_records(doc: dict) -> list[dict]:
             out += [record("membership", which, **event) for event in run["membership"]]
             out += [record("loss", which, samples=samples, loss=loss)
                     for samples, loss in run.get("loss_curve", ())]
+            out += [record("progress", which, rank=k, t=t, samples=n) for k, t, n in run.get("progress", ())]
     return out
 
 
@@ -363,7 +394,17 @@ def summarise(runs: dict) -> tuple[list[dict], dict]:
     median and range of each figure over the repeats."""
     ratios = []
     for three, kill, four in zip(runs["three"], runs["kill"], runs["four"]):
+        # From the kill to the victim's admission, by the progress lines: the survivors' samples
+        # against those of the three-worker run over the same seconds from its start.
+        gone = (kill.get("kill_t"), kill.get("back_t"))
+        while_gone = None
+        if None not in gone and gone[1] > gone[0] and kill.get("progress") and three.get("progress"):
+            theirs = samples_between(three["progress"], three["ranks"], *gone)
+            ours = samples_between(kill["progress"], [k for k in kill["ranks"] if k != kill["ranks"][-1]], *gone)
+            while_gone = ours / theirs if theirs else None
         ratios.append({
+            "survivors_while_gone_vs_three_same_seconds": while_gone,
+            "seconds_gone": gone[1] - gone[0] if None not in gone else None,
             "survivors_vs_three": (kill["survivors_samples_per_s"] / three["samples_per_s"]
                                    if kill["survivors_samples_per_s"] and three["samples_per_s"] else None),
             "survivors_after_detection_vs_three": (
@@ -401,15 +442,17 @@ def rescore(path: str) -> int:
     for r in recs:
         body = {k: v for k, v in r.items() if k not in ("kind", "command")}
         if r["kind"] == RESULT:
-            run = {**body, "round_table": [], "membership": [], "loss_curve": []}
+            run = {**body, "round_table": [], "membership": [], "loss_curve": [], "progress": []}
             runs.setdefault(body["name"], []).append(run)
             index[(body["name"], body["repeat"])] = run
-        elif r["kind"] in ("round", "membership", "loss"):
+        elif r["kind"] in ("round", "membership", "loss", "progress"):
             run = index[(body.pop("name"), body.pop("repeat"))]
             if r["kind"] == "round":
                 run["round_table"].append(body)
             elif r["kind"] == "membership":
                 run["membership"].append(body)
+            elif r["kind"] == "progress":
+                run["progress"].append([body["rank"], body["t"], body["samples"]])
             else:
                 run["loss_curve"].append((body["samples"], body["loss"]))
     for run in runs.get("kill", []):

@@ -54,6 +54,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=3e-3, help="inner AdamW learning rate")
     p.add_argument("--outer-lr", type=float, default=0.7)
     p.add_argument("--jsonl", metavar="PATH", help="append this worker's records here")
+    p.add_argument("--progress-seconds", type=float, default=0.0,
+                   help="with --jsonl: also append the samples this worker trained so far every this many seconds "
+                        "(0: never), and each membership change as it is seen")
     p.add_argument("--checkpoint", metavar="PATH", help="save after every round; resume from it if it exists")
     p.add_argument("--generations", action="store_true",
                    help="hetcomm.DiLoCo(membership=hetcomm.Elastic(...)) instead of hetcomm.ElasticDiLoCo")
@@ -115,6 +118,7 @@ def main(argv=None) -> int:
     started = time.time()
     write({"start": started, "id": diloco.worker_id, "pid": os.getpid()})
     reported = None
+    trained, progressed, events = 0, started, len(diloco.membership)
     for x, y in diloco.loop(windows(), max_samples=None if args.rounds else args.samples,
                             max_rounds=args.rounds or None):
         if reported is None:            # the rounds before this worker joined are not its to report
@@ -124,6 +128,15 @@ def main(argv=None) -> int:
         opt.step()
         opt.zero_grad(set_to_none=True)
         diloco.step(samples=len(x), loss=loss.item())
+        trained += len(x)
+        if args.progress_seconds > 0:
+            now, seen = time.time(), diloco.membership
+            for event in seen[events:]:            # (seen at the step after it: an epoch is inside step)
+                write({"t": now, "event": event, "progress": trained, "id": diloco.worker_id, "pid": os.getpid()})
+            events = len(seen)
+            if now - progressed >= args.progress_seconds:
+                progressed = now
+                write({"t": now, "progress": trained, "id": diloco.worker_id, "pid": os.getpid()})
         for h in [h for h in diloco.history if h["round"] > reported]:   # (with overlap: a round late)
             reported = h["round"]
             members = h.get("members") or h["workers"]
@@ -133,7 +146,9 @@ def main(argv=None) -> int:
                   f"{None if mine is None or h['loss'][mine] is None else round(h['loss'][mine], 3)}", flush=True)
             write({"t": time.time(), "round": h["round"], "fp": h["fingerprint"], "members": members,
                    "steps": h["steps"], "samples": h["samples"], "generation": h["generation"],
-                   "id": diloco.worker_id, "pid": os.getpid()})
+                   "plan": h["plan"], "compute_seconds": h["compute_seconds"],
+                   "idle_seconds_total": h["idle_seconds_total"], "sync_seconds_total": h["sync_seconds_total"],
+                   "landed_after_steps": h["landed_after_steps"], "id": diloco.worker_id, "pid": os.getpid()})
             if args.save_globals:
                 torch.save(diloco.global_parameters(), os.path.join(args.save_globals, f"round{h['round']}.pt"))
             if args.checkpoint:

@@ -54,3 +54,23 @@ def test_the_first_contribution_is_the_restarted_incarnations(sim):
              {"round": 4, "pid": 2, "members": ALL, "steps": [5, 5, 5, 2]}]
     assert sim.first_contribution(lines, "w3", 139.5) == 4
     assert sim.first_contribution(lines, "w3", 150.0) is None                # no incarnation started then
+
+
+def test_the_survivors_while_the_victim_is_gone_against_the_same_seconds_of_three(sim):
+    # progress lines: [rank, seconds from the run's start, samples so far]
+    kill = {"ranks": [0, 1, 2, 3], "kill_t": 10.0, "back_t": 30.0, "progress": [
+        [0, 9.0, 100], [0, 12.0, 130], [0, 25.0, 200], [0, 31.0, 260],
+        [1, 10.0, 50], [1, 29.5, 90], [2, 5.0, 20], [2, 40.0, 60],     # rank 2: no line in the window
+        [3, 9.5, 40], [3, 20.0, 0], [3, 29.0, 16]]}                     # the victim: left out
+    three = {"ranks": [0, 1, 2], "progress": [
+        [0, 10.0, 100], [0, 30.0, 300], [1, 10.0, 50], [1, 30.0, 150], [2, 0.0, 0], [2, 30.0, 50]]}
+    # ours: rank 0 200-100, rank 1 90-50, rank 2 20-20 = 140; theirs: 200 + 100 + 50 = 350
+    assert sim.samples_between(kill["progress"], [0, 1, 2], 10.0, 30.0) == 140
+    assert sim.samples_between(three["progress"], [0, 1, 2], 10.0, 30.0) == 350
+    stub = {"survivors_samples_per_s": None, "survivors_samples_per_s_after_detection": None, "final_loss": None,
+            "samples": 1, "rounds_from_restart_to_contribution": None,
+            "rounds_from_join_request_to_contribution": None, "samples_per_s": None}
+    ratios, summary = sim.summarise({"three": [{**stub, **three}], "kill": [{**stub, **kill}], "four": [stub]})
+    assert ratios[0]["survivors_while_gone_vs_three_same_seconds"] == pytest.approx(140 / 350)
+    assert ratios[0]["seconds_gone"] == pytest.approx(20.0)
+    assert summary["survivors_while_gone_vs_three_same_seconds"]["median"] == pytest.approx(0.4)

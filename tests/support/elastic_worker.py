@@ -256,6 +256,8 @@ def main(argv: list[str] | None = None) -> int:
             taken += 1
             if diloco.step(samples=len(x), loss=loss.item()):
                 step_in_round = 0
+                if args.save:                  # at the boundary: the state holds every round taken
+                    torch.save(diloco.state_dict(), args.save)
             for rec in [r for r in diloco.history if r["round"] > reported]:   # (with overlap, a round late)
                 reported = rec["round"]
                 out.write(json.dumps({"round": rec["round"], "fp": rec["fingerprint"],
@@ -264,8 +266,6 @@ def main(argv: list[str] | None = None) -> int:
                                       "plan": rec.get("plan"),
                                       "pid": os.getpid(), "t": time.time()}) + "\n")
                 out.flush()
-                if args.save:
-                    torch.save(diloco.state_dict(), args.save)
                 if args.stop_after and diloco.rounds >= args.stop_after:
                     diloco.close()
                     out.write(json.dumps({"stopped": diloco.rounds, "fp": diloco.fingerprint()}) + "\n")

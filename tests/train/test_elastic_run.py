@@ -119,6 +119,61 @@ def test_a_worker_restarted_after_a_generation_without_it_is_planned_from_its_st
     assert back is not None, f"w1 never rejoined\n{recs}\n{run.logs()}"
     plans = [r["plan"]["round_seconds"] for r in recs if r["gen"] == back]
     assert len(plans) >= 2 and None not in plans and plans[1] != plans[0], (plans, recs)
+    # stats() holds every generation w0 took part in, each with its number
+    end = final(run, "w0")
+    member_of = sorted({e["generation"] for e in end["membership"] if "w0" in e.get("members", ())})
+    assert [g["generation"] for g in end["stats"]["generations"]] == member_of, (end["stats"], end["membership"])
+    assert sum(g.get("rounds", 0) for g in end["stats"]["generations"]) == rounds, end["stats"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("features", ["fixed-fp32", "time-int8-overlap-staggered"])
+def test_a_whole_job_resumes_from_checkpoints(tmp_path, features):
+    """Three workers save at every round boundary and stop after round 3; started again with their
+    checkpoints on the same store and job, they start a new era and run to round 8. ``fixed``
+    without overlap: the final parameters are bit for bit the uninterrupted run's (and the
+    float64 reference's). With time, int8, overlap and staggered fragments the round in flight
+    is not in a checkpoint: the resumed run goes on from the round saved, every report of a
+    round carries one fingerprint, and the workers end alike."""
+    rounds, ids = 8, ["w0", "w1", "w2"]
+    common = ["--run", "--rounds", str(rounds), "--steps", "4", "--min-workers", "3", *FEATURES[features]]
+    target = None
+    if features == "fixed-fp32":
+        (tmp_path / "whole").mkdir()
+        whole = Run(tmp_path / "whole", "whole")
+        try:
+            for w in ids:
+                whole.start(w, *common)
+            assert all(c == [0] for c in whole.wait_all().values()), whole.logs()
+            target = check_agreement(whole, ids, rounds)[rounds]
+        finally:
+            whole.close()
+    (tmp_path / "parts").mkdir()
+    parts = Run(tmp_path / "parts", "parts")
+    try:
+        ckpt = {w: str(tmp_path / f"{w}.pt") for w in ids}
+        for w in ids:
+            parts.start(w, *common, "--save", ckpt[w], "--stop-after", "3")
+        assert all(c == [0] for c in parts.wait_all().values()), parts.logs()
+        saved = {w: torch.load(ckpt[w], weights_only=False)["round"] for w in ids}
+        assert all(r >= 3 for r in saved.values()), saved
+        for w in ids:                  # the same job on the same store: the dead era is replaced
+            parts.start(w, *common, "--load", ckpt[w])
+        assert all(c[-1] == 0 for c in parts.wait_all().values()), parts.logs()
+        if target is not None:
+            prints = check_agreement(parts, ids, rounds)
+        else:
+            # (with overlap a checkpoint taken at round k's boundary waits for k to land: the
+            # first incarnations stopped after reporting k - 1, the resumed ones report from k + 1)
+            prints = check_agreement(parts, ids, rounds, missing=set(range(4, max(saved.values()) + 1)))
+        ends = {final(parts, w)["final"] for w in ids}
+        assert ends == {prints[rounds]}, (ends, parts.logs())
+        if target is not None:
+            assert ends == {target}, f"resumed {ends}, uninterrupted {target}\n{parts.logs()}"
+            assert_linear_reference(parts, "w0")
+        assert "starts or joins era 2" in parts.logs(), parts.logs()
+    finally:
+        parts.close()
 
 
 @pytest.mark.parametrize("features", ["fixed-fp32", "time-int8-overlap-staggered"])

@@ -167,14 +167,15 @@ def share_timing(step_times: dict[str, tuple[float, int, float | None]], policy:
     times = {}
     for i, name in enumerate(names):
         t, windows, n = values[3 * i:3 * i + 3]
-        if math.isfinite(t) and t > 0 and math.isfinite(windows) and windows >= 0:
-            times[name] = (t, int(min(windows, 1 << 30)), _positive(n))
+        # (bounded: a step of a week, or an EMA of 2^30 steps, would freeze or overflow the plans)
+        if 0 < t <= _LONGEST and math.isfinite(windows) and windows >= 0:
+            times[name] = (t, int(min(windows, 1 << 30)), n if 0 < n <= (1 << 30) else None)
     has, round_seconds, sync_seconds, stretch = values[3 * len(names):]
     if not has:
         return times, None
     return times, {"name": "time", "round_seconds": _positive(round_seconds),
-                   "sync_seconds": sync_seconds if math.isfinite(sync_seconds) and sync_seconds >= 0 else None,
-                   "stretch": stretch if math.isfinite(stretch) and stretch >= 1.0 else 1.0}
+                   "sync_seconds": sync_seconds if 0 <= sync_seconds <= _LONGEST else None,
+                   "stretch": stretch if 1.0 <= stretch <= _LONGEST else 1.0}
 
 
 def _num(value) -> float:
@@ -182,4 +183,4 @@ def _num(value) -> float:
 
 
 def _positive(value: float) -> float | None:
-    return value if math.isfinite(value) and value > 0 else None
+    return value if 0 < value <= _LONGEST else None

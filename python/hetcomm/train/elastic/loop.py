@@ -386,6 +386,9 @@ class ElasticDiLoCo(Epochs, EarlyJoin, Generation, _flat.FlatParameters):
         starts (the holders of the latest round provide it; see the module doc)."""
         if self._joined:
             raise RuntimeError(f"{_PREFIX}: load_state_dict() after join(): load the checkpoint first")
+        if "kind" in state:                 # (DiLoCo in generations: `hetcomm.train.elastic.checkpoint`)
+            raise ValueError(f"{_PREFIX}: this is a checkpoint of {state['kind']}, not of ElasticDiLoCo; each "
+                             "checkpoint resumes a run of the class that saved it")
         if state.get("version") != self._STATE_VERSION:
             raise ValueError(f"{_PREFIX}: checkpoint version {state.get('version')!r}, expected {self._STATE_VERSION}")
         if [tuple(t.shape) for t in state["global"]] != [tuple(g.shape) for g in self._global]:

@@ -37,7 +37,7 @@ generation starts from is agreed over its group, never unpickled and never taken
 alone (`hetcomm.train.elastic.carry`).
 A worker of several ranks (``Elastic(worker=...)``, the same name on each of its ranks) clears
 its inner optimizer's state at each new generation, so that its ranks start with identical
-replicas whichever of them is new. Checkpoints (`state_dict`) are `ElasticDiLoCo`'s only, for now.
+replicas whichever of them is new. Checkpoints: `hetcomm.train.elastic.checkpoint`.
 """
 from __future__ import annotations
 
@@ -55,6 +55,7 @@ from hetcomm.train import flat as _flat
 from hetcomm.train.diloco.agreement import NonFinite
 from hetcomm.train.diloco.loop import DiLoCo
 from hetcomm.train.diloco.outer import default_outer_optimizer
+from hetcomm.train.elastic import checkpoint as _checkpoint
 from hetcomm.train.elastic.carry import Round, encode_name, resume_round, share_timing, start_table, take_round
 from hetcomm.train.elastic.common import _MAX_ABORTS, _PREFIX, _read_ended
 from hetcomm.train.elastic.loop import ElasticDiLoCo
@@ -294,7 +295,8 @@ class ElasticRun(ElasticDiLoCo):
         out["rounds"] = self.rounds
         live = self._inner.history if self._inner is not None else []
         out["samples_total"] = self._samples_total + sum(sum(r["samples"]) for r in live)
-        out["generations"] = list(self._generations) + ([self._inner.stats()] if self._inner is not None else [])
+        out["generations"] = list(self._generations) + ([{"generation": self._base[2], **self._inner.stats()}]
+                                                         if self._inner is not None else [])
         return out
 
     def fingerprint(self) -> int:
@@ -307,11 +309,13 @@ class ElasticRun(ElasticDiLoCo):
         return [g.detach() for g in source]
 
     def state_dict(self) -> dict:
-        raise RuntimeError(f"{_PREFIX}: checkpoints of an elastic DiLoCo run in generations are not supported yet; "
-                           "use hetcomm.ElasticDiLoCo for a run that must resume from checkpoints")
+        """The rounds this worker has applied (`hetcomm.train.elastic.checkpoint.save`): the round in
+        progress is not in it; with overlap it waits for the synchronisation in flight."""
+        return _checkpoint.save(self)
 
     def load_state_dict(self, state: dict) -> None:
-        self.state_dict()
+        """Resumes from `state_dict` before `join` (`hetcomm.train.elastic.checkpoint.load`)."""
+        _checkpoint.load(self, state)
 
     # ---- generations -------------------------------------------------------------------------
 
@@ -501,9 +505,9 @@ class ElasticRun(ElasticDiLoCo):
         if isinstance(inner._policy, TimeSteps):
             self._policy_state = inner._policy.state_dict()
         try:
-            self._generations.append(inner.stats())
-        except Exception:  # noqa: BLE001 - the stats of a failed generation are best effort
-            pass
+            self._generations.append({"generation": self._base[2], **inner.stats()})
+        except Exception as e:  # noqa: BLE001 - the stats of a failed generation are best effort
+            self._generations.append({"generation": self._base[2], "error": f"{type(e).__name__}: {e}"})
 
     def _after_generation(self, inner: DiLoCo) -> None:
         """Every rank finished the generation at the same boundary: the run ends (a budget) or

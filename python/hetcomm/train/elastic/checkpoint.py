@@ -1,0 +1,123 @@
+"""Checkpoints of DiLoCo in generations (`ElasticRun.state_dict`, `ElasticRun.load_state_dict`).
+
+A checkpoint holds the run's state as of the rounds this worker has applied: the global
+parameters and the outer optimizer, the round, the outer steps applied, the samples, the history
+and the membership records, the step times and the ``time`` policy's round length (by worker
+name), and this worker's model and inner optimizer. A generation's own machinery (its group, the
+quantisation residuals, a round carried through a membership change) is not in it: a resumed
+worker starts a new round from the global parameters, as a worker admitted by an epoch does.
+
+With overlap, `save` waits for the synchronisation in flight (and staggered fragments) to land,
+so that the state includes the round that just ended; the replica's steps since each staggered
+fragment's trigger are not in the state (they were not sent), and are lost on resuming, as a
+reduction in flight is when a worker dies. Without overlap and with ``fixed`` steps, a whole job
+resumed from every worker's checkpoint computes what the uninterrupted job computes.
+
+Where it cannot hold a round boundary's state -- the synchronisation in flight failed (the next
+`step` starts the next generation), or staggered fragments of the round in progress have landed
+-- it holds the state the generation started from, and warns. Limit: a generation that starts
+inside a carried round whose fragments fired starts from parameters that hold them; a checkpoint
+of it and an older one of the same round differ, and a whole job resumed from both stops with
+an error naming the difference.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import copy
+import warnings
+
+from hetcomm.train.diloco.checkpoint import _cpu_copy
+from hetcomm.train.elastic.common import _PREFIX
+from hetcomm.train.local_steps import TimeSteps
+
+KIND = "hetcomm DiLoCo in generations"
+VERSION = 1
+
+
+def save(run, generation_start: bool = False) -> dict:
+    """`ElasticRun.state_dict`: the rounds applied so far, at any step (usually when `step`
+    returned True: the round in progress is not in it). No communication; with overlap it
+    blocks until the synchronisation in flight has landed."""
+    if not run._holds:
+        raise RuntimeError(f"{_PREFIX}: state_dict() before this worker was admitted (it holds no state yet)")
+    inner = None if generation_start else run._inner
+    if inner is None:
+        global_, outer = list(run._global), run.outer_optimizer.state_dict()
+        round_, applied, samples, history = run._round, run._applied_total, run._samples_total, list(run._history)
+        times, policy = dict(run._step_times), run._policy_state
+    elif inner._stagger and any(inner._fired):
+        # Inside a round whose staggered fragments have fired (a round carried in after a
+        # failure, or a call mid-round): their updates are applied mid-round, so the global
+        # parameters are not those of a round boundary. The state this generation started from.
+        warnings.warn(f"{_PREFIX}: state_dict() inside a round whose staggered fragments have landed: the "
+                      f"checkpoint holds round {run._round}, where this generation started (take it when step() "
+                      "returned True)", RuntimeWarning)
+        return save(run, generation_start=True)
+    else:
+        jobs = [f for f in [inner._pending] + [j["future"] for j in inner._flight.values()] if f is not None]
+        start = inner._clock()
+        done, _ = concurrent.futures.wait(jobs, timeout=run._collective_timeout + 10.0)
+        end = inner._clock()
+        inner._totals["idle"] += end - start            # (as DiLoCo.state_dict: not the next step's compute)
+        inner._timeline.append(("idle", start, end))
+        if len(done) < len(jobs) or any(f.cancelled() or f.exception() is not None for f in jobs):
+            # The generation failed (the next step starts the next one): the state it started from.
+            warnings.warn(f"{_PREFIX}: state_dict(): the synchronisation in flight failed or did not end; the "
+                          f"checkpoint holds round {run._round}, where this generation started", RuntimeWarning)
+            inner._mark = inner._clock()
+            return save(run, generation_start=True)
+        records = [run._renumber(r) for r in inner._history]      # every one applied
+        global_, outer = list(inner._global), inner.outer_optimizer.state_dict()
+        round_, applied = run._base[0] + len(records), run._base[1] + inner._applied
+        samples = run._samples_total + sum(sum(r["samples"]) for r in records)
+        history = list(run._history) + records
+        times = dict(run._step_times)
+        for label, name in enumerate(run._workers_names):
+            if inner._times._t[label] is not None:
+                times[name] = (inner._times._t[label], inner._times._windows[label], inner._times._n[label])
+        policy = inner._policy.state_dict() if isinstance(inner._policy, TimeSteps) else run._policy_state
+    state = _cpu_copy({
+        "kind": KIND, "version": VERSION, "job": run.job, "global": global_, "outer_optimizer": outer,
+        "round": round_, "applied": applied, "samples_total": samples, "history": history,
+        "membership": list(run._events), "step_times": times, "policy": policy,
+        "model": run.model.state_dict(),
+        "inner_optimizer": run.inner_optimizer.state_dict() if run.inner_optimizer is not None else None,
+    })
+    if inner is not None:
+        inner._mark = inner._clock()          # neither the wait nor the copy is the next step's compute
+    return state
+
+
+def load(run, state: dict) -> None:
+    """`ElasticRun.load_state_dict`: before `join`. The worker then offers this state when the
+    job's era starts (the workers that applied the most outer steps hold the run's state); its
+    replica starts from the checkpoint's global parameters (the model's buffers as saved)."""
+    if run._joined:
+        raise RuntimeError(f"{_PREFIX}: load_state_dict() after join(): load the checkpoint first")
+    if not isinstance(state, dict) or state.get("kind") != KIND:
+        what = (state.get("kind", "no kind: an ElasticDiLoCo or DiLoCo checkpoint") if isinstance(state, dict)
+                else type(state).__name__)
+        raise ValueError(f"{_PREFIX}: this is not a checkpoint of DiLoCo in generations ({what}); each checkpoint "
+                         "resumes a run of the class that saved it")
+    if state.get("version") != VERSION:
+        raise ValueError(f"{_PREFIX}: checkpoint version {state.get('version')!r}, expected {VERSION}")
+    if [tuple(t.shape) for t in state["global"]] != [tuple(g.shape) for g in run._global]:
+        raise ValueError(f"{_PREFIX}: the checkpoint's parameters do not match the model's shapes")
+    import torch
+
+    with torch.no_grad():
+        for g, t in zip(run._global, state["global"]):
+            g.copy_(t)
+    run.outer_optimizer.load_state_dict(state["outer_optimizer"])
+    run.model.load_state_dict(state["model"])
+    run._load_global()                       # a new round starts from the global parameters
+    if state["inner_optimizer"] is not None and run.inner_optimizer is not None:
+        run.inner_optimizer.load_state_dict(state["inner_optimizer"])
+    run._round, run._applied_total = int(state["round"]), int(state["applied"])
+    run._samples_total = int(state["samples_total"])
+    run._history, run._events = list(state["history"]), list(state["membership"])
+    run._step_times = {str(k): tuple(v) for k, v in state["step_times"].items()}
+    run._policy_state = copy.deepcopy(state["policy"])
+    run._start = run._flatten_global()
+    run._holds = run._checkpoint = True
+    run._carried = (run._round, run._applied_total, True)    # what it offers when the era starts

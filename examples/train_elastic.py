@@ -69,6 +69,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+# What DiLoCo in generations records of a round beyond the members, steps and samples: for diagnosis.
+DIAGNOSIS = ("plan", "compute_seconds", "idle_seconds_total", "sync_seconds_total", "landed_after_steps")
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.backend != "hetcomm" and args.backend != "gloo":
@@ -78,9 +82,6 @@ def main(argv=None) -> int:
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
     outer = lambda ps: torch.optim.SGD(ps, lr=args.outer_lr, momentum=0.9, nesterov=True)  # noqa: E731
     generations = args.generations or args.local_steps or args.overlap or args.fragments > 1
-    if generations and args.checkpoint:
-        raise SystemExit("train_elastic: --checkpoint is not supported with --generations (DiLoCo in generations "
-                         "has no checkpoints yet)")
     if generations and args.round_seconds is not None and args.local_steps != "time":
         raise SystemExit("train_elastic: --round-seconds with --generations needs --local-steps time")
     if generations:
@@ -118,7 +119,7 @@ def main(argv=None) -> int:
     started = time.time()
     write({"start": started, "id": diloco.worker_id, "pid": os.getpid()})
     reported = None
-    trained, progressed, events = 0, started, len(diloco.membership)
+    trained, progressed, written = 0, started, list(diloco.membership)
     for x, y in diloco.loop(windows(), max_samples=None if args.rounds else args.samples,
                             max_rounds=args.rounds or None):
         if reported is None:            # the rounds before this worker joined are not its to report
@@ -127,13 +128,18 @@ def main(argv=None) -> int:
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        diloco.step(samples=len(x), loss=loss.item())
+        if diloco.step(samples=len(x), loss=loss.item()) and args.checkpoint:
+            # at the round's boundary (with overlap state_dict waits for the synchronisation in flight)
+            torch.save(diloco.state_dict(), args.checkpoint + ".tmp")
+            os.replace(args.checkpoint + ".tmp", args.checkpoint)
         trained += len(x)
         if args.progress_seconds > 0:
-            now, seen = time.time(), diloco.membership
-            for event in seen[events:]:            # (seen at the step after it: an epoch is inside step)
+            now = time.time()
+            # (seen at the step after it: an epoch is inside step; by content: a joiner's list is
+            # replaced by the holders' when it receives the state)
+            for event in [e for e in diloco.membership if e not in written]:
                 write({"t": now, "event": event, "progress": trained, "id": diloco.worker_id, "pid": os.getpid()})
-            events = len(seen)
+                written.append(event)
             if now - progressed >= args.progress_seconds:
                 progressed = now
                 write({"t": now, "progress": trained, "id": diloco.worker_id, "pid": os.getpid()})
@@ -146,14 +152,9 @@ def main(argv=None) -> int:
                   f"{None if mine is None or h['loss'][mine] is None else round(h['loss'][mine], 3)}", flush=True)
             write({"t": time.time(), "round": h["round"], "fp": h["fingerprint"], "members": members,
                    "steps": h["steps"], "samples": h["samples"], "generation": h["generation"],
-                   "plan": h["plan"], "compute_seconds": h["compute_seconds"],
-                   "idle_seconds_total": h["idle_seconds_total"], "sync_seconds_total": h["sync_seconds_total"],
-                   "landed_after_steps": h["landed_after_steps"], "id": diloco.worker_id, "pid": os.getpid()})
+                   **{k: h[k] for k in DIAGNOSIS if k in h}, "id": diloco.worker_id, "pid": os.getpid()})
             if args.save_globals:
                 torch.save(diloco.global_parameters(), os.path.join(args.save_globals, f"round{h['round']}.pt"))
-            if args.checkpoint:
-                torch.save(diloco.state_dict(), args.checkpoint + ".tmp")
-                os.replace(args.checkpoint + ".tmp", args.checkpoint)
     stats = diloco.stats()
     final_loss = evaluate(model, held_out, min(len(held_out), 256)) if diloco.rounds else None
     print(f"train_elastic [{diloco.worker_id}]: stopped ({diloco.stop_reason}) after {stats['rounds']} rounds, "

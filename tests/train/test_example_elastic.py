@@ -1,0 +1,81 @@
+"""examples/train_elastic.py, as a user runs it: two workers around a store, as `ElasticDiLoCo` and
+as DiLoCo in generations with every DiLoCo option and a checkpoint; both end at the same round
+with the same global parameters and write the records `benchmarks/elastic_sim.py` reads."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from harness import BACKEND
+from stores import start_store
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+EXAMPLE = os.path.join(ROOT, "examples", "train_elastic.py")
+SMALL = ["--d-model", "32", "--layers", "1", "--heads", "2", "--block", "8", "--corpus-chars", "20000",
+         "--batch", "4", "--steps", "3", "--rounds", "3", "--min-workers", "2"]
+MODES = {
+    "elastic": [],
+    "generations": ["--local-steps", "time", "--compress", "int8", "--overlap", "--fragments", "2",
+                    "--progress-seconds", "0.2"],
+}
+
+pytestmark = pytest.mark.usefixtures("backend_importable")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", list(MODES))
+def test_the_elastic_example_runs_two_workers_to_the_same_parameters(tmp_path, mode):
+    store, port = start_store(str(tmp_path))
+    procs = {}
+    try:
+        for w in ("w0", "w1"):
+            extra = ["--checkpoint", str(tmp_path / f"{w}.pt")] if mode == "generations" else []
+            procs[w] = subprocess.Popen(
+                [sys.executable, EXAMPLE, "--store", f"127.0.0.1:{port}", "--id", w, "--job", mode,
+                 "--backend", BACKEND, "--jsonl", str(tmp_path / f"{w}.jsonl"), *SMALL, *MODES[mode], *extra],
+                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
+                env=dict(os.environ, OMP_NUM_THREADS="1", HETCOMM_PROBE="0"), start_new_session=True)
+        outs = {}
+        for w, p in procs.items():
+            try:
+                outs[w] = p.communicate(timeout=180)[0]
+            except subprocess.TimeoutExpired:
+                pytest.fail(f"{w} still running after 180 s")
+        assert all(p.returncode == 0 for p in procs.values()), outs
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.kill()
+        store.kill()
+    recs = {w: [json.loads(x) for x in (tmp_path / f"{w}.jsonl").read_text().splitlines()] for w in procs}
+    rounds = {w: {r["round"]: r["fp"] for r in rs if "round" in r} for w, rs in recs.items()}
+    assert sorted(rounds["w0"]) == [1, 2, 3] and rounds["w0"] == rounds["w1"], (rounds, outs)
+    finals = {w: [r for r in rs if "final" in r][-1] for w, rs in recs.items()}
+    assert len({f["final"] for f in finals.values()}) == 1, finals
+    assert all(math.isfinite(f["loss"]) for f in finals.values()), finals
+    if mode == "generations":
+        assert all("plan" in r for rs in recs.values() for r in rs if "round" in r), recs
+        assert any("progress" in r for r in recs["w0"]), recs["w0"]
+        saved = torch.load(tmp_path / "w0.pt", weights_only=False)
+        assert saved["round"] == 3 and len(saved["history"]) == 3, {k: saved[k] for k in ("round", "applied")}
+
+
+def test_a_checkpoint_of_one_elastic_mode_is_refused_by_the_other():
+    from types import SimpleNamespace
+
+    from hetcomm.train.elastic import checkpoint
+    from hetcomm.train.elastic.loop import ElasticDiLoCo
+
+    before_join = SimpleNamespace(_joined=False)
+    with pytest.raises(ValueError, match="not a checkpoint of DiLoCo in generations .no kind"):
+        checkpoint.load(before_join, {"version": 1, "global": [], "round": 3})
+    with pytest.raises(ValueError, match="not of ElasticDiLoCo"):
+        ElasticDiLoCo.load_state_dict(before_join, {"kind": checkpoint.KIND, "version": 1, "global": []})
+    with pytest.raises(ValueError, match="checkpoint version 2"):
+        checkpoint.load(before_join, {"kind": checkpoint.KIND, "version": 2})

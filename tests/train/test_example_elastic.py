@@ -67,12 +67,14 @@ def test_the_elastic_example_runs_two_workers_to_the_same_parameters(tmp_path, m
 
 
 def test_a_checkpoint_of_one_elastic_mode_is_refused_by_the_other():
+    import functools
     from types import SimpleNamespace
 
     from hetcomm.train.elastic import checkpoint
     from hetcomm.train.elastic.loop import ElasticDiLoCo
 
     before_join = SimpleNamespace(_joined=False)
+    before_join._load_checkpoint = functools.partial(ElasticDiLoCo._load_checkpoint, before_join)
     with pytest.raises(ValueError, match="not a checkpoint of DiLoCo in generations .no kind"):
         checkpoint.load(before_join, {"version": 1, "global": [], "round": 3})
     with pytest.raises(ValueError, match="not of ElasticDiLoCo"):

@@ -46,7 +46,8 @@ class StepTimes:
     length it is the EMA of the seconds per step, and a long window outweighs short ones as its
     steps do (a round of 170 steps after measurement rounds of 3 sets the estimate almost alone,
     where an EMA of the per-window rates kept 70% of the short windows' slow warm-up steps: on
-    the simulator's elastic benchmark, rounds 1.9, 1.7, 1.5 and 1.4x H steps long after the first). A rank's first two windows replace the estimate instead of
+    the simulator's elastic benchmark, rounds 1.9, 1.7, 1.5 and 1.4x H steps long after the
+    first). A rank's first two windows replace the estimate instead of
     blending into it: the first holds the run's first step, which pays for allocations and caches,
     and must not linger in the average. `estimates` fills ranks never measured with the slowest
     measured one (None before any measurement).

@@ -90,7 +90,7 @@ def save(run, generation_start: bool = False) -> dict:
 
 def load(run, state: dict) -> None:
     """`ElasticRun.load_state_dict`: before `join`. The worker then offers this state when the
-    job's era starts (the workers that applied the most outer steps hold the run's state); its
+    job's era starts (the workers with the latest round's checkpoint hold the run's state); its
     replica starts from the checkpoint's global parameters (the model's buffers as saved)."""
     if run._joined:
         raise RuntimeError(f"{_PREFIX}: load_state_dict() after join(): load the checkpoint first")
@@ -99,25 +99,9 @@ def load(run, state: dict) -> None:
                 else type(state).__name__)
         raise ValueError(f"{_PREFIX}: this is not a checkpoint of DiLoCo in generations ({what}); each checkpoint "
                          "resumes a run of the class that saved it")
-    if state.get("version") != VERSION:
-        raise ValueError(f"{_PREFIX}: checkpoint version {state.get('version')!r}, expected {VERSION}")
-    if [tuple(t.shape) for t in state["global"]] != [tuple(g.shape) for g in run._global]:
-        raise ValueError(f"{_PREFIX}: the checkpoint's parameters do not match the model's shapes")
-    import torch
-
-    with torch.no_grad():
-        for g, t in zip(run._global, state["global"]):
-            g.copy_(t)
-    run.outer_optimizer.load_state_dict(state["outer_optimizer"])
-    run.model.load_state_dict(state["model"])
+    run._load_checkpoint(state, VERSION)
     run._load_global()                       # a new round starts from the global parameters
-    if state["inner_optimizer"] is not None and run.inner_optimizer is not None:
-        run.inner_optimizer.load_state_dict(state["inner_optimizer"])
-    run._round, run._applied_total = int(state["round"]), int(state["applied"])
-    run._samples_total = int(state["samples_total"])
-    run._history, run._events = list(state["history"]), list(state["membership"])
+    run._applied_total = int(state["applied"])
     run._step_times = {str(k): tuple(v) for k, v in state["step_times"].items()}
     run._policy_state = copy.deepcopy(state["policy"])
-    run._start = run._flatten_global()
-    run._holds = run._checkpoint = True
     run._carried = (run._round, run._applied_total, True)    # what it offers when the era starts

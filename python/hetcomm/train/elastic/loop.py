@@ -389,8 +389,14 @@ class ElasticDiLoCo(Epochs, EarlyJoin, Generation, _flat.FlatParameters):
         if "kind" in state:                 # (DiLoCo in generations: `hetcomm.train.elastic.checkpoint`)
             raise ValueError(f"{_PREFIX}: this is a checkpoint of {state['kind']}, not of ElasticDiLoCo; each "
                              "checkpoint resumes a run of the class that saved it")
-        if state.get("version") != self._STATE_VERSION:
-            raise ValueError(f"{_PREFIX}: checkpoint version {state.get('version')!r}, expected {self._STATE_VERSION}")
+        self._load_checkpoint(state, self._STATE_VERSION)
+
+    def _load_checkpoint(self, state: dict, version: int) -> None:
+        """What checkpoints of both elastic modes hold: checked against this worker's model, then
+        loaded (the global parameters, outer optimizer, model, inner optimizer, round, samples,
+        history and membership records); this worker then offers it when the era starts."""
+        if state.get("version") != version:
+            raise ValueError(f"{_PREFIX}: checkpoint version {state.get('version')!r}, expected {version}")
         if [tuple(t.shape) for t in state["global"]] != [tuple(g.shape) for g in self._global]:
             raise ValueError(f"{_PREFIX}: the checkpoint's parameters do not match the model's shapes")
         with torch.no_grad():

@@ -121,7 +121,13 @@ class Job:
         path = os.path.join(self.out, f"w{rank}.jsonl")
         if not os.path.exists(path):
             return []
-        return [json.loads(line) for line in open(path) if line.strip()]
+        out = []
+        for line in open(path):
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:       # (a line being written as it is read)
+                pass
+        return out
 
     def rounds_seen(self) -> int:
         return max((r.get("round", 0) for k in self.ranks for r in self.records(k)), default=0)

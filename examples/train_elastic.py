@@ -130,8 +130,13 @@ def main(argv=None) -> int:
         opt.zero_grad(set_to_none=True)
         if diloco.step(samples=len(x), loss=loss.item()) and args.checkpoint:
             # at the round's boundary (with overlap state_dict waits for the synchronisation in flight)
-            torch.save(diloco.state_dict(), args.checkpoint + ".tmp")
-            os.replace(args.checkpoint + ".tmp", args.checkpoint)
+            try:
+                state = diloco.state_dict()
+            except RuntimeError as e:              # (the sync in flight failed: keep the last one)
+                print(f"train_elastic [{diloco.worker_id}]: checkpoint not saved this round: {e}", flush=True)
+            else:
+                torch.save(state, args.checkpoint + ".tmp")
+                os.replace(args.checkpoint + ".tmp", args.checkpoint)
         trained += len(x)
         if args.progress_seconds > 0:
             now = time.time()

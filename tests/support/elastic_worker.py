@@ -257,7 +257,10 @@ def main(argv: list[str] | None = None) -> int:
             if diloco.step(samples=len(x), loss=loss.item()):
                 step_in_round = 0
                 if args.save:                  # at the boundary: the state holds every round taken
-                    torch.save(diloco.state_dict(), args.save)
+                    try:
+                        torch.save(diloco.state_dict(), args.save)
+                    except RuntimeError as e:  # (the sync in flight failed: the last one stays)
+                        print(f"checkpoint not saved: {e}", flush=True)
             for rec in [r for r in diloco.history if r["round"] > reported]:   # (with overlap, a round late)
                 reported = rec["round"]
                 out.write(json.dumps({"round": rec["round"], "fp": rec["fingerprint"],

@@ -81,3 +81,33 @@ def test_a_checkpoint_of_one_elastic_mode_is_refused_by_the_other():
         ElasticDiLoCo.load_state_dict(before_join, {"kind": checkpoint.KIND, "version": 1, "global": []})
     with pytest.raises(ValueError, match="checkpoint version 2"):
         checkpoint.load(before_join, {"kind": checkpoint.KIND, "version": 2})
+
+
+def test_a_checkpoint_never_goes_back_to_the_generation_start():
+    """Where no round boundary's state can be read (staggered fragments landed mid-round; the
+    synchronisation in flight failed), `save` holds the state the generation started from only if
+    the generation applied no round yet, else raises: that start may be many rounds old."""
+    import concurrent.futures
+    import time
+    from types import SimpleNamespace
+
+    from hetcomm.train.elastic import checkpoint
+
+    def run_with(inner):
+        return SimpleNamespace(_holds=True, _inner=inner, _global=[torch.zeros(2)], job="j", _round=7,
+                               outer_optimizer=torch.optim.SGD([torch.zeros(2, requires_grad=True)], lr=1.0),
+                               _applied_total=7, _samples_total=70, _history=[{"round": r} for r in range(1, 8)],
+                               _events=[], _step_times={}, _policy_state=None, model=torch.nn.Linear(2, 2),
+                               inner_optimizer=None, _collective_timeout=1.0)
+
+    failed = concurrent.futures.Future()
+    failed.set_exception(RuntimeError("a peer died"))
+    for inner in (SimpleNamespace(_stagger=True, _fired=[False, True]),
+                  SimpleNamespace(_stagger=False, _pending=failed, _flight={}, _clock=time.monotonic,
+                                  _totals={"idle": 0.0}, _timeline=[], _mark=0.0)):
+        inner._history = [{"round": 1}]                       # this generation applied a round
+        with pytest.raises(RuntimeError, match="no round boundary's state"):
+            checkpoint.save(run_with(inner))
+        inner._history = []                                    # none: its start is the newest boundary
+        state = checkpoint.save(run_with(inner))
+        assert state["round"] == 7 and len(state["history"]) == 7, state["round"]

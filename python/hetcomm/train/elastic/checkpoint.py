@@ -10,12 +10,15 @@ worker starts a new round from the global parameters, as a worker admitted by an
 With overlap, `save` waits for the synchronisation in flight (and staggered fragments) to land,
 so that the state includes the round that just ended; the replica's steps since each staggered
 fragment's trigger are not in the state (they were not sent), and are lost on resuming, as a
-reduction in flight is when a worker dies. Without overlap and with ``fixed`` steps, a whole job
-resumed from every worker's checkpoint computes what the uninterrupted job computes.
+reduction in flight is when a worker dies. Without overlap, with ``fixed`` steps, one rank per
+worker and no error feedback (its residuals are not saved), a whole job resumed from every
+worker's checkpoint computes what the uninterrupted job computes.
 
-Where it cannot hold a round boundary's state -- the synchronisation in flight failed (the next
+Where it cannot read a round boundary's state -- the synchronisation in flight failed (the next
 `step` starts the next generation), or staggered fragments of the round in progress have landed
--- it holds the state the generation started from, and warns. Limit: a generation that starts
+-- it holds the state the generation started from if the generation has applied no round yet
+(that is then the newest boundary: a round carried in after a failure), else it raises
+RuntimeError: a checkpoint never goes back; the caller keeps its last one. Limit: a generation that starts
 inside a carried round whose fragments fired starts from parameters that hold them; a checkpoint
 of it and an older one of the same round differ, and a whole job resumed from both stops with
 an error naming the difference.
@@ -24,7 +27,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import copy
-import warnings
 
 from hetcomm.train.diloco.checkpoint import _cpu_copy
 from hetcomm.train.elastic.common import _PREFIX
@@ -35,9 +37,9 @@ VERSION = 1
 
 
 def save(run, generation_start: bool = False) -> dict:
-    """`ElasticRun.state_dict`: the rounds applied so far, at any step (usually when `step`
-    returned True: the round in progress is not in it). No communication; with overlap it
-    blocks until the synchronisation in flight has landed."""
+    """`ElasticRun.state_dict`: the rounds applied so far; call it when `step` returned True (the
+    round in progress is not in it; see the module doc for when it raises). No communication;
+    with overlap it blocks until the synchronisation in flight has landed."""
     if not run._holds:
         raise RuntimeError(f"{_PREFIX}: state_dict() before this worker was admitted (it holds no state yet)")
     inner = None if generation_start else run._inner
@@ -48,11 +50,8 @@ def save(run, generation_start: bool = False) -> dict:
     elif inner._stagger and any(inner._fired):
         # Inside a round whose staggered fragments have fired (a round carried in after a
         # failure, or a call mid-round): their updates are applied mid-round, so the global
-        # parameters are not those of a round boundary. The state this generation started from.
-        warnings.warn(f"{_PREFIX}: state_dict() inside a round whose staggered fragments have landed: the "
-                      f"checkpoint holds round {run._round}, where this generation started (take it when step() "
-                      "returned True)", RuntimeWarning)
-        return save(run, generation_start=True)
+        # parameters are not those of a round boundary.
+        return _generation_start(run, inner, "inside a round whose staggered fragments have landed")
     else:
         jobs = [f for f in [inner._pending] + [j["future"] for j in inner._flight.values()] if f is not None]
         start = inner._clock()
@@ -60,12 +59,10 @@ def save(run, generation_start: bool = False) -> dict:
         end = inner._clock()
         inner._totals["idle"] += end - start            # (as DiLoCo.state_dict: not the next step's compute)
         inner._timeline.append(("idle", start, end))
+        inner._mark = inner._clock()
         if len(done) < len(jobs) or any(f.cancelled() or f.exception() is not None for f in jobs):
-            # The generation failed (the next step starts the next one): the state it started from.
-            warnings.warn(f"{_PREFIX}: state_dict(): the synchronisation in flight failed or did not end; the "
-                          f"checkpoint holds round {run._round}, where this generation started", RuntimeWarning)
-            inner._mark = inner._clock()
-            return save(run, generation_start=True)
+            # The generation failed (the next step starts the next one)
+            return _generation_start(run, inner, "the synchronisation in flight failed or did not end")
         records = [run._renumber(r) for r in inner._history]      # every one applied
         global_, outer = list(inner._global), inner.outer_optimizer.state_dict()
         round_, applied = run._base[0] + len(records), run._base[1] + inner._applied
@@ -86,6 +83,18 @@ def save(run, generation_start: bool = False) -> dict:
     if inner is not None:
         inner._mark = inner._clock()          # neither the wait nor the copy is the next step's compute
     return state
+
+
+def _generation_start(run, inner, why: str) -> dict:
+    """Where no round boundary's state can be read: the state the generation started from, when
+    it has applied no round yet (then that is the newest boundary: a carried round after a
+    failure); else a RuntimeError, since that state may be many rounds old (a generation lasts
+    as long as its members do) and a checkpoint must not go back: save at the next boundary."""
+    if inner._history:
+        raise RuntimeError(f"{_PREFIX}: state_dict() {why}: no round boundary's state to save (the generation "
+                           f"started at round {run._round}, {len(inner._history)} round(s) ago); keep the last "
+                           "checkpoint and save when step() next returns True")
+    return save(run, generation_start=True)
 
 
 def load(run, state: dict) -> None:

@@ -89,7 +89,18 @@ def _decode(row: torch.Tensor) -> str:
 
 def _gather_identities(backend) -> tuple[str, ...]:
     digest = hashlib.sha256(host_identity().encode()).hexdigest()[:_IDENTITY_BYTES]
-    return tuple(_decode(row) for row in _allgather_rows(backend, _encode(digest, _IDENTITY_BYTES)))
+    found = tuple(_decode(row) for row in _allgather_rows(backend, _encode(digest, _IDENTITY_BYTES)))
+    _identities[backend.listen_address()] = found
+    return found
+
+
+_identities: dict[str, tuple[str, ...]] = {}
+
+
+def identities_of(backend) -> tuple[str, ...] | None:
+    """The host identities (digests of `host_identity`) of the group's ranks, as `host_labels`
+    gathered them at its creation; None before."""
+    return _identities.get(backend.listen_address())
 
 
 def host_labels(backend, global_ranks: Sequence[int]) -> tuple[tuple[int, ...], str]:

@@ -22,7 +22,7 @@ import torch
 
 from hetcomm import hosts
 from hetcomm import plan as planner
-from hetcomm.measure import measure_levels, measure_pairs, model_from_declared, parse_mbit
+from hetcomm.measure import known, measure_levels, measure_pairs, model_from_declared, parse_mbit
 from hetcomm.measure.trial import measured_plan_wins, same_shares, trial_bytes
 from hetcomm.plan import levels as sites
 from hetcomm.plan.choose import (DECLARED_MIN_GAIN, MEASURED_MIN_GAIN, _same_partition, choose_plan,  # noqa: F401
@@ -309,6 +309,7 @@ def probe_backend(backend, ranks: Optional[Sequence[int]] = None) -> planner.Lin
     topology = sites.Topology(sites=result.sites, hosts=labels if hosts_known else None)
     _, kept = apply_model(backend, model, measured=True, topology=topology, equal_model=result.equal_model)
     _measured[ranks] = kept
+    known.remember(hosts.identities_of(backend) or (), kept)
     _log_plan(f"hetcomm probe: measured in {measured_in:.3f} s ({'; '.join(result.rounds)}; a link's repeats a median "
               f"{result.spread:.2f}x apart), planned and installed "
               f"by {time.perf_counter() - start:.3f} s")
@@ -410,5 +411,12 @@ def configure_group(backend, global_ranks: Optional[Sequence[int]] = None, *, st
         return
     if len(set(labels)) == 1:
         _log_plan("hetcomm probe: every rank is on one host: uniform plan, no probe")
+        return
+    remembered = known.agreed(backend, hosts.identities_of(backend) or (), _broadcast_floats)
+    if remembered is not None:
+        apply_model(backend, remembered, measured=True)
+        _measured[ranks] = remembered
+        _log_plan(f"hetcomm probe: the links of these hosts were measured by an earlier group of rank 0's process: "
+                  f"no probe (HETCOMM_PROBE_REUSE=0 probes) in {time.perf_counter() - start:.3f} s")
         return
     probe_backend(backend, ranks)

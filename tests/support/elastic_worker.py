@@ -149,8 +149,8 @@ def main(argv: list[str] | None = None) -> int:
         from hetcomm.train.elastic import generation
         real_broadcast = generation._broadcast_meta
 
-        def dying_broadcast(meta, src):
-            result = real_broadcast(meta, src)
+        def dying_broadcast(meta, src, group=None):
+            result = real_broadcast(meta, src, group)
             if diloco.rounds >= die_round and diloco._holds:          # a holder, sending
                 kill_self()
             return result

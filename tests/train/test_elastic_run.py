@@ -89,6 +89,42 @@ def test_a_worker_killed_is_dropped_and_its_restart_rejoins(run, features, where
             assert steps_recorded(run, w) == final(run, w)["steps_taken"], (w, run.records(w), run.logs())
     if "--linear" in FEATURES[features]:
         assert_linear_reference(run, "w0")
+    # The generation w1 came back in: with overlap the survivors did not wait for its state (sent
+    # in that generation's background, `handover`: no "state" phase on their side); without, the
+    # epoch sent it.
+    back = max(e["generation"] for e in final(run, "w0")["membership"] if "w1" in e.get("joined", ()))
+    formed = [g["formed"] for g in final(run, "w0")["stats"]["generations"]
+              if g["generation"] == back and g.get("formed")]
+    assert formed and all(("state" in f) != ("--overlap" in FEATURES[features]) for f in formed), \
+        (back, formed, final(run, "w0")["membership"])
+    if "--overlap" in FEATURES[features]:
+        assert "while the others trained" in run.logs(), run.logs()
+
+
+@pytest.mark.slow
+def test_a_holder_killed_while_it_sends_a_joiner_the_state_in_the_background(run):
+    """With overlap the state goes to a joiner on the generation's background thread while the
+    holders train (`handover`). w1 dies and restarts; w2 dies in the middle of sending it the
+    state: the generation fails, w1 (which holds nothing yet) is sent the state again by w0 and w3,
+    and everyone agrees."""
+    rounds, ids = 10, ["w0", "w1", "w2", "w3"]
+    common = ["--run", "--rounds", str(rounds), "--steps", "4", "--step-seconds", "0.1",
+              *FEATURES["fixed-int8-overlap-staggered"]]
+    procs = {w: run.start(w, *common, "--min-workers", "4",
+                          *({"w1": ["--die", "2:local"], "w2": ["--die", "2:transfer"]}.get(w, []))) for w in ids}
+    wait_for(procs["w1"], run)
+    for marker in ("w1.joined", "w1.started"):
+        (run.out / marker).unlink()
+    run.start("w1", *common)
+    wait_for(procs["w2"], run)
+    assert procs["w2"].returncode == -9, run.logs()
+    codes = run.wait_all()
+    assert codes["w0"] == [0] and codes["w3"] == [0] and codes["w1"][-1] == 0, f"{codes}\n{run.logs()}"
+    prints = check_agreement(run, ["w0", "w1", "w3"], rounds)
+    assert final(run, "w1")["final"] == prints[rounds], run.logs()
+    assert any("aborted" in e for e in final(run, "w0")["membership"]), final(run, "w0")["membership"]
+    assert contributed_after_rejoining(run, "w1", "w1", 2), f"{run.records('w1')}\n{run.logs()}"
+    assert "while the others trained" in run.logs(), run.logs()
 
 
 @pytest.mark.slow

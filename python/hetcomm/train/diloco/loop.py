@@ -499,7 +499,7 @@ class DiLoCo(Results, ShardedState, Agreement, Checkpoint, Streams, Overlap, _fl
         if self._executor is not None:
             self._executor.shutdown(wait=False, cancel_futures=True)
             self._executor = None
-        busy = any(f is not None and not f.done() for f in [self._pending] + [j["future"] for j in self._flight.values()])
+        busy = any(f is not None and not f.done() for f in self._background_jobs())
         if self._hook is not None:
             self._hook.remove()
             self._hook = None

@@ -189,6 +189,10 @@ class Overlap:
         moved = sum(size for size, _ in moves)
         return (sum(size * steps for size, steps in moves) + (n - moved) * self._r_steps) / n
 
+    def _background_jobs(self) -> list:
+        """The background thread's jobs of this object (None where there is none)."""
+        return [self._pending] + [j["future"] for j in self._flight.values()]
+
     def _wait_pending(self) -> None:
         start = self._clock()
         future, self._pending = self._pending, None

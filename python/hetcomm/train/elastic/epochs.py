@@ -131,6 +131,7 @@ class Epochs(JoinRecords, Eras):
                 self._pulse.watch(decision["members"])
                 if self._me in decision["members"]:
                     self._count("idle", begin)
+                    self._phases.begin("decision that admits it")
                     if self._synchronise(None, self._column(None), admitted=decision):
                         return False
                     self._event({"round": decision["round"], "worker": self.worker_id,
@@ -398,6 +399,7 @@ class Epochs(JoinRecords, Eras):
                 epoch = self._decision["epoch"] + 1
                 decision = self._decide(epoch, self._arrival())
                 self._count("idle", begin)
+                self._phases.mark("epoch")
                 if self._me not in decision["members"]:
                     self._dropped_why = decision["left"].get(self._me, "arrived after the decision")
                     self._decision, self._dropped_at = None, decision["epoch"]
@@ -428,6 +430,7 @@ class Epochs(JoinRecords, Eras):
         try:
             if decision["gen"] != self._gen:
                 self._form_group(decision)
+                self._phases.mark("group")
             if set(decision["holders"]) != set(decision["members"]):
                 self._transfer(decision)
             table, reduced = self._reduce(decision, delta, column)
@@ -441,6 +444,7 @@ class Epochs(JoinRecords, Eras):
         begin = time.perf_counter()
         outcome = self._outcome_of(decision, failure)
         self._count("idle", begin)
+        self._phases.mark("commit")
         self._decision, self._outcome = decision, "commit" if outcome == "commit" else "abort"
         if outcome != "commit":
             self._event({"round": decision["round"], "epoch": decision["epoch"], "generation": decision["gen"],

@@ -23,7 +23,7 @@ from hetcomm.train.partition import exchange_columns
 _MAX_META_BYTES = 256 << 20
 
 
-def _broadcast_meta(meta: dict | None, src: int) -> dict:
+def _broadcast_meta(meta: dict | None, src: int, group=None) -> dict:
     """The first holder's metadata, on every member, as JSON over the group (never unpickled: a
     peer's bytes could run code), its length first. A process that got into the group without
     being a member (a store writer can redirect a Gloo group's rendezvous) can send garbage: it
@@ -34,7 +34,7 @@ def _broadcast_meta(meta: dict | None, src: int) -> dict:
     except (TypeError, ValueError) as e:         # the receivers must not wait for bytes that never come
         raw, problem = b"", e
     length = torch.tensor([len(raw)], dtype=torch.int64)
-    dist.broadcast(length, src=src)
+    dist.broadcast(length, src=src, group=group)
     n = int(length.item())
     if problem is not None:
         raise ValueError(f"{_PREFIX}: cannot send the run's state to a joiner: the outer optimizer's state is not "
@@ -43,7 +43,7 @@ def _broadcast_meta(meta: dict | None, src: int) -> dict:
         raise ValueError(f"{_PREFIX}: this worker cannot join: the holders announced {n} bytes of metadata "
                          f"(at most {_MAX_META_BYTES})")
     buf = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if sending else torch.empty(n, dtype=torch.uint8)
-    dist.broadcast(buf, src=src)
+    dist.broadcast(buf, src=src, group=group)
     return meta if sending else _decode_meta(buf.numpy().tobytes())
 
 
@@ -59,6 +59,9 @@ def _decode_meta(raw: bytes) -> dict:
 
 class Generation:
     """The generation's group and what runs over it."""
+
+    _state_deferred: dict | None = None      # the decision whose transfer runs later (`ElasticRun`)
+    _holders_print: float | None = None      # the holders' fingerprint of the global parameters
 
     # ---- the generation's group --------------------------------------------------------------
 
@@ -93,25 +96,44 @@ class Generation:
 
     def _transfer(self, decision: dict) -> None:
         """The holders send the run's state to the members without it, one shard each."""
+        sent = self._state_to_send(clone=False) if self._me in decision["holders"] else None
+        received = self._exchange_state(decision, sent, None)
+        if received is not None:
+            self._take_state(*received)
+        self._phases.mark("state")
+
+    def _state_to_send(self, clone: bool) -> tuple[dict, list[torch.Tensor]]:
+        """A holder's metadata and tensors of the run's state (``clone``: copies, for a transfer
+        that runs while the state moves on)."""
+        tensors: list[torch.Tensor] = []
+        skeleton = self._skeleton(self.outer_optimizer.state_dict(), tensors)
+        tensors = list(self._global) + tensors
+        if clone:
+            tensors = [t.detach().clone() for t in tensors]
+        meta = {"skeleton": skeleton, "round": self._round, "samples_total": self._samples_total,
+                "history": list(self._history), "membership": list(self._events), "codec": self._codec_name,
+                "shapes": [list(g.shape) for g in self._global],
+                "sizes": [t.numel() for t in tensors], "dtypes": [str(t.dtype) for t in tensors]}
+        return meta, tensors
+
+    def _exchange_state(self, decision: dict, sent: tuple[dict, list[torch.Tensor]] | None,
+                        group) -> tuple[dict, list[torch.Tensor]] | None:
+        """Over ``group`` (None: the generation's): a holder sends ``sent`` (`_state_to_send`), one
+        shard per holder; a member without the state gets (metadata, tensors), checked."""
         members, holders = decision["members"], decision["holders"]
         sources = [members.index(h) for h in holders]
-        mine = self._me in holders
-        tensors: list[torch.Tensor] = []
-        meta = None
-        if mine:
-            skeleton = self._skeleton(self.outer_optimizer.state_dict(), tensors)
-            tensors = list(self._global) + tensors
-            meta = {"skeleton": skeleton, "round": self._round, "samples_total": self._samples_total,
-                    "history": self._history, "membership": self._events, "codec": self._codec_name,
-                    "shapes": [list(g.shape) for g in self._global],
-                    "sizes": [t.numel() for t in tensors], "dtypes": [str(t.dtype) for t in tensors]}
-        meta = _broadcast_meta(meta, sources[0])
+        if group is not None:                    # (broadcast takes the job's global ranks)
+            sources = [dist.get_global_rank(group, s) for s in sources]
+        mine = sent is not None
+        meta, tensors = sent if mine else (None, [])
+        meta = _broadcast_meta(meta, sources[0], group)
         if not mine:
             self._check_meta(meta)
         # Each dtype's tensors as one vector of raw bytes (any dtype travels, whatever the backend
-        # supports), cut in one shard per holder: the holders send at once, over the group, not the
-        # store. A holder converts to the dtype the first holder named: a worker that joined once
-        # may hold the optimizer's state in other dtypes than the founders (load_state_dict casts).
+        # supports), cut in one shard per holder: each holder sends its shard to the group, not
+        # through the store. A holder converts to the dtype the first holder named: a worker that
+        # joined once may hold the optimizer's state in other dtypes than the founders
+        # (load_state_dict casts).
         sizes, pieces = meta["sizes"], [None] * len(meta["sizes"])
         for name in dict.fromkeys(meta["dtypes"]):
             dtype = getattr(torch, name.removeprefix("torch."))
@@ -123,11 +145,13 @@ class Generation:
             raw = flat.view(torch.uint8) if flat.numel() else flat
             for src, shard in zip(sources, raw.tensor_split(len(sources))):
                 if shard.numel():
-                    dist.broadcast(shard, src=src)
+                    dist.broadcast(shard, src=src, group=group)
             for i, piece in zip(index, flat.split([sizes[i] for i in index])):
                 pieces[i] = piece
-        if mine:
-            return
+        return None if mine else (meta, pieces)
+
+    def _take_state(self, meta: dict, pieces: list[torch.Tensor]) -> None:
+        """A member without the run's state loads what the holders sent (`_exchange_state`)."""
         with torch.no_grad():
             for g, piece in zip(self._global, pieces):
                 g.copy_(piece.view(g.shape))
@@ -214,14 +238,20 @@ class Generation:
     def _reduce(self, decision: dict, delta: torch.Tensor | None,
                 column: list[float]) -> tuple[list[list[float]], torch.Tensor | None]:
         col = list(column)
-        col[_PRINT] = float(_fingerprint(self._flatten_global()))
-        col[_HOLDS] = 1.0 if self._me in decision["holders"] else 0.0
+        holds = self._me in decision["holders"]
+        # (a member whose state comes later has nothing to show: 0, not compared)
+        col[_PRINT] = float(_fingerprint(self._flatten_global())) if holds or self._state_deferred is None else 0.0
+        col[_HOLDS] = 1.0 if holds else 0.0
         table = exchange_columns(col)
         self._agree_on_budgets(decision, table)
-        prints = table[_PRINT]
-        if len(set(prints)) > 1:
+        # A transfer that runs after the epoch (`_state_deferred`): the members without the state
+        # check what they receive against the holders' fingerprint (`_holders_print`).
+        prints = {name: p for name, p, h in zip(self._names(decision["members"]).split(","), table[_PRINT],
+                                                table[_HOLDS]) if h or self._state_deferred is None}
+        self._holders_print = next((p for p, h in zip(table[_PRINT], table[_HOLDS]) if h), None)
+        if len(set(prints.values())) > 1:
             raise ValueError(f"{_PREFIX}: round {decision['round']}: the members' global parameters differ "
-                             f"(fingerprints {dict(zip(self._names(decision['members']).split(','), prints))}): "
+                             f"(fingerprints {prints}): "
                              "a bug, please report it -- or a store writer deleted a decision or an outcome "
                              "that some members had read (docs/security.md)")
         self._leave_out_offenders(decision, table)

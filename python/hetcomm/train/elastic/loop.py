@@ -28,6 +28,7 @@ from hetcomm.train.elastic.common import (_PREFIX, _STEPS, _SAMPLES, _LOSS_SUM, 
 from hetcomm.train.elastic.early import EarlyJoin
 from hetcomm.train.elastic.epochs import Epochs
 from hetcomm.train.elastic.generation import Generation
+from hetcomm.train.elastic.phases import Phases
 from hetcomm._engine import store_seal_key
 from hetcomm.train.membership import Keys, StoreUnreachable, connect
 from hetcomm.train.pulse import Pulse
@@ -116,6 +117,7 @@ class ElasticDiLoCo(Epochs, EarlyJoin, Generation, _flat.FlatParameters):
         self._late_timeout, self._collective_timeout = float(late_timeout), float(collective_timeout)
         self._backend, self._verbose, self.job = backend, verbose, job
         self._early_join = bool(early_join)
+        self._phases = Phases()               # (what a change of generation costs: `run`)
         self.worker_id = worker_id or os.environ.get("HETCOMM_WORKER_ID") or f"{socket.gethostname()}:{os.getpid()}"
         if "#" in self.worker_id:
             raise ValueError(f"{_PREFIX}: worker_id must not contain '#', got {self.worker_id!r}")

@@ -55,10 +55,11 @@ from hetcomm.train import flat as _flat
 from hetcomm.train.diloco.agreement import NonFinite
 from hetcomm.train.diloco.loop import DiLoCo
 from hetcomm.train.diloco.outer import default_outer_optimizer
-from hetcomm.train.elastic import checkpoint as _checkpoint
+from hetcomm.train.elastic import checkpoint as _checkpoint, handover
 from hetcomm.train.elastic.carry import Round, encode_name, resume_round, share_timing, start_table, take_round
 from hetcomm.train.elastic.common import _MAX_ABORTS, _PREFIX, _read_ended
 from hetcomm.train.elastic.loop import ElasticDiLoCo
+from hetcomm.train.elastic.phases import Phases
 from hetcomm.train.local_steps import TimeSteps, make_policy
 from hetcomm.train.membership import StoreUnreachable
 
@@ -71,6 +72,16 @@ class _Generation(DiLoCo):
     checked into every model), so it does not broadcast them again."""
     _replicas_equal = True
     _reform_at_boundary = True
+    _reform_agreed_at: float | None = None        # when its ranks agreed to end it (`Phases`)
+    _state_job: concurrent.futures.Future | None = None    # the joiners' state, sent in the background
+
+    def _background_jobs(self) -> list:
+        return super()._background_jobs() + [self._state_job]
+
+    def _agree_on_reform(self, last: bool) -> None:
+        super()._agree_on_reform(last)
+        if self._stopped and self._reform_agreed_at is None and str(self._stop_reason).startswith("membership"):
+            self._reform_agreed_at = time.perf_counter()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -160,6 +171,7 @@ class ElasticRun(ElasticDiLoCo):
         self._step_times: dict[str, tuple[float, int, float | None]] = {}
         self._policy_state: dict | None = None                 # the ``time`` policy's, last generation
         self._carry: Round | None = None   # the round a generation ended inside of, carried into the next
+        self._formed: dict | None = None   # what forming the current generation cost (`Phases`)
 
     # ---- the training loop's side ------------------------------------------------------------
 
@@ -189,10 +201,12 @@ class ElasticRun(ElasticDiLoCo):
             try:
                 if inner._hook_error is not None:      # the worker's gradient averaging failed
                     raise inner._hook_error
+                handover.check(inner)                  # (a holder: the joiners' state failed to go)
                 synced = inner.step(samples, loss)
                 if inner.should_stop:                  # every rank stopped at this boundary
                     if inner._carry_round:             # (a join: the round goes on in the next generation)
                         self._carry = take_round(inner, self._base[1], cut=True)
+                    handover.wait(inner, self._collective_timeout + 10.0)
                     inner.finish()
                     ended = True
             except StoreUnreachable:
@@ -269,8 +283,7 @@ class ElasticRun(ElasticDiLoCo):
     @staticmethod
     def _busy(inner: DiLoCo) -> list:
         """The background synchronisations of ``inner`` still running."""
-        return [f for f in [inner._pending] + [j.get("future") for j in inner._flight.values()]
-                if f is not None and not f.done()]
+        return [f for f in inner._background_jobs() if f is not None and not f.done()]
 
     # ---- results -----------------------------------------------------------------------------
 
@@ -295,7 +308,8 @@ class ElasticRun(ElasticDiLoCo):
         out["rounds"] = self.rounds
         live = self._inner.history if self._inner is not None else []
         out["samples_total"] = self._samples_total + sum(sum(r["samples"]) for r in live)
-        out["generations"] = list(self._generations) + ([{"generation": self._base[2], **self._inner.stats()}]
+        out["generations"] = list(self._generations) + ([{"generation": self._base[2], "formed": self._formed,
+                                                          **self._inner.stats()}]
                                                          if self._inner is not None else [])
         return out
 
@@ -321,6 +335,21 @@ class ElasticRun(ElasticDiLoCo):
 
     def _config(self) -> dict:
         return {**super()._config(), "diloco": repr(sorted(self._options.items()))}
+
+    def _attempt(self, decision: dict, delta, column: list[float]) -> bool:
+        self._state_deferred = None
+        return super()._attempt(decision, delta, column)
+
+    def _transfer(self, decision: dict) -> None:
+        if handover.deferred(self, decision):
+            self._state_deferred = decision        # sent once the generation runs (`handover`)
+            return
+        super()._transfer(decision)
+
+    def _apply(self, decision: dict, table: list[list[float]], reduced) -> None:
+        super()._apply(decision, table, reduced)
+        if self._state_deferred is not None and self._me not in decision["holders"]:
+            self._holds = False                    # until its state has landed (`handover`)
 
     def _arrival(self) -> dict:
         return {**super()._arrival(), "applied": self._applied_total}
@@ -391,6 +420,10 @@ class ElasticRun(ElasticDiLoCo):
                 return
             try:
                 self._inner = self._build()
+                self._phases.mark("start")
+                self._formed = self._phases.end()
+                if self._formed is not None:
+                    self._log(f"generation {self._gen} started {Phases.describe(self._formed)}")
                 return
             except (StoreUnreachable, ValueError, TypeError):
                 raise
@@ -450,6 +483,11 @@ class ElasticRun(ElasticDiLoCo):
         inner._print_rounds = True
         self._base = (self._round, self._applied_total, self._gen)
         inner._budgets = self._inner_budgets()
+        try:
+            handover.start(self, inner)            # (a transfer the epoch left to the generation)
+        except BaseException:
+            inner.close()
+            raise
         return inner
 
     def _inner_budgets(self) -> dict[str, float]:
@@ -505,7 +543,7 @@ class ElasticRun(ElasticDiLoCo):
         if isinstance(inner._policy, TimeSteps):
             self._policy_state = inner._policy.state_dict()
         try:
-            self._generations.append({"generation": self._base[2], **inner.stats()})
+            self._generations.append({"generation": self._base[2], "formed": self._formed, **inner.stats()})
         except Exception as e:  # noqa: BLE001 - the stats of a failed generation are best effort
             self._generations.append({"generation": self._base[2], "error": f"{type(e).__name__}: {e}"})
 
@@ -517,6 +555,8 @@ class ElasticRun(ElasticDiLoCo):
             self._failures = 0             # (a cut that reduced nothing is no progress)
         reason = inner.stop_reason or ""
         if reason.startswith("membership"):
+            self._phases.begin("agreement to change members", at=inner._reform_agreed_at)
+            self._phases.mark("syncs in flight")
             self._reform()
             self._generation()
             return
@@ -526,8 +566,9 @@ class ElasticRun(ElasticDiLoCo):
             self._keys.first("ended", {"round": self._round, "reason": reason})
 
     def _recover(self, error: BaseException) -> None:
+        self._phases.begin("failure")
         inner, self._inner = self._inner, None
-        every = [f for f in [inner._pending] + [j.get("future") for j in inner._flight.values()] if f is not None]
+        every = [f for f in inner._background_jobs() if f is not None]
         futures = self._busy(inner)
         inner.close()
         # The background thread may still be inside a collective of the failed group: wait for it
@@ -536,6 +577,7 @@ class ElasticRun(ElasticDiLoCo):
         if any(not f.done() for f in futures):
             raise RuntimeError(f"{_PREFIX}: the background synchronisation did not end within "
                                f"{self._collective_timeout + 10:.0f} s of a failure; the run cannot go on") from error
+        self._phases.mark("syncs in flight")
         # A pseudo-gradient that was not finite (raised alike on every rank, here or in a job: a
         # rank may first see the group fail after another left over it) leaves its worker out.
         found = error if isinstance(error, NonFinite) else next(

@@ -200,6 +200,32 @@ def back_time(job: Job, victim: int, restart_abs: float, started: float) -> floa
                default=None)
 
 
+_CHANGE = re.compile(r"\[w(\d+)\]: generation (\d+) started ([\d.]+) s after the (.+?) \(")
+
+
+def generation_changes(out_dir: str, ranks) -> list[dict]:
+    """What each change of generation cost each worker (`hetcomm.train.elastic.phases`: the line
+    every worker logs in ``out_dir`` when a generation starts): rank, generation, seconds and
+    what began it (``failure``, ``agreement to change members``, ``decision that admits it``)."""
+    out = []
+    for k in ranks:
+        path = os.path.join(out_dir, f"w{k}.log")
+        for line in open(path, errors="replace") if os.path.exists(path) else []:
+            found = _CHANGE.search(line)
+            if found:
+                out.append({"rank": int(found.group(1)), "generation": int(found.group(2)),
+                            "seconds": float(found.group(3)), "after": found.group(4)})
+    return out
+
+
+def survivors_stop(kill: dict, after: str) -> float | None:
+    """The longest of the survivors' stops at the victim's failure or readmission (seconds)."""
+    victim = kill["ranks"][-1]
+    stops = [c["seconds"] for c in kill.get("generation_changes") or [] if c["rank"] != victim
+             and c["after"] == after and c["generation"] > 1]
+    return max(stops) if stops else None
+
+
 def victim_figures(table: list[dict], vid: str, restart_t: float, asked_t: float | None,
                    first_contribution: int | None) -> dict:
     """From the round table (times from the run's start, a round's time when its record was
@@ -302,6 +328,7 @@ def run_job(cluster, args, name, ranks, victim=None, seed=None) -> dict:
                                "samples": r["samples"]} for r in rounds],
               "out_dir": out}
     result["progress"] = progress_of(job, started)
+    result["generation_changes"] = generation_changes(job.out, job.ranks)
     last = rounds[-1]["round"] if rounds else 0
     result["samples_per_s"] = rate(rounds, 2, last)
     if args.eval_windows:
@@ -426,6 +453,10 @@ def summarise(runs: dict) -> tuple[list[dict], dict]:
                 and at_samples(kill["loss_curve"], four["samples"]) else None),
             "rounds_from_restart_to_contribution": kill["rounds_from_restart_to_contribution"],
             "rounds_from_join_request_to_contribution": kill["rounds_from_join_request_to_contribution"],
+            # the survivors' stop (the longest of theirs) from the failure, and from the agreement
+            # to readmit the victim, to the next generation's first step (their logs)
+            "survivors_stop_at_failure_s": survivors_stop(kill, "failure"),
+            "survivors_stop_at_readmission_s": survivors_stop(kill, "agreement to change members"),
         })
 
     def med(key):
@@ -462,6 +493,8 @@ def rescore(path: str) -> int:
             else:
                 run["loss_curve"].append((body["samples"], body["loss"]))
     for run in runs.get("kill", []):
+        if "generation_changes" not in run and os.path.isdir(run["out_dir"]):     # (measured before they were kept)
+            run["generation_changes"] = generation_changes(run["out_dir"], run["ranks"])
         # the victim's records (absolute times) against the run's (from its start)
         lines = [json.loads(x) for x in open(os.path.join(run["out_dir"], f"{victim}.jsonl")) if x.strip()]
         by = {r["round"]: r["t"] for r in run["round_table"]}

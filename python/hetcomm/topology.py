@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import os
 import sys
 import time
@@ -95,17 +96,24 @@ def _covering_model(ranks: Sequence[int]) -> Optional[planner.LinkModel]:
     return model.restricted([key.index(r) for r in ranks])
 
 
-def _broadcast_floats(backend, values: Optional[list[float]], failure: Optional[BaseException] = None) -> list[float]:
+def _broadcast_floats(backend, values: Optional[list[float]], failure: Optional[BaseException] = None,
+                      most: int = 1 << 26) -> list[float]:
     """Rank 0's list of floats on every rank (its length first, then the values). When rank 0
     could not compute them (``failure``), it sends minus the length of its error message instead,
     then the message, and every rank raises, rank 0 its own exception, the others one quoting it,
-    instead of waiting for a broadcast that never comes."""
+    instead of waiting for a broadcast that never comes. A length that is not a whole number
+    within ``most`` values (or 4,000 bytes of message) is a ValueError on every rank, before
+    anything is allocated for it."""
     opts = torch.distributed.BroadcastOptions()
     opts.rootRank = 0
     why = f"{type(failure).__name__}: {failure}".encode()[:4000] if failure is not None else b""
     length = -float(len(why)) - 1 if failure is not None else float(len(values)) if backend.rank() == 0 else 0.0
     n = torch.tensor([length], dtype=torch.float64)
     backend.broadcast([n], opts).wait()
+    count = n.item()
+    if not (math.isfinite(count) and count == int(count) and -4001 <= count <= most):
+        raise ValueError(f"hetcomm: rank 0 announced {count!r} values at group creation (at most {most}): "
+                         "a corrupted or malicious rank 0")
     if n.item() < 0:
         text = torch.zeros(int(-n.item()) - 1, dtype=torch.uint8)
         if failure is not None:
@@ -309,7 +317,8 @@ def probe_backend(backend, ranks: Optional[Sequence[int]] = None) -> planner.Lin
     topology = sites.Topology(sites=result.sites, hosts=labels if hosts_known else None)
     _, kept = apply_model(backend, model, measured=True, topology=topology, equal_model=result.equal_model)
     _measured[ranks] = kept
-    known.remember(hosts.identities_of(backend) or (), kept)
+    if hosts.declared_labels(ranks) is None:
+        known.remember(hosts.identities_of(backend) or (), kept)
     _log_plan(f"hetcomm probe: measured in {measured_in:.3f} s ({'; '.join(result.rounds)}; a link's repeats a median "
               f"{result.spread:.2f}x apart), planned and installed "
               f"by {time.perf_counter() - start:.3f} s")
@@ -412,11 +421,14 @@ def configure_group(backend, global_ranks: Optional[Sequence[int]] = None, *, st
     if len(set(labels)) == 1:
         _log_plan("hetcomm probe: every rank is on one host: uniform plan, no probe")
         return
-    remembered = known.agreed(backend, hosts.identities_of(backend) or (), _broadcast_floats)
+    # (ranks declared on hosts one by one, HETCOMM_HOST_ID=0,0,1,1: their processes' own hosts are
+    # not those of the declaration; nothing is remembered for them)
+    identities = None if hosts.declared_labels(ranks) is not None else hosts.identities_of(backend)
+    remembered = known.agreed(backend, identities or (), _broadcast_floats)
     if remembered is not None:
         apply_model(backend, remembered, measured=True)
         _measured[ranks] = remembered
         _log_plan(f"hetcomm probe: the links of these hosts were measured by an earlier group of rank 0's process: "
-                  f"no probe (HETCOMM_PROBE_REUSE=0 probes) in {time.perf_counter() - start:.3f} s")
+                  f"no probe (HETCOMM_PROBE_REUSE sets for how long) in {time.perf_counter() - start:.3f} s")
         return
     probe_backend(backend, ranks)

@@ -8,6 +8,7 @@ import math
 import os
 
 import pytest
+import torch
 import torch.distributed as dist
 
 from harness import run_ranks
@@ -72,6 +73,69 @@ def test_a_group_of_hosts_measured_together_takes_their_rows_and_columns() -> No
     assert known.lookup(["x", "x"]) is None
 
 
+def test_a_measurement_is_reused_only_for_its_age(monkeypatch) -> None:
+    now = [1000.0]
+    monkeypatch.setattr(known.time, "monotonic", lambda: now[0])
+    world = nics(100, 200)
+    known.remember(["a", "b"], world)
+    now[0] += 700
+    assert known.lookup(["a", "b"], 600) is None and known.lookup(["a", "b"], 800) == world
+    for text, seconds in (("", known.DEFAULT_SECONDS), ("0", 0.0), ("30.5", 30.5)):
+        monkeypatch.setenv("HETCOMM_PROBE_REUSE", text)
+        assert known.max_age() == seconds
+    for text in ("yes", "-1", "inf", "nan"):
+        monkeypatch.setenv("HETCOMM_PROBE_REUSE", text)
+        with pytest.raises(ValueError, match="HETCOMM_PROBE_REUSE"):
+            known.max_age()
+
+
+class _Backend:
+    """A rank of a group whose broadcasts deliver ``sent`` (rank 0's values), in order."""
+
+    def __init__(self, rank: int, size: int, sent: list[list[float]]) -> None:
+        self._rank, self._size, self.sent = rank, size, list(sent)
+
+    def rank(self) -> int:
+        return self._rank
+
+    def size(self) -> int:
+        return self._size
+
+    def broadcast(self, tensors, opts):
+        if self._rank != 0:
+            tensors[0].copy_(torch.tensor(self.sent.pop(0), dtype=tensors[0].dtype))
+        return self
+
+    def wait(self) -> None:
+        pass
+
+
+def test_rank_0_announcing_too_many_values_is_a_value_error_before_any_allocation() -> None:
+    from hetcomm import topology
+
+    with pytest.raises(ValueError, match="announced 2000000000.0 values"):
+        known.agreed(_Backend(1, 3, [[2e9]]), ["a", "b", "c"], topology._broadcast_floats)
+    with pytest.raises(ValueError, match="announced 2.5 values"):
+        topology._broadcast_floats(_Backend(1, 3, [[2.5]]), None)
+    # a model's values within the bound arrive and decode
+    model = nics(1, 2, 3)
+    values = known.encode(model)
+    assert known.agreed(_Backend(1, 3, [[float(len(values))], values]), ["a", "b", "c"],
+                        topology._broadcast_floats) == model
+
+
+def test_rank_0_that_cannot_look_up_tells_every_rank(monkeypatch) -> None:
+    from hetcomm import topology
+
+    monkeypatch.setenv("HETCOMM_PROBE_REUSE", "soon")
+    with pytest.raises(ValueError, match="HETCOMM_PROBE_REUSE"):          # rank 0: its own error, once sent
+        known.agreed(_Backend(0, 3, []), ["a", "b", "c"], topology._broadcast_floats)
+    why = b"ValueError: HETCOMM_PROBE_REUSE='soon'"
+    others = _Backend(1, 3, [[-float(len(why)) - 1], list(why)])
+    with pytest.raises(RuntimeError, match="rank 0 said: ValueError: HETCOMM_PROBE_REUSE"):
+        known.agreed(others, ["a", "b", "c"], topology._broadcast_floats)
+
+
 def three_worlds(rank: int, world_size: int) -> dict:
     """Three successive worlds of the same processes (each on its own host): the first probes; the
     second, its ranks renumbered, reuses rank 0's memory; the third, with HETCOMM_PROBE_REUSE=0 on its
@@ -85,7 +149,7 @@ def three_worlds(rank: int, world_size: int) -> dict:
     store = dist.distributed_c10d._get_default_store()
     first = hetcomm.link_model(dist.group.WORLD)
     out = {"first": first.bw.tolist()}
-    for name, reuse in (("second", "1"), ("third", "0")):
+    for name, reuse in (("second", "600"), ("third", "0")):
         dist.destroy_process_group()
         new_rank = (rank + 1) % world_size
         if new_rank == 0:
@@ -100,7 +164,7 @@ def three_worlds(rank: int, world_size: int) -> dict:
 @hetcomm_only("the probe and its memory are hetcomm's")
 def test_a_new_world_on_hosts_measured_before_does_not_probe() -> None:
     results = run_ranks(3, three_worlds, timeout=180, env={"HETCOMM_HOST_ID": ["h0", "h1", "h2"],
-                                                          "HETCOMM_PROBE_REUSE": "1"})
+                                                          "HETCOMM_PROBE_REUSE": None})
     first = planner.LinkModel(bw=tuple(map(tuple, results[0]["first"])))
     for got in results:
         assert got["first"] == results[0]["first"]

@@ -13,45 +13,61 @@ So a measured model is also remembered here, by the identities of its ranks' hos
 network namespace and shared memory, or ``HETCOMM_HOST_ID``), and a new group whose hosts were all
 in one earlier group takes that group's model, restricted to them, in place of a probe: rank 0
 looks it up and broadcasts it (a joiner, a new process, remembers nothing), and every rank
-installs it. A host that moved (a worker restarted elsewhere) has another identity: the group
-probes. ``HETCOMM_PROBE_REUSE=0`` probes every new group. Only this process's memory: nothing is
-read from the store or a file.
+installs it (its plan as for a group covered by an earlier one: from the model's levels, no
+trial). A host that moved (a worker restarted elsewhere) has another identity: the group probes.
+A measurement is reused for ``HETCOMM_PROBE_REUSE`` seconds (default 600, read on rank 0; 0:
+never), so that links that changed are measured again. Ranks declared on hosts one by one
+(``HETCOMM_HOST_ID=0,0,1,1``) are not remembered. Only this process's memory: nothing is read
+from the store or a file.
 """
 from __future__ import annotations
 
 import math
 import os
+import time
 from collections import Counter
 from typing import Callable, Optional, Sequence
 
 from hetcomm import plan as planner
 
-# Models by their ranks' host identities (in rank order), newest last; a handful is plenty.
-_known: list[tuple[tuple[str, ...], planner.LinkModel]] = []
+# Models by their ranks' host identities (in rank order), with when they were measured
+# (time.monotonic), newest last; a handful is plenty.
+_known: list[tuple[tuple[str, ...], planner.LinkModel, float]] = []
 _KEEP = 8
+DEFAULT_SECONDS = 600.0
 
 
-def enabled() -> bool:
-    value = os.environ.get("HETCOMM_PROBE_REUSE", "1").strip().lower()
-    if value not in ("", "1", "0", "on", "off", "true", "false", "yes", "no"):
-        raise ValueError(f"hetcomm: HETCOMM_PROBE_REUSE={value!r}: choose 1 (reuse links measured for the same hosts, "
-                         "the default) or 0")
-    return value in ("", "1", "on", "true", "yes")
+def max_age() -> float:
+    """``HETCOMM_PROBE_REUSE``: how many seconds a measurement is reused (0: never)."""
+    text = os.environ.get("HETCOMM_PROBE_REUSE", "").strip()
+    try:
+        seconds = float(text) if text else DEFAULT_SECONDS
+    except ValueError:
+        seconds = math.nan
+    if not (math.isfinite(seconds) and seconds >= 0):
+        raise ValueError(f"hetcomm: HETCOMM_PROBE_REUSE={text!r}: give the seconds a measurement of links is reused "
+                         f"for by later groups on the same hosts (default {DEFAULT_SECONDS:.0f}; 0: never)")
+    return seconds
 
 
 def remember(identities: Sequence[str], model: planner.LinkModel) -> None:
-    """Keeps ``model``, measured for ranks on hosts ``identities`` (in rank order)."""
+    """Keeps ``model``, measured now for ranks on hosts ``identities`` (in rank order)."""
     key = tuple(identities)
     if len(key) != model.world_size or len(set(key)) < 2:
         return
-    _known[:] = [(k, m) for k, m in _known if k != key][-(_KEEP - 1):] + [(key, model)]
+    _known[:] = [e for e in _known if e[0] != key][-(_KEEP - 1):] + [(key, model, time.monotonic())]
 
 
-def lookup(identities: Sequence[str]) -> Optional[planner.LinkModel]:
-    """The newest remembered model whose hosts include every rank's here (a host's ranks at most
-    as many as it had), restricted to these ranks in this order; None if none."""
+def lookup(identities: Sequence[str], within: float = math.inf) -> Optional[planner.LinkModel]:
+    """The newest remembered model, measured at most ``within`` seconds ago, whose hosts include
+    every rank's here (a host's ranks at most as many as it had), restricted to these ranks in
+    this order; None if none."""
     want = Counter(identities)
-    for key, model in reversed(_known):
+    if not want:
+        return None
+    for key, model, when in reversed(_known):
+        if time.monotonic() - when > within:
+            continue
         have = Counter(key)
         if any(have[h] < n for h, n in want.items()):
             continue
@@ -63,6 +79,7 @@ def lookup(identities: Sequence[str]) -> Optional[planner.LinkModel]:
 
 
 def forget() -> None:
+    """Forgets every remembered model (tests)."""
     _known.clear()
 
 
@@ -121,11 +138,15 @@ def decode(values: Sequence[float], size: int) -> Optional[planner.LinkModel]:
                              uplinks=tuple(uplinks))
 
 
-def agreed(backend, identities: Sequence[str],
-           broadcast: Callable[[object, Optional[list[float]]], list[float]]) -> Optional[planner.LinkModel]:
+def agreed(backend, identities: Sequence[str], broadcast: Callable) -> Optional[planner.LinkModel]:
     """Rank 0's remembered model for the group's hosts, on every rank (None: probe). A
-    collective (``broadcast``: rank 0's list of floats to every rank)."""
-    mine = None
+    collective (``broadcast(backend, values, failure, most)``: rank 0's list of floats to every
+    rank, or its error to raise on every rank)."""
+    mine, failure, P = None, None, backend.size()
     if backend.rank() == 0:
-        mine = encode(lookup(identities) if enabled() else None)
-    return decode(broadcast(backend, mine), backend.size())
+        try:
+            seconds = max_age()
+            mine = encode(lookup(identities, seconds) if seconds > 0 else None)
+        except Exception as e:  # noqa: BLE001 - every rank must hear of it, not wait for values
+            failure = e
+    return decode(broadcast(backend, mine, failure, 5 * P * P + 13 * P + 5), P)

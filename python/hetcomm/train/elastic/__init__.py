@@ -18,9 +18,12 @@ The protocol: docs/elastic.md#a-synchronisation-attempt-step-by-step; behaviour:
 generations of a `DiLoCo` instead of at every round, so that every DiLoCo feature is there
 (`run`, `ElasticRun`).
 
-The package: `loop` (the class and the training loop's side), `run` (DiLoCo in generations), `epochs` (admission and each
-synchronisation attempt), `early` (joining inside a round through offers on the store),
-`generation` (the members' group, state transfer, reduction and update), `common`.
+The package: `loop` (the class and the training loop's side), `run` (DiLoCo in generations, with
+`run_epochs` its epoch hooks, `carry` the round a generation ended inside of, `handover` the
+state sent to joiners in a generation's background, `phases` what a change of generation cost,
+`checkpoint`), `epochs` (admission and each synchronisation attempt), `eras`, `joins`, `early`
+(joining inside a round through offers on the store), `generation` (the members' group, state
+transfer, reduction and update), `common`.
 """
 from hetcomm.train.elastic.loop import ElasticDiLoCo
 from hetcomm.train.elastic.run import Elastic, ElasticRun

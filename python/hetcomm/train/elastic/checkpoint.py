@@ -53,7 +53,7 @@ def save(run, generation_start: bool = False) -> dict:
         # parameters are not those of a round boundary.
         return _generation_start(run, inner, "inside a round whose staggered fragments have landed")
     else:
-        jobs = [f for f in [inner._pending] + [j["future"] for j in inner._flight.values()] if f is not None]
+        jobs = [f for f in inner._background_jobs() if f is not None]
         start = inner._clock()
         done, _ = concurrent.futures.wait(jobs, timeout=run._collective_timeout + 10.0)
         end = inner._clock()

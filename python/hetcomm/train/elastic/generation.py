@@ -246,12 +246,12 @@ class Generation:
         self._agree_on_budgets(decision, table)
         # A transfer that runs after the epoch (`_state_deferred`): the members without the state
         # check what they receive against the holders' fingerprint (`_holders_print`).
-        prints = {name: p for name, p, h in zip(self._names(decision["members"]).split(","), table[_PRINT],
-                                                table[_HOLDS]) if h or self._state_deferred is None}
+        compared = [(m, p) for m, p, h in zip(decision["members"], table[_PRINT], table[_HOLDS])
+                    if h or self._state_deferred is None]
         self._holders_print = next((p for p, h in zip(table[_PRINT], table[_HOLDS]) if h), None)
-        if len(set(prints.values())) > 1:
+        if len({p for _, p in compared}) > 1:
             raise ValueError(f"{_PREFIX}: round {decision['round']}: the members' global parameters differ "
-                             f"(fingerprints {prints}): "
+                             f"(fingerprints {dict(compared)}): "
                              "a bug, please report it -- or a store writer deleted a decision or an outcome "
                              "that some members had read (docs/security.md)")
         self._leave_out_offenders(decision, table)

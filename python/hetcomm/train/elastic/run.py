@@ -44,7 +44,6 @@ from __future__ import annotations
 import concurrent.futures
 import copy
 import dataclasses
-import re
 import time
 from collections.abc import Callable, Sequence
 
@@ -60,11 +59,11 @@ from hetcomm.train.elastic.carry import Round, encode_name, resume_round, share_
 from hetcomm.train.elastic.common import _MAX_ABORTS, _PREFIX, _read_ended
 from hetcomm.train.elastic.loop import ElasticDiLoCo
 from hetcomm.train.elastic.phases import Phases
+from hetcomm.train.elastic.run_epochs import RunEpochs
 from hetcomm.train.local_steps import TimeSteps, make_policy
 from hetcomm.train.membership import StoreUnreachable
 
 
-_INCARNATION = re.compile(r"[^#]{1,256}#[0-9a-f]{8}")    # `<worker_id>#<nonce>`, as ElasticDiLoCo names them
 
 
 class _Generation(DiLoCo):
@@ -77,6 +76,14 @@ class _Generation(DiLoCo):
 
     def _background_jobs(self) -> list:
         return super()._background_jobs() + [self._state_job]
+
+    def _synchronise(self) -> None:
+        # The boundary's collectives on the background group (a synchronous reduction, the last
+        # fragments, the final agreement) come after the joiners' state there (`handover`).
+        if self._state_job is not None:
+            concurrent.futures.wait([self._state_job])
+            handover.check(self)
+        super()._synchronise()
 
     def _agree_on_reform(self, last: bool) -> None:
         super()._agree_on_reform(last)
@@ -110,7 +117,7 @@ class Elastic:
     verbose: bool = True
 
 
-class ElasticRun(ElasticDiLoCo):
+class ElasticRun(RunEpochs, ElasticDiLoCo):
     """`DiLoCo` in generations over elastic membership (see the module doc). Construct it as
     ``hetcomm.DiLoCo(model, opt, membership=Elastic(...), **options)``: the options are
     DiLoCo's, the same on every worker (a joiner with others is refused)."""
@@ -206,7 +213,6 @@ class ElasticRun(ElasticDiLoCo):
                 if inner.should_stop:                  # every rank stopped at this boundary
                     if inner._carry_round:             # (a join: the round goes on in the next generation)
                         self._carry = take_round(inner, self._base[1], cut=True)
-                    handover.wait(inner, self._collective_timeout + 10.0)
                     inner.finish()
                     ended = True
             except StoreUnreachable:
@@ -333,82 +339,18 @@ class ElasticRun(ElasticDiLoCo):
 
     # ---- generations -------------------------------------------------------------------------
 
-    def _config(self) -> dict:
-        return {**super()._config(), "diloco": repr(sorted(self._options.items()))}
-
-    def _attempt(self, decision: dict, delta, column: list[float]) -> bool:
-        self._state_deferred = None
-        return super()._attempt(decision, delta, column)
-
-    def _transfer(self, decision: dict) -> None:
-        if handover.deferred(self, decision):
-            self._state_deferred = decision        # sent once the generation runs (`handover`)
-            return
-        super()._transfer(decision)
-
-    def _apply(self, decision: dict, table: list[list[float]], reduced) -> None:
-        super()._apply(decision, table, reduced)
-        if self._state_deferred is not None and self._me not in decision["holders"]:
-            self._holds = False                    # until its state has landed (`handover`)
-
-    def _arrival(self) -> dict:
-        return {**super()._arrival(), "applied": self._applied_total}
-
-    def _latest_holders(self, holders: list[str], arrivals: dict[str, dict]) -> list[str]:
-        """The holders that applied the most outer steps (a failure inside a reduction may leave
-        some one step ahead: they hold the state every member carries on from). An arrival whose
-        count is not a non-negative int counts as none (`_build` checks the decision's round
-        against what the holders hold, over the group)."""
-        def applied(m: str) -> int:
-            v = arrivals[m].get("applied")
-            return v if isinstance(v, int) and not isinstance(v, bool) and v >= 0 else -1
-        best = max((applied(m) for m in holders), default=-1)
-        return [m for m in holders if applied(m) == best] or holders
-
-    def _snapped_holders(self, joiners: list[str], rnd: int) -> list[str]:
-        return []                  # no joining inside a round here: a snapped/ key is not ours
-
-    def _wants_reform(self) -> int:
-        """2: this worker leaves (its last round is reduced); 1: workers wait to join (the round goes
-        on with them, `DiLoCo._agree_on_reform`); 0: neither."""
-        if self._leaving:
-            return 2
-        return 1 if any(self._pulse.confirmed(w) for w in self._waiting) else 0
-
-    def _scan(self) -> None:
-        """Every half second (or heartbeat): the workers that asked to join since the last epoch
-        (refused at once when their configuration is not the run's; watched otherwise). A
-        request that names a member, one that left, or no incarnation is not a joiner; a
-        malformed record is skipped (a store writer must not end generations at will, nor crash
-        the members)."""
-        now = time.monotonic()
-        if self._decision is None or now - self._scanned[1] < min(self._heartbeat, 0.5):
-            return
-        try:
-            regs, upto = self._registrations(self._keys, max(self._scanned[0], self._decision["admitted_upto"]))
-        except (ValueError, TypeError, AttributeError, KeyError) as e:
-            self._note_waiting(f"a join request on the store is malformed ({type(e).__name__}): not read")
-            self._scanned = (self._scanned[0], now)
-            return
-        ours, members = self._config(), set(self._decision["members"])
-        for _, r in regs:
-            who = r.get("who") if isinstance(r, dict) else None
-            if not isinstance(who, str) or not _INCARNATION.fullmatch(who) or who in members \
-                    or self._keys.has(f"leave/{who}"):
-                continue
-            why = self._refusal(r.get("config"), ours)
-            if why:
-                self._refuse(self._keys, who, why)
-            else:
-                self._waiting.add(who)
-        self._pulse.watch(sorted(self._waiting))
-        self._scanned = (upto, now)
-
     def _generation(self) -> None:
         """Starts the generation's DiLoCo over the group the last epoch formed (another epoch
         when that fails)."""
         while True:
-            if not self._stopped:
+            if self._state_deferred is not None:
+                # A joiner's samples are not the run's until its state lands: the members agree
+                # (`handover.agree_on_stop`), and if the run ends here the joiners get the state now.
+                handover.agree_on_stop(self)
+                if self._stopped:
+                    handover.send_now(self)
+                    return
+            elif not self._stopped:
                 # Every member (a joiner too: it has the run's round and budgets) decides alike;
                 # a run another member ended (its budget, at a round this one did not finish) too.
                 self._check_budgets()
@@ -545,7 +487,8 @@ class ElasticRun(ElasticDiLoCo):
         try:
             self._generations.append({"generation": self._base[2], "formed": self._formed, **inner.stats()})
         except Exception as e:  # noqa: BLE001 - the stats of a failed generation are best effort
-            self._generations.append({"generation": self._base[2], "error": f"{type(e).__name__}: {e}"})
+            self._generations.append({"generation": self._base[2], "formed": self._formed,
+                                      "error": f"{type(e).__name__}: {e}"})
 
     def _after_generation(self, inner: DiLoCo) -> None:
         """Every rank finished the generation at the same boundary: the run ends (a budget) or

@@ -1,0 +1,87 @@
+"""How a worker of DiLoCo in generations (`hetcomm.train.elastic.run`) takes part in the epochs of
+`ElasticDiLoCo` (`hetcomm.train.elastic.epochs`): what it says when it arrives, which holders
+the epoch names, when it asks to end a generation, which join requests it watches, and the
+transfer of the state to joiners that the generation's background may take over (`handover`)."""
+from __future__ import annotations
+
+import re
+import time
+
+from hetcomm.train.elastic import handover
+
+_INCARNATION = re.compile(r"[^#]{1,256}#[0-9a-f]{8}")    # `<worker_id>#<nonce>`, as ElasticDiLoCo names them
+
+
+class RunEpochs:
+    """The epoch hooks of `ElasticRun` (a mixin before `ElasticDiLoCo`)."""
+
+    def _config(self) -> dict:
+        return {**super()._config(), "diloco": repr(sorted(self._options.items()))}
+
+    def _attempt(self, decision: dict, delta, column: list[float]) -> bool:
+        self._state_deferred = None
+        return super()._attempt(decision, delta, column)
+
+    def _transfer(self, decision: dict) -> None:
+        if handover.deferred(self, decision):
+            self._state_deferred = decision        # sent once the generation runs (`handover`)
+            return
+        super()._transfer(decision)
+
+    def _apply(self, decision: dict, table: list[list[float]], reduced) -> None:
+        super()._apply(decision, table, reduced)
+        if self._state_deferred is not None and self._me not in decision["holders"]:
+            self._holds = False                    # until its state has landed (`handover`)
+
+    def _arrival(self) -> dict:
+        return {**super()._arrival(), "applied": self._applied_total}
+
+    def _latest_holders(self, holders: list[str], arrivals: dict[str, dict]) -> list[str]:
+        """The holders that applied the most outer steps (a failure inside a reduction may leave
+        some one step ahead: they hold the state every member carries on from). An arrival whose
+        count is not a non-negative int counts as none (`_build` checks the decision's round
+        against what the holders hold, over the group)."""
+        def applied(m: str) -> int:
+            v = arrivals[m].get("applied")
+            return v if isinstance(v, int) and not isinstance(v, bool) and v >= 0 else -1
+        best = max((applied(m) for m in holders), default=-1)
+        return [m for m in holders if applied(m) == best] or holders
+
+    def _snapped_holders(self, joiners: list[str], rnd: int) -> list[str]:
+        return []                  # no joining inside a round here: a snapped/ key is not ours
+
+    def _wants_reform(self) -> int:
+        """2: this worker leaves (its last round is reduced); 1: workers wait to join (the round goes
+        on with them, `DiLoCo._agree_on_reform`); 0: neither."""
+        if self._leaving:
+            return 2
+        return 1 if any(self._pulse.confirmed(w) for w in self._waiting) else 0
+
+    def _scan(self) -> None:
+        """Every half second (or heartbeat): the workers that asked to join since the last epoch
+        (refused at once when their configuration is not the run's; watched otherwise). A
+        request that names a member, one that left, or no incarnation is not a joiner; a
+        malformed record is skipped (a store writer must not end generations at will, nor crash
+        the members)."""
+        now = time.monotonic()
+        if self._decision is None or now - self._scanned[1] < min(self._heartbeat, 0.5):
+            return
+        try:
+            regs, upto = self._registrations(self._keys, max(self._scanned[0], self._decision["admitted_upto"]))
+        except (ValueError, TypeError, AttributeError, KeyError) as e:
+            self._note_waiting(f"a join request on the store is malformed ({type(e).__name__}): not read")
+            self._scanned = (self._scanned[0], now)
+            return
+        ours, members = self._config(), set(self._decision["members"])
+        for _, r in regs:
+            who = r.get("who") if isinstance(r, dict) else None
+            if not isinstance(who, str) or not _INCARNATION.fullmatch(who) or who in members \
+                    or self._keys.has(f"leave/{who}"):
+                continue
+            why = self._refusal(r.get("config"), ours)
+            if why:
+                self._refuse(self._keys, who, why)
+            else:
+                self._waiting.add(who)
+        self._pulse.watch(sorted(self._waiting))
+        self._scanned = (upto, now)

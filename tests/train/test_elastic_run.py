@@ -128,29 +128,6 @@ def test_a_holder_killed_while_it_sends_a_joiner_the_state_in_the_background(run
 
 
 @pytest.mark.slow
-def test_a_joiner_admitted_as_the_run_ends_ends_with_its_state(run):
-    """With overlap the epoch leaves the joiner's state to the next generation's background
-    (`handover`). w2 asks to join during the run's last round (w0 and w1 hold there until it
-    asked): that round is not cut, the epoch after it admits w2, and the run ends there, before
-    any generation starts. w2 must still end with the run's global parameters and rounds (it
-    used to end with its own fresh model, as if it had trained nothing)."""
-    rounds, ids = 4, ["w0", "w1", "w2"]
-    common = ["--run", "--rounds", str(rounds), "--steps", "6", "--step-seconds", "0.3",
-              *FEATURES["fixed-int8-overlap-staggered"]]
-    for w in ids[:2]:
-        run.start(w, *common, "--min-workers", "2", "--slow-until", f"{run.out / 'w2.joined'}:{rounds - 1}")
-    # (with overlap round 3 is reported once its reduction landed, inside round 4, the last)
-    run.start("w2", *common, "--wait-for", f"{run.out / 'w0.jsonl'}:{rounds - 1}")
-    codes = run.wait_all()
-    assert all(c == [0] for c in codes.values()), f"{codes}\n{run.logs()}"
-    left, joined = events(final(run, "w0"))
-    assert "w2" in joined, final(run, "w0")["membership"]
-    for w in ids:
-        end = final(run, w)
-        assert end["rounds"] == rounds and end["final"] == final(run, "w0")["final"], (w, end, run.logs())
-
-
-@pytest.mark.slow
 def test_a_worker_restarted_after_a_generation_without_it_is_planned_from_its_step_times(run):
     """``time``: w1 dies after four rounds and comes back only once w0 and w2 recorded a round
     without it. The generation it rejoins re-plans the round length at its first agreement,

@@ -104,7 +104,7 @@ def test_a_checkpoint_never_goes_back_to_the_generation_start():
     failed.set_exception(RuntimeError("a peer died"))
     for inner in (SimpleNamespace(_stagger=True, _fired=[False, True]),
                   SimpleNamespace(_stagger=False, _pending=failed, _flight={}, _clock=time.monotonic,
-                                  _totals={"idle": 0.0}, _timeline=[], _mark=0.0)):
+                                  _totals={"idle": 0.0}, _timeline=[], _mark=0.0, _background_jobs=lambda: [failed])):
         inner._history = [{"round": 1}]                       # this generation applied a round
         with pytest.raises(RuntimeError, match="no round boundary's state"):
             checkpoint.save(run_with(inner))

@@ -121,6 +121,8 @@ def send_now(run) -> None:
             return
         raise RuntimeError(f"{_PREFIX}: the run ended as this worker joined, and its state did not arrive "
                            f"({str(e).splitlines()[0][:300]})") from e
+    if not holder:
+        run._log(f"the run ended as this worker joined: it received the run's state (round {run._round}) at once")
 
 
 def check(inner) -> None:

@@ -74,3 +74,37 @@ def test_the_survivors_while_the_victim_is_gone_against_the_same_seconds_of_thre
     assert ratios[0]["survivors_while_gone_vs_three_same_seconds"] == pytest.approx(140 / 350)
     assert ratios[0]["seconds_gone"] == pytest.approx(20.0)
     assert summary["survivors_while_gone_vs_three_same_seconds"]["median"] == pytest.approx(0.4)
+
+
+def test_the_survivors_stops_are_read_from_the_workers_logs(sim, tmp_path):
+    logs = {
+        0: ["hetcomm ElasticDiLoCo [w0]: generation 1 started 1.49 s after the decision that admits it (group 1.39 s)",
+            "hetcomm ElasticDiLoCo [w0]: generation 2 started 0.37 s after the failure (syncs in flight 0.00 s)",
+            "train_elastic [w0]: round   3 | members w0,w1,w2",
+            "hetcomm ElasticDiLoCo [w0]: generation 3 started 0.49 s after the agreement to change members (epoch 0.01 s)"],
+        1: ["hetcomm ElasticDiLoCo [w1]: generation 2 started 0.42 s after the failure (epoch 0.08 s)",
+            "hetcomm ElasticDiLoCo [w1]: generation 3 started 0.53 s after the agreement to change members (epoch 0.00 s)"],
+        2: ["hetcomm ElasticDiLoCo [w2]: generation 3 started 2.45 s after the decision that admits it (start 2.21 s)"]}
+    for k, lines in logs.items():
+        (tmp_path / f"w{k}.log").write_text("\n".join(lines) + "\n")
+    changes = sim.generation_changes(str(tmp_path), [0, 1, 2, 3])           # (w3 has no log: none)
+    assert len(changes) == 6 and changes[1] == {"rank": 0, "generation": 2, "seconds": 0.37, "after": "failure"}
+    kill = {"ranks": [0, 1, 2], "generation_changes": changes}               # the victim: the last rank
+    assert sim.survivors_stop(kill, "failure") == 0.42
+    assert sim.survivors_stop(kill, "agreement to change members") == 0.53
+    assert sim.survivors_stop(kill, "decision that admits it") is None      # generation 1 (the start) left out
+
+
+def test_the_victim_is_back_when_a_survivor_first_saw_it_joined(sim):
+    class Job:
+        ranks = [0, 1, 2, 3]
+
+        @staticmethod
+        def records(k):
+            return {0: [{"t": 105.0, "event": {"joined": ["w0", "w1", "w2", "w3"]}},     # the start: before the restart
+                        {"t": 152.0, "event": {"joined": ["w3"]}}],
+                    1: [{"t": 151.0, "event": {"joined": ["w3"]}}, {"t": 160.0, "progress": 5}],
+                    2: [{"t": 150.5, "event": {"left": {"w3": "gone"}, "joined": []}}],
+                    3: [{"t": 149.0, "event": {"joined": ["w3"]}}]}[k]                 # the victim's own: not counted
+    assert sim.back_time(Job, 3, restart_abs=140.0, started=100.0) == pytest.approx(51.0)
+    assert sim.back_time(Job, 3, restart_abs=155.0, started=100.0) is None

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import os
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -75,7 +76,7 @@ def test_a_group_of_hosts_measured_together_takes_their_rows_and_columns() -> No
 
 def test_a_measurement_is_reused_only_for_its_age(monkeypatch) -> None:
     now = [1000.0]
-    monkeypatch.setattr(known.time, "monotonic", lambda: now[0])
+    monkeypatch.setattr(known, "time", SimpleNamespace(monotonic=lambda: now[0]))
     world = nics(100, 200)
     known.remember(["a", "b"], world)
     now[0] += 700

@@ -2,15 +2,14 @@
 two ranks of one group: rank 0 holds the state (its round, samples, history and an outer
 optimizer with momentum), rank 1 has just been admitted without it.
 
-* `agree_on_stop`: the joiner does not know the run's samples; both ranks take the holder's and
-  stop alike (a budget reached, or the run's end that only one of them read on the store).
+* `agree_on_stop`: the joiner does not know the run's samples and outer steps; both ranks take
+  the holder's and stop alike (a budget reached, or the run's end that only one of them read on the store).
 * `send_now`: when the run ends there, the joiner still ends with the holder's global parameters,
   outer optimizer state, round and history, and holds the state.
 * A state of another round than the decision names is refused (ValueError on the joiner).
 """
 from __future__ import annotations
 
-import pytest
 import torch
 
 from harness import run_ranks
@@ -57,7 +56,7 @@ def _run(rank: int, budget: int, ended: bool = False):
         run.outer_optimizer.step()
         run.outer_optimizer.zero_grad(set_to_none=True)
     run._round = ROUND
-    run._samples_total = SAMPLES if holder else 0
+    run._samples_total, run._applied_total = (SAMPLES, ROUND) if holder else (0, 0)
     run._history = [{"round": r} for r in range(1, ROUND + 1)] if holder else []
     run._events, run.lines = [], []
     run._codec_name, run.worker_id, run._me = "compress='fp32', block=2048", f"w{rank}", f"w{rank}#0000000{rank}"
@@ -86,7 +85,7 @@ def handover_cases(rank: int, world_size: int) -> dict:
     run = _run(rank, budget=10 * SAMPLES)
     _deferred(run)
     handover.agree_on_stop(run)
-    out["goes on"] = (run._stopped, run._samples_total)
+    out["goes on"] = (run._stopped, run._samples_total, run._applied_total)
     # the budget is reached: both stop, and the joiner gets the state at once
     run = _run(rank, budget=SAMPLES)
     _deferred(run)
@@ -117,7 +116,7 @@ def handover_cases(rank: int, world_size: int) -> dict:
 @hetcomm_only("the elastic run's groups are hetcomm's here")
 def test_a_deferred_state_reaches_the_joiner_when_the_run_ends_and_both_stop_alike() -> None:
     holder, joiner = run_ranks(2, handover_cases, timeout=120)
-    assert holder["goes on"] == joiner["goes on"] == (False, SAMPLES)
+    assert holder["goes on"] == joiner["goes on"] == (False, SAMPLES, ROUND)
     h, j = holder["budget"], joiner["budget"]
     assert h["stopped"] and j["stopped"] and h["samples"] == j["samples"] == SAMPLES
     assert j["holds"] and j["round"] == ROUND and j["history"] == ROUND and j["deferred"] is None

@@ -87,17 +87,19 @@ def _take(run, decision: dict, received: tuple) -> None:
 
 def agree_on_stop(run) -> None:
     """Before a generation whose transfer was deferred: whether the run ends here, the same on
-    every member. A joiner does not know the run's samples until its state lands, so the members
-    take the holders' count (one exchange over the group, with whether each read the run's end
-    on the store or stopped already), then check the budgets alike."""
+    every member. A joiner does not know the run's samples (nor its outer steps) until its state
+    lands, so the members take the holders' counts (one exchange over the group, with whether
+    each read the run's end on the store or stopped already), then check the budgets alike."""
     ended = _read_ended(run._keys)
     column = [float(run._samples_total) if run._holds else -1.0,
-              1.0 if run._stopped or ended is not None else 0.0]
+              1.0 if run._stopped or ended is not None else 0.0,
+              float(run._applied_total) if run._holds else -1.0]
     table = exchange_columns(column)
-    samples = max(table[0])
-    if not (math.isfinite(samples) and samples == int(samples) and 0 <= samples < 2 ** 53):
-        raise ValueError(f"{_PREFIX}: the holders sent {samples!r} as the run's samples: not a count")
-    run._samples_total = int(samples)
+    samples, applied = max(table[0]), max(table[2])
+    for what, x in (("samples", samples), ("outer steps", applied)):
+        if not (math.isfinite(x) and x == int(x) and 0 <= x < 2 ** 53):
+            raise ValueError(f"{_PREFIX}: the holders sent {x!r} as the run's {what}: not a count")
+    run._samples_total, run._applied_total = int(samples), int(applied)
     if not run._stopped:
         run._check_budgets()
     if not run._stopped and max(table[1]) > 0:

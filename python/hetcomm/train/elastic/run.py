@@ -81,7 +81,11 @@ class _Generation(DiLoCo):
         # The boundary's collectives on the background group (a synchronous reduction, the last
         # fragments, the final agreement) come after the joiners' state there (`handover`).
         if self._state_job is not None:
+            begin = self._clock()
             concurrent.futures.wait([self._state_job])
+            end = self._clock()
+            self._totals["idle"] += end - begin
+            self._timeline.append(("idle", begin, end))
             handover.check(self)
         super()._synchronise()
 
@@ -346,7 +350,13 @@ class ElasticRun(RunEpochs, ElasticDiLoCo):
             if self._state_deferred is not None:
                 # A joiner's samples are not the run's until its state lands: the members agree
                 # (`handover.agree_on_stop`), and if the run ends here the joiners get the state now.
-                handover.agree_on_stop(self)
+                try:
+                    handover.agree_on_stop(self)
+                except (StoreUnreachable, ValueError, TypeError):
+                    raise
+                except RuntimeError as e:          # (a member gone since the epoch committed)
+                    self._abort(e, "while starting the generation")
+                    continue
                 if self._stopped:
                     handover.send_now(self)
                     return

@@ -22,6 +22,10 @@ class RunEpochs:
         self._state_deferred = None
         return super()._attempt(decision, delta, column)
 
+    def _new_incarnation(self) -> None:
+        self._state_deferred = None                # (dropped: a deferred transfer is not ours)
+        super()._new_incarnation()
+
     def _transfer(self, decision: dict) -> None:
         if handover.deferred(self, decision):
             self._state_deferred = decision        # sent once the generation runs (`handover`)

@@ -64,8 +64,6 @@ from hetcomm.train.local_steps import TimeSteps, make_policy
 from hetcomm.train.membership import StoreUnreachable
 
 
-
-
 class _Generation(DiLoCo):
     """A generation's DiLoCo. Its replicas start equal (the epoch loaded the global parameters it
     checked into every model), so it does not broadcast them again."""

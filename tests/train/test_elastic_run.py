@@ -1,11 +1,10 @@
 """DiLoCo with elastic membership (``hetcomm.DiLoCo(membership=hetcomm.Elastic(...))``,
 `hetcomm.train.elastic.run`): DiLoCo in generations, each one a DiLoCo over the members of the time.
 
-Configurations a real run combines -- fixed+fp32, time+int8, fixed+int8 and time+int8 with overlap
-and staggered fragments; one rank per worker and two-rank workers -- with a worker (or one rank of a
-worker) killed mid-round or inside the reduction and restarted, and a rank that fails right after
-a reduction the others applied. Asserted every
-time: no process hangs (each has a deadline), every report of a round carries one fingerprint of
+The matrix of features a real run combines -- {fixed, time} × {fp32, int8} × {no overlap, overlap
+with staggered fragments} × {one rank per worker, two-rank workers} -- each with a worker (or one
+rank of a worker) killed mid-round and restarted; a worker killed inside the reduction, and a rank
+that fails right after a reduction the others applied. Asserted every time: no process hangs (each has a deadline), every report of a round carries one fingerprint of
 the global parameters (restarted incarnations included), every survivor reaches the last round
 with the same final parameters, the victim's death and its restart are in the membership
 records, and the restart contributed steps to a round after it joined. Every step a surviving
@@ -15,6 +14,7 @@ round it asked to join in.
 """
 from __future__ import annotations
 
+import itertools
 import time
 
 import pytest
@@ -26,12 +26,18 @@ from elastic_worker import linear_pull
 pytestmark = pytest.mark.usefixtures("backend_importable")
 
 
-FEATURES = {
-    "fixed-fp32": ["--linear"],        # (each step moves the replica by a constant: `assert_linear_reference`)
-    "time-int8": ["--local-steps", "time", "--compress", "int8"],
-    "fixed-int8-overlap-staggered": ["--compress", "int8", "--overlap", "--fragments", "2"],
-    "time-int8-overlap-staggered": ["--local-steps", "time", "--compress", "int8", "--overlap", "--fragments", "2"],
-}
+def _features(policy: str, codec: str, overlap: bool) -> list[str]:
+    args = (["--local-steps", "time"] if policy == "time" else []) + (["--compress", codec] if codec != "fp32" else [])
+    if overlap:
+        return args + ["--overlap", "--fragments", "2"]
+    # fp32 without overlap: each step moves the replica by a constant (`assert_linear_reference`)
+    return args + (["--linear"] if codec == "fp32" else [])
+
+
+# {fixed, time} × {fp32, int8} × {no overlap, overlap with staggered fragments}: "fixed-fp32", ...,
+# "time-int8-overlap-staggered"
+FEATURES = {f"{p}-{c}" + ("-overlap-staggered" if o else ""): _features(p, c, o)
+            for p, c, o in itertools.product(["fixed", "time"], ["fp32", "int8"], [False, True])}
 
 
 def steps_recorded(run: Run, w: str) -> int:
@@ -248,7 +254,7 @@ def test_a_rank_that_fails_after_a_reduction_the_others_applied_catches_up_from_
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("features", ["fixed-fp32", "time-int8-overlap-staggered"])
+@pytest.mark.parametrize("features", list(FEATURES))
 def test_one_rank_of_a_two_rank_worker_killed_and_restarted(run, features):
     """Two workers of two ranks each (a, b): rank b1 dies mid-round; worker b goes on with one
     rank, and b1's restart is a rank of b again."""
@@ -275,6 +281,8 @@ def test_one_rank_of_a_two_rank_worker_killed_and_restarted(run, features):
     if "overlap" not in features:      # worker a's steps of the round b1 died in went on (b's: dropped, b1 is new)
         recorded = sum(r["steps"][r["members"].index("a")] for r in run.records("a0") if "round" in r)
         assert recorded == final(run, "a0")["steps_taken"], (run.records("a0"), run.logs())
+    if "--linear" in FEATURES[features]:
+        assert_linear_reference(run, "a0")
 
 
 @pytest.mark.parametrize("features", ["fixed-fp32", "time-int8-overlap-staggered"])

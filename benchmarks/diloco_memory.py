@@ -47,11 +47,13 @@ def _rss(field: str = "VmRSS:") -> int:
     return 0
 
 
-def _rank(rank: int, world: int, port: int, args, S: int, name: str, kwargs: dict, out) -> None:
+def _rank(rank: int, world: int, port: int, args, S: int, name: str, kwargs: dict, out, store: str) -> None:
     import hetcomm
 
     torch.set_num_threads(1)
-    dist.init_process_group("hetcomm", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    os.environ["HETCOMM_PROBE"] = "0"
+    if args.membership == "fixed":
+        dist.init_process_group("hetcomm", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     rows = []
     labels = SHAPES[S]
     torch.manual_seed(0)
@@ -60,25 +62,37 @@ def _rank(rank: int, world: int, port: int, args, S: int, name: str, kwargs: dic
     x = torch.randn(8, args.width)
     nn.functional.mse_loss(net(x), x).backward()        # the gradients exist before the baseline
     opt.zero_grad(set_to_none=False)
-    dist.barrier()
+    if args.membership == "fixed":
+        dist.barrier()
     before = _rss()
     # inner_sync=False: every rank steps on the same batch, so the worker's replicas stay equal
     # without averaging gradients, whose all-reduce buffers are the inner data parallelism's
     # memory (DDP's as much), not DiLoCo's.
-    diloco = hetcomm.DiLoCo(net, opt, local_steps="fixed", steps=2, workers=labels, inner_sync=False, **kwargs)
+    if args.membership == "elastic":
+        # The generations form their own groups; the workers meet through the store. A worker of
+        # several ranks averages its gradients (inner_sync is not an option there): every rank of
+        # it steps on the same batch, so the averaging changes nothing but its buffers.
+        membership = hetcomm.Elastic(store=store, worker_id=f"r{rank}", worker=f"w{labels[rank]}",
+                                     job=f"{name}-{S}", min_workers=world, verbose=False)
+        diloco = hetcomm.DiLoCo(net, opt, membership=membership, local_steps="fixed", steps=2, **kwargs)
+        diloco.join()
+    else:
+        diloco = hetcomm.DiLoCo(net, opt, local_steps="fixed", steps=2, workers=labels, inner_sync=False, **kwargs)
     for _ in range(2 * args.rounds):
         nn.functional.mse_loss(net(x), x).backward()
         opt.step()
         opt.zero_grad(set_to_none=False)
         diloco.step(samples=8)
+    core = diloco._inner if args.membership == "elastic" else diloco    # (the generation's DiLoCo)
+    held = core._layout.size if core._layout is not None else core._start.numel()
     rows.append({"ranks_per_worker": S, "setting": name, "rank": rank, "state_bytes": diloco.state_bytes(),
                  "rss_growth": _rss() - before, "rss_peak_growth": _rss("VmHWM:") - before,
-                 "held_elements": diloco._layout.size if diloco._layout is not None else diloco._start.numel(),
-                 "elements": sum(p.numel() for p in net.parameters())})
+                 "held_elements": held, "elements": sum(p.numel() for p in net.parameters())})
     diloco.finish()
     out.put(rows)
-    dist.barrier()
-    dist.destroy_process_group()
+    if args.membership == "fixed":
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 def main() -> None:
@@ -87,6 +101,8 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--fragments", type=int, default=4)
+    ap.add_argument("--membership", choices=["fixed", "elastic"], default="fixed",
+                    help="a fixed group, or DiLoCo in generations over elastic membership (Elastic)")
     ap.add_argument("--json", required=True)
     args = ap.parse_args()
     settings = {"sync": {},
@@ -98,7 +114,11 @@ def main() -> None:
         for name, kwargs in settings.items():
             out = ctx.Queue()
             port = 20000 + (os.getpid() * 7 + 97 * len(rows)) % 20000
-            procs = [ctx.Process(target=_rank, args=(r, 4, port, args, S, name, kwargs, out)) for r in range(4)]
+            store = None
+            if args.membership == "elastic":            # (the job's store lives here, as torchrun's would)
+                server = dist.TCPStore("127.0.0.1", port + 1, is_master=True, wait_for_workers=False)
+                store = f"127.0.0.1:{server.port}"
+            procs = [ctx.Process(target=_rank, args=(r, 4, port, args, S, name, kwargs, out, store)) for r in range(4)]
             for p in procs:
                 p.start()
             rows += [row for _ in procs for row in out.get(timeout=3600)]
@@ -123,7 +143,8 @@ def main() -> None:
             print(f"[diloco_memory] {name}, workers of {S} rank(s): {worst / 1e6:.1f} MB a rank (the whole: "
                   f"{single / 1e6:.1f} MB; ratio to whole/S {row['ratio']:.3f}); RSS growth {worst_rss / 1e6:.1f} MB "
                   f"(ratio {row['rss_ratio']:.3f}), peak RSS growth {worst_peak / 1e6:.1f} MB", flush=True)
-    write_document(args.json, {"rows": summary, "per_rank": rows, "width": args.width, "layers": args.layers},
+    write_document(args.json, {"rows": summary, "per_rank": rows, "width": args.width, "layers": args.layers,
+                               "membership": args.membership},
                    command_line(), lists={"rows": "result", "per_rank": "rank"})
 
 

@@ -267,6 +267,7 @@ def main(argv: list[str] | None = None) -> int:
                                       "members": rec.get("members", rec.get("workers")),
                                       "steps": rec["steps"], "weights": rec["weights"], "gen": rec["generation"],
                                       "plan": rec.get("plan"),
+                                      "state_bytes": diloco.state_bytes() if args.run else None,
                                       "pid": os.getpid(), "t": time.time()}) + "\n")
                 out.flush()
                 if args.stop_after and diloco.rounds >= args.stop_after:

@@ -57,6 +57,16 @@ def assert_linear_reference(run: Run, w: str) -> None:
     assert torch.allclose(got, expected, rtol=1e-5, atol=1e-6), (got, expected, run.records(w))
 
 
+def assert_state_counted(run: Run, w: str, rounds: int) -> None:
+    """``--linear`` (8 parameters, an outer SGD without momentum): while a generation runs, a rank
+    keeps the global parameters, the round's start point and one pseudo-gradient, 12 bytes a
+    parameter (`state_bytes`: every storage reachable from the object), through every generation:
+    the run keeps no second copy of the generation's state. After the last round: the global
+    parameters and their flat copy."""
+    seen = {r["round"]: r["state_bytes"] for r in run.records(w) if "round" in r}
+    assert seen == {r: 12 * 8 if r < rounds else 8 * 8 for r in range(1, rounds + 1)}, (w, seen)
+
+
 def contributed_after_rejoining(run: Run, victim: str, worker: str, after: int) -> bool:
     late = [rec for rec in run.records(victim) if "round" in rec and rec["round"] > after]
     return any(rec["steps"][rec["members"].index(worker)] > 0 for rec in late)
@@ -95,6 +105,8 @@ def test_a_worker_killed_is_dropped_and_its_restart_rejoins(run, features, where
             assert steps_recorded(run, w) == final(run, w)["steps_taken"], (w, run.records(w), run.logs())
     if "--linear" in FEATURES[features]:
         assert_linear_reference(run, "w0")
+        for w in ("w0", "w2"):
+            assert_state_counted(run, w, rounds)
     # The generation w1 came back in: with overlap the survivors did not wait for its state (sent
     # in that generation's background, `handover`: no "state" phase on their side); without, the
     # epoch sent it.
@@ -283,6 +295,8 @@ def test_one_rank_of_a_two_rank_worker_killed_and_restarted(run, features):
         assert recorded == final(run, "a0")["steps_taken"], (run.records("a0"), run.logs())
     if "--linear" in FEATURES[features]:
         assert_linear_reference(run, "a0")
+        for r in ("a0", "a1", "b0"):
+            assert_state_counted(run, r, rounds)
 
 
 @pytest.mark.parametrize("features", ["fixed-fp32", "time-int8-overlap-staggered"])

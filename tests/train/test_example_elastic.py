@@ -86,8 +86,10 @@ def test_a_checkpoint_of_one_elastic_mode_is_refused_by_the_other():
 def test_a_checkpoint_never_goes_back_to_the_generation_start():
     """Where no round boundary's state can be read (staggered fragments landed mid-round; the
     synchronisation in flight failed), `save` holds the state the generation started from only if
-    the generation applied no round yet, else raises: that start may be many rounds old."""
+    the generation applied no outer step yet, else raises: that start may be many rounds old, and
+    the run keeps no copy of it (its state is the generation's)."""
     import concurrent.futures
+    import threading
     import time
     from types import SimpleNamespace
 
@@ -98,16 +100,35 @@ def test_a_checkpoint_never_goes_back_to_the_generation_start():
                                outer_optimizer=torch.optim.SGD([torch.zeros(2, requires_grad=True)], lr=1.0),
                                _applied_total=7, _samples_total=70, _history=[{"round": r} for r in range(1, 8)],
                                _events=[], _step_times={}, _policy_state=None, model=torch.nn.Linear(2, 2),
-                               inner_optimizer=None, _collective_timeout=1.0)
+                               inner_optimizer=None, _collective_timeout=1.0, _torn=False)
 
     failed = concurrent.futures.Future()
     failed.set_exception(RuntimeError("a peer died"))
-    for inner in (SimpleNamespace(_stagger=True, _fired=[False, True]),
+    for inner in (SimpleNamespace(_stagger=True, _fired=[False, True], _background_jobs=lambda: []),
                   SimpleNamespace(_stagger=False, _pending=failed, _flight={}, _clock=time.monotonic,
                                   _totals={"idle": 0.0}, _timeline=[], _mark=0.0, _background_jobs=lambda: [failed])):
-        inner._history = [{"round": 1}]                       # this generation applied a round
-        with pytest.raises(RuntimeError, match="no round boundary's state"):
-            checkpoint.save(run_with(inner))
-        inner._history = []                                    # none: its start is the newest boundary
+        # this generation applied a round; or only a staggered fragment's update (no round yet)
+        for inner._history, inner._applied in (([{"round": 1}], 2), ([], 1)):
+            with pytest.raises(RuntimeError, match="no round boundary's state"):
+                checkpoint.save(run_with(inner))
+        inner._history, inner._applied = [], 0                 # none: its start is the newest boundary
         state = checkpoint.save(run_with(inner))
         assert state["round"] == 7 and len(state["history"]) == 7, state["round"]
+    # A fragment's job still running writes the generation's tensors (the run's state): waited for
+    # first, then its outer step counts (raised), never a state torn by it saved as the start.
+    running = concurrent.futures.Future()
+    inner = SimpleNamespace(_stagger=True, _fired=[False, True], _history=[], _applied=0, _clock=time.monotonic,
+                            _totals={"idle": 0.0}, _timeline=[], _mark=0.0, _background_jobs=lambda: [running])
+
+    def lands():
+        inner._applied = 1
+        running.set_result(None)
+    timer = threading.Timer(0.2, lands)
+    timer.start()
+    with pytest.raises(RuntimeError, match="no round boundary's state"):
+        checkpoint.save(run_with(inner))
+    timer.join()
+    run = run_with(None)
+    run._torn = True                    # closed while a synchronisation ran: it may be half applied
+    with pytest.raises(RuntimeError, match="half updated"):
+        checkpoint.save(run)

@@ -32,7 +32,7 @@ from hetcomm.train import flat as _flat
 from hetcomm.train.diloco.outer import PER_PARAMETER
 from hetcomm.train.workers import resolve_members, shard_bounds
 
-__all__ = ["CHUNK", "Layout", "LocalShards", "ShardedState", "shard_bounds"]
+__all__ = ["CHUNK", "Layout", "LocalShards", "ShardedState", "reachable_bytes", "shard_bounds"]
 
 _PREFIX = "hetcomm DiLoCo"
 
@@ -386,32 +386,39 @@ class ShardedState:
         parameters, outer-optimizer state, start point, pseudo-gradients, scratch, quantisation
         residuals, the exchange's buffers): every distinct storage reachable from the object,
         except the model's and the inner optimizer's."""
-        skip = {id(v) for v in (self.model, self.inner_optimizer)}
-        seen: set[int] = set()
-        exclude: set[int] = set()
-        dtensor = _dtensor_type()
-        for t in list(self.model.parameters()) + list(self.model.buffers()):
-            exclude.add(_storage(t.to_local() if dtensor is not None and isinstance(t, dtensor) else t)[0])
-        total = 0
-        stack: list = [vars(self)]
-        visited: set[int] = set()
-        while stack:
-            obj = stack.pop()
-            if id(obj) in visited or id(obj) in skip:
-                continue
-            visited.add(id(obj))
-            if isinstance(obj, torch.Tensor):
-                ptr, nbytes = _storage(obj)
-                if ptr and ptr not in seen and ptr not in exclude:
-                    seen.add(ptr)
-                    total += nbytes
-            elif isinstance(obj, dict):
-                stack.extend(obj.values())
-            elif isinstance(obj, (list, tuple, set, frozenset)):
-                stack.extend(obj)
-            elif isinstance(obj, torch.optim.Optimizer):
-                stack.extend([obj.state, obj.param_groups])
-            elif hasattr(obj, "__dict__") and not isinstance(obj, (torch.nn.Module, type)) and \
-                    type(obj).__module__.startswith(("hetcomm", "torch.optim", "collections")):
-                stack.append(vars(obj))
-        return total
+        return reachable_bytes(self, self.model, self.inner_optimizer)
+
+
+def reachable_bytes(root, model: torch.nn.Module, inner_optimizer) -> int:
+    """Bytes of every distinct tensor storage reachable from ``root``'s attributes (through
+    dicts, sequences, optimizers and hetcomm's own objects), except ``model``'s parameters and
+    buffers and what ``inner_optimizer`` holds."""
+    skip = {id(v) for v in (model, inner_optimizer)}
+    seen: set[int] = set()
+    exclude: set[int] = set()
+    dtensor = _dtensor_type()
+    for t in list(model.parameters()) + list(model.buffers()):
+        exclude.add(_storage(t.to_local() if dtensor is not None and isinstance(t, dtensor) else t)[0])
+    total = 0
+    stack: list = [vars(root)]
+    visited: set[int] = set()
+    while stack:
+        obj = stack.pop()
+        if id(obj) in visited or id(obj) in skip:
+            continue
+        visited.add(id(obj))
+        if isinstance(obj, torch.Tensor):
+            ptr, nbytes = _storage(obj)
+            if ptr and ptr not in seen and ptr not in exclude:
+                seen.add(ptr)
+                total += nbytes
+        elif isinstance(obj, dict):
+            stack.extend(obj.values())
+        elif isinstance(obj, (list, tuple, set, frozenset)):
+            stack.extend(obj)
+        elif isinstance(obj, torch.optim.Optimizer):
+            stack.extend([obj.state, obj.param_groups])
+        elif hasattr(obj, "__dict__") and not isinstance(obj, (torch.nn.Module, type)) and \
+                type(obj).__module__.startswith(("hetcomm", "torch.optim", "collections")):
+            stack.append(vars(obj))
+    return total

@@ -16,8 +16,8 @@ worker's checkpoint computes what the uninterrupted job computes.
 
 Where it cannot read a round boundary's state -- the synchronisation in flight failed (the next
 `step` starts the next generation), or staggered fragments of the round in progress have landed
--- it holds the state the generation started from if the generation has applied no round yet
-(that is then the newest boundary: a round carried in after a failure), else it raises
+-- it holds the state the generation started from if the generation has applied no outer step
+yet (that is then the newest boundary: a round carried in after a failure), else it raises
 RuntimeError: a checkpoint never goes back; the caller keeps its last one. Limit: a generation that starts
 inside a carried round whose fragments fired starts from parameters that hold them; a checkpoint
 of it and an older one of the same round differ, and a whole job resumed from both stops with
@@ -42,6 +42,9 @@ def save(run, generation_start: bool = False) -> dict:
     with overlap it blocks until the synchronisation in flight has landed."""
     if not run._holds:
         raise RuntimeError(f"{_PREFIX}: state_dict() before this worker was admitted (it holds no state yet)")
+    if run._torn:
+        raise RuntimeError(f"{_PREFIX}: state_dict() after close() while a synchronisation was still running: "
+                           "the global parameters may be half updated; keep the last checkpoint")
     inner = None if generation_start else run._inner
     if inner is None:
         global_, outer = list(run._global), run.outer_optimizer.state_dict()
@@ -87,13 +90,26 @@ def save(run, generation_start: bool = False) -> dict:
 
 def _generation_start(run, inner, why: str) -> dict:
     """Where no round boundary's state can be read: the state the generation started from, when
-    it has applied no round yet (then that is the newest boundary: a carried round after a
-    failure); else a RuntimeError, since that state may be many rounds old (a generation lasts
-    as long as its members do) and a checkpoint must not go back: save at the next boundary."""
-    if inner._history:
+    it has applied no outer step yet (then that is the newest boundary: a carried round after a
+    failure; the generation's state is still the one it started from, which the run keeps in the
+    generation's tensors, not in a copy: its jobs in flight are waited for first, since they
+    write those tensors); else a RuntimeError, since a checkpoint must not go back: save at the
+    next boundary."""
+    busy = [f for f in inner._background_jobs() if f is not None and not f.done()]
+    if busy:
+        start = inner._clock()
+        concurrent.futures.wait(busy, timeout=run._collective_timeout + 10.0)
+        end = inner._clock()
+        inner._totals["idle"] += end - start
+        inner._timeline.append(("idle", start, end))
+        inner._mark = inner._clock()
+        if any(not f.done() for f in busy):
+            raise RuntimeError(f"{_PREFIX}: state_dict() {why}: a synchronisation still runs; keep the last "
+                               "checkpoint and save when step() next returns True")
+    if inner._applied or inner._history:
         raise RuntimeError(f"{_PREFIX}: state_dict() {why}: no round boundary's state to save (the generation "
-                           f"started at round {run._round}, {len(inner._history)} round(s) ago); keep the last "
-                           "checkpoint and save when step() next returns True")
+                           f"started at round {run._round} and has applied {inner._applied} outer step(s) since); "
+                           "keep the last checkpoint and save when step() next returns True")
     return save(run, generation_start=True)
 
 

@@ -54,6 +54,7 @@ from hetcomm.train import flat as _flat
 from hetcomm.train.diloco.agreement import NonFinite
 from hetcomm.train.diloco.loop import DiLoCo
 from hetcomm.train.diloco.outer import default_outer_optimizer
+from hetcomm.train.diloco.shard import reachable_bytes
 from hetcomm.train.elastic import checkpoint as _checkpoint, handover
 from hetcomm.train.elastic.carry import Round, encode_name, resume_round, share_timing, start_table, take_round
 from hetcomm.train.elastic.common import _MAX_ABORTS, _PREFIX, _read_ended
@@ -181,6 +182,7 @@ class ElasticRun(RunEpochs, ElasticDiLoCo):
         self._policy_state: dict | None = None                 # the ``time`` policy's, last generation
         self._carry: Round | None = None   # the round a generation ended inside of, carried into the next
         self._formed: dict | None = None   # what forming the current generation cost (`Phases`)
+        self._torn = False                 # closed while a synchronisation still ran (`close`)
 
     # ---- the training loop's side ------------------------------------------------------------
 
@@ -276,7 +278,9 @@ class ElasticRun(RunEpochs, ElasticDiLoCo):
 
     def close(self) -> None:
         """Releases the generation's DiLoCo, the group and the heartbeat, without communicating
-        (what the generation applied stays readable: `rounds`, `history`, `global_parameters`)."""
+        (what the generation applied stays readable: `rounds`, `history`, `global_parameters`;
+        but with a synchronisation still running, the global parameters are the generation's,
+        which it may still update, and `state_dict` refuses)."""
         inner, self._inner = self._inner, None
         if inner is not None:
             inner.close()                  # (cancels the queued jobs: only a running one is busy)
@@ -285,7 +289,9 @@ class ElasticRun(RunEpochs, ElasticDiLoCo):
                 try:
                     self._carry_out(inner)
                 except Exception:  # noqa: BLE001 - on the way out of an error: best effort
-                    pass
+                    self._torn = True
+            else:                          # (it may still write the global parameters: `state_dict` refuses)
+                self._torn = True
         super().close()
 
     @staticmethod
@@ -329,6 +335,11 @@ class ElasticRun(RunEpochs, ElasticDiLoCo):
     def global_parameters(self) -> list[torch.Tensor]:
         source = self._inner._global if self._inner is not None else self._global
         return [g.detach() for g in source]
+
+    def state_bytes(self) -> int:
+        """Bytes of the tensors this rank keeps for the run (`DiLoCo.state_bytes`): the
+        generation's DiLoCo and what the run holds besides (a round carried between generations)."""
+        return reachable_bytes(self, self.model, self.inner_optimizer)
 
     def state_dict(self) -> dict:
         """The rounds this worker has applied (`hetcomm.train.elastic.checkpoint.save`): the round in
@@ -438,6 +449,9 @@ class ElasticRun(RunEpochs, ElasticDiLoCo):
         except BaseException:
             inner.close()
             raise
+        # While the generation runs, the run's state is its DiLoCo's: one copy on this rank, not
+        # two (`_carry_out` keeps it when the generation ends).
+        self._global, self.outer_optimizer, self._start = inner._global, inner.outer_optimizer, inner._start
         return inner
 
     def _inner_budgets(self) -> dict[str, float]:
@@ -477,10 +491,11 @@ class ElasticRun(RunEpochs, ElasticDiLoCo):
         """What the ended generation applied becomes the run's state (the rounds it recorded,
         the global parameters, the outer optimizer's state)."""
         records = [self._renumber(r) for r in inner._history]     # every one applied (and recorded)
-        with torch.no_grad():
-            for g, mine in zip(self._global, inner._global):
-                g.copy_(mine)
-        self.outer_optimizer.load_state_dict(copy.deepcopy(inner.outer_optimizer.state_dict()))
+        if self._global is not inner._global:      # (else the run's state is the generation's: `_build`)
+            with torch.no_grad():
+                for g, mine in zip(self._global, inner._global):
+                    g.copy_(mine)
+            self.outer_optimizer.load_state_dict(copy.deepcopy(inner.outer_optimizer.state_dict()))
         self._history.extend(records)
         self._round = self._base[0] + len(records)
         self._samples_total += sum(sum(r["samples"]) for r in records)
@@ -526,6 +541,7 @@ class ElasticRun(RunEpochs, ElasticDiLoCo):
         # (it fails within the collective timeout) before reading what it applied.
         concurrent.futures.wait(futures, timeout=self._collective_timeout + 10.0)
         if any(not f.done() for f in futures):
+            self._torn = True              # (it may still write the run's state: the generation's)
             raise RuntimeError(f"{_PREFIX}: the background synchronisation did not end within "
                                f"{self._collective_timeout + 10:.0f} s of a failure; the run cannot go on") from error
         self._phases.mark("syncs in flight")
@@ -535,7 +551,11 @@ class ElasticRun(RunEpochs, ElasticDiLoCo):
             (f.exception() for f in every if f.done() and not f.cancelled() and isinstance(f.exception(), NonFinite)),
             None)
         if found is not None:
-            error = self._left_out(inner, found)
+            try:
+                error = self._left_out(inner, found)
+            except BaseException:          # (this worker stops: its counts must follow its state)
+                self._carry_out(inner)
+                raise
         if self._carry is None:            # (else taken at the cut boundary; finish() failed after it)
             # (a round a join cut stays protected from another cut through a failure)
             self._carry = take_round(inner, self._base[1], cut=inner._carrying_in())

@@ -231,6 +231,7 @@ class DiLoCo(Results, ShardedState, Agreement, Checkpoint, Streams, Overlap, _fl
         self._sync_group = group
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._pending: concurrent.futures.Future | None = None
+        self._pending_round: tuple | None = None  # its pseudo-gradient and the round's counts (`carry`)
         if self.overlap:
             ranks = dist.get_process_group_ranks(group) if group is not None else list(range(self._world))
             backend = dist.get_backend(group)
@@ -597,6 +598,8 @@ class DiLoCo(Results, ShardedState, Agreement, Checkpoint, Streams, Overlap, _fl
             self._landed = self._moved = 0
             self._pending_agreed = None
             self._pending = self._executor.submit(self._exchange_and_reduce, column, delta, timed=False, plan=plan)
+            counts = (self._r_steps, self._r_samples, self._r_compute, self._r_loss, self._r_loss_n)
+            self._pending_round = (progress, counts)     # (carried on if it fails: `elastic.carry`)
             _flat.load(params, start)
             self._share(range(len(self._boundary)))
             self._rebased = False

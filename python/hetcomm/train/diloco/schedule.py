@@ -195,14 +195,15 @@ class Overlap:
 
     def _wait_pending(self) -> None:
         start = self._clock()
-        future, self._pending = self._pending, None
+        future = self._pending
         try:
             concurrent.futures.wait([future])
         finally:
             end = self._clock()
             self._totals["idle"] += end - start
             self._timeline.append(("idle", start, end))
-        self._agree_landed([future])
+        self._agree_landed([future])           # (a failed one stays ``_pending``: `elastic.carry` reads it)
+        self._pending = None
         self._after_agreement(future.result()[0], ahead=True)
 
     def _warn_if_link_bound(self) -> None:

@@ -136,12 +136,13 @@ class Streams:
         """Waits for fragment f's job in flight (idle); then moves onto it if ``move``, else drops
         the move (the steps since its trigger are kept whole). ``agree``: the worker's ranks agree
         that it did not fail (where nothing agreed on it before)."""
-        job = self._flight.pop(f, None)
+        job = self._flight.get(f)
         if job is None:
             return
         self._wait_job(job, check=not agree)
         if agree:
             self._agree_landed([job["future"]])
+        del self._flight[f]                         # (a failed job stays: `elastic.carry` reads it)
         if move:
             self._stream_moves += 1
             _, _, a, b = self._fragments[f]
@@ -172,9 +173,9 @@ class Streams:
     def _fire(self, f: int, *, inline: bool = False) -> None:
         """Fragment f's trigger: its window's pseudo-gradient, the replica's jump to the start
         estimate, and its job (on the background thread; ``inline``: here, in the last round)."""
-        self._fired[f] = True
         # its previous job (not moved by now: steps kept whole)
         self._wait_stream(f, agree=self._workers.size > 1 and not inline)
+        self._fired[f] = True
         begin = self._clock()                  # (the wait counted as idle)
         i, j, a, b = self._fragments[f]
         delta = self._window_delta(f)
@@ -185,6 +186,7 @@ class Streams:
         column[_F_SAMPLES] = self._seen[1] - self._at_trigger[f][1]
         column[_F_FINITE] = 1.0 if math.isfinite(total) else 0.0
         column[_F_SUM] = total if self._layout is None else self._replica_print(f)
+        window = self._at_trigger[f]                # (its start: the job's window, if the job is lost)
         self._at_trigger[f] = list(self._seen)
         travel = delta.float()
         if inline:
@@ -199,7 +201,7 @@ class Streams:
         self._share([f])
         self._stream_seq += 1
         future = self._executor.submit(self._stream_job, f, column, travel, timed=False)
-        self._flight[f] = {"future": future, "seq": self._stream_seq, "steps": 0}
+        self._flight[f] = {"future": future, "seq": self._stream_seq, "steps": 0, "window": window}
         self._count_sync(begin)
 
     def _stream_job(self, f: int, column: list[float], delta: torch.Tensor, *, timed: bool) -> None:

@@ -26,7 +26,8 @@ state sent to joiners in a generation's background, `phases` what a change of ge
 transfer, reduction and update), `common`.
 """
 from hetcomm.train.elastic.loop import ElasticDiLoCo
-from hetcomm.train.elastic.run import Elastic, ElasticRun
+from hetcomm.train.elastic.options import Elastic
+from hetcomm.train.elastic.run import ElasticRun
 from hetcomm.train.membership import StoreUnreachable
 
 __all__ = ["Elastic", "ElasticDiLoCo", "ElasticRun", "StoreUnreachable"]

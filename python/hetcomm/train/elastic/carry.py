@@ -9,6 +9,12 @@ read from the store, and nothing is unpickled (a member's bytes are numbers and 
 * `take_round` and `resume_round`: the round a generation ended inside of (workers wait to join,
   or a collective failed) goes on in the next generation: each rank keeps what its replica moved
   since the round began (never sent), and its counts; the joiners contribute to the same round.
+  With overlap, the reductions a failure left unapplied on every member (the round boundary's
+  synchronisation in flight, staggered fragments' jobs: failed, or cancelled behind a failed
+  one) are not lost: a rank adds the pseudo-gradients it sent in them to what it carries (and
+  their steps and samples, or the fragment's window), so that they are reduced in the next
+  generation. Where a member applied them (the reduction ended there before the failure), the
+  state it sends holds them, and they are dropped.
 """
 from __future__ import annotations
 
@@ -23,7 +29,7 @@ from hetcomm.train.local_steps import TimeSteps
 from hetcomm.train.partition import exchange_columns
 
 NAME_BYTES = 128              # a worker's name, UTF-8 (`Elastic(worker=)`, `worker_id`)
-_HEAD = 11                    # rows before the name's bytes
+_HEAD = 14                    # rows before the name's bytes
 _FIRED_BITS = 50              # staggered fragments whose "fired" flags travel (exactly, in a float64)
 
 
@@ -44,9 +50,11 @@ def start_table(name: str, explicit: bool, carried_round: int, carried_applied: 
     """One exchange over the generation's group. ``disowned``: this member holds the run's state
     and the decision names another round than its own (a forged record on the store).
     ``carried``: `Round.summary` of the round this member carries in, if any."""
-    steps, total, compute, fired, sending, cut = carried or (-1, 0.0, 0.0, 0, -1, False)
+    steps, total, compute, fired, sending, cut, lost, lost_steps, lost_sum = \
+        carried or (-1, 0.0, 0.0, 0, -1, False, False, 0, 0.0)
     column = [float(carried_round), float(carried_applied), float(samples), float(explicit), float(disowned),
-              float(steps), float(total), float(compute), float(fired), float(sending), float(cut)]
+              float(steps), float(total), float(compute), float(fired), float(sending), float(cut),
+              float(lost), float(lost_steps), float(lost_sum)]
     table = exchange_columns(column + encode_name(name))
     world = len(table[0])
     names = [_decode_name([table[_HEAD + i][r] for i in range(NAME_BYTES)]) for r in range(world)]
@@ -56,7 +64,9 @@ def start_table(name: str, explicit: bool, carried_round: int, carried_applied: 
             "carried": {"steps": _counts(table[5], "carried steps", least=-1), "sum": list(table[6]),
                         "compute": [x if math.isfinite(x) and 0 <= x <= _LONGEST else math.nan for x in table[7]],
                         "fired": _counts(table[8], "fragments fired", most=(1 << _FIRED_BITS) - 1),
-                        "sending": _counts(table[9], "outer steps", least=-1), "cut": [x > 0 for x in table[10]]}}
+                        "sending": _counts(table[9], "outer steps", least=-1), "cut": [x > 0 for x in table[10]],
+                        "lost": [x > 0 for x in table[11]], "lost_steps": _counts(table[12], "lost steps"),
+                        "lost_sum": list(table[13])}}
 
 
 _LONGEST = 7 * 86400.0        # seconds a carried round may have lasted (longer: not taken into the deadline)
@@ -87,21 +97,80 @@ class Round:
     applied: int
     sending: int | None
     cut: bool = False             # taken at a boundary a join cut (else after a failure)
+    lost: "Lost | None" = None    # reductions sent and applied nowhere here (overlap)
+    added: bool = False           # `resume_round` added them to the round
 
-    def summary(self) -> tuple[int, float, float, int, int, bool]:
+    def summary(self) -> tuple[int, float, float, int, int, bool, bool, int, float]:
         """steps, a float64 sum of the progress (equal over a worker's ranks), compute seconds, the
         fragments fired (bits), the outer steps applied when it began to send (-1: it had not),
-        whether a join cut it."""
+        whether a join cut it; whether reductions were lost, their steps and the float64 sum of
+        their pseudo-gradients."""
         flags = self.windows[2] if self.windows and len(self.windows[2]) <= _FIRED_BITS else []
+        lost = self.lost
         return (self.counts[0], float(torch.sum(self.delta, dtype=torch.float64)), self.counts[2],
-                sum(1 << f for f, x in enumerate(flags) if x), -1 if self.sending is None else self.sending, self.cut)
+                sum(1 << f for f, x in enumerate(flags) if x), -1 if self.sending is None else self.sending, self.cut,
+                lost is not None, lost.counts[0] if lost is not None and lost.counts else 0,
+                lost.total() if lost is not None else 0.0)
+
+    def describe(self, kept: bool) -> str:
+        """What became of it (`resume_round` returned ``kept``), for the log."""
+        if not kept:
+            return ("this worker's steps in it are dropped (the state holds them already, its worker's other rank "
+                    "has none, or they are not finite)")
+        if not self.added:
+            return f"{self.counts[0]} steps carried in"
+        jobs = (self.lost.counts is not None) + len(self.lost.windows)
+        return (f"{self.counts[0]} steps carried in, and {jobs} reduction(s) in flight that the failure left "
+                f"unapplied ({self.lost.counts[0] if self.lost.counts else 0} more steps)")
+
+
+@dataclasses.dataclass
+class Lost:
+    """The reductions of a rank's generation that a failure left unapplied here (overlap): the
+    pseudo-gradients it sent in them (element ranges of the flat state, master precision), the
+    counts of the round boundary's (None: only staggered fragments' were lost), and each lost
+    fragment's window start (`Streams._at_trigger` before its trigger)."""
+    parts: list[tuple[int, int, torch.Tensor]]
+    counts: tuple[int, int, float, float, int] | None
+    windows: dict[int, list[int]]
+
+    def total(self) -> float:
+        return sum(float(torch.sum(d, dtype=torch.float64)) for _, _, d in self.parts)
+
+
+def _failed(future) -> bool:
+    return future is not None and future.done() and (future.cancelled() or future.exception() is not None)
+
+
+def _lost(inner) -> Lost | None:
+    """The reductions of ``inner`` (its background jobs over) that failed or never ran, and whose
+    pseudo-gradient it still holds: the round boundary's, if it applied no fragment of it here,
+    and each staggered fragment's in flight (a wait that sees a job fail leaves it in
+    ``_pending`` or ``_flight``). Their buffers are intact: a fragment's is written again only
+    at its next trigger, after its job succeeded; the boundary's only by the second `_progress`
+    after it, and `take_round` copies them before its own."""
+    if not inner.overlap:
+        return None
+    parts, counts, windows = [], None, {}
+    if _failed(inner._pending) and inner._landed == 0 and inner._pending_round is not None:
+        progress, counts = inner._pending_round
+        for _, _, a, b in inner._boundary:
+            parts.append((a, b, progress[a:b].clone()))
+    for f, job in sorted(inner._flight.items()):
+        if _failed(job["future"]) and "window" in job:
+            _, _, a, b = inner._fragments[f]
+            base = inner._stream_base
+            parts.append((a, b, inner._stream_delta[a - base:b - base].clone()))
+            windows[f] = list(job["window"])
+    return Lost(parts, counts, windows) if parts else None
 
 
 def take_round(inner, applied_before: int, cut: bool = False) -> Round | None:
     """The round ``inner`` (a generation's `DiLoCo`, its background jobs over) ended inside of, or
     None when it took no step in it. ``applied_before``: the run's outer steps before ``inner``;
     ``cut``: a join cut it (else a failure ended it)."""
-    if inner._r_steps < 1:
+    lost = _lost(inner)                  # (first: `_progress` may write the buffer in flight)
+    if inner._r_steps < 1 and lost is None:
         return None
     delta = inner._progress().clone()
     windows = None
@@ -109,7 +178,28 @@ def take_round(inner, applied_before: int, cut: bool = False) -> Round | None:
         windows = (list(inner._seen), [list(x) for x in inner._at_trigger], list(inner._fired))
     return Round(delta, (inner._r_steps, inner._r_samples, inner._r_compute, inner._r_loss, inner._r_loss_n),
                  windows, applied_before + inner._applied,
-                 None if inner._sending is None else applied_before + inner._sending, cut)
+                 None if inner._sending is None else applied_before + inner._sending, cut, lost)
+
+
+def decide(c: dict, applied: list[int], labels: list[int]) -> tuple[list[bool], list[bool]]:
+    """Which ranks keep their carried round, and which add their lost reductions to it, from the
+    generation's table (``c``: `start_table`'s "carried"; ``applied``: each rank's outer steps;
+    ``labels``: each rank's worker). A rank's lost reductions go on where no member applied more
+    outer steps than it did (else a member applied them: the state it sends holds them). A rank
+    keeps its round unless the round was taken inside a reduction that the state now holds, or
+    it is not finite, and a worker's ranks keep theirs only all together (the same steps and
+    progress, lost reductions included)."""
+    world, best = len(labels), max(applied)
+    adds = [c["lost"][r] and applied[r] == best for r in range(world)]
+    steps = [c["steps"][r] + (c["lost_steps"][r] if adds[r] else 0) for r in range(world)]
+    sums = [c["sum"][r] + (c["lost_sum"][r] if adds[r] else 0.0) for r in range(world)]
+
+    def whole(r: int) -> bool:
+        return (c["steps"][r] >= 1 or adds[r]) and c["steps"][r] >= 0 and math.isfinite(sums[r]) \
+            and (c["sending"][r] < 0 or best <= c["sending"][r])
+    keep = [all(whole(q) and steps[q] == steps[r] and sums[q] == sums[r]
+                for q in range(world) if labels[q] == labels[r]) for r in range(world)]
+    return keep, [a and k for a, k in zip(adds, keep)]
 
 
 def resume_round(inner, mine: Round | None, start: dict, labels: list[int]) -> bool:
@@ -121,19 +211,20 @@ def resume_round(inner, mine: Round | None, start: dict, labels: list[int]) -> b
     rank skips the fragments every keeper fired this round; the ``time`` policy's round started
     when the longest-carried round did. Returns whether this rank kept its round."""
     c = start["carried"]
-    world, best = len(labels), max(start["applied"])
-
-    def whole(r: int) -> bool:
-        return c["steps"][r] >= 1 and math.isfinite(c["sum"][r]) and (c["sending"][r] < 0 or best <= c["sending"][r])
-    keep = [all(whole(q) and c["steps"][q] == c["steps"][r] and c["sum"][q] == c["sum"][r]
-                for q in range(world) if labels[q] == labels[r]) for r in range(world)]
-    kept = keep[dist.get_rank()] and mine is not None
+    world = len(labels)
+    keep, adds = decide(c, start["applied"], labels)
+    me = dist.get_rank()
+    kept = keep[me] and mine is not None
     if kept:
+        delta, counts, windows = mine.delta, mine.counts, mine.windows
+        if adds[me] and mine.lost is not None:
+            delta, counts, windows = _with_lost(mine)
+            mine.added = True
         with torch.no_grad():
-            _flat.load(inner._params, inner._split(inner._start - mine.delta))
-        (inner._r_steps, inner._r_samples, inner._r_compute, inner._r_loss, inner._r_loss_n) = mine.counts
-        if inner._stagger and mine.windows is not None:
-            inner._seen, inner._at_trigger = list(mine.windows[0]), [list(x) for x in mine.windows[1]]
+            _flat.load(inner._params, inner._split(inner._start - delta))
+        (inner._r_steps, inner._r_samples, inner._r_compute, inner._r_loss, inner._r_loss_n) = counts
+        if inner._stagger and windows is not None:
+            inner._seen, inner._at_trigger = list(windows[0]), [list(x) for x in windows[1]]
     keepers = [r for r in range(world) if keep[r]]
     # A round a join cut is not cut again before it is reduced (joins never admitted, or a store
     # writer's, must not keep the run from its outer steps); one a failure ended may be.
@@ -147,6 +238,26 @@ def resume_round(inner, mine: Round | None, start: dict, labels: list[int]) -> b
         now = inner._clock()
         policy.start_round(now, start=now - elapsed)
     return kept
+
+
+def _with_lost(mine: Round) -> tuple:
+    """``mine``'s progress, counts and windows with its lost reductions added back: their
+    pseudo-gradients on their element ranges, the boundary's steps and samples, each lost
+    fragment's window reopened where it began."""
+    delta = mine.delta.clone()            # (a retried `_build` resumes ``mine`` again)
+    for a, b, part in mine.lost.parts:
+        delta[a:b] += part
+    counts = mine.counts
+    if mine.lost.counts is not None:
+        counts = tuple(x + y for x, y in zip(counts, mine.lost.counts))
+    windows = mine.windows
+    if windows is not None and mine.lost.windows:
+        at_trigger = [list(x) for x in windows[1]]
+        for f, start in mine.lost.windows.items():
+            if 0 <= f < len(at_trigger):
+                at_trigger[f] = list(start)
+        windows = (windows[0], at_trigger, windows[2])
+    return delta, counts, windows
 
 
 def share_timing(step_times: dict[str, tuple[float, int, float | None]], policy: dict | None,

@@ -9,8 +9,8 @@ worker starts a new round from the global parameters, as a worker admitted by an
 
 With overlap, `save` waits for the synchronisation in flight (and staggered fragments) to land,
 so that the state includes the round that just ended; the replica's steps since each staggered
-fragment's trigger are not in the state (they were not sent), and are lost on resuming, as a
-reduction in flight is when a worker dies. Without overlap, with ``fixed`` steps, one rank per
+fragment's trigger are not in the state (they were not sent), and are lost on resuming.
+Without overlap, with ``fixed`` steps, one rank per
 worker and no error feedback (its residuals are not saved), a whole job resumed from every
 worker's checkpoint computes what the uninterrupted job computes.
 

@@ -29,7 +29,8 @@ samples and staggered windows, and moves its replica onto the new generation's g
 parameters by it; the ``time`` policy's deadline counts from when the round began. A rank drops
 it when it was taken inside the round's reduction and a holder applied an outer step since (the
 state holds the round already), and a worker's ranks keep theirs only all together. With
-overlap, a reduction in flight that fails is lost (it was sent).
+overlap, the reductions in flight that a failure leaves unapplied on every member go on with the
+round (`carry.Lost`).
 
 The step times the policies measured and the ``time`` policy's round length carry over to the
 next generation (`_seed_policy`); the quantisation residuals (error feedback) do not. What a
@@ -43,7 +44,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import copy
-import dataclasses
 import time
 from collections.abc import Callable, Sequence
 
@@ -59,6 +59,7 @@ from hetcomm.train.elastic import checkpoint as _checkpoint, handover
 from hetcomm.train.elastic.carry import Round, encode_name, resume_round, share_timing, start_table, take_round
 from hetcomm.train.elastic.common import _MAX_ABORTS, _PREFIX, _read_ended
 from hetcomm.train.elastic.loop import ElasticDiLoCo
+from hetcomm.train.elastic.options import Elastic
 from hetcomm.train.elastic.phases import Phases
 from hetcomm.train.elastic.run_epochs import RunEpochs
 from hetcomm.train.local_steps import TimeSteps, make_policy
@@ -92,32 +93,6 @@ class _Generation(DiLoCo):
         super()._agree_on_reform(last)
         if self._stopped and self._reform_agreed_at is None and str(self._stop_reason).startswith("membership"):
             self._reform_agreed_at = time.perf_counter()
-
-
-@dataclasses.dataclass(frozen=True)
-class Elastic:
-    """Elastic membership for `hetcomm.DiLoCo` (``membership=Elastic(store=...)``).
-
-    Args:
-        store: the job's c10d store, ``"host:port"`` (`hetcomm.store`) or a torch.distributed Store.
-        worker_id: this process's name in logs and records (default ``$HETCOMM_WORKER_ID``, else
-            ``host:pid``); a restarted process may reuse it.
-        worker: the DiLoCo worker this process is a rank of (default: its ``worker_id``, one rank
-            per worker); the ranks of a worker of several ranks give it the same name.
-        job, min_workers, heartbeat, timeout, late_timeout, collective_timeout, backend, verbose:
-            as `hetcomm.ElasticDiLoCo` (``min_workers`` counts processes).
-    """
-    store: object
-    worker_id: str | None = None
-    worker: str | None = None
-    job: str = "diloco"
-    min_workers: int = 1
-    heartbeat: float = 2.0
-    timeout: float = 10.0
-    late_timeout: float = 600.0
-    collective_timeout: float = 60.0
-    backend: str = "hetcomm"
-    verbose: bool = True
 
 
 class ElasticRun(RunEpochs, ElasticDiLoCo):
@@ -434,10 +409,7 @@ class ElasticRun(RunEpochs, ElasticDiLoCo):
             inner.close()
             raise
         if self._carry is not None:
-            self._log(f"round {self._round + 1} goes on in generation {self._gen}: " +
-                      (f"{self._carry.counts[0]} steps carried in" if kept else
-                       "this worker's steps in it are dropped (the state holds them already, its worker's other "
-                       "rank has none, or they are not finite)"))
+            self._log(f"round {self._round + 1} goes on in generation {self._gen}: {self._carry.describe(kept)}")
         self._carry = None
         inner._reform = self._wants_reform
         inner._defer_hook_errors = True

@@ -1,0 +1,174 @@
+"""The round a generation ended inside of, carried into the next (`hetcomm.train.elastic.carry`):
+which reductions in flight a failure left unapplied (`_lost`), who keeps its round and who adds
+them to it (`decide`), and the round with them added (`_with_lost`), against hand-computed
+cases. The runs with kills are test_elastic_run.py's."""
+from __future__ import annotations
+
+import concurrent.futures
+import math
+from types import SimpleNamespace
+
+import torch
+
+from hetcomm.train.elastic.carry import Lost, Round, _lost, _with_lost, decide
+
+
+def future(outcome: str) -> concurrent.futures.Future:
+    f = concurrent.futures.Future()
+    if outcome == "failed":
+        f.set_exception(RuntimeError("a peer died"))
+    elif outcome == "cancelled":
+        f.cancel()
+    else:
+        f.set_result(None)
+    return f
+
+
+def table(steps, sums, lost, lost_steps, lost_sums, sending=None) -> dict:
+    n = len(steps)
+    return {"steps": steps, "sum": sums, "lost": lost, "lost_steps": lost_steps, "lost_sum": lost_sums,
+            "sending": sending or [-1] * n}
+
+
+def test_lost_reductions_are_the_failed_and_cancelled_jobs_that_applied_nothing_here():
+    progress = torch.tensor([1.0, 2.0, 3.0, 4.0])           # the boundary's pseudo-gradient (fragment 0: 0..2)
+    counts = (4, 64, 0.5, 2.0, 64)
+    inner = SimpleNamespace(overlap=True, _pending=future("failed"), _landed=0, _pending_round=(progress, counts),
+                            _boundary=[(0, 1, 0, 2)], _fragments=[(0, 1, 0, 2), (1, 2, 2, 4), (2, 3, 4, 5)],
+                            _stream_base=2, _stream_delta=torch.tensor([5.0, 6.0, 7.0]),
+                            _flight={1: {"future": future("cancelled"), "window": [3, 48]},
+                                     2: {"future": future("done"), "window": [1, 16]}})
+    lost = _lost(inner)
+    assert [(a, b, d.tolist()) for a, b, d in lost.parts] == [(0, 2, [1.0, 2.0]), (2, 4, [5.0, 6.0])]
+    assert lost.counts == counts and lost.windows == {1: [3, 48]}
+    assert lost.total() == 1.0 + 2.0 + 5.0 + 6.0
+    progress[0] = 100.0                                      # copies: `_progress` may write the buffer next
+    assert lost.parts[0][2][0] == 1.0
+    inner._landed = 1                                        # a fragment of the boundary's landed here: not lost
+    inner._flight[1]["future"] = future("done")
+    assert _lost(inner) is None
+    inner._landed, inner._pending = 0, future("done")
+    assert _lost(inner) is None
+    inner.overlap = False
+    assert _lost(inner) is None
+
+
+def test_a_rank_adds_its_lost_reductions_only_where_no_member_applied_more():
+    c = table(steps=[2, 2, 2], sums=[0.5, 0.25, 0.75], lost=[True, True, False], lost_steps=[4, 4, 0],
+              lost_sums=[1.5, 1.0, 0.0])
+    assert decide(c, applied=[5, 5, 5], labels=[0, 1, 2]) == ([True, True, True], [True, True, False])
+    # rank 0 applied fewer outer steps than the others: they applied its lost reduction (their state
+    # holds it); it keeps the round it was in, without the lost one
+    assert decide(c, applied=[5, 6, 6], labels=[0, 1, 2]) == ([True, True, True], [False, True, False])
+
+
+def test_a_worker_s_ranks_keep_their_round_only_all_together():
+    # ranks 0 and 1 are one worker; only rank 0 lost a reduction (rank 1's ended): they differ, both drop
+    c = table(steps=[2, 2, 3], sums=[0.5, 0.5, 0.1], lost=[True, False, False], lost_steps=[4, 0, 0],
+              lost_sums=[1.5, 0.0, 0.0])
+    assert decide(c, applied=[5, 5, 5], labels=[0, 0, 1]) == ([False, False, True], [False, False, False])
+    # both lost the same reduction: both keep the round and add it
+    c = table(steps=[2, 2, 3], sums=[0.5, 0.5, 0.1], lost=[True, True, False], lost_steps=[4, 4, 0],
+              lost_sums=[1.5, 1.5, 0.0])
+    assert decide(c, applied=[5, 5, 5], labels=[0, 0, 1]) == ([True, True, True], [True, True, False])
+
+
+def test_a_round_of_no_steps_goes_on_for_its_lost_reductions_and_what_is_not_finite_is_dropped():
+    c = table(steps=[0, 0, -1], sums=[0.0, 0.0, 0.0], lost=[True, False, False], lost_steps=[4, 0, 0],
+              lost_sums=[1.5, 0.0, 0.0])
+    assert decide(c, applied=[5, 5, 5], labels=[0, 1, 2]) == ([True, False, False], [True, False, False])
+    assert decide(c, applied=[4, 5, 5], labels=[0, 1, 2]) == ([False, False, False], [False, False, False])
+    c = table(steps=[2, 2], sums=[0.5, 0.5], lost=[True, False], lost_steps=[4, 0], lost_sums=[math.inf, 0.0])
+    assert decide(c, applied=[5, 5], labels=[0, 1]) == ([False, True], [False, False])
+    # taken inside a reduction that a holder applied since (synchronous): dropped, lost or not
+    c = table(steps=[2, 2], sums=[0.5, 0.5], lost=[False, False], lost_steps=[0, 0], lost_sums=[0.0, 0.0],
+              sending=[4, -1])
+    assert decide(c, applied=[5, 5], labels=[0, 1]) == ([False, True], [False, False])
+
+
+def test_the_round_with_its_lost_reductions_added():
+    lost = Lost(parts=[(0, 2, torch.tensor([0.5, 0.5])), (2, 4, torch.tensor([1.0, 2.0]))],
+                counts=(4, 64, 1.0, 2.0, 64), windows={1: [4, 64]})
+    mine = Round(delta=torch.tensor([1.0, 1.0, 1.0, 1.0]), counts=(2, 32, 0.5, 1.0, 32),
+                 windows=([10, 160], [[0, 0], [8, 128]], [False, True]), applied=5, sending=None, lost=lost)
+    assert mine.summary()[-3:] == (True, 4, 4.0)
+    delta, counts, windows = _with_lost(mine)
+    assert delta.tolist() == [1.5, 1.5, 2.0, 3.0]
+    assert counts == (6, 96, 1.5, 3.0, 96)
+    # fragment 1's window reopens where its lost job's began; what was seen and fired stays
+    assert windows == ([10, 160], [[0, 0], [4, 64]], [False, True])
+    only_fragments = Round(delta=torch.zeros(4), counts=(2, 32, 0.5, 1.0, 32), windows=None, applied=5,
+                           sending=None, lost=Lost(parts=[(2, 4, torch.tensor([1.0, 2.0]))], counts=None, windows={}))
+    assert only_fragments.summary()[-3:] == (True, 0, 3.0)
+    assert _with_lost(only_fragments)[1] == (2, 32, 0.5, 1.0, 32)
+
+
+def lose_a_reduction(rank: int, world: int) -> list[dict]:
+    """A DiLoCo with overlap whose second reduction (the round boundary's, or a staggered
+    fragment's) fails after a while, so that a wait sees it fail: what `_lost` keeps, beside what
+    the job was given."""
+    import time
+
+    import torch.nn as nn
+
+    import hetcomm
+
+    out = []
+    for case in ("boundary", "fragment"):
+        torch.manual_seed(0)
+        net = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2))
+        opt = torch.optim.SGD(net.parameters(), lr=0.1)
+        d = hetcomm.DiLoCo(net, opt, overlap=True, steps=4, fragments=2, stagger=case == "fragment",
+                           workers="ranks")
+        name = "_exchange_and_reduce" if case == "boundary" else "_stream_job"
+        job, sent = getattr(d, name), {}
+
+        def failing(*args, _job=job, **kwargs):
+            sent["calls"] = sent.get("calls", 0) + 1
+            if sent["calls"] == 2:
+                sent["args"] = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
+                time.sleep(0.3)              # (still running when the training thread waits for it)
+                raise RuntimeError("a peer died")
+            return _job(*args, **kwargs)
+        setattr(d, name, failing)
+        try:
+            for _ in range(40):
+                nn.functional.mse_loss(net(torch.randn(3, 4)), torch.zeros(3, 2)).backward()
+                opt.step()
+                opt.zero_grad()
+                d.step(samples=3)
+            raise AssertionError("the failed reduction was never seen")
+        except RuntimeError as e:
+            assert "a peer died" in str(e), e
+        d.close()
+        lost = _lost(d)
+        row = {"case": case, "parts": [(a, b, t.tolist()) for a, b, t in lost.parts], "counts": lost.counts,
+               "windows": lost.windows, "boundary": [list(x) for x in d._boundary],
+               "fragments": [list(x) for x in d._fragments]}
+        if case == "boundary":
+            row["sent"] = sent["args"][1].tolist()           # (column, delta, ...)
+        else:
+            f, column, delta = sent["args"][0], sent["args"][1], sent["args"][2]
+            row.update(sent=delta.tolist(), fragment=f, window_steps=column[1],
+                       seen=list(d._seen), trigger=list(d._at_trigger[f]))
+        out.append(row)
+    return out
+
+
+def test_a_reduction_that_fails_while_waited_for_is_kept_with_what_it_sent():
+    """The two waits that see a failed job (`_wait_pending` at the boundary, `_wait_stream`) keep
+    it where `_lost` reads it: its pseudo-gradient as sent, the boundary's counts (H = 4 steps of
+    3 samples), a fragment's window start."""
+    from harness import run_ranks
+
+    boundary, fragment = run_ranks(1, lose_a_reduction, timeout=120)[0]
+    a = boundary["boundary"][-1][3]
+    assert [p[:2] for p in boundary["parts"]] == [(x[2], x[3]) for x in boundary["boundary"]]
+    assert sum((p[2] for p in boundary["parts"]), []) == boundary["sent"][:a]
+    assert boundary["counts"][:2] == (4, 12) and boundary["windows"] == {}
+    f = fragment["fragment"]
+    _, _, a, b = fragment["fragments"][f]
+    assert fragment["parts"] == [(a, b, fragment["sent"])] and fragment["counts"] is None
+    # the window reopens where the lost job's began: its steps are counted again at the next trigger
+    start = fragment["windows"][f]
+    assert fragment["trigger"][0] - start[0] == fragment["window_steps"] and start[1] == 3 * start[0]

@@ -336,6 +336,7 @@ class ElasticRun(RunEpochs, ElasticDiLoCo):
                 # (`handover.agree_on_stop`), and if the run ends here the joiners get the state now.
                 try:
                     handover.agree_on_stop(self)
+                    self._phases.mark("stop agreement")
                 except (StoreUnreachable, ValueError, TypeError):
                     raise
                 except RuntimeError as e:          # (a member gone since the epoch committed)
@@ -373,6 +374,7 @@ class ElasticRun(RunEpochs, ElasticDiLoCo):
         start = start_table(self._worker, self._explicit, *self._carried[:2], self._samples_total,
                             disowned=holder_round is not None and holder_round != self._decision["round"],
                             carried=self._carry and self._carry.summary())
+        self._phases.mark("start table")          # (the first exchange: waits for the slowest member)
         if start["disowned"]:
             raise ValueError(f"{_PREFIX}: the decision of epoch {self._decision['epoch']} (on the store) names round "
                              f"{self._decision['round']}, but rank(s) {start['disowned']} it names as holders of the "
@@ -397,6 +399,7 @@ class ElasticRun(RunEpochs, ElasticDiLoCo):
             self.inner_optimizer.state.clear()     # a worker's ranks start from identical replicas
         inner = _Generation(self.model, self.inner_optimizer, outer_optimizer=self._factory, workers=labels,
                        shard_state=False, **self._options)
+        self._phases.mark("diloco")                # (its state, its groups: with overlap, one more)
         try:
             with torch.no_grad():
                 for mine, g in zip(inner._global, self._global):

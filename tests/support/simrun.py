@@ -49,7 +49,7 @@ def rank_json(stdout: str) -> dict[int, list[dict]]:
 def assert_clean(run_id: str) -> None:
     from hetcomm.sim import netns as sim_netns
     from hetcomm.sim.cgroups import find_cpu_hierarchy
-    from hetcomm.sim.cluster import REGISTRY_DIR
+    from hetcomm.sim.registry import REGISTRY_DIR
 
     left_ns = [n for n in sim_netns.list_netns() if n.startswith(f"hcsim-{run_id}-")]
     assert not left_ns, f"namespaces left behind: {left_ns}"

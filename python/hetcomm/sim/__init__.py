@@ -16,7 +16,8 @@ from hetcomm.sim.spec import (TCP_GOODPUT_FRACTION, SimError, SimSpec, effective
                               effective_link_mbit, effective_uplinks, hosts_allreduce_bound_seconds,
                               ring_allreduce_seconds)
 from hetcomm.sim.launcher import RankProcess, RunResult, SimInterrupted
-from hetcomm.sim.cluster import SimCluster, cleanup_stale
+from hetcomm.sim.cluster import SimCluster
+from hetcomm.sim.registry import cleanup_stale
 from hetcomm.sim.netns import check_prerequisites
 
 __all__ = [

@@ -8,7 +8,8 @@ import sys
 from typing import Optional, Sequence
 
 from hetcomm.rates import RateError, parse_matrix, parse_rate, parse_rate_list
-from hetcomm.sim.cluster import DEFAULT_MASTER_PORT, SimCluster, cleanup_stale
+from hetcomm.sim.cluster import DEFAULT_MASTER_PORT, SimCluster
+from hetcomm.sim.registry import cleanup_stale
 from hetcomm.sim.launcher import SimInterrupted
 from hetcomm.sim.spec import DEFAULT_TCP_CC, MAX_RANKS, SimError, SimSpec, parse_float_list
 

@@ -25,20 +25,20 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Any, Callable, Mapping, Optional, Sequence, Union
+from typing import Callable, Mapping, Optional, Sequence, Union
 
 from hetcomm.sim import netns as _netns
 from hetcomm.sim import shaping
-from hetcomm.sim.cgroups import CpuCgroups, find_cpu_hierarchy, remove_cgroup_tree
+from hetcomm.sim.cgroups import CpuCgroups, find_cpu_hierarchy
+from hetcomm.sim.counters import Counters
 from hetcomm.sim.launcher import (RankProcess, RunResult, SimInterrupted, binary_writer, start_pump,
                                   stop_ranks, supervise)
 from hetcomm.sim.netns import RANK_IFNAME, Runner, enter_netns
+from hetcomm.sim.registry import PREFIX, REGISTRY_DIR, _remove_registry_dir_if_empty
 from hetcomm.rates import format_matrix, format_rate
 from hetcomm.sim.spec import (AUTO_TCP_CC, SimError, SimSpec, choose_tcp_cc, effective_bandwidth,
                               effective_link_mbit)
 
-REGISTRY_DIR = "/run/hetcomm-sim"
-PREFIX = "hcsim"
 DEFAULT_MASTER_PORT = 29500
 
 Command = Union[Sequence[str], Callable[[int], Sequence[str]]]
@@ -51,17 +51,7 @@ def _usable_cores() -> int:
         return os.cpu_count() or 1
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-        return True
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-
-
-class SimCluster:
+class SimCluster(Counters):
     """One simulated cluster (docs/simulator.md).
 
     Attributes after :meth:`setup`: ``run_id``, ``subnet``, ``addresses`` (rank k's IPv4),
@@ -566,72 +556,6 @@ class SimCluster:
         name = self.hub_namespace if where == "hub" else self.namespaces[int(where)]
         return enter_netns(name)
 
-    def tc_show(self) -> str:
-        """``tc -s qdisc/class`` of every shaped device (for debugging and reports)."""
-        self._require_up()
-        assert self._run is not None
-        parts = []
-        for k, ns in enumerate(self.node_namespaces):
-            name = self._node_name(k)
-            for what in ("qdisc", "class"):
-                p = self._run(["tc", "-n", ns, "-s", what, "show", "dev", RANK_IFNAME], check=False)
-                if p.stdout.strip():
-                    parts.append(f"## {name} egress ({ns} {RANK_IFNAME}) {what}\n{p.stdout.rstrip()}")
-            p = self._run(["tc", "-n", self.hub_namespace, "-s", "qdisc", "show", "dev",
-                           self.hub_ports[k]], check=False)
-            if p.stdout.strip():
-                parts.append(f"## {name} ingress ({self.hub_namespace} {self.hub_ports[k]})\n"
-                             f"{p.stdout.rstrip()}")
-        for label, _, out_port, in_port in self._uplinks():
-            for direction, dev in (("out", out_port), ("in", in_port)):
-                p = self._run(["tc", "-n", self.hub_namespace, "-s", "class", "show", "dev", dev],
-                              check=False)
-                parts.append(f"## site {label} uplink {direction} ({self.hub_namespace} {dev})\n"
-                             f"{p.stdout.rstrip()}")
-        return "\n".join(parts)
-
-    def cpu_stat(self, rank: int) -> dict[str, int]:
-        """How the kernel throttled rank's CPU quota so far (its cgroup's cpu.stat: nr_periods,
-        nr_throttled, throttled time); {} without --cpu-quota."""
-        return {} if self._cgroups is None else self._cgroups.cpu_stat(rank)
-
-    def uplink_bytes(self) -> dict[Any, dict[str, int]]:
-        """Bytes each site's shared uplink has sent so far: ``{site label: {"out": n, "in": n}}``.
-
-        ``out``: everything the site sent to other sites, ``in``: everything other sites sent to
-        it; read from the uplink qdiscs (``tc -s -j qdisc show``, the root HTB's ``bytes``).
-        These are frames as the kernel queues them: TCP payload plus TCP/IP/Ethernet headers
-        (about 1514 bytes per 1448 of payload, ``TCP_GOODPUT_FRACTION``), ACKs and ARP. Sites
-        in the order of ``spec.site_groups()``; ``{}`` without shared uplinks.
-        """
-        self._require_up()
-        assert self._run is not None
-        out: dict[Any, dict[str, int]] = {}
-        for label, _, out_port, in_port in self._uplinks():
-            out[label] = {"out": self._root_qdisc_bytes(out_port), "in": self._root_qdisc_bytes(in_port)}
-        return out
-
-    def _uplinks(self) -> list[tuple[Any, tuple[int, ...], str, str]]:
-        """``[(site label, its nodes, out device, in device), ...]``; [] without shared uplinks.
-
-        Nodes are ranks, or hosts with ``spec.hosts`` (the sites in the same order either way:
-        by lowest rank)."""
-        if not self.site_bridges:
-            return []
-        return [(label, nodes, self.uplink_out_ports[n], self.uplink_in_ports[n])
-                for n, (label, nodes) in enumerate(self.net.site_groups())]
-
-    def _root_qdisc_bytes(self, dev: str) -> int:
-        assert self._run is not None
-        argv = ["tc", "-n", self.hub_namespace, "-s", "-j", "qdisc", "show", "dev", dev]
-        proc = self._run(argv, what=f"reading the counters of {dev}")
-        try:
-            qdiscs = json.loads(proc.stdout)
-            return next(int(q["bytes"]) for q in qdiscs if q.get("root"))
-        except (ValueError, KeyError, TypeError, StopIteration):
-            raise SimError(f"`tc {' '.join(argv[1:])}` printed no root qdisc with a byte count: "
-                           f"{proc.stdout.strip()[:200]!r}") from None
-
     def describe(self) -> str:
         self._require_up()
         if self.spec.hosts is None:
@@ -656,81 +580,8 @@ class SimCluster:
             raise SimError("the simulated cluster is not set up (use `with SimCluster(spec) as c:`)")
 
 
-def _remove_registry_dir_if_empty() -> None:
-    try:
-        os.rmdir(REGISTRY_DIR)  # fails (fine) while another run is registered
-    except OSError:
-        pass
-
-
 def _raise_interrupted(signum, frame):
     raise SimInterrupted(signum)
-
-
-# ---------------------------------------------------------------------------------- cleanup
-def cleanup_stale(run_id: Optional[str] = None, *, force: bool = False,
-                  log: Callable[[str], None] = print) -> int:
-    """Removes the resources of dead runs (owner pid gone), or of ``run_id`` (``force``: even if
-    its owner lives). Also removes ``hcsim-*`` namespaces/cgroups that no registry entry owns.
-    Returns the number of runs cleaned."""
-    _netns.check_prerequisites()
-    ip, tc = _netns.find_tool("ip"), _netns.find_tool("tc")
-    run = Runner(ip or "ip", tc or "tc")
-    owners: dict[str, Optional[int]] = {}
-    if os.path.isdir(REGISTRY_DIR):
-        for fn in os.listdir(REGISTRY_DIR):
-            if fn.endswith(".json"):
-                rid = fn[:-5]
-                try:
-                    with open(os.path.join(REGISTRY_DIR, fn)) as f:
-                        owners[rid] = int(json.load(f).get("pid"))
-                except (OSError, ValueError, TypeError):
-                    owners[rid] = None
-    found: dict[str, dict[str, list[str]]] = {}
-    for n in _netns.list_netns():
-        parts = n.split("-")
-        if len(parts) == 3 and parts[0] == PREFIX:
-            found.setdefault(parts[1], {"ns": [], "cg": []})["ns"].append(n)
-    roots = set()
-    try:
-        roots.add(find_cpu_hierarchy()[0])
-    except SimError:
-        pass
-    for root in roots:
-        for d in os.listdir(root):
-            if d.startswith(PREFIX + "-") and os.path.isdir(os.path.join(root, d)):
-                found.setdefault(d.split("-", 1)[1], {"ns": [], "cg": []})["cg"].append(
-                    os.path.join(root, d))
-    for rid in owners:
-        found.setdefault(rid, {"ns": [], "cg": []})
-    cleaned = 0
-    for rid, res in sorted(found.items()):
-        if run_id is not None and rid != run_id:
-            continue
-        owner = owners.get(rid)
-        alive = owner is not None and _pid_alive(owner) and owner != os.getpid()
-        if alive and not (force and run_id is not None):
-            log(f"run {rid}: owner pid {owner} is alive; leaving it (name it and pass --force to remove)")
-            continue
-        # (no registry entry at all: a starting run writes its entry before it creates anything,
-        # so such namespaces/cgroups are leftovers of a run that could not clean up)
-        log(f"run {rid}: removing {len(res['ns'])} namespace(s), {len(res['cg'])} cgroup tree(s)")
-        _netns.kill_netns_processes(run, res["ns"])
-        for cg in res["cg"]:
-            for d in remove_cgroup_tree(cg):
-                log(f"  could not remove cgroup {d}")
-        rank_ns = sorted(n for n in res["ns"] if not n.endswith("-hub"))
-        for n in rank_ns + [n for n in res["ns"] if n.endswith("-hub")]:
-            err = _netns.delete_netns(run, n)
-            if err:
-                log("  " + err)
-        try:
-            os.unlink(os.path.join(REGISTRY_DIR, f"{rid}.json"))
-        except FileNotFoundError:
-            pass
-        cleaned += 1
-    _remove_registry_dir_if_empty()
-    return cleaned
 
 
 def shell_join(argv: Sequence[str]) -> str:

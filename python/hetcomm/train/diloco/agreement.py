@@ -36,6 +36,29 @@ class Agreement:
     _resumed = False                 # ... whose first round a join cut in the last (`carry.resume_round`)
     _sending: int | None = None      # outer steps applied when this rank began to send its round
 
+    def _agree_on_schedule(self, stagger, group) -> None:
+        """At construction: the schedules of the collectives must line up from the first round on
+        (the fragments, staggered or not; sharded state or not; the shares' sizes)."""
+        if not isinstance(stagger, bool):
+            raise TypeError(f"{_PREFIX}: stagger must be True or False, got {stagger!r}")
+        shape = float(len(self._fragments) * (-1 if stagger and len(self._fragments) > 1 else 1))
+        index = -1.0 if self._layout is None or self._layout.index is None else float(self._layout.index)
+        shapes, sharded, indices, sizes = exchange_columns(
+            [shape, float(self._layout is not None), index, float(self._start.numel())], group=group)
+        if len(set(shapes)) > 1:
+            raise ValueError(f"{_PREFIX}: the ranks reduce in different numbers of fragments: "
+                             f"{dict(enumerate(int(x) for x in shapes))} (negative: staggered); construct DiLoCo with "
+                             "the same fragments, stagger (and model) everywhere")
+        if len(set(sharded)) > 1:
+            raise ValueError(f"{_PREFIX}: some ranks shard DiLoCo's state over their worker and some do not: "
+                             f"{dict(enumerate(bool(x) for x in sharded))}; construct DiLoCo with the same "
+                             "shard_state, outer optimizer and model everywhere")
+        odd = sorted({int(k) for k, n in zip(indices, sizes) if k >= 0 and n != sizes[indices.index(k)]})
+        if odd:
+            raise ValueError(f"{_PREFIX}: the ranks holding share(s) {odd} of the state hold different numbers of "
+                             f"elements ({dict(enumerate(int(n) for n in sizes))}): the workers' models (or their "
+                             "FSDP2 sharding) differ")
+
     def _agree_on_reform(self, last: bool) -> None:
         """A generation of an elastic run (`hetcomm.train.elastic.run`): whether a rank asks to end
         it, agreed at this boundary before the round is reduced, over the training thread's group

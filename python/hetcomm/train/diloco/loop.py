@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import math
-import numbers
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 
@@ -19,7 +18,7 @@ from hetcomm.train.diloco.agreement import Agreement
 from hetcomm.train.diloco.checkpoint import Checkpoint
 from hetcomm.train.diloco.outer import PER_PARAMETER, WEIGHTINGS, default_outer_optimizer, estimate_step
 from hetcomm.train.diloco.results import Results
-from hetcomm.train.diloco.schedule import Overlap, fragment_bounds
+from hetcomm.train.diloco.schedule import Overlap, check_overlap_options, fragment_bounds
 from hetcomm.train.diloco.shard import ShardedState
 from hetcomm.train.diloco.stream import Streams
 from hetcomm.train.diloco.table import _AGGREGATE, _BUDGETS, _TOT_BYTES, _TOT_IDLE, _TOT_SYNC, _TOT_WAN, _known
@@ -159,20 +158,8 @@ class DiLoCo(Results, ShardedState, Agreement, Checkpoint, Streams, Overlap, _fl
                             "(the global parameters live inside DiLoCo), e.g. "
                             "lambda ps: torch.optim.SGD(ps, lr=0.7, momentum=0.9, nesterov=True)")
         self.overlap = bool(overlap)
-        if overlap_steps is not None and (isinstance(overlap_steps, bool) or not isinstance(overlap_steps, int)
-                                          or overlap_steps < 1 or not self.overlap):
-            raise ValueError(f"{_PREFIX}: overlap_steps must be an int >= 1, with overlap=True (got "
-                             f"{overlap_steps!r}, overlap={overlap!r})")
-        self._rebase_after = overlap_steps
-        if early_weight is not None and (isinstance(early_weight, bool) or not isinstance(early_weight, numbers.Real)
-                                         or not 0.0 <= float(early_weight) <= 1.0 or not self.overlap):
-            raise ValueError(f"{_PREFIX}: early_weight must be a number in [0, 1], with overlap=True (got "
-                             f"{early_weight!r}, overlap={overlap!r})")
-        self._early_weight = 0.25 if early_weight is None else float(early_weight)
-        if isinstance(fragments, bool) or not isinstance(fragments, int) or fragments < 1 or (fragments > 1
-                                                                                             and not self.overlap):
-            raise ValueError(f"{_PREFIX}: fragments must be an int >= 1, > 1 only with overlap=True (got "
-                             f"{fragments!r}, overlap={overlap!r})")
+        self._rebase_after, self._early_weight = check_overlap_options(overlap, overlap_steps, early_weight,
+                                                                       fragments)
         whole = fragment_bounds([p.numel() for p in self._model_params], fragments)
         self._whole_sizes = [b - a for _, _, a, b in whole]      # elements of each fragment, whole model
 
@@ -199,26 +186,7 @@ class DiLoCo(Results, ShardedState, Agreement, Checkpoint, Streams, Overlap, _fl
             raise ValueError(f"{_PREFIX}: fragments={fragments} steps the outer optimizer once per fragment, which "
                              f"only optimizers that treat each parameter on its own allow ({', '.join(sorted(c.__name__ for c in PER_PARAMETER))}); "
                              f"{type(self.outer_optimizer).__name__} may count steps per group: use fragments=1")
-        if not isinstance(stagger, bool):
-            raise TypeError(f"{_PREFIX}: stagger must be True or False, got {stagger!r}")
-        # The schedules of the collectives must line up from the first round on: agree now.
-        shape = float(len(self._fragments) * (-1 if stagger and len(self._fragments) > 1 else 1))
-        index = -1.0 if self._layout is None or self._layout.index is None else float(self._layout.index)
-        shapes, sharded, indices, sizes = exchange_columns(
-            [shape, float(self._layout is not None), index, float(self._start.numel())], group=group)
-        if len(set(shapes)) > 1:
-            raise ValueError(f"{_PREFIX}: the ranks reduce in different numbers of fragments: "
-                             f"{dict(enumerate(int(x) for x in shapes))} (negative: staggered); construct DiLoCo with "
-                             "the same fragments, stagger (and model) everywhere")
-        if len(set(sharded)) > 1:
-            raise ValueError(f"{_PREFIX}: some ranks shard DiLoCo's state over their worker and some do not: "
-                             f"{dict(enumerate(bool(x) for x in sharded))}; construct DiLoCo with the same "
-                             "shard_state, outer optimizer and model everywhere")
-        odd = sorted({int(k) for k, n in zip(indices, sizes) if k >= 0 and n != sizes[indices.index(k)]})
-        if odd:
-            raise ValueError(f"{_PREFIX}: the ranks holding share(s) {odd} of the state hold different numbers of "
-                             f"elements ({dict(enumerate(int(n) for n in sizes))}): the workers' models (or their "
-                             "FSDP2 sharding) differ")
+        self._agree_on_schedule(stagger, group)
         self._landed = 0                         # fragments of the update in flight that have landed
         self._moved = 0                          # ... and that this replica has moved onto
         # quantisation residuals: one per fragment (each is reduced as a vector of its own)

@@ -7,6 +7,7 @@ docs/diloco.md#overlap-the-derivation.
 from __future__ import annotations
 
 import concurrent.futures
+import numbers
 import warnings
 from collections.abc import Sequence
 
@@ -19,6 +20,24 @@ _PREFIX = "hetcomm DiLoCo"
 # With overlap and `time`, rounds stretched to at least this many times H steps by the
 # synchronisation in flight are reported once (`Overlap._warn_if_link_bound`).
 LINK_BOUND_WARNING = 1.25
+
+
+def check_overlap_options(overlap: bool, overlap_steps, early_weight, fragments) -> tuple[int | None, float]:
+    """DiLoCo's options of the overlap checked: (τ = ``overlap_steps`` or None, β = ``early_weight``
+    with its default), else a ValueError naming the option."""
+    if overlap_steps is not None and (isinstance(overlap_steps, bool) or not isinstance(overlap_steps, int)
+                                      or overlap_steps < 1 or not overlap):
+        raise ValueError(f"{_PREFIX}: overlap_steps must be an int >= 1, with overlap=True (got "
+                         f"{overlap_steps!r}, overlap={overlap!r})")
+    if early_weight is not None and (isinstance(early_weight, bool) or not isinstance(early_weight, numbers.Real)
+                                     or not 0.0 <= float(early_weight) <= 1.0 or not overlap):
+        raise ValueError(f"{_PREFIX}: early_weight must be a number in [0, 1], with overlap=True (got "
+                         f"{early_weight!r}, overlap={overlap!r})")
+    if isinstance(fragments, bool) or not isinstance(fragments, int) or fragments < 1 or (fragments > 1
+                                                                                         and not overlap):
+        raise ValueError(f"{_PREFIX}: fragments must be an int >= 1, > 1 only with overlap=True (got "
+                         f"{fragments!r}, overlap={overlap!r})")
+    return overlap_steps, 0.25 if early_weight is None else float(early_weight)
 
 
 def fragment_bounds(sizes: Sequence[int], fragments: int) -> list[tuple[int, int, int, int]]:

@@ -22,6 +22,7 @@ import torch
 
 from elastic_job import DEADLINE, Run, check_agreement, events, final, wait_for
 from elastic_worker import linear_pull
+from marks import hetcomm_only
 
 pytestmark = pytest.mark.usefixtures("backend_importable")
 
@@ -69,7 +70,7 @@ def assert_state_counted(run: Run, w: str, rounds: int) -> None:
 
 def contributed_after_rejoining(run: Run, victim: str, worker: str, after: int) -> bool:
     late = [rec for rec in run.records(victim) if "round" in rec and rec["round"] > after]
-    return any(rec["steps"][rec["members"].index(worker)] > 0 for rec in late)
+    return any(rec["steps"][rec["members"].index(worker)] > 0 for rec in late if worker in rec["members"])
 
 
 CASES = [(f, "local") for f in FEATURES] + [("fixed-fp32", "reduce"), ("time-int8-overlap-staggered", "reduce")]
@@ -117,6 +118,42 @@ def test_a_worker_killed_is_dropped_and_its_restart_rejoins(run, features, where
         (back, formed, final(run, "w0")["membership"])
     if "--overlap" in FEATURES[features]:
         assert "while the others trained" in run.logs(), run.logs()
+
+
+@pytest.mark.slow
+@hetcomm_only("gloo cannot abort a collective in progress: the watchdog needs the hetcomm backend")
+def test_a_frozen_worker_is_dropped_by_its_heartbeat_while_the_others_wait_in_a_collective(run):
+    """SIGSTOP closes no connection: the others wait in a collective with the frozen worker, which
+    would hold them until collective_timeout (60 s here). Its heartbeat's silence (timeout 3 s)
+    aborts the generation (`watchdog`): the others go on without it within seconds, and thawed,
+    it finds itself dropped and rejoins; every report of a round agrees."""
+    import signal
+
+    rounds, ids = 20, ["w0", "w1", "w2"]
+    common = ["--run", "--rounds", str(rounds), "--steps", "4", "--step-seconds", "0.15", "--timeout", "3",
+              "--collective-timeout", "60", "--overlap", "--fragments", "2"]
+    procs = {w: run.start(w, *common, "--min-workers", "3") for w in ids}
+    deadline = time.monotonic() + DEADLINE
+    while not any(r.get("round", 0) >= 2 for r in run.records("w2")):
+        assert time.monotonic() < deadline and procs["w2"].poll() is None, run.logs()
+        time.sleep(0.05)
+    procs["w2"].send_signal(signal.SIGSTOP)
+    frozen, without = time.monotonic(), None
+    try:
+        while without is None and time.monotonic() - frozen < 30:
+            without = next((r for r in run.records("w0") if "round" in r and "w2" not in r["members"]), None)
+            time.sleep(0.1)
+    finally:
+        procs["w2"].send_signal(signal.SIGCONT)
+    assert without is not None, f"no round without the frozen w2 within 30 s\n{run.logs()}"
+    codes = run.wait_all()
+    assert all(c == [0] for c in codes.values()), f"{codes}\n{run.logs()}"
+    prints = check_agreement(run, ids, rounds)
+    assert all(final(run, w)["final"] == prints[rounds] for w in ids), run.logs()
+    left = [why for e in final(run, "w0")["membership"] for w, why in e.get("left", {}).items() if w == "w2"]
+    assert any("no heartbeat" in why for why in left), final(run, "w0")["membership"]
+    assert "sent no heartbeat for" in run.logs(), run.logs()
+    assert contributed_after_rejoining(run, "w2", "w2", without["round"]), f"{run.records('w2')}\n{run.logs()}"
 
 
 @pytest.mark.slow

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import socket
+import threading
 import time
 
 import pytest
@@ -186,6 +187,111 @@ def test_a_heartbeat_put_back_to_an_older_value_is_not_a_beat(cluster):
     assert not a.confirmed("f#1")
     keys.set_bytes("hb/f#1", b"6")
     until(lambda: a.confirmed("f#1"))
+
+
+def freeze(p: Pulse) -> threading.Event:
+    """Stops ``p``'s heartbeat thread where it stands (inside its beat), its connections open, as a
+    frozen process's; set the returned event to let it go on."""
+    thaw, frozen = threading.Event(), threading.Event()
+
+    def stuck():
+        frozen.set()
+        thaw.wait()
+
+    p._beat = stuck
+    until(frozen.is_set)
+    return thaw
+
+
+def test_the_alarm_rings_once_for_a_frozen_worker_and_never_for_a_live_or_dead_one(cluster):
+    """`Pulse.alarm` (a generation's watchdog): c beats, d dies (its connection closes: the
+    collectives with it fail by themselves), b freezes (its heartbeat thread stops, its
+    connections stay open). The callback runs once, for b; disarmed, it never runs."""
+    pulse, keys = cluster
+    a, b, d = pulse("a#1"), pulse("b#1"), pulse("d#1")
+    pulse("c#1")
+    a.watch(["b#1", "c#1", "d#1"])
+    until(lambda: all(a.linked(w) for w in ("b#1", "c#1", "d#1")))
+    rung, done = [], threading.Event()
+
+    def ring(name, silent):
+        rung.append((name, silent))
+        done.set()
+
+    a.alarm(["a#1", "b#1", "c#1", "d#1"], 30.0, ring)   # (negative checks: far from any slow beat)
+    d.stop()
+    until(lambda: math.isinf(a.silent("d#1")))
+    beats(keys, "a#1", 5)
+    assert rung == [], rung                              # the dead one does not ring it
+    thaw = freeze(b)
+    try:
+        a.alarm(["b#1", "d#1"], 2 * INTERVAL, ring)
+        until(done.is_set)
+        assert [n for n, _ in rung] == ["b#1"] and 2 * INTERVAL < rung[0][1] < math.inf, rung
+        beats(keys, "a#1", 5)
+        assert len(rung) == 1, rung                      # once
+        a.alarm(["b#1"], 2 * INTERVAL, ring)
+        a.alarm(None, 0.0, None)                         # disarmed before a read: never
+        beats(keys, "a#1", 5)
+        assert len(rung) == 1, rung
+    finally:
+        thaw.set()
+
+
+def test_a_store_writer_holding_a_counter_back_does_not_ring_the_alarm_while_the_link_answers(cluster):
+    """A store writer puts b's heartbeat back to an old value as fast as it can: to a, b's counter
+    never moves (its silence grows past the threshold). But b's heartbeat thread answers a's pings
+    on their verified connection (sealed with a secret), so b is not silent: no alarm. Once b
+    freezes, its link stops answering too, and the alarm rings."""
+    pulse, keys = cluster
+    a, b = pulse("a#1"), pulse("b#1")
+    a.watch(["b#1"])
+    until(lambda: a.linked("b#1"))
+    rung = []
+    writer = keys.clone()
+    old = writer.peek_bytes("hb/b#1")
+    stop = threading.Event()
+
+    def hold():
+        while not stop.is_set():
+            writer.set_bytes("hb/b#1", old)
+
+    holder = threading.Thread(target=hold, daemon=True)
+    holder.start()
+    try:
+        until(lambda: a.silent("b#1") > 25 * INTERVAL)   # the store says b is silent...
+        a.alarm(["b#1"], 20 * INTERVAL, lambda name, silent: rung.append(name))
+        beats(keys, "a#1", 10)
+        assert rung == [], rung                          # ...but its link answers
+        thaw = freeze(b)
+        try:
+            until(lambda: rung == ["b#1"])
+        finally:
+            thaw.set()
+    finally:
+        stop.set()
+        holder.join()
+
+
+def test_silence_is_counted_to_the_last_read_not_to_now(cluster):
+    """A watcher that stalls itself (its heartbeat thread not running: frozen, starved) must not
+    take the others for silent: silence ends at its last read, and the next read after the stall
+    sees that the counters moved."""
+    pulse, keys = cluster
+    a = pulse("a#1")
+    pulse("b#1")
+    a.watch(["b#1"])
+    until(lambda: a.confirmed("b#1"))
+    beats(keys, "a#1", 2)
+    read = a._beat
+    thaw = freeze(a)                                     # a's reads stop; b goes on beating
+    before = a.silent("b#1")
+    beats(keys, "b#1", 15)                               # 3 s at least, in which a reads nothing
+    assert a.silent("b#1") == before                     # no read, no silence grown
+    a._beat = read
+    thaw.set()
+    beats(keys, "a#1", 2)
+    assert a.silent("b#1") < 15 * INTERVAL, a.silent("b#1")    # (not the stall: b beat in it)
 
 
 def test_the_store_dying_is_raised_on_the_training_thread():

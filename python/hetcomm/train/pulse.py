@@ -78,6 +78,12 @@ class Pulse:
         self._watchers: dict[socket.socket, float] = {}    # watchers' connections -> since when
         self._member_of = 0                                # the era this worker is a member of (echoes)
         self._echoed: dict[int, bytes] = {}                # probe slot -> the nonce last echoed there
+        self._read_at = time.monotonic()                   # when the watched counters were last read
+        self._answered: dict[str, float] = {}              # who -> when its link last answered a ping
+        self._pings: dict[str, list[bytes]] = {}           # who -> the last pings its link may answer
+        self._heard: dict[socket.socket, bytes] = {}       # a watcher's connection -> its partial line
+        # `alarm`: (names, seconds, callback) armed, fired at most once
+        self._alarm: tuple[frozenset, float, object] | None = None
         self._stop = threading.Event()
         self._selector = selectors.DefaultSelector()
         ip = _local_ip(keys.address)
@@ -118,6 +124,8 @@ class Pulse:
     def _beat(self) -> None:
         # Set, not added: a store writer's garbage under the key would make the store's `add`
         # fail and close this connection; a set overwrites it.
+        began = time.monotonic()
+        self._ping()
         self._beats += 1
         self._keys.set(f"hb/{self._me}", self._beats)
         with self._lock:
@@ -141,8 +149,8 @@ class Pulse:
                     self._echoed[slot] = probe
         if self._keys.peek_bytes(f"addr/{self._me}") != self._address:
             self._keys.set_bytes(f"addr/{self._me}", self._address)
+        now = time.monotonic()                     # (the values are at least as new as the request)
         values = self._keys.counters([f"hb/{n}" for n in names])
-        now = time.monotonic()
         with self._lock:
             for name, value in zip(names, values):
                 entry = self._watch.get(name)
@@ -152,12 +160,66 @@ class Pulse:
                     if entry[0] != -1:
                         self._confirmed.add(name)         # it moved while we watched
                     self._watch[name] = (value, now)
+            self._read_at = now
+        if time.monotonic() - began <= self._interval:  # (a slow store: everyone would look silent)
+            self._sound_alarm()
+
+    def _ping(self) -> None:
+        """Asks every verified link to answer (`_pong`): its answer in time shows that the
+        worker's heartbeat thread runs, which the store's counter cannot prove when a store
+        writer holds it back (with a secret the answer is sealed: nobody else can give it)."""
+        for name, (sock, state, _, _) in list(self._links.items()):
+            if state != "verified":
+                continue
+            nonce = os.urandom(16).hex().encode()
+            try:
+                sock.send(b"?" + nonce + b"\n")
+            except BlockingIOError:
+                continue
+            except OSError:
+                continue                              # (its reset closes the link: `_event`)
+            self._pings[name] = (self._pings.get(name, []) + [nonce])[-4:]   # (a slow answer still counts)
+
+    def _pong(self, name: str, line: bytes) -> None:
+        """A line from a verified link: the answer to the last ping, or ignored."""
+        nonce, _, mac = line.removeprefix(b"!").partition(b" ")
+        asked = self._pings.get(name, [])
+        if line.startswith(b"!") and nonce in asked \
+                and hmac.compare_digest(mac, self._keys.mac(f"pulse-pong/{name}", nonce).hex().encode()):
+            self._pings[name] = asked[asked.index(nonce) + 1:]      # (each answer counts once)
+            with self._lock:
+                self._answered[name] = time.monotonic()
+
+    def _sound_alarm(self) -> None:
+        """After a read: the armed `alarm`'s callback, on a thread of its own (the heartbeat must
+        not wait for it), when one of its workers is silent too long."""
+        with self._lock:
+            armed = self._alarm
+        if armed is None:
+            return
+        names, seconds, callback = armed
+        now = time.monotonic()
+        with self._lock:
+            # (a verified link that answered lately: the worker lives, whatever its counter says)
+            answering = {n for n in names if n in self._linked and now - self._answered.get(n, -math.inf) <= seconds}
+        # (not the dead: their connections closed, and so do the collectives with them)
+        quiet = sorted(x for x in ((self.silent(n), n) for n in names if n not in answering) if not math.isinf(x[0]))
+        if not quiet or quiet[-1][0] <= seconds:
+            return
+        with self._lock:
+            if self._alarm is not armed:
+                return                                    # (disarmed meanwhile)
+            self._alarm = None
+        silent, name = quiet[-1]
+        threading.Thread(target=callback, args=(name, silent), name="hetcomm-elastic-alarm", daemon=True).start()
 
     def _drop_link(self, name: str) -> None:
         sock = self._links.pop(name)[0]
         self._challenges.pop(name, None)
+        self._pings.pop(name, None)
         with self._lock:
             self._linked.discard(name)
+            self._answered.pop(name, None)
         self._selector.unregister(sock)
         sock.close()
 
@@ -174,6 +236,7 @@ class Pulse:
 
     def _close_watcher(self, sock: socket.socket) -> None:
         self._asked.pop(sock, None)
+        self._heard.pop(sock, None)
         self._watchers.pop(sock, None)
         self._selector.unregister(sock)
         sock.close()
@@ -275,6 +338,7 @@ class Pulse:
                     with self._lock:
                         self._confirmed.add(name)
                         self._linked.add(name)
+                        self._answered[name] = time.monotonic()
                 else:
                     self._drop_link(name)         # closed early, or someone else: not proof of death
             elif len(greeting) > 1024:
@@ -283,6 +347,14 @@ class Pulse:
                 self._links[name] = (sock, state, since, greeting)
             return
         if data:
+            pending = greeting + data
+            *lines, rest = pending.split(b"\n")
+            for line in lines:
+                self._pong(name, line)
+            if len(rest) > 1024:
+                self._drop_link(name)             # not a worker's answers (not proof of death either)
+            else:
+                self._links[name] = (sock, state, since, rest)
             return
         self._drop_link(name)                     # EOF or reset on a verified link: it is gone
         with self._lock:
@@ -296,9 +368,24 @@ class Pulse:
         return name.encode() + (b" " + mac.hex().encode() if mac else b"")
 
     def _answer(self, sock: socket.socket, data: bytes) -> bool:
-        """Data from a watcher: with a secret, its challenge (answered once); else ignored.
-        False when the connection is to be closed (a challenge that is not one)."""
+        """Data from a watcher: with a secret, its challenge first (answered once); then its pings
+        (`_ping`), each answered with its nonce (sealed with a secret). False when the
+        connection is to be closed (a challenge that is not one, a line too long)."""
         if sock not in self._asked:
+            *lines, rest = (self._heard.pop(sock, b"") + data).split(b"\n")
+            for line in lines:
+                if line.startswith(b"?") and len(line) == 33:
+                    nonce = line[1:]
+                    try:
+                        sock.send(b"!" + nonce + b" " + self._keys.mac(f"pulse-pong/{self._me}", nonce).hex().encode()
+                                  + b"\n")
+                    except BlockingIOError:
+                        pass                          # (a watcher that does not read: it asks again)
+                    except OSError:
+                        return False
+            if len(rest) > 64:
+                return False
+            self._heard[sock] = rest
             return True
         got = self._asked.pop(sock) + data
         if b"\n" not in got:
@@ -345,13 +432,22 @@ class Pulse:
                 self._confirmed.discard(name)
 
     def silent(self, name: str) -> float:
-        """Seconds since ``name``'s heartbeat last changed (0 for this worker or the unwatched;
-        infinite once its liveness connection closed)."""
+        """Seconds for which the reads of ``name``'s heartbeat saw no change: from when it last
+        changed (or was first watched) to the last read, not to now, so that this process's own
+        stall (frozen, or starved of the CPU) does not count as the others' silence. 0 for this
+        worker or the unwatched; infinite once its liveness connection closed."""
         with self._lock:
             if name in self._dead:
                 return math.inf
-            entry = self._watch.get(name)
-        return 0.0 if entry is None else time.monotonic() - entry[1]
+            entry, read_at = self._watch.get(name), self._read_at
+        return 0.0 if entry is None else max(0.0, read_at - entry[1])
+
+    def alarm(self, names, seconds: float, callback) -> None:
+        """Arms a one-shot alarm: ``callback(name, silent)`` runs (on a thread of its own) after
+        the first read that finds one of ``names`` (watched, alive as far as its liveness
+        connection tells) silent for more than ``seconds``. ``names`` None disarms it."""
+        with self._lock:
+            self._alarm = None if names is None else (frozenset(names) - {self._me}, float(seconds), callback)
 
     def linked(self, name: str) -> bool:
         """Whether ``name``'s liveness connection answered (with a secret: proved who it is) and

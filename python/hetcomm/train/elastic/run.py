@@ -55,7 +55,7 @@ from hetcomm.train.diloco.agreement import NonFinite
 from hetcomm.train.diloco.loop import DiLoCo
 from hetcomm.train.diloco.outer import default_outer_optimizer
 from hetcomm.train.diloco.shard import reachable_bytes
-from hetcomm.train.elastic import checkpoint as _checkpoint, handover
+from hetcomm.train.elastic import checkpoint as _checkpoint, handover, watchdog
 from hetcomm.train.elastic.carry import Round, encode_name, resume_round, share_timing, start_table, take_round
 from hetcomm.train.elastic.common import _MAX_ABORTS, _PREFIX, _read_ended
 from hetcomm.train.elastic.loop import ElasticDiLoCo
@@ -256,6 +256,7 @@ class ElasticRun(RunEpochs, ElasticDiLoCo):
         (what the generation applied stays readable: `rounds`, `history`, `global_parameters`;
         but with a synchronisation still running, the global parameters are the generation's,
         which it may still update, and `state_dict` refuses)."""
+        watchdog.disarm(self)
         inner, self._inner = self._inner, None
         if inner is not None:
             inner.close()                  # (cancels the queued jobs: only a running one is busy)
@@ -331,6 +332,7 @@ class ElasticRun(RunEpochs, ElasticDiLoCo):
         """Starts the generation's DiLoCo over the group the last epoch formed (another epoch
         when that fails)."""
         while True:
+            watchdog.arm(self)                     # (the epoch's group: a member silent from now on ends it)
             if self._state_deferred is not None:
                 # A joiner's samples are not the run's until its state lands: the members agree
                 # (`handover.agree_on_stop`), and if the run ends here the joiners get the state now.
@@ -340,10 +342,12 @@ class ElasticRun(RunEpochs, ElasticDiLoCo):
                 except (StoreUnreachable, ValueError, TypeError):
                     raise
                 except RuntimeError as e:          # (a member gone since the epoch committed)
-                    self._abort(e, "while starting the generation")
+                    watchdog.disarm(self)
+                    self._abort(watchdog.explain(self, e, self._gen), "while starting the generation")
                     continue
                 if self._stopped:
                     handover.send_now(self)
+                    watchdog.disarm(self)
                     return
             elif not self._stopped:
                 # Every member (a joiner too: it has the run's round and budgets) decides alike;
@@ -354,9 +358,11 @@ class ElasticRun(RunEpochs, ElasticDiLoCo):
                     self._stopped = True
                     self._stop_reason = f"the run ended at round {ended['round']}"
             if self._stopped:
+                watchdog.disarm(self)
                 return
             try:
                 self._inner = self._build()
+                watchdog.arm(self)                 # (again: the groups of its DiLoCo too)
                 self._phases.mark("start")
                 self._formed = self._phases.end()
                 if self._formed is not None:
@@ -365,7 +371,8 @@ class ElasticRun(RunEpochs, ElasticDiLoCo):
             except (StoreUnreachable, ValueError, TypeError):
                 raise
             except RuntimeError as e:
-                self._abort(e, "while starting the generation")
+                watchdog.disarm(self)
+                self._abort(watchdog.explain(self, e, self._gen), "while starting the generation")
 
     def _build(self) -> DiLoCo:
         # Agreed over the group, not taken from the store: the count of outer steps applied (the
@@ -491,6 +498,7 @@ class ElasticRun(RunEpochs, ElasticDiLoCo):
     def _after_generation(self, inner: DiLoCo) -> None:
         """Every rank finished the generation at the same boundary: the run ends (a budget) or
         the next generation forms (a worker joins or leaves)."""
+        watchdog.disarm(self)
         self._carry_out(inner)
         if inner._history:
             self._failures = 0             # (a cut that reduced nothing is no progress)
@@ -515,6 +523,8 @@ class ElasticRun(RunEpochs, ElasticDiLoCo):
         # The background thread may still be inside a collective of the failed group: wait for it
         # (it fails within the collective timeout) before reading what it applied.
         concurrent.futures.wait(futures, timeout=self._collective_timeout + 10.0)
+        watchdog.disarm(self)              # (armed through the wait: a job stuck on a silent member ends)
+        error = watchdog.explain(self, error, self._base[2])
         if any(not f.done() for f in futures):
             self._torn = True              # (it may still write the run's state: the generation's)
             raise RuntimeError(f"{_PREFIX}: the background synchronisation did not end within "

@@ -286,3 +286,45 @@ def test_a_join_counter_a_store_writer_replaced_stops_no_one(run, counter):
     follows a missing record takes the first free one instead (before, with the huge counter:
     the members read every index up to it, for ever)."""
     two_ask_then_tamper(run, lambda rogue, root: rogue.set(root + "joins", counter))
+
+
+def test_a_store_writer_holding_a_members_heartbeat_back_drops_no_one_while_its_link_answers(run):
+    """With the secret, a store writer puts w2's heartbeat back to an old sealed value as fast as it
+    can, so that to the others its counter never moves (timeout 3 s). w2's liveness connection
+    answers their pings, sealed, so neither the generation's watchdog nor the epoch that admits w3
+    takes it for silent: no generation is aborted and nobody is dropped. (Before, every epoch with
+    w2 in it aborted on "gone during the synchronisation", until the run gave up.)"""
+    env = {"HETCOMM_SECRET": SECRET}
+    common = ["--run", "--rounds", "40", "--steps", "4", "--step-seconds", "0.1", "--timeout", "3"]
+    for w in ("w0", "w1", "w2"):
+        run.start(w, *common, "--min-workers", "3", env=env)
+    store = dist.TCPStore("127.0.0.1", run.port, is_master=False, timeout=datetime.timedelta(seconds=10))
+    root, stop = f"hetcomm/ft/{run.job}/era1/", threading.Event()
+    deadline = time.monotonic() + 120
+    while not store.check([root + "latest"]):
+        assert time.monotonic() < deadline, run.logs()
+        time.sleep(0.02)
+    latest = json.loads(store.get(root + "latest")[:-32])       # (sealed: value || tag)
+    members = json.loads(store.get(root + f"e{latest}/decision")[:-32])["members"]
+    key = f"hetcomm/ft/{run.job}/hb/" + next(m for m in members if m.startswith("w2#"))    # (the job's, not the era's)
+    old = store.get(key)
+
+    def hold():
+        while not stop.is_set():
+            store.set(key, old)
+
+    holder = threading.Thread(target=hold, daemon=True)
+    holder.start()
+    try:
+        time.sleep(5.0)                                        # past the timeout: the store says w2 is silent
+        run.start("w3", *common, env=env)                      # an epoch, with w2 in it
+        codes = run.wait_all()
+    finally:
+        stop.set()
+        holder.join()
+    assert codes == {"w0": [0], "w1": [0], "w2": [0], "w3": [0]}, f"{codes}\n{run.logs()}"
+    prints = check_agreement(run, ["w0", "w1", "w2", "w3"], 40)
+    left, joined = events(final(run, "w0"))
+    assert not left and joined == {"w3"}, final(run, "w0")["membership"]
+    assert not any("aborted" in e for e in final(run, "w0")["membership"]), final(run, "w0")["membership"]
+    assert final(run, "w2")["final"] == prints[40]

@@ -198,13 +198,9 @@ class Pulse:
         if armed is None:
             return
         names, seconds, callback = armed
-        now = time.monotonic()
-        with self._lock:
-            # (a verified link that answered lately: the worker lives, whatever its counter says)
-            answering = {n for n in names if n in self._linked and now - self._answered.get(n, -math.inf) <= seconds}
         # (not the dead: their connections closed, and so do the collectives with them)
-        quiet = sorted(x for x in ((self.silent(n), n) for n in names if n not in answering) if not math.isinf(x[0]))
-        if not quiet or quiet[-1][0] <= seconds:
+        quiet = sorted((self.silent(n), n) for n in names if self.quiet(n, seconds) and not math.isinf(self.silent(n)))
+        if not quiet:
             return
         with self._lock:
             if self._alarm is not armed:
@@ -373,16 +369,16 @@ class Pulse:
         connection is to be closed (a challenge that is not one, a line too long)."""
         if sock not in self._asked:
             *lines, rest = (self._heard.pop(sock, b"") + data).split(b"\n")
-            for line in lines:
-                if line.startswith(b"?") and len(line) == 33:
-                    nonce = line[1:]
-                    try:
-                        sock.send(b"!" + nonce + b" " + self._keys.mac(f"pulse-pong/{self._me}", nonce).hex().encode()
-                                  + b"\n")
-                    except BlockingIOError:
-                        pass                          # (a watcher that does not read: it asks again)
-                    except OSError:
-                        return False
+            # (only the newest ping is answered: a watcher that floods gets one answer a read)
+            nonce = next((line[1:] for line in reversed(lines) if line.startswith(b"?") and len(line) == 33), None)
+            if nonce is not None:
+                try:
+                    sock.send(b"!" + nonce + b" " + self._keys.mac(f"pulse-pong/{self._me}", nonce).hex().encode()
+                              + b"\n")
+                except BlockingIOError:
+                    pass                              # (a watcher that does not read: it asks again)
+                except OSError:
+                    return False
             if len(rest) > 64:
                 return False
             self._heard[sock] = rest
@@ -441,6 +437,17 @@ class Pulse:
                 return math.inf
             entry, read_at = self._watch.get(name), self._read_at
         return 0.0 if entry is None else max(0.0, read_at - entry[1])
+
+    def quiet(self, name: str, seconds: float) -> bool:
+        """Whether ``name`` has given no sign of life for more than ``seconds``: silent on the store
+        (`silent`) and, where its liveness connection is verified, without an answer to a ping
+        for as long (a live worker whose counter a store writer holds back still answers; with a
+        secret the answers are sealed). Dead: quiet."""
+        if self.silent(name) <= seconds:
+            return False
+        with self._lock:
+            answered = self._answered.get(name) if name in self._linked else None
+        return answered is None or time.monotonic() - answered > seconds
 
     def alarm(self, names, seconds: float, callback) -> None:
         """Arms a one-shot alarm: ``callback(name, silent)`` runs (on a thread of its own) after

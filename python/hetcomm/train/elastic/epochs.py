@@ -301,7 +301,7 @@ class Epochs(JoinRecords, Eras):
                 leave = self._peek_dict(keys, f"leave/{m}")
                 if leave is not None:
                     out[m] = "left: " + str(leave.get("why", "its data ended"))[:300]
-                elif self._pulse.silent(m) > self._timeout:
+                elif self._pulse.quiet(m, self._timeout):     # (its link's answers outweigh the store)
                     out[m] = self._why_gone(m)
             missing = [m for m in members if m not in arrivals and m not in out]
             if missing != last_missing:
@@ -491,7 +491,7 @@ class Epochs(JoinRecords, Eras):
             done.update(m for m in members if m not in done and keys.has(f"e{epoch}/done/{m}"))
             if len(done) == len(members):
                 return _first_outcome(keys, epoch, "commit")
-            gone = [m for m in members if self._pulse.silent(m) > self._timeout]
+            gone = [m for m in members if self._pulse.quiet(m, self._timeout)]
             if gone:
                 return _first_outcome(keys, epoch, "abort: " + "; ".join(
                     f"{self._names([m])} gone during the synchronisation ({self._why_gone(m)})" for m in gone))

@@ -80,6 +80,7 @@ class Pulse:
         self._echoed: dict[int, bytes] = {}                # probe slot -> the nonce last echoed there
         self._read_at = time.monotonic()                   # when the watched counters were last read
         self._answered: dict[str, float] = {}              # who -> when its link last answered a ping
+        self._drained_at = time.monotonic()                # when this thread last read its connections
         self._pings: dict[str, list[bytes]] = {}           # who -> the last pings its link may answer
         self._heard: dict[socket.socket, bytes] = {}       # a watcher's connection -> its partial line
         # `alarm`: (names, seconds, callback) armed, fired at most once
@@ -114,6 +115,8 @@ class Pulse:
                 wait = max(0.0, min(0.2, next_beat - time.monotonic()))
                 for key, events in self._selector.select(wait):
                     self._event(key.fileobj, key.data, events)
+                with self._lock:
+                    self._drained_at = time.monotonic()   # (answers that came before this are read)
         except Exception as e:  # noqa: BLE001 - kept for the training thread, which raises it
             self._error = e
         finally:
@@ -124,7 +127,6 @@ class Pulse:
     def _beat(self) -> None:
         # Set, not added: a store writer's garbage under the key would make the store's `add`
         # fail and close this connection; a set overwrites it.
-        began = time.monotonic()
         self._ping()
         self._beats += 1
         self._keys.set(f"hb/{self._me}", self._beats)
@@ -151,6 +153,7 @@ class Pulse:
             self._keys.set_bytes(f"addr/{self._me}", self._address)
         now = time.monotonic()                     # (the values are at least as new as the request)
         values = self._keys.counters([f"hb/{n}" for n in names])
+        slow = time.monotonic() - now > self._interval
         with self._lock:
             for name, value in zip(names, values):
                 entry = self._watch.get(name)
@@ -161,7 +164,7 @@ class Pulse:
                         self._confirmed.add(name)         # it moved while we watched
                     self._watch[name] = (value, now)
             self._read_at = now
-        if time.monotonic() - began <= self._interval:  # (a slow store: everyone would look silent)
+        if not slow:                               # (a read that took that long: everyone would look silent)
             self._sound_alarm()
 
     def _ping(self) -> None:
@@ -173,15 +176,15 @@ class Pulse:
                 continue
             nonce = os.urandom(16).hex().encode()
             try:
-                sock.send(b"?" + nonce + b"\n")
-            except BlockingIOError:
-                continue
+                if sock.send(b"?" + nonce + b"\n") != 34:
+                    self._drop_link(name)             # (a line cut in two: not proof of death; made again)
+                    continue
             except OSError:
-                continue                              # (its reset closes the link: `_event`)
+                continue                              # (full: asked again next beat; a reset closes it: `_event`)
             self._pings[name] = (self._pings.get(name, []) + [nonce])[-4:]   # (a slow answer still counts)
 
     def _pong(self, name: str, line: bytes) -> None:
-        """A line from a verified link: the answer to the last ping, or ignored."""
+        """A line from a verified link: the answer to one of the last pings (once), or ignored."""
         nonce, _, mac = line.removeprefix(b"!").partition(b" ")
         asked = self._pings.get(name, [])
         if line.startswith(b"!") and nonce in asked \
@@ -192,7 +195,7 @@ class Pulse:
 
     def _sound_alarm(self) -> None:
         """After a read: the armed `alarm`'s callback, on a thread of its own (the heartbeat must
-        not wait for it), when one of its workers is silent too long."""
+        not wait for it), when one of its workers is `quiet` too long."""
         with self._lock:
             armed = self._alarm
         if armed is None:
@@ -365,8 +368,8 @@ class Pulse:
 
     def _answer(self, sock: socket.socket, data: bytes) -> bool:
         """Data from a watcher: with a secret, its challenge first (answered once); then its pings
-        (`_ping`), each answered with its nonce (sealed with a secret). False when the
-        connection is to be closed (a challenge that is not one, a line too long)."""
+        (`_ping`): the newest of each read answered with its nonce (sealed with a secret). False
+        when the connection is to be closed (a challenge that is not one, a line too long)."""
         if sock not in self._asked:
             *lines, rest = (self._heard.pop(sock, b"") + data).split(b"\n")
             # (only the newest ping is answered: a watcher that floods gets one answer a read)
@@ -447,12 +450,15 @@ class Pulse:
             return False
         with self._lock:
             answered = self._answered.get(name) if name in self._linked else None
-        return answered is None or time.monotonic() - answered > seconds
+            drained = self._drained_at
+        # (to when this thread last read the connections: answers it has not read yet count)
+        return answered is None or min(time.monotonic(), drained) - answered > seconds
 
     def alarm(self, names, seconds: float, callback) -> None:
         """Arms a one-shot alarm: ``callback(name, silent)`` runs (on a thread of its own) after
-        the first read that finds one of ``names`` (watched, alive as far as its liveness
-        connection tells) silent for more than ``seconds``. ``names`` None disarms it."""
+        the first read of the store (one that took less than a heartbeat: a stalled store makes
+        everyone look silent) that finds one of ``names`` (watched, not dead) `quiet` for more
+        than ``seconds``. ``names`` None disarms it."""
         with self._lock:
             self._alarm = None if names is None else (frozenset(names) - {self._me}, float(seconds), callback)
 

@@ -277,7 +277,7 @@ class EarlyJoin:
                 if _read_ended(keys) is not None or _next_decided(keys, early["epoch"]) != early["epoch"]:
                     decision = None              # (its decision deleted: the round went on without it)
                     break
-                if all(self._pulse.silent(m) > self._timeout for m in early["watched"]):
+                if all(self._pulse.quiet(m, self._timeout) for m in early["watched"]):
                     raise RuntimeError(f"{_PREFIX}: every member of epoch {early['epoch'] - 1} "
                                        f"({self._names(early['watched'])}) is gone, and the run's state with them: "
                                        "restart the job from checkpoints (load_state_dict)")

@@ -163,7 +163,7 @@ class Epochs(JoinRecords, Eras):
                 # (a member's heartbeat keeps `echo` in an era that began: a store writer who
                 # deleted its decisions and `latest` must not make this worker start it again)
                 self._bootstrap(keys)
-            elif watched and all(self._pulse.silent(m) > self._timeout for m in watched):
+            elif watched and all(self._pulse.quiet(m, self._timeout) for m in watched):
                 if self._newest_era(self._era_number) > self._era_number:
                     # A later era began (a store writer had set the `era` key back): ask there.
                     self._era_number = self._newest_era(self._era_number)

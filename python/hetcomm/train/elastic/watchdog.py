@@ -15,7 +15,8 @@ so a store writer who holds a member's counter back cannot end a generation whil
 answers. Without a connection (no address published, a port that refuses) the counter decides
 alone. Then the generation's process groups are aborted on this rank: the collectives in
 progress and the next ones raise, the generation fails over, and the epoch that follows leaves
-the silent member out (it rejoins when it comes back).
+the silent member out (it rejoins when it comes back). A read of the store that took longer than
+a heartbeat rings no alarm (a stalled store would make everyone look silent).
 
 Only the hetcomm backend can abort a group in progress; with gloo (as the generation's backend or
 as a worker's ``worker_backend``) the collective still waits for ``collective_timeout``.
@@ -40,6 +41,8 @@ def arm(run) -> None:
         run._alarmed = None
 
     def fire(name: str, silent: float) -> None:
+        if run._armed != generation or run._stopped:
+            return                          # (disarmed as it rang: the generation is over)
         run._alarmed = (generation, name, silent)
         for pg in groups:
             try:
@@ -47,10 +50,12 @@ def arm(run) -> None:
             except Exception:  # noqa: BLE001 - a backend that cannot abort, or a group gone already
                 pass
 
+    run._armed = generation
     run._pulse.alarm([m for m in run._decision["members"] if m != run._me], run._timeout, fire)
 
 
 def disarm(run) -> None:
+    run._armed = None
     pulse = getattr(run, "_pulse", None)
     if pulse is not None:
         pulse.alarm(None, 0.0, None)

@@ -294,3 +294,69 @@ def test_a_share_whose_reduction_fails_fails_its_whole_worker_at_once(mode):
         assert "simulated failure" in (res[rank]["error"] or ""), res
     for rank in (0, 2):
         assert "another rank of this worker failed" in (res[rank]["error"] or ""), res
+
+
+def half_failed_share(rank: int, world: int, mode: str) -> dict:
+    """Workers [0, 0, 1, 1], sharded: rank 1's second reduction of its range completes (rank 3, in
+    the same cross group, has its result) and then fails on rank 1 alone. Worker 1 has every range
+    reduced and steps them; worker 0 must step none (rank 0's range reduced fine): a worker's ranks
+    apply an outer step all together or not at all, so that every range of a worker holds the same
+    count of outer steps after a failure (what an elastic run carries its state on from)."""
+    import concurrent.futures
+
+    import hetcomm
+    from hetcomm.train import workers as workers_module
+
+    real, calls, box = workers_module.Workers.reduce_range, {"n": 0}, {}
+
+    def flaky(self, delta, weights, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 2:                        # (every rank: the state before this outer step)
+            d = box["diloco"]
+            box["before"] = (d._applied, [g.detach().clone() for g in d._global])
+        out = real(self, delta, weights, **kwargs)
+        if rank == 1 and calls["n"] == 2:
+            raise RuntimeError("simulated failure after rank 1's reduction")
+        return out
+
+    workers_module.Workers.reduce_range = flaky
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 16))
+    opt = torch.optim.SGD(net.parameters(), lr=0.01)
+    kwargs = {"sync": {}, "overlap": {"overlap": True}, "staggered": {"overlap": True, "fragments": 2}}[mode]
+    diloco = hetcomm.DiLoCo(net, opt, local_steps="fixed", steps=2, workers=[0, 0, 1, 1], shard_state=True,
+                            outer_optimizer=lambda ps: torch.optim.SGD(ps, lr=0.7, momentum=0.9), **kwargs)
+    box["diloco"] = diloco
+    g = torch.Generator().manual_seed(rank // 2)
+    error = None
+    for _ in range(12):
+        x = torch.randn(4, 16, generator=g)
+        nn.functional.mse_loss(net(x), x).backward()
+        opt.step()
+        opt.zero_grad()
+        try:
+            diloco.step(samples=4)
+        except Exception as e:  # noqa: BLE001 - the outcome is the test's
+            error = e
+        jobs = [f for f in diloco._background_jobs() if f is not None]
+        concurrent.futures.wait(jobs)               # (every rank the same calls: they stop alike)
+        error = error or next((f.exception() for f in jobs if f.exception() is not None), None)
+        if calls["n"] >= 2:
+            break
+    applied, before = box["before"]
+    out = {"error": None if error is None else f"{type(error).__name__}: {error}",
+           "applied": diloco._applied - applied,
+           "moved": any(not torch.equal(a, b) for a, b in zip(before, diloco._global))}
+    diloco.close()
+    return out
+
+
+@pytest.mark.parametrize("mode", ["sync", "overlap", "staggered"])
+def test_a_worker_steps_its_ranges_all_together_or_not_at_all(mode):
+    res = run_ranks(4, half_failed_share, mode, timeout=120)
+    assert "simulated failure" in (res[1]["error"] or ""), res
+    assert "another rank of this worker failed" in (res[0]["error"] or ""), res
+    for rank in (0, 1):
+        assert res[rank]["applied"] == 0 and not res[rank]["moved"], res
+    for rank in (2, 3):
+        assert res[rank]["error"] is None and res[rank]["applied"] == 1 and res[rank]["moved"], res

@@ -229,6 +229,13 @@ class Workers:
         dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.agree_group)
         return float(flag.item())
 
+    def all_ok(self, ok: bool, *, background: bool) -> bool:
+        """True if every rank of the worker says ``ok``: over the synchronisation's group from its
+        background thread, else over the training loop's."""
+        flag = torch.tensor([1.0 if ok else 0.0])
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.gather_group if background else self.agree_group)
+        return bool(flag.item() > 0)
+
     def all_have(self, have: bool) -> bool:
         """True if every rank of the worker has a batch for the next step."""
         flag = torch.tensor([1.0 if have else 0.0])

@@ -138,7 +138,9 @@ class Agreement:
         weights = outer_weights(self.weighting, table[_SAMPLES], table[_STEPS])
         if any_steps and any(w != 0.0 for w in weights):
             for f, (i, j, a, b) in enumerate(self._boundary):
-                part = self._reduce(delta[a:b], weights, self._feedback[f] if self._feedback is not None else None)
+                part = self._reduce_agreed(delta[a:b], weights,
+                                           self._feedback[f] if self._feedback is not None else None,
+                                           background=not timed)
                 # The outer step of this fragment's parameters alone (the others have no gradient).
                 for g, piece in zip(self._global[i:j], _flat.split(part, self._global[i:j])):
                     g.grad = piece.view(g.shape).to(g.dtype)

@@ -381,6 +381,29 @@ class ShardedState:
             return self._workers.reduce_range(delta, weights, codec=self._codec, feedback=feedback)
         return self._workers.reduce(delta, weights, codec=self._codec, feedback=feedback)
 
+    def _reduce_agreed(self, delta: torch.Tensor, weights: Sequence[float], feedback, *,
+                       background: bool) -> torch.Tensor:
+        """`_reduce`, then, with the state sharded over the worker's ranks, an agreement of the
+        worker's ranks that every one of them has its range reduced (a two-phase outer step): a
+        worker's ranks then step their ranges of the outer optimizer all together or not at all,
+        so that after a failure inside the reduction every range of a worker holds the same
+        count of outer steps (an elastic run carries the state on from them). A rank whose
+        reduction failed raises its error, the others of its worker one that names it."""
+        if self._layout is None or not self._layout.replicated or self._workers.size == 1:
+            return self._reduce(delta, weights, feedback)
+        error = None
+        try:
+            part = self._reduce(delta, weights, feedback)
+        except Exception as e:  # noqa: BLE001 - raised below, after the worker heard of it
+            error = e
+        ok = self._workers.all_ok(error is None, background=background)
+        if error is not None:
+            raise error
+        if not ok:
+            raise RuntimeError(f"{_PREFIX}: another rank of this worker failed its synchronisation (its error names "
+                               "the cause); no rank of this worker applied the outer step")
+        return part
+
     def state_bytes(self) -> int:
         """Bytes of the tensors this rank's DiLoCo keeps for the run, whatever holds them (global
         parameters, outer-optimizer state, start point, pseudo-gradients, scratch, quantisation

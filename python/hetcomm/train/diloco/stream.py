@@ -228,7 +228,8 @@ class Streams:
             weights = outer_weights(self.weighting, table[_F_SAMPLES], table[_F_STEPS])
             if any(s > 0 for s in table[_F_STEPS]) and any(w != 0.0 for w in weights):
                 i, j, _, _ = self._fragments[f]
-                part = self._reduce(delta, weights, self._feedback[f] if self._feedback is not None else None)
+                part = self._reduce_agreed(delta, weights, self._feedback[f] if self._feedback is not None else None,
+                                           background=not timed)
                 for g, piece in zip(self._global[i:j], _flat.split(part, self._global[i:j])):
                     g.grad = piece.view(g.shape).to(g.dtype)
                 self.outer_optimizer.step()

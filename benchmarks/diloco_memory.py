@@ -74,7 +74,8 @@ def _rank(rank: int, world: int, port: int, args, S: int, name: str, kwargs: dic
         # it steps on the same batch, so the averaging changes nothing but its buffers.
         membership = hetcomm.Elastic(store=store, worker_id=f"r{rank}", worker=f"w{labels[rank]}",
                                      job=f"{name}-{S}", min_workers=world, verbose=False)
-        diloco = hetcomm.DiLoCo(net, opt, membership=membership, local_steps="fixed", steps=2, **kwargs)
+        diloco = hetcomm.DiLoCo(net, opt, membership=membership, local_steps="fixed", steps=2,
+                                **({"shard_state": True} if args.shard_state else {}), **kwargs)
         diloco.join()
     else:
         diloco = hetcomm.DiLoCo(net, opt, local_steps="fixed", steps=2, workers=labels, inner_sync=False, **kwargs)
@@ -103,6 +104,8 @@ def main() -> None:
     ap.add_argument("--fragments", type=int, default=4)
     ap.add_argument("--membership", choices=["fixed", "elastic"], default="fixed",
                     help="a fixed group, or DiLoCo in generations over elastic membership (Elastic)")
+    ap.add_argument("--shard-state", action="store_true",
+                    help="--membership elastic: the state sharded over each worker's ranks (shard_state=True)")
     ap.add_argument("--json", required=True)
     args = ap.parse_args()
     settings = {"sync": {},

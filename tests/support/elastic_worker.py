@@ -74,6 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--collective-timeout", type=float, default=30.0, help="ElasticDiLoCo(collective_timeout=)")
     p.add_argument("--run", action="store_true",
                    help="hetcomm.DiLoCo(membership=hetcomm.Elastic(...)): DiLoCo in generations, with the options below")
+    p.add_argument("--shard-state", action="store_true", help="--run: the state sharded over each worker's ranks")
     p.add_argument("--worker", default=None, help="--run: the DiLoCo worker this process is a rank of")
     p.add_argument("--local-steps", default="fixed", help="--run: the local-step policy")
     p.add_argument("--overlap", action="store_true", help="--run: overlap=True")
@@ -191,7 +192,8 @@ def main(argv: list[str] | None = None) -> int:
         diloco = hetcomm.DiLoCo(model, opt, membership=membership, outer_optimizer=outer, steps=args.steps,
                                 local_steps=args.local_steps, compress=args.compress, overlap=args.overlap,
                                 fragments=args.fragments, overlap_steps=args.overlap_steps,
-                                error_feedback=args.compress in ("int8", "int4"))
+                                error_feedback=args.compress in ("int8", "int4"),
+                                **({"shard_state": True} if args.shard_state else {}))
     else:
         diloco = hetcomm.ElasticDiLoCo(model, opt, store=args.store, worker_id=args.id, job=args.job,
                                        outer_optimizer=outer, steps=args.steps, min_workers=args.min_workers,

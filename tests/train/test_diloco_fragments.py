@@ -123,7 +123,8 @@ def train_failing_in_one_rank_of_a_worker(rank: int, world: int, shard_state, ta
     """Workers [0, 1] and [2, 3]. Only rank 0's background reduction fails, at its last fragment
     (after that fragment's communication, so that no other rank is left waiting in it): rank 1,
     whose own reduction succeeded, must raise at the same step as rank 0 (before either moves onto
-    a partial update), and the other worker must not raise. The state sharded (each rank reduces
+    a partial update; with sharded state its job fails too, and steps nothing), and the other
+    worker must not raise. The state sharded (each rank reduces
     its share: no collective inside the worker would fail with it) or whole; moved on arrival or
     after τ steps."""
     import hetcomm
@@ -171,7 +172,9 @@ def train_failing_in_one_rank_of_a_worker(rank: int, world: int, shard_state, ta
 @pytest.mark.parametrize("shard_state,tau", [(None, None), (False, None), (None, 1)])
 def test_a_sync_that_fails_on_one_rank_of_a_worker_raises_on_all_its_ranks_at_once(shard_state, tau):
     res = run_ranks(4, train_failing_in_one_rank_of_a_worker, shard_state, tau, timeout=180)
-    assert [r["own_failed"] for r in res] == [True, False, False, False], res
+    # With sharded state rank 1's own job fails too: the worker's ranks agree, before stepping their
+    # ranges, that every range was reduced (a worker's ranges step all together or not at all).
+    assert [r["own_failed"] for r in res] == [True, shard_state is None, False, False], res
     assert "injected failure after fragment 2" in (res[0]["error"] or ""), res[0]
     assert "another rank of this worker failed" in (res[1]["error"] or ""), res[1]
     assert res[2]["error"] is None and res[3]["error"] is None, res[2:]

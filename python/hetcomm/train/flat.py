@@ -13,6 +13,40 @@ def fingerprint(flat: torch.Tensor) -> int:
     return int.from_bytes(digest, "little") >> 12
 
 
+_MIX = (0x9E3779B97F4A7C15 - (1 << 64), 0xBF58476D1CE4E5B9 - (1 << 64))    # (as signed 64-bit integers)
+
+
+@torch.no_grad()
+def additive_print(pieces: Sequence[torch.Tensor], starts: Sequence[int], chunk: int = 1 << 20) -> int:
+    """A hash of the elements of ``pieces`` and their positions in a flat vector (piece k's
+    first element at ``starts[k]``), modulo 2^64: the sum over the elements of a mix of the
+    element's bits and its position. A vector cut into shares anywhere hashes to the sum of its
+    shares' (mod 2^64), so that the ranks of a worker that each hold a share of the global
+    parameters have the hash of the whole from one small all-reduce (`print_bits` makes 52 bits
+    of it). Every element is hashed by its bits: -0.0 and 0.0 differ, so does every NaN."""
+    total = 0
+    for piece, start in zip(pieces, starts):
+        flat = piece.detach().reshape(-1).cpu()
+        if flat.element_size() not in (2, 4, 8):
+            raise TypeError(f"additive_print: {flat.dtype} is not a floating-point dtype of 2, 4 or 8 bytes")
+        bits_of = {2: torch.int16, 4: torch.int32, 8: torch.int64}[flat.element_size()]
+        for x in range(0, flat.numel(), chunk):
+            part = flat[x:x + chunk]
+            h = part.view(bits_of).to(torch.int64)
+            h = h + (torch.arange(start + x, start + x + part.numel(), dtype=torch.int64) + 1) * _MIX[0]
+            h = h ^ ((h >> 31) & 0x1FFFFFFFF)
+            h = h * _MIX[1]
+            h = h ^ ((h >> 29) & 0x7FFFFFFFF)
+            # (exact: each half of an element's hash < 2^32, and a chunk holds < 2^31 of them)
+            total += int((h & 0xFFFFFFFF).sum()) + (int(((h >> 32) & 0xFFFFFFFF).sum()) << 32)
+    return total % (1 << 64)
+
+
+def print_bits(total: int) -> int:
+    """52 bits of an `additive_print` (an integer a float64 carries exactly)."""
+    return (total % (1 << 64)) >> 12
+
+
 def split(flat: torch.Tensor, params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     """``flat`` cut into one 1-D piece per tensor of ``params`` (views)."""
     return list(flat.split([p.numel() for p in params]))

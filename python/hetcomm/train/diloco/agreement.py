@@ -164,7 +164,7 @@ class Agreement:
             busy, self._stream_busy = self._stream_busy, 0.0
             self._sync_wall = end - agreed + busy if self._background_syncs > 1 else 0.0
         if any_steps:
-            self._record(table, weights, round_index, plan)
+            self._record(table, weights, round_index, plan, background=not timed)
         return table, weights
 
     def _after_agreement(self, table: list[list[float]], ahead: bool = False) -> None:
@@ -197,9 +197,12 @@ class Agreement:
                              samples=sum(self._agreed_totals["samples"]) if samples is None else samples,
                              last_elapsed=self._last_elapsed)
 
-    def _record(self, table: list[list[float]], weights: list[float], round_index: int, plan: dict) -> None:
+    def _record(self, table: list[list[float]], weights: list[float], round_index: int, plan: dict, *,
+                background: bool) -> None:
         record = history_record(table, weights, round_index, plan)
-        if self._print_rounds:            # (whole state only: an elastic run does not shard)
+        if self._print_rounds == "additive":        # (an elastic run's state sharded over its workers' ranks)
+            record["fingerprint"] = self._global_print(background)
+        elif self._print_rounds:
             record["fingerprint"] = _flat.fingerprint(_flat.flatten(self._global))
         self._history.append(record)
 

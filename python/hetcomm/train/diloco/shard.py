@@ -404,6 +404,23 @@ class ShardedState:
                                "the cause); no rank of this worker applied the outer step")
         return part
 
+    def _piece_starts(self) -> list[int]:
+        """Where each tensor of ``_global`` starts in the flat model (its pieces' with sharded state)."""
+        if self._layout is None:
+            return _offsets(g.numel() for g in self._global)[:-1]
+        return [self._layout._full[t] + o for t, o, _ in self._layout.pieces]
+
+    def _global_print(self, background: bool) -> int:
+        """52 bits of `flat.additive_print` of the whole global parameters: with state sharded over
+        the worker's ranks, their shares' summed over the worker (a collective over it, on the
+        group of the thread that calls it: the synchronisation's from the ``background``)."""
+        total = _flat.additive_print(self._global, self._piece_starts())
+        if self._layout is not None and self._layout.replicated and self._workers.size > 1:
+            halves = torch.tensor([total & 0xFFFFFFFF, total >> 32], dtype=torch.float64)    # (sums exact)
+            dist.all_reduce(halves, group=self._workers.gather_group if background else self._workers.agree_group)
+            total = int(halves[0].item()) + (int(halves[1].item()) << 32)
+        return _flat.print_bits(total)
+
     def state_bytes(self) -> int:
         """Bytes of the tensors this rank's DiLoCo keeps for the run, whatever holds them (global
         parameters, outer-optimizer state, start point, pseudo-gradients, scratch, quantisation

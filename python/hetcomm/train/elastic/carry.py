@@ -99,6 +99,7 @@ class Round:
     cut: bool = False             # taken at a boundary a join cut (else after a failure)
     lost: "Lost | None" = None    # reductions sent and applied nowhere here (overlap)
     added: bool = False           # `resume_round` added them to the round
+    check: float | None = None    # with sharded state: the replica's sum (``delta`` is this rank's share's)
 
     def summary(self) -> tuple[int, float, float, int, int, bool, bool, int, float]:
         """steps, a float64 sum of the progress (equal over a worker's ranks), compute seconds, the
@@ -107,7 +108,8 @@ class Round:
         their pseudo-gradients."""
         flags = self.windows[2] if self.windows and len(self.windows[2]) <= _FIRED_BITS else []
         lost = self.lost
-        return (self.counts[0], float(torch.sum(self.delta, dtype=torch.float64)), self.counts[2],
+        total = self.check if self.check is not None else float(torch.sum(self.delta, dtype=torch.float64))
+        return (self.counts[0], total, self.counts[2],
                 sum(1 << f for f, x in enumerate(flags) if x), -1 if self.sending is None else self.sending, self.cut,
                 lost is not None, lost.counts[0] if lost is not None and lost.counts else 0,
                 lost.total() if lost is not None else 0.0)
@@ -176,46 +178,59 @@ def take_round(inner, applied_before: int, cut: bool = False) -> Round | None:
     windows = None
     if inner._stagger:
         windows = (list(inner._seen), [list(x) for x in inner._at_trigger], list(inner._fired))
+    sharded = inner._layout is not None and inner._layout.replicated and inner._workers.size > 1
     return Round(delta, (inner._r_steps, inner._r_samples, inner._r_compute, inner._r_loss, inner._r_loss_n),
                  windows, applied_before + inner._applied,
-                 None if inner._sending is None else applied_before + inner._sending, cut, lost)
+                 None if inner._sending is None else applied_before + inner._sending, cut, lost,
+                 check=inner._replica_print() if sharded else None)
 
 
-def decide(c: dict, applied: list[int], labels: list[int]) -> tuple[list[bool], list[bool]]:
+def decide(c: dict, applied: list[int], labels: list[int], sharded: bool = False) -> tuple[list[bool], list[bool]]:
     """Which ranks keep their carried round, and which add their lost reductions to it, from the
     generation's table (``c``: `start_table`'s "carried"; ``applied``: each rank's outer steps;
     ``labels``: each rank's worker). A rank's lost reductions go on where no member applied more
     outer steps than it did (else a member applied them: the state it sends holds them). A rank
     keeps its round unless the round was taken inside a reduction that the state now holds, or
     it is not finite, and a worker's ranks keep theirs only all together (the same steps and
-    progress, lost reductions included)."""
+    progress, lost reductions included). With the state sharded over the workers' ranks
+    (``sharded``) a rank keeps its round only where its worker applied the most outer steps (the
+    state it starts from is then the one it left), and lost reductions are not added."""
     world, best = len(labels), max(applied)
-    adds = [c["lost"][r] and applied[r] == best for r in range(world)]
+    adds = [c["lost"][r] and applied[r] == best and not sharded for r in range(world)]
     steps = [c["steps"][r] + (c["lost_steps"][r] if adds[r] else 0) for r in range(world)]
     sums = [c["sum"][r] + (c["lost_sum"][r] if adds[r] else 0.0) for r in range(world)]
 
     def whole(r: int) -> bool:
         return (c["steps"][r] >= 1 or adds[r]) and c["steps"][r] >= 0 and math.isfinite(sums[r]) \
-            and (c["sending"][r] < 0 or best <= c["sending"][r])
+            and (c["sending"][r] < 0 or best <= c["sending"][r]) and (not sharded or applied[r] == best)
     keep = [all(whole(q) and steps[q] == steps[r] and sums[q] == sums[r]
                 for q in range(world) if labels[q] == labels[r]) for r in range(world)]
     return keep, [a and k for a, k in zip(adds, keep)]
 
 
-def resume_round(inner, mine: Round | None, start: dict, labels: list[int]) -> bool:
+def resume_round(inner, mine: Round | None, start: dict, labels: list[int], sharded: dict | None = None) -> bool:
     """The carried round goes on in the new generation ``inner`` (its global parameters loaded),
     decided alike on every rank from ``start`` (`start_table`): a rank keeps its round unless it
     was taken inside a reduction that the state now holds (a holder applied more outer steps
     since), and a worker's ranks keep theirs only all together (the same steps and progress).
     Whoever keeps it moves its replica onto the new global parameters by what it carries. Every
     rank skips the fragments every keeper fired this round; the ``time`` policy's round started
-    when the longest-carried round did. Returns whether this rank kept its round."""
+    when the longest-carried round did. Returns whether this rank kept its round. With the state
+    sharded over the workers' ranks (``sharded``: what `elastic.sharded.load` returned), the
+    replicas are set by `elastic.sharded.resume` (a collective)."""
     c = start["carried"]
     world = len(labels)
-    keep, adds = decide(c, start["applied"], labels)
+    keep, adds = decide(c, start["applied"], labels, sharded is not None)
     me = dist.get_rank()
+    if sharded is not None:
+        from hetcomm.train.elastic.sharded import resume
+        keep = resume(inner, mine, keep, labels, sharded)
     kept = keep[me] and mine is not None
-    if kept:
+    if kept and sharded is not None:
+        (inner._r_steps, inner._r_samples, inner._r_compute, inner._r_loss, inner._r_loss_n) = mine.counts
+        if inner._stagger and mine.windows is not None:
+            inner._seen, inner._at_trigger = list(mine.windows[0]), [list(x) for x in mine.windows[1]]
+    elif kept:
         delta, counts, windows = mine.delta, mine.counts, mine.windows
         if adds[me] and mine.lost is not None:
             delta, counts, windows = _with_lost(mine)
@@ -295,3 +310,24 @@ def _num(value) -> float:
 
 def _positive(value: float) -> float | None:
     return value if 0 < value <= _LONGEST else None
+
+
+def seed_policy(inner, names: list[str], step_times: dict, policy_state: dict | None) -> None:
+    """The step times measured in earlier generations (by worker name, ``names`` the generation's
+    workers') and the ``time`` policy's round length: the generation ``inner`` plans its first
+    round from them instead of measuring again (a worker never measured counts as the slowest
+    measured one, and is measured in that round)."""
+    times = inner._times
+    for label, name in enumerate(names):
+        if name in step_times:
+            times._t[label], times._windows[label], times._n[label] = step_times[name]
+    if policy_state is not None and isinstance(inner._policy, TimeSteps):
+        inner._policy.load_state_dict(policy_state)
+        if not inner.overlap:
+            inner._policy.sync_seconds = None
+    if times.estimates() is None:
+        return
+    inner._policy.agreed(times)
+    inner._policy.start_round(inner._clock())
+    inner._plan_triggers()
+    inner._mark = inner._clock()

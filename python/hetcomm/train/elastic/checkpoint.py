@@ -42,6 +42,9 @@ def save(run, generation_start: bool = False) -> dict:
     with overlap it blocks until the synchronisation in flight has landed."""
     if not run._holds:
         raise RuntimeError(f"{_PREFIX}: state_dict() before this worker was admitted (it holds no state yet)")
+    if getattr(run, "_sharded", False):
+        raise RuntimeError(f"{_PREFIX}: state_dict() of a run whose state is sharded over its workers' ranks "
+                           "(shard_state=True) is not supported yet: construct it with shard_state=False to checkpoint")
     if run._torn:
         raise RuntimeError(f"{_PREFIX}: state_dict() after close() while a synchronisation was still running: "
                            "the global parameters may be half updated; keep the last checkpoint")

@@ -183,8 +183,9 @@ class Epochs(JoinRecords, Eras):
         """What a worker must share with the run to be admitted: the model's layout, the outer
         optimizer, the weighting, the compression, the backend and (for hetcomm) the settings
         every rank of a group must agree on."""
-        shapes = ";".join(",".join(map(str, g.shape)) for g in self._global)
-        return {"model": f"{len(self._global)} tensors, {sum(g.numel() for g in self._global)} elements in "
+        # (the model's: a run with sharded state keeps pieces of its tensors)
+        shapes = ";".join(",".join(map(str, p.shape)) for p in self._params)
+        return {"model": f"{len(self._params)} tensors, {sum(p.numel() for p in self._params)} elements in "
                          f"{str(self._master).removeprefix('torch.')}, shapes "
                          f"{hashlib.sha256(shapes.encode()).hexdigest()[:12]}",
                 "outer optimizer": type(self.outer_optimizer).__name__, "weighting": self.weighting,

@@ -240,7 +240,7 @@ class Generation:
         col = list(column)
         holds = self._me in decision["holders"]
         # (a member whose state comes later has nothing to show: 0, not compared)
-        col[_PRINT] = float(_fingerprint(self._flatten_global())) if holds or self._state_deferred is None else 0.0
+        col[_PRINT] = self._epoch_print() if holds or self._state_deferred is None else 0.0
         col[_HOLDS] = 1.0 if holds else 0.0
         table = exchange_columns(col)
         self._agree_on_budgets(decision, table)
@@ -260,6 +260,10 @@ class Generation:
             return table, None
         x = delta if delta is not None else torch.zeros(self._start.numel(), dtype=torch.float32)
         return table, _compress.weighted_allreduce(x, weights, codec=self._codec, finite_checked=True)
+
+    def _epoch_print(self) -> float:
+        """What the epoch compares over the members that hold the run's state."""
+        return float(_fingerprint(self._flatten_global()))
 
     def _weights(self, table: list[list[float]]) -> list[float]:
         """The outer update's weights. Under ``batch`` and ``uniform``, which weigh every member

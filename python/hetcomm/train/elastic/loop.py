@@ -448,7 +448,7 @@ class ElasticDiLoCo(Epochs, EarlyJoin, Generation, _flat.FlatParameters):
         col[_FINITE] = 1.0 if math.isfinite(total) else 0.0
         col[_MAX_ROUNDS] = self._budgets.get("max_rounds", 0)
         col[_MAX_SAMPLES] = self._budgets.get("max_samples", 0)
-        col[_CONFIG] = float(zlib.crc32(f"{self._codec_name}, numel={self._start.numel()}".encode()))
+        col[_CONFIG] = float(zlib.crc32(f"{self._codec_name}, numel={sum(p.numel() for p in self._params)}".encode()))
         return col
 
     def _check_budgets(self) -> None:

@@ -33,7 +33,7 @@ overlap, the reductions in flight that a failure leaves unapplied on every membe
 round (`carry.Lost`).
 
 The step times the policies measured and the ``time`` policy's round length carry over to the
-next generation (`_seed_policy`); the quantisation residuals (error feedback) do not. What a
+next generation (`carry.seed_policy`); the quantisation residuals (error feedback) do not. What a
 generation starts from is agreed over its group, never unpickled and never taken from the store
 alone (`hetcomm.train.elastic.carry`).
 A worker of several ranks (``Elastic(worker=...)``, the same name on each of its ranks) clears
@@ -55,8 +55,9 @@ from hetcomm.train.diloco.agreement import NonFinite
 from hetcomm.train.diloco.loop import DiLoCo
 from hetcomm.train.diloco.outer import default_outer_optimizer
 from hetcomm.train.diloco.shard import reachable_bytes
-from hetcomm.train.elastic import checkpoint as _checkpoint, handover, watchdog
-from hetcomm.train.elastic.carry import Round, encode_name, resume_round, share_timing, start_table, take_round
+from hetcomm.train.elastic import checkpoint as _checkpoint, handover, sharded, watchdog
+from hetcomm.train.elastic.carry import (Round, encode_name, resume_round, seed_policy, share_timing, start_table,
+                                         take_round)
 from hetcomm.train.elastic.common import _MAX_ABORTS, _PREFIX, _read_ended
 from hetcomm.train.elastic.loop import ElasticDiLoCo
 from hetcomm.train.elastic.options import Elastic
@@ -110,11 +111,14 @@ class ElasticRun(RunEpochs, ElasticDiLoCo):
                  ema: float = 0.3, threshold: float = 0.01, inner_sync: bool = True,
                  worker_backend: str | None = None, **fixed_only) -> None:
         for name, value in fixed_only.items():
-            if name in ("group", "workers", "clock") or (name == "shard_state" and value):
+            if name in ("group", "workers", "clock"):
                 raise ValueError(f"{_PREFIX}: {name}= is not an option of an elastic run (the generations form "
-                                 "their groups; a worker is named by Elastic(worker=...); the state is whole)")
+                                 "their groups; a worker is named by Elastic(worker=...))")
             if name != "shard_state":
                 raise TypeError(f"{_PREFIX}: unknown argument {name!r}")
+        shard_state = fixed_only.get("shard_state")
+        if shard_state is not None and not isinstance(shard_state, bool):
+            raise TypeError(f"{_PREFIX}: shard_state must be True, False or None, got {shard_state!r}")
         if not inner_sync:
             raise ValueError(f"{_PREFIX}: inner_sync=False is not an option of an elastic run (its groups change "
                              "with every generation: DiLoCo averages a worker's gradients itself)")
@@ -126,6 +130,8 @@ class ElasticRun(RunEpochs, ElasticDiLoCo):
         worker = m.worker
         if worker is not None and (not isinstance(worker, str) or not worker or "#" in worker):
             raise ValueError(f"{_PREFIX}: Elastic(worker=) must be a non-empty name without '#', got {worker!r}")
+        # State sharded over each worker's ranks (`sharded`): this rank's share, (1, 0) the whole.
+        self._sharded, self._share, self._model_global = bool(shard_state), (1, 0), False
         super().__init__(model, inner_optimizer, store=m.store, worker_id=m.worker_id, job=m.job, steps=steps,
                          outer_optimizer=outer_optimizer, weighting=weighting, compress=compress, block=block,
                          min_workers=m.min_workers, heartbeat=m.heartbeat, timeout=m.timeout,
@@ -193,6 +199,7 @@ class ElasticRun(RunEpochs, ElasticDiLoCo):
                     if inner._carry_round:             # (a join: the round goes on in the next generation)
                         self._carry = take_round(inner, self._base[1], cut=True)
                     inner.finish()
+                    self._model_global = True          # (finish left the global parameters in the model)
                     ended = True
             except StoreUnreachable:
                 raise
@@ -242,6 +249,7 @@ class ElasticRun(RunEpochs, ElasticDiLoCo):
                 try:
                     inner.finish()
                     self._inner = None
+                    self._model_global = True
                     self._carry_out(inner)
                 except (RuntimeError, NonFinite) as e:
                     self._log(f"leaving without synchronising its last round (the synchronisation failed: "
@@ -304,11 +312,16 @@ class ElasticRun(RunEpochs, ElasticDiLoCo):
         return out
 
     def fingerprint(self) -> int:
-        """A hash of the global parameters (equal on every member between rounds)."""
+        """A hash of the global parameters (equal on every member between rounds; with sharded
+        state, `flat.additive_print`'s, as in the rounds' records, and after the run only)."""
+        if self._sharded:
+            return sharded.fingerprint(self.global_parameters())
         source = self._inner._global if self._inner is not None else self._global
         return _flat.fingerprint(_flat.flatten(source))
 
     def global_parameters(self) -> list[torch.Tensor]:
+        if self._sharded and (self._inner is not None or self._share != (1, 0)):
+            return sharded.global_parameters(self)
         source = self._inner._global if self._inner is not None else self._global
         return [g.detach() for g in source]
 
@@ -404,17 +417,23 @@ class ElasticRun(RunEpochs, ElasticDiLoCo):
         self._step_times = {**{k: v for k, v in self._step_times.items() if k not in self._workers_names}, **shared}
         if labels.count(labels[dist.get_rank()]) > 1 and self.inner_optimizer is not None:
             self.inner_optimizer.state.clear()     # a worker's ranks start from identical replicas
+        self._model_global = False
         inner = _Generation(self.model, self.inner_optimizer, outer_optimizer=self._factory, workers=labels,
-                       shard_state=False, **self._options)
+                            shard_state=None if self._sharded else False, **self._options)
         self._phases.mark("diloco")                # (its state, its groups: with overlap, one more)
         try:
-            with torch.no_grad():
-                for mine, g in zip(inner._global, self._global):
-                    mine.copy_(g)
-                inner._start.copy_(inner._flatten_global())
-            inner.outer_optimizer.load_state_dict(copy.deepcopy(self.outer_optimizer.state_dict()))
-            self._seed_policy(inner)
-            kept = resume_round(inner, self._carry, start, labels)
+            shares = None
+            if self._sharded:                      # (the shares move from the holders: `sharded`)
+                shares = sharded.load(self, inner, self._decision)
+                self._phases.mark("state")
+            else:
+                with torch.no_grad():
+                    for mine, g in zip(inner._global, self._global):
+                        mine.copy_(g)
+                    inner._start.copy_(inner._flatten_global())
+                inner.outer_optimizer.load_state_dict(copy.deepcopy(self.outer_optimizer.state_dict()))
+            seed_policy(inner, self._workers_names, self._step_times, self._policy_state)
+            kept = resume_round(inner, self._carry, start, labels, sharded=shares)
         except BaseException:
             inner.close()
             raise
@@ -423,7 +442,7 @@ class ElasticRun(RunEpochs, ElasticDiLoCo):
         self._carry = None
         inner._reform = self._wants_reform
         inner._defer_hook_errors = True
-        inner._print_rounds = True
+        inner._print_rounds = "additive" if self._sharded else True
         self._base = (self._round, self._applied_total, self._gen)
         inner._budgets = self._inner_budgets()
         try:
@@ -434,6 +453,7 @@ class ElasticRun(RunEpochs, ElasticDiLoCo):
         # While the generation runs, the run's state is its DiLoCo's: one copy on this rank, not
         # two (`_carry_out` keeps it when the generation ends).
         self._global, self.outer_optimizer, self._start = inner._global, inner.outer_optimizer, inner._start
+        self._share = sharded.share_of(inner)
         return inner
 
     def _inner_budgets(self) -> dict[str, float]:
@@ -443,26 +463,6 @@ class ElasticRun(RunEpochs, ElasticDiLoCo):
         return {"max_rounds": float(max(1, limit_r - self._base[0])) if limit_r else 0.0,
                 "max_samples": float(max(1, limit_s - self._samples_total)) if limit_s else 0.0,
                 "max_seconds": 0.0}
-
-    def _seed_policy(self, inner: DiLoCo) -> None:
-        """The step times measured in earlier generations (by worker name) and the ``time``
-        policy's round length: the generation plans its first round from them instead of
-        measuring again (a worker never measured counts as the slowest measured one, and is
-        measured in that round)."""
-        times = inner._times
-        for label, name in enumerate(self._workers_names):
-            if name in self._step_times:
-                times._t[label], times._windows[label], times._n[label] = self._step_times[name]
-        if self._policy_state is not None and isinstance(inner._policy, TimeSteps):
-            inner._policy.load_state_dict(self._policy_state)
-            if not inner.overlap:
-                inner._policy.sync_seconds = None
-        if times.estimates() is None:
-            return
-        inner._policy.agreed(times)
-        inner._policy.start_round(inner._clock())
-        inner._plan_triggers()
-        inner._mark = inner._clock()
 
     def _renumber(self, record: dict) -> dict:
         base_round, _, gen = self._base

@@ -7,7 +7,7 @@ from __future__ import annotations
 import re
 import time
 
-from hetcomm.train.elastic import handover
+from hetcomm.train.elastic import handover, sharded
 
 _INCARNATION = re.compile(r"[^#]{1,256}#[0-9a-f]{8}")    # `<worker_id>#<nonce>`, as ElasticDiLoCo names them
 
@@ -16,7 +16,7 @@ class RunEpochs:
     """The epoch hooks of `ElasticRun` (a mixin before `ElasticDiLoCo`)."""
 
     def _config(self) -> dict:
-        return {**super()._config(), "diloco": repr(sorted(self._options.items()))}
+        return {**super()._config(), "diloco": repr(sorted({**self._options, "shard_state": self._sharded}.items()))}
 
     def _attempt(self, decision: dict, delta, column: list[float]) -> bool:
         self._state_deferred = None
@@ -27,6 +27,9 @@ class RunEpochs:
         super()._new_incarnation()
 
     def _transfer(self, decision: dict) -> None:
+        if self._sharded:                          # (the shares move when the generation starts)
+            sharded.send_meta(self, decision)
+            return
         if handover.deferred(self, decision):
             self._state_deferred = decision        # sent once the generation runs (`handover`)
             return
@@ -36,6 +39,13 @@ class RunEpochs:
         super()._apply(decision, table, reduced)
         if self._state_deferred is not None and self._me not in decision["holders"]:
             self._holds = False                    # until its state has landed (`handover`)
+
+    def _epoch_print(self) -> float:
+        return 0.0 if self._sharded else super()._epoch_print()    # (shares: compared in `sharded.load`)
+
+    def _load_global(self) -> None:
+        if self._share == (1, 0):                  # (a share is loaded into the model by `sharded.load`)
+            super()._load_global()
 
     def _arrival(self) -> dict:
         return {**super()._arrival(), "applied": self._applied_total}

@@ -1,0 +1,263 @@
+"""An elastic run's state sharded over its workers' ranks (``hetcomm.DiLoCo(..., membership=
+hetcomm.Elastic(...), shard_state=True)``): each generation's DiLoCo keeps, on each rank of a
+worker, only that rank's share of the global parameters and of the outer optimizer's state
+(`diloco.shard.Layout`), and the run keeps nothing beside it. When the generation ends, the
+shares stay where they are; the next generation, whose shares may differ (the smallest worker's
+size, a rank's index in its worker, members gone or new), gets them from the members that hold
+them (`load`):
+
+* The epoch names the holders, the members that applied the most outer steps (a worker's ranks
+  step their ranges all together or not at all: `DiLoCo._reduce_agreed`, so every range of a
+  holder is at that count). Each member says which share it holds and which it needs; the moves
+  (`reshard.plan`) take every range a member needs from a holder of it, point to point over the
+  generation's group (`reshard.move`): the global parameters, then each tensor of the outer
+  optimizer's state, and its scalars (Adam's step) as a field of their own. A range no holder
+  has left (every rank that held it is gone) ends the run with a ValueError naming it.
+* The members then compare what they received: ranks holding the same share must hold the same
+  bits (`flat.additive_print`), or every rank raises.
+* The epoch itself sends only the run's metadata (round, samples, history, membership) to the
+  members without the state (`send_meta`), and no fingerprint of the global parameters; the
+  rounds' records carry the hash of the whole global parameters, summed from the shares over
+  each worker (`DiLoCo._global_print`).
+* A rank carries its round on into the next generation only where the state it starts from did
+  not move for its worker (its worker applied the holders' count of outer steps): its replica is
+  then the new global parameters less what it carries, and it is left as it is. Every other
+  worker's ranks start from the new global parameters: each writes its share into its replica
+  and the worker's ranks exchange them. Reductions in flight that a failure left unapplied
+  (`carry.Lost`) are dropped, not carried: their pseudo-gradients lie in the old shares.
+
+Not yet: checkpoints of such a run (`state_dict` raises), and the transfer to joiners in the
+generation's background (`handover`): the shares move when the generation starts.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+
+from hetcomm.train import flat as _flat
+from hetcomm.train.diloco.shard import _offsets
+from hetcomm.train.elastic.common import _PREFIX
+from hetcomm.train.elastic.generation import _broadcast_meta
+from hetcomm.train.elastic.reshard import Share, intervals, move, plan
+from hetcomm.train.partition import exchange_columns
+
+# The most workers' shards a share may name (a member that sends more is not believed).
+_MAX_SHARDS = 1 << 16
+
+
+def share_of(inner) -> tuple[int, int | None]:
+    """(shards, index) of what a generation's DiLoCo keeps: (1, 0) for the whole state."""
+    layout = inner._layout
+    return (1, 0) if layout is None else (layout.shards, layout.index)
+
+
+def whole_fragments(inner) -> list[tuple[int, int, int, int]]:
+    return list(inner._layout.whole) if inner._layout is not None else list(inner._fragments)
+
+
+def global_parameters(run) -> list[torch.Tensor]:
+    """`ElasticRun.global_parameters` while a rank holds a share: the model's parameters once the
+    run has finished (`DiLoCo.finish` left the global parameters there), else a RuntimeError."""
+    if run._inner is not None or not run._model_global:
+        raise RuntimeError(f"{_PREFIX}: global_parameters() of a run whose state is sharded over its workers' ranks: "
+                           "this rank holds only its share until the run has finished")
+    return [p.detach().to("cpu", run._master).clone() for p in run._params]
+
+
+def fingerprint(whole: list[torch.Tensor]) -> int:
+    """The rounds' hash (`DiLoCo._global_print`) of whole global parameters."""
+    return _flat.print_bits(_flat.additive_print(whole, _offsets(g.numel() for g in whole)[:-1]))
+
+
+def send_meta(run, decision: dict) -> None:
+    """The epoch's transfer with sharded state: the first holder's round, samples, history and
+    membership records to every member (the state itself moves when the generation starts)."""
+    members, first = decision["members"], decision["holders"][0]
+    mine = run._me == first
+    meta = {"round": run._round, "samples_total": run._samples_total, "history": list(run._history),
+            "membership": list(run._events), "codec": run._codec_name,
+            "shapes": [list(p.shape) for p in run._params]} if mine else None
+    meta = _broadcast_meta(meta, members.index(first))
+    if mine:
+        return
+    shapes = [list(p.shape) for p in run._params]
+    if meta.get("shapes") != shapes or meta.get("codec") != run._codec_name:
+        raise ValueError(f"{_PREFIX}: this worker cannot join: the run's model has parameter shapes "
+                         f"{meta.get('shapes')} and {meta.get('codec')}; this worker's {shapes} and {run._codec_name}")
+    if not (all(isinstance(meta.get(k), int) and not isinstance(meta[k], bool) and meta[k] >= 0
+                for k in ("round", "samples_total"))
+            and all(isinstance(meta.get(k), list) and all(isinstance(r, dict) for r in meta[k])
+                    for k in ("history", "membership"))):
+        raise ValueError(f"{_PREFIX}: this worker cannot join: the holders announced a malformed state (round, "
+                         "samples, history or membership)")
+    run._round, run._samples_total = meta["round"], meta["samples_total"]
+    own = [e for e in run._events if e.get("worker") == run.worker_id and e not in meta["membership"]]
+    run._history, run._events = list(meta["history"]), list(meta["membership"]) + own
+
+
+def _layouts(col: list[float], world: int) -> list[tuple[int, int | None]]:
+    out = []
+    for r in range(world):
+        shards, index = col[0][r], col[1][r]
+        if not (math.isfinite(shards) and shards == int(shards) and 0 <= shards <= _MAX_SHARDS
+                and math.isfinite(index) and index == int(index) and -1 <= index < max(shards, 1)):
+            raise ValueError(f"{_PREFIX}: rank {r} of the generation named share {index!r} of {shards!r} (a corrupted "
+                             "or malicious member)")
+        out.append((int(shards), None if index < 0 else int(index)))
+    return out
+
+
+def _optimizer_meta(run) -> dict:
+    """What the outer optimizer keeps per tensor, by key: per element (a tensor of the piece's
+    shape), or one value (a 0-d tensor, or a number)."""
+    keys: dict[str, list] = {}
+    for p in run._global:
+        for k, v in run.outer_optimizer.state.get(p, {}).items():
+            if isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape == p.shape:
+                kind = ["tensor", str(v.dtype)]
+            elif isinstance(v, torch.Tensor) and v.dim() == 0 and p.dim() > 0:
+                kind = ["scalar", str(v.dtype)]
+            elif isinstance(v, (int, float)) and not isinstance(v, bool):
+                kind = ["number", type(v).__name__]
+            elif isinstance(v, torch.Tensor) and p.dim() == 0:
+                continue                       # (a 0-d parameter's state says nothing of the key's kind)
+            else:
+                raise ValueError(f"{_PREFIX}: the outer optimizer keeps {k!r} of a kind the state cannot be sharded "
+                                 f"by ({type(v).__name__}): use shard_state=False")
+            if keys.setdefault(k, kind) != kind:
+                raise ValueError(f"{_PREFIX}: the outer optimizer keeps {k!r} as {keys[k]} and as {kind}")
+    return {"keys": sorted([k, *kind] for k, kind in keys.items())}
+
+
+def _dtype(name) -> torch.dtype:
+    dtype = getattr(torch, str(name).removeprefix("torch."), None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"{_PREFIX}: the holders named {name!r} as a dtype")
+    return dtype
+
+
+@torch.no_grad()
+def load(run, inner, decision: dict) -> dict:
+    """Collective over the generation's group, at its start: ``inner`` (the generation's DiLoCo)
+    gets its share of the global parameters and of the outer optimizer's state from the holders
+    of the run's state (``run._global``, ``run.outer_optimizer``: their shares,
+    ``run._share``), and its start point; the members check that equal shares are equal.
+    Returns what `resume` needs: every rank's new share, and the share of the round it carries."""
+    members, me = decision["members"], dist.get_rank()
+    world = len(members)
+    holders = {members.index(h) for h in decision["holders"]}
+    old = run._share if me in holders else None
+    new = share_of(inner)
+    whole = whole_fragments(inner)
+    carry = run._share if run._carry is not None else None
+    table = exchange_columns([old[0] if old else 0, -1 if old is None or old[1] is None else old[1],
+                              new[0], -1 if new[1] is None else new[1],
+                              carry[0] if carry else 0, -1 if carry is None or carry[1] is None else carry[1]])
+    olds, news, carries = _layouts(table[0:2], world), _layouts(table[2:4], world), _layouts(table[4:6], world)
+    if news[me] != new:
+        raise ValueError(f"{_PREFIX}: the generation's exchange of shares lost this rank's")
+    sources = {r: olds[r] for r in sorted(holders) if olds[r][0] >= 1}
+    moves = plan(sources, dict(enumerate(news)), whole)
+    source = Share(whole, *old) if old is not None else None
+    dest = Share(whole, *new)
+    held = list(run._global) if old is not None else None
+    into = list(inner._global)
+    move(moves, dtype=inner._master, source=source, held=held, dest=dest, into=into)
+    # The outer optimizer's state, key by key, from the first holder's list of keys.
+    first = min((r for r, lay in sources.items() if intervals(whole, *lay)), default=None)
+    if first is None:
+        raise ValueError(f"{_PREFIX}: no member holds the run's state")
+    meta = _broadcast_meta(_optimizer_meta(run) if me == first else None, first)
+    keys = meta.get("keys")
+    if not isinstance(keys, list) or not all(isinstance(k, list) and len(k) == 3 and all(isinstance(x, str) for x in k)
+                                             for k in keys):
+        raise ValueError(f"{_PREFIX}: the holders announced a malformed outer optimizer state")
+    state_of = run.outer_optimizer.state if old is not None else {}
+    present = [torch.empty(q.numel(), dtype=torch.uint8) for q in into]
+    move(moves, dtype=torch.uint8, source=source, dest=dest, into=present,
+         held=[torch.full((p.numel(),), 1 if state_of.get(p) else 0, dtype=torch.uint8) for p in held]
+         if held is not None else None)
+    values: dict[str, list[torch.Tensor]] = {}
+    for name, kind, dtype_name in keys:
+        dtype = _dtype(dtype_name) if kind != "number" else torch.float64
+        if kind == "tensor":
+            mine = [state_of[p][name].reshape(-1) if name in state_of.get(p, {}) else torch.zeros(p.numel(), dtype=dtype)
+                    for p in held] if held is not None else None
+        else:
+            mine = [torch.full((p.numel(),), float(state_of[p][name]) if name in state_of.get(p, {}) else math.nan,
+                               dtype=torch.float64) for p in held] if held is not None else None
+        values[name] = [torch.empty(q.numel(), dtype=dtype if kind == "tensor" else torch.float64) for q in into]
+        move(moves, dtype=dtype if kind == "tensor" else torch.float64, source=source, held=mine, dest=dest,
+             into=values[name])
+    opt = inner.outer_optimizer
+    for i, q in enumerate(into):
+        if q.numel() == 0 or not bool(present[i].any()):
+            continue
+        if not bool(present[i].all()):
+            raise ValueError(f"{_PREFIX}: the holders' outer optimizer state covers part of a tensor only")
+        entry = {}
+        for name, kind, dtype_name in keys:
+            v = values[name][i]
+            if kind == "tensor":
+                entry[name] = v.view(q.shape)
+                continue
+            if not bool((v == v[0]).all()):
+                raise ValueError(f"{_PREFIX}: the holders' outer optimizer state has several values of {name!r} in "
+                                 "one tensor")
+            entry[name] = (torch.tensor(float(v[0]), dtype=_dtype(dtype_name)) if kind == "scalar"
+                           else int(v[0]) if dtype_name == "int" else float(v[0]))
+        opt.state[q] = entry
+    inner._start.copy_(inner._flatten_global())
+    _check(inner, news)
+    return {"news": news, "carries": {r: c for r, c in enumerate(carries) if c[0] >= 1}, "whole": whole}
+
+
+@torch.no_grad()
+def resume(inner, mine, keep: list[bool], labels: list[int], shares: dict) -> list[bool]:
+    """Collective over the generation's group (`carry.resume_round`, sharded): the replicas of the
+    workers that keep their round become the new global parameters less what they carry (each
+    rank carries it on its old share: the worker's ranks move it onto their new shares, `reshard`),
+    the others' the new global parameters; then each worker's ranks exchange their shares of the
+    replica. A worker whose ranks' old shares do not cover the model (one of them is gone) does
+    not keep its round. Returns ``keep`` so corrected (the same on every rank)."""
+    keep, me, whole = list(keep), dist.get_rank(), shares["whole"]
+    news, carries = shares["news"], shares["carries"]
+    moves = []
+    for label in dict.fromkeys(labels):
+        ranks = [r for r, x in enumerate(labels) if x == label]
+        if not keep[ranks[0]]:
+            continue
+        try:
+            moves += plan({r: carries[r] for r in ranks if r in carries}, {r: news[r] for r in ranks}, whole)
+        except ValueError:                     # (what it carries is no longer whole)
+            for r in ranks:
+                keep[r] = False
+    carried = None
+    if keep[me] and me in carries and mine is not None:
+        carried = [torch.empty(q.numel(), dtype=inner._master) for q in inner._global]
+        move(moves, dtype=inner._master, source=Share(whole, *carries[me]), held=[mine.delta],
+             dest=Share(whole, *news[me]), into=carried)
+    else:
+        move(moves, dtype=inner._master, source=None, held=None, dest=None, into=None)
+    if carried is not None:
+        _flat.load(inner._params, [g.detach().reshape(-1) - d for g, d in zip(inner._global, carried)])
+    else:
+        _flat.load(inner._params, inner._global)
+    inner._share(range(len(inner._fragments)))
+    return keep
+
+
+def _check(inner, news: list[tuple[int, int | None]]) -> None:
+    """Ranks that hold the same share hold the same bits, or every rank raises."""
+    total = _flat.additive_print(inner._global, inner._piece_starts())
+    table = exchange_columns([float(total & 0xFFFFFFFF), float(total >> 32)])
+    seen: dict[tuple[int, int], tuple[float, float]] = {}
+    for r, (shards, index) in enumerate(news):
+        if index is None:
+            continue
+        mine = (table[0][r], table[1][r])
+        if seen.setdefault((shards, index), mine) != mine:
+            raise ValueError(f"{_PREFIX}: the members' shares {index} of {shards} of the global parameters differ after "
+                             "the state moved: a bug, please report it")

@@ -454,6 +454,7 @@ class ElasticRun(RunEpochs, ElasticDiLoCo):
         # two (`_carry_out` keeps it when the generation ends).
         self._global, self.outer_optimizer, self._start = inner._global, inner.outer_optimizer, inner._start
         self._share = sharded.share_of(inner)
+        self._holds = True                 # (with sharded state, a member without it until now: once it is in)
         return inner
 
     def _inner_budgets(self) -> dict[str, float]:

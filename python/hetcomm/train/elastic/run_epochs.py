@@ -37,8 +37,8 @@ class RunEpochs:
 
     def _apply(self, decision: dict, table: list[list[float]], reduced) -> None:
         super()._apply(decision, table, reduced)
-        if self._state_deferred is not None and self._me not in decision["holders"]:
-            self._holds = False                    # until its state has landed (`handover`)
+        if (self._state_deferred is not None or self._sharded) and self._me not in decision["holders"]:
+            self._holds = False                    # until its state has landed (`handover`, `sharded.load`)
 
     def _epoch_print(self) -> float:
         return 0.0 if self._sharded else super()._epoch_print()    # (shares: compared in `sharded.load`)

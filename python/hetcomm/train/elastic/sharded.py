@@ -131,6 +131,34 @@ def _optimizer_meta(run) -> dict:
     return {"keys": sorted([k, *kind] for k, kind in keys.items())}
 
 
+# The dtypes a sharded outer optimizer's state may hold, and how many keys it may have.
+_DTYPES = {"torch.float64", "torch.float32", "torch.bfloat16", "torch.float16", "torch.int64", "torch.int32",
+           "torch.int16", "torch.int8", "torch.uint8", "torch.bool"}
+_MAX_KEYS = 16
+
+
+def _bad_keys(keys, state_of, held) -> str | None:
+    """Why the announced keys of the outer optimizer's state are not usable here, or None."""
+    if not (isinstance(keys, list) and len(keys) <= _MAX_KEYS
+            and all(isinstance(k, list) and len(k) == 3 and all(isinstance(x, str) for x in k) for k in keys)):
+        return f"the holders announced a malformed list of its keys (at most {_MAX_KEYS})"
+    if len({k[0] for k in keys}) != len(keys):
+        return "the holders announced a key twice"
+    for name, kind, dtype in keys:
+        if not ((kind in ("tensor", "scalar") and dtype in _DTYPES) or (kind == "number" and dtype in ("int", "float"))):
+            return f"the holders announced {name!r} as a {kind} of {dtype}"
+        for p in held or []:
+            v = state_of.get(p, {}).get(name)
+            if v is None:
+                continue
+            if kind == "tensor" and not (isinstance(v, torch.Tensor) and v.shape == p.shape and str(v.dtype) == dtype):
+                return f"this holder keeps {name!r} as other than a {dtype} tensor of its parameter's shape"
+            if kind != "tensor" and not ((isinstance(v, torch.Tensor) and v.dim() == 0)
+                                         or (isinstance(v, (int, float)) and not isinstance(v, bool))):
+                return f"this holder keeps {name!r} as other than one value"
+    return None
+
+
 def _dtype(name) -> torch.dtype:
     dtype = getattr(torch, str(name).removeprefix("torch."), None)
     if not isinstance(dtype, torch.dtype):
@@ -169,12 +197,20 @@ def load(run, inner, decision: dict) -> dict:
     first = min((r for r, lay in sources.items() if intervals(whole, *lay)), default=None)
     if first is None:
         raise ValueError(f"{_PREFIX}: no member holds the run's state")
-    meta = _broadcast_meta(_optimizer_meta(run) if me == first else None, first)
+    problem = None
+    try:
+        announced = _optimizer_meta(run) if me == first else None
+    except ValueError as e:                    # (the others must not wait for metadata that never comes)
+        announced, problem = {"keys": []}, e
+    meta = _broadcast_meta(announced, first)
     keys = meta.get("keys")
-    if not isinstance(keys, list) or not all(isinstance(k, list) and len(k) == 3 and all(isinstance(x, str) for x in k)
-                                             for k in keys):
-        raise ValueError(f"{_PREFIX}: the holders announced a malformed outer optimizer state")
     state_of = run.outer_optimizer.state if old is not None else {}
+    # Every rank checks what was announced (and a holder that its own state is of that kind), then
+    # the group agrees, so that no rank waits in a move that another left.
+    why = str(problem) if problem is not None else _bad_keys(keys, state_of, held)
+    if max(exchange_columns([1.0 if why else 0.0])[0]) > 0:
+        raise ValueError(f"{_PREFIX}: the run's outer optimizer state cannot move between shares: "
+                         f"{why or 'another member found it malformed (its error says why)'}")
     present = [torch.empty(q.numel(), dtype=torch.uint8) for q in into]
     move(moves, dtype=torch.uint8, source=source, dest=dest, into=present,
          held=[torch.full((p.numel(),), 1 if state_of.get(p) else 0, dtype=torch.uint8) for p in held]

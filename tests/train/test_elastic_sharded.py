@@ -12,8 +12,10 @@ state (`state_bytes`)."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from elastic_job import check_agreement, final, wait_for
+from harness import run_ranks
 from test_elastic_run import FEATURES, assert_linear_reference
 
 pytestmark = pytest.mark.usefixtures("backend_importable")
@@ -51,3 +53,55 @@ def test_shares_move_when_a_rank_of_a_worker_dies_and_comes_back(run, features):
         # (12 bytes each) and the exchange's buffers (3 x 4 elements); the whole state 12 x 8.
         seen = {r["round"]: r["state_bytes"] for r in run.records("a0") if "round" in r}
         assert seen[1] == 12 * 4 + 4 * 3 * 4 and seen[rounds - 1] == seen[1], seen
+
+
+def load_adam(rank: int, world: int) -> list[dict]:
+    """`sharded.load` on 4 ranks: the holders' shares of the global parameters and of Adam's
+    state (exp_avg, exp_avg_sq per element, step per tensor) and their hyperparameters, laid out
+    for one worker of four (or, second case, held by ranks 2 and 3 only, as two shares), move to
+    a generation of two workers of two ranks; compared with the whole vectors they were cut from."""
+    from types import SimpleNamespace
+
+    import hetcomm
+    from hetcomm.train.elastic import sharded
+    from hetcomm.train.elastic.reshard import Share
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Linear(5, 3))
+    n = sum(p.numel() for p in net.parameters())
+    whole = torch.linspace(-2.0, 3.0, n)
+    out = []
+    for old_of, holders in (({r: (4, r) for r in range(4)}, [0, 1, 2, 3]), ({2: (2, 0), 3: (2, 1)}, [2, 3])):
+        inner = hetcomm.DiLoCo(net, torch.optim.SGD(net.parameters(), lr=0.1), local_steps="fixed", steps=2,
+                               workers=[0, 0, 1, 1], shard_state=True, overlap=True, fragments=2,
+                               outer_optimizer=lambda ps: torch.optim.Adam(ps, lr=0.1, betas=(0.8, 0.95)))
+        fragments = list(inner._layout.whole)
+        pieces, opt = [], None
+        if rank in old_of:
+            share = Share(fragments, *old_of[rank])
+            pieces = [torch.nn.Parameter(whole[lo:hi].clone()) for lo, hi in share.ranges]
+            opt = torch.optim.Adam(pieces, lr=0.05, betas=(0.5, 0.6))
+            for p, (lo, hi) in zip(pieces, share.ranges):
+                opt.state[p] = {"step": torch.tensor(5.0), "exp_avg": 2 * whole[lo:hi], "exp_avg_sq": whole[lo:hi] ** 2}
+        run = SimpleNamespace(_global=pieces, outer_optimizer=opt, _share=old_of.get(rank), _carry=None, _history=[])
+        sharded.load(run, inner, {"members": ["m0", "m1", "m2", "m3"], "holders": [f"m{r}" for r in holders],
+                                  "round": 0})
+        ok = True
+        for q, start in zip(inner._global, inner._piece_starts()):
+            want = whole[start:start + q.numel()]
+            state = inner.outer_optimizer.state.get(q, {})
+            ok &= torch.equal(q.detach(), want)
+            if q.numel():
+                ok &= (torch.equal(state["exp_avg"], 2 * want) and torch.equal(state["exp_avg_sq"], want ** 2)
+                       and float(state["step"]) == 5.0)
+        group = inner.outer_optimizer.param_groups[0]
+        out.append({"ok": bool(ok), "lr": group["lr"], "betas": group["betas"], "held": inner._layout.size})
+        inner.close()
+    return out
+
+
+def test_the_outer_optimizers_state_moves_with_the_shares():
+    for rank, cases in enumerate(run_ranks(4, load_adam, timeout=120)):
+        for case in cases:
+            assert case["ok"] and case["lr"] == 0.05 and case["betas"] == (0.5, 0.6), (rank, case)
+            assert case["held"] > 0, (rank, case)

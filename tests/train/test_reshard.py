@@ -97,3 +97,9 @@ def reshard_ranks(rank: int, world: int) -> list:
 def test_moves_give_every_rank_its_new_share_exactly():
     for rank, per_case in enumerate(run_ranks(4, reshard_ranks, timeout=120)):
         assert all(all(fields) for fields in per_case), (rank, per_case)
+
+
+def test_a_destination_copies_what_it_holds_even_beside_a_whole_holder():
+    # rank 2 holds the second half of each fragment ([9, 17), [24, 30)); rank 0 the whole state
+    moves = plan({0: (1, 0), 1: (2, 0), 2: (2, 1)}, {2: (1, 0)}, WHOLE)
+    assert moves == [(0, 2, 0, 9), (2, 2, 9, 17), (0, 2, 17, 24), (2, 2, 24, 30)]

@@ -201,7 +201,14 @@ class Agreement:
                 background: bool) -> None:
         record = history_record(table, weights, round_index, plan)
         if self._print_rounds == "additive":        # (an elastic run's state sharded over its workers' ranks)
-            record["fingerprint"] = self._global_print(background)
+            try:
+                record["fingerprint"] = self._global_print(background)
+            except BaseException:
+                # The outer step is applied: the round stays recorded (the elastic run counts its
+                # rounds so), its hash filled in when the next generation starts (`sharded.load`).
+                record["fingerprint"] = None
+                self._history.append(record)
+                raise
         elif self._print_rounds:
             record["fingerprint"] = _flat.fingerprint(_flat.flatten(self._global))
         self._history.append(record)

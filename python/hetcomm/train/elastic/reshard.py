@@ -67,9 +67,10 @@ def plan(sources: dict[int, tuple[int, int | None]], dests: dict[int, tuple[int,
          whole: Fragments) -> list[tuple[int, int, int, int]]:
     """Moves (source rank, destination rank, lo, hi), each inside one range of its source's share
     and one of its destination's: every destination's share (``dests``: rank -> (shards,
-    index)) from the shares of ``sources`` (the same). A destination that holds a range itself
-    copies it; otherwise the sources of a range take turns by destination. Raises ValueError
-    when no source holds elements some destination needs."""
+    index)) from the shares of ``sources`` (the same). A destination copies what it holds itself
+    (a move from another stops where the destination's own range begins); otherwise the sources
+    of a range take turns by destination. Raises ValueError when no source holds elements some
+    destination needs."""
     by_layout: dict[tuple[int, int | None], list[int]] = {}
     for rank in sorted(sources):
         by_layout.setdefault(sources[rank], []).append(rank)
@@ -78,6 +79,7 @@ def plan(sources: dict[int, tuple[int, int | None]], dests: dict[int, tuple[int,
     starts = [lo for lo, _, _ in held]
     moves = []
     for d in sorted(dests):
+        own = sorted(lo for lo, _, ranks in held if d in ranks)
         for x, y in intervals(whole, *dests[d]):
             turn = 0
             while x < y:
@@ -88,8 +90,14 @@ def plan(sources: dict[int, tuple[int, int | None]], dests: dict[int, tuple[int,
                     missing = min((lo for lo in starts if lo > x), default=y)
                     raise ValueError(f"no member holds elements [{x}, {min(missing, y)}) of the run's state")
                 lo, hi, ranks = max(cover, key=lambda h: (d in h[2], h[1]))
-                src = d if d in ranks else ranks[(d + turn) % len(ranks)]
                 end = min(hi, y)
+                if d in ranks:
+                    src = d
+                else:
+                    src = ranks[(d + turn) % len(ranks)]
+                    k = bisect.bisect_right(own, x)
+                    if k < len(own):
+                        end = min(end, own[k])
                 moves.append((src, d, x, end))
                 x, turn = end, turn + 1
     return moves

@@ -138,6 +138,8 @@ class ElasticRun(RunEpochs, ElasticDiLoCo):
                          late_timeout=m.late_timeout, collective_timeout=m.collective_timeout, backend=m.backend,
                          early_join=False, verbose=m.verbose)
         self._factory = outer_optimizer or default_outer_optimizer
+        if self._sharded:
+            sharded.check_factory(self._factory, self._params)
         self._options = dict(local_steps=local_steps, steps=steps, round_seconds=round_seconds, weighting=weighting,
                              compress=compress, block=block, error_feedback=error_feedback, overlap=overlap,
                              overlap_steps=overlap_steps, fragments=fragments, stagger=stagger,

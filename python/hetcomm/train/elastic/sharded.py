@@ -37,14 +37,15 @@ import torch
 import torch.distributed as dist
 
 from hetcomm.train import flat as _flat
+from hetcomm.train.diloco.outer import PER_PARAMETER
 from hetcomm.train.diloco.shard import _offsets
 from hetcomm.train.elastic.common import _PREFIX
 from hetcomm.train.elastic.generation import _broadcast_meta
 from hetcomm.train.elastic.reshard import Share, intervals, move, plan
 from hetcomm.train.partition import exchange_columns
 
-# The most workers' shards a share may name (a member that sends more is not believed).
-_MAX_SHARDS = 1 << 16
+# The most shards a share may name (a member that sends more is not believed).
+_MAX_SHARDS = 4096
 
 
 def share_of(inner) -> tuple[int, int | None]:
@@ -69,6 +70,18 @@ def global_parameters(run) -> list[torch.Tensor]:
 def fingerprint(whole: list[torch.Tensor]) -> int:
     """The rounds' hash (`DiLoCo._global_print`) of whole global parameters."""
     return _flat.print_bits(_flat.additive_print(whole, _offsets(g.numel() for g in whole)[:-1]))
+
+
+def check_factory(factory, params) -> None:
+    """``shard_state=True`` needs an element-wise outer optimizer (`diloco.outer.PER_PARAMETER`):
+    a ValueError now, rather than a warning at each generation."""
+    proxies = [torch.nn.Parameter(torch.empty(p.shape, dtype=torch.float32, device="meta")) for p in params]
+    kind = type(factory(proxies))
+    if kind not in PER_PARAMETER:
+        allowed = ", ".join(sorted(c.__name__ for c in PER_PARAMETER))
+        raise ValueError(f"{_PREFIX}: shard_state=True steps the outer optimizer on pieces of tensors, which only "
+                         f"element-wise optimizers allow ({allowed}); {kind.__name__} is not known to be: use "
+                         "shard_state=False")
 
 
 def send_meta(run, decision: dict) -> None:
@@ -102,7 +115,7 @@ def _layouts(col: list[float], world: int) -> list[tuple[int, int | None]]:
     for r in range(world):
         shards, index = col[0][r], col[1][r]
         if not (math.isfinite(shards) and shards == int(shards) and 0 <= shards <= _MAX_SHARDS
-                and math.isfinite(index) and index == int(index) and -1 <= index < max(shards, 1)):
+                and math.isfinite(index) and index == int(index) and -1 <= index < shards):
             raise ValueError(f"{_PREFIX}: rank {r} of the generation named share {index!r} of {shards!r} (a corrupted "
                              "or malicious member)")
         out.append((int(shards), None if index < 0 else int(index)))
@@ -128,7 +141,29 @@ def _optimizer_meta(run) -> dict:
                                  f"by ({type(v).__name__}): use shard_state=False")
             if keys.setdefault(k, kind) != kind:
                 raise ValueError(f"{_PREFIX}: the outer optimizer keeps {k!r} as {keys[k]} and as {kind}")
-    return {"keys": sorted([k, *kind] for k, kind in keys.items())}
+    groups = [{k: (list(v) if isinstance(v, tuple) else v) for k, v in g.items() if k != "params" and _plain(v)}
+              for g in run.outer_optimizer.param_groups]
+    return {"keys": sorted([k, *kind] for k, kind in keys.items()), "groups": groups}
+
+
+def _plain(v) -> bool:
+    """A hyperparameter that travels (a number, a flag, None, or a short tuple of numbers)."""
+    if v is None or isinstance(v, (bool, int, float)):
+        return True
+    return isinstance(v, (tuple, list)) and len(v) <= 8 and all(isinstance(x, (int, float)) for x in v)
+
+
+def _take_groups(opt, groups) -> str | None:
+    """The holders' hyperparameters (lr, momentum, betas... as the run last set them) into ``opt``'s
+    groups, matched by position; why not, or None."""
+    if not (isinstance(groups, list) and len(groups) == len(opt.param_groups)
+            and all(isinstance(g, dict) and len(g) <= 64 for g in groups)):
+        return "the holders' outer optimizer has other parameter groups than this worker's"
+    for mine, theirs in zip(opt.param_groups, groups):
+        for k, v in theirs.items():
+            if k in mine and k != "params" and _plain(v) and _plain(mine[k]):
+                mine[k] = tuple(v) if isinstance(mine[k], tuple) and isinstance(v, list) else v
+    return None
 
 
 # The dtypes a sharded outer optimizer's state may hold, and how many keys it may have.
@@ -228,25 +263,36 @@ def load(run, inner, decision: dict) -> dict:
         move(moves, dtype=dtype if kind == "tensor" else torch.float64, source=source, held=mine, dest=dest,
              into=values[name])
     opt = inner.outer_optimizer
+    why = _take_groups(opt, meta.get("groups"))
+    entries = {}
     for i, q in enumerate(into):
-        if q.numel() == 0 or not bool(present[i].any()):
+        if why or q.numel() == 0 or not bool(present[i].any()):
             continue
         if not bool(present[i].all()):
-            raise ValueError(f"{_PREFIX}: the holders' outer optimizer state covers part of a tensor only")
+            why = "the holders' outer optimizer state covers part of a tensor only"
+            continue
         entry = {}
         for name, kind, dtype_name in keys:
             v = values[name][i]
             if kind == "tensor":
                 entry[name] = v.view(q.shape)
-                continue
-            if not bool((v == v[0]).all()):
-                raise ValueError(f"{_PREFIX}: the holders' outer optimizer state has several values of {name!r} in "
-                                 "one tensor")
-            entry[name] = (torch.tensor(float(v[0]), dtype=_dtype(dtype_name)) if kind == "scalar"
-                           else int(v[0]) if dtype_name == "int" else float(v[0]))
-        opt.state[q] = entry
+            elif not (bool((v == v[0]).all()) and math.isfinite(float(v[0]))):
+                why = f"the holders' outer optimizer state has several values (or none) of {name!r} in one tensor"
+            else:
+                entry[name] = (torch.tensor(float(v[0]), dtype=_dtype(dtype_name)) if kind == "scalar"
+                               else int(v[0]) if dtype_name == "int" else float(v[0]))
+        entries[i] = entry
+    # (agreed, so that every rank raises, rather than the others waiting for this one in `_check`)
+    if max(exchange_columns([1.0 if why else 0.0])[0]) > 0:
+        raise ValueError(f"{_PREFIX}: the run's outer optimizer state did not move between shares: "
+                         f"{why or 'another member found it malformed (its error says why)'}")
+    for i, entry in entries.items():
+        opt.state[into[i]] = entry
     inner._start.copy_(inner._flatten_global())
-    _check(inner, news)
+    whole_print = _check(inner, news)
+    last = run._history[-1] if run._history else None
+    if last is not None and last.get("fingerprint", 0) is None and last.get("round") == decision["round"]:
+        last["fingerprint"] = whole_print      # (a failure kept the round's from being summed: `_record`)
     return {"news": news, "carries": {r: c for r, c in enumerate(carries) if c[0] >= 1}, "whole": whole}
 
 
@@ -264,6 +310,10 @@ def resume(inner, mine, keep: list[bool], labels: list[int], shares: dict) -> li
     for label in dict.fromkeys(labels):
         ranks = [r for r, x in enumerate(labels) if x == label]
         if not keep[ranks[0]]:
+            continue
+        if any(r not in carries for r in ranks):
+            for r in ranks:
+                keep[r] = False
             continue
         try:
             moves += plan({r: carries[r] for r in ranks if r in carries}, {r: news[r] for r in ranks}, whole)
@@ -285,8 +335,9 @@ def resume(inner, mine, keep: list[bool], labels: list[int], shares: dict) -> li
     return keep
 
 
-def _check(inner, news: list[tuple[int, int | None]]) -> None:
-    """Ranks that hold the same share hold the same bits, or every rank raises."""
+def _check(inner, news: list[tuple[int, int | None]]) -> int:
+    """Ranks that hold the same share hold the same bits, or every rank raises. Returns the
+    rounds' hash of the whole global parameters (`DiLoCo._global_print`), from the shares."""
     total = _flat.additive_print(inner._global, inner._piece_starts())
     table = exchange_columns([float(total & 0xFFFFFFFF), float(total >> 32)])
     seen: dict[tuple[int, int], tuple[float, float]] = {}
@@ -297,3 +348,5 @@ def _check(inner, news: list[tuple[int, int | None]]) -> None:
         if seen.setdefault((shards, index), mine) != mine:
             raise ValueError(f"{_PREFIX}: the members' shares {index} of {shards} of the global parameters differ after "
                              "the state moved: a bug, please report it")
+    total = sum(int(lo) + (int(hi) << 32) for lo, hi in seen.values())
+    return _flat.print_bits(total)

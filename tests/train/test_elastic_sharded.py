@@ -21,14 +21,17 @@ from test_elastic_run import FEATURES, assert_linear_reference
 pytestmark = pytest.mark.usefixtures("backend_importable")
 
 
-@pytest.mark.parametrize("features", ["fixed-fp32", "time-int8-overlap-staggered"])
-def test_shares_move_when_a_rank_of_a_worker_dies_and_comes_back(run, features):
+@pytest.mark.parametrize("features,where", [("fixed-fp32", "local"), ("time-int8-overlap-staggered", "local"),
+                                            ("time-int8-overlap-staggered", "reduce")])
+def test_shares_move_when_a_rank_of_a_worker_dies_and_comes_back(run, features, where):
+    """``reduce``: b1 dies inside a staggered fragment's reduction (the background thread); worker
+    a's reductions that the death failed go on with its round, carried on its shares."""
     rounds = 10
     ranks = {"a0": "a", "a1": "a", "b0": "b", "b1": "b"}
     common = ["--run", "--shard-state", "--rounds", str(rounds), "--steps", "4", "--step-seconds", "0.15",
               *FEATURES[features]]
     procs = {r: run.start(r, *common, "--worker", w, "--min-workers", "4",
-                          *(["--die", "2:local"] if r == "b1" else ["--slow-until", f"{run.out / 'b1.joined'}:4"]))
+                          *(["--die", f"2:{where}"] if r == "b1" else ["--slow-until", f"{run.out / 'b1.joined'}:4"]))
              for r, w in ranks.items()}
     wait_for(procs["b1"], run)
     assert procs["b1"].returncode == -9, run.logs()

@@ -193,16 +193,16 @@ def decide(c: dict, applied: list[int], labels: list[int], sharded: bool = False
     keeps its round unless the round was taken inside a reduction that the state now holds, or
     it is not finite, and a worker's ranks keep theirs only all together (the same steps and
     progress, lost reductions included). With the state sharded over the workers' ranks
-    (``sharded``) a rank keeps its round only where its worker applied the most outer steps (the
-    state it starts from is then the one it left), and lost reductions are not added."""
+    (``sharded``) the progress compared is the replica's sum (`Round.check`), without the lost
+    pseudo-gradients' (each rank's are its share's)."""
     world, best = len(labels), max(applied)
-    adds = [c["lost"][r] and applied[r] == best and not sharded for r in range(world)]
+    adds = [c["lost"][r] and applied[r] == best for r in range(world)]
     steps = [c["steps"][r] + (c["lost_steps"][r] if adds[r] else 0) for r in range(world)]
-    sums = [c["sum"][r] + (c["lost_sum"][r] if adds[r] else 0.0) for r in range(world)]
+    sums = [c["sum"][r] + (c["lost_sum"][r] if adds[r] and not sharded else 0.0) for r in range(world)]
 
     def whole(r: int) -> bool:
         return (c["steps"][r] >= 1 or adds[r]) and c["steps"][r] >= 0 and math.isfinite(sums[r]) \
-            and (c["sending"][r] < 0 or best <= c["sending"][r]) and (not sharded or applied[r] == best)
+            and (c["sending"][r] < 0 or best <= c["sending"][r])
     keep = [all(whole(q) and steps[q] == steps[r] and sums[q] == sums[r]
                 for q in range(world) if labels[q] == labels[r]) for r in range(world)]
     return keep, [a and k for a, k in zip(adds, keep)]
@@ -224,13 +224,18 @@ def resume_round(inner, mine: Round | None, start: dict, labels: list[int], shar
     me = dist.get_rank()
     if sharded is not None:
         from hetcomm.train.elastic.sharded import resume
-        keep = resume(inner, mine, keep, labels, sharded)
+        delta, counts, windows = (None, None, None) if mine is None else (mine.delta, mine.counts, mine.windows)
+        if mine is not None and adds[me] and mine.lost is not None:
+            delta, counts, windows = _with_lost(mine)     # (on this rank's share, as ``delta``)
+        keep = resume(inner, delta, keep, labels, sharded)
+        kept = keep[me] and mine is not None
+        if kept:
+            mine.added = adds[me] and mine.lost is not None
+            (inner._r_steps, inner._r_samples, inner._r_compute, inner._r_loss, inner._r_loss_n) = counts
+            if inner._stagger and windows is not None:
+                inner._seen, inner._at_trigger = list(windows[0]), [list(x) for x in windows[1]]
     kept = keep[me] and mine is not None
-    if kept and sharded is not None:
-        (inner._r_steps, inner._r_samples, inner._r_compute, inner._r_loss, inner._r_loss_n) = mine.counts
-        if inner._stagger and mine.windows is not None:
-            inner._seen, inner._at_trigger = list(mine.windows[0]), [list(x) for x in mine.windows[1]]
-    elif kept:
+    if kept and sharded is None:
         delta, counts, windows = mine.delta, mine.counts, mine.windows
         if adds[me] and mine.lost is not None:
             delta, counts, windows = _with_lost(mine)

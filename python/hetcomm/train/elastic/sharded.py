@@ -19,12 +19,13 @@ them (`load`):
   members without the state (`send_meta`), and no fingerprint of the global parameters; the
   rounds' records carry the hash of the whole global parameters, summed from the shares over
   each worker (`DiLoCo._global_print`).
-* A rank carries its round on into the next generation only where the state it starts from did
-  not move for its worker (its worker applied the holders' count of outer steps): its replica is
-  then the new global parameters less what it carries, and it is left as it is. Every other
-  worker's ranks start from the new global parameters: each writes its share into its replica
-  and the worker's ranks exchange them. Reductions in flight that a failure left unapplied
-  (`carry.Lost`) are dropped, not carried: their pseudo-gradients lie in the old shares.
+* A round carried on (`carry`): each rank carries what its replica moved on its old share
+  (``start − replica`` there, with the pseudo-gradients of the reductions in flight that a
+  failure left unapplied, `carry.Lost`, added where the whole-state run adds them), and the
+  worker's ranks move it onto their new shares (`resume`, the same moves); each writes the new
+  global parameters less it into its share of the replica, and the worker's ranks exchange their
+  shares of the replica. A worker whose ranks' old shares no longer cover the model (a rank is
+  gone) starts from the new global parameters, as does every worker that carries nothing.
 
 Not yet: checkpoints of such a run (`state_dict` raises), and the transfer to joiners in the
 generation's background (`handover`): the shares move when the generation starts.
@@ -297,10 +298,10 @@ def load(run, inner, decision: dict) -> dict:
 
 
 @torch.no_grad()
-def resume(inner, mine, keep: list[bool], labels: list[int], shares: dict) -> list[bool]:
+def resume(inner, delta: torch.Tensor | None, keep: list[bool], labels: list[int], shares: dict) -> list[bool]:
     """Collective over the generation's group (`carry.resume_round`, sharded): the replicas of the
     workers that keep their round become the new global parameters less what they carry (each
-    rank carries it on its old share: the worker's ranks move it onto their new shares, `reshard`),
+    rank carries it, ``delta``, on its old share: the worker's ranks move it onto their new shares),
     the others' the new global parameters; then each worker's ranks exchange their shares of the
     replica. A worker whose ranks' old shares do not cover the model (one of them is gone) does
     not keep its round. Returns ``keep`` so corrected (the same on every rank)."""
@@ -321,9 +322,9 @@ def resume(inner, mine, keep: list[bool], labels: list[int], shares: dict) -> li
             for r in ranks:
                 keep[r] = False
     carried = None
-    if keep[me] and me in carries and mine is not None:
+    if keep[me] and me in carries and delta is not None:
         carried = [torch.empty(q.numel(), dtype=inner._master) for q in inner._global]
-        move(moves, dtype=inner._master, source=Share(whole, *carries[me]), held=[mine.delta],
+        move(moves, dtype=inner._master, source=Share(whole, *carries[me]), held=[delta],
              dest=Share(whole, *news[me]), into=carried)
     else:
         move(moves, dtype=inner._master, source=None, held=None, dest=None, into=None)

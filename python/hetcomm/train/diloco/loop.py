@@ -198,6 +198,7 @@ class DiLoCo(Results, ShardedState, Agreement, Checkpoint, Streams, Overlap, _fl
         self._warned_link_bound = False
         self._sync_group = group
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
+        self._groups_released = False
         self._pending: concurrent.futures.Future | None = None
         self._pending_round: tuple | None = None  # its pseudo-gradient and the round's counts (`carry`)
         if self.overlap:
@@ -468,18 +469,28 @@ class DiLoCo(Results, ShardedState, Agreement, Checkpoint, Streams, Overlap, _fl
         if self._executor is not None:
             self._executor.shutdown(wait=False, cancel_futures=True)
             self._executor = None
-        busy = any(f is not None and not f.done() for f in self._background_jobs())
         if self._hook is not None:
             self._hook.remove()
             self._hook = None
-        if not busy:
+        self._release_groups()
+
+    def _release_groups(self) -> bool:
+        """After `close`: destroys DiLoCo's own process groups once no background job uses them
+        (the peers waiting in a collective that this rank will never join then fail at once);
+        returns whether they are gone. An elastic run calls it again once the jobs it waited
+        for have ended."""
+        if any(f is not None and not f.done() for f in self._background_jobs()):
+            return False
+        if not self._groups_released:
+            self._groups_released = True
             self._workers.destroy()
-        if not busy and self._sync_group is not None and self._sync_group is not self._group:
-            try:
-                dist.destroy_process_group(self._sync_group)
-            except (RuntimeError, ValueError):
-                pass                                  # already gone with the default group
-            self._sync_group = self._group
+            if self._sync_group is not None and self._sync_group is not self._group:
+                try:
+                    dist.destroy_process_group(self._sync_group)
+                except (RuntimeError, ValueError):
+                    pass                              # already gone with the default group
+                self._sync_group = self._group
+        return True
 
     def __enter__(self) -> "DiLoCo":
         return self

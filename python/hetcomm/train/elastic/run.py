@@ -521,11 +521,15 @@ class ElasticRun(RunEpochs, ElasticDiLoCo):
         self._phases.begin("failure")
         inner, self._inner = self._inner, None
         every = [f for f in inner._background_jobs() if f is not None]
-        futures = self._busy(inner)
         inner.close()
         # The background thread may still be inside a collective of the failed group: wait for it
-        # (it fails within the collective timeout) before reading what it applied.
+        # (it fails within the collective timeout) before reading what it applied. Not for the
+        # jobs `close` cancelled: `wait` never counts those as done (they are never "notified").
+        futures = self._busy(inner)
         concurrent.futures.wait(futures, timeout=self._collective_timeout + 10.0)
+        # Then DiLoCo's own groups go: a peer waiting in one of their collectives that this
+        # rank will never join (a job it cancelled) fails now, not at its collective timeout.
+        inner._release_groups()
         watchdog.disarm(self)              # (armed through the wait: a job stuck on a silent member ends)
         error = watchdog.explain(self, error, self._base[2])
         if any(not f.done() for f in futures):

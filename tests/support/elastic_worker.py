@@ -274,7 +274,11 @@ def main(argv: list[str] | None = None) -> int:
                 out.flush()
                 if args.stop_after and diloco.rounds >= args.stop_after:
                     diloco.close()
-                    out.write(json.dumps({"stopped": diloco.rounds, "fp": diloco.fingerprint()}) + "\n")
+                    try:
+                        fp = diloco.fingerprint()
+                    except RuntimeError:       # (sharded state: a rank holds only its share)
+                        fp = None
+                    out.write(json.dumps({"stopped": diloco.rounds, "fp": fp}) + "\n")
                     return 0
         out.write(json.dumps({"final": diloco.fingerprint(), "rounds": diloco.rounds, "steps_taken": taken,
                               "global": [float(x) for g in diloco.global_parameters() for x in g.reshape(-1)]

@@ -29,6 +29,7 @@ import concurrent.futures
 import copy
 
 from hetcomm.train.diloco.checkpoint import _cpu_copy
+from hetcomm.train.elastic import sharded
 from hetcomm.train.elastic.common import _PREFIX
 from hetcomm.train.local_steps import TimeSteps
 
@@ -42,9 +43,6 @@ def save(run, generation_start: bool = False) -> dict:
     with overlap it blocks until the synchronisation in flight has landed."""
     if not run._holds:
         raise RuntimeError(f"{_PREFIX}: state_dict() before this worker was admitted (it holds no state yet)")
-    if getattr(run, "_sharded", False):
-        raise RuntimeError(f"{_PREFIX}: state_dict() of a run whose state is sharded over its workers' ranks "
-                           "(shard_state=True) is not supported yet: construct it with shard_state=False to checkpoint")
     if run._torn:
         raise RuntimeError(f"{_PREFIX}: state_dict() after close() while a synchronisation was still running: "
                            "the global parameters may be half updated; keep the last checkpoint")
@@ -79,8 +77,11 @@ def save(run, generation_start: bool = False) -> dict:
             if inner._times._t[label] is not None:
                 times[name] = (inner._times._t[label], inner._times._windows[label], inner._times._n[label])
         policy = inner._policy.state_dict() if isinstance(inner._policy, TimeSteps) else run._policy_state
+    shares = {}
+    if run._sharded:              # (this rank's share of them, and where it lies: `sharded.load_checkpoint`)
+        shares = {"share": list(run._share), "fragments": [list(f) for f in run._whole]}
     state = _cpu_copy({
-        "kind": KIND, "version": VERSION, "job": run.job, "global": global_, "outer_optimizer": outer,
+        **shares, "kind": KIND, "version": VERSION, "job": run.job, "global": global_, "outer_optimizer": outer,
         "round": round_, "applied": applied, "samples_total": samples, "history": history,
         "membership": list(run._events), "step_times": times, "policy": policy,
         "model": run.model.state_dict(),
@@ -127,7 +128,10 @@ def load(run, state: dict) -> None:
                 else type(state).__name__)
         raise ValueError(f"{_PREFIX}: this is not a checkpoint of DiLoCo in generations ({what}); each checkpoint "
                          "resumes a run of the class that saved it")
-    run._load_checkpoint(state, VERSION)
+    if "share" in state or run._sharded:
+        sharded.load_checkpoint(run, state, VERSION)
+    else:
+        run._load_checkpoint(state, VERSION)
     run._load_global()                       # a new round starts from the global parameters
     run._applied_total = int(state["applied"])
     run._step_times = {str(k): tuple(v) for k, v in state["step_times"].items()}

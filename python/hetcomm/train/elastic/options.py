@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from hetcomm.train.elastic.common import _PREFIX
+
 
 @dataclasses.dataclass(frozen=True)
 class Elastic:
@@ -29,3 +31,28 @@ class Elastic:
     collective_timeout: float = 60.0
     backend: str = "hetcomm"
     verbose: bool = True
+
+
+def check_options(membership: Elastic, fixed_only: dict, inner_sync: bool, local_steps) -> bool | None:
+    """The checks of `ElasticRun`'s options that a fixed group's `DiLoCo` does not make (the
+    fixed group's own, ``fixed_only``, refused or checked); returns ``shard_state``."""
+    prefix = _PREFIX
+    for name in fixed_only:
+        if name in ("group", "workers", "clock"):
+            raise ValueError(f"{prefix}: {name}= is not an option of an elastic run (the generations form their "
+                             "groups; a worker is named by Elastic(worker=...))")
+        if name != "shard_state":
+            raise TypeError(f"{prefix}: unknown argument {name!r}")
+    shard_state = fixed_only.get("shard_state")
+    if shard_state is not None and not isinstance(shard_state, bool):
+        raise TypeError(f"{prefix}: shard_state must be True, False or None, got {shard_state!r}")
+    if not inner_sync:
+        raise ValueError(f"{prefix}: inner_sync=False is not an option of an elastic run (its groups change with "
+                         "every generation: DiLoCo averages a worker's gradients itself)")
+    if not isinstance(local_steps, str):
+        raise TypeError(f"{prefix}: local_steps must be 'fixed', 'speed' or 'time' in an elastic run (a policy "
+                        "object cannot follow the changing workers)")
+    worker = membership.worker
+    if worker is not None and (not isinstance(worker, str) or not worker or "#" in worker):
+        raise ValueError(f"{prefix}: Elastic(worker=) must be a non-empty name without '#', got {worker!r}")
+    return shard_state

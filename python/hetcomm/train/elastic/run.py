@@ -60,7 +60,7 @@ from hetcomm.train.elastic.carry import (Round, encode_name, resume_round, seed_
                                          take_round)
 from hetcomm.train.elastic.common import _MAX_ABORTS, _PREFIX, _read_ended
 from hetcomm.train.elastic.loop import ElasticDiLoCo
-from hetcomm.train.elastic.options import Elastic
+from hetcomm.train.elastic.options import Elastic, check_options
 from hetcomm.train.elastic.phases import Phases
 from hetcomm.train.elastic.run_epochs import RunEpochs
 from hetcomm.train.local_steps import TimeSteps, make_policy
@@ -110,28 +110,13 @@ class ElasticRun(RunEpochs, ElasticDiLoCo):
                  fragments: int = 1, stagger: bool = True, early_weight: float | None = None,
                  ema: float = 0.3, threshold: float = 0.01, inner_sync: bool = True,
                  worker_backend: str | None = None, **fixed_only) -> None:
-        for name, value in fixed_only.items():
-            if name in ("group", "workers", "clock"):
-                raise ValueError(f"{_PREFIX}: {name}= is not an option of an elastic run (the generations form "
-                                 "their groups; a worker is named by Elastic(worker=...))")
-            if name != "shard_state":
-                raise TypeError(f"{_PREFIX}: unknown argument {name!r}")
-        shard_state = fixed_only.get("shard_state")
-        if shard_state is not None and not isinstance(shard_state, bool):
-            raise TypeError(f"{_PREFIX}: shard_state must be True, False or None, got {shard_state!r}")
-        if not inner_sync:
-            raise ValueError(f"{_PREFIX}: inner_sync=False is not an option of an elastic run (its groups change "
-                             "with every generation: DiLoCo averages a worker's gradients itself)")
-        if not isinstance(local_steps, str):
-            raise TypeError(f"{_PREFIX}: local_steps must be 'fixed', 'speed' or 'time' in an elastic run (a policy "
-                            "object cannot follow the changing workers)")
+        shard_state = check_options(membership, fixed_only, inner_sync, local_steps)
         make_policy(local_steps, steps, round_seconds=round_seconds, threshold=threshold)   # checks them now
         m = membership
         worker = m.worker
-        if worker is not None and (not isinstance(worker, str) or not worker or "#" in worker):
-            raise ValueError(f"{_PREFIX}: Elastic(worker=) must be a non-empty name without '#', got {worker!r}")
         # State sharded over each worker's ranks (`sharded`): this rank's share, (1, 0) the whole.
         self._sharded, self._share, self._model_global = bool(shard_state), (1, 0), False
+        self._whole: list | None = None       # (the fragments its share is cut from: `sharded`)
         super().__init__(model, inner_optimizer, store=m.store, worker_id=m.worker_id, job=m.job, steps=steps,
                          outer_optimizer=outer_optimizer, weighting=weighting, compress=compress, block=block,
                          min_workers=m.min_workers, heartbeat=m.heartbeat, timeout=m.timeout,
@@ -455,7 +440,7 @@ class ElasticRun(RunEpochs, ElasticDiLoCo):
         # While the generation runs, the run's state is its DiLoCo's: one copy on this rank, not
         # two (`_carry_out` keeps it when the generation ends).
         self._global, self.outer_optimizer, self._start = inner._global, inner.outer_optimizer, inner._start
-        self._share = sharded.share_of(inner)
+        self._share, self._whole = sharded.share_of(inner), sharded.whole_fragments(inner)
         self._holds = True                 # (with sharded state, a member without it until now: once it is in)
         return inner
 

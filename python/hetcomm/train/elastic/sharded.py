@@ -27,7 +27,9 @@ them (`load`):
   shares of the replica. A worker whose ranks' old shares no longer cover the model (a rank is
   gone) starts from the new global parameters, as does every worker that carries nothing.
 
-Not yet: checkpoints of such a run (`state_dict` raises), and the transfer to joiners in the
+Checkpoints (`load_checkpoint`): each rank saves its share and the fragments it is cut from; a
+whole job restarted from them starts an era whose holders (the latest round's) hold those shares,
+and the first generation moves them as any other. Not yet: the transfer to joiners in the
 generation's background (`handover`): the shares move when the generation starts.
 """
 from __future__ import annotations
@@ -39,7 +41,7 @@ import torch.distributed as dist
 
 from hetcomm.train import flat as _flat
 from hetcomm.train.diloco.outer import PER_PARAMETER
-from hetcomm.train.diloco.shard import _offsets
+from hetcomm.train.diloco.shard import Layout, _offsets
 from hetcomm.train.elastic.common import _PREFIX
 from hetcomm.train.elastic.generation import _broadcast_meta
 from hetcomm.train.elastic.reshard import Share, intervals, move, plan
@@ -71,6 +73,55 @@ def global_parameters(run) -> list[torch.Tensor]:
 def fingerprint(whole: list[torch.Tensor]) -> int:
     """The rounds' hash (`DiLoCo._global_print`) of whole global parameters."""
     return _flat.print_bits(_flat.additive_print(whole, _offsets(g.numel() for g in whole)[:-1]))
+
+
+def load_checkpoint(run, state: dict, version: int) -> None:
+    """`ElasticRun.load_state_dict` of a checkpoint of a run with sharded state: this rank's share
+    of the global parameters and of the outer optimizer (pieces of the model's tensors, as the
+    generation that saved it laid them out), checked against this worker's model, and the rest as
+    a whole-state checkpoint holds it. The epoch that starts the era moves the shares from the
+    workers with the latest round (`load`): restart every rank of a worker, or a range is lost."""
+    if not run._sharded or "share" not in state:
+        raise ValueError(f"{_PREFIX}: a checkpoint of a run " + ("with" if "share" in state else "without") +
+                         " sharded state resumes a run constructed " + ("with" if "share" in state else "without") +
+                         " shard_state=True")
+    if state.get("version") != version:
+        raise ValueError(f"{_PREFIX}: checkpoint version {state.get('version')!r}, expected {version}")
+    try:
+        shards, index = (int(x) if x is not None else None for x in state["share"])
+        whole = [tuple(int(x) for x in f) for f in state["fragments"]]
+        layout = Layout(run._params, whole, shards, index)
+    except (TypeError, ValueError, IndexError, KeyError) as e:
+        raise ValueError(f"{_PREFIX}: the checkpoint's share does not fit this worker's model ({e})") from e
+    n = sum(p.numel() for p in run._params)
+    if not (whole and whole[0][2] == 0 and whole[-1][3] == n
+            and all(a[3] == b[2] for a, b in zip(whole, whole[1:]))):
+        raise ValueError(f"{_PREFIX}: the checkpoint's fragments do not cover this worker's model ({n} elements)")
+    pieces = list(state["global"])
+    if [t.numel() for t in pieces] != [k for _, _, k in layout.pieces]:
+        raise ValueError(f"{_PREFIX}: the checkpoint's share of the global parameters does not match the model")
+    with torch.no_grad():
+        run._global = [torch.nn.Parameter(t.detach().reshape(-1).to(run._master).clone()) for t in pieces]
+    proxies = [torch.nn.Parameter(torch.empty(p.shape, dtype=run._master, device="meta")) for p in run._params]
+    template = run._factory(proxies)
+    group_of = {id(p): k for k, g in enumerate(template.param_groups) for p in g["params"]}
+    groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": []} for g in template.param_groups]
+    for piece, (t, _, _) in zip(run._global, layout.pieces):
+        if id(proxies[t]) in group_of:
+            groups[group_of[id(proxies[t])]]["params"].append(piece)
+    run.outer_optimizer = type(template)(groups)
+    try:
+        run.outer_optimizer.load_state_dict(state["outer_optimizer"])
+    except (ValueError, KeyError, IndexError, TypeError, RuntimeError) as e:
+        raise ValueError(f"{_PREFIX}: the checkpoint's outer optimizer state does not load ({e})") from e
+    run.model.load_state_dict(state["model"])
+    if state["inner_optimizer"] is not None and run.inner_optimizer is not None:
+        run.inner_optimizer.load_state_dict(state["inner_optimizer"])
+    run._round, run._samples_total = int(state["round"]), int(state["samples_total"])
+    run._history, run._events = list(state["history"]), list(state["membership"])
+    run._share, run._whole = (shards, index), whole
+    run._start = run._flatten_global()
+    run._holds = run._checkpoint = True
 
 
 def check_factory(factory, params) -> None:
@@ -216,9 +267,17 @@ def load(run, inner, decision: dict) -> dict:
     new = share_of(inner)
     whole = whole_fragments(inner)
     carry = run._share if run._carry is not None else None
+    # (a share cut from other fragments than this generation's -- a checkpoint of a run with other
+    # options -- lies elsewhere in the model: every rank refuses it)
+    other = (old is not None or carry is not None) and run._whole is not None and \
+        [tuple(f) for f in run._whole] != [tuple(f) for f in whole]
     table = exchange_columns([old[0] if old else 0, -1 if old is None or old[1] is None else old[1],
                               new[0], -1 if new[1] is None else new[1],
-                              carry[0] if carry else 0, -1 if carry is None or carry[1] is None else carry[1]])
+                              carry[0] if carry else 0, -1 if carry is None or carry[1] is None else carry[1],
+                              1.0 if other else 0.0])
+    if max(table[6]) > 0:
+        raise ValueError(f"{_PREFIX}: member(s) {[r for r in range(world) if table[6][r] > 0]} hold a share cut from other "
+                         "fragments than this generation's (a checkpoint of a run with other fragments or overlap)")
     olds, news, carries = _layouts(table[0:2], world), _layouts(table[2:4], world), _layouts(table[4:6], world)
     if news[me] != new:
         raise ValueError(f"{_PREFIX}: the generation's exchange of shares lost this rank's")

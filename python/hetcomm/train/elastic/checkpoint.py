@@ -78,8 +78,9 @@ def save(run, generation_start: bool = False) -> dict:
                 times[name] = (inner._times._t[label], inner._times._windows[label], inner._times._n[label])
         policy = inner._policy.state_dict() if isinstance(inner._policy, TimeSteps) else run._policy_state
     shares = {}
-    if run._sharded:              # (this rank's share of them, and where it lies: `sharded.load_checkpoint`)
-        shares = {"share": list(run._share), "fragments": [list(f) for f in run._whole]}
+    if getattr(run, "_sharded", False):   # (this rank's share, and where it lies: `sharded.load_checkpoint`)
+        shares = {"share": list(run._share), "fragments": [list(f) for f in run._whole],
+                  "outer_type": type(run.outer_optimizer).__name__}
     state = _cpu_copy({
         **shares, "kind": KIND, "version": VERSION, "job": run.job, "global": global_, "outer_optimizer": outer,
         "round": round_, "applied": applied, "samples_total": samples, "history": history,
@@ -128,7 +129,7 @@ def load(run, state: dict) -> None:
                 else type(state).__name__)
         raise ValueError(f"{_PREFIX}: this is not a checkpoint of DiLoCo in generations ({what}); each checkpoint "
                          "resumes a run of the class that saved it")
-    if "share" in state or run._sharded:
+    if "share" in state or getattr(run, "_sharded", False):
         sharded.load_checkpoint(run, state, VERSION)
     else:
         run._load_checkpoint(state, VERSION)

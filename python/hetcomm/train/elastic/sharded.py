@@ -87,29 +87,42 @@ def load_checkpoint(run, state: dict, version: int) -> None:
                          " shard_state=True")
     if state.get("version") != version:
         raise ValueError(f"{_PREFIX}: checkpoint version {state.get('version')!r}, expected {version}")
+    n = sum(p.numel() for p in run._params)
     try:
         shards, index = (int(x) if x is not None else None for x in state["share"])
         whole = [tuple(int(x) for x in f) for f in state["fragments"]]
-        layout = Layout(run._params, whole, shards, index)
-    except (TypeError, ValueError, IndexError, KeyError) as e:
+        pieces = list(state["global"])
+        if not (1 <= shards <= _MAX_SHARDS and (index is None or 0 <= index < shards)
+                and all(isinstance(t, torch.Tensor) for t in pieces)):
+            raise ValueError(f"share {index} of {shards}")
+        if not (whole and whole[0][2] == 0 and whole[-1][3] == n
+                and all(a[3] == b[2] and a[2] < a[3] for a, b in zip(whole, whole[1:] + [(0, 0, n, n + 1)]))):
+            raise ValueError(f"its fragments do not cover this worker's model ({n} elements)")
+        layout = Layout(run._params, whole, shards, index) if shards > 1 else None
+    except (TypeError, ValueError, IndexError, KeyError, ZeroDivisionError) as e:
         raise ValueError(f"{_PREFIX}: the checkpoint's share does not fit this worker's model ({e})") from e
-    n = sum(p.numel() for p in run._params)
-    if not (whole and whole[0][2] == 0 and whole[-1][3] == n
-            and all(a[3] == b[2] for a, b in zip(whole, whole[1:]))):
-        raise ValueError(f"{_PREFIX}: the checkpoint's fragments do not cover this worker's model ({n} elements)")
-    pieces = list(state["global"])
-    if [t.numel() for t in pieces] != [k for _, _, k in layout.pieces]:
-        raise ValueError(f"{_PREFIX}: the checkpoint's share of the global parameters does not match the model")
-    with torch.no_grad():
-        run._global = [torch.nn.Parameter(t.detach().reshape(-1).to(run._master).clone()) for t in pieces]
     proxies = [torch.nn.Parameter(torch.empty(p.shape, dtype=run._master, device="meta")) for p in run._params]
     template = run._factory(proxies)
-    group_of = {id(p): k for k, g in enumerate(template.param_groups) for p in g["params"]}
-    groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": []} for g in template.param_groups]
-    for piece, (t, _, _) in zip(run._global, layout.pieces):
-        if id(proxies[t]) in group_of:
-            groups[group_of[id(proxies[t])]]["params"].append(piece)
-    run.outer_optimizer = type(template)(groups)
+    if state.get("outer_type", type(template).__name__) != type(template).__name__:
+        raise ValueError(f"{_PREFIX}: the checkpoint's outer optimizer is a {state['outer_type']}; this run's "
+                         f"{type(template).__name__}")
+    if layout is None:                # (saved while every rank of a generation kept the whole state)
+        if [tuple(t.shape) for t in pieces] != [tuple(p.shape) for p in run._params]:
+            raise ValueError(f"{_PREFIX}: the checkpoint's global parameters do not match the model's shapes")
+        with torch.no_grad():
+            run._global = [torch.nn.Parameter(t.detach().to(run._master).clone()) for t in pieces]
+        run.outer_optimizer = run._factory(run._global)
+    else:
+        if [t.numel() for t in pieces] != [k for _, _, k in layout.pieces]:
+            raise ValueError(f"{_PREFIX}: the checkpoint's share of the global parameters does not match the model")
+        with torch.no_grad():
+            run._global = [torch.nn.Parameter(t.detach().reshape(-1).to(run._master).clone()) for t in pieces]
+        group_of = {id(p): k for k, g in enumerate(template.param_groups) for p in g["params"]}
+        groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": []} for g in template.param_groups]
+        for piece, (t, _, _) in zip(run._global, layout.pieces):
+            if id(proxies[t]) in group_of:
+                groups[group_of[id(proxies[t])]]["params"].append(piece)
+        run.outer_optimizer = type(template)(groups)
     try:
         run.outer_optimizer.load_state_dict(state["outer_optimizer"])
     except (ValueError, KeyError, IndexError, TypeError, RuntimeError) as e:
@@ -198,6 +211,17 @@ def _optimizer_meta(run) -> dict:
     return {"keys": sorted([k, *kind] for k, kind in keys.items()), "groups": groups}
 
 
+def _agree(why: str | None, what: str) -> None:
+    """One exchange over the generation's group of whether each rank found a problem: this rank
+    raises when it did (whatever the others sent: a member can add to any cell of the table), and
+    when any other cell is not 0 (NaN included)."""
+    flags = exchange_columns([1.0 if why else 0.0])[0]
+    if why:
+        raise ValueError(f"{_PREFIX}: {what}: {why}")
+    if any(x != 0.0 for x in flags):
+        raise ValueError(f"{_PREFIX}: {what}: another member found a problem (its error says which)")
+
+
 def _plain(v) -> bool:
     """A hyperparameter that travels (a number, a flag, None, or a short tuple of numbers)."""
     if v is None or isinstance(v, (bool, int, float)):
@@ -213,9 +237,27 @@ def _take_groups(opt, groups) -> str | None:
         return "the holders' outer optimizer has other parameter groups than this worker's"
     for mine, theirs in zip(opt.param_groups, groups):
         for k, v in theirs.items():
-            if k in mine and k != "params" and _plain(v) and _plain(mine[k]):
-                mine[k] = tuple(v) if isinstance(mine[k], tuple) and isinstance(v, list) else v
+            if k in mine and k not in _NOT_MOVED and _plain(mine[k]) and not _same_kind(mine[k], v):
+                return f"the holders' outer optimizer has {k}={v!r} where this worker's has {mine[k]!r}"
+        for k, v in theirs.items():
+            if k in mine and k not in _NOT_MOVED and _plain(mine[k]):
+                mine[k] = tuple(v) if isinstance(mine[k], tuple) else v
     return None
+
+
+# A group's settings that are how the optimizer runs, not the run's state: each worker's own.
+_NOT_MOVED = {"params", "foreach", "fused", "capturable", "differentiable"}
+
+
+def _same_kind(mine, theirs) -> bool:
+    """``theirs`` (from JSON) can stand for ``mine``: the same kind of value, finite numbers."""
+    def number(x) -> bool:
+        return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+    if mine is None or isinstance(mine, bool):
+        return type(theirs) is type(mine)
+    if isinstance(mine, (int, float)):
+        return number(theirs)
+    return (isinstance(theirs, list) and len(theirs) == len(mine) and all(number(x) for x in theirs))
 
 
 # The dtypes a sharded outer optimizer's state may hold, and how many keys it may have.
@@ -275,12 +317,16 @@ def load(run, inner, decision: dict) -> dict:
                               new[0], -1 if new[1] is None else new[1],
                               carry[0] if carry else 0, -1 if carry is None or carry[1] is None else carry[1],
                               1.0 if other else 0.0])
-    if max(table[6]) > 0:
-        raise ValueError(f"{_PREFIX}: member(s) {[r for r in range(world) if table[6][r] > 0]} hold a share cut from other "
-                         "fragments than this generation's (a checkpoint of a run with other fragments or overlap)")
     olds, news, carries = _layouts(table[0:2], world), _layouts(table[2:4], world), _layouts(table[4:6], world)
-    if news[me] != new:
-        raise ValueError(f"{_PREFIX}: the generation's exchange of shares lost this rank's")
+    why = None
+    if other:
+        why = "this member holds a share cut from other fragments than this generation's (a checkpoint of a run " \
+              "with other fragments)"
+    elif (olds[me], news[me], carries[me]) != (old or (0, None), new, carry or (0, None)):
+        why = "the exchange of shares did not carry this rank's as it sent them"
+    elif any(x != 0.0 for x in table[6]):
+        why = f"member(s) {[r for r in range(world) if table[6][r] != 0.0]} hold a share cut from other fragments"
+    _agree(why, "the run's state cannot move between shares")
     sources = {r: olds[r] for r in sorted(holders) if olds[r][0] >= 1}
     moves = plan(sources, dict(enumerate(news)), whole)
     source = Share(whole, *old) if old is not None else None
@@ -303,9 +349,7 @@ def load(run, inner, decision: dict) -> dict:
     # Every rank checks what was announced (and a holder that its own state is of that kind), then
     # the group agrees, so that no rank waits in a move that another left.
     why = str(problem) if problem is not None else _bad_keys(keys, state_of, held)
-    if max(exchange_columns([1.0 if why else 0.0])[0]) > 0:
-        raise ValueError(f"{_PREFIX}: the run's outer optimizer state cannot move between shares: "
-                         f"{why or 'another member found it malformed (its error says why)'}")
+    _agree(why, "the run's outer optimizer state cannot move between shares")
     present = [torch.empty(q.numel(), dtype=torch.uint8) for q in into]
     move(moves, dtype=torch.uint8, source=source, dest=dest, into=present,
          held=[torch.full((p.numel(),), 1 if state_of.get(p) else 0, dtype=torch.uint8) for p in held]
@@ -343,9 +387,7 @@ def load(run, inner, decision: dict) -> dict:
                                else int(v[0]) if dtype_name == "int" else float(v[0]))
         entries[i] = entry
     # (agreed, so that every rank raises, rather than the others waiting for this one in `_check`)
-    if max(exchange_columns([1.0 if why else 0.0])[0]) > 0:
-        raise ValueError(f"{_PREFIX}: the run's outer optimizer state did not move between shares: "
-                         f"{why or 'another member found it malformed (its error says why)'}")
+    _agree(why, "the run's outer optimizer state did not move between shares")
     for i, entry in entries.items():
         opt.state[into[i]] = entry
     inner._start.copy_(inner._flatten_global())
@@ -400,13 +442,17 @@ def _check(inner, news: list[tuple[int, int | None]]) -> int:
     rounds' hash of the whole global parameters (`DiLoCo._global_print`), from the shares."""
     total = _flat.additive_print(inner._global, inner._piece_starts())
     table = exchange_columns([float(total & 0xFFFFFFFF), float(total >> 32)])
-    seen: dict[tuple[int, int], tuple[float, float]] = {}
+    shards_now = share_of(inner)[0]
+    seen: dict[int, tuple[float, float]] = {}
     for r, (shards, index) in enumerate(news):
-        if index is None:
+        if index is None or shards != shards_now:
             continue
         mine = (table[0][r], table[1][r])
-        if seen.setdefault((shards, index), mine) != mine:
+        if not all(math.isfinite(x) and x == int(x) and 0 <= x < 2 ** 32 for x in mine) \
+                or seen.setdefault(index, mine) != mine:
             raise ValueError(f"{_PREFIX}: the members' shares {index} of {shards} of the global parameters differ after "
                              "the state moved: a bug, please report it")
+    if sorted(seen) != list(range(shards_now)):
+        raise ValueError(f"{_PREFIX}: the generation's members do not hold every share of the global parameters")
     total = sum(int(lo) + (int(hi) << 32) for lo, hi in seen.values())
     return _flat.print_bits(total)

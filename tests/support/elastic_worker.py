@@ -75,6 +75,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--run", action="store_true",
                    help="hetcomm.DiLoCo(membership=hetcomm.Elastic(...)): DiLoCo in generations, with the options below")
     p.add_argument("--shard-state", action="store_true", help="--run: the state sharded over each worker's ranks")
+    p.add_argument("--gather-check", action="store_true",
+                   help="--shard-state without overlap: at each round boundary, gather the whole global parameters "
+                        "over the worker and report their hash beside the round's (summed from the shares)")
     p.add_argument("--worker", default=None, help="--run: the DiLoCo worker this process is a rank of")
     p.add_argument("--local-steps", default="fixed", help="--run: the local-step policy")
     p.add_argument("--overlap", action="store_true", help="--run: overlap=True")
@@ -256,8 +259,12 @@ def main(argv: list[str] | None = None) -> int:
             if diloco.rounds == die_round and where == "local" and step_in_round == args.steps // 2:
                 kill_self()
             taken += 1
+            gathered = None
             if diloco.step(samples=len(x), loss=loss.item()):
                 step_in_round = 0
+                if args.gather_check:         # (every rank of the worker at this boundary: a collective)
+                    from hetcomm.train.elastic import sharded
+                    gathered = sharded.fingerprint(diloco.gather_global_parameters())
                 if args.save:                  # at the boundary: the state holds every round taken
                     try:
                         torch.save(diloco.state_dict(), args.save)
@@ -270,6 +277,7 @@ def main(argv: list[str] | None = None) -> int:
                                       "steps": rec["steps"], "weights": rec["weights"], "gen": rec["generation"],
                                       "plan": rec.get("plan"),
                                       "state_bytes": diloco.state_bytes() if args.run else None,
+                                      "gathered": gathered if rec["round"] == diloco.history[-1]["round"] else None,
                                       "pid": os.getpid(), "t": time.time()}) + "\n")
                 out.flush()
                 if args.stop_after and diloco.rounds >= args.stop_after:

@@ -145,6 +145,10 @@ def test_a_whole_job_resumes_its_shares_from_checkpoints(tmp_path, features, sha
     ranks = {"a0": "a", "a1": "a", "b0": "b", "b1": "b"} if shape == "pairs" else {"a0": "a", "a1": "a", "b0": "b"}
     common = ["--run", "--shard-state", "--rounds", str(rounds), "--steps", "4", "--min-workers", str(len(ranks)),
               *FEATURES[features]]
+    if "--overlap" not in FEATURES[features]:
+        # at each boundary the whole global parameters are gathered from the shares and hashed
+        # whole: the rounds' hash, summed from the shares, must be theirs
+        common.append("--gather-check")
     target = None
     if features == "fixed-fp32":
         (tmp_path / "whole").mkdir()
@@ -179,5 +183,9 @@ def test_a_whole_job_resumes_its_shares_from_checkpoints(tmp_path, features, sha
             assert ends == {target}, f"resumed {ends}, uninterrupted {target}\n{parts.logs()}"
             assert_linear_reference(parts, "a0")
         assert "starts or joins era 2" in parts.logs(), parts.logs()
+        checked = [(rec["gathered"], rec["fp"]) for r in ranks for rec in parts.records(r)
+                   if rec.get("gathered") is not None]
+        if "--gather-check" in common:
+            assert len(checked) >= rounds and all(g == fp for g, fp in checked), checked
     finally:
         parts.close()

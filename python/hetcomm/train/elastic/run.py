@@ -312,6 +312,15 @@ class ElasticRun(RunEpochs, ElasticDiLoCo):
         source = self._inner._global if self._inner is not None else self._global
         return [g.detach() for g in source]
 
+    def gather_global_parameters(self) -> list[torch.Tensor]:
+        """The whole global parameters: with sharded state, while a generation runs, a collective
+        over this worker's ranks (`DiLoCo.gather_global_parameters`: call it on every rank of the
+        worker at the same point, when `step` returned True at a round boundary); otherwise
+        `global_parameters`."""
+        if self._sharded and self._inner is not None:
+            return self._inner.gather_global_parameters()
+        return self.global_parameters()
+
     def state_bytes(self) -> int:
         """Bytes of the tensors this rank keeps for the run (`DiLoCo.state_bytes`): the
         generation's DiLoCo and what the run holds besides (a round carried between generations)."""

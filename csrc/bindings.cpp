@@ -112,6 +112,13 @@ PYBIND11_MODULE(_C, m) {
            "This rank's listening address, ip:port.")
       .def("link_security", &hetcomm::ProcessGroupHetcomm::collectiveLinkSecurity,
            "Per peer: -1 no collective connection yet, 0 cleartext, 1 TLS (HETCOMM_TLS).")
+      .def("set_pacing", &hetcomm::ProcessGroupHetcomm::setPacing, py::arg("bytes_per_second"),
+           py::call_guard<py::gil_scoped_release>(),
+           "Caps this rank's send rate to each group rank (bytes/s, 0: no cap) on its TCP/TLS links; "
+           "returns how many open links the kernel refused it on")
+      .def("pacing", &hetcomm::ProcessGroupHetcomm::pacing,
+           "Per peer: the send-rate cap the kernel holds on the collective link (bytes/s, 0: none), -1 without "
+           "a link yet")
       .def("rejected_connections", &hetcomm::ProcessGroupHetcomm::rejectedConnections,
            "How many incoming connections failed the handshake and were closed.")
       .def(

@@ -116,6 +116,16 @@ class ProcessGroupHetcomm : public c10d::Backend {
   // hetcomm's own API (bound in Python).
   std::string listenAddress() const { return mesh_->listenAddress().str(); }
   int64_t rejectedConnections() const { return mesh_->rejectedConnections(); }
+  // Caps this rank's send rate to each group rank (bytes/s; 0: none) on its TCP/TLS links
+  // (TcpMesh::setPacing); returns how many open links the kernel refused it on.
+  int setPacing(const std::vector<uint64_t>& bytesPerSecond) {
+    if (bytesPerSecond.size() != static_cast<size_t>(getSize())) {
+      throw std::invalid_argument(strCat("hetcomm: set_pacing takes one rate per rank of the group (",
+                                         getSize(), "), got ", bytesPerSecond.size()));
+    }
+    return mesh_->setPacing(bytesPerSecond);
+  }
+  std::vector<int64_t> pacing() const { return mesh_->pacing(); }
   std::vector<int> collectiveLinkSecurity() const { return mesh_->collectiveLinkSecurity(); }
   RingPlan plan() const;
   // Bytes this rank moved to and from each peer, collectives run and their time, point-to-point

@@ -12,6 +12,10 @@
 #include "common/error.h"
 #include "transport/tls.h"
 
+#ifndef SO_MAX_PACING_RATE
+#define SO_MAX_PACING_RATE 47  // Linux asm-generic/socket.h
+#endif
+
 namespace hetcomm {
 namespace {
 
@@ -92,6 +96,29 @@ bool Link::hungUp() const {
     if (::recv(fd, &c, 1, MSG_PEEK | MSG_DONTWAIT) == 0) return true;
   }
   return false;
+}
+
+bool Link::pace(uint64_t bytesPerSecond) {
+  if (kind() == Kind::kShm) return true;
+  // The 32-bit form every kernel since 3.13 takes; ~0U means no cap. Rates past 4 GB/s are
+  // no cap for hetcomm's purposes (spreading a transfer over seconds on a WAN link).
+  const unsigned int rate = bytesPerSecond == 0 || bytesPerSecond >= 0xFFFFFFFFull
+                                ? ~0U
+                                : static_cast<unsigned int>(std::max<uint64_t>(bytesPerSecond, 1));
+  return ::setsockopt(pollFd(), SOL_SOCKET, SO_MAX_PACING_RATE, &rate, sizeof(rate)) == 0;
+}
+
+uint64_t Link::pacing() const {
+  if (kind() == Kind::kShm) return 0;
+  uint64_t value = 0;  // the kernel answers in 64 bits where it keeps them so, else 32
+  socklen_t len = sizeof(value);
+  if (::getsockopt(pollFd(), SOL_SOCKET, SO_MAX_PACING_RATE, &value, &len) != 0) return 0;
+  if (len == sizeof(uint32_t)) {
+    uint32_t low = 0;
+    std::memcpy(&low, &value, sizeof(low));
+    value = low;
+  }
+  return value >= 0xFFFFFFFFull ? 0 : value;
 }
 
 int waitLinks(LinkWait* waits, size_t n, std::chrono::nanoseconds timeout, int wakeFd, bool* woken) {

@@ -72,6 +72,13 @@ class Link {
   // looks without waiting and without reading, so it may be asked while another thread uses the
   // link (the shared-memory collectives ask it of a peer they wait for: is it still there?).
   bool hungUp() const;
+  // Caps the rate at which the kernel sends this link's bytes (SO_MAX_PACING_RATE, TCP's own
+  // pacing: no qdisc needed), in bytes per second; 0 lifts the cap. TCP and TLS links only (a
+  // shared-memory link leaves the host through no NIC: true, nothing to do). False when the
+  // kernel refused the option.
+  bool pace(uint64_t bytesPerSecond);
+  // The cap the kernel holds for the link now (bytes/s; 0: none, or a shared-memory link).
+  uint64_t pacing() const;
 
  protected:
   Link() = default;

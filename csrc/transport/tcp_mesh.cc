@@ -46,7 +46,7 @@ std::array<uint8_t, kMacBytes> handshakeMac(HandshakeRole role, const TcpMesh::S
 }
 
 TcpMesh::TcpMesh(int rank, int size, const std::string& listenIp, const Secret& secret, PeerLookup lookup)
-    : rank_(rank), size_(size), secret_(secret), lookup_(std::move(lookup)), collective_(size), connecting_(size, false) {
+    : rank_(rank), size_(size), secret_(secret), lookup_(std::move(lookup)), collective_(size), pacing_(size, 0), connecting_(size, false) {
   listener_ = listenOn(listenIp, 0);
   listenAddress_ = boundAddress(listener_.fd());
   if (::pipe2(wakePipe_, O_CLOEXEC | O_NONBLOCK) != 0) throw CommError("hetcomm: pipe2 failed");
@@ -93,6 +93,26 @@ std::vector<int> TcpMesh::collectiveLinkSecurity() const {
   std::vector<int> out(size_, -1);
   for (int peer = 0; peer < size_; ++peer) {
     if (collective_[peer]) out[peer] = collective_[peer]->kind() == Link::Kind::kTls ? 1 : 0;
+  }
+  return out;
+}
+
+int TcpMesh::setPacing(const std::vector<uint64_t>& bytesPerSecond) {
+  HC_ENFORCE(bytesPerSecond.size() == static_cast<size_t>(size_), "one pacing rate per rank");
+  std::lock_guard<std::mutex> lock(mu_);
+  pacing_ = bytesPerSecond;
+  int refused = 0;
+  for (int peer = 0; peer < size_; ++peer) {
+    if (collective_[peer] && !collective_[peer]->pace(pacing_[peer])) ++refused;
+  }
+  return refused;
+}
+
+std::vector<int64_t> TcpMesh::pacing() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::vector<int64_t> out(size_, -1);
+  for (int peer = 0; peer < size_; ++peer) {
+    if (collective_[peer]) out[peer] = static_cast<int64_t>(collective_[peer]->pacing());
   }
   return out;
 }
@@ -271,6 +291,7 @@ Link& TcpMesh::collectiveLink(int peer, Deadline deadline) {
   connecting_[peer] = false;
   cv_.notify_all();
   if (aborted_ || closed_) throw CommError("hetcomm: the group's connections were shut down after an error");
+  if (pacing_[peer] != 0) link->pace(pacing_[peer]);
   collective_[peer] = std::move(link);
   return *collective_[peer];
 }

@@ -95,6 +95,12 @@ class TcpMesh {
   void close();
 
   int64_t rejectedConnections() const;
+  // Caps this rank's send rate on its collective link to each peer (bytes per second, one entry
+  // per rank; 0: no cap), on the links open now and on those opened later (Link::pace). Returns
+  // how many open links the kernel refused the cap on.
+  int setPacing(const std::vector<uint64_t>& bytesPerSecond);
+  // Per peer: the cap the kernel holds on the collective link (0: none), -1 without a link yet.
+  std::vector<int64_t> pacing() const;
   // Per peer: -1 no collective connection yet, 0 cleartext, 1 TLS.
   std::vector<int> collectiveLinkSecurity() const;
 
@@ -161,6 +167,7 @@ class TcpMesh {
   mutable std::mutex mu_;
   std::condition_variable cv_;
   std::vector<std::unique_ptr<Link>> collective_;  // by peer rank; set once, freed by close()
+  std::vector<uint64_t> pacing_;                   // [peer]: setPacing's cap for links opened later (0: none)
   std::vector<bool> connecting_;                   // a thread of ours is opening collective_[peer]
   bool aborted_ = false;
   bool closed_ = false;

@@ -317,6 +317,7 @@ void TcpMesh::acceptGreeting(Greeting& g) {
   if (hello.channel == Channel::kCollective) {
     if (collective_[hello.rank]) throw CommError(strCat("duplicate collective connection from rank ", hello.rank));
     if (aborted_) g.link->shutdown();
+    if (pacing_[hello.rank] != 0) g.link->pace(pacing_[hello.rank]);
     collective_[hello.rank] = std::move(g.link);
     cv_.notify_all();
     return;

@@ -1,6 +1,7 @@
 // TcpMesh's connecting side against scripted peers: a handshake the acceptor gave up on is tried
 // again, an address that refuses connections fails at once, a probe tells a gone peer from a live
-// one, and an abort interrupts a connector still waiting for its peer's address.
+// one, an abort interrupts a connector still waiting for its peer's address, and a send-rate cap
+// (setPacing) reaches the sockets of links that open after it.
 #include <arpa/inet.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
@@ -312,4 +313,25 @@ TEST_CASE(certificates_must_name_the_host_of_the_rank_with_verify_name_host) {
     own = e.what();
   }
   CHECK_MSG(own.find("this rank's own certificate (/CN=rank-a) does not name 127.0.0.1") != std::string::npos, own);
+}
+
+// A send-rate cap set before a collective link exists reaches its socket once the link opens, on
+// the side that connects and on the side that accepts (read back from the kernel), and 0 lifts it.
+TEST_CASE(pacing_set_before_a_link_opens_reaches_its_socket_on_both_sides) {
+  HostPort addresses[2];
+  auto lookup = [&addresses](int rank, Deadline, const Cancelled&) { return addresses[rank]; };
+  TcpMesh acceptor(0, 2, "127.0.0.1", testSecret(), lookup);
+  TcpMesh connector(1, 2, "127.0.0.1", testSecret(), lookup);
+  addresses[0] = acceptor.listenAddress();
+  addresses[1] = connector.listenAddress();
+  CHECK_EQ(acceptor.setPacing({0, 50000}), 0);
+  CHECK_EQ(connector.setPacing({60000, 0}), 0);
+  CHECK(acceptor.pacing() == (std::vector<int64_t>{-1, -1}));   // no link yet
+  std::thread connecting([&] { connector.collectiveLink(0, in(20)); });
+  acceptor.collectiveLink(1, in(20));
+  connecting.join();
+  CHECK(acceptor.pacing() == (std::vector<int64_t>{-1, 50000}));
+  CHECK(connector.pacing() == (std::vector<int64_t>{60000, -1}));
+  CHECK_EQ(connector.setPacing({0, 0}), 0);
+  CHECK(connector.pacing() == (std::vector<int64_t>{0, -1}));
 }

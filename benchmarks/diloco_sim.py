@@ -39,6 +39,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shlex
 import statistics
 import subprocess
@@ -59,6 +60,11 @@ CONFIGS = {
     "time-int8-overlap": ["--local-steps", "time", "--compress", "int8", "--overlap"],
     "time-int8": ["--local-steps", "time", "--compress", "int8"],
     "time-int8-overlap-f4": ["--local-steps", "time", "--compress", "int8", "--overlap", "--fragments", "4"],
+    # staggered, each fragment's transfer paced over 0.9 of its slot (hetcomm.train.diloco.pacing)
+    "time-int8-overlap-f4-paced": ["--local-steps", "time", "--compress", "int8", "--overlap", "--fragments", "4",
+                                   "--pace", "0.9"],
+    "time-int8-overlap-f4-paced-full": ["--local-steps", "time", "--compress", "int8", "--overlap", "--fragments",
+                                        "4", "--pace", "1.0"],
     # the 4 fragments all at the round boundary (not staggered over the round)
     "time-int8-overlap-f4-together": ["--local-steps", "time", "--compress", "int8", "--overlap", "--fragments", "4",
                                       "--no-stagger"],
@@ -312,7 +318,7 @@ def main(argv=None) -> int:
     # fragments (staggered, or together at the boundary) against the whole update at once: the
     # peak rate a host sends at, and the loss
     for a in names:
-        b = a.replace("-f4-together", "").replace("-f4", "")
+        b = re.sub(r"-f4(-together|-paced(-full)?)?$", "", a)
         if a != b and "-f4" in a and b in figures:
             for key in ("peak_tx_mbit", "steady_peak_tx_mbit"):
                 if figures[a][key] and figures[b][key]:

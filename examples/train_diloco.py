@@ -50,6 +50,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "fragment f is synchronised at step f*H/F of each round (staggered)")
     p.add_argument("--no-stagger", action="store_true",
                    help="with --fragments: synchronise them all at the round boundary, one after another")
+    p.add_argument("--pace", type=float, default=None,
+                   help="staggered: spread each fragment's transfer over this share of its slot (0-1]")
     p.add_argument("--workers", default="sites",
                    help="sites (hetcomm's sites as workers, data parallel inside), ranks, or one label per rank (a,b,...)")
     add_model_arguments(p, block=16, d_model=256, layers=3)
@@ -101,7 +103,7 @@ def main(argv=None) -> int:
     diloco = hetcomm.DiLoCo(
         model, opt, local_steps=args.local_steps, steps=args.steps, weighting=args.weighting,
         compress=args.compress, error_feedback=args.error_feedback, overlap=args.overlap,
-        overlap_steps=args.overlap_steps, fragments=args.fragments, stagger=not args.no_stagger,
+        overlap_steps=args.overlap_steps, fragments=args.fragments, stagger=not args.no_stagger, pace=args.pace,
         early_weight=args.early_weight,
         workers=args.workers.split(",") if "," in args.workers else args.workers,
         outer_optimizer=lambda ps: torch.optim.SGD(ps, lr=args.outer_lr, momentum=args.outer_momentum,
@@ -173,7 +175,7 @@ def main(argv=None) -> int:
     summary = {
         "local_steps": args.local_steps, "steps": args.steps, "weighting": args.weighting,
         "compress": args.compress, "error_feedback": args.error_feedback, "overlap": args.overlap, "overlap_steps": args.overlap_steps,
-        "fragments": args.fragments, "stagger": not args.no_stagger,
+        "fragments": args.fragments, "stagger": not args.no_stagger, "pace": args.pace,
         # per rank (simulated cluster): the peak rate its host sent at over any 1 s, and its bytes
         "peak_tx_mbit": [None if p is None or p[0] is None else p[0] * 8 / 1e6 for p in peaks],
         "steady_peak_tx_mbit": [None if p is None or p[2] is None else p[2] * 8 / 1e6 for p in peaks],

@@ -173,13 +173,14 @@ def stagger_reference(world: int, F: int, tau: int, beta: float, outer_name: str
     return [g.detach().clone() for g in glob]
 
 
-def train_staggered(rank: int, world: int, F: int, tau: int, beta: float, outer_name: str) -> dict:
+def train_staggered(rank: int, world: int, F: int, tau: int, beta: float, outer_name: str, pace=None) -> dict:
     import hetcomm
 
     net = make_model()
     opt = torch.optim.SGD(net.parameters(), lr=INNER_LR)
     diloco = hetcomm.DiLoCo(net, opt, local_steps=scripted_policy(), weighting="batch", overlap=True,
-                            overlap_steps=tau, fragments=F, early_weight=beta, outer_optimizer=OUTER[outer_name])
+                            overlap_steps=tau, fragments=F, early_weight=beta, outer_optimizer=OUTER[outer_name],
+                            pace=pace)
     for k in range(ROUNDS):
         steps = SCRIPT[k % 3][rank]
         for i in range(steps):
@@ -189,8 +190,10 @@ def train_staggered(rank: int, world: int, F: int, tau: int, beta: float, outer_
             opt.zero_grad()
             assert diloco.step(samples=len(x)) == (i == steps - 1)
     diloco.finish()
+    pacer = diloco._pacer
     return {"global": [g.clone() for g in diloco.global_parameters()], "history": diloco.history,
-            "model": [p.detach().clone() for p in net.parameters()]}
+            "model": [p.detach().clone() for p in net.parameters()],
+            "paced": None if pacer is None else (pacer.paced_jobs, pacer.refused_links)}
 
 
 @pytest.mark.parametrize("F,tau,beta,outer_name", [(2, 1, 0.5, "nesterov"), (3, 2, 0.25, "nesterov"),
@@ -238,7 +241,7 @@ def test_stagger_triggers_and_planned_steps():
     assert time_policy.planned_steps(times) == 12        # 3 s at 0.25 s a step
 
 
-def train_workers_staggered(rank: int, world: int) -> dict:
+def train_workers_staggered(rank: int, world: int, pace=None) -> dict:
     """Workers of two ranks, ``time`` on a declared clock (worker 1 four times faster, so its
     triggers fall at other steps), int8, three staggered fragments moved as soon as they land
     (the worker's ranks agree on it)."""
@@ -250,7 +253,7 @@ def train_workers_staggered(rank: int, world: int) -> dict:
     opt = torch.optim.SGD(net.parameters(), lr=0.05)
     clock = DeclaredClock()
     diloco = hetcomm.DiLoCo(net, opt, local_steps="time", steps=6, workers=[0, 0, 1, 1], overlap=True, fragments=3,
-                            compress="int8", clock=clock)
+                            compress="int8", clock=clock, pace=pace)
     g = torch.Generator().manual_seed(rank // 2)        # a worker's ranks step on the same batches
     data = iter(lambda: (torch.randn(4, 6, generator=g), torch.randn(4, 1, generator=g)), None)
     for x, y in diloco.loop(data, max_rounds=8):
@@ -260,7 +263,8 @@ def train_workers_staggered(rank: int, world: int) -> dict:
         clock.compute(0.04 if rank < 2 else 0.01)
         diloco.step(samples=len(x))
     return {"history": diloco.history, "global": [t.clone() for t in diloco.global_parameters()],
-            "model": [p.detach().clone() for p in net.parameters()], "moves": diloco._stream_moves}
+            "model": [p.detach().clone() for p in net.parameters()], "moves": diloco._stream_moves,
+            "paced": None if diloco._pacer is None else diloco._pacer.paced_jobs, "sharded": diloco._layout is not None}
 
 
 def test_staggered_fragments_compose_with_workers_time_and_int8():

@@ -14,8 +14,10 @@ docs/compression.md#error-of-the-reduced-result.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import struct
+import threading
 from typing import Optional, Sequence, Union
 
 import torch
@@ -89,6 +91,29 @@ def _agree(status: int, numel: int, fingerprint: int, problem: Optional[str], ra
         parts = " vs ".join(str(ranks) for ranks in groups.values())
         raise ValueError(f"{_PREFIX}.weighted_allreduce: the ranks disagree on the weights or the codec "
                          f"(ranks that agree: {parts}); nothing was sent")
+
+
+# Phase boundaries of the reduction, for whoever paces its traffic on this thread
+# (`hetcomm.train.diloco.pacing`): the all-to-all sends a chunk to every peer, the all-gather
+# sends along the ring only, and a pacer spreads each phase's bytes over the links it used.
+_phases = threading.local()
+
+
+@contextlib.contextmanager
+def phase_marks(hook):
+    """Calls ``hook()`` at each phase boundary of the reductions this thread runs inside."""
+    previous = getattr(_phases, "hook", None)
+    _phases.hook = hook
+    try:
+        yield
+    finally:
+        _phases.hook = previous
+
+
+def _phase_boundary() -> None:
+    hook = getattr(_phases, "hook", None)
+    if hook is not None:
+        hook()
 
 
 def _all_to_all_bytes(send: torch.Tensor, send_sizes: list[int], recv_each: int, world_size: int,
@@ -217,6 +242,7 @@ def weighted_allreduce(x: torch.Tensor, weights: Sequence[float], *, codec: Unio
     if feedback is not None:
         codec._decode_into(reduced, part)
         feedback.owner_residual = s.sub_(part)
+    _phase_boundary()
     chunks = _all_gather_bytes(reduced, send_sizes, rank, backend_or_none(group) is not None, group)
     out = torch.empty(n, dtype=torch.float32)
     for c in range(world_size):

@@ -140,7 +140,7 @@ class Agreement:
             for f, (i, j, a, b) in enumerate(self._boundary):
                 part = self._reduce_agreed(delta[a:b], weights,
                                            self._feedback[f] if self._feedback is not None else None,
-                                           background=not timed)
+                                           background=not timed, fragment=f)
                 # The outer step of this fragment's parameters alone (the others have no gradient).
                 for g, piece in zip(self._global[i:j], _flat.split(part, self._global[i:j])):
                     g.grad = piece.view(g.shape).to(g.dtype)
@@ -162,6 +162,7 @@ class Agreement:
             self._background_syncs += 1
             # With staggered fragments, the link's time per round is theirs too.
             busy, self._stream_busy = self._stream_busy, 0.0
+            busy -= self._pacer.take_delay() if self._pacer is not None else 0.0     # (`pacing`)
             self._sync_wall = end - agreed + busy if self._background_syncs > 1 else 0.0
         if any_steps:
             self._record(table, weights, round_index, plan, background=not timed)

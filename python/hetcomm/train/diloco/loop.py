@@ -17,6 +17,7 @@ from hetcomm.train import flat as _flat
 from hetcomm.train.diloco.agreement import Agreement
 from hetcomm.train.diloco.checkpoint import Checkpoint
 from hetcomm.train.diloco.outer import PER_PARAMETER, WEIGHTINGS, default_outer_optimizer, estimate_step
+from hetcomm.train.diloco.pacing import check_pace
 from hetcomm.train.diloco.results import Results
 from hetcomm.train.diloco.schedule import Overlap, check_overlap_options, fragment_bounds
 from hetcomm.train.diloco.shard import ShardedState
@@ -63,6 +64,8 @@ class DiLoCo(Results, ShardedState, Agreement, Checkpoint, Streams, Overlap, _fl
             after about 1/F of the synchronisation. Needs an outer optimizer whose step treats
             every parameter on its own (SGD, Adam, ...: a step skips parameters without a gradient).
         stagger: with ``fragments`` > 1, whether they are staggered over the round (see above).
+        pace: staggered, spread each fragment's transfer over this share [0.05, 1] of its slot (a
+            round's planned compute over F), hetcomm's backend (None: at once; `diloco.pacing`).
         early_weight: with overlap, the share of the displacement made by the steps taken before
             the late update landed that the replica keeps when it moves onto it (β in the module
             doc): 1 keeps those steps whole (the behaviour before this option), 0 drops them.
@@ -109,7 +112,7 @@ class DiLoCo(Results, ShardedState, Agreement, Checkpoint, Streams, Overlap, _fl
                  local_steps: str | LocalStepPolicy = "fixed", steps: int = 50,
                  round_seconds: float | None = None, weighting: str = "batch", compress: str = "fp32",
                  block: int = 2048, error_feedback: bool = False, overlap: bool = False,
-                 overlap_steps: int | None = None, fragments: int = 1, stagger: bool = True,
+                 overlap_steps: int | None = None, fragments: int = 1, stagger: bool = True, pace: float | None = None,
                  early_weight: float | None = None,
                  ema: float = 0.3, threshold: float = 0.01,
                  workers="sites", inner_sync: bool = True, worker_backend: str | None = None,
@@ -217,7 +220,7 @@ class DiLoCo(Results, ShardedState, Agreement, Checkpoint, Streams, Overlap, _fl
         # five times over. Pseudo-gradients alternate between two buffers with overlap: one
         # travels while the next round's is computed; the idle one is the move's scratch.
         self._deltas = [torch.empty_like(self._start) for _ in range(2 if self.overlap else 1)]
-        self._init_streams(stagger)
+        self._init_streams(stagger, check_pace(pace, self.overlap, fragments, stagger))
         self._next_delta = 0
         self._sync_wall = 0.0          # seconds the last background synchronisation took here
         self._background_syncs = 0     # started by this object (the first one is a warm-up)

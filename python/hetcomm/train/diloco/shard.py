@@ -382,13 +382,21 @@ class ShardedState:
         return self._workers.reduce(delta, weights, codec=self._codec, feedback=feedback)
 
     def _reduce_agreed(self, delta: torch.Tensor, weights: Sequence[float], feedback, *,
-                       background: bool) -> torch.Tensor:
+                       background: bool, fragment: int) -> torch.Tensor:
         """`_reduce`, then, with the state sharded over the worker's ranks, an agreement of the
         worker's ranks that every one of them has its range reduced (a two-phase outer step): a
         worker's ranks then step their ranges of the outer optimizer all together or not at all,
         so that after a failure inside the reduction every range of a worker holds the same
         count of outer steps (an elastic run carries the state on from them). A rank whose
-        reduction failed raises its error, the others of its worker one that names it."""
+        reduction failed raises its error, the others of its worker one that names it. Paced in
+        the background with ``pace`` (`hetcomm.train.diloco.pacing`)."""
+        if background and self._pacer is not None:
+            with self._pacer.job(fragment):
+                return self._reduce_agreed_now(delta, weights, feedback, background)
+        return self._reduce_agreed_now(delta, weights, feedback, background)
+
+    def _reduce_agreed_now(self, delta: torch.Tensor, weights: Sequence[float], feedback,
+                           background: bool) -> torch.Tensor:
         if self._layout is None or not self._layout.replicated or self._workers.size == 1:
             return self._reduce(delta, weights, feedback)
         error = None

@@ -32,6 +32,7 @@ import torch
 from hetcomm.train import flat as _flat
 from hetcomm.train.diloco.agreement import NonFinite
 from hetcomm.train.diloco.outer import estimate_step, outer_weights
+from hetcomm.train.diloco.pacing import make_pacer
 from hetcomm.train.partition import exchange_columns
 
 _PREFIX = "hetcomm DiLoCo"
@@ -52,9 +53,15 @@ def stagger_triggers(planned: int | None, fragments: int) -> list[float]:
 class Streams:
     """The staggered fragments of `DiLoCo` (f ≥ 1): their triggers, jobs and moves."""
 
-    def _init_streams(self, stagger: bool) -> None:
+    def _init_streams(self, stagger: bool, pace: float | None) -> None:
         F = len(self._fragments)
         self._stagger = bool(stagger) and F > 1
+        # (`pacing`: on the group that carries the fragments between workers; none on a rank
+        # that holds no share of a worker's state and so sends nothing over it)
+        wan = self._sync_group if self._workers.single else self._workers.cross_group
+        self._pacer = None
+        if pace is not None and self._stagger:
+            self._pacer = make_pacer(pace, self._sync_group, wan, lambda: self._clock())
         # The fragments the round boundary reduces (fragment 0 alone when staggered).
         self._boundary = self._fragments[:1] if self._stagger else self._fragments
         self._flight: dict[int, dict] = {}        # f -> {future, seq, steps}: its job not yet moved onto
@@ -79,7 +86,12 @@ class Streams:
         if not self._stagger:
             return
         self._fired = [False] * len(self._fragments)
-        self._triggers = stagger_triggers(self._policy.planned_steps(self._times), len(self._fragments))
+        planned = self._policy.planned_steps(self._times)
+        self._triggers = stagger_triggers(planned, len(self._fragments))
+        if self._pacer is not None:          # (the planned compute: without `time`'s stretch for the link)
+            t = self._times.estimates()
+            steps = None if planned is None else planned / getattr(self._policy, "stretch", 1.0)
+            self._pacer.plan(steps, None if t is None else t[self._col], len(self._fragments))
 
     def _count_window(self, samples: int) -> None:
         self._seen[0] += 1
@@ -108,6 +120,8 @@ class Streams:
         for f in range(1, len(self._fragments)):
             if not self._fired[f]:
                 self._fire(f)
+        if self._pacer is not None:
+            self._pacer.fired(0)                 # (the boundary's job comes next)
 
     def _fire_last(self) -> None:
         """The last, synchronous round's boundary: every job waited for; the fragments this round
@@ -150,7 +164,10 @@ class Streams:
 
     def _join_streams(self, agree: bool = False) -> None:
         """Every job in flight waited for, its move still to come (a checkpoint, the global
-        parameters); ``agree``: the worker's ranks agree that none failed (a collective)."""
+        parameters, the last round: unpaced from here to the next round); ``agree``: the worker's
+        ranks agree that none failed (a collective)."""
+        if self._pacer is not None and self._flight:
+            self._pacer.hurry()
         for f in sorted(self._flight):
             self._wait_job(self._flight[f], check=not agree)
         if agree:
@@ -200,6 +217,8 @@ class Streams:
         _flat.load(params, start)
         self._share([f])
         self._stream_seq += 1
+        if self._pacer is not None:
+            self._pacer.fired(f)
         future = self._executor.submit(self._stream_job, f, column, travel, timed=False)
         self._flight[f] = {"future": future, "seq": self._stream_seq, "steps": 0, "window": window}
         self._count_sync(begin)
@@ -229,7 +248,7 @@ class Streams:
             if any(s > 0 for s in table[_F_STEPS]) and any(w != 0.0 for w in weights):
                 i, j, _, _ = self._fragments[f]
                 part = self._reduce_agreed(delta, weights, self._feedback[f] if self._feedback is not None else None,
-                                           background=not timed)
+                                           background=not timed, fragment=f)
                 for g, piece in zip(self._global[i:j], _flat.split(part, self._global[i:j])):
                     g.grad = piece.view(g.shape).to(g.dtype)
                 self.outer_optimizer.step()

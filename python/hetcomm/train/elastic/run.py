@@ -54,6 +54,7 @@ from hetcomm.train import flat as _flat
 from hetcomm.train.diloco.agreement import NonFinite
 from hetcomm.train.diloco.loop import DiLoCo
 from hetcomm.train.diloco.outer import default_outer_optimizer
+from hetcomm.train.diloco.pacing import check_pace
 from hetcomm.train.diloco.shard import reachable_bytes
 from hetcomm.train.elastic import checkpoint as _checkpoint, handover, sharded, watchdog
 from hetcomm.train.elastic.carry import (Round, encode_name, resume_round, seed_policy, share_timing, start_table,
@@ -107,11 +108,12 @@ class ElasticRun(RunEpochs, ElasticDiLoCo):
                  local_steps: str = "fixed", steps: int = 50, round_seconds: float | None = None,
                  weighting: str = "batch", compress: str = "fp32", block: int = 2048,
                  error_feedback: bool = False, overlap: bool = False, overlap_steps: int | None = None,
-                 fragments: int = 1, stagger: bool = True, early_weight: float | None = None,
-                 ema: float = 0.3, threshold: float = 0.01, inner_sync: bool = True,
+                 fragments: int = 1, stagger: bool = True, pace: float | None = None,
+                 early_weight: float | None = None, ema: float = 0.3, threshold: float = 0.01, inner_sync: bool = True,
                  worker_backend: str | None = None, **fixed_only) -> None:
         shard_state = check_options(membership, fixed_only, inner_sync, local_steps)
         make_policy(local_steps, steps, round_seconds=round_seconds, threshold=threshold)   # checks them now
+        check_pace(pace, overlap, fragments, stagger)
         m = membership
         worker = m.worker
         # State sharded over each worker's ranks (`sharded`): this rank's share, (1, 0) the whole.
@@ -127,7 +129,7 @@ class ElasticRun(RunEpochs, ElasticDiLoCo):
             sharded.check_factory(self._factory, self._params)
         self._options = dict(local_steps=local_steps, steps=steps, round_seconds=round_seconds, weighting=weighting,
                              compress=compress, block=block, error_feedback=error_feedback, overlap=overlap,
-                             overlap_steps=overlap_steps, fragments=fragments, stagger=stagger,
+                             overlap_steps=overlap_steps, fragments=fragments, stagger=stagger, pace=pace,
                              early_weight=early_weight, ema=ema, threshold=threshold, inner_sync=inner_sync,
                              worker_backend=worker_backend)
         self._worker = worker or self.worker_id

@@ -1,0 +1,211 @@
+"""Pacing of staggered fragments: each fragment's transfer spread over a share of the time to the
+next fragment's trigger, so that the WAN carries one fragment at a steady rate instead of bursts.
+
+Staggering alone (`hetcomm.train.diloco.stream`) lowers the peak rate to about 1/F of a whole
+model's only while a fragment's transfer, at the rate the link or the ranks' CPUs allow, is
+shorter than the windows the rate is measured over and the gap to the next fragment: at H = 20
+on the simulator's 100 Mbit/s NICs a 1 s window held one fragment and part of the next, 0.46×
+(docs/diloco-results.md#staggered-fragments). Paced, a fragment's bytes take ``share`` of its
+slot (the time between two triggers: the round's planned compute over F), however fast the
+link could carry them.
+
+How: the kernel's own TCP pacing (``SO_MAX_PACING_RATE``; no qdisc needed since Linux 4.13) on
+hetcomm's TCP/TLS links of the group that carries the synchronisation between workers
+(`ProcessGroupHetcomm.set_pacing`). A job may send R: the bytes its fragment's last job sent
+over ``share`` × slot, less the time since the fragment's trigger (`Pacer.rate`), the slot
+being the round's planned compute over F (`Pacer.plan`). Each phase of the reduction (an
+all-to-all, then an all-gather along the ring) shares R over the links in proportion to what
+each carried in that phase last time (`Pacer.caps`), so the host sends at about R throughout.
+The caps are set when the fragment's reduction starts, changed at its phase boundaries and
+lifted when it ends. Unpaced: a fragment's first job (no bytes measured yet), rounds with no
+agreed step time, the last, synchronous round, and the jobs in flight once someone waits for
+them (`Pacer.hurry`: the last round, a checkpoint). Pacing changes when bytes leave, never
+which: every rank reduces the same values whether or not it paces, or paces differently.
+"""
+from __future__ import annotations
+
+import contextlib
+import threading
+import warnings
+from collections.abc import Callable, Iterator
+
+import torch.distributed as dist
+
+from hetcomm._backend import backend_or_none
+from hetcomm.compress.collective import phase_marks
+
+_PREFIX = "hetcomm DiLoCo"
+# A paced job that takes longer than this many times the transfer time its rate planned was held
+# back by the link or the ranks' CPUs, not by its cap (below it, the coding and summing between
+# the phases, which pacing does not hide, can add a fifth to a third at a fifth of a core).
+_BOUND = 1.5
+_MIN_SHARE = 0.05
+_MAX_CAP = 0xFFFFFFFE               # bytes/s: the kernel's 32-bit field (0xFFFFFFFF: no cap)
+
+
+def check_pace(pace, overlap: bool, fragments: int, stagger: bool) -> float | None:
+    """``pace``: None, or the share [0.05, 1] of a fragment's slot its transfer is spread over."""
+    if pace is None:
+        return None
+    if isinstance(pace, bool) or not isinstance(pace, (int, float)) or not _MIN_SHARE <= float(pace) <= 1.0:
+        raise ValueError(f"{_PREFIX}: pace must be None or a share of a fragment's slot in [{_MIN_SHARE}, 1], "
+                         f"got {pace!r}")
+    if not (overlap and fragments > 1 and stagger):
+        raise ValueError(f"{_PREFIX}: pace spreads staggered fragments' transfers: it needs overlap=True, "
+                         f"fragments > 1 and stagger=True (got overlap={overlap}, fragments={fragments}, "
+                         f"stagger={stagger})")
+    return float(pace)
+
+
+def make_pacer(share: float | None, group: dist.ProcessGroup | None, wan: dist.ProcessGroup | None,
+               clock: Callable[[], float]) -> "Pacer | None":
+    """The pacer of the links of ``wan``, the group that carries the fragments between workers
+    (None without ``share``, or on a rank that has no such group: it sends nothing between
+    workers). Refused unless DiLoCo's ``group`` uses the hetcomm backend, checked on the group
+    every rank shares, so that every rank refuses together; timed by DiLoCo's ``clock``."""
+    if share is None:
+        return None
+    if backend_or_none(group) is None:
+        raise ValueError(f"{_PREFIX}: pace caps the send rate of hetcomm's links: DiLoCo's group must use the "
+                         "hetcomm backend")
+    backend = backend_or_none(wan) if wan is not None else None
+    return None if backend is None else Pacer(share, backend, clock)
+
+
+class Pacer:
+    """The caps of one DiLoCo's fragments on the group that carries them (see the module doc).
+    `plan`, `fired` and `hurry` are called on the training thread, `job` and `take_delay` on the
+    synchronisation's."""
+
+    def __init__(self, share: float, backend, clock: Callable[[], float]) -> None:
+        """``backend``: the hetcomm backend (`ProcessGroupHetcomm`) whose links carry the fragments."""
+        self.share = share
+        self._backend = backend
+        self._clock = clock
+        self.slot: float | None = None              # seconds between two triggers this round (`plan`)
+        self._sent: dict[int, list[list[int]]] = {}  # f -> bytes sent to each peer, per phase of its last job
+        self._need: dict[int, float] = {}           # f -> the least time a job of it took unpaced, or held back by the link
+        self._delay = 0.0                           # seconds pacing added to jobs since `take_delay`
+        self._fired: dict[int, tuple[float, float | None]] = {}   # f -> (when it was last triggered, the slot then)
+        self._lock = threading.Lock()               # caps set, and `hurry`
+        self._hurried = False
+        self.paced_jobs = 0
+        self.refused_links = 0                      # links the kernel refused a cap on (summed over jobs)
+
+    def plan(self, steps: float | None, step_seconds: float | None, fragments: int) -> None:
+        """At a round's start: the slot is this worker's planned steps over F at its agreed step
+        time, the compute the round is planned to take; not the wall time rounds took, nor a
+        round ``time`` stretched for the link (a paced job that made a round wait or stretch
+        would lengthen the next slot, and so the next job). None when either is not known yet."""
+        ok = steps is not None and step_seconds is not None and step_seconds > 0
+        self.slot = steps * step_seconds / fragments if ok else None
+        self._hurried = False
+
+    def fired(self, f: int) -> None:
+        """Fragment f's trigger: its job's time counts from here, in this round's slot."""
+        self._fired[f] = (self._clock(), self.slot)
+
+    def hurry(self) -> None:
+        """Someone waits for the jobs in flight (the last round, a checkpoint, the global
+        parameters): the caps are lifted now, and no job is paced until the next round."""
+        with self._lock:
+            self._hurried = True
+            self._backend.set_pacing([0] * self._backend.size())
+
+    def rate(self, f: int, now: float) -> float | None:
+        """Bytes/s this rank may send for fragment f's job, started at ``now``, so that its
+        transfer ends about ``share`` × slot after the fragment's trigger: all the bytes its last
+        job sent, over that time less what has passed since the trigger (the wait for the other
+        ranks' triggers, jobs queued before it: without it, jobs a little longer than a slot
+        queue up until a round boundary waits for them). At least a third of share × slot: a
+        job that starts late catches up, but not in one burst. (Not less the job's time besides
+        the transfer: measured on each rank, it holds the wait for the other ranks' transfers,
+        and the rates swung between 6 and 21 Mbit/s from one job to the next.) None: unpaced."""
+        last = self._sent.get(f)
+        fired, slot = self._fired.get(f, (now, self.slot))
+        total = sum(sum(phase) for phase in last) if last else 0
+        if slot is None or not slot > 0 or total == 0 or self._hurried:
+            return None
+        planned = self.share * slot
+        return total / max(planned - (now - fired), planned / 3)
+
+    def caps(self, f: int, rate: float, k: int) -> list[int]:
+        """The cap on each link in phase k of fragment f's job, for ``rate`` bytes/s in all: the
+        rate shared over the links in proportion to what each carried in the same phase last
+        time, so that every phase sends at ``rate`` whatever links it uses. (One cap on every
+        link would let the all-to-all send at (P − 1) times the rate; each link's bytes of the
+        whole job over the slot would make the all-to-all alone take the whole slot: measured,
+        1.75 times the planned time.) A link the phase did not use last time, or a phase not
+        seen last time: ``rate`` (bytes left in a socket's buffer from the phase before, or a
+        ring that changed, never go out uncapped)."""
+        last = self._sent[f]
+        phase = last[k] if k < len(last) else None
+        total = sum(phase) if phase is not None else 0
+
+        def cap(x: float) -> int:
+            return min(_MAX_CAP, max(1, int(x)))
+
+        if total == 0:
+            return [cap(rate)] * len(last[0])
+        return [cap(rate * b / total) if b else cap(rate) for b in phase]
+
+    @contextlib.contextmanager
+    def job(self, f: int) -> Iterator[None]:
+        """Around fragment f's reduction (a background job): each phase capped from the last job's
+        bytes (`caps`), counting this one's for the next. The reduction marks its phases
+        (`hetcomm.compress.collective.phase_marks`); unmarked, the job is one phase."""
+        start = self._clock()
+        rate = self.rate(f, start)
+        phases: list[list[int]] = []
+        mark = list(self._backend.traffic()["bytes_sent"])
+
+        def cap_next() -> None:
+            if rate is None:
+                return
+            with self._lock:
+                if not self._hurried:
+                    refused = self._backend.set_pacing(self.caps(f, rate, len(phases)))
+                    if refused and not self.refused_links:
+                        warnings.warn(f"{_PREFIX}: the kernel refused a send-rate cap (SO_MAX_PACING_RATE) on "
+                                      f"{refused} link(s): pace has no effect on them", RuntimeWarning, stacklevel=2)
+                    self.refused_links += refused
+
+        def boundary() -> None:
+            nonlocal mark
+            now = list(self._backend.traffic()["bytes_sent"])
+            phases.append([a - b for a, b in zip(now, mark)])
+            mark = now
+            cap_next()
+
+        cap_next()
+        if rate is not None:
+            self.paced_jobs += 1
+        try:
+            with phase_marks(boundary):
+                yield
+        finally:
+            if rate is not None:
+                with self._lock:
+                    self._backend.set_pacing([0] * len(mark))
+        # (a failed job's bytes are a part of a fragment's: the last whole one's stand)
+        took = self._clock() - start
+        end = list(self._backend.traffic()["bytes_sent"])
+        phases.append([a - b for a, b in zip(end, mark)])
+        total = sum(sum(p) for p in self._sent[f]) if rate is not None else 0
+        self._sent[f] = phases
+        # What the link needs: the least an unpaced job took (the first pays for new
+        # connections), or what a paced one took where the cap did not hold it back.
+        if rate is None:
+            self._need[f] = min(self._need.get(f, took), took)
+        elif f not in self._need or took > _BOUND * total / rate:
+            self._need[f] = took
+        else:
+            self._need[f] = min(self._need[f], took)
+            self._delay += took - self._need[f]
+
+    def take_delay(self) -> float:
+        """Seconds pacing added to the jobs since the last call: `DiLoCo` leaves them out of the
+        synchronisation's duration that ``time`` plans rounds by (else a paced job, by design
+        as long as share × a slot, would lengthen the rounds, then the slots, then the jobs)."""
+        delay, self._delay = self._delay, 0.0
+        return delay

@@ -1,0 +1,180 @@
+"""Pacing of staggered fragments (`hetcomm.train.diloco.pacing`).
+
+* The caps reach the kernel: `ProcessGroupHetcomm.set_pacing` sets ``SO_MAX_PACING_RATE`` on the
+  TCP links open now and those of a new group, read back with ``getsockopt``
+  (`ProcessGroupHetcomm.pacing`), and lifts it; a list of the wrong length is refused. (Links
+  that open after the cap was set: tests/cpp/test_tcp_mesh.cc.)
+* The pacer's arithmetic, by hand, on a stand-in backend: the caps (a fragment's bytes over share
+  × slot, on each link it used), the time pacing added (left out of the synchronisation's
+  duration that ``time`` plans by), and a job the cap did not hold back.
+* Pacing changes when bytes leave, not which: the staggered float64 schedule of
+  test_diloco_stream, paced over TCP links, ends exactly at its reference; workers of two ranks
+  with ``time`` and int8, paced, stay identical across ranks.
+* That it lowers the peak rate a host sends at: benchmarks/diloco_sim.py (``-f4-paced``).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from harness import run_ranks
+from test_diloco_stream import stagger_reference, train_staggered, train_workers_staggered
+
+pytestmark = pytest.mark.usefixtures("backend_importable")
+
+TCP = {"HETCOMM_LOCAL": "tcp"}       # every byte over the ranks' TCP links (no shared memory)
+
+
+def pacing_on_links(rank: int, world: int) -> dict:
+    import torch.distributed as dist
+    from hetcomm._backend import backend_of
+
+    out = {}
+    backend = backend_of()
+    dist.all_reduce(torch.ones(8))                       # the links exist now
+    out["before"] = backend.pacing()
+    caps = [0] * world
+    caps[(rank + 1) % world] = 123_456 + rank
+    out["refused"] = backend.set_pacing(caps)
+    out["set"] = backend.pacing()
+    backend.set_pacing([0] * world)
+    out["lifted"] = backend.pacing()
+    try:
+        backend.set_pacing([1])
+    except ValueError as e:
+        out["wrong_length"] = str(e)
+    # a group whose links open after the caps were set
+    group = dist.new_group(list(range(world)))
+    later = backend_of(group)
+    later.set_pacing([777_000] * world)
+    out["later_before"] = later.pacing()
+    dist.all_reduce(torch.ones(1 << 16), group=group)
+    out["later"] = later.pacing()
+    return out
+
+
+def test_set_pacing_reaches_the_kernel_on_the_links_of_a_group():
+    world = 3
+    res = run_ranks(world, pacing_on_links, env=TCP)
+    for rank, r in enumerate(res):
+        nxt = (rank + 1) % world
+        assert r["refused"] == 0
+        assert r["before"][rank] == -1 and all(v == 0 for p, v in enumerate(r["before"]) if p != rank), r
+        assert r["set"][nxt] == 123_456 + rank, r
+        assert all(v == 0 for p, v in enumerate(r["set"]) if p not in (rank, nxt)), r
+        assert all(v == 0 for p, v in enumerate(r["lifted"]) if p != rank), r
+        assert "one rate per rank of the group (3), got 1" in r["wrong_length"]
+        # (the group's creation may open its links; those it did not take the cap when they open:
+        # tests/cpp/test_tcp_mesh.cc shows that case on its own)
+        assert all(v in (-1, 777_000) for v in r["later_before"]), r
+        linked = [v for p, v in enumerate(r["later"]) if p != rank and v != -1]
+        assert linked and all(v == 777_000 for v in linked), r
+
+
+class Backend:
+    """Stands in for ProcessGroupHetcomm: bytes sent per peer, and the caps it was given."""
+
+    def __init__(self, world: int) -> None:
+        self.sent = [0] * world
+        self.calls: list[list[int]] = []
+
+    def size(self) -> int:
+        return len(self.sent)
+
+    def traffic(self) -> dict:
+        return {"bytes_sent": list(self.sent)}
+
+    def set_pacing(self, caps: list[int]) -> int:
+        self.calls.append(list(caps))
+        return 0
+
+
+def test_pacer_caps_and_the_time_it_added_by_hand():
+    from hetcomm.compress.collective import _phase_boundary
+    from hetcomm.train.diloco.pacing import Pacer, check_pace
+
+    now = [0.0]
+    backend = Backend(4)
+    pacer = Pacer(0.5, backend, lambda: now[0])
+    # rank 0 of 4: the all-to-all sends 100 bytes to each peer, the all-gather 300 to the next
+    reduction = [[0, 100, 100, 100], [0, 300, 0, 0]]
+
+    def job(f: int, phases: list[list[int]], seconds: float, late: float = 0.0, fail: bool = False) -> None:
+        pacer.fired(f)
+        now[0] += late                           # waited for the others' triggers, or queued
+        backend.calls.clear()
+        with pacer.job(f):
+            for k, sent in enumerate(phases):
+                if k:
+                    _phase_boundary()             # as weighted_allreduce marks it
+                backend.sent = [a + b for a, b in zip(backend.sent, sent)]
+            now[0] += seconds
+            if fail:
+                raise RuntimeError("the reduction failed")
+
+    pacer.plan(8, 0.25, 4)                      # 8 steps of 0.25 s over 4 fragments: 0.5 s a slot
+    assert pacer.slot == 0.5                    # share 0.5: a job's transfer planned for 0.25 s
+    job(1, reduction, 0.1)                      # nothing measured yet: unpaced
+    assert backend.calls == [] and pacer.paced_jobs == 0
+    # 600 bytes in the 0.2 s left after 0.05 s late: 3000 B/s, each phase's share of it on each
+    # link it used, the whole rate on the others (this rank's own entry included: no link)
+    job(1, reduction, 0.28, late=0.05)
+    assert backend.calls == [[3000, 1000, 1000, 1000], [3000, 3000, 3000, 3000], [0, 0, 0, 0]]
+    assert pacer.take_delay() == pytest.approx(0.18) and pacer.take_delay() == 0.0   # 0.28 s against 0.1
+    # 0.3 s late, past its planned end: a third of the 0.25 s (7200 B/s), not one burst; it took
+    # 0.5 s, four times its planned transfer: the link set the pace, not the cap
+    job(1, reduction, 0.5, late=0.3)
+    assert backend.calls[:2] == [[7200, 2400, 2400, 2400], [7200] * 4]
+    assert pacer.take_delay() == 0.0
+    job(1, reduction, 0.3)                      # within its plan: the link needs at most 0.3 s now
+    assert backend.calls[0] == [2400, 800, 800, 800] and pacer.take_delay() == 0.0
+    job(1, reduction + [[0, 0, 50, 0]], 0.3)    # a phase not seen last time: the whole rate
+    assert backend.calls[2] == [2400] * 4, backend.calls
+    with pytest.raises(RuntimeError, match="the reduction failed"):
+        job(1, [[0, 999, 999, 999]], 0.1, fail=True)
+    assert backend.calls[-1] == [0, 0, 0, 0]    # the caps lifted; the next job is paced by the
+    job(1, reduction, 0.2)                      # last whole job's 650 bytes, not by its 2997
+    assert backend.calls[0] == [2600, 866, 866, 866]
+    job(2, [[0, 0, 0, 0]], 0.1)                 # sent nothing: nothing to pace by
+    job(2, [[0, 0, 0, 0]], 0.1)
+    assert pacer.paced_jobs == 6
+    pacer.hurry()                               # someone waits for the jobs: unpaced until the next plan
+    assert backend.calls[-1] == [0, 0, 0, 0]
+    job(1, reduction, 0.2)
+    assert backend.calls == [] and pacer.paced_jobs == 6
+    pacer.plan(None, 0.25, 4)                   # no planned steps: unpaced
+    job(1, reduction, 0.2)
+    pacer.plan(8, 0.25, 4)
+    job(1, reduction, 0.2)
+    assert pacer.paced_jobs == 7
+    assert check_pace(None, False, 1, True) is None and check_pace(1, True, 2, True) == 1.0
+    for bad in (0.0, 0.01, 1.5, True, "0.5", float("nan")):
+        with pytest.raises(ValueError, match=r"in \[0.05, 1\]"):
+            check_pace(bad, True, 4, True)
+    for overlap, fragments, stagger in ((False, 4, True), (True, 1, True), (True, 4, False)):
+        with pytest.raises(ValueError, match="needs overlap=True, fragments > 1 and stagger=True"):
+            check_pace(0.5, overlap, fragments, stagger)
+
+
+def test_paced_fragments_equal_the_float64_reference():
+    world, F, tau, beta = 3, 3, 2, 0.25
+    want = stagger_reference(world, F, tau, beta)
+    per_rank = run_ranks(world, train_staggered, F, tau, beta, "nesterov", 0.5, env=TCP)
+    for r, res in enumerate(per_rank):
+        assert res["paced"][0] > 0 and res["paced"][1] == 0, res["paced"]    # jobs paced, no cap refused
+        for g, w in zip(res["global"], want):
+            torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-7, msg=lambda m: f"rank {r}: {m}")
+        for g0, g in zip(per_rank[0]["global"], res["global"]):
+            assert torch.equal(g0, g), f"rank {r}'s global parameters differ from rank 0's"
+
+
+def test_paced_fragments_compose_with_sharded_workers_time_and_int8():
+    """Workers of two ranks (state sharded over them), ``time`` on a declared clock, int8, three
+    staggered fragments moved as they land (test_diloco_stream), paced over half their slots."""
+    per_rank = run_ranks(4, train_workers_staggered, 0.5, timeout=240, env=TCP)
+    for res in per_rank:
+        assert res["sharded"] and res["paced"] > 0 and res["moves"] > 0, res
+        assert res["history"] == per_rank[0]["history"]
+        for a, b, p in zip(per_rank[0]["global"], res["global"], res["model"]):
+            assert torch.equal(a, b) and torch.equal(a, p)
+    assert len(per_rank[0]["history"]) == 8

@@ -75,6 +75,7 @@ std::optional<std::vector<std::string>> declaredSites(const std::vector<int64_t>
 }  // namespace
 
 std::string siteKey(const std::string& incarnation, int rank) { return strCat("hetcomm/site/", incarnation, "/", rank); }
+std::string addressKey(const std::string& incarnation, int rank) { return strCat("hetcomm/addr/", incarnation, "/", rank); }
 
 std::string awaitPeerRecord(SealedStore& store, const std::string& key, int rank, int peer, const char* what,
                             const char* hint, Deadline deadline, const Cancelled& cancelled) {

@@ -16,6 +16,8 @@ namespace hetcomm {
 
 // Where a rank publishes its site label (HETCOMM_TLS=inter-site, before its address).
 std::string siteKey(const std::string& incarnation, int rank);
+// Where a rank publishes the address its mesh listens on.
+std::string addressKey(const std::string& incarnation, int rank);
 
 // A peer's record, polled rather than one long store wait, so that an abort or a shutdown
 // interrupts it; a value that fails its seal counts as none yet. Throws TimeoutError at `deadline`

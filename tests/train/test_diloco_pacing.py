@@ -178,3 +178,19 @@ def test_paced_fragments_compose_with_sharded_workers_time_and_int8():
         for a, b, p in zip(per_rank[0]["global"], res["global"], res["model"]):
             assert torch.equal(a, b) and torch.equal(a, p)
     assert len(per_rank[0]["history"]) == 8
+
+
+def construct_on_gloo(rank: int, world: int) -> str:
+    import hetcomm
+
+    net = torch.nn.Linear(4, 4)
+    try:
+        hetcomm.DiLoCo(net, torch.optim.SGD(net.parameters(), lr=0.1), overlap=True, fragments=2, pace=0.5)
+    except ValueError as e:
+        return str(e)
+    return "constructed"
+
+
+def test_pace_on_a_gloo_group_is_refused_on_every_rank():
+    for message in run_ranks(2, construct_on_gloo, backend="gloo"):
+        assert "DiLoCo's group must use the hetcomm backend" in message, message

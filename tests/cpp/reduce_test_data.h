@@ -19,6 +19,15 @@ inline constexpr DType kAllDTypes[] = {DType::kFloat32, DType::kFloat64, DType::
 inline constexpr RedOp kAllOps[] = {RedOp::kSum, RedOp::kAvg,  RedOp::kProduct, RedOp::kMin,
                                     RedOp::kMax, RedOp::kBand, RedOp::kBor,     RedOp::kBxor};
 
+// Bits of 16- and 32-bit floats (test_reduce.cc, test_half_formats.cc).
+inline float floatOf(uint32_t b) {
+  float f;
+  std::memcpy(&f, &b, 4);
+  return f;
+}
+inline bool isHalfNaN(uint16_t h) { return (h & 0x7c00u) == 0x7c00u && (h & 0x3ffu) != 0; }
+inline bool isBf16NaN(uint16_t b) { return (b & 0x7f80u) == 0x7f80u && (b & 0x7fu) != 0; }
+
 inline bool supported(DType t, RedOp op) {
   try {
     checkReduceSupported(t, op);

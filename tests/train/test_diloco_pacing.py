@@ -10,7 +10,8 @@
 * Pacing changes when bytes leave, not which: the staggered float64 schedule of
   test_diloco_stream, paced over TCP links, ends exactly at its reference; workers of two ranks
   with ``time`` and int8, paced, stay identical across ranks.
-* That it lowers the peak rate a host sends at: benchmarks/diloco_sim.py (``-f4-paced``).
+* That it lowers the peak rate a host sends at: benchmarks/diloco_sim.py (``-f4-paced-full``,
+  docs/diloco-results.md#paced-12-05).
 """
 from __future__ import annotations
 
@@ -126,8 +127,8 @@ def test_pacer_caps_and_the_time_it_added_by_hand():
     job(1, reduction, 0.5, late=0.3)
     assert backend.calls[:2] == [[7200, 2400, 2400, 2400], [7200] * 4]
     assert pacer.take_delay() == 0.0
-    job(1, reduction, 0.3)                      # within its plan: the link needs at most 0.3 s now
-    assert backend.calls[0] == [2400, 800, 800, 800] and pacer.take_delay() == 0.0
+    job(1, reduction, 0.3)                      # within its plan: beyond the unpaced 0.1 s, pacing's
+    assert backend.calls[0] == [2400, 800, 800, 800] and pacer.take_delay() == pytest.approx(0.2)
     job(1, reduction + [[0, 0, 50, 0]], 0.3)    # a phase not seen last time: the whole rate
     assert backend.calls[2] == [2400] * 4, backend.calls
     with pytest.raises(RuntimeError, match="the reduction failed"):
@@ -138,10 +139,13 @@ def test_pacer_caps_and_the_time_it_added_by_hand():
     job(2, [[0, 0, 0, 0]], 0.1)                 # sent nothing: nothing to pace by
     job(2, [[0, 0, 0, 0]], 0.1)
     assert pacer.paced_jobs == 6
-    pacer.hurry()                               # someone waits for the jobs: unpaced until the next plan
+    pacer.hurry()                               # someone waits for the jobs: unpaced until resume()
     assert backend.calls[-1] == [0, 0, 0, 0]
     job(1, reduction, 0.2)
+    pacer.plan(8, 0.25, 4)
+    job(1, reduction, 0.2)
     assert backend.calls == [] and pacer.paced_jobs == 6
+    pacer.resume()
     pacer.plan(None, 0.25, 4)                   # no planned steps: unpaced
     job(1, reduction, 0.2)
     pacer.plan(8, 0.25, 4)

@@ -62,6 +62,7 @@ class Checkpoint:
             raise RuntimeError(f"{_PREFIX}: state_dict() inside a round ({self._r_steps} steps taken since the last "
                                "synchronisation): call it when step() returned True, or after finish()")
         pending = None
+        self._hurry_streams()         # (the jobs ahead of the pending one unpaced: `pacing`)
         if self._pending is not None:
             start = self._clock()
             concurrent.futures.wait([self._pending])

@@ -84,7 +84,7 @@ class Pacer:
         self._clock = clock
         self.slot: float | None = None              # seconds between two triggers this round (`plan`)
         self._sent: dict[int, list[list[int]]] = {}  # f -> bytes sent to each peer, per phase of its last job
-        self._need: dict[int, float] = {}           # f -> the least time a job of it took unpaced, or held back by the link
+        self._need: dict[int, float] = {}           # f -> the least time a job of it took unpaced
         self._delay = 0.0                           # seconds pacing added to jobs since `take_delay`
         self._fired: dict[int, tuple[float, float | None]] = {}   # f -> (when it was last triggered, the slot then)
         self._lock = threading.Lock()               # caps set, and `hurry`
@@ -99,7 +99,6 @@ class Pacer:
         would lengthen the next slot, and so the next job). None when either is not known yet."""
         ok = steps is not None and step_seconds is not None and step_seconds > 0
         self.slot = steps * step_seconds / fragments if ok else None
-        self._hurried = False
 
     def fired(self, f: int) -> None:
         """Fragment f's trigger: its job's time counts from here, in this round's slot."""
@@ -107,10 +106,15 @@ class Pacer:
 
     def hurry(self) -> None:
         """Someone waits for the jobs in flight (the last round, a checkpoint, the global
-        parameters): the caps are lifted now, and no job is paced until the next round."""
+        parameters): the caps are lifted now, and no job is paced until `resume`."""
         with self._lock:
             self._hurried = True
             self._backend.set_pacing([0] * self._backend.size())
+
+    def resume(self) -> None:
+        """The wait for the jobs is over: the next jobs are paced again."""
+        with self._lock:
+            self._hurried = False
 
     def rate(self, f: int, now: float) -> float | None:
         """Bytes/s this rank may send for fragment f's job, started at ``now``, so that its
@@ -177,10 +181,10 @@ class Pacer:
             mark = now
             cap_next()
 
-        cap_next()
         if rate is not None:
             self.paced_jobs += 1
         try:
+            cap_next()
             with phase_marks(boundary):
                 yield
         finally:
@@ -193,15 +197,14 @@ class Pacer:
         phases.append([a - b for a, b in zip(end, mark)])
         total = sum(sum(p) for p in self._sent[f]) if rate is not None else 0
         self._sent[f] = phases
-        # What the link needs: the least an unpaced job took (the first pays for new
-        # connections), or what a paced one took where the cap did not hold it back.
-        if rate is None:
+        # What the link needs: the least time an unpaced job of the fragment took (the first
+        # pays for new connections). A paced job held back by the link, not the cap, counts whole;
+        # from the others, what they took beyond it is pacing's. (Paced times never lower it: they
+        # would become the baseline, and pacing's time would count as the link's again.)
+        if rate is None or f not in self._need:
             self._need[f] = min(self._need.get(f, took), took)
-        elif f not in self._need or took > _BOUND * total / rate:
-            self._need[f] = took
-        else:
-            self._need[f] = min(self._need[f], took)
-            self._delay += took - self._need[f]
+        elif took <= _BOUND * total / rate:
+            self._delay += max(0.0, took - self._need[f])
 
     def take_delay(self) -> float:
         """Seconds pacing added to the jobs since the last call: `DiLoCo` leaves them out of the

@@ -319,6 +319,7 @@ class ShardedState:
                                    "or construct DiLoCo with shard_state=False")
             return [p.detach().to("cpu", self._master) for p in self._model_params]
         if self._pending is not None and not self._closed:     # (a closed object's may never finish)
+            self._hurry_streams()
             concurrent.futures.wait([self._pending])
         if not self._closed:
             self._join_streams()

@@ -166,12 +166,18 @@ class Streams:
         """Every job in flight waited for, its move still to come (a checkpoint, the global
         parameters, the last round: unpaced from here to the next round); ``agree``: the worker's
         ranks agree that none failed (a collective)."""
-        if self._pacer is not None and self._flight:
-            self._pacer.hurry()
+        self._hurry_streams()
         for f in sorted(self._flight):
             self._wait_job(self._flight[f], check=not agree)
+        if self._pacer is not None:
+            self._pacer.resume()
         if agree:
             self._agree_landed([self._flight[f]["future"] for f in sorted(self._flight)])
+
+    def _hurry_streams(self) -> None:
+        """Someone waits for the jobs in flight (their caps lifted until `_join_streams` ends)."""
+        if self._pacer is not None and (self._flight or self._pending is not None):
+            self._pacer.hurry()
 
     @torch.no_grad()
     def _window_delta(self, f: int) -> torch.Tensor:

@@ -16,7 +16,9 @@ class RunEpochs:
     """The epoch hooks of `ElasticRun` (a mixin before `ElasticDiLoCo`)."""
 
     def _config(self) -> dict:
-        return {**super()._config(), "diloco": repr(sorted({**self._options, "shard_state": self._sharded}.items()))}
+        # (not `pace`: it changes when a rank's bytes leave, not what the members compute)
+        options = {k: v for k, v in self._options.items() if k != "pace"}
+        return {**super()._config(), "diloco": repr(sorted({**options, "shard_state": self._sharded}.items()))}
 
     def _attempt(self, decision: dict, delta, column: list[float]) -> bool:
         self._state_deferred = None

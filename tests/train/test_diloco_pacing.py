@@ -6,7 +6,9 @@
   that open after the cap was set: tests/cpp/test_tcp_mesh.cc.)
 * The pacer's arithmetic, by hand, on a stand-in backend: the caps (a fragment's bytes over share
   × slot, on each link it used), the time pacing added (left out of the synchronisation's
-  duration that ``time`` plans by), and a job the cap did not hold back.
+  duration that ``time`` plans by), and a job the cap did not hold back; fragments of unequal
+  sizes at one rate, a job queued behind a larger one, a late one catching up, and the bound on a
+  job's planned end.
 * Pacing changes when bytes leave, not which: the staggered float64 schedule of
   test_diloco_stream, paced over TCP links, ends exactly at its reference; workers of two ranks
   with ``time`` and int8, paced, stay identical across ranks.
@@ -158,6 +160,67 @@ def test_pacer_caps_and_the_time_it_added_by_hand():
     for overlap, fragments, stagger in ((False, 4, True), (True, 1, True), (True, 4, False)):
         with pytest.raises(ValueError, match="needs overlap=True, fragments > 1 and stagger=True"):
             check_pace(0.5, overlap, fragments, stagger)
+
+
+def test_fragments_of_unequal_sizes_share_one_rate_by_hand():
+    from hetcomm.train.diloco.pacing import Pacer
+
+    now = [0.0]
+    backend = Backend(2)
+    pacer = Pacer(1.0, backend, lambda: now[0])
+
+    def send(b: int) -> None:
+        backend.sent = [backend.sent[0], backend.sent[1] + b]
+
+    def job(f: int, b: int, seconds: float, fire: bool = True) -> float:
+        if fire:
+            pacer.fired(f)
+        backend.calls.clear()
+        with pacer.job(f):
+            send(b)
+            now[0] += seconds
+        return backend.calls[0][1] if backend.calls else None
+
+    pacer.plan(6, 0.25, 3)                      # 3 fragments, a slot of 0.5 s, 1.5 s of compute
+    for f, b in enumerate((300, 500, 700)):     # the first round: unpaced
+        assert job(f, b, 0.1) is None
+        now[0] += 0.4
+    # then one rate: 1500 bytes over 1.5 s, 1000 B/s for each fragment (each over its own slot:
+    # 600, 1000 and 1400 B/s)
+    t = now[0]
+    assert job(0, 300, 0.3) == pytest.approx(1000, abs=1)     # planned to end at t + 0.3
+    now[0] = t + 0.5
+    assert job(1, 500, 0.5) == pytest.approx(1000, abs=1)     # t + 0.5 to t + 1.0
+    now[0] = t + 1.0
+    pacer.fired(2)
+    backend.calls.clear()
+    with pacer.job(2):                          # 0.7 s: past the next trigger of fragment 0
+        assert backend.calls[0][1] == pytest.approx(1000, abs=1)
+        send(700)
+        now[0] = t + 1.5
+        pacer.fired(0)
+        now[0] = t + 1.7
+    # fragment 0 queued behind it: planned from t + 1.7, not from its trigger: no catching up;
+    # the link held it back: it ended at t + 2.2
+    assert job(0, 300, 0.5, fire=False) == pytest.approx(1000, abs=1)
+    now[0] = t + 2.0
+    pacer.fired(1)
+    now[0] = t + 2.2
+    # fragment 1 planned from its trigger (the job before was planned to end at t + 2.0): 500 bytes
+    # in the 0.3 s left
+    assert job(1, 500, 0.3, fire=False) == pytest.approx(1666, abs=1)
+    # a fragment at more than two of its slots at the rate is planned to end two slots after its
+    # trigger: 100 + 100 + 1300 bytes, 1000 B/s, the third's 1.3 s cut to 1.0 s
+    pacer = Pacer(1.0, backend, lambda: now[0])
+    pacer.plan(6, 0.25, 3)
+    for f, b in enumerate((100, 100, 1300)):
+        job(f, b, 0.1)
+        now[0] += 0.4
+    job(0, 100, 0.1)
+    now[0] += 0.4
+    job(1, 100, 0.1)
+    now[0] += 0.4
+    assert job(2, 1300, 1.0) == pytest.approx(1300, abs=1)
 
 
 def test_paced_fragments_equal_the_float64_reference():

@@ -5,17 +5,17 @@ Staggering alone (`hetcomm.train.diloco.stream`) lowers the peak rate to about 1
 model's only while a fragment's transfer, at the rate the link or the ranks' CPUs allow, is
 shorter than the windows the rate is measured over and the gap to the next fragment: at H = 20
 on the simulator's 100 Mbit/s NICs a 1 s window held one fragment and part of the next, 0.46×
-(docs/diloco-results.md#staggered-fragments). Paced, a fragment's bytes take ``share`` of its
-slot (the time between two triggers: the round's planned compute over F), however fast the
-link could carry them.
+(docs/diloco-results.md#staggered-fragments). Paced, the fragments' bytes take ``share`` of
+the round's planned compute at one rate, however fast the link could carry them.
 
 How: the kernel's own TCP pacing (``SO_MAX_PACING_RATE``; no qdisc needed since Linux 4.13) on
 hetcomm's TCP/TLS links of the group that carries the synchronisation between workers
-(`ProcessGroupHetcomm.set_pacing`). A job may send R: the bytes its fragment's last job sent
-over ``share`` × slot, less the time since the fragment's trigger (`Pacer.rate`), the slot
-being the round's planned compute over F (`Pacer.plan`). Each phase of the reduction (an
-all-to-all, then an all-gather along the ring) shares R over the links in proportion to what
-each carried in that phase last time (`Pacer.caps`), so the host sends at about R throughout.
+(`ProcessGroupHetcomm.set_pacing`). The fragments send at one rate R: their last jobs' bytes
+over ``share`` × the round's planned compute (`Pacer.plan`; a slot is that compute over F), each
+job planned from its trigger, or behind the job before it, and catching up when it started late
+(`Pacer.rate`). Each phase of the reduction (an all-to-all, then an all-gather along the ring)
+shares R over the links in proportion to what each carried in that phase last time
+(`Pacer.caps`), so the host sends at about R throughout.
 The caps are set when the fragment's reduction starts, changed at its phase boundaries and
 lifted when it ends. Unpaced: a fragment's first job (no bytes measured yet), rounds with no
 agreed step time, the last, synchronous round, and the jobs in flight once someone waits for
@@ -87,6 +87,8 @@ class Pacer:
         self._need: dict[int, float] = {}           # f -> the least time a job of it took unpaced
         self._delay = 0.0                           # seconds pacing added to jobs since `take_delay`
         self._fired: dict[int, tuple[float, float | None]] = {}   # f -> (when it was last triggered, the slot then)
+        self._fragments = 1                         # F, this round (`plan`)
+        self._free = float("-inf")                  # the planned end of the last paced job's transfer (`rate`)
         self._lock = threading.Lock()               # caps set, and `hurry`
         self._hurried = False
         self.paced_jobs = 0
@@ -99,6 +101,7 @@ class Pacer:
         would lengthen the next slot, and so the next job). None when either is not known yet."""
         ok = steps is not None and step_seconds is not None and step_seconds > 0
         self.slot = steps * step_seconds / fragments if ok else None
+        self._fragments = fragments
 
     def fired(self, f: int) -> None:
         """Fragment f's trigger: its job's time counts from here, in this round's slot."""
@@ -117,21 +120,39 @@ class Pacer:
             self._hurried = False
 
     def rate(self, f: int, now: float) -> float | None:
-        """Bytes/s this rank may send for fragment f's job, started at ``now``, so that its
-        transfer ends about ``share`` × slot after the fragment's trigger: all the bytes its last
-        job sent, over that time less what has passed since the trigger (the wait for the other
-        ranks' triggers, jobs queued before it: without it, jobs a little longer than a slot
-        queue up until a round boundary waits for them). At least a third of share × slot: a
-        job that starts late catches up, but not in one burst. (Not less the job's time besides
-        the transfer: measured on each rank, it holds the wait for the other ranks' transfers,
-        and the rates swung between 6 and 21 Mbit/s from one job to the next.) None: unpaced."""
+        """Bytes/s this rank may send for fragment f's job, started at ``now``. Once every fragment
+        has sent a job, one rate for them all: their last jobs' bytes over ``share`` × the round's
+        planned compute (F slots), so that a fragment larger than the others (fragments are cut at
+        tensor boundaries: 1.37 times the smallest in the example's model) takes longer at the same
+        rate instead of sending faster: the peak was the largest fragment's rate, 1.13–1.20 times
+        the mean. Before, each fragment's bytes over its own share × slot.
+
+        Each job has a planned transfer on a schedule of the link (`_free`): from its trigger, or
+        from the end planned for the job before it when that is later (it queued behind a larger
+        fragment), for its bytes at the rate; the rate is its bytes over the time left to that end,
+        so a job that starts late for other reasons (the wait for the other ranks' triggers, a job
+        held back by the link) catches up: without that, jobs a little longer than a slot queue up
+        until a round boundary waits for them. A planned end is never more than two of the job's
+        slots' shares past its trigger (no backlog builds up over the rounds), and a job that
+        catches up sends at most three times its planned rate, not in one burst. (Not less the
+        job's time besides the transfer: measured on each rank, it holds the wait for the other
+        ranks' transfers, and the rates swung between 6 and 21 Mbit/s from one job to the next.)
+        None: unpaced."""
         last = self._sent.get(f)
         fired, slot = self._fired.get(f, (now, self.slot))
         total = sum(sum(phase) for phase in last) if last else 0
         if slot is None or not slot > 0 or total == 0 or self._hurried:
             return None
         planned = self.share * slot
-        return total / max(planned - (now - fired), planned / 3)
+        if all(g in self._sent for g in range(self._fragments)):
+            whole = sum(sum(sum(phase) for phase in self._sent[g]) for g in range(self._fragments))
+            steady = whole / (planned * self._fragments)
+        else:                                       # (a fragment not measured yet: its own slot)
+            steady = total / planned
+        took = total / steady
+        end = min(max(fired, self._free) + took, fired + 2 * planned)
+        self._free = end
+        return total / max(end - now, took / 3)
 
     def caps(self, f: int, rate: float, k: int) -> list[int]:
         """The cap on each link in phase k of fragment f's job, for ``rate`` bytes/s in all: the
@@ -191,8 +212,10 @@ class Pacer:
             if rate is not None:
                 with self._lock:
                     self._backend.set_pacing([0] * len(mark))
+            ended = self._clock()
+            self._free = min(self._free, ended)     # (a job that ended early, or failed, freed the link then)
         # (a failed job's bytes are a part of a fragment's: the last whole one's stand)
-        took = self._clock() - start
+        took = ended - start
         end = list(self._backend.traffic()["bytes_sent"])
         phases.append([a - b for a, b in zip(end, mark)])
         total = sum(sum(p) for p in self._sent[f]) if rate is not None else 0

@@ -68,9 +68,10 @@ def test_shares_move_when_a_rank_of_a_worker_dies_and_comes_back(run, features, 
 
 def load_adam(rank: int, world: int) -> list[dict]:
     """`sharded.load` on 4 ranks: the holders' shares of the global parameters and of Adam's
-    state (exp_avg, exp_avg_sq per element, step per tensor) and their hyperparameters, laid out
-    for one worker of four (or, second case, held by ranks 2 and 3 only, as two shares), move to
-    a generation of two workers of two ranks; compared with the whole vectors they were cut from."""
+    state (exp_avg, exp_avg_sq per element, step per tensor: a value of its own in each) and their
+    hyperparameters, laid out for one worker of four (or, second case, held by ranks 2 and 3 only,
+    as two shares), move to a generation of two workers of two ranks; compared with the whole
+    vectors they were cut from."""
     from types import SimpleNamespace
 
     import hetcomm
@@ -87,25 +88,33 @@ def load_adam(rank: int, world: int) -> list[dict]:
                                workers=[0, 0, 1, 1], shard_state=True, overlap=True, fragments=2,
                                outer_optimizer=lambda ps: torch.optim.Adam(ps, lr=0.1, betas=(0.8, 0.95)))
         fragments = list(inner._layout.whole)
+        starts = [0]
+        for p in net.parameters():
+            starts.append(starts[-1] + p.numel())
         pieces, opt = [], None
         if rank in old_of:
+            # the share's pieces as a layout cuts them (each in one tensor), Adam's step a value
+            # per tensor (5 + the tensor's index), as a run with a tensor added later would have
             share = Share(fragments, *old_of[rank])
-            pieces = [torch.nn.Parameter(whole[lo:hi].clone()) for lo, hi in share.ranges]
+            cuts = [(max(lo, a), min(hi, b), t) for lo, hi in share.ranges
+                    for t, (a, b) in enumerate(zip(starts, starts[1:])) if max(lo, a) < min(hi, b)]
+            pieces = [torch.nn.Parameter(whole[lo:hi].clone()) for lo, hi, _ in cuts]
             opt = torch.optim.Adam(pieces, lr=0.05, betas=(0.5, 0.6))
-            for p, (lo, hi) in zip(pieces, share.ranges):
-                opt.state[p] = {"step": torch.tensor(5.0), "exp_avg": 2 * whole[lo:hi], "exp_avg_sq": whole[lo:hi] ** 2}
+            for p, (lo, hi, t) in zip(pieces, cuts):
+                opt.state[p] = {"step": torch.tensor(5.0 + t), "exp_avg": 2 * whole[lo:hi],
+                                "exp_avg_sq": whole[lo:hi] ** 2}
         run = SimpleNamespace(_global=pieces, outer_optimizer=opt, _share=old_of.get(rank), _carry=None, _history=[],
                               _whole=fragments)
         sharded.load(run, inner, {"members": ["m0", "m1", "m2", "m3"], "holders": [f"m{r}" for r in holders],
                                   "round": 0})
         ok = True
-        for q, start in zip(inner._global, inner._piece_starts()):
+        for q, start, (t, _, _) in zip(inner._global, inner._piece_starts(), inner._layout.pieces):
             want = whole[start:start + q.numel()]
             state = inner.outer_optimizer.state.get(q, {})
             ok &= torch.equal(q.detach(), want)
             if q.numel():
                 ok &= (torch.equal(state["exp_avg"], 2 * want) and torch.equal(state["exp_avg_sq"], want ** 2)
-                       and float(state["step"]) == 5.0)
+                       and state["step"].dtype == torch.float32 and float(state["step"]) == 5.0 + t)
         group = inner.outer_optimizer.param_groups[0]
         out.append({"ok": bool(ok), "lr": group["lr"], "betas": group["betas"], "held": inner._layout.size})
         # Shares cut from other fragments (a checkpoint of a run with other options): refused on

@@ -62,6 +62,13 @@ class Share:
             raise ValueError(f"elements [{lo}, {hi}) are not in this share")
         return self._local[i] + lo - self.ranges[i][0]
 
+    def flat(self, at: int) -> int:
+        """The flat model's element at position ``at`` of the share (``0 <= at < size``)."""
+        if not 0 <= at < self.size:
+            raise ValueError(f"position {at} is not in this share of {self.size} elements")
+        i = bisect.bisect_right(self._local, at) - 1
+        return self.ranges[i][0] + at - self._local[i]
+
 
 def plan(sources: dict[int, tuple[int, int | None]], dests: dict[int, tuple[int, int | None]],
          whole: Fragments) -> list[tuple[int, int, int, int]]:

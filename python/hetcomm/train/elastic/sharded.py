@@ -11,7 +11,9 @@ them (`load`):
   holder is at that count). Each member says which share it holds and which it needs; the moves
   (`reshard.plan`) take every range a member needs from a holder of it, point to point over the
   generation's group (`reshard.move`): the global parameters, then each tensor of the outer
-  optimizer's state, and its scalars (Adam's step) as a field of their own. A range no holder
+  optimizer's state. Its values of one per tensor (Adam's step), and whether a tensor has state
+  at all, travel as one value per model tensor, from every holder of a piece of it, in one
+  exchange (before, a value per element: 8 bytes for each of the model's parameters). A range no holder
   has left (every rank that held it is gone) ends the run with a ValueError naming it.
 * The members then compare what they received: ranks holding the same share must hold the same
   bits (`flat.additive_print`), or every rank raises.
@@ -34,6 +36,7 @@ generation's background (`handover`): the shares move when the generation starts
 """
 from __future__ import annotations
 
+import bisect
 import math
 
 import torch
@@ -295,6 +298,22 @@ def _dtype(name) -> torch.dtype:
     return dtype
 
 
+def _tensors_of(share: Share | None, pieces: list[torch.Tensor], starts: list[int]) -> list[range]:
+    """The model tensors each of ``pieces`` (a share's, end to end in its order; each inside one
+    of its ranges) holds elements of (``starts``: the tensors' flat offsets): one for a piece of
+    a layout, none for an empty piece."""
+    out, at = [], 0
+    for piece in pieces:
+        n = piece.numel()
+        if n == 0 or share is None:
+            out.append(range(0))
+            continue
+        lo = share.flat(at)
+        out.append(range(bisect.bisect_right(starts, lo) - 1, bisect.bisect_left(starts, lo + n)))
+        at += n
+    return out
+
+
 @torch.no_grad()
 def load(run, inner, decision: dict) -> dict:
     """Collective over the generation's group, at its start: ``inner`` (the generation's DiLoCo)
@@ -350,41 +369,54 @@ def load(run, inner, decision: dict) -> dict:
     # the group agrees, so that no rank waits in a move that another left.
     why = str(problem) if problem is not None else _bad_keys(keys, state_of, held)
     _agree(why, "the run's outer optimizer state cannot move between shares")
-    present = [torch.empty(q.numel(), dtype=torch.uint8) for q in into]
-    move(moves, dtype=torch.uint8, source=source, dest=dest, into=present,
-         held=[torch.full((p.numel(),), 1 if state_of.get(p) else 0, dtype=torch.uint8) for p in held]
-         if held is not None else None)
+    # Per element: the tensors (Adam's moments); per tensor, in one exchange of the tensors' values
+    # among the holders: whether a tensor has state, and the values of one (Adam's step).
     values: dict[str, list[torch.Tensor]] = {}
     for name, kind, dtype_name in keys:
-        dtype = _dtype(dtype_name) if kind != "number" else torch.float64
-        if kind == "tensor":
-            mine = [state_of[p][name].reshape(-1) if name in state_of.get(p, {}) else torch.zeros(p.numel(), dtype=dtype)
-                    for p in held] if held is not None else None
-        else:
-            mine = [torch.full((p.numel(),), float(state_of[p][name]) if name in state_of.get(p, {}) else math.nan,
-                               dtype=torch.float64) for p in held] if held is not None else None
-        values[name] = [torch.empty(q.numel(), dtype=dtype if kind == "tensor" else torch.float64) for q in into]
-        move(moves, dtype=dtype if kind == "tensor" else torch.float64, source=source, held=mine, dest=dest,
-             into=values[name])
+        if kind != "tensor":
+            continue
+        dtype = _dtype(dtype_name)
+        mine = [state_of[p][name].reshape(-1) if name in state_of.get(p, {}) else torch.zeros(p.numel(), dtype=dtype)
+                for p in held] if held is not None else None
+        values[name] = [torch.empty(q.numel(), dtype=dtype) for q in into]
+        move(moves, dtype=dtype, source=source, held=mine, dest=dest, into=values[name])
+    starts = _offsets(p.numel() for p in inner._model_params)
+    ones = [k for k in keys if k[1] != "tensor"]
+    column = [-1.0] * (len(starts) - 1) * (1 + len(ones))    # per tensor: -1 (no piece of it here)
+    if held is not None and me in holders:
+        for p, span in zip(held, _tensors_of(source, held, starts)):
+            entry = state_of.get(p, {})
+            for t in span:
+                column[t] = 1.0 if entry else 0.0
+                for k, (name, _, _) in enumerate(ones):
+                    column[(1 + k) * (len(starts) - 1) + t] = float(entry[name]) if name in entry else math.nan
+    table = exchange_columns(column)
     opt = inner.outer_optimizer
     why = _take_groups(opt, meta.get("groups"))
     entries = {}
-    for i, q in enumerate(into):
-        if why or q.numel() == 0 or not bool(present[i].any()):
+    for i, (q, span) in enumerate(zip(into, _tensors_of(dest, into, starts))):
+        if why or not span:
             continue
-        if not bool(present[i].all()):
-            why = "the holders' outer optimizer state covers part of a tensor only"
+        # (every holder of a piece of the tensor: they stepped it together)
+        givers = [(t, r) for t in span for r in holders if table[t][r] != -1.0]
+        have = {table[t][r] for t, r in givers}
+        if have != {1.0}:
+            if have != {0.0}:
+                why = "the holders do not agree on (or do not say) whether the outer optimizer has state for a tensor"
             continue
         entry = {}
         for name, kind, dtype_name in keys:
-            v = values[name][i]
             if kind == "tensor":
-                entry[name] = v.view(q.shape)
-            elif not (bool((v == v[0]).all()) and math.isfinite(float(v[0]))):
+                entry[name] = values[name][i].view(q.shape)
+                continue
+            at = (1 + ones.index([name, kind, dtype_name])) * (len(starts) - 1)
+            got = {table[at + t][r] for t, r in givers}
+            v = next(iter(got))
+            if len(got) != 1 or not math.isfinite(v):
                 why = f"the holders' outer optimizer state has several values (or none) of {name!r} in one tensor"
             else:
-                entry[name] = (torch.tensor(float(v[0]), dtype=_dtype(dtype_name)) if kind == "scalar"
-                               else int(v[0]) if dtype_name == "int" else float(v[0]))
+                entry[name] = (torch.tensor(v, dtype=_dtype(dtype_name)) if kind == "scalar"
+                               else int(v) if dtype_name == "int" else v)
         entries[i] = entry
     # (agreed, so that every rank raises, rather than the others waiting for this one in `_check`)
     _agree(why, "the run's outer optimizer state did not move between shares")

@@ -11,9 +11,22 @@ the joiner's link being the bottleneck (the holders' uplinks together are faster
 sleep ``--step-seconds`` (rounds long enough for the joiner to start): the figure is the transfer,
 not training. Median and spread over ``--repeats``.
 
+``--generations``: the run is ``hetcomm.DiLoCo(membership=hetcomm.Elastic(...))`` (DiLoCo in
+generations) instead of ``hetcomm.ElasticDiLoCo``; the joiner's wait for the state is timed where
+that mode moves it: the epoch's transfer (as above), with ``--overlap`` the generation's
+background transfer while the holders train (`handover.start`, from its start to the state
+loaded), with ``--shard-state`` the moves of the shares when the generation starts
+(`sharded.load`). ``--ranks-per-worker R``: every worker (the holders and the joiner) is R
+processes, each in its own namespace with its own NIC; with ``--shard-state`` each keeps 1/R of
+the state, and a joiner's rank receives its share from the holders' ranks of the same share. The
+figure is then the joiner's slowest rank against the link time of the largest share any of its
+ranks received.
+
 Usage::
 
     python benchmarks/elastic_join_transfer.py --repeats 3 --json benchmarks/results/elastic_join_1gb.json
+    python benchmarks/elastic_join_transfer.py --generations --shard-state --ranks-per-worker 2 --rounds 4 \
+        --repeats 3 --json benchmarks/results/elastic_join_1gb_sharded.json
 """
 from __future__ import annotations
 
@@ -55,9 +68,56 @@ def worker(args: argparse.Namespace) -> None:
         out.flush()
 
     Generation._transfer = timed
-    diloco = hetcomm.ElasticDiLoCo(model, None, store=args.store, worker_id=args.id, job=args.job, steps=2,
-                                   compress="int8", min_workers=args.min_workers, early_join=False,
-                                   collective_timeout=600.0, verbose=False)
+    if args.generations:
+        from hetcomm.train.elastic import handover, run, sharded
+
+        def joiner_timed(real, decision_of):
+            def wrapper(elastic, inner, *rest):
+                decision = decision_of(elastic, rest)
+                joiner = decision is not None and elastic._me not in decision["holders"]
+                begin = time.perf_counter()
+                parts.clear()
+                result = real(elastic, inner, *rest)
+                if joiner:
+                    moved = sum(g.numel() * g.element_size() for g in inner._global)
+                    moved += sum(t.numel() * t.element_size() for s in inner.outer_optimizer.state.values()
+                                 for t in s.values() if isinstance(t, torch.Tensor) and t.dim() > 0)
+                    out.write(json.dumps({"transfer_s": time.perf_counter() - begin, "holder": False,
+                                          "bytes": moved, "where": real.__name__, "parts": list(parts)}) + "\n")
+                    out.flush()
+                return result
+            return wrapper
+
+        # Where a sharded load's time goes: each move of a field, and the check of the shares.
+        parts: list = []
+
+        def part(name, real):
+            def wrapper(*a, **k):
+                begin = time.perf_counter()
+                try:
+                    return real(*a, **k)
+                finally:
+                    parts.append([name if name != "move" else f"move {k.get('dtype')}",
+                                  round(time.perf_counter() - begin, 3)])
+            return wrapper
+        sharded.move, sharded._check = part("move", sharded.move), part("check", sharded._check)
+        sharded.exchange_columns = part("exchange", sharded.exchange_columns)
+
+        # (run.py calls them through their modules: patched there, they are timed)
+        handover.start = joiner_timed(handover.start, lambda elastic, rest: elastic._state_deferred)
+        sharded.load = joiner_timed(sharded.load, lambda elastic, rest: rest[0])
+        assert run.handover is handover and run.sharded is sharded
+        membership = hetcomm.Elastic(store=args.store, worker_id=args.id, worker=args.worker_name or None,
+                                     job=args.job, min_workers=args.min_workers, collective_timeout=600.0,
+                                     verbose=False)
+        # (an inner optimizer, which a worker of several ranks needs; the loop never steps it)
+        inner = torch.optim.SGD(model.parameters(), lr=0.0)
+        diloco = hetcomm.DiLoCo(model, inner, membership=membership, local_steps="fixed", steps=2, compress="int8",
+                                overlap=args.overlap, shard_state=args.shard_state)
+    else:
+        diloco = hetcomm.ElasticDiLoCo(model, None, store=args.store, worker_id=args.id, job=args.job, steps=2,
+                                       compress="int8", min_workers=args.min_workers, early_join=False,
+                                       collective_timeout=600.0, verbose=False)
     for _ in diloco.loop(itertools.repeat(None), max_rounds=args.rounds):
         with torch.no_grad():
             model[0][:1000].add_(1e-3)
@@ -81,8 +141,16 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=10, help="rounds of the run (the joiner joins after the first)")
     ap.add_argument("--step-seconds", type=float, default=1.0, help="seconds an inner step sleeps")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--generations", action="store_true",
+                    help="hetcomm.DiLoCo(membership=hetcomm.Elastic(...)) instead of hetcomm.ElasticDiLoCo")
+    ap.add_argument("--overlap", action="store_true", help="--generations: overlap=True (the state in the background)")
+    ap.add_argument("--shard-state", action="store_true", help="--generations: shard_state=True")
+    ap.add_argument("--ranks-per-worker", type=int, default=1, help="--generations: processes per worker")
+    ap.add_argument("--worker-name", default="", help=argparse.SUPPRESS)
     ap.add_argument("--json", default="")
     args = ap.parse_args()
+    if (args.overlap or args.shard_state or args.ranks_per_worker != 1) and not args.generations:
+        ap.error("--overlap, --shard-state and --ranks-per-worker need --generations")
     if args.worker:
         worker(args)
         return
@@ -93,45 +161,62 @@ def main() -> None:
     from hetcomm.bench.records import command_line, write_document
     from hetcomm.sim import SimCluster, SimSpec
 
+    R = args.ranks_per_worker
+
     class JoinJob(Job):
         def start(self, rank: int) -> None:
             argv = [sys.executable, os.path.abspath(__file__), "--worker", "--store", self.address,
-                    "--id", f"w{rank}", "--job", self.name, "--min-workers", str(args.holders),
+                    "--id", f"w{rank}", "--job", self.name, "--min-workers", str(args.holders * R),
                     "--state-gb", str(args.state_gb), "--rounds", str(args.rounds),
                     "--step-seconds", str(args.step_seconds),
                     "--jsonl", os.path.join(self.out, f"w{rank}.jsonl")]
+            if args.generations:
+                argv += ["--generations", "--worker-name", f"worker{rank // R}"]
+                argv += ["--overlap"] if args.overlap else []
+                argv += ["--shard-state"] if args.shard_state else []
             import subprocess
             env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", **self.cluster.rank_env(rank))
             log = open(os.path.join(self.out, f"w{rank}.log"), "a")
             self.procs[rank] = subprocess.Popen(self.cluster.command_for(rank, argv), env=env, stdout=log,
                                                 stderr=subprocess.STDOUT, start_new_session=True, cwd=ROOT)
 
-    K = args.holders + 1
+    K = (args.holders + 1) * R
+    joiner = range(K - R, K)
     rows = []
     with SimCluster(SimSpec(nic_mbit=[args.nic_mbit] * K)) as cluster:
         for repeat in range(args.repeats):
             out = tempfile.mkdtemp(prefix="join_")
             job = JoinJob(cluster, args, f"join{repeat}-{os.getpid()}", out, range(K), seed=0)
-            for rank in range(args.holders):
+            for rank in range(K - R):
                 job.start(rank)
             deadline = time.time() + 900
             while job.rounds_seen() < 1 and time.time() < deadline:
+                ended = {rank: proc.poll() for rank, proc in job.procs.items() if proc.poll() is not None}
+                if ended:
+                    logs = open(os.path.join(out, f"w{min(ended)}.log")).read()[-3000:]
+                    job.wait(time.time())
+                    raise SystemExit(f"elastic_join_transfer: repeat {repeat}: worker(s) {ended} exited before "
+                                     f"the first round\n{logs}")
                 time.sleep(0.5)
-            job.start(K - 1)
+            for rank in joiner:
+                job.start(rank)
             hung = job.wait(time.time() + 900)
-            joins = [r for r in job.records(K - 1) if "transfer_s" in r and not r["holder"]]
-            if hung or not joins:
+            joins = [[r for r in job.records(rank) if "transfer_s" in r and not r["holder"]] for rank in joiner]
+            if hung or not all(joins):
                 logs = open(os.path.join(out, f"w{K - 1}.log")).read()[-3000:]
                 raise SystemExit(f"elastic_join_transfer: repeat {repeat}: hung {hung}, joins {joins}\n{logs}")
-            join = joins[0]
-            link = join["bytes"] * 8 / (args.nic_mbit * 1e6)
-            rows.append({"repeat": repeat, "transfer_s": join["transfer_s"], "bytes": join["bytes"],
-                         "link_s": link, "ratio": join["transfer_s"] / link})
-            print(f"[elastic_join_transfer] repeat {repeat}: {join['bytes'] / 1e9:.2f} GB in {join['transfer_s']:.1f} s, "
+            firsts = [j[0] for j in joins]            # (each rank's first: a later one is another join)
+            seconds, moved = max(j["transfer_s"] for j in firsts), max(j["bytes"] for j in firsts)
+            link = moved * 8 / (args.nic_mbit * 1e6)
+            rows.append({"repeat": repeat, "transfer_s": seconds, "bytes": moved, "link_s": link,
+                         "ratio": seconds / link, "ranks": firsts})
+            print(f"[elastic_join_transfer] repeat {repeat}: {moved / 1e9:.2f} GB in {seconds:.1f} s, "
                   f"the link needs {link:.1f} s: {rows[-1]['ratio']:.2f}x", flush=True)
     ratios = [r["ratio"] for r in rows]
     summary = {"ratio_median": statistics.median(ratios), "ratio_min": min(ratios), "ratio_max": max(ratios),
-               "holders": args.holders, "nic_mbit": args.nic_mbit, "state_gb": args.state_gb}
+               "holders": args.holders, "nic_mbit": args.nic_mbit, "state_gb": args.state_gb,
+               "generations": args.generations, "overlap": args.overlap, "shard_state": args.shard_state,
+               "ranks_per_worker": R}
     print(f"[elastic_join_transfer] median {summary['ratio_median']:.2f}x the link's time "
           f"({summary['ratio_min']:.2f}-{summary['ratio_max']:.2f})", flush=True)
     if args.json:

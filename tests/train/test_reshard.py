@@ -41,6 +41,13 @@ def test_plans_by_hand():
     # Whole state for a joiner (rank 3 holds nothing) from one worker of two: both ranks send.
     moves = plan({0: (2, 0), 1: (2, 1)}, {3: (1, 0)}, WHOLE)
     assert moves == [(0, 3, 0, 9), (1, 3, 9, 17), (0, 3, 17, 24), (1, 3, 24, 30)]
+    # Ranges that two sources hold, in parts of at least 4 elements: half from each, the first
+    # half from the source whose turn it is (destination 2 of two holders: the first, rank 0).
+    assert plan({0: (1, 0), 1: (1, 0)}, {2: (1, 0)}, WHOLE, split=4) == \
+        [(0, 2, 0, 8), (1, 2, 8, 17), (0, 2, 17, 23), (1, 2, 23, 30)]
+    # Shorter than two parts: one source ([24, 30), six elements, from rank 1 alone; [9, 17) in
+    # two parts from ranks 1 and 3).
+    assert plan(pairs, {4: (2, 1)}, WHOLE, split=4) == [(1, 4, 9, 13), (3, 4, 13, 17), (1, 4, 24, 30)]
     # A range nobody holds.
     with pytest.raises(ValueError, match=r"elements \[9, 17\)"):
         plan({0: (2, 0)}, {1: (1, 0)}, WHOLE)
@@ -48,9 +55,10 @@ def test_plans_by_hand():
 
 def test_every_element_comes_from_a_rank_that_holds_it_once():
     layouts = [(1, 0), (2, 0), (2, 1), (3, 0), (3, 1), (3, 2), (4, 3), (4, None)]
-    for old in ({0: (2, 0), 1: (2, 1), 2: (3, 0), 3: (3, 1), 4: (3, 2)}, {5: (1, 0)}):
+    for old, split in (({0: (2, 0), 1: (2, 1), 2: (3, 0), 3: (3, 1), 4: (3, 2)}, None), ({5: (1, 0)}, None),
+                       ({0: (2, 0), 1: (2, 1), 2: (2, 0), 3: (1, 0)}, 1), ({0: (2, 0), 1: (2, 1), 2: (2, 0)}, 3)):
         for d, new in enumerate(layouts):
-            moves = plan(old, {d: new}, WHOLE)
+            moves = plan(old, {d: new}, WHOLE, **({} if split is None else {"split": split}))
             # the moves, in order, are the destination's elements in order, each once
             assert [e for _, _, x, y in moves for e in range(x, y)] == \
                 [e for lo, hi in intervals(WHOLE, *new) for e in range(lo, hi)]
@@ -77,15 +85,17 @@ def reshard_ranks(rank: int, world: int) -> list:
         ({2: (2, 0), 3: (2, 1)}, {0: (3, 0), 1: (3, 1), 2: (3, 2), 3: (3, None)}),       # survivors -> three
         ({1: (1, 0)}, {0: (2, 0), 1: (2, 1), 2: (2, 0), 3: (2, 1)}),                     # one whole -> pairs
     ]
-    for old, new in cases:
-        moves = plan(old, new, WHOLE)
+    # (chunks of 4 in one window; chunks of 1 in windows of 16, two in flight, from ranges split
+    # over every source that holds them)
+    for (old, new), (chunk, split) in [(case, how) for case in cases for how in ((4, None), (1, 2))]:
+        moves = plan(old, new, WHOLE, **({} if split is None else {"split": split}))
         got = []
         for dtype, values in fields:
             src = Share(WHOLE, *old[rank]) if rank in old else None
             dst = Share(WHOLE, *new[rank]) if rank in new else None
             held = pieces(src, values) if src is not None else None
             into = [torch.full_like(t, float("nan")) for t in pieces(dst, values)] if dst is not None else None
-            move(moves, dtype=dtype, source=src, held=held, dest=dst, into=into, chunk=4)
+            move(moves, dtype=dtype, source=src, held=held, dest=dst, into=into, chunk=chunk)
             want = torch.cat([values[lo:hi] for lo, hi in dst.ranges]) if dst is not None and dst.ranges else None
             have = torch.cat([t.reshape(-1) for t in into]) if into is not None and dst.ranges else None
             got.append(want is None and have is None or (want is not None and have is not None

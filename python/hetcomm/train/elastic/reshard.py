@@ -8,8 +8,9 @@ range ``index`` of every fragment of the flat model (fragment f: elements [a_f, 
 ``shards`` contiguous ranges by `shard_bounds`); ``shards == 1`` is the whole state, ``index``
 None nothing. Its elements lie end to end, in the model's order, as the layout's pieces do.
 
-`plan` says who sends what: every range a destination needs comes from a source whose share
-covers it (its own, when it has it: a local copy), spread over the sources of the same range.
+`plan` says who sends what: every range a destination needs comes from the sources whose share
+covers it (its own, when it has it: a local copy), from all of them at once in parts when
+several hold it, so that a joiner's downlink, not one holder's uplink, sets the pace.
 It is computed alike on every rank from the same inputs, so every rank posts the same sends and
 receives. `move` carries one field of the state (the global parameters, a tensor of the outer
 optimizer's state) along a plan.
@@ -17,7 +18,7 @@ optimizer's state) along a plan.
 from __future__ import annotations
 
 import bisect
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -26,8 +27,8 @@ from hetcomm.train.diloco.shard import CHUNK, _copy_range, _offsets
 from hetcomm.train.workers import shard_bounds
 
 Fragments = Sequence[tuple[int, int, int, int]]    # (first tensor, end tensor, first element, end element)
-# Chunks in flight at once: every rank posts the sends and receives of the same window of the plan,
-# waits for them, then the next (no rank waits for a message another posts later).
+# Chunks in a window: every rank posts the sends and receives of the same window of the plan, then
+# waits for the window before (two in flight; no rank waits for a message another posts later).
 WINDOW = 16
 
 
@@ -71,13 +72,15 @@ class Share:
 
 
 def plan(sources: dict[int, tuple[int, int | None]], dests: dict[int, tuple[int, int | None]],
-         whole: Fragments) -> list[tuple[int, int, int, int]]:
+         whole: Fragments, split: int = CHUNK) -> list[tuple[int, int, int, int]]:
     """Moves (source rank, destination rank, lo, hi), each inside one range of its source's share
     and one of its destination's: every destination's share (``dests``: rank -> (shards,
     index)) from the shares of ``sources`` (the same). A destination copies what it holds itself
-    (a move from another stops where the destination's own range begins); otherwise the sources
-    of a range take turns by destination. Raises ValueError when no source holds elements some
-    destination needs."""
+    (a move from another stops where the destination's own range begins); otherwise what it
+    needs of a range comes from every source that holds that range at once, in contiguous parts
+    of at least ``split`` elements (one part, from one source, when shorter), and the sources
+    take turns by destination for the first part. Raises ValueError when no source holds
+    elements some destination needs."""
     by_layout: dict[tuple[int, int | None], list[int]] = {}
     for rank in sorted(sources):
         by_layout.setdefault(sources[rank], []).append(rank)
@@ -99,35 +102,45 @@ def plan(sources: dict[int, tuple[int, int | None]], dests: dict[int, tuple[int,
                 lo, hi, ranks = max(cover, key=lambda h: (d in h[2], h[1]))
                 end = min(hi, y)
                 if d in ranks:
-                    src = d
+                    moves.append((d, d, x, end))
                 else:
-                    src = ranks[(d + turn) % len(ranks)]
                     k = bisect.bisect_right(own, x)
                     if k < len(own):
                         end = min(end, own[k])
-                moves.append((src, d, x, end))
+                    # (several sources at once: the destination's downlink, not one uplink, sets the pace)
+                    parts = max(1, min(len(ranks), (end - x) // max(1, split)))
+                    for i in range(parts):
+                        moves.append((ranks[(d + turn + i) % len(ranks)], d, x + (end - x) * i // parts,
+                                      x + (end - x) * (i + 1) // parts))
                 x, turn = end, turn + 1
     return moves
 
 
 def move(moves: Sequence[tuple[int, int, int, int]], *, dtype: torch.dtype, source: Share | None,
          held: Sequence[torch.Tensor] | None, dest: Share | None, into: Sequence[torch.Tensor] | None,
-         group: dist.ProcessGroup | None = None, chunk: int = CHUNK) -> None:
+         group: dist.ProcessGroup | None = None, chunk: int = CHUNK,
+         landed: Callable[[int, int, torch.Tensor], None] | None = None) -> None:
     """Collective over ``group`` (every rank with the same ``moves``, `plan`; ranks are the
     group's): this rank sends from ``held`` (its old share's tensors, end to end in the order of
     ``source``) what the moves take from it, and writes into ``into`` (its new share's, in the
-    order of ``dest``) what they bring it, as ``dtype``, in chunks of at most ``chunk`` elements."""
-    me = dist.get_rank(group)
+    order of ``dest``) what they bring it, as ``dtype``, in chunks of at most ``chunk`` elements.
+    ``landed(lo, at, values)``: called with every chunk written (its first element in the flat
+    model, and in the new share), while the next chunks are on the wire: every element of the
+    new share passes through it once."""
+    me, hook = dist.get_rank(group), landed
     held_at = _offsets(t.numel() for t in held) if held is not None else None
     into_at = _offsets(t.numel() for t in into) if into is not None else None
-    pieces = [(s, d, x, min(x + chunk, hi)) for s, d, lo, hi in moves for x in range(lo, hi, chunk)]
+    # The moves' chunks taken in turn (the first chunk of every move, then the second...), so that
+    # every pair of ranks has chunks in each window: the sources of a destination send at once.
+    chunks = [[(s, d, x, min(x + chunk, hi)) for x in range(lo, hi, chunk)] for s, d, lo, hi in moves]
+    pieces = [c[k] for k in range(max(map(len, chunks), default=0)) for c in chunks if k < len(c)]
 
     def peer(r: int) -> int:
         return r if group is None else dist.get_global_rank(group, r)
 
-    for w in range(0, len(pieces), WINDOW):
+    def post(window) -> tuple[list, list]:
         works, landed = [], []
-        for s, d, x, y in pieces[w:w + WINDOW]:
+        for s, d, x, y in window:
             if s == me:
                 buf = torch.empty(y - x, dtype=dtype)
                 at = source.local(x, y)
@@ -140,8 +153,25 @@ def move(moves: Sequence[tuple[int, int, int, int]], *, dtype: torch.dtype, sour
                 buf = torch.empty(y - x, dtype=dtype)
                 works.append(dist.irecv(buf, peer(s), group=group))
                 landed.append((x, y, buf))
+        return works, landed
+
+    def land(works, landed) -> None:
         for work in works:
             work.wait()
         for x, y, buf in landed:
             at = dest.local(x, y)
             _copy_range(into, into_at, at, at + y - x, buf, into=True)
+            if hook is not None:
+                hook(x, at, buf)
+
+    # Two windows in flight: the next is posted before the last is waited for, so that the links
+    # do not drain between windows (every rank posts them in the same order: a rank waits only for
+    # what every peer posted before its own wait).
+    last = None
+    for w in range(0, len(pieces), WINDOW):
+        posted = post(pieces[w:w + WINDOW])
+        if last is not None:
+            land(*last)
+        last = posted
+    if last is not None:
+        land(*last)

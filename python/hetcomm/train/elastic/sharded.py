@@ -352,7 +352,17 @@ def load(run, inner, decision: dict) -> dict:
     dest = Share(whole, *new)
     held = list(run._global) if old is not None else None
     into = list(inner._global)
-    move(moves, dtype=inner._master, source=source, held=held, dest=dest, into=into)
+    # As each chunk of the global parameters lands: its hash (`_check`) and the start point,
+    # while the next chunks are on the wire (after the moves, two passes over the share took as
+    # long as a third of the transfer of a 1 GB state).
+    printed = [0]
+    start = inner._start
+
+    def landed(lo: int, at: int, values: torch.Tensor) -> None:
+        printed[0] += _flat.additive_print([values], [lo])
+        start[at:at + values.numel()].copy_(values)
+
+    move(moves, dtype=inner._master, source=source, held=held, dest=dest, into=into, landed=landed)
     # The outer optimizer's state, key by key, from the first holder's list of keys.
     first = min((r for r, lay in sources.items() if intervals(whole, *lay)), default=None)
     if first is None:
@@ -422,8 +432,7 @@ def load(run, inner, decision: dict) -> dict:
     _agree(why, "the run's outer optimizer state did not move between shares")
     for i, entry in entries.items():
         opt.state[into[i]] = entry
-    inner._start.copy_(inner._flatten_global())
-    whole_print = _check(inner, news)
+    whole_print = _check(inner, news, printed[0] % (1 << 64))
     last = run._history[-1] if run._history else None
     if last is not None and last.get("fingerprint", 0) is None and last.get("round") == decision["round"]:
         last["fingerprint"] = whole_print      # (a failure kept the round's from being summed: `_record`)
@@ -469,10 +478,10 @@ def resume(inner, delta: torch.Tensor | None, keep: list[bool], labels: list[int
     return keep
 
 
-def _check(inner, news: list[tuple[int, int | None]]) -> int:
-    """Ranks that hold the same share hold the same bits, or every rank raises. Returns the
-    rounds' hash of the whole global parameters (`DiLoCo._global_print`), from the shares."""
-    total = _flat.additive_print(inner._global, inner._piece_starts())
+def _check(inner, news: list[tuple[int, int | None]], total: int) -> int:
+    """Ranks that hold the same share hold the same bits, or every rank raises (``total``: the
+    `flat.additive_print` of this rank's share of the global parameters). Returns the rounds'
+    hash of the whole global parameters (`DiLoCo._global_print`), from the shares."""
     table = exchange_columns([float(total & 0xFFFFFFFF), float(total >> 32)])
     shards_now = share_of(inner)[0]
     seen: dict[int, tuple[float, float]] = {}

@@ -20,7 +20,9 @@ loaded), with ``--shard-state`` the moves of the shares when the generation star
 processes, each in its own namespace with its own NIC; with ``--shard-state`` each keeps 1/R of
 the state, and a joiner's rank receives its share from the holders' ranks of the same share. The
 figure is then the joiner's slowest rank against the link time of the largest share any of its
-ranks received.
+ranks received. ``--holder-nic-mbit``: the holders' NICs, when slower than the joiner's (the
+figure stays against the joiner's link: two holders at half its rate can fill it together, one
+cannot).
 
 Usage::
 
@@ -138,6 +140,9 @@ def main() -> None:
     ap.add_argument("--holders", type=int, default=2)
     ap.add_argument("--state-gb", type=float, default=1.0)
     ap.add_argument("--nic-mbit", type=float, default=500.0)
+    ap.add_argument("--holder-nic-mbit", type=float, default=0.0,
+                    help="the holders' NICs (default --nic-mbit); the joiner's are --nic-mbit, which the figure "
+                         "is taken against")
     ap.add_argument("--rounds", type=int, default=10, help="rounds of the run (the joiner joins after the first)")
     ap.add_argument("--step-seconds", type=float, default=1.0, help="seconds an inner step sleeps")
     ap.add_argument("--repeats", type=int, default=3)
@@ -183,7 +188,8 @@ def main() -> None:
     K = (args.holders + 1) * R
     joiner = range(K - R, K)
     rows = []
-    with SimCluster(SimSpec(nic_mbit=[args.nic_mbit] * K)) as cluster:
+    nics = [args.holder_nic_mbit or args.nic_mbit] * (K - R) + [args.nic_mbit] * R
+    with SimCluster(SimSpec(nic_mbit=nics)) as cluster:
         for repeat in range(args.repeats):
             out = tempfile.mkdtemp(prefix="join_")
             job = JoinJob(cluster, args, f"join{repeat}-{os.getpid()}", out, range(K), seed=0)
@@ -214,7 +220,8 @@ def main() -> None:
                   f"the link needs {link:.1f} s: {rows[-1]['ratio']:.2f}x", flush=True)
     ratios = [r["ratio"] for r in rows]
     summary = {"ratio_median": statistics.median(ratios), "ratio_min": min(ratios), "ratio_max": max(ratios),
-               "holders": args.holders, "nic_mbit": args.nic_mbit, "state_gb": args.state_gb,
+               "holders": args.holders, "nic_mbit": args.nic_mbit,
+               "holder_nic_mbit": args.holder_nic_mbit or args.nic_mbit, "state_gb": args.state_gb,
                "generations": args.generations, "overlap": args.overlap, "shard_state": args.shard_state,
                "ranks_per_worker": R}
     print(f"[elastic_join_transfer] median {summary['ratio_median']:.2f}x the link's time "

@@ -424,9 +424,12 @@ def load(run, inner, decision: dict) -> dict:
             v = next(iter(got))
             if len(got) != 1 or not math.isfinite(v):
                 why = f"the holders' outer optimizer state has several values (or none) of {name!r} in one tensor"
-            else:
+                continue
+            try:
                 entry[name] = (torch.tensor(v, dtype=_dtype(dtype_name)) if kind == "scalar"
                                else int(v) if dtype_name == "int" else v)
+            except (RuntimeError, ValueError, OverflowError) as e:     # (an int beyond its dtype's range)
+                why = f"the holders' value of {name!r} does not fit its dtype {dtype_name} ({e})"
         entries[i] = entry
     # (agreed, so that every rank raises, rather than the others waiting for this one in `_check`)
     _agree(why, "the run's outer optimizer state did not move between shares")

@@ -209,6 +209,17 @@ def test_fragments_of_unequal_sizes_share_one_rate_by_hand():
     # fragment 1 planned from its trigger (the job before was planned to end at t + 2.0): 500 bytes
     # in the 0.3 s left
     assert job(1, 500, 0.3, fire=False) == pytest.approx(1666, abs=1)
+    # a job that ends before its planned end frees the link then: fragment 2, planned to t + 3.2,
+    # ends at t + 2.8; fragment 0, triggered at t + 2.9, is planned from its trigger (1000 B/s),
+    # not behind t + 3.2 (500 B/s)
+    job(2, 700, 0.3)
+    now[0] = t + 2.9
+    assert job(0, 300, 0.3) == pytest.approx(1000, abs=1)
+    # a job that starts past its planned end catches up at three times the rate, not in one burst
+    now[0] = t + 3.5
+    pacer.fired(1)
+    now[0] = t + 4.4                            # planned to end at t + 4.0
+    assert job(1, 500, 0.5, fire=False) == pytest.approx(3000, abs=1)
     # a fragment at more than two of its slots at the rate is planned to end two slots after its
     # trigger: 100 + 100 + 1300 bytes, 1000 B/s, the third's 1.3 s cut to 1.0 s
     pacer = Pacer(1.0, backend, lambda: now[0])

@@ -75,8 +75,16 @@ def load_adam(rank: int, world: int) -> list[dict]:
     from types import SimpleNamespace
 
     import hetcomm
+    from hetcomm.train import flat
     from hetcomm.train.elastic import sharded
     from hetcomm.train.elastic.reshard import Share
+
+    checked, real_check = [], sharded._check
+
+    def check(inner, news, total):
+        checked.append(total)
+        return real_check(inner, news, total)
+    sharded._check = check
 
     torch.manual_seed(0)
     net = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Linear(5, 3))
@@ -115,6 +123,9 @@ def load_adam(rank: int, world: int) -> list[dict]:
             if q.numel():
                 ok &= (torch.equal(state["exp_avg"], 2 * want) and torch.equal(state["exp_avg_sq"], want ** 2)
                        and state["step"].dtype == torch.float32 and float(state["step"]) == 5.0 + t)
+        # the start point and the share's hash, made as the chunks landed, are those of what landed
+        ok &= torch.equal(inner._start, inner._flatten_global())
+        ok &= checked[-1] == flat.additive_print(inner._global, inner._piece_starts())
         group = inner.outer_optimizer.param_groups[0]
         out.append({"ok": bool(ok), "lr": group["lr"], "betas": group["betas"], "held": inner._layout.size})
         # Shares cut from other fragments (a checkpoint of a run with other options): refused on

@@ -95,11 +95,21 @@ def reshard_ranks(rank: int, world: int) -> list:
             dst = Share(WHOLE, *new[rank]) if rank in new else None
             held = pieces(src, values) if src is not None else None
             into = [torch.full_like(t, float("nan")) for t in pieces(dst, values)] if dst is not None else None
-            move(moves, dtype=dtype, source=src, held=held, dest=dst, into=into, chunk=chunk)
+            # every element of the new share passes through ``landed`` once, at its flat and
+            # share positions, with its value
+            seen = torch.zeros(dst.size if dst is not None else 0, dtype=torch.int64)
+            hooked = []
+
+            def landed(lo, at, chunk_values):
+                seen[at:at + chunk_values.numel()] += 1
+                hooked.append(at == dst.local(lo, lo + chunk_values.numel())
+                              and torch.equal(chunk_values, values[lo:lo + chunk_values.numel()]))
+            move(moves, dtype=dtype, source=src, held=held, dest=dst, into=into, chunk=chunk, landed=landed)
             want = torch.cat([values[lo:hi] for lo, hi in dst.ranges]) if dst is not None and dst.ranges else None
             have = torch.cat([t.reshape(-1) for t in into]) if into is not None and dst.ranges else None
             got.append(want is None and have is None or (want is not None and have is not None
                                                          and torch.equal(want, have)))
+            got.append(all(hooked) and bool((seen == 1).all()))
         out.append(got)
     return out
 

@@ -1,5 +1,5 @@
-"""Pacing of staggered fragments: each fragment's transfer spread over a share of the time to the
-next fragment's trigger, so that the WAN carries one fragment at a steady rate instead of bursts.
+"""Pacing of staggered fragments: their transfers spread over a share of the round's planned
+compute at one rate, so that the WAN carries the fragments at a steady rate instead of bursts.
 
 Staggering alone (`hetcomm.train.diloco.stream`) lowers the peak rate to about 1/F of a whole
 model's only while a fragment's transfer, at the rate the link or the ranks' CPUs allow, is
@@ -25,6 +25,7 @@ which: every rank reduces the same values whether or not it paces, or paces diff
 from __future__ import annotations
 
 import contextlib
+import math
 import threading
 import warnings
 from collections.abc import Callable, Iterator
@@ -40,16 +41,18 @@ _PREFIX = "hetcomm DiLoCo"
 # the phases, which pacing does not hide, can add a fifth to a third at a fifth of a core).
 _BOUND = 1.5
 _MIN_SHARE = 0.05
+_MAX_SLOT = 3600.0                  # seconds: a longer slot is not paced by (its caps would be bytes/s)
 _MAX_CAP = 0xFFFFFFFE               # bytes/s: the kernel's 32-bit field (0xFFFFFFFF: no cap)
 
 
 def check_pace(pace, overlap: bool, fragments: int, stagger: bool) -> float | None:
-    """``pace``: None, or the share [0.05, 1] of a fragment's slot its transfer is spread over."""
+    """``pace``: None, or the share [0.05, 1] of the round's planned compute the fragments'
+    transfers are spread over."""
     if pace is None:
         return None
     if isinstance(pace, bool) or not isinstance(pace, (int, float)) or not _MIN_SHARE <= float(pace) <= 1.0:
-        raise ValueError(f"{_PREFIX}: pace must be None or a share of a fragment's slot in [{_MIN_SHARE}, 1], "
-                         f"got {pace!r}")
+        raise ValueError(f"{_PREFIX}: pace must be None or a share of the round's planned compute in "
+                         f"[{_MIN_SHARE}, 1], got {pace!r}")
     if not (overlap and fragments > 1 and stagger):
         raise ValueError(f"{_PREFIX}: pace spreads staggered fragments' transfers: it needs overlap=True, "
                          f"fragments > 1 and stagger=True (got overlap={overlap}, fragments={fragments}, "
@@ -100,7 +103,9 @@ class Pacer:
         round ``time`` stretched for the link (a paced job that made a round wait or stretch
         would lengthen the next slot, and so the next job). None when either is not known yet."""
         ok = steps is not None and step_seconds is not None and step_seconds > 0
-        self.slot = steps * step_seconds / fragments if ok else None
+        slot = steps * step_seconds / fragments if ok else None
+        # (from the agreed table: a value no round could last is not paced by)
+        self.slot = slot if slot is not None and 0 < slot <= _MAX_SLOT else None
         self._fragments = fragments
 
     def fired(self, f: int) -> None:
@@ -150,6 +155,8 @@ class Pacer:
         else:                                       # (a fragment not measured yet: its own slot)
             steady = total / planned
         took = total / steady
+        if not (steady > 0 and math.isfinite(took)):
+            return None
         end = min(max(fired, self._free) + took, fired + 2 * planned)
         self._free = end
         return total / max(end - now, took / 3)

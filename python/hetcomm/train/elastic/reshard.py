@@ -127,7 +127,7 @@ def move(moves: Sequence[tuple[int, int, int, int]], *, dtype: torch.dtype, sour
     ``landed(lo, at, values)``: called with every chunk written (its first element in the flat
     model, and in the new share), while the next chunks are on the wire: every element of the
     new share passes through it once."""
-    me, hook = dist.get_rank(group), landed
+    me = dist.get_rank(group)
     held_at = _offsets(t.numel() for t in held) if held is not None else None
     into_at = _offsets(t.numel() for t in into) if into is not None else None
     # The moves' chunks taken in turn (the first chunk of every move, then the second...), so that
@@ -139,30 +139,30 @@ def move(moves: Sequence[tuple[int, int, int, int]], *, dtype: torch.dtype, sour
         return r if group is None else dist.get_global_rank(group, r)
 
     def post(window) -> tuple[list, list]:
-        works, landed = [], []
+        works, arrived = [], []
         for s, d, x, y in window:
             if s == me:
                 buf = torch.empty(y - x, dtype=dtype)
                 at = source.local(x, y)
                 _copy_range(held, held_at, at, at + y - x, buf, into=False)
                 if d == me:
-                    landed.append((x, y, buf))
+                    arrived.append((x, y, buf))
                 else:
                     works.append(dist.isend(buf, peer(d), group=group))
             elif d == me:
                 buf = torch.empty(y - x, dtype=dtype)
                 works.append(dist.irecv(buf, peer(s), group=group))
-                landed.append((x, y, buf))
-        return works, landed
+                arrived.append((x, y, buf))
+        return works, arrived
 
-    def land(works, landed) -> None:
+    def land(works, arrived) -> None:
         for work in works:
             work.wait()
-        for x, y, buf in landed:
+        for x, y, buf in arrived:
             at = dest.local(x, y)
             _copy_range(into, into_at, at, at + y - x, buf, into=True)
-            if hook is not None:
-                hook(x, at, buf)
+            if landed is not None:
+                landed(x, at, buf)
 
     # Two windows in flight: the next is posted before the last is waited for, so that the links
     # do not drain between windows (every rank posts them in the same order: a rank waits only for

@@ -298,6 +298,16 @@ def _dtype(name) -> torch.dtype:
     return dtype
 
 
+def _number(v) -> float:
+    """A per-tensor value of the outer optimizer as a float64 cell (NaN when it is not one: the
+    receivers then agree that it did not move, rather than this rank raising alone)."""
+    try:
+        x = float(v.item() if isinstance(v, torch.Tensor) else v)
+    except (TypeError, ValueError, OverflowError, RuntimeError):
+        return math.nan
+    return x
+
+
 def _tensors_of(share: Share | None, pieces: list[torch.Tensor], starts: list[int]) -> list[range]:
     """The model tensors each of ``pieces`` (a share's, end to end in its order; each inside one
     of its ranges) holds elements of (``starts``: the tensors' flat offsets): one for a piece of
@@ -399,35 +409,42 @@ def load(run, inner, decision: dict) -> dict:
             for t in span:
                 column[t] = 1.0 if entry else 0.0
                 for k, (name, _, _) in enumerate(ones):
-                    column[(1 + k) * (len(starts) - 1) + t] = float(entry[name]) if name in entry else math.nan
+                    column[(1 + k) * (len(starts) - 1) + t] = _number(entry[name]) if name in entry else math.nan
     table = exchange_columns(column)
     opt = inner.outer_optimizer
-    why = _take_groups(opt, meta.get("groups"))
+    # (a SUM of columns: any member could add to any cell; each rank checks that its own came back
+    # as it sent it, and that the non-holders' say nothing)
+    why = None
+    if not all(a == b or (math.isnan(a) and math.isnan(b)) for a, b in zip((row[me] for row in table), column)):
+        why = "the exchange of the outer optimizer's per-tensor values did not carry this rank's as it sent them"
+    elif any(row[r] != -1.0 for row in table for r in range(world) if r not in holders):
+        why = "a member that holds none of the run's state sent per-tensor values of the outer optimizer"
+    why = why or _take_groups(opt, meta.get("groups"))
     entries = {}
     for i, (q, span) in enumerate(zip(into, _tensors_of(dest, into, starts))):
         if why or not span:
             continue
-        # (every holder of a piece of the tensor: they stepped it together)
+        # (every holder of a piece of the tensor: a fragment holds whole tensors, so they stepped it together)
         givers = [(t, r) for t in span for r in holders if table[t][r] != -1.0]
         have = {table[t][r] for t, r in givers}
         if have != {1.0}:
             if have != {0.0}:
                 why = "the holders do not agree on (or do not say) whether the outer optimizer has state for a tensor"
             continue
-        entry = {}
-        for name, kind, dtype_name in keys:
-            if kind == "tensor":
-                entry[name] = values[name][i].view(q.shape)
-                continue
-            at = (1 + ones.index([name, kind, dtype_name])) * (len(starts) - 1)
-            got = {table[at + t][r] for t, r in givers}
+        entry = {name: values[name][i].view(q.shape) for name, kind, _ in keys if kind == "tensor"}
+        for k, (name, kind, dtype_name) in enumerate(ones):
+            got = {table[(1 + k) * (len(starts) - 1) + t][r] for t, r in givers}
             v = next(iter(got))
             if len(got) != 1 or not math.isfinite(v):
                 why = f"the holders' outer optimizer state has several values (or none) of {name!r} in one tensor"
                 continue
+            dtype = _dtype(dtype_name) if kind == "scalar" else None
+            integral = dtype_name == "int" if dtype is None else not (dtype.is_floating_point or dtype.is_complex)
+            if integral and (v != int(v) or (dtype == torch.bool and v not in (0.0, 1.0))):
+                why = f"the holders' value of {name!r} ({v!r}) is not a value of its dtype {dtype_name}"
+                continue
             try:
-                entry[name] = (torch.tensor(v, dtype=_dtype(dtype_name)) if kind == "scalar"
-                               else int(v) if dtype_name == "int" else v)
+                entry[name] = torch.tensor(v, dtype=dtype) if dtype is not None else int(v) if integral else v
             except (RuntimeError, ValueError, OverflowError) as e:     # (an int beyond its dtype's range)
                 why = f"the holders' value of {name!r} does not fit its dtype {dtype_name} ({e})"
         entries[i] = entry
@@ -485,7 +502,13 @@ def _check(inner, news: list[tuple[int, int | None]], total: int) -> int:
     """Ranks that hold the same share hold the same bits, or every rank raises (``total``: the
     `flat.additive_print` of this rank's share of the global parameters). Returns the rounds'
     hash of the whole global parameters (`DiLoCo._global_print`), from the shares."""
-    table = exchange_columns([float(total & 0xFFFFFFFF), float(total >> 32)])
+    sent = [float(total & 0xFFFFFFFF), float(total >> 32)]
+    table = exchange_columns(sent)
+    # (a SUM of columns: a member that added to another's cells could make shares that differ
+    # look equal; each rank checks its own, and they agree before comparing)
+    me = dist.get_rank()
+    _agree(None if [table[0][me], table[1][me]] == sent else "the exchange of the shares' hashes did not carry this "
+           "rank's as it sent it", "the shares of the global parameters cannot be compared")
     shards_now = share_of(inner)[0]
     seen: dict[int, tuple[float, float]] = {}
     for r, (shards, index) in enumerate(news):

@@ -220,6 +220,11 @@ def test_fragments_of_unequal_sizes_share_one_rate_by_hand():
     pacer.fired(1)
     now[0] = t + 4.4                            # planned to end at t + 4.0
     assert job(1, 500, 0.5, fire=False) == pytest.approx(3000, abs=1)
+    # step times no round could have (a corrupt agreed table) plan no slot: unpaced, no overflow
+    for seconds in (1e-300, float("inf"), float("nan"), 1e300):
+        pacer.plan(6, seconds, 3)
+        assert pacer.slot is None
+        assert job(0, 300, 0.1) is None
     # a fragment at more than two of its slots at the rate is planned to end two slots after its
     # trigger: 100 + 100 + 1300 bytes, 1000 B/s, the third's 1.3 s cut to 1.0 s
     pacer = Pacer(1.0, backend, lambda: now[0])

@@ -74,6 +74,8 @@ def load_adam(rank: int, world: int) -> list[dict]:
     vectors they were cut from."""
     from types import SimpleNamespace
 
+    import torch.distributed as dist
+
     import hetcomm
     from hetcomm.train import flat
     from hetcomm.train.elastic import sharded
@@ -137,6 +139,30 @@ def load_adam(rank: int, world: int) -> list[dict]:
             out.append({"refused": None})
         except ValueError as e:
             out.append({"refused": str(e)})
+        if len(holders) == 4:
+            # A member that adds to another's cells of the per-tensor exchange (a SUM of columns):
+            # rank 3 adds 1 to rank 0's presence of tensor 0; every rank raises.
+            run._whole = fragments
+            cells = len(list(net.parameters())) * 2          # presence and Adam's step, per tensor
+            real = sharded.exchange_columns
+
+            def tampering(values, *, group=None):
+                world, me = dist.get_world_size(group), dist.get_rank(group)
+                table = torch.zeros(len(values), world, dtype=torch.float64)
+                table[:, me] = torch.tensor([float(v) for v in values], dtype=torch.float64)
+                if me == 3 and len(values) == cells:
+                    table[0, 0] += 1.0
+                dist.all_reduce(table, group=group)
+                return table.tolist()
+            sharded.exchange_columns = tampering
+            try:
+                sharded.load(run, inner, {"members": ["m0", "m1", "m2", "m3"], "holders": [f"m{r}" for r in holders],
+                                          "round": 0})
+                out.append({"tampered": None})
+            except ValueError as e:
+                out.append({"tampered": str(e)})
+            finally:
+                sharded.exchange_columns = real
         inner.close()
     return out
 
@@ -146,6 +172,13 @@ def test_the_outer_optimizers_state_moves_with_the_shares():
         for case in cases:
             if "refused" in case:
                 assert "other fragments" in (case["refused"] or ""), (rank, case)
+                continue
+            if "tampered" in case:
+                # every rank refuses the move; rank 0 because its column came back altered (the
+                # others: they saw the holders disagree, or that another rank found a problem)
+                assert "the run's outer optimizer state did not move between shares" in (case["tampered"] or ""), \
+                    (rank, case)
+                assert rank != 0 or "did not carry this rank's as it sent them" in case["tampered"], case
                 continue
             assert case["ok"] and case["lr"] == 0.05 and case["betas"] == (0.5, 0.6), (rank, case)
             assert case["held"] > 0, (rank, case)

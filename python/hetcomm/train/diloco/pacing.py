@@ -15,11 +15,11 @@ over ``share`` × the round's planned compute (`Pacer.plan`; a slot is that comp
 job planned from its trigger, or behind the job before it, and catching up when it started late
 (`Pacer.rate`). Each phase of the reduction (an all-to-all, then an all-gather along the ring)
 shares R over the links in proportion to what each carried in that phase last time
-(`Pacer.caps`), so the host sends at about R throughout.
-The caps are set when the fragment's reduction starts, changed at its phase boundaries and
-lifted when it ends. Unpaced: a fragment's first job (no bytes measured yet), rounds with no
-agreed step time, the last, synchronous round, and the jobs in flight once someone waits for
-them (`Pacer.hurry`: the last round, a checkpoint). Pacing changes when bytes leave, never
+(`Pacer.caps`), so the host sends at about R throughout. The caps are set when the fragment's
+reduction starts, changed at its phase boundaries and lifted when it ends. Unpaced: a
+fragment's first job (no bytes measured yet), rounds with no agreed step time (or a slot
+outside 1 ns to 10^6 s), the last, synchronous round, and the jobs in flight once someone waits
+for them (`Pacer.hurry`: the last round, a checkpoint). Pacing changes when bytes leave, never
 which: every rank reduces the same values whether or not it paces, or paces differently.
 """
 from __future__ import annotations
@@ -41,7 +41,9 @@ _PREFIX = "hetcomm DiLoCo"
 # the phases, which pacing does not hide, can add a fifth to a third at a fifth of a core).
 _BOUND = 1.5
 _MIN_SHARE = 0.05
-_MAX_SLOT = 3600.0                  # seconds: a longer slot is not paced by (its caps would be bytes/s)
+# Seconds: a slot outside these is not paced by (it comes from the agreed step times, which a
+# corrupt table could make 1e-300 or inf: the rate would overflow or be 0).
+_MIN_SLOT, _MAX_SLOT = 1e-9, 1e6
 _MAX_CAP = 0xFFFFFFFE               # bytes/s: the kernel's 32-bit field (0xFFFFFFFF: no cap)
 
 
@@ -105,7 +107,7 @@ class Pacer:
         ok = steps is not None and step_seconds is not None and step_seconds > 0
         slot = steps * step_seconds / fragments if ok else None
         # (from the agreed table: a value no round could last is not paced by)
-        self.slot = slot if slot is not None and 0 < slot <= _MAX_SLOT else None
+        self.slot = slot if slot is not None and _MIN_SLOT <= slot <= _MAX_SLOT else None
         self._fragments = fragments
 
     def fired(self, f: int) -> None:
@@ -154,8 +156,10 @@ class Pacer:
             steady = whole / (planned * self._fragments)
         else:                                       # (a fragment not measured yet: its own slot)
             steady = total / planned
+        if not (math.isfinite(steady) and steady > 0):
+            return None
         took = total / steady
-        if not (steady > 0 and math.isfinite(took)):
+        if not (math.isfinite(took) and took > 0):
             return None
         end = min(max(fired, self._free) + took, fired + 2 * planned)
         self._free = end

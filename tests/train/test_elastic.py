@@ -421,7 +421,8 @@ def test_a_worker_whose_update_is_not_finite_stops_and_the_others_go_on(run):
 
 @pytest.mark.parametrize("differs,expect", [
     ({"args": ["--hidden", "12"]}, "its model is '4 tensors, 121 elements in float32"),
-], ids=["model"])
+    ({"args": ["--hidden", "12"], "mode": ["--run"]}, "its model is '4 tensors, 121 elements in float32"),
+], ids=["model", "model-in-generations"])
 @pytest.mark.slow
 def test_a_joiner_with_other_settings_is_refused_and_the_run_goes_on(run, differs, expect):
     """One difference end to end (the refusal reaches the joiner, the run goes on, no round is
@@ -430,15 +431,15 @@ def test_a_joiner_with_other_settings_is_refused_and_the_run_goes_on(run, differ
     test_a_join_request_is_refused_for_each_difference_and_for_a_malformed_one, and a founder with
     another setting in test_a_founder_with_other_settings_is_refused_and_the_others_start_the_run.
     (Compression and a hetcomm setting had an end-to-end run each, which added nothing.)"""
-    rounds = 12
+    rounds, mode = 12, differs.get("mode", [])      # (--run: DiLoCo in generations, `ElasticRun._scan`)
     for w in IDS[:2]:
-        run.start(w, "--rounds", str(rounds), "--min-workers", "2", "--step-seconds", "0.25")
+        run.start(w, "--rounds", str(rounds), "--min-workers", "2", "--step-seconds", "0.25", *mode)
     deadline = time.monotonic() + DEADLINE
     while len([r for r in run.records("w0") if "round" in r]) < 1:
         if time.monotonic() > deadline or any(p.poll() is not None for _, p in run.procs):
             pytest.fail(f"the run recorded no round\n{run.logs()}")
         time.sleep(0.2)
-    run.start("w2", "--rounds", str(rounds), *differs.get("args", []), env=differs.get("env"))
+    run.start("w2", "--rounds", str(rounds), *differs.get("args", []), *mode, env=differs.get("env"))
     codes = run.wait_all()
     assert codes == {"w0": [0], "w1": [0], "w2": [1]}, f"{codes}\n{run.logs()}"
     assert "this worker cannot join" in error(run, "w2") and expect in error(run, "w2"), run.logs()

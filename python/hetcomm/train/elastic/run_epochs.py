@@ -10,6 +10,7 @@ import time
 from hetcomm.train.elastic import handover, sharded
 
 _INCARNATION = re.compile(r"[^#]{1,256}#[0-9a-f]{8}")    # `<worker_id>#<nonce>`, as ElasticDiLoCo names them
+_MAX_REFUSALS = 256              # refusals recorded in `membership` (join records are a store writer's to forge)
 
 
 class RunEpochs:
@@ -97,6 +98,13 @@ class RunEpochs:
             why = self._refusal(r.get("config"), ours)
             if why:
                 self._refuse(self._keys, who, why)
+                # (no epoch follows a refusal here, whose decision would record it: recorded now,
+                # once per joiner, and at most _MAX_REFUSALS of them)
+                seen = self.__dict__.setdefault("_refusals_seen", set())
+                if who not in seen and len(seen) < _MAX_REFUSALS:
+                    seen.add(who)
+                    self._event({"round": self.rounds, "refused": {who: why}},
+                                f"round {self.rounds}: {self._names([who])} refused ({why})")
             else:
                 self._waiting.add(who)
         self._pulse.watch(sorted(self._waiting))

@@ -1,4 +1,4 @@
-"""How long a worker joining an ElasticDiLoCo run takes to receive the run's state, against the
+"""How long a worker joining an elastic DiLoCo run takes to receive the run's state, against the
 time its link needs for the bytes (issue 42's target: a 1 GB state within 1.5x). Needs root.
 
 ``--holders`` workers (default 2) start on the simulated cluster (``hetcomm.sim``: every worker
@@ -11,9 +11,10 @@ the joiner's link being the bottleneck (the holders' uplinks together are faster
 sleep ``--step-seconds`` (rounds long enough for the joiner to start): the figure is the transfer,
 not training. Median and spread over ``--repeats``.
 
-``--generations``: the run is ``hetcomm.DiLoCo(membership=hetcomm.Elastic(...))`` (DiLoCo in
-generations) instead of ``hetcomm.ElasticDiLoCo``; the joiner's wait for the state is timed where
-that mode moves it: the epoch's transfer (as above), with ``--overlap`` the generation's
+The run is ``hetcomm.DiLoCo(membership=hetcomm.Elastic(...))`` (DiLoCo in generations; also what
+``hetcomm.ElasticDiLoCo`` runs, and ``--generations`` is accepted for older commands). The
+joiner's wait for the state is timed where it moves: the epoch's transfer (as above), with
+``--overlap`` the generation's
 background transfer while the holders train (`handover.start`, from its start to the state
 loaded), with ``--shard-state`` the moves of the shares when the generation starts
 (`sharded.load`). ``--ranks-per-worker R``: every worker (the holders and the joiner) is R
@@ -27,7 +28,7 @@ cannot).
 Usage::
 
     python benchmarks/elastic_join_transfer.py --repeats 3 --json benchmarks/results/elastic_join_1gb.json
-    python benchmarks/elastic_join_transfer.py --generations --shard-state --ranks-per-worker 2 --rounds 4 \
+    python benchmarks/elastic_join_transfer.py --shard-state --ranks-per-worker 2 --rounds 4 \
         --repeats 3 --json benchmarks/results/elastic_join_1gb_sharded.json
 """
 from __future__ import annotations
@@ -70,56 +71,51 @@ def worker(args: argparse.Namespace) -> None:
         out.flush()
 
     Generation._transfer = timed
-    if args.generations:
-        from hetcomm.train.elastic import handover, run, sharded
+    from hetcomm.train.elastic import handover, run, sharded
 
-        def joiner_timed(real, decision_of):
-            def wrapper(elastic, inner, *rest):
-                decision = decision_of(elastic, rest)
-                joiner = decision is not None and elastic._me not in decision["holders"]
-                begin = time.perf_counter()
-                parts.clear()
-                result = real(elastic, inner, *rest)
-                if joiner:
-                    moved = sum(g.numel() * g.element_size() for g in inner._global)
-                    moved += sum(t.numel() * t.element_size() for s in inner.outer_optimizer.state.values()
-                                 for t in s.values() if isinstance(t, torch.Tensor) and t.dim() > 0)
-                    out.write(json.dumps({"transfer_s": time.perf_counter() - begin, "holder": False,
-                                          "bytes": moved, "where": real.__name__, "parts": list(parts)}) + "\n")
-                    out.flush()
-                return result
-            return wrapper
+    def joiner_timed(real, decision_of):
+        def wrapper(elastic, inner, *rest):
+            decision = decision_of(elastic, rest)
+            joiner = decision is not None and elastic._me not in decision["holders"]
+            begin = time.perf_counter()
+            parts.clear()
+            result = real(elastic, inner, *rest)
+            if joiner:
+                moved = sum(g.numel() * g.element_size() for g in inner._global)
+                moved += sum(t.numel() * t.element_size() for s in inner.outer_optimizer.state.values()
+                             for t in s.values() if isinstance(t, torch.Tensor) and t.dim() > 0)
+                out.write(json.dumps({"transfer_s": time.perf_counter() - begin, "holder": False,
+                                      "bytes": moved, "where": real.__name__, "parts": list(parts)}) + "\n")
+                out.flush()
+            return result
+        return wrapper
 
-        # Where a sharded load's time goes: each move of a field, and the check of the shares.
-        parts: list = []
+    # Where a sharded load's time goes: each move of a field, and the check of the shares.
+    parts: list = []
 
-        def part(name, real):
-            def wrapper(*a, **k):
-                begin = time.perf_counter()
-                try:
-                    return real(*a, **k)
-                finally:
-                    parts.append([name if name != "move" else f"move {k.get('dtype')}",
-                                  round(time.perf_counter() - begin, 3)])
-            return wrapper
-        sharded.move, sharded._check = part("move", sharded.move), part("check", sharded._check)
-        sharded.exchange_columns = part("exchange", sharded.exchange_columns)
+    def part(name, real):
+        def wrapper(*a, **k):
+            begin = time.perf_counter()
+            try:
+                return real(*a, **k)
+            finally:
+                parts.append([name if name != "move" else f"move {k.get('dtype')}",
+                              round(time.perf_counter() - begin, 3)])
+        return wrapper
+    sharded.move, sharded._check = part("move", sharded.move), part("check", sharded._check)
+    sharded.exchange_columns = part("exchange", sharded.exchange_columns)
 
-        # (run.py calls them through their modules: patched there, they are timed)
-        handover.start = joiner_timed(handover.start, lambda elastic, rest: elastic._state_deferred)
-        sharded.load = joiner_timed(sharded.load, lambda elastic, rest: rest[0])
-        assert run.handover is handover and run.sharded is sharded
-        membership = hetcomm.Elastic(store=args.store, worker_id=args.id, worker=args.worker_name or None,
-                                     job=args.job, min_workers=args.min_workers, collective_timeout=600.0,
-                                     verbose=False)
-        # (an inner optimizer, which a worker of several ranks needs; the loop never steps it)
-        inner = torch.optim.SGD(model.parameters(), lr=0.0)
-        diloco = hetcomm.DiLoCo(model, inner, membership=membership, local_steps="fixed", steps=2, compress="int8",
-                                overlap=args.overlap, shard_state=args.shard_state)
-    else:
-        diloco = hetcomm.ElasticDiLoCo(model, None, store=args.store, worker_id=args.id, job=args.job, steps=2,
-                                       compress="int8", min_workers=args.min_workers, early_join=False,
-                                       collective_timeout=600.0, verbose=False)
+    # (run.py calls them through their modules: patched there, they are timed)
+    handover.start = joiner_timed(handover.start, lambda elastic, rest: elastic._state_deferred)
+    sharded.load = joiner_timed(sharded.load, lambda elastic, rest: rest[0])
+    assert run.handover is handover and run.sharded is sharded
+    membership = hetcomm.Elastic(store=args.store, worker_id=args.id, worker=args.worker_name or None,
+                                 job=args.job, min_workers=args.min_workers, collective_timeout=600.0,
+                                 verbose=False)
+    # (an inner optimizer, which a worker of several ranks needs; the loop never steps it)
+    inner = torch.optim.SGD(model.parameters(), lr=0.0)
+    diloco = hetcomm.DiLoCo(model, inner, membership=membership, local_steps="fixed", steps=2, compress="int8",
+                            overlap=args.overlap, shard_state=args.shard_state)
     for _ in diloco.loop(itertools.repeat(None), max_rounds=args.rounds):
         with torch.no_grad():
             model[0][:1000].add_(1e-3)
@@ -146,16 +142,13 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=10, help="rounds of the run (the joiner joins after the first)")
     ap.add_argument("--step-seconds", type=float, default=1.0, help="seconds an inner step sleeps")
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--generations", action="store_true",
-                    help="hetcomm.DiLoCo(membership=hetcomm.Elastic(...)) instead of hetcomm.ElasticDiLoCo")
-    ap.add_argument("--overlap", action="store_true", help="--generations: overlap=True (the state in the background)")
-    ap.add_argument("--shard-state", action="store_true", help="--generations: shard_state=True")
-    ap.add_argument("--ranks-per-worker", type=int, default=1, help="--generations: processes per worker")
+    ap.add_argument("--generations", action="store_true", help="(accepted for older commands: every run is)")
+    ap.add_argument("--overlap", action="store_true", help="overlap=True (the state in the generation's background)")
+    ap.add_argument("--shard-state", action="store_true", help="shard_state=True")
+    ap.add_argument("--ranks-per-worker", type=int, default=1, help="processes per worker")
     ap.add_argument("--worker-name", default="", help=argparse.SUPPRESS)
     ap.add_argument("--json", default="")
     args = ap.parse_args()
-    if (args.overlap or args.shard_state or args.ranks_per_worker != 1) and not args.generations:
-        ap.error("--overlap, --shard-state and --ranks-per-worker need --generations")
     if args.worker:
         worker(args)
         return
@@ -175,10 +168,9 @@ def main() -> None:
                     "--state-gb", str(args.state_gb), "--rounds", str(args.rounds),
                     "--step-seconds", str(args.step_seconds),
                     "--jsonl", os.path.join(self.out, f"w{rank}.jsonl")]
-            if args.generations:
-                argv += ["--generations", "--worker-name", f"worker{rank // R}"]
-                argv += ["--overlap"] if args.overlap else []
-                argv += ["--shard-state"] if args.shard_state else []
+            argv += ["--worker-name", f"worker{rank // R}"]
+            argv += ["--overlap"] if args.overlap else []
+            argv += ["--shard-state"] if args.shard_state else []
             import subprocess
             env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", **self.cluster.rank_env(rank))
             log = open(os.path.join(self.out, f"w{rank}.log"), "a")
@@ -222,7 +214,7 @@ def main() -> None:
     summary = {"ratio_median": statistics.median(ratios), "ratio_min": min(ratios), "ratio_max": max(ratios),
                "holders": args.holders, "nic_mbit": args.nic_mbit,
                "holder_nic_mbit": args.holder_nic_mbit or args.nic_mbit, "state_gb": args.state_gb,
-               "generations": args.generations, "overlap": args.overlap, "shard_state": args.shard_state,
+               "generations": True, "overlap": args.overlap, "shard_state": args.shard_state,
                "ranks_per_worker": R}
     print(f"[elastic_join_transfer] median {summary['ratio_median']:.2f}x the link's time "
           f"({summary['ratio_min']:.2f}-{summary['ratio_max']:.2f})", flush=True)

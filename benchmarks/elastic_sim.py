@@ -338,9 +338,7 @@ def run_job(cluster, args, name, ranks, victim=None, seed=None) -> dict:
         asked = [r for r in lines if "start" in r and r["start"] >= restart - 1]
         result.update({"kill_t": job.kills[0]["t"] - started, "restart_t": restart - started,
                        "back_t": back_time(job, victim, restart, started),
-                       "asked_t": asked[0]["start"] - started if asked else None,
-                       "restarted_worker_joined_early": (finals[victim]["stats"].get("early_joins", 0) > 0
-                                                         if victim in finals else None)})
+                       "asked_t": asked[0]["start"] - started if asked else None})
         result.update(victim_figures(result["round_table"], f"w{victim}", result["restart_t"], result["asked_t"],
                                      first_contribution(lines, f"w{victim}", restart)))
     print(f"  {name}: {result['rounds']} rounds, {result['samples']} samples, "

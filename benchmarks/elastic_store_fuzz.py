@@ -5,7 +5,8 @@ Usage::
     python benchmarks/elastic_store_fuzz.py --trials 100 [--secret] [--deletes] [--seed 1] [--out FILE]
 
 Each trial is a run of its own (job ``fuzz<trial>`` on one store): three workers, alternately
-`hetcomm.ElasticDiLoCo` and `hetcomm.DiLoCo(membership=hetcomm.Elastic(...))`, 4 rounds of 3
+`hetcomm.ElasticDiLoCo` and `hetcomm.DiLoCo(membership=hetcomm.Elastic(...))` (the same run since
+the first is a constructor of the second; before, a class of its own), 4 rounds of 3
 steps of a small model. Meanwhile the fuzzer, a plain client of the store and never a worker,
 lists the run's keys and overwrites some (1 to 6, at random moments of its life, the first
 while it starts): random bytes, an empty value, 1 MiB, JSON of the wrong types, deep nesting,

@@ -10,10 +10,9 @@ around a store that runs where no worker does::
     # kill one (kill -9), start it again with the same command: it rejoins at a round boundary
 
 Every worker trains its replica with AdamW on its own random windows of the corpus and
-synchronises through `hetcomm.ElasticDiLoCo` every ``--steps`` steps (or ``--round-seconds``);
-with ``--generations`` (or any of ``--local-steps``, ``--overlap``, ``--fragments``) through
-``hetcomm.DiLoCo(membership=hetcomm.Elastic(...))`` instead, DiLoCo in generations with every
-DiLoCo option (docs/elastic.md#diloco-in-generations).
+synchronises through ``hetcomm.DiLoCo(membership=hetcomm.Elastic(...))`` (DiLoCo in generations,
+docs/elastic.md#diloco-in-generations) every ``--steps`` steps, or every ``--round-seconds``,
+with any of ``--local-steps``, ``--compress``, ``--overlap``, ``--fragments``.
 Each worker prints one line per round (members, samples, loss) and one per membership change;
 ``--jsonl PATH`` appends a JSON line per round (time, round, fingerprint of the global
 parameters, members, steps, samples) and, at the end, one with the held-out loss, the stats and
@@ -58,12 +57,12 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="with --jsonl: also append the samples this worker trained so far every this many seconds "
                         "(0: never), and each membership change as it is seen")
     p.add_argument("--checkpoint", metavar="PATH", help="save after every round; resume from it if it exists")
-    p.add_argument("--generations", action="store_true",
-                   help="hetcomm.DiLoCo(membership=hetcomm.Elastic(...)) instead of hetcomm.ElasticDiLoCo")
+    p.add_argument("--generations", action="store_true", help="(accepted for older commands: every run is in "
+                   "generations)")
     p.add_argument("--local-steps", choices=["fixed", "speed", "time"], default=None,
-                   help="(--generations) the local-step policy; --steps is then H")
-    p.add_argument("--overlap", action="store_true", help="(--generations) synchronise in the background")
-    p.add_argument("--fragments", type=int, default=1, help="(--generations, --overlap) staggered fragments")
+                   help="the local-step policy (default fixed, or time with --round-seconds); --steps is then H")
+    p.add_argument("--overlap", action="store_true", help="synchronise in the background")
+    p.add_argument("--fragments", type=int, default=1, help="(--overlap) staggered fragments")
     p.add_argument("--save-globals", metavar="DIR",
                    help="save the global parameters after every round as DIR/round<r>.pt (a loss curve, evaluated later)")
     return p.parse_args(argv)
@@ -81,21 +80,15 @@ def main(argv=None) -> int:
     train, held_out, model = build(args.corpus_chars, args.seed, args.block, args.d_model, args.layers, args.heads)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
     outer = lambda ps: torch.optim.SGD(ps, lr=args.outer_lr, momentum=0.9, nesterov=True)  # noqa: E731
-    generations = args.generations or args.local_steps or args.overlap or args.fragments > 1
-    if generations and args.round_seconds is not None and args.local_steps != "time":
-        raise SystemExit("train_elastic: --round-seconds with --generations needs --local-steps time")
-    if generations:
-        membership = hetcomm.Elastic(store=args.store, worker_id=args.id, job=args.job, min_workers=args.min_workers,
-                                     heartbeat=args.heartbeat, timeout=args.timeout, backend=args.backend)
-        diloco = hetcomm.DiLoCo(model, opt, membership=membership, local_steps=args.local_steps or "fixed",
-                                steps=args.steps, round_seconds=args.round_seconds, compress=args.compress,
-                                error_feedback=args.compress in ("int8", "int4"), overlap=args.overlap,
-                                fragments=args.fragments, outer_optimizer=outer)
-    else:
-        diloco = hetcomm.ElasticDiLoCo(
-            model, opt, store=args.store, worker_id=args.id, job=args.job, steps=args.steps,
-            round_seconds=args.round_seconds, compress=args.compress, min_workers=args.min_workers,
-            heartbeat=args.heartbeat, timeout=args.timeout, backend=args.backend, outer_optimizer=outer)
+    local_steps = args.local_steps or ("fixed" if args.round_seconds is None else "time")
+    if args.round_seconds is not None and local_steps != "time":
+        raise SystemExit("train_elastic: --round-seconds needs --local-steps time")
+    membership = hetcomm.Elastic(store=args.store, worker_id=args.id, job=args.job, min_workers=args.min_workers,
+                                 heartbeat=args.heartbeat, timeout=args.timeout, backend=args.backend)
+    diloco = hetcomm.DiLoCo(model, opt, membership=membership, local_steps=local_steps, steps=args.steps,
+                            round_seconds=args.round_seconds, compress=args.compress,
+                            error_feedback=args.compress in ("int8", "int4"), overlap=args.overlap,
+                            fragments=args.fragments, outer_optimizer=outer)
     if args.checkpoint and os.path.exists(args.checkpoint):
         diloco.load_state_dict(torch.load(args.checkpoint, weights_only=False))
         print(f"train_elastic [{diloco.worker_id}]: resuming from {args.checkpoint} (round {diloco.rounds})",

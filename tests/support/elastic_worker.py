@@ -7,15 +7,15 @@ restarted, or a whole run resumed from checkpoints, sees the same batches as an 
 Every committed round appends a JSON line to DIR/<id>.jsonl (round, fingerprint, members); the
 end writes a line with ``final``. ``--die R:where`` kills this process (SIGKILL) at round R:
 ``local`` (halfway through the round's steps), ``reduce`` (at the synchronisation, just before
-its all-reduce: the others are inside it), ``done`` (after counting itself done, before the
-outcome: the others commit without it), ``transfer`` (the first time, from round R on, that it
-sends the state to a joining worker: after the metadata, before the parameters), ``registered``
-(R ignored: right after asking to join, before the first round), ``formed`` (a member of a
-decision from round R on, just before forming its group: the others' group formation fails),
-``offer`` (from round R on, when it is about to offer its shard of the state to a joiner: the
-offer is never complete); ``behind`` is no death: from round R on, once, the reduction raises on
-this worker right after it returned (the others apply it, this one does not). ``--wait-for FILE:R`` asks to join only once FILE (another worker's
-JSON lines) reports round R, right after a round began (it then has the whole round to join early).
+its all-reduce: the others are inside it), ``done`` (in an epoch from round R
+on, after counting itself done, before the outcome: the others commit without it),
+``transfer`` (the first time, from round R on, that it sends the state to a joining worker:
+after the metadata, before the parameters), ``registered`` (R ignored: right after asking to
+join, before the first round), ``formed`` (a member of a decision from round R on, just before
+forming its group: the others' group formation fails); ``behind`` is no death: from round R on,
+once, the reduction raises on this worker right after it returned (the others apply it, this
+one does not). ``--wait-for FILE:R`` asks to join only once FILE (another worker's JSON lines)
+reports round R, right after a round began.
 """
 from __future__ import annotations
 
@@ -63,7 +63,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--backend", default=os.environ.get("HETCOMM_TEST_BACKEND", "hetcomm"))
     p.add_argument("--ballast", type=int, default=0,
                    help="a parameter of this many elements outside the forward pass (a large state to send)")
-    p.add_argument("--no-early-join", action="store_true", help="ElasticDiLoCo(early_join=False)")
     p.add_argument("--counting-outer", action="store_true",
                    help="an outer SGD that keeps an int32 step count per parameter and scales its step by it")
     p.add_argument("--wait-for", default="", help="FILE:R: ask to join once FILE reports round R")
@@ -118,37 +117,29 @@ def main(argv: list[str] | None = None) -> int:
             return out
         _compress.weighted_allreduce = failing_allreduce
     elif where == "done":
-        real_outcome = elastic.ElasticDiLoCo._outcome_of
+        real_outcome = elastic.ElasticBase._outcome_of
 
         def dying_outcome(self, decision, failure):
-            if self.rounds == die_round and failure is None:
+            if self.rounds >= die_round and failure is None:
                 self._keys.set(f"e{decision['epoch']}/done/{self._me}", 1)
                 kill_self()
             return real_outcome(self, decision, failure)
-        elastic.ElasticDiLoCo._outcome_of = dying_outcome
+        elastic.ElasticBase._outcome_of = dying_outcome
     elif where == "registered":
-        real_register = elastic.ElasticDiLoCo._register
+        real_register = elastic.ElasticBase._register
 
         def dying_register(self, *args, **kwargs):
             real_register(self, *args, **kwargs)
             kill_self()
-        elastic.ElasticDiLoCo._register = dying_register
+        elastic.ElasticBase._register = dying_register
     elif where == "formed":
-        real_form = elastic.ElasticDiLoCo._form_group
+        real_form = elastic.ElasticBase._form_group
 
         def dying_form(self, decision):
             if decision["round"] >= die_round:
                 kill_self()
             return real_form(self, decision)
-        elastic.ElasticDiLoCo._form_group = dying_form
-    elif where == "offer":
-        real_offer = elastic.ElasticDiLoCo._offer_state
-
-        def dying_offer(self):
-            if self._round >= die_round and self._holds:
-                kill_self()
-            return real_offer(self)
-        elastic.ElasticDiLoCo._offer_state = dying_offer
+        elastic.ElasticBase._form_group = dying_form
     elif where == "transfer":
         from hetcomm.train.elastic import generation
         real_broadcast = generation._broadcast_meta
@@ -201,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
         diloco = hetcomm.ElasticDiLoCo(model, opt, store=args.store, worker_id=args.id, job=args.job,
                                        outer_optimizer=outer, steps=args.steps, min_workers=args.min_workers,
                                        heartbeat=0.5, timeout=args.timeout, collective_timeout=args.collective_timeout,
-                                       compress=args.compress, backend=args.backend, early_join=not args.no_early_join)
+                                       compress=args.compress, backend=args.backend)
     if args.wait_for:
         path, _, wanted = args.wait_for.rpartition(":")
         def reported() -> bool:

@@ -406,6 +406,9 @@ def test_bad_arguments():
         make_policy("fixed", 0)
     with pytest.raises(ValueError, match="round_seconds"):
         make_policy("time", 4, round_seconds=-1.0)
+    for policy in ("fixed", "speed"):          # (it was silently ignored: rounds of `steps` steps)
+        with pytest.raises(ValueError, match="round_seconds is an option of local_steps='time'"):
+            make_policy(policy, 4, round_seconds=5.0)
     if not dist.is_initialized():
         with pytest.raises(RuntimeError, match="init_process_group"):
             hetcomm.DiLoCo(nn.Linear(2, 2), None)

@@ -1,7 +1,7 @@
 """The join records of an elastic run against a store writer (issue 43): the `joins` counter
 cannot be sealed, and a store writer may delete any record or decision. A joiner must always
 write its request where the members read, and the members must read it, whatever the counter
-says. Each case acts on `JoinRecords` (the join side of `ElasticDiLoCo`, alone) over a real
+says. Each case acts on `JoinRecords` (the join side of an elastic run, alone) over a real
 TCPStore, with a plain client beside it as the store writer; each fails on the code before its fix.
 """
 from __future__ import annotations
@@ -27,13 +27,13 @@ _jobs = itertools.count()
 
 
 class _Joiner(JoinRecords):
-    """The join-record side of a worker, alone: what `ElasticDiLoCo` mixes in."""
+    """The join-record side of a worker, alone: what `ElasticBase` mixes in."""
 
     def __init__(self, keys: Keys, me: str, timeout: float = 0.0) -> None:
         self._keys, self._me, self._gaps, self._timeout = keys, me, {}, timeout
 
     def _request(self) -> dict:
-        return {"who": self._me, "holds": False, "round": 0, "config": {}, "early": False}
+        return {"who": self._me, "holds": False, "round": 0, "config": {}}
 
 
 @pytest.fixture(scope="module")
@@ -470,11 +470,11 @@ class _WaitingJoiner(Epochs):
 
     def __init__(self, keys: Keys, looks: int) -> None:
         self._keys, self._me, self._gaps, self._timeout, self._heartbeat = keys, "j#1", {}, 1.0, 0.01
-        self._dropped_at, self._early_join, self.job, self._era_number = 0, False, "test", 1
+        self._dropped_at, self.job, self._era_number = 0, "test", 1
         self._pulse, self.bootstrapped = self._Heart(looks), False
 
     def _request(self) -> dict:
-        return {"who": self._me, "holds": False, "round": 0, "config": {}, "early": False}
+        return {"who": self._me, "holds": False, "round": 0, "config": {}}
 
     def _bootstrap(self, keys: Keys) -> None:
         self.bootstrapped = True

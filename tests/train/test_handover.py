@@ -33,12 +33,12 @@ class _Keys:
 
 def _run(rank: int, budget: int, ended: bool = False):
     from hetcomm.train.elastic.generation import Generation
-    from hetcomm.train.elastic.loop import ElasticDiLoCo
+    from hetcomm.train.elastic.loop import ElasticBase
     from hetcomm.train.elastic.phases import Phases
     from hetcomm.train.flat import FlatParameters
 
     class Run(Generation, FlatParameters):
-        _check_budgets = ElasticDiLoCo._check_budgets
+        _check_budgets = ElasticBase._check_budgets
 
         def _log(self, line: str) -> None:
             self.lines.append(line)

@@ -324,6 +324,9 @@ def make_policy(policy: str | LocalStepPolicy, steps: int, *, round_seconds: flo
                 threshold: float = 0.01) -> LocalStepPolicy:
     if isinstance(policy, LocalStepPolicy):
         return policy
+    if round_seconds is not None and policy != "time":
+        raise ValueError(f"{_PREFIX}: round_seconds is an option of local_steps='time' (rounds of that many seconds "
+                         f"on every worker), not of {policy!r}")
     if policy == "fixed":
         return FixedSteps(steps)
     if policy == "speed":

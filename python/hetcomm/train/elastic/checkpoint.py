@@ -125,7 +125,7 @@ def load(run, state: dict) -> None:
     if run._joined:
         raise RuntimeError(f"{_PREFIX}: load_state_dict() after join(): load the checkpoint first")
     if not isinstance(state, dict) or state.get("kind") != KIND:
-        what = (state.get("kind", "no kind: an ElasticDiLoCo or DiLoCo checkpoint") if isinstance(state, dict)
+        what = (state.get("kind", "no kind: a DiLoCo checkpoint, or one of ElasticDiLoCo before it ran in generations") if isinstance(state, dict)
                 else type(state).__name__)
         raise ValueError(f"{_PREFIX}: this is not a checkpoint of DiLoCo in generations ({what}); each checkpoint "
                          "resumes a run of the class that saved it")

@@ -1,4 +1,4 @@
-"""What the parts of `ElasticDiLoCo` share: the rows of the table every member contributes a
+"""What the parts of an elastic run share: the rows of the table every member contributes a
 column to at each epoch, the protocol's constants, the fingerprint of the global parameters and
 the store's polling."""
 from __future__ import annotations
@@ -11,14 +11,10 @@ from hetcomm.train.membership import SecretMismatch
 
 _PREFIX = "hetcomm ElasticDiLoCo"
 # Rows of the table every member contributes a column to at each epoch.
-(_STEPS, _SAMPLES, _LOSS_SUM, _LOSS_N, _FINITE, _PRINT, _HOLDS, _MAX_ROUNDS, _MAX_SAMPLES, _CONFIG, _SHARE,
- _ROWS) = range(12)
+_PRINT, _HOLDS, _MAX_ROUNDS, _MAX_SAMPLES, _CONFIG, _ROWS = range(6)
 _MAX_ABORTS = 4               # attempts of one round in a row with the same members before giving up
 _TIMELINE = 100_000           # timeline entries kept (the latest)
 _POLL = (0.005, 0.1)          # the store is polled from every 5 ms, backing off to 100 ms
-
-
-_CHUNK = 4 << 20              # bytes per store value of an offer (the libuv TCPStore refuses over 8 MiB)
 
 
 _fingerprint = fingerprint

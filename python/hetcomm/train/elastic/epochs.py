@@ -1,6 +1,6 @@
-"""The membership protocol of `ElasticDiLoCo`: incarnations, join requests, the era's bootstrap,
-admission, and each synchronisation attempt (an epoch: arrive, decide, reduce, commit or
-abort) with its events. Protocol: docs/elastic.md#a-synchronisation-attempt-step-by-step."""
+"""The membership protocol of an elastic run: incarnations, join requests, the era's bootstrap,
+admission, and each change of generation (an epoch: arrive, decide, form the group, send the
+state to the members without it, commit or abort) with its events. Protocol: docs/elastic.md#an-epoch-step-by-step."""
 from __future__ import annotations
 
 import hashlib
@@ -9,11 +9,9 @@ import time
 import uuid
 from collections.abc import Sequence
 
-import torch
-
 from hetcomm import hosts as _hosts
 from hetcomm.train.elastic.common import (_PREFIX, _MAX_ABORTS, _Poll, _decision_ok, _next_decided, _read_decision,
-                                          _read_ended, _read_int, _start_epoch)
+                                          _read_ended, _start_epoch)
 from hetcomm.train.elastic.eras import Eras
 from hetcomm.train.elastic.joins import JoinRecords
 from hetcomm.train.membership import Keys, SecretMismatch, StoreUnreachable
@@ -58,42 +56,14 @@ class Epochs(JoinRecords, Eras):
         """A dropped worker joins again as a new incarnation: the others may have marked the old
         one dead, and must not mistake it for a member."""
         self._pulse.stop()
-        if self._snapped:
-            self._snapped = False
-            self._keys.delete(f"snapped/{self._me}")
         self._me = f"{self.worker_id}#{uuid.uuid4().hex[:8]}"
         self._pulse = Pulse(self._job_keys.clone(), self._me, self._heartbeat)
         self._pulse.hold("era", self._era_number)
 
-    def _watch_joiners(self) -> None:
-        """Between synchronisations, every half second (or heartbeat, if shorter): watch the
-        workers that asked to join, so that by the round's end they have shown they live and can
-        be admitted at once, and offer the state to those that join early."""
-        now = time.monotonic()
-        if self._decision is None or now - self._scanned[1] < min(self._heartbeat, 0.5):
-            return
-        regs, upto = self._registrations(self._keys, max(self._scanned[0], self._decision["admitted_upto"]))
-        ours, watch, early = self._config(), [], False
-        for _, r in regs:
-            why = self._refusal(r.get("config"), ours)
-            if why:
-                self._refuse(self._keys, r["who"], why)
-            else:
-                watch.append(r["who"])
-                early = early or bool(r.get("early"))
-        self._pulse.watch(watch)
-        self._scanned = (upto, now)
-        if early:                    # (a member offers whatever its own early_join)
-            self._offer_wanted = self._round
-        if self._offer_wanted == self._round:
-            self._offer_state()      # (retried at the next look if an upload is still under way)
-
     def _admit(self, resume: tuple[int, int] | None = None) -> None:
         """Asks to join (or, with ``resume``, goes on waiting on the request it made: its join
         index and the next epoch to read) and waits for a decision that admits this worker; then
-        takes part in epochs until one commits (this worker then holds the global state). Returns
-        early, with ``_early`` set, when it takes the state offered for the round in progress.
-        Asks again in a later era when its era's members are all gone and a later era began."""
+        takes part in epochs until one commits (this worker then holds the global state). Asks again in a later era when its era's members are all gone and a later era began."""
         while self._admit_in_era(resume):
             resume = None
 
@@ -109,7 +79,7 @@ class Epochs(JoinRecords, Eras):
         # The era's first decision is written by a waiting worker only while nothing says the
         # era started (a store writer who deleted its first decisions must not fork it).
         started = resume is not None or self._dropped_at > 0 or _read_decision(keys, epoch) is not None
-        poll, watched, last, kept, looked = _Poll(), None, None, -math.inf, -math.inf
+        poll, watched, kept, looked = _Poll(), None, -math.inf, -math.inf
         while True:
             self._pulse.check()
             self._raise_if_refused(keys)
@@ -132,7 +102,7 @@ class Epochs(JoinRecords, Eras):
                 if self._me in decision["members"]:
                     self._count("idle", begin)
                     self._phases.begin("decision that admits it")
-                    if self._synchronise(None, self._column(None), admitted=decision):
+                    if self._synchronise(admitted=decision):
                         return False
                     self._event({"round": decision["round"], "worker": self.worker_id,
                                  "dropped": f"while being admitted: {self._dropped_why}"},
@@ -149,7 +119,7 @@ class Epochs(JoinRecords, Eras):
                     self._new_incarnation()
                     index = self._register(decision["admitted_upto"])
                 epoch += 1
-                watched, last = decision["members"], decision
+                watched = decision["members"]
                 self._pulse.watch(watched)
                 self._pulse.keep(watched)
                 continue
@@ -174,9 +144,6 @@ class Epochs(JoinRecords, Eras):
                     return True
                 raise RuntimeError(f"{_PREFIX}: every member of epoch {epoch - 1} ({self._names(watched)}) is gone, "
                                    "and the run's state with them: restart the job from checkpoints (load_state_dict)")
-            elif watched and self._early_join and self._take_offer(index, epoch, last):
-                self._count("idle", begin)
-                return False
             poll()
 
     def _config(self) -> dict:
@@ -203,7 +170,7 @@ class Epochs(JoinRecords, Eras):
             return "its join request does not describe its configuration (another version of hetcomm?)"
         if set(theirs) - set(ours):
             return (f"its join request describes settings this run does not have ({sorted(set(theirs) - set(ours))}): "
-                    "another version of hetcomm, or ElasticDiLoCo and DiLoCo(membership=Elastic(...)) mixed")
+                    "another version of hetcomm?")
         problems = [f"its {k} is {theirs[k]!r}, the run's {ours[k]!r}" for k in ours
                     if k != "settings" and theirs[k] != ours[k]]
         for name in sorted(set(ours["settings"]) | set(theirs["settings"])):
@@ -329,8 +296,6 @@ class Epochs(JoinRecords, Eras):
             raise RuntimeError(f"{_PREFIX}: epoch {epoch}: members arrived at different rounds {sorted(rounds)} "
                                "(a bug: please report it)")
         rnd = rounds.pop()
-        # joiners that loaded the state this round started from (`_take_offer`) hold it too
-        holders += self._snapped_holders(joiners, rnd)
         new_members = continuing + joiners
         # A new group also when a member no longer has the last one (it destroyed it after a
         # failure that the others did not see).
@@ -358,11 +323,6 @@ class Epochs(JoinRecords, Eras):
         """The holders whose state the epoch carries on (every holder arrives at the same round
         here; `hetcomm.train.elastic.run` picks the most advanced)."""
         return holders
-
-    def _snapped_holders(self, joiners: list[str], rnd: int) -> list[str]:
-        """The joiners that loaded the state round ``rnd`` started from (`_take_offer`)."""
-        keys = self._keys
-        return [j for j in joiners if _read_int(keys, f"snapped/{j}") == rnd]
 
     def _joiners(self, keys: Keys, prev: dict,
                  continuing: list[str]) -> tuple[list[str], dict[str, str], int, bool]:
@@ -392,7 +352,7 @@ class Epochs(JoinRecords, Eras):
                 return joiners, refused, index, False
         return joiners, refused, upto, False
 
-    def _synchronise(self, delta: torch.Tensor | None, column: list[float], admitted: dict | None = None) -> bool:
+    def _synchronise(self, admitted: dict | None = None) -> bool:
         """Epochs until one commits (True) or a decision leaves this worker out (False)."""
         while True:
             if admitted is None:
@@ -408,10 +368,10 @@ class Epochs(JoinRecords, Eras):
                     return False
             else:
                 decision, admitted = admitted, None
-            if self._attempt(decision, delta, column):
+            if self._attempt(decision, self._column()):
                 return True
 
-    def _attempt(self, decision: dict, delta: torch.Tensor | None, column: list[float]) -> bool:
+    def _attempt(self, decision: dict, column: list[float]) -> bool:
         # A member (every way in goes through here): it answers probes for the era and keeps
         # `latest` there (a store writer who deletes it must not make the era look unstarted).
         self._pulse.member_of(self._era_number)
@@ -427,14 +387,14 @@ class Epochs(JoinRecords, Eras):
         if not decision["holders"]:
             raise RuntimeError(f"{_PREFIX}: round {decision['round']}: no member of epoch {decision['epoch']} "
                                "holds the run's state (every worker that did is gone): restart from checkpoints")
-        reduced, table, failure = None, None, None
+        table, failure = None, None
         try:
             if decision["gen"] != self._gen:
                 self._form_group(decision)
                 self._phases.mark("group")
             if set(decision["holders"]) != set(decision["members"]):
                 self._transfer(decision)
-            table, reduced = self._reduce(decision, delta, column)
+            table = self._reduce(decision, column)
         except StoreUnreachable:
             raise
         except ValueError:
@@ -462,8 +422,7 @@ class Epochs(JoinRecords, Eras):
             return False
         self._aborts = []
         begin = time.perf_counter()
-        self._apply(decision, table, reduced)
-        self._withdraw_offers()
+        self._apply(decision, table)
         self._count("sync", begin)
         return True
 

@@ -21,7 +21,7 @@ _FIRST_REQUESTS = 8          # join requests at the start of an era that show it
 
 
 class Eras:
-    """The era lookup (a mixin of `ElasticDiLoCo`, whose ``_job_keys``, ``_checkpoint``,
+    """The era lookup (a mixin of `ElasticBase`, whose ``_job_keys``, ``_checkpoint``,
     ``_pulse``, ``_timeout``, ``_heartbeat``, ``_round``, ``job``, ``_log`` and ``_names`` it
     uses)."""
 

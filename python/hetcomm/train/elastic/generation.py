@@ -1,5 +1,5 @@
-"""A generation of `ElasticDiLoCo`'s members: its process group, the transfer of the run's state
-to members without it, the reduction of the round and the outer update."""
+"""A generation of an elastic run's members: its process group, the transfer of the run's state
+to members without it, and the epoch's table (fingerprints, holders, budgets, configuration)."""
 from __future__ import annotations
 
 import datetime
@@ -10,11 +10,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from hetcomm import compress as _compress
-from hetcomm.train.diloco.outer import outer_weights
-from hetcomm.train.elastic.common import (_PREFIX, _STEPS, _SAMPLES, _LOSS_SUM, _LOSS_N, _FINITE, _PRINT, _HOLDS,
-                                          _MAX_ROUNDS, _MAX_SAMPLES, _CONFIG, _SHARE, _fingerprint, _to_json,
-                                          _from_json)
+from hetcomm.train.elastic.common import (_PREFIX, _PRINT, _HOLDS, _MAX_ROUNDS, _MAX_SAMPLES, _CONFIG, _fingerprint,
+                                          _to_json, _from_json)
 from hetcomm.train.partition import exchange_columns
 
 
@@ -235,8 +232,9 @@ class Generation:
             return type(obj)(cls._fill(v, pieces) for v in obj)
         return obj
 
-    def _reduce(self, decision: dict, delta: torch.Tensor | None,
-                column: list[float]) -> tuple[list[list[float]], torch.Tensor | None]:
+    def _reduce(self, decision: dict, column: list[float]) -> list[list[float]]:
+        """The epoch's table, every member's column, and what it checks: the holders' global
+        parameters are equal (fingerprints), and so are their budgets and configurations."""
         col = list(column)
         holds = self._me in decision["holders"]
         # (a member whose state comes later has nothing to show: 0, not compared)
@@ -255,49 +253,27 @@ class Generation:
                              "a bug, please report it -- or a store writer deleted a decision or an outcome "
                              "that some members had read (docs/security.md)")
         self._leave_out_offenders(decision, table)
-        weights = self._weights(table)
-        if not any(s > 0 for s in table[_STEPS]) or not any(w != 0.0 for w in weights):
-            return table, None
-        x = delta if delta is not None else torch.zeros(self._start.numel(), dtype=torch.float32)
-        return table, _compress.weighted_allreduce(x, weights, codec=self._codec, finite_checked=True)
+        return table
 
     def _epoch_print(self) -> float:
         """What the epoch compares over the members that hold the run's state."""
         return float(_fingerprint(self._flatten_global()))
 
-    def _weights(self, table: list[list[float]]) -> list[float]:
-        """The outer update's weights. Under ``batch`` and ``uniform``, which weigh every member
-        as if it trained the whole round, a member that joined early and trained a part of it
-        weighs that part of its weight (its pseudo-gradient covers that part of a round: at full
-        weight its few steps would dilute the update); ``samples`` and ``normalized`` follow the
-        samples and steps themselves."""
-        weights = outer_weights(self.weighting, table[_SAMPLES], table[_STEPS])
-        if self.weighting in ("batch", "uniform") and any(f < 1.0 for f in table[_SHARE]):
-            scaled = [w * min(1.0, max(0.0, f)) for w, f in zip(weights, table[_SHARE])]
-            total = sum(scaled)
-            weights = [w / total for w in scaled] if total > 0 else weights
-        return weights
-
     def _leave_out_offenders(self, decision: dict, table: list[list[float]]) -> None:
-        """A member whose pseudo-gradient is not finite, or whose compression or model size is not
-        the run's, stops with a ValueError saying why; the others abort the attempt and redo the
-        round without it. When every member is at fault, every member raises."""
+        """A member whose compression or model size is not the run's stops with a ValueError
+        saying why; the others abort the attempt and redo it without it. When every member is at
+        fault, every member raises."""
         configs = {c for c, h in zip(table[_CONFIG], table[_HOLDS]) if h}
         if len(configs) > 1:
             raise ValueError(f"{_PREFIX}: round {decision['round']}: the workers that hold the run's state use "
                              "different compress/block settings or model sizes; every worker must use the same")
-        offenders = {}
-        for m, finite, config in zip(decision["members"], table[_FINITE], table[_CONFIG]):
-            if finite == 0.0:
-                offenders[m] = "its pseudo-gradient is not finite (NaN or Inf in its parameters)"
-            elif configs and config not in configs:
-                offenders[m] = "its compress/block settings or model size are not the run's"
+        offenders = {m: "its compress/block settings or model size are not the run's"
+                     for m, config in zip(decision["members"], table[_CONFIG]) if configs and config not in configs}
         if not offenders:
             return
         if self._me in offenders:
-            raise ValueError(f"{_PREFIX}: round {decision['round']}: this worker stops: {offenders[self._me]}; "
-                             "no outer update was applied" + ("" if len(offenders) == len(decision["members"])
-                                                              else " and the others go on without it"))
+            raise ValueError(f"{_PREFIX}: round {decision['round']}: this worker stops: {offenders[self._me]}"
+                             + ("" if len(offenders) == len(decision["members"]) else "; the others go on without it"))
         raise RuntimeError("; ".join(f"{self._names([m])} left out: {why}" for m, why in offenders.items()))
 
     def _agree_on_budgets(self, decision: dict, table: list[list[float]]) -> None:
@@ -315,28 +291,12 @@ class Generation:
             self._log(f"the run's budgets are {run} (0 = none), not this worker's {self._budgets}: taking the run's")
             self._budgets = run
 
-    def _apply(self, decision: dict, table: list[list[float]], reduced: torch.Tensor | None) -> None:
-        if reduced is not None:
-            for g, piece in zip(self._global, self._split(reduced)):
-                g.grad = piece.view(g.shape).to(g.dtype)
-            self.outer_optimizer.step()
-            self.outer_optimizer.zero_grad(set_to_none=True)
+    def _apply(self, decision: dict, table: list[list[float]]) -> None:
+        """The epoch committed: this worker holds the run's state at the decision's round."""
         self._load_global()
         self._start = self._flatten_global()
         self._holds = True
-        if not any(s > 0 for s in table[_STEPS]):
-            self._round = decision["round"]         # an admission of the first generation: no round
-            return
-        weights = self._weights(table)
-        self._round = decision["round"] + 1
-        self._samples_total += round(sum(table[_SAMPLES]))
-        self._history.append({
-            "round": self._round, "epoch": decision["epoch"], "generation": decision["gen"],
-            "members": self._names(decision["members"]).split(","),
-            "steps": [round(s) for s in table[_STEPS]], "samples": [round(s) for s in table[_SAMPLES]],
-            "loss": [s / n if n > 0 else None for s, n in zip(table[_LOSS_SUM], table[_LOSS_N])],
-            "weights": weights, "fingerprint": _fingerprint(self._start),
-        })
+        self._round = decision["round"]
 
     # ---- parameters --------------------------------------------------------------------------
 

@@ -16,9 +16,9 @@ _MAX_CLAIMS = 1 << 16       # join indices a worker tries before it gives up
 
 
 class JoinRecords:
-    """Taking a join index and scanning the requests (a mixin of `ElasticDiLoCo`, whose
+    """Taking a join index and scanning the requests (a mixin of `ElasticBase`, whose
     ``_keys``, ``_me``, ``_timeout``, ``_gaps`` (join index -> when first seen missing), ``job``,
-    ``_holds``, ``_round``, ``_early_join`` and ``_config()`` it uses)."""
+    ``_holds``, ``_round`` and ``_config()`` it uses)."""
 
     def _registrations(self, keys: Keys, start: int, wait: bool = True) -> tuple[list[tuple[int, dict]], int]:
         """The join requests from index ``start`` on (index, request), and the index after them.
@@ -135,8 +135,7 @@ class JoinRecords:
             return False
 
     def _request(self) -> dict:
-        return {"who": self._me, "holds": self._holds, "round": self._round, "config": self._config(),
-                "early": self._early_join}
+        return {"who": self._me, "holds": self._holds, "round": self._round, "config": self._config()}
 
     def _keep_request(self, index: int) -> None:
         """Writes this worker's join request again if it is no longer there as it wrote it (a

@@ -1,6 +1,7 @@
-"""`ElasticDiLoCo`: the class, its construction and the training loop's side (`join`, `step`,
-`loop`, `finish`), checkpoints and the round's end; the protocol is the package's other modules
-(`hetcomm.train.elastic`)."""
+"""`ElasticBase`: what an elastic run keeps besides its generations' DiLoCo (`ElasticRun`): its
+construction, the store and the heartbeat, admission (`join`), the training loop's side (`loop`,
+`finish`, `close`), the records (`membership`, `stats`, `timeline`) and the checkpoint's common
+part; the protocol is the package's other modules (`hetcomm.train.elastic`)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,6 @@ import math
 import os
 import socket
 import sys
-import threading
 import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -20,62 +20,35 @@ import torch.distributed as dist
 
 from hetcomm import compress as _compress
 from hetcomm.train import flat as _flat
-from hetcomm.train.diloco.checkpoint import _cpu_copy
 from hetcomm.train.diloco.outer import WEIGHTINGS, default_outer_optimizer
-from hetcomm.train.elastic.common import (_PREFIX, _STEPS, _SAMPLES, _LOSS_SUM, _LOSS_N, _FINITE, _MAX_ROUNDS,
-                                          _MAX_SAMPLES, _CONFIG, _SHARE, _ROWS, _TIMELINE, _fingerprint,
+from hetcomm.train.elastic.common import (_PREFIX, _MAX_ROUNDS, _MAX_SAMPLES, _CONFIG, _ROWS, _TIMELINE,
                                           _PER_RANK_VARIABLES)
-from hetcomm.train.elastic.early import EarlyJoin
 from hetcomm.train.elastic.epochs import Epochs
 from hetcomm.train.elastic.generation import Generation
 from hetcomm.train.elastic.phases import Phases
 from hetcomm._engine import store_seal_key
-from hetcomm.train.membership import Keys, StoreUnreachable, connect
+from hetcomm.train.membership import Keys, connect
 from hetcomm.train.pulse import Pulse
 
 
-class ElasticDiLoCo(Epochs, EarlyJoin, Generation, _flat.FlatParameters):
-    """DiLoCo whose workers may die, come back and join while it runs (see the module doc).
+class ElasticBase(Epochs, Generation, _flat.FlatParameters):
+    """The membership side of an elastic run (`ElasticRun`, a subclass, runs the generations).
 
-    Args:
-        model: this worker's replica; its floating-point parameters are synchronised.
-        inner_optimizer: the optimizer the training loop steps (kept across rounds).
-        store: the job's c10d store, ``"host:port"`` (`hetcomm.store`) or a torch.distributed Store.
-        worker_id: this worker's name in logs and `stats` (default ``$HETCOMM_WORKER_ID``, else
-            ``host:pid``); a restarted worker may reuse it.
-        job: the run's name on the store (a new run needs a new one).
-        steps: inner steps per round (each worker's own count), unless ``round_seconds``.
-        round_seconds: end each round after this many seconds on each worker's clock instead.
-        outer_optimizer: ``callable(params) -> Optimizer`` over the global parameters (CPU);
-            default `hetcomm.diloco.default_outer_optimizer`.
-        weighting, compress, block: as `hetcomm.DiLoCo`.
-        min_workers: the first generation forms once this many workers have asked to join.
-        heartbeat: seconds between heartbeats.
-        timeout: a worker whose heartbeat has not changed for this long is dropped (at most 10 s
-            by default, as INTELLECT-1's 2 s / 10 s).
-        late_timeout: a live worker still missing from the synchronisation this long after the
-            last change among the others (one arrived or was dropped) is dropped too (it
-            rejoins when it gets there).
-        collective_timeout: the generation group's operation timeout (a frozen peer).
-        backend: the generation group's backend (``"hetcomm"`` or ``"gloo"``).
-        early_join: when this worker asks to join while a round runs, it loads the state that
-            round started from (offered by the members through the store as soon as they see
-            the request) and trains in it, contributing at its end; without (or when the offer
-            is not complete in time) it is admitted at the round's end and contributes from the
-            next. Members offer to the joiners that ask for it whatever their own setting.
-        verbose: print one line per membership change (they are in `stats` either way).
+    Args: the model and inner optimizer as `hetcomm.DiLoCo`; the others as `Elastic` (``store``,
+    ``worker_id``, ``job``, ``min_workers``, ``heartbeat``, ``timeout``, ``late_timeout``,
+    ``collective_timeout``, ``backend``, ``verbose``), and ``outer_optimizer``, ``weighting``,
+    ``compress``, ``block`` as `hetcomm.DiLoCo` (they are part of the configuration a joiner must
+    share with the run).
     """
 
     def __init__(self, model: torch.nn.Module, inner_optimizer: torch.optim.Optimizer | None = None, *,
-                 store, worker_id: str | None = None, job: str = "diloco", steps: int = 50,
-                 round_seconds: float | None = None,
+                 store, worker_id: str | None = None, job: str = "diloco",
                  outer_optimizer: Callable[[Sequence[torch.Tensor]], torch.optim.Optimizer] | None = None,
                  weighting: str = "batch", compress: str = "fp32", block: int = 2048, min_workers: int = 1,
                  heartbeat: float = 2.0, timeout: float = 10.0, late_timeout: float = 600.0,
-                 collective_timeout: float = 60.0, backend: str = "hetcomm", early_join: bool = True,
-                 verbose: bool = True) -> None:
+                 collective_timeout: float = 60.0, backend: str = "hetcomm", verbose: bool = True) -> None:
         if dist.is_available() and dist.is_initialized():
-            raise RuntimeError(f"{_PREFIX}: torch.distributed is already initialised; ElasticDiLoCo forms the "
+            raise RuntimeError(f"{_PREFIX}: torch.distributed is already initialised; an elastic run forms the "
                                "default process group itself, once per generation of workers (start the worker "
                                "without init_process_group)")
         for name, value in (("heartbeat", heartbeat), ("timeout", timeout), ("late_timeout", late_timeout),
@@ -85,10 +58,6 @@ class ElasticDiLoCo(Epochs, EarlyJoin, Generation, _flat.FlatParameters):
         if timeout < 3 * heartbeat:
             raise ValueError(f"{_PREFIX}: timeout ({timeout} s) must be at least three heartbeats ({heartbeat} s): "
                              "observers sample the heartbeat once per interval, and beats jitter")
-        if round_seconds is None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 1):
-            raise ValueError(f"{_PREFIX}: steps must be an int >= 1, got {steps!r}")
-        if round_seconds is not None and not (round_seconds > 0 and math.isfinite(round_seconds)):
-            raise ValueError(f"{_PREFIX}: round_seconds must be > 0, got {round_seconds!r}")
         if isinstance(min_workers, bool) or not isinstance(min_workers, int) or min_workers < 1:
             raise ValueError(f"{_PREFIX}: min_workers must be an int >= 1, got {min_workers!r}")
         if weighting not in WEIGHTINGS:
@@ -112,11 +81,9 @@ class ElasticDiLoCo(Epochs, EarlyJoin, Generation, _flat.FlatParameters):
         self.weighting = weighting
         self._codec = _compress.get_codec(compress, block=block)
         self._codec_name = f"compress={compress!r}, block={block}"
-        self._steps, self._round_seconds = steps, round_seconds
         self._min_workers, self._heartbeat, self._timeout = min_workers, float(heartbeat), float(timeout)
         self._late_timeout, self._collective_timeout = float(late_timeout), float(collective_timeout)
         self._backend, self._verbose, self.job = backend, verbose, job
-        self._early_join = bool(early_join)
         self._phases = Phases()               # (what a change of generation costs: `run`)
         self.worker_id = worker_id or os.environ.get("HETCOMM_WORKER_ID") or f"{socket.gethostname()}:{os.getpid()}"
         if "#" in self.worker_id:
@@ -158,21 +125,11 @@ class ElasticDiLoCo(Epochs, EarlyJoin, Generation, _flat.FlatParameters):
         self._budgets: dict[str, float] = {}
         self._pulse: Pulse | None = None
         self._gaps: dict[int, float] = {}     # join indices taken but not (yet) written: since when
-        self._totals = {"compute": 0.0, "idle": 0.0, "sync": 0.0}
+        self._totals = {"idle": 0.0, "sync": 0.0}       # (the epochs')
         self._timeline: collections.deque[tuple[str, float, float]] = collections.deque(maxlen=_TIMELINE)
         self._aborts: list[tuple[str, ...]] = []   # member lists of this round's failed attempts in a row
         self._scanned = (0, 0.0)                   # join requests watched up to, and when last looked
         self._step_calls = 0
-        self._early: dict | None = None            # joined early: trains in the round in progress
-        self._offered = -1                         # the round whose state this worker offered last
-        self._offers: list[tuple[int, list]] = []  # (round, layout) offers made, deleted later
-        self._uploader: threading.Thread | None = None
-        self._snap_keys: Keys | None = None        # the uploader's own store connection
-        self._early_joins = 0
-        self._offer_refused = -1                   # an offered round whose model is not this one
-        self._offer_wanted = -1                    # the round in which a joiner asked for an offer
-        self._snapped = False                      # this worker wrote snapped/<me>
-        self._reset_round()
 
     # ---- the training loop's side ------------------------------------------------------------
 
@@ -194,41 +151,6 @@ class ElasticDiLoCo(Epochs, EarlyJoin, Generation, _flat.FlatParameters):
         except BaseException:
             self.close()
             raise
-        self._reset_round()
-        self._mark = time.perf_counter()
-
-    def step(self, samples: int | None = None, loss: float | None = None) -> bool:
-        """Call after every inner step; synchronises when the round is over (returns True then)."""
-        if not self._joined or self._closed or self._stopped:
-            raise RuntimeError(f"{_PREFIX}: step() " + ("before join() (or use loop())" if not self._joined
-                                                        else f"after the run stopped ({self._stop_reason})"
-                                                        if self._stopped else "after close()"))
-        now = time.perf_counter()
-        self._pulse.check()
-        self._watch_joiners()
-        n = 1 if samples is None else int(samples)
-        if n < 0:
-            raise ValueError(f"{_PREFIX}: samples must be >= 0, got {samples!r}")
-        self._step_calls += 1
-        self._r_steps += 1
-        self._r_samples += n
-        if loss is not None and n > 0:
-            self._r_loss += float(loss) * n
-            self._r_loss_n += n
-        self._totals["compute"] += now - self._mark
-        self._timeline.append(("compute", self._mark, now))
-        over = (self._r_steps >= self._steps if self._round_seconds is None
-                else now - self._round_start >= self._round_seconds)
-        try:
-            if self._early is not None:
-                over = self._early_step(over)
-            elif over:
-                self._end_round()
-        except BaseException:
-            self.close()
-            raise
-        self._mark = time.perf_counter()
-        return over
 
     def loop(self, batches: Iterable, *, max_rounds: int | None = None,
              max_samples: int | None = None) -> Iterator:
@@ -243,7 +165,7 @@ class ElasticDiLoCo(Epochs, EarlyJoin, Generation, _flat.FlatParameters):
         self._budgets = {"max_rounds": max_rounds or 0, "max_samples": max_samples or 0}
         self.join()
         try:
-            if not self._stopped and self._early is None:     # (an early joiner is not a member yet)
+            if not self._stopped:
                 self._check_budgets()
             for item in self._agreed(batches):
                 if self._stopped:
@@ -277,17 +199,6 @@ class ElasticDiLoCo(Epochs, EarlyJoin, Generation, _flat.FlatParameters):
         once instead of after ``timeout``), and releases the group and the heartbeat."""
         self._finish("it finished")
 
-    def _finish(self, why: str, synchronise: bool = True) -> None:
-        if self._closed:
-            return
-        try:
-            if synchronise and self._joined and not self._stopped and self._r_steps and self._early is None:
-                self._end_round()     # (a worker that joined early and is not a member yet has no round to end)
-            if self._keys is not None:
-                self._keys.set(f"leave/{self._me}", {"round": self._round, "why": why})
-        finally:
-            self.close()
-
     def close(self) -> None:
         """Releases the group and stops the heartbeat, without telling anyone (the others drop
         this worker after ``timeout``). `finish` calls it."""
@@ -297,14 +208,8 @@ class ElasticDiLoCo(Epochs, EarlyJoin, Generation, _flat.FlatParameters):
         if self._pulse is not None:
             self._pulse.stop()
         self._destroy_group()
-        if self._uploader is not None:
-            self._uploader.join(timeout=2.0)
-        try:
-            self._withdraw_offers(everything=True)
-        except StoreUnreachable:
-            pass
 
-    def __enter__(self) -> "ElasticDiLoCo":
+    def __enter__(self) -> "ElasticBase":
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
@@ -322,80 +227,30 @@ class ElasticDiLoCo(Epochs, EarlyJoin, Generation, _flat.FlatParameters):
         return self._stop_reason
 
     @property
-    def rounds(self) -> int:
-        """Rounds committed in the run (the same on every member)."""
-        return self._round
-
-    @property
-    def history(self) -> list[dict]:
-        """One record per round this worker committed (identical on every member of that round;
-        a joiner receives the earlier ones): round, epoch, generation, members (worker ids),
-        their steps, samples, mean losses and weights, and ``fingerprint``, a hash of the global
-        parameters after the round's update."""
-        return list(self._history)
-
-    @property
     def membership(self) -> list[dict]:
         """Membership changes and failed synchronisations this worker saw, in order."""
         return list(self._events)
 
-    def global_parameters(self) -> list[torch.Tensor]:
-        return [g.detach() for g in self._global]
-
-    def fingerprint(self) -> int:
-        """A hash of the global parameters (equal on every member after each round)."""
-        return _fingerprint(self._flatten_global())
-
     def stats(self) -> dict:
         """This worker's view: rounds, generation, current members, membership changes, samples
-        of the run, and this worker's compute, idle (waiting for others) and sync seconds."""
+        of the run, and the seconds this worker spent in epochs: idle (waiting for others) and
+        sync (the epochs' collectives)."""
         members = self._decision["members"] if self._decision else []
         return {"rounds": self._round, "generation": self._gen, "members": [m.split("#")[0] for m in members],
                 "membership": self.membership, "samples_total": self._samples_total,
-                "compute_seconds": self._totals["compute"], "idle_seconds": self._totals["idle"],
-                "sync_seconds": self._totals["sync"], "early_joins": self._early_joins}
+                "idle_seconds": self._totals["idle"], "sync_seconds": self._totals["sync"]}
 
     def timeline(self) -> list[tuple[str, float, float]]:
-        """(kind, start, end) in time.time() seconds: compute, idle, sync and, at the instant of
-        each membership change, ("membership", t, t)."""
+        """(kind, start, end) in time.time() seconds of the epochs: idle, sync and, at the instant
+        of each membership change, ("membership", t, t) (the rounds': `stats`' generations)."""
         offset = time.time() - time.perf_counter()
         return [(k, a + offset, b + offset) for k, a, b in self._timeline]
 
-    # ---- checkpoints -------------------------------------------------------------------------
-
-    _STATE_VERSION = 1
-
-    def state_dict(self) -> dict:
-        """The run's state as this worker holds it (CPU copies): global parameters, outer
-        optimizer, round, samples, history, membership, and this worker's model and inner
-        optimizer. Call it between rounds (after `join`, when `step` returned True, or after the
-        run stopped); no communication."""
-        if self._r_steps:
-            raise RuntimeError(f"{_PREFIX}: state_dict() inside a round ({self._r_steps} steps since the last "
-                               "synchronisation): call it when step() returned True")
-        if not self._holds:
-            raise RuntimeError(f"{_PREFIX}: state_dict() before this worker was admitted (it holds no state yet)")
-        return _cpu_copy({
-            "version": self._STATE_VERSION, "job": self.job, "global": list(self._global),
-            "outer_optimizer": self.outer_optimizer.state_dict(), "round": self._round,
-            "samples_total": self._samples_total, "history": self._history, "membership": self._events,
-            "model": self.model.state_dict(),
-            "inner_optimizer": self.inner_optimizer.state_dict() if self.inner_optimizer is not None else None,
-        })
-
-    def load_state_dict(self, state: dict) -> None:
-        """Loads a checkpoint before `join`: this worker then offers its state when the job's era
-        starts (the holders of the latest round provide it; see the module doc)."""
-        if self._joined:
-            raise RuntimeError(f"{_PREFIX}: load_state_dict() after join(): load the checkpoint first")
-        if "kind" in state:                 # (DiLoCo in generations: `hetcomm.train.elastic.checkpoint`)
-            raise ValueError(f"{_PREFIX}: this is a checkpoint of {state['kind']}, not of ElasticDiLoCo; each "
-                             "checkpoint resumes a run of the class that saved it")
-        self._load_checkpoint(state, self._STATE_VERSION)
+    # ---- checkpoints (`hetcomm.train.elastic.checkpoint`) ----------------------------------
 
     def _load_checkpoint(self, state: dict, version: int) -> None:
-        """What checkpoints of both elastic modes hold: checked against this worker's model, then
-        loaded (the global parameters, outer optimizer, model, inner optimizer, round, samples,
+        """What a checkpoint holds besides a generation's own: checked against this worker's model,
+        then loaded (the global parameters, outer optimizer, model, inner optimizer, round, samples,
         history and membership records); this worker then offers it when the era starts."""
         if state.get("version") != version:
             raise ValueError(f"{_PREFIX}: checkpoint version {state.get('version')!r}, expected {version}")
@@ -413,39 +268,11 @@ class ElasticDiLoCo(Epochs, EarlyJoin, Generation, _flat.FlatParameters):
         self._start = self._flatten_global()
         self._holds = self._checkpoint = True
 
-    # ---- rounds ------------------------------------------------------------------------------
+    # ---- epochs ------------------------------------------------------------------------------
 
-    def _reset_round(self) -> None:
-        self._r_steps = self._r_samples = self._r_loss_n = 0
-        self._r_loss = 0.0
-        self._r_share = 1.0            # the part of the round this worker trained (< 1: joined early)
-        self._round_start = time.perf_counter()
-
-    def _end_round(self, admitted: dict | None = None) -> None:
-        """Synchronises the round (``admitted``: in the decision already read)."""
-        begin = time.perf_counter()
-        delta = (self._start - self._flatten_model()).float()
-        self._count("sync", begin)
-        column = self._column(delta)
-        if not self._synchronise(delta, column, admitted=admitted):
-            self._event({"round": self._round, "worker": self.worker_id, "dropped": self._dropped_why},
-                        f"round {self._round}: this worker was dropped ({self._dropped_why}); its "
-                        f"{self._r_steps} steps are discarded and it joins again")
-            self._holds = False
-            self._destroy_group()
-            self._reset_round()
-            self._new_incarnation()
-            self._admit()
-        self._check_budgets()
-        self._reset_round()
-
-    def _column(self, delta: torch.Tensor | None) -> list[float]:
-        total = float(delta.double().sum()) if delta is not None and delta.numel() else 0.0
+    def _column(self) -> list[float]:
+        """This worker's column of the epoch's table (`Generation._reduce`)."""
         col = [0.0] * _ROWS
-        col[_SHARE] = self._r_share
-        col[_STEPS], col[_SAMPLES] = self._r_steps, self._r_samples
-        col[_LOSS_SUM], col[_LOSS_N] = self._r_loss, self._r_loss_n
-        col[_FINITE] = 1.0 if math.isfinite(total) else 0.0
         col[_MAX_ROUNDS] = self._budgets.get("max_rounds", 0)
         col[_MAX_SAMPLES] = self._budgets.get("max_samples", 0)
         col[_CONFIG] = float(zlib.crc32(f"{self._codec_name}, numel={sum(p.numel() for p in self._params)}".encode()))

@@ -17,8 +17,17 @@ class Elastic:
             ``host:pid``); a restarted process may reuse it.
         worker: the DiLoCo worker this process is a rank of (default: its ``worker_id``, one rank
             per worker); the ranks of a worker of several ranks give it the same name.
-        job, min_workers, heartbeat, timeout, late_timeout, collective_timeout, backend, verbose:
-            as `hetcomm.ElasticDiLoCo` (``min_workers`` counts processes).
+        job: the run's name on the store (a new run needs a new one).
+        min_workers: the first generation forms once this many processes have asked to join.
+        heartbeat: seconds between heartbeats.
+        timeout: a worker whose heartbeat has not changed for this long is dropped (at most 10 s
+            by default, as INTELLECT-1's 2 s / 10 s).
+        late_timeout: a live worker still missing from an epoch this long after the last change
+            among the others (one arrived or was dropped) is dropped too (it rejoins when it
+            gets there).
+        collective_timeout: the generation group's operation timeout (a frozen peer).
+        backend: the generation group's backend (``"hetcomm"`` or ``"gloo"``).
+        verbose: print one line per membership change (they are in `stats` either way).
     """
     store: object
     worker_id: str | None = None

@@ -9,8 +9,7 @@ import time
 
 class Phases:
     """Seconds per phase of one change of generation. `mark` is a no-op outside one (between
-    `begin` and `end`); `ElasticDiLoCo`, which has no generations, begins records it never ends
-    (each `begin` starts afresh)."""
+    `begin` and `end`); each `begin` starts afresh."""
 
     def __init__(self) -> None:
         self._why: str | None = None

@@ -3,7 +3,7 @@
 The run is a sequence of *generations*. A generation is one `DiLoCo` over a process group of the
 members of the time: every feature of the fixed group (local-step policies, weighting,
 compression, overlap with fragments, workers of several ranks) runs in it unchanged. Membership
-changes only between generations, through the store protocol of `ElasticDiLoCo` (an *epoch*:
+changes only between generations, through the store protocol of `epochs` (an *epoch*:
 arrive, decide, form the group, send the state to the members without it, commit), and so:
 
 * **a join**: a worker that asks to join is seen by the members between steps (the store, every
@@ -60,7 +60,7 @@ from hetcomm.train.elastic import checkpoint as _checkpoint, handover, sharded, 
 from hetcomm.train.elastic.carry import (Round, encode_name, resume_round, seed_policy, share_timing, start_table,
                                          take_round)
 from hetcomm.train.elastic.common import _MAX_ABORTS, _PREFIX, _read_ended
-from hetcomm.train.elastic.loop import ElasticDiLoCo
+from hetcomm.train.elastic.loop import ElasticBase
 from hetcomm.train.elastic.options import Elastic, check_options
 from hetcomm.train.elastic.phases import Phases
 from hetcomm.train.elastic.run_epochs import RunEpochs
@@ -97,7 +97,7 @@ class _Generation(DiLoCo):
             self._reform_agreed_at = time.perf_counter()
 
 
-class ElasticRun(RunEpochs, ElasticDiLoCo):
+class ElasticRun(RunEpochs, ElasticBase):
     """`DiLoCo` in generations over elastic membership (see the module doc). Construct it as
     ``hetcomm.DiLoCo(model, opt, membership=Elastic(...), **options)``: the options are
     DiLoCo's, the same on every worker (a joiner with others is refused)."""
@@ -119,11 +119,11 @@ class ElasticRun(RunEpochs, ElasticDiLoCo):
         # State sharded over each worker's ranks (`sharded`): this rank's share, (1, 0) the whole.
         self._sharded, self._share, self._model_global = bool(shard_state), (1, 0), False
         self._whole: list | None = None       # (the fragments its share is cut from: `sharded`)
-        super().__init__(model, inner_optimizer, store=m.store, worker_id=m.worker_id, job=m.job, steps=steps,
+        super().__init__(model, inner_optimizer, store=m.store, worker_id=m.worker_id, job=m.job,
                          outer_optimizer=outer_optimizer, weighting=weighting, compress=compress, block=block,
                          min_workers=m.min_workers, heartbeat=m.heartbeat, timeout=m.timeout,
                          late_timeout=m.late_timeout, collective_timeout=m.collective_timeout, backend=m.backend,
-                         early_join=False, verbose=m.verbose)
+                         verbose=m.verbose)
         self._factory = outer_optimizer or default_outer_optimizer
         if self._sharded:
             sharded.check_factory(self._factory, self._params)
@@ -587,7 +587,7 @@ class ElasticRun(RunEpochs, ElasticDiLoCo):
         """An epoch: who is in the next generation, its group, and the state for those without it."""
         self._waiting.clear()
         self._carried = (self._round, self._applied_total, self._holds)
-        if not self._synchronise(None, self._column(None)):
+        if not self._synchronise():
             self._event({"round": self._round, "worker": self.worker_id, "dropped": self._dropped_why},
                         f"round {self._round}: this worker was dropped ({self._dropped_why}); it joins again")
             self._holds = False

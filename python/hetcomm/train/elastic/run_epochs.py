@@ -1,5 +1,5 @@
 """How a worker of DiLoCo in generations (`hetcomm.train.elastic.run`) takes part in the epochs of
-`ElasticDiLoCo` (`hetcomm.train.elastic.epochs`): what it says when it arrives, which holders
+`hetcomm.train.elastic.epochs`: what it says when it arrives, which holders
 the epoch names, when it asks to end a generation, which join requests it watches, and the
 transfer of the state to joiners that the generation's background may take over (`handover`)."""
 from __future__ import annotations
@@ -9,21 +9,21 @@ import time
 
 from hetcomm.train.elastic import handover, sharded
 
-_INCARNATION = re.compile(r"[^#]{1,256}#[0-9a-f]{8}")    # `<worker_id>#<nonce>`, as ElasticDiLoCo names them
+_INCARNATION = re.compile(r"[^#]{1,256}#[0-9a-f]{8}")    # `<worker_id>#<nonce>`, as `ElasticBase` names them
 _MAX_REFUSALS = 256              # refusals recorded in `membership` (join records are a store writer's to forge)
 
 
 class RunEpochs:
-    """The epoch hooks of `ElasticRun` (a mixin before `ElasticDiLoCo`)."""
+    """The epoch hooks of `ElasticRun` (a mixin before `ElasticBase`)."""
 
     def _config(self) -> dict:
         # (not `pace`: it changes when a rank's bytes leave, not what the members compute)
         options = {k: v for k, v in self._options.items() if k != "pace"}
         return {**super()._config(), "diloco": repr(sorted({**options, "shard_state": self._sharded}.items()))}
 
-    def _attempt(self, decision: dict, delta, column: list[float]) -> bool:
+    def _attempt(self, decision: dict, column: list[float]) -> bool:
         self._state_deferred = None
-        return super()._attempt(decision, delta, column)
+        return super()._attempt(decision, column)
 
     def _new_incarnation(self) -> None:
         self._state_deferred = None                # (dropped: a deferred transfer is not ours)
@@ -38,8 +38,8 @@ class RunEpochs:
             return
         super()._transfer(decision)
 
-    def _apply(self, decision: dict, table: list[list[float]], reduced) -> None:
-        super()._apply(decision, table, reduced)
+    def _apply(self, decision: dict, table: list[list[float]]) -> None:
+        super()._apply(decision, table)
         if (self._state_deferred is not None or self._sharded) and self._me not in decision["holders"]:
             self._holds = False                    # until its state has landed (`handover`, `sharded.load`)
 
@@ -63,9 +63,6 @@ class RunEpochs:
             return v if isinstance(v, int) and not isinstance(v, bool) and v >= 0 else -1
         best = max((applied(m) for m in holders), default=-1)
         return [m for m in holders if applied(m) == best] or holders
-
-    def _snapped_holders(self, joiners: list[str], rnd: int) -> list[str]:
-        return []                  # no joining inside a round here: a snapped/ key is not ours
 
     def _wants_reform(self) -> int:
         """2: this worker leaves (its last round is reduced); 1: workers wait to join (the round goes

@@ -4,9 +4,9 @@ time its link needs for the bytes (issue 42's target: a 1 GB state within 1.5x).
 ``--holders`` workers (default 2) start on the simulated cluster (``hetcomm.sim``: every worker
 its own namespace, NICs of ``--nic-mbit`` in each direction) with a model whose global
 parameters and outer momentum (fp32) make ``--state-gb`` GB; after their first round a new
-worker starts and asks to join. At the next round boundary the holders send it the state over
-the generation's process group, each holder one shard (not through the store: it carries only
-the decision). The joiner times `_transfer`; ``ratio`` = that time / (bytes x 8 / NIC rate),
+worker starts and asks to join. The members end their generation, and in the epoch that
+follows the holders send it the state over the new generation's process group, each holder one
+shard (not through the store: it carries only the decision). The joiner times `_transfer`; ``ratio`` = that time / (bytes x 8 / NIC rate),
 the joiner's link being the bottleneck (the holders' uplinks together are faster). Inner steps
 sleep ``--step-seconds`` (rounds long enough for the joiner to start): the figure is the transfer,
 not training. Median and spread over ``--repeats``.
@@ -27,7 +27,7 @@ cannot).
 
 Usage::
 
-    python benchmarks/elastic_join_transfer.py --repeats 3 --json benchmarks/results/elastic_join_1gb.json
+    python benchmarks/elastic_join_transfer.py --rounds 4 --repeats 3 --json benchmarks/results/elastic_join_1gb_generations.json
     python benchmarks/elastic_join_transfer.py --shard-state --ranks-per-worker 2 --rounds 4 \
         --repeats 3 --json benchmarks/results/elastic_join_1gb_sharded.json
 """

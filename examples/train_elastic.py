@@ -7,7 +7,7 @@ around a store that runs where no worker does::
     for w in w0 w1 w2 w3; do
         python examples/train_elastic.py --store 127.0.0.1:29400 --id $w --job demo --min-workers 4 &
     done
-    # kill one (kill -9), start it again with the same command: it rejoins at a round boundary
+    # kill one (kill -9), start it again with the same command: it rejoins the round in progress
 
 Every worker trains its replica with AdamW on its own random windows of the corpus and
 synchronises through ``hetcomm.DiLoCo(membership=hetcomm.Elastic(...))`` (DiLoCo in generations,
@@ -16,7 +16,7 @@ with any of ``--local-steps``, ``--compress``, ``--overlap``, ``--fragments``.
 Each worker prints one line per round (members, samples, loss) and one per membership change;
 ``--jsonl PATH`` appends a JSON line per round (time, round, fingerprint of the global
 parameters, members, steps, samples) and, at the end, one with the held-out loss, the stats and
-this worker's timeline (compute, idle, sync and the membership changes), for
+this worker's timeline (the epochs' idle and sync, and the membership changes), for
 ``benchmarks/elastic_sim.py``. ``--checkpoint PATH`` saves the state after every round and
 resumes from it when it exists (a whole-job restart).
 """

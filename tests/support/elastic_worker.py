@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import hetcomm
     from hetcomm import compress as _compress
-    from hetcomm.train import elastic
+    from hetcomm.train.elastic.loop import ElasticBase
 
     die_round, _, where = args.die.partition(":")
     die_round = int(die_round) if die_round else -1
@@ -117,29 +117,29 @@ def main(argv: list[str] | None = None) -> int:
             return out
         _compress.weighted_allreduce = failing_allreduce
     elif where == "done":
-        real_outcome = elastic.ElasticBase._outcome_of
+        real_outcome = ElasticBase._outcome_of
 
         def dying_outcome(self, decision, failure):
             if self.rounds >= die_round and failure is None:
                 self._keys.set(f"e{decision['epoch']}/done/{self._me}", 1)
                 kill_self()
             return real_outcome(self, decision, failure)
-        elastic.ElasticBase._outcome_of = dying_outcome
+        ElasticBase._outcome_of = dying_outcome
     elif where == "registered":
-        real_register = elastic.ElasticBase._register
+        real_register = ElasticBase._register
 
         def dying_register(self, *args, **kwargs):
             real_register(self, *args, **kwargs)
             kill_self()
-        elastic.ElasticBase._register = dying_register
+        ElasticBase._register = dying_register
     elif where == "formed":
-        real_form = elastic.ElasticBase._form_group
+        real_form = ElasticBase._form_group
 
         def dying_form(self, decision):
             if decision["round"] >= die_round:
                 kill_self()
             return real_form(self, decision)
-        elastic.ElasticBase._form_group = dying_form
+        ElasticBase._form_group = dying_form
     elif where == "transfer":
         from hetcomm.train.elastic import generation
         real_broadcast = generation._broadcast_meta

@@ -211,23 +211,6 @@ def test_a_worker_that_joined_once_sends_the_state_in_the_founders_dtypes(run):
     assert any("w3" in r.get("members", []) for r in run.records("w0")), run.records("w0")
 
 
-@pytest.mark.slow
-def test_a_joiner_trains_in_the_round_in_progress(run):
-    """w3 asks to join right after round 2 was committed (--wait-for): the members end their
-    generation at the step they see it, carry round 3 into the next, and w3 contributes steps to
-    round 3 itself."""
-    rounds, model = 4, ("--steps", "8", "--step-seconds", "0.25")
-    for w in IDS[:3]:
-        run.start(w, "--rounds", str(rounds), "--min-workers", "3", *model)
-    run.start("w3", "--rounds", str(rounds), *model, "--wait-for", f"{run.out / 'w0.jsonl'}:2")
-    codes = run.wait_all()
-    assert all(c == [0] for c in codes.values()), f"{codes}\n{run.logs()}"
-    prints = check_agreement(run, IDS, rounds)
-    assert {final(run, w)["final"] for w in IDS} == {prints[rounds]}
-    first = next(r for r in run.records("w0") if "round" in r and "w3" in r["members"])
-    assert first["round"] == 3 and first["steps"][first["members"].index("w3")] > 0, (first, run.logs())
-
-
 def test_the_state_a_joiner_receives_is_never_unpickled(tmp_path):
     """What the holders announce to a joiner travels as JSON: an outer optimizer's state layout
     (integer keys, tuples) comes back as torch made it; a pickle that would run code, garbage,
@@ -297,6 +280,40 @@ def test_arguments_and_misuse_raise_clearly():
     with pytest.raises(RuntimeError, match="before this worker was admitted"):
         d.state_dict()
     d.close()
+
+
+def test_the_constructor_maps_its_arguments_onto_diloco_in_generations():
+    """`hetcomm.ElasticDiLoCo` is DiLoCo(membership=Elastic(...)): steps -> fixed, round_seconds ->
+    time, the membership arguments to Elastic, any other DiLoCo option through; a worker with
+    other steps is refused naming them (the per-round class let each worker keep its own)."""
+    import torch
+    import torch.distributed as dist
+
+    import hetcomm
+
+    store, model = dist.HashStore(), torch.nn.Linear(2, 1)
+    made = []
+
+    def make(**kw):
+        made.append(hetcomm.ElasticDiLoCo(model, store=store, job="thin", **kw))
+        return made[-1]
+    try:
+        fixed = make(steps=7, worker="site-a", overlap=True, fragments=2, timeout=12.0)
+        assert isinstance(fixed, hetcomm.train.elastic.ElasticRun)
+        assert (fixed._options["local_steps"], fixed._options["steps"], fixed._options["overlap"],
+                fixed._options["fragments"]) == ("fixed", 7, True, 2)
+        assert (fixed._worker, fixed._timeout) == ("site-a", 12.0)
+        timed = make(round_seconds=3.0)
+        assert (timed._options["local_steps"], timed._options["round_seconds"]) == ("time", 3.0)
+        with pytest.warns(FutureWarning, match="early_join=False.* changes nothing"):
+            make(early_join=False)
+        with pytest.raises(ValueError, match="round_seconds is an option of local_steps='time'"):
+            make(local_steps="fixed", round_seconds=3.0)
+        why = fixed._refusal(make(steps=50, worker="site-a", overlap=True, fragments=2)._config(), fixed._config())
+        assert why == "its DiLoCo's steps is '50', the run's '7'", why
+    finally:
+        for d in made:
+            d.close()
 
 
 @pytest.mark.slow
@@ -369,15 +386,15 @@ def test_a_joiner_with_other_settings_is_refused_and_the_run_goes_on(run, differ
     test_a_join_request_is_refused_for_each_difference_and_for_a_malformed_one, and a founder with
     another setting in test_a_founder_with_other_settings_is_refused_and_the_others_start_the_run.
     (Compression and a hetcomm setting had an end-to-end run each, which added nothing.)"""
-    rounds, mode = 12, differs.get("mode", [])
+    rounds = 12
     for w in IDS[:2]:
-        run.start(w, "--rounds", str(rounds), "--min-workers", "2", "--step-seconds", "0.25", *mode)
+        run.start(w, "--rounds", str(rounds), "--min-workers", "2", "--step-seconds", "0.25")
     deadline = time.monotonic() + DEADLINE
     while len([r for r in run.records("w0") if "round" in r]) < 1:
         if time.monotonic() > deadline or any(p.poll() is not None for _, p in run.procs):
             pytest.fail(f"the run recorded no round\n{run.logs()}")
         time.sleep(0.2)
-    run.start("w2", "--rounds", str(rounds), *differs.get("args", []), *mode, env=differs.get("env"))
+    run.start("w2", "--rounds", str(rounds), *differs.get("args", []), env=differs.get("env"))
     codes = run.wait_all()
     assert codes == {"w0": [0], "w1": [0], "w2": [1]}, f"{codes}\n{run.logs()}"
     assert "this worker cannot join" in error(run, "w2") and expect in error(run, "w2"), run.logs()

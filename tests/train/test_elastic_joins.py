@@ -50,14 +50,14 @@ def job(server, request):
 
 
 def decide(keys: Keys, epoch: int, admitted_upto: int) -> None:
+    w0 = "w0#0000000a"
     keys.set(f"e{epoch}/decision", {"epoch": epoch, "gen": 1, "round": 0, "admitted_upto": admitted_upto,
-                                     "members": ["w0#a"], "holders": ["w0#a"], "joined": ["w0#a"], "left": {},
-                                     "refused": {}})
+                                     "members": [w0], "holders": [w0], "joined": [w0], "left": {}, "refused": {}})
     keys.set("latest", epoch)
 
 
 def members_read(keys: Keys, start: int) -> list[str]:
-    requests, _ = _Joiner(keys, "w0#a")._registrations(keys, start, wait=False)
+    requests, _ = _Joiner(keys, "w0#0000000a")._registrations(keys, start, wait=False)
     return [r["who"] for _, r in requests]
 
 
@@ -68,12 +68,12 @@ def test_a_joiner_next_to_a_gap_the_members_passed_over_is_read(job):
     where the members read, from 2 on (before: it took the first free index, 0, below where the
     members read, and was never admitted)."""
     keys, _ = job
-    keys.set("join/1", _Joiner(keys, "w1#a")._request())
+    keys.set("join/1", _Joiner(keys, "w1#0000000a")._request())
     decide(keys, 1, 2)
     assert keys.add("joins", 3) == 3                 # 0: died, 1: admitted, 2: being written
-    late = _Joiner(keys, "w2#b")
+    late = _Joiner(keys, "w2#0000000b")
     assert late._register() == 3
-    assert members_read(keys, 2) == ["w2#b"]
+    assert members_read(keys, 2) == ["w2#0000000b"]
 
 
 def test_a_counter_set_back_below_a_missing_record_is_put_back_by_the_joiner_past_it(job, server):
@@ -86,13 +86,13 @@ def test_a_counter_set_back_below_a_missing_record_is_put_back_by_the_joiner_pas
         keys.set(f"join/{i}", _Joiner(keys, f"m{i}#a")._request())
     decide(keys, 1, 3)
     assert keys.add("joins", 4) == 4                 # 3: died before writing
-    joiner = _Joiner(keys, "w4#b")
+    joiner = _Joiner(keys, "w4#0000000b")
     index = joiner._register()
     assert index == 4
     for setback in (b"0", b"\x00 not a counter"):
         server.set(root + "joins", setback)
         joiner._keep_request(index)                  # what it does every heartbeat while it waits
-        assert members_read(keys, 3) == ["w4#b"]
+        assert members_read(keys, 3) == ["w4#0000000b"]
 
 
 def test_members_far_past_a_deleted_counter_still_read(job, server):
@@ -102,9 +102,9 @@ def test_members_far_past_a_deleted_counter_still_read(job, server):
     keys, root = job
     decide(keys, 1, 5000)
     server.delete_key(root + "joins")
-    joiner = _Joiner(keys, "w9#b")
+    joiner = _Joiner(keys, "w9#0000000b")
     assert joiner._register() == 5000
-    assert members_read(keys, 5000) == ["w9#b"]
+    assert members_read(keys, 5000) == ["w9#0000000b"]
 
 
 def test_a_run_of_missing_records_times_out_together(job):
@@ -113,12 +113,12 @@ def test_a_run_of_missing_records_times_out_together(job):
     the second scan skipped one)."""
     keys, _ = job
     assert keys.add("joins", 11) == 11
-    keys.set("join/10", _Joiner(keys, "w10#b")._request())
-    member = _Joiner(keys, "w0#a", timeout=0.2)
+    keys.set("join/10", _Joiner(keys, "w10#0000000b")._request())
+    member = _Joiner(keys, "w0#0000000a", timeout=0.2)
     assert member._registrations(keys, 0)[0] == []   # the first look times the run
     time.sleep(0.3)
     requests, upto = member._registrations(keys, 0)
-    assert [r["who"] for _, r in requests] == ["w10#b"] and upto == 11
+    assert [r["who"] for _, r in requests] == ["w10#0000000b"] and upto == 11
 
 
 def test_the_floor_skips_a_newest_decision_a_store_writer_deleted(job, server):
@@ -128,17 +128,17 @@ def test_the_floor_skips_a_newest_decision_a_store_writer_deleted(job, server):
     decide(keys, 1, 3)
     decide(keys, 2, 5)
     server.delete_key(root + "e2/decision")
-    assert _Joiner(keys, "w5#b")._join_floor() == 3
+    assert _Joiner(keys, "w5#0000000b")._join_floor() == 3
 
 
 def test_garbage_where_a_refusal_goes_stops_no_member(job, server):
     """A store writer puts garbage under refused/<who> before a member refuses that joiner: the
     member goes on (the decision carries the refusal too); before, `first` raised out of step()."""
     keys, root = job
-    server.set(root + "refused/evil#1", b"\x00 garbage")
-    Epochs._refuse(None, keys, "evil#1", "its model differs")
-    Epochs._refuse(None, keys, "other#2", "its model differs")
-    assert keys.peek("refused/other#2") == "its model differs"
+    server.set(root + "refused/evil#00000001", b"\x00 garbage")
+    Epochs._refuse(None, keys, "evil#00000001", "its model differs")
+    Epochs._refuse(None, keys, "other#00000002", "its model differs")
+    assert keys.peek("refused/other#00000002") == "its model differs"
 
 
 @pytest.mark.parametrize("counter", ["set-back", "inflated", "garbage-at-index"])
@@ -159,9 +159,9 @@ def test_a_joiner_writes_at_the_floor_whatever_the_counter_says(job, server, cou
     else:
         server.set(root + "joins", b"2")
         server.set(root + "join/2", b"\x00 not a request")
-    joiner = _Joiner(keys, "w2#b")
+    joiner = _Joiner(keys, "w2#0000000b")
     assert joiner._register() == (3 if counter == "garbage-at-index" and not keys.sealed else 2)
-    assert members_read(keys, 2) == ["w2#b"]
+    assert members_read(keys, 2) == ["w2#0000000b"]
 
 
 def test_no_fixed_bytes_read_as_absent(job, server):
@@ -185,15 +185,15 @@ def test_a_value_that_looks_sealed_is_garbage_once_the_job_is_known_plain(server
     root = f"hetcomm/ft/joins{next(_jobs)}/"
     keys = Keys(server, "test", root)
     looks_sealed = b'"x"' + bytes(range(32))
-    server.set(root + "refused/evil#1", looks_sealed)
+    server.set(root + "refused/evil#00000001", looks_sealed)
     with pytest.raises(SecretMismatch):             # nothing plain read yet: it may be the worker's fault
-        keys.peek("refused/evil#1")
+        keys.peek("refused/evil#00000001")
     assert keys.first("era", 1) == 1                 # its own write, read back, is no evidence
     with pytest.raises(SecretMismatch):
-        keys.peek("refused/evil#1")
+        keys.peek("refused/evil#00000001")
     decide(keys, 1, 0)
     assert _read_decision(keys, 1)["epoch"] == 1     # a plain decision of the job: it is not sealed
-    Epochs._refuse(None, keys, "evil#1", "its model differs")
+    Epochs._refuse(None, keys, "evil#00000001", "its model differs")
     server.set(root + "e2/decision", looks_sealed)
     assert _read_decision(keys.clone(), 2) is None
     # The plain decision may be a store writer's too: the worker says what else it can be.
@@ -225,10 +225,10 @@ def test_a_counter_past_a_long_run_of_missing_records_is_not_taken(job, server):
         keys.set(f"join/{i}", _Joiner(keys, f"m{i}#a")._request())
     decide(keys, 1, 2)
     server.set(root + "joins", b"202")
-    server.set(root + "join/201", b'{"who": "ghost#1", "holds": false, "round": 0}')
-    joiner = _Joiner(keys, "w2#b")
+    server.set(root + "join/201", b'{"who": "ghost#00000001", "holds": false, "round": 0}')
+    joiner = _Joiner(keys, "w2#0000000b")
     assert joiner._register() == 2
-    assert "w2#b" in members_read(keys, 2)
+    assert "w2#0000000b" in members_read(keys, 2)
 
 
 def test_a_joiner_starts_at_a_decision_whatever_latest_says(job, server):
@@ -283,12 +283,12 @@ def test_a_joiner_finds_the_era_whatever_the_era_key_says(job, server, attack):
         server.set(root + "era", old)
     assert _EraReader(keys)._era() == 2
     # An era whose first worker has asked to join, with no decision yet, has begun too.
-    keys.under("era3").set("join/0", _Joiner(keys, "w3#c")._request())
+    keys.under("era3").set("join/0", _Joiner(keys, "w3#0000000c")._request())
     server.set(root + "era", old)
     assert _EraReader(keys)._era() == 3
     # A record there that does not open, or is not JSON, is no sign of a later era (without the
     # secret, well-formed plain records there would be: a store writer may steer a plain run).
-    server.set(root + "era4/join/0", b'{"who": "evil#1"}' + bytes(32))
+    server.set(root + "era4/join/0", b'{"who": "evil#00000001"}' + bytes(32))
     server.set(root + "era4/e1/decision", b"not a decision")
     assert _EraReader(keys)._era() == 3
 
@@ -301,7 +301,7 @@ def test_a_workers_heartbeat_puts_a_set_back_era_key_back(job, server):
     assert keys.first("era", 1) == 1
     old = server.get(root + "era")
     keys.at_least("era", 2, sealed=True)
-    pulse = Pulse(keys.clone(), "w0#a", 0.02)
+    pulse = Pulse(keys.clone(), "w0#0000000a", 0.02)
     try:
         pulse.hold("era", 2)
         for attack in ("delete", "old", "garbage"):
@@ -324,7 +324,7 @@ class _Restarter(Epochs):
     def __init__(self, job_keys: Keys, timeout: float = 0.6, heartbeat: float = 0.05) -> None:
         self._job_keys, self._checkpoint, self._round, self.job = job_keys, True, 7, "test"
         self._timeout, self._heartbeat, self._verbose = timeout, heartbeat, False
-        self._pulse = Pulse(job_keys.clone(), "r#1", heartbeat)
+        self._pulse = Pulse(job_keys.clone(), "r#00000001", heartbeat)
 
     def era(self) -> int:
         try:
@@ -347,13 +347,13 @@ def test_a_restarted_worker_judges_the_era_by_its_newest_decision_past_a_gap(job
     keys, root = job
     assert keys.first("era", 1) == 1
     era1 = keys.under("era1")
-    _decide_era(era1, 1, ["old#1"])
+    _decide_era(era1, 1, ["old#00000001"])
     era1.set("latest", 1)
     old_latest = server.get(root + "era1/latest")
-    _decide_era(era1, 2, ["old#1", "m#1"])
-    _decide_era(era1, 3, ["m#1"])
+    _decide_era(era1, 2, ["old#00000001", "m#00000001"])
+    _decide_era(era1, 3, ["m#00000001"])
     era1.set("latest", 3)
-    member = Pulse(keys.clone(), "m#1", 0.05)          # alive; it publishes no reachable address
+    member = Pulse(keys.clone(), "m#00000001", 0.05)          # alive; it publishes no reachable address
     member.member_of(1)
     try:
         server.set(root + "era1/latest", old_latest)
@@ -373,20 +373,20 @@ def test_replayed_heartbeats_neither_fork_the_era_nor_hold_a_restarted_worker(jo
     keys, root = job
     assert keys.first("era", 1) == 1
     era1 = keys.under("era1")
-    _decide_era(era1, 1, ["m#1"])
+    _decide_era(era1, 1, ["m#00000001"])
     era1.set("latest", 1)
     recorded = []
     for beat in range(1, 200):
-        keys.set("hb/m#1", beat)
-        recorded.append(server.get(root + "hb/m#1"))
-    server.set(root + "hb/m#1", recorded[0])
+        keys.set("hb/m#00000001", beat)
+        recorded.append(server.get(root + "hb/m#00000001"))
+    server.set(root + "hb/m#00000001", recorded[0])
     stop = threading.Event()
 
     def replay() -> None:
         for value in recorded[1:]:
             if stop.wait(0.05):
                 return
-            server.set(root + "hb/m#1", value)
+            server.set(root + "hb/m#00000001", value)
 
     rogue = threading.Thread(target=replay, daemon=True)
     rogue.start()
@@ -407,9 +407,9 @@ def test_a_live_member_no_decision_found_names_still_keeps_its_era(job, server):
     keys, root = job
     assert keys.first("era", 1) == 1
     era1 = keys.under("era1")
-    _decide_era(era1, 1, ["old#1"])
-    _decide_era(era1, 71, ["m#1"])
-    member = Pulse(keys.clone(), "m#1", 0.05)
+    _decide_era(era1, 1, ["old#00000001"])
+    _decide_era(era1, 71, ["m#00000001"])
+    member = Pulse(keys.clone(), "m#00000001", 0.05)
     member.member_of(1)
     try:
         assert _Restarter(keys).era() == 1
@@ -422,7 +422,7 @@ def test_a_member_keeps_its_era_marked_begun_and_echoes_probes(job, server):
     an era that has it: a store writer who deletes the era's decisions and `latest` must not
     make a joiner start it again), and copies a fresh `probe` into it."""
     keys, root = job
-    member = Pulse(keys.clone(), "m#1", 0.02)
+    member = Pulse(keys.clone(), "m#00000001", 0.02)
     try:
         member.member_of(3)
 
@@ -469,7 +469,7 @@ class _WaitingJoiner(Epochs):
             return 0.0
 
     def __init__(self, keys: Keys, looks: int) -> None:
-        self._keys, self._me, self._gaps, self._timeout, self._heartbeat = keys, "j#1", {}, 1.0, 0.01
+        self._keys, self._me, self._gaps, self._timeout, self._heartbeat = keys, "j#00000001", {}, 1.0, 0.01
         self._dropped_at, self.job, self._era_number = 0, "test", 1
         self._pulse, self.bootstrapped = self._Heart(looks), False
 

@@ -63,9 +63,9 @@ def assert_state_counted(run: Run, w: str, rounds: int) -> None:
     keeps the global parameters, the round's start point and one pseudo-gradient, 12 bytes a
     parameter (`state_bytes`: every storage reachable from the object), through every generation:
     the run keeps no second copy of the generation's state. After the last round: the global
-    parameters and their flat copy."""
+    parameters alone (a flat copy of them stayed there until 12-05, never read)."""
     seen = {r["round"]: r["state_bytes"] for r in run.records(w) if "round" in r}
-    assert seen == {r: 12 * 8 if r < rounds else 8 * 8 for r in range(1, rounds + 1)}, (w, seen)
+    assert seen == {r: 12 * 8 if r < rounds else 4 * 8 for r in range(1, rounds + 1)}, (w, seen)
 
 
 def contributed_after_rejoining(run: Run, victim: str, worker: str, after: int) -> bool:

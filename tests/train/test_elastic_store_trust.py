@@ -214,9 +214,9 @@ class Rogue(threading.Thread):
             time.sleep(0.05)
 
 
-def rogue_run(run, attacks: set[str], secret: bool, *mode: str) -> tuple[Rogue, dict]:
+def rogue_run(run, attacks: set[str], secret: bool) -> tuple[Rogue, dict]:
     env = {"HETCOMM_SECRET": SECRET} if secret else {}
-    common = ["--rounds", "6", "--steps", "4", "--step-seconds", "0.1", "--min-workers", "3", *mode]
+    common = ["--rounds", "6", "--steps", "4", "--step-seconds", "0.1", "--min-workers", "3"]
     for w in ("w0", "w1", "w2"):
         run.start(w, *common, env=env)
     rogue = Rogue(run.port, run.job, attacks)

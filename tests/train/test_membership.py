@@ -46,8 +46,8 @@ def cluster(request):
     def keys() -> Keys:
         return Keys(dist.TCPStore("127.0.0.1", server.port, is_master=False), address, "t/", seal=request.param)
 
-    def pulse(me: str) -> Pulse:
-        pulses.append(Pulse(keys(), me, INTERVAL))
+    def pulse(me: str, memory=None) -> Pulse:
+        pulses.append(Pulse(keys(), me, INTERVAL, memory=memory))
         return pulses[-1]
 
     yield pulse, keys()
@@ -187,6 +187,45 @@ def test_a_heartbeat_put_back_to_an_older_value_is_not_a_beat(cluster):
     assert not a.confirmed("f#1")
     keys.set_bytes("hb/f#1", b"6")
     until(lambda: a.confirmed("f#1"))
+
+
+def test_a_dead_workers_old_heartbeats_replayed_to_a_new_watch_do_not_confirm_it(cluster):
+    """A watch ends at each epoch for the workers that are not members (`keep`) and starts afresh
+    when they are read again; a worker's next incarnation starts a new `Pulse`. A store writer who
+    then puts back two of a dead joiner's old authentic values in order made the second read as a
+    beat: confirmed, so an epoch admitted it (before). The highest value seen, and a verified
+    connection that closed, outlive the watch and pass to the next incarnation."""
+    pulse, keys = cluster
+    a = pulse("a#1")
+    keys.set_bytes("addr/f#1", b'""')            # no address: the heartbeat alone decides
+    keys.set_bytes("hb/f#1", b"5")
+    a.watch(["f#1"])
+    beats(keys, "a#1")
+    keys.set_bytes("hb/f#1", b"6")
+    until(lambda: a.confirmed("f#1"))            # alive once: its counter moved to 6
+    a.keep([])                                   # (an epoch it is not a member of)
+    keys.set_bytes("hb/f#1", b"5")               # dead since; a store writer replays 5, then 6
+    later = pulse("a#2", memory=a.memory())      # (and a's next incarnation)
+    for p in (a, later):
+        p.watch(["f#1"])
+    beats(keys, "a#2")
+    keys.set_bytes("hb/f#1", b"6")
+    beats(keys, "a#1", 2)
+    beats(keys, "a#2", 2)
+    assert not a.confirmed("f#1") and not later.confirmed("f#1")
+    keys.set_bytes("hb/f#1", b"7")               # a beat it never wrote before: a beat
+    until(lambda: a.confirmed("f#1") and later.confirmed("f#1"))
+    b = pulse("b#1")                             # a verified connection that closes: dead for good
+    a.watch(["b#1"])
+    until(lambda: a.linked("b#1"))
+    b.stop()
+    until(lambda: math.isinf(a.silent("b#1")))
+    a.keep([])
+    a.watch(["b#1"])
+    assert math.isinf(a.silent("b#1")) and not a.confirmed("b#1")
+    third = pulse("a#3", memory=a.memory())
+    third.watch(["b#1"])
+    assert math.isinf(third.silent("b#1"))
 
 
 def freeze(p: Pulse) -> threading.Event:

@@ -4,8 +4,8 @@
   `Partitioner`), `data` (`HeteroBatchSampler`), `adaptive` (`AdaptiveDataParallel`);
 * DiLoCo: `local_steps` (fixed, by speed, by time), `workers` (workers of several ranks),
   `diloco` (`DiLoCo`, with `hetcomm.compress` for the outer synchronisation);
-* fault-tolerant DiLoCo: `membership`, `elastic` (`ElasticDiLoCo`, and `Elastic`: DiLoCo in
-  generations, ``DiLoCo(membership=Elastic(...))``); `flat`: parameters as one flat vector, for both.
+* fault-tolerant DiLoCo: `membership`, `elastic` (``DiLoCo(membership=Elastic(...))``: DiLoCo in
+  generations; `ElasticDiLoCo`, a constructor of it); `flat`: parameters as one flat vector.
 
 The public names are at the top level (`hetcomm.DiLoCo`), and ``hetcomm.hooks is
 hetcomm.train.hooks`` (see ``hetcomm/__init__.py``). Dependencies go one way: data -> partition;

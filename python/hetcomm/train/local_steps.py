@@ -322,11 +322,12 @@ class TimeSteps(LocalStepPolicy):
 
 def make_policy(policy: str | LocalStepPolicy, steps: int, *, round_seconds: float | None = None,
                 threshold: float = 0.01) -> LocalStepPolicy:
-    if isinstance(policy, LocalStepPolicy):
-        return policy
     if round_seconds is not None and policy != "time":
         raise ValueError(f"{_PREFIX}: round_seconds is an option of local_steps='time' (rounds of that many seconds "
-                         f"on every worker), not of {policy!r}")
+                         f"on every worker), not of {policy!r}" + (" (give a policy object its own)" if isinstance(
+                             policy, LocalStepPolicy) else ""))
+    if isinstance(policy, LocalStepPolicy):
+        return policy
     if policy == "fixed":
         return FixedSteps(steps)
     if policy == "speed":

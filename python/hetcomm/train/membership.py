@@ -4,9 +4,10 @@ The store (`hetcomm.store`, a TCPStore served outside the workers) is the only t
 share besides their process group, and the only place where they agree on membership: keys under
 ``hetcomm/ft/<job>/`` for the era, each incarnation's heartbeat and liveness address, join
 requests, arrivals, the decision and outcome of each epoch (written once with compare_set: the
-first writer wins), and the state offered to joiners, through `Keys`. A worker's heartbeat and
-the liveness connections that tell a death at once are `hetcomm.train.pulse.Pulse`. ``who`` is an incarnation, ``<worker_id>#<nonce>``, so a restarted
-worker's heartbeat cannot keep its dead predecessor looking alive.
+first writer wins), through `Keys`. A worker's heartbeat and the liveness connections that tell
+a death at once are `hetcomm.train.pulse.Pulse`. ``who`` is an incarnation,
+``<worker_id>#<nonce>``, so a restarted worker's heartbeat cannot keep its dead predecessor
+looking alive.
 
 Every key: docs/elastic.md#store-keys.
 """
@@ -215,9 +216,6 @@ class Keys:
             raise Forged(f"{_PREFIX}: the store value {self.root + key} is gone, or does not open with the "
                          "out-of-band secret (someone without it replaced it)")
         return value
-
-    def delete(self, key: str) -> None:
-        self._call(f"delete {key}", self.store.delete_key, self.root + key)
 
     def add(self, key: str, n: int) -> int:
         """A decimal counter in the store, added to with compare_set; the value after. A value

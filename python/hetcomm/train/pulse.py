@@ -60,9 +60,18 @@ class Pulse:
     GREETING = 5.0         # seconds a connection may take to be established and greeted
     WATCHERS = 512         # connections of watchers kept at most (a flood beyond is refused)
 
-    def __init__(self, keys: Keys, me: str, interval: float) -> None:
+    MEMORY = 4096          # incarnations whose highest heartbeat and death are remembered
+
+    def __init__(self, keys: Keys, me: str, interval: float, memory: tuple[dict, dict] | None = None) -> None:
         self._keys, self._me, self._interval = keys, me, interval
         self._lock = threading.Lock()
+        # What outlives a watch (`keep` ends it; a worker's next incarnation takes it over:
+        # `memory`): each incarnation's highest heartbeat seen, and those whose verified connection
+        # closed. A store writer who replays old sealed values to a fresh watch must not make a
+        # dead worker look alive (from its highest value on, only a higher one is a beat).
+        highest, gone = memory or ({}, {})
+        self._highest: dict[str, int] = dict(highest)
+        self._gone: dict[str, int] = dict(gone)            # (a dict: the oldest is forgotten first)
         # Shared with the training thread (under the lock):
         self._watch: dict[str, tuple[int, float]] = {}     # who -> (last value, when it changed)
         self._dead: set[str] = set()                       # their verified connection closed
@@ -163,6 +172,7 @@ class Pulse:
                     if entry[0] != -1:
                         self._confirmed.add(name)         # it moved while we watched
                     self._watch[name] = (value, now)
+                    self._remember(self._highest, name, value)
             self._read_at = now
         if not slow:                               # (a read that took that long: everyone would look silent)
             self._sound_alarm()
@@ -359,6 +369,7 @@ class Pulse:
         with self._lock:
             if name in self._watch:
                 self._dead.add(name)
+                self._remember(self._gone, name, 1)
 
     def _greeting(self, name: str, challenge: bytes) -> bytes:
         """What worker ``name`` greets a watcher with: its name, and with a secret the seal of the
@@ -405,7 +416,22 @@ class Pulse:
         with self._lock:
             for name in names:
                 if name != self._me and name not in self._watch:
-                    self._watch[name] = (-1, now)
+                    self._watch[name] = (self._highest.get(name, -1), now)
+                    if name in self._gone:
+                        self._dead.add(name)
+
+    def memory(self) -> tuple[dict, dict]:
+        """What this worker's next incarnation's `Pulse` takes over (``memory=``)."""
+        with self._lock:
+            return dict(self._highest), dict(self._gone)
+
+    @classmethod
+    def _remember(cls, memory: dict[str, int], name: str, value: int) -> None:
+        """Keeps ``name`` at ``value`` at least (re-inserted: the newest), the oldest forgotten
+        beyond MEMORY."""
+        memory[name] = max(value, memory.pop(name, value))
+        while len(memory) > cls.MEMORY:
+            memory.pop(next(iter(memory)))
 
     def member_of(self, era: int) -> None:
         """From now on, answer probes as a member of ``era`` (`_beat`); 0: of none."""

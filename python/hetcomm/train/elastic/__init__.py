@@ -25,10 +25,9 @@ admission, the training loop's side), `epochs` (admission and each epoch), `eras
 `generation` (the members' group, the state transfer and the epoch's table), `options`,
 `common`.
 """
-from hetcomm.train.elastic.loop import ElasticBase
 from hetcomm.train.elastic.options import Elastic
 from hetcomm.train.elastic.run import ElasticRun
 from hetcomm.train.elastic.thin import ElasticDiLoCo
 from hetcomm.train.membership import StoreUnreachable
 
-__all__ = ["Elastic", "ElasticBase", "ElasticDiLoCo", "ElasticRun", "StoreUnreachable"]
+__all__ = ["Elastic", "ElasticDiLoCo", "ElasticRun", "StoreUnreachable"]

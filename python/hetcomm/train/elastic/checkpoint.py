@@ -119,14 +119,14 @@ def _generation_start(run, inner, why: str) -> dict:
 
 
 def load(run, state: dict) -> None:
-    """`ElasticRun.load_state_dict`: before `join`. The worker then offers this state when the
-    job's era starts (the workers with the latest round's checkpoint hold the run's state); its
+    """`ElasticRun.load_state_dict`: before `join`. The worker then brings this state to the
+    job's era when it starts (the workers with the latest round's checkpoint hold the run's state); its
     replica starts from the checkpoint's global parameters (the model's buffers as saved)."""
     if run._joined:
         raise RuntimeError(f"{_PREFIX}: load_state_dict() after join(): load the checkpoint first")
     if not isinstance(state, dict) or state.get("kind") != KIND:
-        what = (state.get("kind", "no kind: a DiLoCo checkpoint, or one of ElasticDiLoCo before it ran in generations") if isinstance(state, dict)
-                else type(state).__name__)
+        what = (state.get("kind", "no kind: a DiLoCo checkpoint, or one of ElasticDiLoCo before it ran in "
+                                  "generations") if isinstance(state, dict) else type(state).__name__)
         raise ValueError(f"{_PREFIX}: this is not a checkpoint of DiLoCo in generations ({what}); each checkpoint "
                          "resumes a run of the class that saved it")
     if "share" in state or getattr(run, "_sharded", False):
@@ -137,4 +137,4 @@ def load(run, state: dict) -> None:
     run._applied_total = int(state["applied"])
     run._step_times = {str(k): tuple(v) for k, v in state["step_times"].items()}
     run._policy_state = copy.deepcopy(state["policy"])
-    run._carried = (run._round, run._applied_total, True)    # what it offers when the era starts
+    run._carried = (run._round, run._applied_total, True)    # what it brings when the era starts

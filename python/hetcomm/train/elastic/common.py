@@ -3,6 +3,7 @@ column to at each epoch, the protocol's constants, the fingerprint of the global
 the store's polling."""
 from __future__ import annotations
 
+import re
 import time
 
 from hetcomm.train.flat import fingerprint
@@ -12,7 +13,7 @@ from hetcomm.train.membership import SecretMismatch
 _PREFIX = "hetcomm ElasticDiLoCo"
 # Rows of the table every member contributes a column to at each epoch.
 _PRINT, _HOLDS, _MAX_ROUNDS, _MAX_SAMPLES, _CONFIG, _ROWS = range(6)
-_MAX_ABORTS = 4               # attempts of one round in a row with the same members before giving up
+_MAX_ABORTS = 4               # failed epochs (generations) in a row before giving up
 _TIMELINE = 100_000           # timeline entries kept (the latest)
 _POLL = (0.005, 0.1)          # the store is polled from every 5 ms, backing off to 100 ms
 
@@ -45,13 +46,25 @@ def _from_json(obj):
     return obj
 
 
-def _decision_ok(d) -> bool:
-    """Whether a decision read from the store has the fields and types the protocol uses (one
-    that does not, a store writer's without an out-of-band secret, is treated as absent)."""
-    return (isinstance(d, dict) and all(isinstance(d.get(k), int) for k in ("epoch", "gen", "round", "admitted_upto"))
-            and all(isinstance(d.get(k), list) and all(isinstance(m, str) for m in d[k])
+# `<worker_id>#<nonce>`: an incarnation's name (a join request naming anything else is not read: a
+# store writer's name of megabytes would be a key the store refuses, closing the reader's client)
+INCARNATION = re.compile(r"[^#]{1,256}#[0-9a-f]{8}")
+
+
+def _decision_ok(d, epoch: int | None = None) -> bool:
+    """Whether a decision read from the store (for ``epoch``) is one the protocol could have
+    written: the fields and types it uses, incarnation names, members without duplicates,
+    holders and joiners among them (one that is not, a store writer's without an out-of-band
+    secret, is treated as absent)."""
+    if not (isinstance(d, dict) and all(isinstance(d.get(k), int) and not isinstance(d.get(k), bool)
+                                        and d[k] >= 0 for k in ("epoch", "gen", "round", "admitted_upto"))
+            and all(isinstance(d.get(k), list) and all(isinstance(m, str) and INCARNATION.fullmatch(m) for m in d[k])
                     for k in ("members", "holders", "joined"))
-            and isinstance(d.get("left"), dict) and isinstance(d.get("refused", {}), dict))
+            and isinstance(d.get("left"), dict) and isinstance(d.get("refused", {}), dict)):
+        return False
+    members = set(d["members"])
+    return (len(members) == len(d["members"]) and members >= set(d["holders"]) and members >= set(d["joined"])
+            and (epoch is None or d["epoch"] == epoch))
 
 
 def _read_decision(keys, epoch: int) -> dict | None:
@@ -62,7 +75,7 @@ def _read_decision(keys, epoch: int) -> dict | None:
         raise
     except ValueError:
         return None
-    if not _decision_ok(d):
+    if not _decision_ok(d, epoch):
         return None
     if not keys.sealed:
         keys.saw_plain_record()          # (the job is not sealed: `SecretMismatch`)

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 from hetcomm import hosts as _hosts
 from hetcomm.train.elastic.common import (_PREFIX, _MAX_ABORTS, _Poll, _decision_ok, _next_decided, _read_decision,
-                                          _read_ended, _start_epoch)
+                                          _read_ended, _read_int, _start_epoch)
 from hetcomm.train.elastic.eras import Eras
 from hetcomm.train.elastic.joins import JoinRecords
 from hetcomm.train.membership import Keys, SecretMismatch, StoreUnreachable
@@ -22,7 +22,7 @@ def _checked_decision(keys: Keys, epoch: int, proposal: dict) -> dict:
     """The epoch's decision: ours if we are the first to write one, else the one there. One
     that is malformed (a store writer's, without an out-of-band secret) raises, naming the key."""
     decision = keys.first(f"e{epoch}/decision", proposal)
-    if not _decision_ok(decision):
+    if not _decision_ok(decision, epoch):
         raise ValueError(f"{_PREFIX}: the store value {keys.root}e{epoch}/decision is not a decision (someone "
                          "else wrote it; HETCOMM_SECRET seals the run's records)")
     return decision
@@ -48,7 +48,7 @@ class _Rewrite:
             self.last = time.monotonic()
 
 class Epochs(JoinRecords, Eras):
-    """Admission and the epochs of a round's synchronisation."""
+    """Admission and the epochs between generations."""
 
     # ---- membership --------------------------------------------------------------------------
 
@@ -57,13 +57,14 @@ class Epochs(JoinRecords, Eras):
         one dead, and must not mistake it for a member."""
         self._pulse.stop()
         self._me = f"{self.worker_id}#{uuid.uuid4().hex[:8]}"
-        self._pulse = Pulse(self._job_keys.clone(), self._me, self._heartbeat)
+        self._pulse = Pulse(self._job_keys.clone(), self._me, self._heartbeat, memory=self._pulse.memory())
         self._pulse.hold("era", self._era_number)
 
     def _admit(self, resume: tuple[int, int] | None = None) -> None:
         """Asks to join (or, with ``resume``, goes on waiting on the request it made: its join
         index and the next epoch to read) and waits for a decision that admits this worker; then
-        takes part in epochs until one commits (this worker then holds the global state). Asks again in a later era when its era's members are all gone and a later era began."""
+        takes part in epochs until one commits (this worker then holds the global state). Asks
+        again in a later era when its era's members are all gone and a later era began."""
         while self._admit_in_era(resume):
             resume = None
 
@@ -157,8 +158,9 @@ class Epochs(JoinRecords, Eras):
                          f"{hashlib.sha256(shapes.encode()).hexdigest()[:12]}",
                 "outer optimizer": type(self.outer_optimizer).__name__, "weighting": self.weighting,
                 "compression": self._codec_name, "backend": self._backend,
-                # how the state travels to a joiner (generation._transfer): raw bytes per dtype
-                "state transfer": 2,
+                # how the state travels to a joiner (generation._transfer): raw bytes per dtype; the
+                # rows of the epoch's table (2: since the epochs of DiLoCo in generations only)
+                "state transfer": 2, "epoch table": 2,
                 "settings": _hosts.environment_settings() if "hetcomm" in str(self._backend) else {}}
 
     @staticmethod
@@ -169,15 +171,20 @@ class Epochs(JoinRecords, Eras):
                 not isinstance(theirs["settings"], dict):
             return "its join request does not describe its configuration (another version of hetcomm?)"
         if set(theirs) - set(ours):
-            return (f"its join request describes settings this run does not have ({sorted(set(theirs) - set(ours))}): "
-                    "another version of hetcomm?")
-        problems = [f"its {k} is {theirs[k]!r}, the run's {ours[k]!r}" for k in ours
+            extra = [str(k)[:64] for k in sorted(set(theirs) - set(ours))[:8]]
+            return f"its join request describes settings this run does not have ({extra}): another version of hetcomm?"
+        def short(value) -> str:         # (a join request is a store writer's to forge: bounded)
+            text = repr(value)
+            return text if len(text) <= 200 else text[:200] + "..."
+        problems = [f"its {k} is {short(theirs[k])}, the run's {short(ours[k])}" for k in ours
                     if k != "settings" and theirs[k] != ours[k]]
-        for name in sorted(set(ours["settings"]) | set(theirs["settings"])):
+        for name in sorted(set(ours["settings"]) | set(theirs["settings"]))[:64]:
             value, other = ours["settings"].get(name, ""), theirs["settings"].get(name, "")
             if other != value:
-                problems.append(f"it was started with {name}={other!r}, the run's workers with {name}={value!r}")
-        return "; ".join(problems) or None
+                problems.append(f"it was started with {str(name)[:64]}={short(other)}, the run's workers with "
+                                f"{str(name)[:64]}={short(value)}")
+        why = "; ".join(problems)
+        return (why if len(why) <= 2000 else why[:2000] + "...") or None
 
     def _refuse(self, keys: Keys, who: str, why: str) -> None:
         """Tells a joiner at once that it is refused (it also reads it in the next decision)."""
@@ -237,7 +244,8 @@ class Epochs(JoinRecords, Eras):
         holders = [r["who"] for r in regs if r["holds"] and r["round"] == latest] or members[:1]
         decision = _checked_decision(keys, 1, {"epoch": 1, "gen": 1, "round": latest or 0, "members": members,
                                               "holders": holders, "left": {}, "joined": members,
-                                              "refused": refused, "admitted_upto": count, "fresh": latest is None})
+                                              "refused": dict(list(refused.items())[:64]), "admitted_upto": count,
+                                              "fresh": latest is None})
         for who, why in decision.get("refused", {}).items():
             self._refuse(keys, who, why)
         self._set_latest(keys, 1)
@@ -248,7 +256,7 @@ class Epochs(JoinRecords, Eras):
         keys, prev = self._keys, self._decision
         members = prev["members"]
         arrivals: dict[str, dict] = {}
-        poll, last_missing, since = _Poll(), None, time.perf_counter()
+        poll, progress, since, ever_out = _Poll(), -1, time.perf_counter(), set()
         rewrite = _Rewrite(keys, f"e{epoch}/arrive/{self._me}", arrival, self._heartbeat)
         while True:
             self._pulse.check()
@@ -272,10 +280,14 @@ class Epochs(JoinRecords, Eras):
                 elif self._pulse.quiet(m, self._timeout):     # (its link's answers outweigh the store)
                     out[m] = self._why_gone(m)
             missing = [m for m in members if m not in arrivals and m not in out]
-            if missing != last_missing:
-                last_missing, since = missing, time.perf_counter()
+            # `late_timeout` counts from the last progress: an arrival, or a member out for the
+            # first time (not any change: a store writer toggling a forged `leave/` record must
+            # not hold the epoch forever)
+            ever_out.update(out)
+            if len(arrivals) + len(ever_out) != progress:
+                progress, since = len(arrivals) + len(ever_out), time.perf_counter()
             if missing and time.perf_counter() - since > self._late_timeout:
-                out.update({m: f"not at the synchronisation {self._late_timeout:.0f} s after the others"
+                out.update({m: f"not at the epoch {self._late_timeout:.0f} s after the others"
                             for m in missing})
                 missing = []
             if not missing:
@@ -304,9 +316,32 @@ class Epochs(JoinRecords, Eras):
         decision = {"epoch": epoch, "gen": prev["gen"] + (1 if changed else 0), "round": rnd,
                     "members": new_members, "holders": holders,
                     "left": out, "joined": joiners, "refused": refused, "admitted_upto": upto, "fresh": fresh}
+        if self._decided_before(keys, epoch):
+            # The epoch was decided (`latest` is past it, or it has an outcome) and its decision
+            # is gone: a store writer deleted it, perhaps with this worker's arrival or others'.
+            # Deciding it again could fork the run (two sets of members, each in a generation of
+            # its own): this worker counts itself left out, and joins again.
+            again = _read_decision(keys, epoch)
+            return again if again is not None else {
+                **decision, "members": [], "holders": [],
+                "left": {self._me: f"epoch {epoch} was decided without it (its decision is gone from the store)"}}
         decision = _checked_decision(keys, epoch, decision)
         self._set_latest(keys, epoch)
         return decision
+
+    @staticmethod
+    def _decided_before(keys: Keys, epoch: int) -> bool:
+        """Whether epoch ``epoch`` has been decided: ``latest`` (written after a decision, and
+        kept by its members' heartbeats) is at or past it, or it has an outcome."""
+        latest = _read_int(keys, "latest")
+        if latest is not None and latest >= epoch:
+            return True
+        try:
+            return keys.peek(f"e{epoch}/outcome") is not None
+        except SecretMismatch:
+            raise
+        except ValueError:
+            return False
 
     def _set_latest(self, keys: Keys, epoch: int) -> None:
         """Writes ``latest``, and keeps it there (every heartbeat puts it back: a store writer who
@@ -343,7 +378,8 @@ class Epochs(JoinRecords, Eras):
             why = self._refusal(r.get("config"), ours)
             if why:
                 self._refuse(keys, who, why)
-                refused[who] = why
+                if len(refused) < 64:              # (the decision carries them: bounded)
+                    refused[who] = why
             elif self._pulse.confirmed(who):
                 joiners.append(who)
             elif self._pulse.silent(who) <= self._timeout:
@@ -387,14 +423,14 @@ class Epochs(JoinRecords, Eras):
         if not decision["holders"]:
             raise RuntimeError(f"{_PREFIX}: round {decision['round']}: no member of epoch {decision['epoch']} "
                                "holds the run's state (every worker that did is gone): restart from checkpoints")
-        table, failure = None, None
+        failure = None
         try:
             if decision["gen"] != self._gen:
                 self._form_group(decision)
                 self._phases.mark("group")
             if set(decision["holders"]) != set(decision["members"]):
                 self._transfer(decision)
-            table = self._reduce(decision, column)
+            self._check_table(decision, column)
         except StoreUnreachable:
             raise
         except ValueError:
@@ -410,19 +446,19 @@ class Epochs(JoinRecords, Eras):
         if outcome != "commit":
             self._event({"round": decision["round"], "epoch": decision["epoch"], "generation": decision["gen"],
                          "aborted": outcome.removeprefix("abort: ")},
-                        f"round {decision['round']}: synchronisation failed ({outcome.removeprefix('abort: ')}); "
+                        f"round {decision['round']}: epoch {decision['epoch']} failed ({outcome.removeprefix('abort: ')}); "
                         "nothing applied, it is redone")
             self._destroy_group()
             members = tuple(decision["members"])
             self._aborts = (self._aborts if self._aborts and self._aborts[-1] == members else []) + [members]
             if len(self._aborts) >= _MAX_ABORTS:
-                raise RuntimeError(f"{_PREFIX}: round {decision['round']}: the synchronisation failed {len(self._aborts)} "
+                raise RuntimeError(f"{_PREFIX}: round {decision['round']}: the epoch failed {len(self._aborts)} "
                                    f"times in a row with the same members ({self._names(decision['members'])}); the "
                                    f"last: {outcome.removeprefix('abort: ')}")
             return False
         self._aborts = []
         begin = time.perf_counter()
-        self._apply(decision, table)
+        self._apply(decision)
         self._count("sync", begin)
         return True
 
@@ -430,7 +466,12 @@ class Epochs(JoinRecords, Eras):
         """Two-phase end of an epoch: ``commit`` once every member is done, else ``abort: why``."""
         keys, epoch, members = self._keys, decision["epoch"], decision["members"]
         if failure is not None:
-            _first_outcome(keys, epoch, f"abort: {self.worker_id}: {failure}")
+            outcome = _first_outcome(keys, epoch, f"abort: {self.worker_id}: {failure}")
+            if outcome == "commit":
+                # (the others committed without this worker's part: a store writer deleted records
+                # they had read; it must not start a generation it has no group for)
+                return f"abort: {self.worker_id}: {failure} (in an epoch the others committed)"
+            return outcome
         poll, deadline, done = _Poll(), time.monotonic() + self._collective_timeout, set()
         # a sealed record each, not a counter (see Keys); written again now and then: a store
         # writer may delete it
@@ -454,7 +495,7 @@ class Epochs(JoinRecords, Eras):
             gone = [m for m in members if self._pulse.quiet(m, self._timeout)]
             if gone:
                 return _first_outcome(keys, epoch, "abort: " + "; ".join(
-                    f"{self._names([m])} gone during the synchronisation ({self._why_gone(m)})" for m in gone))
+                    f"{self._names([m])} gone during the epoch ({self._why_gone(m)})" for m in gone))
             poll()
 
     @staticmethod

@@ -162,7 +162,6 @@ class Generation:
         self._round, self._samples_total = meta["round"], meta["samples_total"]
         own = [e for e in self._events if e.get("worker") == self.worker_id and e not in meta["membership"]]
         self._history, self._events = list(meta["history"]), list(meta["membership"]) + own
-        self._start = self._flatten_global()
         self._load_global()
 
     def _check_meta(self, meta) -> None:
@@ -232,7 +231,7 @@ class Generation:
             return type(obj)(cls._fill(v, pieces) for v in obj)
         return obj
 
-    def _reduce(self, decision: dict, column: list[float]) -> list[list[float]]:
+    def _check_table(self, decision: dict, column: list[float]) -> None:
         """The epoch's table, every member's column, and what it checks: the holders' global
         parameters are equal (fingerprints), and so are their budgets and configurations."""
         col = list(column)
@@ -253,7 +252,6 @@ class Generation:
                              "a bug, please report it -- or a store writer deleted a decision or an outcome "
                              "that some members had read (docs/security.md)")
         self._leave_out_offenders(decision, table)
-        return table
 
     def _epoch_print(self) -> float:
         """What the epoch compares over the members that hold the run's state."""
@@ -291,10 +289,9 @@ class Generation:
             self._log(f"the run's budgets are {run} (0 = none), not this worker's {self._budgets}: taking the run's")
             self._budgets = run
 
-    def _apply(self, decision: dict, table: list[list[float]]) -> None:
+    def _apply(self, decision: dict) -> None:
         """The epoch committed: this worker holds the run's state at the decision's round."""
         self._load_global()
-        self._start = self._flatten_global()
         self._holds = True
         self._round = decision["round"]
 

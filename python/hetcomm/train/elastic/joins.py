@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import time
 
-from hetcomm.train.elastic.common import _MAX_SKIPPED, _PREFIX, _read_decision, _read_int
+from hetcomm.train.elastic.common import _MAX_SKIPPED, _PREFIX, INCARNATION, _read_decision, _read_int
 from hetcomm.train.membership import Keys, SecretMismatch
 
 _MAX_UNCOUNTED = 4096       # join records read past the counter (a store writer may set it back)
@@ -25,7 +25,8 @@ class JoinRecords:
         A request whose index was taken but whose record never appeared (its worker died in
         between) is skipped once it has been missing for ``timeout`` seconds (at once without
         ``wait``); the missing records of a run are timed from when the scan first met the run,
-        together. A record that is not a request (a store writer's) is skipped; a join counter
+        together. A record that is not a request (a store writer's; one whose ``who`` is not an
+        incarnation's name) is skipped; a join counter
         that is not one reads as no new request."""
         # The counter only hands out indices; the records are what counts. A counter a store
         # writer replaced (garbage, or a smaller number) must not hide them: read on past it
@@ -57,7 +58,8 @@ class JoinRecords:
             else:
                 self._gaps.pop(i, None)              # (a record deleted later is timed afresh)
                 if isinstance(record, dict) and isinstance(record.get("who"), str) \
-                        and isinstance(record.get("holds"), bool) and isinstance(record.get("round"), int) \
+                        and INCARNATION.fullmatch(record["who"]) and isinstance(record.get("holds"), bool) \
+                        and isinstance(record.get("round"), int) \
                         and record["who"] not in seen:   # (a copy of a request under another index: once)
                     seen.add(record["who"])
                     regs.append((i, record))

@@ -86,8 +86,9 @@ class ElasticBase(Epochs, Generation, _flat.FlatParameters):
         self._backend, self._verbose, self.job = backend, verbose, job
         self._phases = Phases()               # (what a change of generation costs: `run`)
         self.worker_id = worker_id or os.environ.get("HETCOMM_WORKER_ID") or f"{socket.gethostname()}:{os.getpid()}"
-        if "#" in self.worker_id:
-            raise ValueError(f"{_PREFIX}: worker_id must not contain '#', got {self.worker_id!r}")
+        if "#" in self.worker_id or len(self.worker_id) > 256:
+            raise ValueError(f"{_PREFIX}: worker_id must not contain '#' and have at most 256 characters, got "
+                             f"{self.worker_id[:300]!r}")
         self._me = f"{self.worker_id}#{uuid.uuid4().hex[:8]}"     # this incarnation
 
         client, address = connect(store, timeout=max(self._timeout, 5.0))
@@ -108,7 +109,6 @@ class ElasticBase(Epochs, Generation, _flat.FlatParameters):
         with torch.no_grad():
             self._global = [torch.nn.Parameter(p.detach().to("cpu", master).clone()) for p in self._params]
         self.outer_optimizer = factory(self._global)
-        self._start = self._flatten_global()
 
         self._holds = False            # this worker holds the run's global state (after admission)
         self._checkpoint = False       # it was loaded from a checkpoint before joining
@@ -134,7 +134,7 @@ class ElasticBase(Epochs, Generation, _flat.FlatParameters):
     # ---- the training loop's side ------------------------------------------------------------
 
     def join(self) -> None:
-        """Connects, waits until a round boundary admits this worker, then loads the global
+        """Connects, waits until an epoch admits this worker, then loads the global
         parameters into the model (`loop` calls it; call it yourself before the first inner step
         of a loop of your own). Returns at once if the run has already ended (`should_stop`)."""
         if self._joined:
@@ -228,7 +228,7 @@ class ElasticBase(Epochs, Generation, _flat.FlatParameters):
 
     @property
     def membership(self) -> list[dict]:
-        """Membership changes and failed synchronisations this worker saw, in order."""
+        """Membership changes, failed epochs and failed generations this worker saw, in order."""
         return list(self._events)
 
     def stats(self) -> dict:
@@ -251,7 +251,7 @@ class ElasticBase(Epochs, Generation, _flat.FlatParameters):
     def _load_checkpoint(self, state: dict, version: int) -> None:
         """What a checkpoint holds besides a generation's own: checked against this worker's model,
         then loaded (the global parameters, outer optimizer, model, inner optimizer, round, samples,
-        history and membership records); this worker then offers it when the era starts."""
+        history and membership records); this worker then holds it when the era starts."""
         if state.get("version") != version:
             raise ValueError(f"{_PREFIX}: checkpoint version {state.get('version')!r}, expected {version}")
         if [tuple(t.shape) for t in state["global"]] != [tuple(g.shape) for g in self._global]:
@@ -265,13 +265,12 @@ class ElasticBase(Epochs, Generation, _flat.FlatParameters):
             self.inner_optimizer.load_state_dict(state["inner_optimizer"])
         self._round, self._samples_total = int(state["round"]), int(state["samples_total"])
         self._history, self._events = list(state["history"]), list(state["membership"])
-        self._start = self._flatten_global()
         self._holds = self._checkpoint = True
 
     # ---- epochs ------------------------------------------------------------------------------
 
     def _column(self) -> list[float]:
-        """This worker's column of the epoch's table (`Generation._reduce`)."""
+        """This worker's column of the epoch's table (`Generation._check_table`)."""
         col = [0.0] * _ROWS
         col[_MAX_ROUNDS] = self._budgets.get("max_rounds", 0)
         col[_MAX_SAMPLES] = self._budgets.get("max_samples", 0)

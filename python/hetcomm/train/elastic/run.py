@@ -388,15 +388,17 @@ class ElasticRun(RunEpochs, ElasticBase):
     def _build(self) -> DiLoCo:
         # Agreed over the group, not taken from the store: the count of outer steps applied (the
         # holders', the largest; the transfer does not carry it), the samples, the workers.
-        holder_round = self._carried[0] if self._me in self._decision["holders"] and self._carried[2] else None
-        start = start_table(self._worker, self._explicit, *self._carried[:2], self._samples_total,
-                            disowned=holder_round is not None and holder_round != self._decision["round"],
+        # (a holder that holds another round, or nothing outside an era of fresh models)
+        named = self._me in self._decision["holders"]
+        disowned = named and (self._carried[0] != self._decision["round"] if self._carried[2]
+                              else not self._decision.get("fresh"))
+        start = start_table(self._worker, self._explicit, *self._carried[:2], self._samples_total, disowned=disowned,
                             carried=self._carry and self._carry.summary())
         self._phases.mark("start table")          # (the first exchange: waits for the slowest member)
         if start["disowned"]:
             raise ValueError(f"{_PREFIX}: the decision of epoch {self._decision['epoch']} (on the store) names round "
                              f"{self._decision['round']}, but rank(s) {start['disowned']} it names as holders of the "
-                             "run's state hold another round: the store's records were altered (or a bug)")
+                             "run's state hold another round, or none: the store's records were altered (or a bug)")
         self._applied_total, self._samples_total = max(start["applied"]), max(start["samples"])
         names = start["names"]
         labels = [names.index(n) for n in names]
@@ -450,7 +452,7 @@ class ElasticRun(RunEpochs, ElasticBase):
             raise
         # While the generation runs, the run's state is its DiLoCo's: one copy on this rank, not
         # two (`_carry_out` keeps it when the generation ends).
-        self._global, self.outer_optimizer, self._start = inner._global, inner.outer_optimizer, inner._start
+        self._global, self.outer_optimizer = inner._global, inner.outer_optimizer
         self._share, self._whole = sharded.share_of(inner), sharded.whole_fragments(inner)
         self._holds = True                 # (with sharded state, a member without it until now: once it is in)
         return inner
@@ -481,7 +483,6 @@ class ElasticRun(RunEpochs, ElasticBase):
         self._round = self._base[0] + len(records)
         self._samples_total += sum(sum(r["samples"]) for r in records)
         self._applied_total = self._base[1] + inner._applied
-        self._start = self._flatten_global()
         times = inner._times
         for label, name in enumerate(self._workers_names):
             if times._t[label] is not None:

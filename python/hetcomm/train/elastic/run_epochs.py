@@ -4,22 +4,24 @@ the epoch names, when it asks to end a generation, which join requests it watche
 transfer of the state to joiners that the generation's background may take over (`handover`)."""
 from __future__ import annotations
 
-import re
 import time
 
 from hetcomm.train.elastic import handover, sharded
+from hetcomm.train.elastic.common import INCARNATION
 
-_INCARNATION = re.compile(r"[^#]{1,256}#[0-9a-f]{8}")    # `<worker_id>#<nonce>`, as `ElasticBase` names them
 _MAX_REFUSALS = 256              # refusals recorded in `membership` (join records are a store writer's to forge)
+_MAX_WAITING = 256               # joiners watched between two epochs (the same)
 
 
 class RunEpochs:
     """The epoch hooks of `ElasticRun` (a mixin before `ElasticBase`)."""
 
     def _config(self) -> dict:
-        # (not `pace`: it changes when a rank's bytes leave, not what the members compute)
+        # One entry per DiLoCo option, so that a refusal names the one that differs (not `pace`:
+        # it changes when a rank's bytes leave, not what the members compute)
         options = {k: v for k, v in self._options.items() if k != "pace"}
-        return {**super()._config(), "diloco": repr(sorted({**options, "shard_state": self._sharded}.items()))}
+        return {**super()._config(), **{f"DiLoCo's {k}": repr(v)
+                                        for k, v in sorted({**options, "shard_state": self._sharded}.items())}}
 
     def _attempt(self, decision: dict, column: list[float]) -> bool:
         self._state_deferred = None
@@ -38,8 +40,8 @@ class RunEpochs:
             return
         super()._transfer(decision)
 
-    def _apply(self, decision: dict, table: list[list[float]]) -> None:
-        super()._apply(decision, table)
+    def _apply(self, decision: dict) -> None:
+        super()._apply(decision)
         if (self._state_deferred is not None or self._sharded) and self._me not in decision["holders"]:
             self._holds = False                    # until its state has landed (`handover`, `sharded.load`)
 
@@ -89,7 +91,7 @@ class RunEpochs:
         ours, members = self._config(), set(self._decision["members"])
         for _, r in regs:
             who = r.get("who") if isinstance(r, dict) else None
-            if not isinstance(who, str) or not _INCARNATION.fullmatch(who) or who in members \
+            if not isinstance(who, str) or not INCARNATION.fullmatch(who) or who in members \
                     or self._keys.has(f"leave/{who}"):
                 continue
             why = self._refusal(r.get("config"), ours)
@@ -102,7 +104,10 @@ class RunEpochs:
                     seen.add(who)
                     self._event({"round": self.rounds, "refused": {who: why}},
                                 f"round {self.rounds}: {self._names([who])} refused ({why})")
-            else:
+            elif len(self._waiting) < _MAX_WAITING:
                 self._waiting.add(who)
+            else:                  # (each one watched costs the heartbeat a store round trip a beat)
+                self._note_waiting(f"more than {_MAX_WAITING} workers ask to join: the others are read at the next "
+                                   "epoch")
         self._pulse.watch(sorted(self._waiting))
         self._scanned = (upto, now)

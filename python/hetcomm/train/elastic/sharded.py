@@ -136,7 +136,6 @@ def load_checkpoint(run, state: dict, version: int) -> None:
     run._round, run._samples_total = int(state["round"]), int(state["samples_total"])
     run._history, run._events = list(state["history"]), list(state["membership"])
     run._share, run._whole = (shards, index), whole
-    run._start = run._flatten_global()
     run._holds = run._checkpoint = True
 
 

@@ -1,0 +1,162 @@
+"""An epoch of an elastic run (`hetcomm.train.elastic.epochs`) against a store writer who deletes
+and forges records (issue 43), on its own: a member's side of `_decide` and `_outcome_of`, the
+checks of decisions and join records, over a real TCPStore with a plain client beside it as the
+store writer. Each case fails on the code before its fix."""
+from __future__ import annotations
+
+import datetime
+import itertools
+import math
+
+import pytest
+import torch.distributed as dist
+
+from hetcomm.train.elastic.common import _decision_ok
+from hetcomm.train.elastic.epochs import Epochs
+from hetcomm.train.membership import Keys
+
+pytestmark = pytest.mark.usefixtures("backend_importable")
+
+A, B, C = "a#0000000a", "b#0000000b", "c#0000000c"
+_jobs = itertools.count()
+
+
+@pytest.fixture(scope="module")
+def server():
+    yield dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=datetime.timedelta(seconds=5))
+
+
+@pytest.fixture(params=[False, True], ids=["plain", "sealed"])
+def keys(server, request):
+    return Keys(server, "test", f"hetcomm/ft/epochs{next(_jobs)}/", seal=b"e" * 32 if request.param else None)
+
+
+class _Pulse:
+    """The heartbeat, as the decider reads it: ``dead`` are quiet, the others alive."""
+
+    def __init__(self, dead=()) -> None:
+        self.dead = set(dead)
+
+    def check(self) -> None:
+        pass
+
+    def quiet(self, name, timeout) -> bool:
+        return name in self.dead
+
+    def silent(self, name) -> float:
+        return math.inf if name in self.dead else 0.0
+
+    def confirmed(self, name) -> bool:
+        return False
+
+    def watch(self, names) -> None:
+        pass
+
+    keep = watch
+
+    def hold(self, key, value) -> None:
+        pass
+
+
+class _Member(Epochs):
+    """Member ``A`` of epoch 4 (members ``prev``), arriving at epoch 5."""
+
+    def __init__(self, keys: Keys, prev: list[str], dead=(), late_timeout: float = 600.0) -> None:
+        self._keys, self._me, self.worker_id, self._era_number = keys, A, "a", 1
+        self._decision = {"epoch": 4, "gen": 3, "round": 7, "members": prev, "holders": prev, "joined": [],
+                          "left": {}, "refused": {}, "admitted_upto": 0, "fresh": False}
+        self._pulse, self._outcome, self._gaps = _Pulse(dead), "commit", {}
+        self._heartbeat, self._timeout, self._late_timeout, self._collective_timeout = 0.05, 1.0, late_timeout, 2.0
+
+    def _config(self) -> dict:
+        return {}
+
+    def arrival(self) -> dict:
+        return {"holds": True, "round": 7, "group": 3, "fresh": False}
+
+
+@pytest.mark.parametrize("evidence", ["latest", "outcome", "none"])
+def test_an_epoch_decided_before_is_not_decided_again_by_a_member_left_out(keys, evidence):
+    """Epoch 5 was decided without A (taken for dead) and a store writer deleted the decision
+    and the arrivals: A, back, finds B silent and would decide epoch 5 with itself alone, a fork.
+    Where `latest` (kept by the members' heartbeats) or an outcome says the epoch was decided, A
+    counts itself left out and writes nothing (before: it wrote [A], a generation of its own)."""
+    if evidence == "latest":
+        keys.set("latest", 5)
+    elif evidence == "outcome":
+        keys.first("e5/outcome", "commit")
+    decision = _Member(keys, [A, B], dead=[B])._decide(5, _Member.arrival(None))
+    if evidence == "none":                        # the control: nothing says it was decided
+        assert decision["members"] == [A] and keys.has("e5/decision"), decision
+        return
+    assert A not in decision["members"] and "decided without it" in decision["left"][A], decision
+    assert not keys.has("e5/decision")
+
+
+def test_a_member_whose_part_failed_does_not_take_the_others_commit(keys):
+    """A's group formation failed in epoch 5, whose `commit` the others wrote (a store writer had
+    deleted records so that A read another decision): A aborts (before: it read the commit and
+    started a generation it had no group for: torch's "Default process group has not been
+    initialized")."""
+    keys.first("e5/outcome", "commit")
+    outcome = _Member(keys, [A, B])._outcome_of({"epoch": 5, "members": [A, B]}, "RuntimeError: no group")
+    assert outcome.startswith("abort") and "the others committed" in outcome, outcome
+    keys.first("e6/outcome", "abort: b: gone")
+    assert _Member(keys, [A, B])._outcome_of({"epoch": 6, "members": [A, B]}, "RuntimeError: x") == "abort: b: gone"
+
+
+def test_late_timeout_counts_from_progress_which_a_forged_leave_cannot_undo(server):
+    """B lives but never arrives; a store writer (without the secret: plain records) puts a
+    `leave/` record for C and deletes it, between every two looks of the decider. Each change of
+    who is missing restarted `late_timeout` (before: the epoch never decided while it went on);
+    now only an arrival, or a member out for the first time, does, and B is dropped once late."""
+    keys = Keys(server, "test", f"hetcomm/ft/epochs{next(_jobs)}/")    # (sealed: a forged leave is not read)
+
+    class Toggling(_Pulse):
+        looks = 0
+
+        def check(self) -> None:                  # (once per look of the decider)
+            self.looks += 1
+            if self.looks > 100:
+                raise RuntimeError("the epoch did not decide in 100 looks")
+            if self.looks % 2:
+                server.set(keys.root + f"leave/{C}", '{"why": "forged"}')
+            else:
+                server.delete_key(keys.root + f"leave/{C}")
+
+    member = _Member(keys, [A, B, C], late_timeout=0.3)
+    member._pulse = Toggling()
+    decision = member._decide(5, _Member.arrival(None))
+    assert "not at the epoch" in decision["left"][B], decision
+
+
+def test_a_decision_names_incarnations_with_holders_and_joiners_among_its_members():
+    ok = {"epoch": 5, "gen": 2, "round": 3, "admitted_upto": 0, "members": [A, B], "holders": [A],
+          "joined": [B], "left": {}, "refused": {}}
+    assert _decision_ok(ok, 5) and _decision_ok(ok)
+    for bad in [{"holders": [C]}, {"joined": [C]}, {"members": [A, A]}, {"members": ["a" * 9000, B]},
+                {"members": ["a#1", B]}, {"round": -1}, {"epoch": True}]:
+        assert not _decision_ok({**ok, **bad}, 5), bad
+    assert not _decision_ok(ok, 6)            # (put back under another epoch's key)
+
+
+def test_a_join_request_naming_no_incarnation_is_not_read(keys):
+    """A name of megabytes (or with no nonce) would be a key the store refuses, closing the
+    reader's connection: `hb/<who>`, `refused/<who>`. Such a request is skipped (before: only
+    the members' scan in DiLoCo in generations skipped it; the epoch's `_joiners` and the era's
+    bootstrap read it)."""
+    from hetcomm.train.elastic.joins import JoinRecords
+
+    reader = JoinRecords()
+    reader._keys, reader._gaps, reader._timeout = keys, {}, 1.0
+    for i, who in enumerate(["x" * 9000 + "#00000000", "ghost", C]):
+        keys.set(f"join/{i}", {"who": who, "holds": False, "round": 0, "config": {}})
+    keys.at_least("joins", 3)
+    regs, upto = reader._registrations(keys, 0, wait=False)
+    assert [r["who"] for _, r in regs] == [C] and upto == 3
+
+
+def test_a_refusal_names_what_differs_in_bounded_words():
+    ours = {"model": "m", "settings": {"HETCOMM_TLS": ""}}
+    why = Epochs._refusal({"model": ["x"] * 1_000_000, "settings": {"HETCOMM_TLS": "y" * 10_000}}, ours)
+    assert why.startswith("its model is ['x', ") and "HETCOMM_TLS=" in why and len(why) <= 2003, len(why)

@@ -79,14 +79,16 @@ class _Member(Epochs):
 def test_an_epoch_decided_before_is_not_decided_again_by_a_member_left_out(keys, evidence):
     """Epoch 5 was decided without A (taken for dead) and a store writer deleted the decision
     and the arrivals: A, back, finds B silent and would decide epoch 5 with itself alone, a fork.
-    Where `latest` (kept by the members' heartbeats) or an outcome says the epoch was decided, A
-    counts itself left out and writes nothing (before: it wrote [A], a generation of its own)."""
+    With sealed records, where `latest` (kept by the members' heartbeats) or an outcome says the
+    epoch was decided, A counts itself left out and writes nothing (before: it wrote [A], a
+    generation of its own). Without the secret they are a store writer's to forge (a forged
+    `latest` would make every member leave an epoch nobody decides): A decides as before."""
     if evidence == "latest":
         keys.set("latest", 5)
     elif evidence == "outcome":
         keys.first("e5/outcome", "commit")
     decision = _Member(keys, [A, B], dead=[B])._decide(5, _Member.arrival(None))
-    if evidence == "none":                        # the control: nothing says it was decided
+    if evidence == "none" or not keys.sealed:
         assert decision["members"] == [A] and keys.has("e5/decision"), decision
         return
     assert A not in decision["members"] and "decided without it" in decision["left"][A], decision
@@ -160,3 +162,37 @@ def test_a_refusal_names_what_differs_in_bounded_words():
     ours = {"model": "m", "settings": {"HETCOMM_TLS": ""}}
     why = Epochs._refusal({"model": ["x"] * 1_000_000, "settings": {"HETCOMM_TLS": "y" * 10_000}}, ours)
     assert why.startswith("its model is ['x', ") and "HETCOMM_TLS=" in why and len(why) <= 2003, len(why)
+
+
+def test_joiners_that_never_beat_do_not_lock_a_real_one_out_of_the_watch(keys):
+    """At most 256 joiners are watched between two epochs. A store writer writes 300 requests
+    that match the run's configuration and never beat, then C asks: the silent ones leave the
+    watch after `timeout`, and a scan that skipped requests at the cap reads on from there
+    (before: the scan moved past C, which waited for an epoch some failure would bring)."""
+    from hetcomm.train.elastic.run_epochs import _MAX_WAITING, RunEpochs
+
+    class Scanner(RunEpochs, Epochs):
+        rounds = 0
+
+        def __init__(self) -> None:
+            self._keys, self._gaps, self._timeout, self._heartbeat = keys, {}, 1.0, 0.01
+            self._decision = {"members": [A], "admitted_upto": 0}
+            self._scanned, self._waiting, self._pulse = (0, -math.inf), set(), _Pulse()
+
+        def _config(self) -> dict:
+            return {"model": "m", "settings": {}}
+
+        def _note_waiting(self, line: str) -> None:
+            self.noted = line
+
+    forged = [f"f{i}#{i:08x}" for i in range(300)]
+    for i, who in enumerate(forged + [C]):
+        keys.set(f"join/{i}", {"who": who, "holds": False, "round": 0, "config": {"model": "m", "settings": {}}})
+    keys.at_least("joins", len(forged) + 1)
+    scanner = Scanner()
+    scanner._scan()
+    assert len(scanner._waiting) == _MAX_WAITING and C not in scanner._waiting and "at once" in scanner.noted
+    scanner._pulse.dead = set(forged)           # (`timeout` later: they never beat)
+    scanner._scanned = (scanner._scanned[0], -math.inf)
+    scanner._scan()
+    assert C in scanner._waiting and not scanner._waiting & set(forged[:_MAX_WAITING]), scanner._waiting

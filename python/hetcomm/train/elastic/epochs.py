@@ -98,7 +98,7 @@ class Epochs(JoinRecords, Eras):
                 started = True
                 if self._me in decision.get("refused", {}):
                     raise ValueError(f"{_PREFIX}: this worker cannot join run {self.job!r}: "
-                                     f"{decision['refused'][self._me]}")
+                                     f"{str(decision['refused'][self._me])[:2000]}")
                 self._pulse.watch(decision["members"])
                 if self._me in decision["members"]:
                     self._count("idle", begin)
@@ -108,6 +108,7 @@ class Epochs(JoinRecords, Eras):
                     self._event({"round": decision["round"], "worker": self.worker_id,
                                  "dropped": f"while being admitted: {self._dropped_why}"},
                                 f"dropped while being admitted ({self._dropped_why}): asking again")
+                    self._holds = False            # (a decision named it: it holds nothing now)
                     self._destroy_group()
                     self._new_incarnation()
                     index, begin = self._register(), time.perf_counter()
@@ -184,7 +185,7 @@ class Epochs(JoinRecords, Eras):
                 problems.append(f"it was started with {str(name)[:64]}={short(other)}, the run's workers with "
                                 f"{str(name)[:64]}={short(value)}")
         why = "; ".join(problems)
-        return (why if len(why) <= 2000 else why[:2000] + "...") or None
+        return (why if len(why) <= 2000 else why[:1997] + "...") or None
 
     def _refuse(self, keys: Keys, who: str, why: str) -> None:
         """Tells a joiner at once that it is refused (it also reads it in the next decision)."""
@@ -316,11 +317,13 @@ class Epochs(JoinRecords, Eras):
         decision = {"epoch": epoch, "gen": prev["gen"] + (1 if changed else 0), "round": rnd,
                     "members": new_members, "holders": holders,
                     "left": out, "joined": joiners, "refused": refused, "admitted_upto": upto, "fresh": fresh}
-        if self._decided_before(keys, epoch):
+        if keys.sealed and self._decided_before(keys, epoch):
             # The epoch was decided (`latest` is past it, or it has an outcome) and its decision
             # is gone: a store writer deleted it, perhaps with this worker's arrival or others'.
             # Deciding it again could fork the run (two sets of members, each in a generation of
-            # its own): this worker counts itself left out, and joins again.
+            # its own): this worker counts itself left out, and joins again. (Sealed records
+            # only: without the secret a store writer forges decisions anyway, and a forged
+            # `latest` would make every member leave an epoch nobody decides.)
             again = _read_decision(keys, epoch)
             return again if again is not None else {
                 **decision, "members": [], "holders": [],
@@ -475,11 +478,10 @@ class Epochs(JoinRecords, Eras):
         poll, deadline, done = _Poll(), time.monotonic() + self._collective_timeout, set()
         # a sealed record each, not a counter (see Keys); written again now and then: a store
         # writer may delete it
-        rewrite = _Rewrite(keys, f"e{epoch}/done/{self._me}", 1, self._heartbeat) if failure is None else None
+        rewrite = _Rewrite(keys, f"e{epoch}/done/{self._me}", 1, self._heartbeat)
         while True:
             self._pulse.check()
-            if rewrite is not None:
-                rewrite()
+            rewrite()
             if time.monotonic() > deadline:
                 return _first_outcome(keys, epoch, f"abort: no outcome within collective_timeout="
                                   f"{self._collective_timeout:.0f} s (records on the store deleted?)")

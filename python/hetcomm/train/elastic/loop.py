@@ -86,9 +86,9 @@ class ElasticBase(Epochs, Generation, _flat.FlatParameters):
         self._backend, self._verbose, self.job = backend, verbose, job
         self._phases = Phases()               # (what a change of generation costs: `run`)
         self.worker_id = worker_id or os.environ.get("HETCOMM_WORKER_ID") or f"{socket.gethostname()}:{os.getpid()}"
-        if "#" in self.worker_id or len(self.worker_id) > 256:
+        if not isinstance(self.worker_id, str) or "#" in self.worker_id or len(self.worker_id) > 256:
             raise ValueError(f"{_PREFIX}: worker_id must not contain '#' and have at most 256 characters, got "
-                             f"{self.worker_id[:300]!r}")
+                             f"{str(self.worker_id)[:300]!r}")
         self._me = f"{self.worker_id}#{uuid.uuid4().hex[:8]}"     # this incarnation
 
         client, address = connect(store, timeout=max(self._timeout, 5.0))

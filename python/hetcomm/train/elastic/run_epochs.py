@@ -89,7 +89,11 @@ class RunEpochs:
             self._scanned = (self._scanned[0], now)
             return
         ours, members = self._config(), set(self._decision["members"])
-        for _, r in regs:
+        gone = [w for w in self._waiting if self._pulse.silent(w) > self._timeout]
+        if gone:                           # (never beat, or stopped: the watch is for the living)
+            self._waiting.difference_update(gone)
+            self._pulse.keep(members | self._waiting)
+        for index, r in regs:
             who = r.get("who") if isinstance(r, dict) else None
             if not isinstance(who, str) or not INCARNATION.fullmatch(who) or who in members \
                     or self._keys.has(f"leave/{who}"):
@@ -107,7 +111,9 @@ class RunEpochs:
             elif len(self._waiting) < _MAX_WAITING:
                 self._waiting.add(who)
             else:                  # (each one watched costs the heartbeat a store round trip a beat)
-                self._note_waiting(f"more than {_MAX_WAITING} workers ask to join: the others are read at the next "
-                                   "epoch")
+                self._note_waiting(f"more than {_MAX_WAITING} workers ask to join at once: the others are read "
+                                   "once some of them are admitted or silent")
+                upto = index       # (read again from here)
+                break
         self._pulse.watch(sorted(self._waiting))
         self._scanned = (upto, now)

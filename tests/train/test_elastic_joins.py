@@ -496,3 +496,18 @@ def test_a_joiner_does_not_start_an_era_a_member_marked_begun(job, marked):
     with pytest.raises(_Stop):
         joiner._admit_in_era(None)
     assert joiner.bootstrapped is not marked
+
+
+def test_a_worker_left_out_raises_when_the_members_that_went_on_are_all_gone(job):
+    """A worker left out of epoch 3 (late) asks to join again; the members that went on without
+    it all die before any decision admits it. It raises, naming them (before: it waited for a
+    decision nobody would write, with nothing to watch)."""
+    keys, _ = job
+    decide(keys, 3, 0)                            # (members: w0#0000000a)
+    joiner = _WaitingJoiner(keys, looks=200)
+    joiner._dropped_at, joiner._left_by = 3, ["w0#0000000a"]
+    joiner._pulse.quiet = lambda name, seconds: name == "w0#0000000a"     # (dead)
+    joiner._newest_era = lambda era: era
+    joiner._new_incarnation = lambda: None
+    with pytest.raises(RuntimeError, match="every member of epoch 3 .w0. is gone"):
+        joiner._admit_in_era(None)

@@ -54,7 +54,8 @@ def test_shares_move_when_a_rank_of_a_worker_dies_and_comes_back(run, features, 
         assert final(run, r)["final"] == prints[rounds], (r, final(run, r))
     generations = final(run, "a0")["stats"]["generations"]
     assert generations[-1]["workers"] == [[0, 1], [2, 3]], generations
-    assert any(g["workers"] == [[0, 1], [2]] for g in generations), [g["workers"] for g in generations]
+    # (a generation that failed before its first synchronisation agreed no stats: no "workers")
+    assert any(g.get("workers") == [[0, 1], [2]] for g in generations), [g.get("workers") for g in generations]
     assert any(rec["round"] > 2 for rec in run.records("b1") if "round" in rec), run.records("b1")
     recorded = sum(r["steps"][r["members"].index("a")] for r in run.records("a0") if "round" in r)
     assert recorded == final(run, "a0")["steps_taken"], (run.records("a0"), run.logs())

@@ -50,6 +50,8 @@ class _Rewrite:
 class Epochs(JoinRecords, Eras):
     """Admission and the epochs between generations."""
 
+    _left_by: list[str] | None = None     # the members of the epoch that left this worker out
+
     # ---- membership --------------------------------------------------------------------------
 
     def _new_incarnation(self) -> None:
@@ -80,7 +82,13 @@ class Epochs(JoinRecords, Eras):
         # The era's first decision is written by a waiting worker only while nothing says the
         # era started (a store writer who deleted its first decisions must not fork it).
         started = resume is not None or self._dropped_at > 0 or _read_decision(keys, epoch) is not None
-        poll, watched, kept, looked = _Poll(), None, -math.inf, -math.inf
+        # A worker left out of an epoch watches the members that went on without it until a
+        # decision names others: if they all die before one admits it, the run's state is gone,
+        # and it raises (below) instead of waiting for a decision nobody will write.
+        watched, self._left_by = (self._left_by or None) if resume is None else None, None
+        if watched:
+            self._pulse.watch(watched)
+        poll, kept, looked = _Poll(), -math.inf, -math.inf
         while True:
             self._pulse.check()
             self._raise_if_refused(keys)
@@ -402,6 +410,7 @@ class Epochs(JoinRecords, Eras):
                 self._phases.mark("epoch")
                 if self._me not in decision["members"]:
                     self._dropped_why = decision["left"].get(self._me, "arrived after the decision")
+                    self._left_by = [m for m in decision["members"] or self._decision["members"] if m != self._me]
                     self._decision, self._dropped_at = None, decision["epoch"]
                     self._pulse.member_of(0)             # (no longer answers for the era)
                     return False

@@ -82,6 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--overlap", action="store_true", help="--run: overlap=True")
     p.add_argument("--fragments", type=int, default=1, help="--run: fragments (staggered), with --overlap")
     p.add_argument("--overlap-steps", type=int, default=None, help="--run: overlap_steps (τ), with --overlap")
+    p.add_argument("--pace", type=float, default=None, help="--run: pace (the fragments' transfers paced)")
     p.add_argument("--linear", action="store_true",
                    help="a model whose inner steps move it by a constant: p -= 0.01 * c_w each step (c_w per worker: "
                         "the float64 reference of the global parameters), plain SGD inside and out (outer lr 1)")
@@ -185,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
                                      collective_timeout=args.collective_timeout, backend=args.backend)
         diloco = hetcomm.DiLoCo(model, opt, membership=membership, outer_optimizer=outer, steps=args.steps,
                                 local_steps=args.local_steps, compress=args.compress, overlap=args.overlap,
-                                fragments=args.fragments, overlap_steps=args.overlap_steps,
+                                fragments=args.fragments, overlap_steps=args.overlap_steps, pace=args.pace,
                                 error_feedback=args.compress in ("int8", "int4"),
                                 **({"shard_state": True} if args.shard_state else {}))
     else:

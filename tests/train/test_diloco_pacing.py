@@ -8,7 +8,10 @@
   × slot, on each link it used), the time pacing added (left out of the synchronisation's
   duration that ``time`` plans by), and a job the cap did not hold back; fragments of unequal
   sizes at one rate, a job queued behind a larger one, a late one catching up, and the bound on a
-  job's planned end.
+  job's planned end; a fragment not measured yet paced by the bytes per element of those
+  measured, and the last round's jobs at the one rate.
+* A measurement round holds the fragments f >= 1 back, paced or not: the float64 reference
+  with the hold.
 * Pacing changes when bytes leave, not which: the staggered float64 schedule of
   test_diloco_stream, paced over TCP links, ends exactly at its reference; workers of two ranks
   with ``time`` and int8, paced, stay identical across ranks.
@@ -239,6 +242,48 @@ def test_fragments_of_unequal_sizes_share_one_rate_by_hand():
     assert job(2, 1300, 1.0) == pytest.approx(1300, abs=1)
 
 
+def test_fragments_not_measured_yet_and_the_last_round_by_hand():
+    """With ``sizes``, a fragment's first job is paced by the bytes per element of those measured;
+    the time pacing added to it counts against their unpaced seconds per byte. The last round's
+    jobs (``final``) all send at the one rate, one after another, none caught up; they add no
+    pacing time to a planned round."""
+    from hetcomm.train.diloco.pacing import Pacer
+
+    now = [0.0]
+    backend = Backend(2)
+    pacer = Pacer(1.0, backend, lambda: now[0], sizes=[100, 200, 300])
+
+    def job(f: int, b: int, seconds: float, final: bool = False) -> float | None:
+        pacer.fired(f)
+        backend.calls.clear()
+        with pacer.job(f, final=final):
+            backend.sent = [0, backend.sent[1] + b]
+            now[0] += seconds
+        return backend.calls[0][1] if backend.calls else None
+
+    pacer.plan(6, 0.25, 3)                      # a slot of 0.5 s, 1.5 s of compute
+    assert job(0, 300, 0.1) is None             # nothing measured: unpaced (3 bytes an element)
+    # fragment 1 (200 elements): 600 bytes expected; all three 1800 bytes over 1.5 s: 1200 B/s
+    assert job(1, 600, 0.5) == pytest.approx(1200, abs=1)
+    # unpaced, its 600 bytes would have taken 0.2 s (fragment 0's 0.1 s for 300 bytes)
+    assert pacer.take_delay() == pytest.approx(0.3)
+    assert job(2, 900, 0.75) == pytest.approx(1200, abs=1)
+    assert pacer.take_delay() == pytest.approx(0.45)
+    # the last round: its jobs fire together; each sends at 1200 B/s, none at three times it
+    now[0] += 0.1
+    rates = [job(f, b, 0.0, final=True) for f, b in ((1, 600), (2, 900), (1, 600), (2, 900), (0, 300))]
+    assert rates == [pytest.approx(1200, abs=1)] * 5, rates
+    assert pacer.take_delay() == 0.0
+    # no sizes: a fragment not measured yet is unpaced, as before
+    other = Pacer(1.0, Backend(2), lambda: now[0])
+    other.plan(6, 0.25, 3)
+    other.fired(0)
+    with other.job(0):
+        other._backend.sent = [0, 300]
+    other.fired(1)
+    assert other.rate(1, now[0]) is None
+
+
 def test_paced_fragments_equal_the_float64_reference():
     world, F, tau, beta = 3, 3, 2, 0.25
     want = stagger_reference(world, F, tau, beta)
@@ -249,6 +294,23 @@ def test_paced_fragments_equal_the_float64_reference():
             torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-7, msg=lambda m: f"rank {r}: {m}")
         for g0, g in zip(per_rank[0]["global"], res["global"]):
             assert torch.equal(g0, g), f"rank {r}'s global parameters differ from rank 0's"
+
+
+@pytest.mark.parametrize("pace", [0.5, None])
+def test_a_measurement_round_holds_the_fragments_back_as_the_reference(pace):
+    """The first round measures (the scripted policy says so): fragments 1 and 2 do not fire in
+    it, their windows run on into the next round, paced or not. Exactly the float64 reference
+    with the first round held; the reference without the hold differs, so the hold is what it
+    checks."""
+    world, F, tau, beta = 3, 3, 2, 0.25
+    want = stagger_reference(world, F, tau, beta, held=1)
+    unheld = stagger_reference(world, F, tau, beta)
+    assert any(not torch.allclose(a, b, rtol=1e-6, atol=1e-7) for a, b in zip(want, unheld))
+    per_rank = run_ranks(world, train_staggered, F, tau, beta, "nesterov", pace, 1, env=TCP)
+    for r, res in enumerate(per_rank):
+        assert pace is None or res["paced"][0] > 0, res["paced"]
+        for g, w in zip(res["global"], want):
+            torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-7, msg=lambda m: f"rank {r}: {m}")
 
 
 def test_paced_fragments_compose_with_sharded_workers_time_and_int8():

@@ -73,11 +73,15 @@ def contributed_after_rejoining(run: Run, victim: str, worker: str, after: int) 
     return any(rec["steps"][rec["members"].index(worker)] > 0 for rec in late if worker in rec["members"])
 
 
+# ... and the same with the fragments' transfers paced (the caps of hetcomm's links)
+FEATURES["time-int8-overlap-staggered-paced"] = FEATURES["time-int8-overlap-staggered"] + ["--pace", "0.5"]
 CASES = [(f, "local") for f in FEATURES] + [("fixed-fp32", "reduce"), ("time-int8-overlap-staggered", "reduce")]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("features,where", CASES, ids=[f"{f}-{w}" for f, w in CASES])
+@pytest.mark.parametrize("features,where", [
+    pytest.param(f, w, id=f"{f}-{w}", marks=[hetcomm_only("pace caps hetcomm's links")] if "--pace" in FEATURES[f] else [])
+    for f, w in CASES])
 def test_a_worker_killed_is_dropped_and_its_restart_rejoins(run, features, where):
     """``local``: halfway through a round's steps; ``reduce``: inside the outer reduction (with
     overlap, on the background thread), where the others may or may not have finished it."""

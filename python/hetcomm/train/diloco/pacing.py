@@ -10,17 +10,23 @@ the round's planned compute at one rate, however fast the link could carry them.
 
 How: the kernel's own TCP pacing (``SO_MAX_PACING_RATE``; no qdisc needed since Linux 4.13) on
 hetcomm's TCP/TLS links of the group that carries the synchronisation between workers
-(`ProcessGroupHetcomm.set_pacing`). The fragments send at one rate R: their last jobs' bytes
-over ``share`` × the round's planned compute (`Pacer.plan`; a slot is that compute over F), each
-job planned from its trigger, or behind the job before it, and catching up when it started late
-(`Pacer.rate`). Each phase of the reduction (an all-to-all, then an all-gather along the ring)
-shares R over the links in proportion to what each carried in that phase last time
-(`Pacer.caps`), so the host sends at about R throughout. The caps are set when the fragment's
-reduction starts, changed at its phase boundaries and lifted when it ends. Unpaced: a
-fragment's first job (no bytes measured yet), rounds with no agreed step time (or a slot
-outside 1 ns to 10^6 s), the last, synchronous round, and the jobs in flight once someone waits
-for them (`Pacer.hurry`: the last round, a checkpoint). Pacing changes when bytes leave, never
-which: every rank reduces the same values whether or not it paces, or paces differently.
+(`ProcessGroupHetcomm.set_pacing`). The fragments send at one rate R: their jobs' bytes over
+``share`` × the round's planned compute (`Pacer.plan`; a slot is that compute over F), each job
+planned from its trigger, or behind the job before it, and catching up when it started late
+(`Pacer.rate`). A fragment not measured yet counts the bytes per element of those measured
+(``sizes``), so that once one fragment has sent a job every job is paced. Each phase of the
+reduction (an all-to-all, then an all-gather along the ring) shares R over the links in
+proportion to what each carried in that phase last time (`Pacer.caps`), so the host sends at
+about R throughout. The caps are set when the fragment's reduction starts, changed at its phase
+boundaries and lifted when it ends. The last, synchronous round's jobs (`Pacer.job` with
+``final``) send at R one after another, without catching up: the whole model's bytes at the rate
+of the fragments, not in one burst (the run ends up to ``share`` of a round later). Unpaced:
+jobs before any fragment has sent one, rounds with no agreed step time (or a slot outside 1 ns
+to 10^6 s), and the jobs in flight once someone waits for them (`Pacer.hurry`: a checkpoint, the
+global parameters). `hetcomm.train.diloco.stream` holds the fragments f ≥ 1 back in measurement
+rounds (no slot to pace by), so that the run's start sends fragment 0 alone, paced or not. Pacing changes when
+bytes leave, never which: every rank reduces the same values whether or not it paces, or paces
+differently.
 """
 from __future__ import annotations
 
@@ -63,7 +69,7 @@ def check_pace(pace, overlap: bool, fragments: int, stagger: bool) -> float | No
 
 
 def make_pacer(share: float | None, group: dist.ProcessGroup | None, wan: dist.ProcessGroup | None,
-               clock: Callable[[], float]) -> "Pacer | None":
+               clock: Callable[[], float], sizes: list[int] | None = None) -> "Pacer | None":
     """The pacer of the links of ``wan``, the group that carries the fragments between workers
     (None without ``share``, or on a rank that has no such group: it sends nothing between
     workers). Refused unless DiLoCo's ``group`` uses the hetcomm backend, checked on the group
@@ -74,7 +80,7 @@ def make_pacer(share: float | None, group: dist.ProcessGroup | None, wan: dist.P
         raise ValueError(f"{_PREFIX}: pace caps the send rate of hetcomm's links: DiLoCo's group must use the "
                          "hetcomm backend")
     backend = backend_or_none(wan) if wan is not None else None
-    return None if backend is None else Pacer(share, backend, clock)
+    return None if backend is None else Pacer(share, backend, clock, sizes)
 
 
 class Pacer:
@@ -82,9 +88,12 @@ class Pacer:
     `plan`, `fired` and `hurry` are called on the training thread, `job` and `take_delay` on the
     synchronisation's."""
 
-    def __init__(self, share: float, backend, clock: Callable[[], float]) -> None:
-        """``backend``: the hetcomm backend (`ProcessGroupHetcomm`) whose links carry the fragments."""
+    def __init__(self, share: float, backend, clock: Callable[[], float], sizes: list[int] | None = None) -> None:
+        """``backend``: the hetcomm backend (`ProcessGroupHetcomm`) whose links carry the fragments;
+        ``sizes``: the fragments' elements, by which a fragment not measured yet is estimated from
+        those measured (None: it is not, and its first job is unpaced)."""
         self.share = share
+        self._sizes = list(sizes) if sizes is not None else None
         self._backend = backend
         self._clock = clock
         self.slot: float | None = None              # seconds between two triggers this round (`plan`)
@@ -126,7 +135,26 @@ class Pacer:
         with self._lock:
             self._hurried = False
 
-    def rate(self, f: int, now: float) -> float | None:
+    def _bytes(self, f: int) -> float:
+        """The bytes of fragment f's last whole job; not measured yet (with ``sizes``): the bytes
+        per element of the fragments measured, times its elements (0: nothing to go by)."""
+        last = self._sent.get(f)
+        if last:
+            return sum(sum(phase) for phase in last)
+        if self._sizes is None or f >= len(self._sizes):
+            return 0
+        known = [g for g in self._sent if g < len(self._sizes) and self._sizes[g] > 0]
+        elements = sum(self._sizes[g] for g in known)
+        return sum(sum(sum(p) for p in self._sent[g]) for g in known) * self._sizes[f] / elements if elements else 0
+
+    def _phases(self, f: int) -> list[list[int]]:
+        """Fragment f's bytes per phase and link last time; not measured yet, those of the largest
+        fragment measured (the same reduction: the links share its bytes alike)."""
+        if f in self._sent:
+            return self._sent[f]
+        return max(self._sent.values(), key=lambda phases: sum(sum(p) for p in phases))
+
+    def rate(self, f: int, now: float, final: bool = False) -> float | None:
         """Bytes/s this rank may send for fragment f's job, started at ``now``. Once every fragment
         has sent a job, one rate for them all: their last jobs' bytes over ``share`` × the round's
         planned compute (F slots), so that a fragment larger than the others (fragments are cut at
@@ -144,20 +172,23 @@ class Pacer:
         catches up sends at most three times its planned rate, not in one burst. (Not less the
         job's time besides the transfer: measured on each rank, it holds the wait for the other
         ranks' transfers, and the rates swung between 6 and 21 Mbit/s from one job to the next.)
-        None: unpaced."""
-        last = self._sent.get(f)
+        ``final`` (the last, synchronous round's jobs, one after another): R itself, with no
+        schedule and no catching up (its jobs all fire at once: caught up, they would send at
+        three times R). None: unpaced."""
         fired, slot = self._fired.get(f, (now, self.slot))
-        total = sum(sum(phase) for phase in last) if last else 0
+        total = self._bytes(f)
         if slot is None or not slot > 0 or total == 0 or self._hurried:
             return None
         planned = self.share * slot
-        if all(g in self._sent for g in range(self._fragments)):
-            whole = sum(sum(sum(phase) for phase in self._sent[g]) for g in range(self._fragments))
+        if all(self._bytes(g) for g in range(self._fragments)):
+            whole = sum(self._bytes(g) for g in range(self._fragments))
             steady = whole / (planned * self._fragments)
         else:                                       # (a fragment not measured yet: its own slot)
             steady = total / planned
         if not (math.isfinite(steady) and steady > 0):
             return None
+        if final:
+            return steady
         took = total / steady
         if not (math.isfinite(took) and took > 0):
             return None
@@ -174,7 +205,7 @@ class Pacer:
         1.75 times the planned time.) A link the phase did not use last time, or a phase not
         seen last time: ``rate`` (bytes left in a socket's buffer from the phase before, or a
         ring that changed, never go out uncapped)."""
-        last = self._sent[f]
+        last = self._phases(f)
         phase = last[k] if k < len(last) else None
         total = sum(phase) if phase is not None else 0
 
@@ -186,12 +217,13 @@ class Pacer:
         return [cap(rate * b / total) if b else cap(rate) for b in phase]
 
     @contextlib.contextmanager
-    def job(self, f: int) -> Iterator[None]:
-        """Around fragment f's reduction (a background job): each phase capped from the last job's
-        bytes (`caps`), counting this one's for the next. The reduction marks its phases
+    def job(self, f: int, final: bool = False) -> Iterator[None]:
+        """Around fragment f's reduction (a background job; ``final``: one of the last, synchronous
+        round's, on the training thread): each phase capped from the last job's bytes (`caps`),
+        counting this one's for the next. The reduction marks its phases
         (`hetcomm.compress.collective.phase_marks`); unmarked, the job is one phase."""
         start = self._clock()
-        rate = self.rate(f, start)
+        rate = self.rate(f, start, final)
         phases: list[list[int]] = []
         mark = list(self._backend.traffic()["bytes_sent"])
 
@@ -229,16 +261,28 @@ class Pacer:
         took = ended - start
         end = list(self._backend.traffic()["bytes_sent"])
         phases.append([a - b for a, b in zip(end, mark)])
-        total = sum(sum(p) for p in self._sent[f]) if rate is not None else 0
+        total = self._bytes(f) if rate is not None else 0
+        need = self._need_of(f) if rate is not None else None
         self._sent[f] = phases
         # What the link needs: the least time an unpaced job of the fragment took (the first
-        # pays for new connections). A paced job held back by the link, not the cap, counts whole;
-        # from the others, what they took beyond it is pacing's. (Paced times never lower it: they
-        # would become the baseline, and pacing's time would count as the link's again.)
-        if rate is None or f not in self._need:
+        # pays for new connections); paced from the start, the need of those measured per byte.
+        # A paced job held back by the link, not the cap, counts whole; from the others, what
+        # they took beyond it is pacing's. (Paced times never lower it: they would become the
+        # baseline, and pacing's time would count as the link's again.) The last round's jobs
+        # count for no planned round.
+        if rate is None or need is None:
             self._need[f] = min(self._need.get(f, took), took)
-        elif took <= _BOUND * total / rate:
-            self._delay += max(0.0, took - self._need[f])
+        elif not final and took <= _BOUND * total / rate:
+            self._delay += max(0.0, took - need)
+
+    def _need_of(self, f: int) -> float | None:
+        """The least time fragment f's unpaced jobs took; never unpaced, the seconds per byte of
+        the fragments that were, times its bytes (None: no fragment was)."""
+        if f in self._need:
+            return self._need[f]
+        known = [g for g in self._need if g in self._sent]
+        sent = sum(sum(sum(p) for p in self._sent[g]) for g in known)
+        return sum(self._need[g] for g in known) * self._bytes(f) / sent if sent else None
 
     def take_delay(self) -> float:
         """Seconds pacing added to the jobs since the last call: `DiLoCo` leaves them out of the

@@ -18,7 +18,8 @@ table). A rank reaches the triggers at its own steps; the jobs queue on one thre
 order on every rank (every fragment once per round, those not reached by the round's end at its
 boundary, before fragment 0), so the collectives line up. H is the worker's planned steps for
 the round (`LocalStepPolicy.planned_steps`: identical on a worker's ranks); a policy that
-plans none triggers every fragment at the boundary. The last round, synchronous, reduces every
+plans none triggers every fragment at the boundary, and a measurement round fires none of them
+(`Streams._plan_triggers`). The last round, synchronous, reduces every
 fragment's steps since its trigger at the boundary. Derivation and figures:
 docs/diloco.md#staggered-fragments.
 """
@@ -60,8 +61,10 @@ class Streams:
         # that holds no share of a worker's state and so sends nothing over it)
         wan = self._sync_group if self._workers.single else self._workers.cross_group
         self._pacer = None
+        self._held = False                         # a measurement round: fragments f >= 1 held back
         if pace is not None and self._stagger:
-            self._pacer = make_pacer(pace, self._sync_group, wan, lambda: self._clock())
+            self._pacer = make_pacer(pace, self._sync_group, wan, lambda: self._clock(),
+                                     sizes=[b - a for _, _, a, b in self._fragments])
         # The fragments the round boundary reduces (fragment 0 alone when staggered).
         self._boundary = self._fragments[:1] if self._stagger else self._fragments
         self._flight: dict[int, dict] = {}        # f -> {future, seq, steps}: its job not yet moved onto
@@ -82,16 +85,31 @@ class Streams:
             self._stream_scratch = torch.empty(n, dtype=self._master)
 
     def _plan_triggers(self) -> None:
-        """At a round's start: this round's triggers (`stagger_triggers`), nothing fired yet."""
+        """At a round's start: this round's triggers (`stagger_triggers`), nothing fired yet.
+        A measurement round (`LocalStepPolicy.measuring`: from agreed values, the same on every
+        rank) fires no fragment f >= 1: its one step put every trigger together, and nothing
+        plans a slot to pace them by; fired at once, they sent the whole model in one burst, the
+        run's peak rate (0.66-1.17 times the whole update's, paced or not). Their windows go on
+        into the first planned round. (Whether or not a rank paces: the ranks' collectives
+        line up.)"""
         if not self._stagger:
             return
         self._fired = [False] * len(self._fragments)
         planned = self._policy.planned_steps(self._times)
-        self._triggers = stagger_triggers(planned, len(self._fragments))
+        self._held = self._policy.measuring
+        self._triggers = stagger_triggers(None if self._held else planned, len(self._fragments))
         if self._pacer is not None:          # (the planned compute: without `time`'s stretch for the link)
             t = self._times.estimates()
-            steps = None if planned is None else planned / getattr(self._policy, "stretch", 1.0)
-            self._pacer.plan(steps, None if t is None else t[self._col], len(self._fragments))
+            if self._held:
+                # A measurement round plans no compute (one step, then until the synchronisation
+                # in flight lands): fragment 0 is paced by a round of the policy's H steps at the
+                # slowest step time agreed so far (none before the first: unpaced). Unpaced, its
+                # jobs went one after another in the short rounds, half the model in a second
+                # (0.36-0.40 times the whole update's peak over the run).
+                self._pacer.plan(self._policy.steps, None if t is None else max(t), len(self._fragments))
+            else:
+                steps = None if planned is None else planned / getattr(self._policy, "stretch", 1.0)
+                self._pacer.plan(steps, None if t is None else t[self._col], len(self._fragments))
 
     def _count_window(self, samples: int) -> None:
         self._seen[0] += 1
@@ -116,9 +134,10 @@ class Streams:
             self._fire(f)
 
     def _fire_rest(self) -> None:
-        """At the round boundary, before fragment 0: the fragments not yet fired this round."""
+        """At the round boundary, before fragment 0: the fragments not yet fired this round (none
+        in a paced measurement round)."""
         for f in range(1, len(self._fragments)):
-            if not self._fired[f]:
+            if not self._fired[f] and not self._held:
                 self._fire(f)
         if self._pacer is not None:
             self._pacer.fired(0)                 # (the boundary's job comes next)
@@ -126,8 +145,9 @@ class Streams:
     def _fire_last(self) -> None:
         """The last, synchronous round's boundary: every job waited for; the fragments this round
         did not fire, then every fragment's steps since its trigger, here (so that every rank runs
-        the same collectives: each fragment once per round, then once more)."""
-        self._join_streams(agree=self._workers.size > 1)
+        the same collectives: each fragment once per round, then once more). Paced, the jobs in
+        flight keep their caps, and these jobs send at the fragments' rate (`Pacer.job`)."""
+        self._join_streams(agree=self._workers.size > 1, hurry=False)
         for f in range(1, len(self._fragments)):
             if not self._fired[f]:
                 self._fire(f, inline=True)
@@ -162,11 +182,12 @@ class Streams:
             _, _, a, b = self._fragments[f]
             self._move_range(f, self._stream_scratch[a - self._stream_base:b - self._stream_base])
 
-    def _join_streams(self, agree: bool = False) -> None:
+    def _join_streams(self, agree: bool = False, hurry: bool = True) -> None:
         """Every job in flight waited for, its move still to come (a checkpoint, the global
-        parameters, the last round: unpaced from here to the next round); ``agree``: the worker's
-        ranks agree that none failed (a collective)."""
-        self._hurry_streams()
+        parameters: unpaced from here to the next round; the last round, ``hurry=False``: at
+        their pace); ``agree``: the worker's ranks agree that none failed (a collective)."""
+        if hurry:
+            self._hurry_streams()
         for f in sorted(self._flight):
             self._wait_job(self._flight[f], check=not agree)
         if self._pacer is not None:
@@ -212,6 +233,8 @@ class Streams:
         window = self._at_trigger[f]                # (its start: the job's window, if the job is lost)
         self._at_trigger[f] = list(self._seen)
         travel = delta.float()
+        if self._pacer is not None:
+            self._pacer.fired(f)
         if inline:
             self._count_sync(begin)
             self._stream_job(f, column, travel, timed=True)
@@ -223,8 +246,6 @@ class Streams:
         _flat.load(params, start)
         self._share([f])
         self._stream_seq += 1
-        if self._pacer is not None:
-            self._pacer.fired(f)
         future = self._executor.submit(self._stream_job, f, column, travel, timed=False)
         self._flight[f] = {"future": future, "seq": self._stream_seq, "steps": 0, "window": window}
         self._count_sync(begin)

@@ -221,7 +221,11 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         step_in_round, reported, taken = 0, None, 0
+        paced: dict = {}                  # --pace: the jobs each generation's pacer paced so far
         for x, y in diloco.loop(batches(), max_rounds=args.rounds):
+            pacer = getattr(getattr(diloco, "_inner", None), "_pacer", None)
+            if pacer is not None:         # (counts, not the pacers: they hold their groups' backends)
+                paced[id(pacer)] = pacer.paced_jobs
             if reported is None:          # the rounds before this worker joined are the others' to report
                 reported = diloco.history[-1]["round"] if diloco.history else 0
                 open(os.path.join(args.out, f"{args.id}.joined"), "a").close()      # (for --slow-until)
@@ -281,6 +285,7 @@ def main(argv: list[str] | None = None) -> int:
                     out.write(json.dumps({"stopped": diloco.rounds, "fp": fp}) + "\n")
                     return 0
         out.write(json.dumps({"final": diloco.fingerprint(), "rounds": diloco.rounds, "steps_taken": taken,
+                              "paced_jobs": sum(paced.values()),
                               "global": [float(x) for g in diloco.global_parameters() for x in g.reshape(-1)]
                               if args.linear else None,
                               "reason": diloco.stop_reason, "membership": diloco.membership,

@@ -313,6 +313,59 @@ def test_a_measurement_round_holds_the_fragments_back_as_the_reference(pace):
             torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-7, msg=lambda m: f"rank {r}: {m}")
 
 
+def test_which_rounds_hold_the_fragments_and_what_paces_them_by_hand():
+    """`Streams._plan_triggers` on a stand-in: a round whose steps are not planned holds the
+    fragments f >= 1 (no trigger) and paces by the policy's H steps at the slowest agreed step
+    time; a planned round triggers at f·H/F and paces by this worker's planned compute (without
+    `time`'s stretch for the link). `time` with a fixed round length does not know its steps
+    until a step time is agreed."""
+    import types
+
+    from hetcomm.train.diloco.stream import Streams
+    from hetcomm.train.local_steps import StepTimes, TimeSteps
+
+    plans = []
+    times = StepTimes(2)
+    policy = TimeSteps(10)
+    policy.bind(1, 2)
+    me = types.SimpleNamespace(_stagger=True, _fragments=[None] * 4, _policy=policy, _times=times, _col=1,
+                               _pacer=types.SimpleNamespace(plan=lambda *a: plans.append(a)))
+    Streams._plan_triggers(me)                  # nothing measured: held, unpaced
+    assert me._held and me._triggers == [float("inf")] * 3 and plans[-1] == (10, None, 4)
+    times.update([0.5, 0.25], [1, 1])           # one window each: still measuring
+    policy.agreed(times)
+    Streams._plan_triggers(me)
+    assert me._held and plans[-1] == (10, 0.5, 4)          # H steps at the slowest step time
+    times.update([0.5, 0.25], [1, 1])
+    policy.sync_took(1.0)
+    policy.agreed(times)                        # planned: 10 steps x 0.5 s, this worker 0.25 s a step
+    Streams._plan_triggers(me)
+    assert not me._held and me._triggers == [5, 10, 15] and plans[-1] == (20.0, 0.25, 4)
+    fixed = TimeSteps(10, round_seconds=3.0)
+    fixed.bind(1, 2)
+    assert not fixed.measuring and not fixed.knows_steps(StepTimes(2)) and fixed.knows_steps(times)
+
+
+def policy_mismatch(rank: int, world: int) -> str:
+    import hetcomm
+
+    net = torch.nn.Linear(4, 4)
+    try:
+        hetcomm.DiLoCo(net, torch.optim.SGD(net.parameters(), lr=0.1), local_steps="time",
+                       round_seconds=2.0 if rank else None, overlap=True, fragments=2)
+    except ValueError as e:
+        return str(e)
+    return "constructed"
+
+
+def test_ranks_that_plan_their_steps_differently_are_refused():
+    """Which fragments a round fires depends on the policy (a fixed round length plans steps
+    from its first step time, a measured one later): ranks that differ are refused at
+    construction, on every rank, before a collective could mismatch."""
+    for message in run_ranks(2, policy_mismatch):
+        assert "the ranks plan their local steps differently" in message, message
+
+
 def test_paced_fragments_compose_with_sharded_workers_time_and_int8():
     """Workers of two ranks (state sharded over them), ``time`` on a declared clock, int8, three
     staggered fragments moved as they land (test_diloco_stream), paced over half their slots."""
@@ -323,6 +376,8 @@ def test_paced_fragments_compose_with_sharded_workers_time_and_int8():
         for a, b, p in zip(per_rank[0]["global"], res["global"], res["model"]):
             assert torch.equal(a, b) and torch.equal(a, p)
     assert len(per_rank[0]["history"]) == 8
+    # the last round (max_rounds: synchronous, with its steps) sent at the fragments' rate
+    assert all(res["final_paced"] > 0 for res in per_rank), [res["final_paced"] for res in per_rank]
 
 
 def construct_on_gloo(rank: int, world: int) -> str:

@@ -196,7 +196,7 @@ def train_staggered(rank: int, world: int, F: int, tau: int, beta: float, outer_
     pacer = diloco._pacer
     return {"global": [g.clone() for g in diloco.global_parameters()], "history": diloco.history,
             "model": [p.detach().clone() for p in net.parameters()],
-            "paced": None if pacer is None else (pacer.paced_jobs, pacer.refused_links)}
+            "paced": None if pacer is None else (pacer.paced_jobs, pacer.refused_links, pacer.final_jobs)}
 
 
 @pytest.mark.parametrize("F,tau,beta,outer_name", [(2, 1, 0.5, "nesterov"), (3, 2, 0.25, "nesterov"),
@@ -267,7 +267,9 @@ def train_workers_staggered(rank: int, world: int, pace=None) -> dict:
         diloco.step(samples=len(x))
     return {"history": diloco.history, "global": [t.clone() for t in diloco.global_parameters()],
             "model": [p.detach().clone() for p in net.parameters()], "moves": diloco._stream_moves,
-            "paced": None if diloco._pacer is None else diloco._pacer.paced_jobs, "sharded": diloco._layout is not None}
+            "paced": None if diloco._pacer is None else diloco._pacer.paced_jobs,
+            "final_paced": None if diloco._pacer is None else diloco._pacer.final_jobs,
+            "sharded": diloco._layout is not None}
 
 
 def test_staggered_fragments_compose_with_workers_time_and_int8():

@@ -122,6 +122,8 @@ def test_a_worker_killed_is_dropped_and_its_restart_rejoins(run, features, where
         (back, formed, final(run, "w0")["membership"])
     if "--overlap" in FEATURES[features]:
         assert "while the others trained" in run.logs(), run.logs()
+    if "--pace" in FEATURES[features]:           # the fragments' jobs were paced, in every worker
+        assert all(final(run, w)["paced_jobs"] > 0 for w in ids), [final(run, w)["paced_jobs"] for w in ids]
 
 
 @pytest.mark.slow

@@ -86,7 +86,7 @@ def make_pacer(share: float | None, group: dist.ProcessGroup | None, wan: dist.P
 class Pacer:
     """The caps of one DiLoCo's fragments on the group that carries them (see the module doc).
     `plan`, `fired` and `hurry` are called on the training thread, `job` and `take_delay` on the
-    synchronisation's."""
+    synchronisation's (`job` with ``final``: on the training thread, in the last round)."""
 
     def __init__(self, share: float, backend, clock: Callable[[], float], sizes: list[int] | None = None) -> None:
         """``backend``: the hetcomm backend (`ProcessGroupHetcomm`) whose links carry the fragments;
@@ -105,7 +105,10 @@ class Pacer:
         self._free = float("-inf")                  # the planned end of the last paced job's transfer (`rate`)
         self._lock = threading.Lock()               # caps set, and `hurry`
         self._hurried = False
+        self._running: int | None = None           # the fragment whose job runs now
+        self._lift: int | None = None               # the fragment whose job runs uncapped (`lift`)
         self.paced_jobs = 0
+        self.final_jobs = 0                         # ... of them in a last, synchronous round
         self.refused_links = 0                      # links the kernel refused a cap on (summed over jobs)
 
     def plan(self, steps: float | None, step_seconds: float | None, fragments: int) -> None:
@@ -124,11 +127,21 @@ class Pacer:
         self._fired[f] = (self._clock(), self.slot)
 
     def hurry(self) -> None:
-        """Someone waits for the jobs in flight (the last round, a checkpoint, the global
-        parameters): the caps are lifted now, and no job is paced until `resume`."""
+        """Someone waits for the jobs in flight (a checkpoint, the global parameters, a boundary
+        for the previous round's job): the caps are lifted now, and no job is paced until
+        `resume`."""
         with self._lock:
             self._hurried = True
             self._backend.set_pacing([0] * self._backend.size())
+
+    def lift(self, f: int | None) -> None:
+        """Someone waits for fragment f's job in flight (a round boundary, for the previous
+        round's): it runs uncapped, now if it runs, else from its start, until ``lift(None)``
+        after the wait; the jobs of other fragments are paced as planned."""
+        with self._lock:
+            self._lift = f
+            if f is not None and self._running == f:
+                self._backend.set_pacing([0] * self._backend.size())
 
     def resume(self) -> None:
         """The wait for the jobs is over: the next jobs are paced again."""
@@ -136,16 +149,19 @@ class Pacer:
             self._hurried = False
 
     def _bytes(self, f: int) -> float:
-        """The bytes of fragment f's last whole job; not measured yet (with ``sizes``): the bytes
-        per element of the fragments measured, times its elements (0: nothing to go by)."""
-        last = self._sent.get(f)
-        if last:
-            return sum(sum(phase) for phase in last)
-        if self._sizes is None or f >= len(self._sizes):
-            return 0
-        known = [g for g in self._sent if g < len(self._sizes) and self._sizes[g] > 0]
+        """The bytes of fragment f's last whole job; not measured yet, or its last job sent nothing
+        (with ``sizes``): the bytes per element of the fragments measured, times its elements
+        (0: nothing to go by)."""
+        sent = self._sent_by(f)
+        if sent or self._sizes is None or f >= len(self._sizes):
+            return sent
+        known = [g for g in self._sent if g < len(self._sizes) and self._sizes[g] > 0 and self._sent_by(g)]
         elements = sum(self._sizes[g] for g in known)
-        return sum(sum(sum(p) for p in self._sent[g]) for g in known) * self._sizes[f] / elements if elements else 0
+        return sum(self._sent_by(g) for g in known) * self._sizes[f] / elements if elements else 0
+
+    def _sent_by(self, f: int) -> int:
+        """The bytes fragment f's last whole job sent (0: none yet)."""
+        return sum(sum(phase) for phase in self._sent.get(f, ()))
 
     def _phases(self, f: int) -> list[list[int]]:
         """Fragment f's bytes per phase and link last time; not measured yet, those of the largest
@@ -156,7 +172,8 @@ class Pacer:
 
     def rate(self, f: int, now: float, final: bool = False) -> float | None:
         """Bytes/s this rank may send for fragment f's job, started at ``now``. Once every fragment
-        has sent a job, one rate for them all: their last jobs' bytes over ``share`` × the round's
+        has sent a job (with ``sizes``: once one has, the others estimated from it), one rate for
+        them all: their last jobs' bytes over ``share`` × the round's
         planned compute (F slots), so that a fragment larger than the others (fragments are cut at
         tensor boundaries: 1.37 times the smallest in the example's model) takes longer at the same
         rate instead of sending faster: the peak was the largest fragment's rate, 1.13–1.20 times
@@ -231,7 +248,7 @@ class Pacer:
             if rate is None:
                 return
             with self._lock:
-                if not self._hurried:
+                if not self._hurried and self._lift != f:
                     refused = self._backend.set_pacing(self.caps(f, rate, len(phases)))
                     if refused and not self.refused_links:
                         warnings.warn(f"{_PREFIX}: the kernel refused a send-rate cap (SO_MAX_PACING_RATE) on "
@@ -247,14 +264,18 @@ class Pacer:
 
         if rate is not None:
             self.paced_jobs += 1
+            self.final_jobs += final
+        with self._lock:
+            self._running = f
         try:
             cap_next()
             with phase_marks(boundary):
                 yield
         finally:
-            if rate is not None:
-                with self._lock:
+            with self._lock:
+                if rate is not None:
                     self._backend.set_pacing([0] * len(mark))
+                self._running = None
             ended = self._clock()
             self._free = min(self._free, ended)     # (a job that ended early, or failed, freed the link then)
         # (a failed job's bytes are a part of a fragment's: the last whole one's stand)
@@ -280,8 +301,8 @@ class Pacer:
         the fragments that were, times its bytes (None: no fragment was)."""
         if f in self._need:
             return self._need[f]
-        known = [g for g in self._need if g in self._sent]
-        sent = sum(sum(sum(p) for p in self._sent[g]) for g in known)
+        known = [g for g in self._need if self._sent_by(g)]
+        sent = sum(self._sent_by(g) for g in known)
         return sum(self._need[g] for g in known) * self._bytes(f) / sent if sent else None
 
     def take_delay(self) -> float:

@@ -215,9 +215,17 @@ class Overlap:
     def _wait_pending(self) -> None:
         start = self._clock()
         future = self._pending
+        # Paced, a boundary that waits for the previous round's job lifts its caps (the pace it
+        # was planned at, from a first step time, or for a link slower than measured, would cost
+        # idle time); the jobs after it keep theirs. (Paced, fragment 0 is the boundary's job.)
+        lifted = self._pacer is not None and not future.done()
+        if lifted:
+            self._pacer.lift(0)
         try:
             concurrent.futures.wait([future])
         finally:
+            if lifted:
+                self._pacer.lift(None)
             end = self._clock()
             self._totals["idle"] += end - start
             self._timeline.append(("idle", start, end))

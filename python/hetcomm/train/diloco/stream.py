@@ -86,17 +86,18 @@ class Streams:
 
     def _plan_triggers(self) -> None:
         """At a round's start: this round's triggers (`stagger_triggers`), nothing fired yet.
-        A measurement round (`LocalStepPolicy.measuring`: from agreed values, the same on every
-        rank) fires no fragment f >= 1: its one step put every trigger together, and nothing
-        plans a slot to pace them by; fired at once, they sent the whole model in one burst, the
-        run's peak rate (0.66-1.17 times the whole update's, paced or not). Their windows go on
-        into the first planned round. (Whether or not a rank paces: the ranks' collectives
-        line up.)"""
+        A round whose steps are not planned (`LocalStepPolicy.knows_steps`: a measurement round,
+        or `time` with a fixed length before any step time is agreed; from agreed values, the
+        same on every rank) fires no fragment f >= 1: its one planned step put every trigger
+        together, and nothing plans a slot to pace them by; fired at once, they sent the whole
+        model in one burst, the run's peak rate (0.66-1.17 times the whole update's, paced or
+        not). Their windows go on into the first planned round. (Whether or not a rank paces:
+        the ranks' collectives line up.)"""
         if not self._stagger:
             return
         self._fired = [False] * len(self._fragments)
         planned = self._policy.planned_steps(self._times)
-        self._held = self._policy.measuring
+        self._held = not self._policy.knows_steps(self._times)
         self._triggers = stagger_triggers(None if self._held else planned, len(self._fragments))
         if self._pacer is not None:          # (the planned compute: without `time`'s stretch for the link)
             t = self._times.estimates()
@@ -105,7 +106,9 @@ class Streams:
                 # in flight lands): fragment 0 is paced by a round of the policy's H steps at the
                 # slowest step time agreed so far (none before the first: unpaced). Unpaced, its
                 # jobs went one after another in the short rounds, half the model in a second
-                # (0.36-0.40 times the whole update's peak over the run).
+                # (0.36-0.40 times the whole update's peak over the run). A first step time
+                # (warm-up) paces it slower than the link needs: a boundary that waits for it
+                # lifts its caps (`Overlap._wait_pending`).
                 self._pacer.plan(self._policy.steps, None if t is None else max(t), len(self._fragments))
             else:
                 steps = None if planned is None else planned / getattr(self._policy, "stretch", 1.0)
@@ -135,7 +138,7 @@ class Streams:
 
     def _fire_rest(self) -> None:
         """At the round boundary, before fragment 0: the fragments not yet fired this round (none
-        in a paced measurement round)."""
+        in a round whose steps are not planned: `_plan_triggers`)."""
         for f in range(1, len(self._fragments)):
             if not self._fired[f] and not self._held:
                 self._fire(f)

@@ -11,7 +11,8 @@
 #    silently): every collective, stream semantics, DDP, and every path a CUDA tensor takes (one
 #    host through shared memory, TCP and the NCCL inner level; hosts of two through shared memory
 #    and NCCL; sites; three levels with NCCL), with fp16/bf16 AVG of large values and the pinned
-#    staging memory after a 1 GiB allreduce and after destroy;
+#    staging memory after a 1 GiB allreduce and after destroy; and DiLoCo with its state on the
+#    GPU (tests/train/test_diloco_device.py);
 # 3. runs the CUDA benchmarks, 2 ranks on the GPU(s): reduce kernel vs device-to-device copy
 #    (bench_reduce); allreduce of CUDA tensors, hetcomm's paths beside torch's NCCL and gloo
 #    (python -m hetcomm.bench --device cuda); a DDP training step, hetcomm beside gloo and NCCL
@@ -90,6 +91,9 @@ phase bench_reduce_kernel "$OUT/bench.log" 300 bash -c "build-gpu/benchmarks/cud
 # -rP: the staging memory each path held (printed by the tests) goes into the log.
 phase pytest_cuda "$OUT/tests.log" 420 env HETCOMM_REQUIRE_CUDA=1 HETCOMM_TEST_START=spawn "$PY" -m pytest -q -rsP \
   -p no:cacheprovider tests/backend/test_cuda.py
+# DiLoCo's state on the GPU (state_device): apart, so that a failure there leaves the rest whole.
+phase pytest_diloco_cuda "$OUT/tests.log" 150 env HETCOMM_REQUIRE_CUDA=1 HETCOMM_TEST_START=spawn "$PY" -m pytest -q \
+  -rs -p no:cacheprovider tests/train/test_diloco_device.py
 phase bench_allreduce_cuda "$OUT/bench.log" 300 "$PY" -m hetcomm.bench --device cuda --nprocs 2 \
   --backends nccl,hetcomm,hetcomm-shm-pin,hetcomm-tcp,gloo --sizes 8,1M,16M,64M,256M --seconds-per-size 1.0 --min-iters 5 \
   --timeout 60 --json "$OUT/allreduce_cuda_2ranks_1gpu.json"

@@ -37,8 +37,6 @@ def _flat_fp32(x: torch.Tensor, what: str) -> torch.Tensor:
         raise TypeError(f"{_PREFIX}: {what} takes a torch.Tensor, got {type(x).__name__}")
     if x.dtype != torch.float32:
         raise TypeError(f"{_PREFIX}: {what} takes float32, got {x.dtype}")
-    if x.device.type != "cpu":
-        raise ValueError(f"{_PREFIX}: {what} takes a CPU tensor, got one on {x.device}")
     return x.detach().reshape(-1).contiguous()
 
 
@@ -53,8 +51,10 @@ def _bytes_as(buf: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 class Codec:
     """One wire format: ``encode`` fp32 -> bytes, ``decode`` bytes -> fp32, and the error bound.
 
-    ``encode`` reads any fp32 CPU tensor in row-major order as a flat vector; ``decode(buf, n)``
-    returns a new 1-D fp32 tensor of n elements from ``encoded_bytes(n)`` bytes. Instances are
+    ``encode`` reads any fp32 tensor in row-major order as a flat vector; ``decode(buf, n)``
+    returns a new 1-D fp32 tensor of n elements from ``encoded_bytes(n)`` bytes, on the device
+    of ``buf`` (the codecs are torch operations: they run where their tensors are, the CPU or a
+    GPU, and give the same bytes on both). Instances are
     immutable and compare equal by ``(name, block)``. Non-finite inputs are not checked here:
     they encode to meaningless bytes (`weighted_allreduce` checks them).
     """
@@ -67,20 +67,19 @@ class Codec:
 
     def encode(self, x: torch.Tensor) -> torch.Tensor:
         x = _flat_fp32(x, f"{self.name} encode")
-        out = torch.empty(self.encoded_bytes(x.numel()), dtype=torch.uint8)
+        out = torch.empty(self.encoded_bytes(x.numel()), dtype=torch.uint8, device=x.device)
         self._encode_into(x, out)
         return out
 
     def decode(self, buf: torch.Tensor, n: int) -> torch.Tensor:
         if isinstance(n, bool) or not isinstance(n, int) or n < 0:
             raise ValueError(f"{_PREFIX}: {self.name} decode: n must be a non-negative int, got {n!r}")
-        if not isinstance(buf, torch.Tensor) or buf.dtype != torch.uint8 or buf.dim() != 1 \
-                or buf.device.type != "cpu":
-            raise TypeError(f"{_PREFIX}: {self.name} decode takes a 1-D uint8 CPU tensor")
+        if not isinstance(buf, torch.Tensor) or buf.dtype != torch.uint8 or buf.dim() != 1:
+            raise TypeError(f"{_PREFIX}: {self.name} decode takes a 1-D uint8 tensor")
         if buf.numel() != self.encoded_bytes(n):
             raise ValueError(f"{_PREFIX}: {self.name} decode: {n} elements take {self.encoded_bytes(n)} "
                              f"bytes, got {buf.numel()}")
-        out = torch.empty(n, dtype=torch.float32)
+        out = torch.empty(n, dtype=torch.float32, device=buf.device)
         self._decode_into(buf.contiguous(), out)
         return out
 
@@ -182,8 +181,8 @@ class _IntCodec(Codec):
         nb = self._blocks(n)
         if n == 0:
             return
-        scales = torch.empty(nb, dtype=torch.float32)
-        q = out[4 * nb:].view(torch.int8) if self.levels > 7 else torch.empty(n, dtype=torch.int8)
+        scales = torch.empty(nb, dtype=torch.float32, device=x.device)
+        q = out[4 * nb:].view(torch.int8) if self.levels > 7 else torch.empty(n, dtype=torch.int8, device=x.device)
         full = n // L
         if full:
             self._quantise(x[:full * L].view(full, L), scales[:full], q[:full * L].view(full, L))
@@ -217,13 +216,13 @@ class _IntCodec(Codec):
         nb = self._blocks(n)
         if n == 0:
             return
-        scales = torch.empty(nb, dtype=torch.float32)
+        scales = torch.empty(nb, dtype=torch.float32, device=out.device)
         scales.view(torch.uint8).copy_(buf[:4 * nb])
         if self.levels > 7:
             q = buf[4 * nb:].view(torch.int8)
         else:                                    # unpack the nibbles
             packed = buf[4 * nb:]
-            u = torch.empty(2 * packed.numel(), dtype=torch.uint8)
+            u = torch.empty(2 * packed.numel(), dtype=torch.uint8, device=out.device)
             torch.bitwise_and(packed, 15, out=u[0::2])
             torch.bitwise_right_shift(packed, 4, out=u[1::2])
             q = u[:n].view(torch.int8).sub_(8)

@@ -116,13 +116,18 @@ def _phase_boundary() -> None:
         hook()
 
 
+def _on_host(t: torch.Tensor) -> torch.Tensor:
+    """``t`` where the group's collectives take it: the CPU (a GPU's encoded bytes are copied)."""
+    return t if t.device.type == "cpu" else t.cpu()
+
+
 def _all_to_all_bytes(send: torch.Tensor, send_sizes: list[int], recv_each: int, world_size: int,
                       group: Optional[dist.ProcessGroup]) -> torch.Tensor:
     if world_size == 1:
         return send
     recv = torch.empty(recv_each * world_size, dtype=torch.uint8)
-    dist.all_to_all_single(recv, send, [recv_each] * world_size, send_sizes, group=group)
-    return recv
+    dist.all_to_all_single(recv, _on_host(send), [recv_each] * world_size, send_sizes, group=group)
+    return recv.to(send.device)
 
 
 def _all_gather_bytes(mine: torch.Tensor, sizes: list[int], rank: int, hetcomm_group: bool,
@@ -130,19 +135,20 @@ def _all_gather_bytes(mine: torch.Tensor, sizes: list[int], rank: int, hetcomm_g
     world_size = len(sizes)
     if world_size == 1:
         return [mine]
+    device, mine = mine.device, _on_host(mine)
     if hetcomm_group:  # unequal blocks, along the plan's ring
         outs = [torch.empty(s, dtype=torch.uint8) for s in sizes]
         dist.all_gather(outs, mine, group=group)
-        return outs
+        return [o.to(device) for o in outs]
     # gloo (and torch's other backends) insist on equal sizes: pad to the largest chunk.
     width = max(sizes)
     if width == 0:
-        return [mine.new_empty(0) for _ in sizes]
+        return [torch.empty(0, dtype=torch.uint8, device=device) for _ in sizes]
     padded = torch.zeros(width, dtype=torch.uint8)
     padded[:mine.numel()] = mine
     outs = [torch.empty(width, dtype=torch.uint8) for _ in sizes]
     dist.all_gather(outs, padded, group=group)
-    return [o[:s] for o, s in zip(outs, sizes)]
+    return [o[:s].to(device) for o, s in zip(outs, sizes)]
 
 
 def weighted_allreduce(x: torch.Tensor, weights: Sequence[float], *, codec: Union[str, Codec] = "int8",
@@ -150,8 +156,9 @@ def weighted_allreduce(x: torch.Tensor, weights: Sequence[float], *, codec: Unio
                        finite_checked: bool = False) -> torch.Tensor:
     """``Σ_r weights[r] * x_r`` over the ranks of ``group``, moved in ``codec``'s format.
 
-    A collective: every rank calls it with its own x (fp32, CPU, any shape, the same number of
-    elements on every rank) and the same ``weights`` (one per group rank) and codec. Returns a
+    A collective: every rank calls it with its own x (fp32, any shape, the same number of
+    elements on every rank; on the CPU or a GPU: the codec's arithmetic runs there, and only
+    the encoded bytes are copied to the CPU for the group's collectives and back) and the same ``weights`` (one per group rank) and codec. Returns a
     new fp32 tensor of x's shape, bit-identical on every rank, within `reduced_error_bound` of
     the exact sum (without ``feedback``). x is not modified. ``feedback``: carry quantisation
     residuals between calls (`ErrorFeedback`). ``finite_checked``: skip the agreement step
@@ -184,8 +191,9 @@ def weighted_allreduce(x: torch.Tensor, weights: Sequence[float], *, codec: Unio
 
     n = flat.numel()
     shape = x.shape
+    dev = flat.device
     if n == 0:
-        return torch.zeros(shape, dtype=torch.float32)
+        return torch.zeros(shape, dtype=torch.float32, device=dev)
     v = [_fp32_value(w) for w in ws]
     counts = chunk_counts(n, group)
     offsets = _offsets(counts)
@@ -203,19 +211,22 @@ def weighted_allreduce(x: torch.Tensor, weights: Sequence[float], *, codec: Unio
             feedback.sender_residual = None
             feedback.owner_residual = None
         if world_size > 1:
-            dist.all_reduce(y, op=dist.ReduceOp.SUM, group=group)
+            wire = _on_host(y)
+            dist.all_reduce(wire, op=dist.ReduceOp.SUM, group=group)
+            if wire is not y:
+                y.copy_(wire)
         return y.view(shape)
 
     # 1-2. Encode each chunk of (x + sender residual) once; chunk c goes to rank c.
     x_send = flat if feedback is None else feedback._sender_input(flat)
     send_sizes = [codec.encoded_bytes(c) for c in counts]
-    send = torch.empty(sum(send_sizes), dtype=torch.uint8)
+    send = torch.empty(sum(send_sizes), dtype=torch.uint8, device=dev)
     byte_offsets = _offsets(send_sizes)
     for c in range(world_size):
         codec._encode_into(x_send[offsets[c]:offsets[c] + counts[c]],
                            send[byte_offsets[c]:byte_offsets[c] + send_sizes[c]])
     if feedback is not None:
-        decoded = torch.empty(n, dtype=torch.float32)
+        decoded = torch.empty(n, dtype=torch.float32, device=dev)
         for c in range(world_size):
             codec._decode_into(send[byte_offsets[c]:byte_offsets[c] + send_sizes[c]],
                                decoded[offsets[c]:offsets[c] + counts[c]])
@@ -224,8 +235,8 @@ def weighted_allreduce(x: torch.Tensor, weights: Sequence[float], *, codec: Unio
     recv = _all_to_all_bytes(send, send_sizes, recv_each, world_size, group)
 
     # 3. The owner sums the weighted contributions in fp32, in rank order.
-    s = torch.zeros(mine, dtype=torch.float32)
-    part = torch.empty(mine, dtype=torch.float32)
+    s = torch.zeros(mine, dtype=torch.float32, device=dev)
+    part = torch.empty(mine, dtype=torch.float32, device=dev)
     for r in range(world_size):
         if v[r] == 0.0:
             continue  # adds exact zeros (inputs are finite)
@@ -237,14 +248,14 @@ def weighted_allreduce(x: torch.Tensor, weights: Sequence[float], *, codec: Unio
         f = feedback._owner_residual_for(owner_key)
         if f is not None:
             s += f
-    reduced = torch.empty(recv_each, dtype=torch.uint8)
+    reduced = torch.empty(recv_each, dtype=torch.uint8, device=dev)
     codec._encode_into(s, reduced)
     if feedback is not None:
         codec._decode_into(reduced, part)
         feedback.owner_residual = s.sub_(part)
     _phase_boundary()
     chunks = _all_gather_bytes(reduced, send_sizes, rank, backend_or_none(group) is not None, group)
-    out = torch.empty(n, dtype=torch.float32)
+    out = torch.empty(n, dtype=torch.float32, device=dev)
     for c in range(world_size):
         codec._decode_into(chunks[c], out[offsets[c]:offsets[c] + counts[c]])
     return out.view(shape)

@@ -1,4 +1,5 @@
-"""A model's parameters as one flat CPU vector and back (DiLoCo's global parameters travel so)."""
+"""A model's parameters as one flat vector and back (DiLoCo's global parameters travel so): on the
+CPU, or on the device DiLoCo keeps its state on."""
 from __future__ import annotations
 
 import hashlib
@@ -53,9 +54,10 @@ def split(flat: torch.Tensor, params: Sequence[torch.Tensor]) -> list[torch.Tens
 
 
 @torch.no_grad()
-def flatten(tensors: Sequence[torch.Tensor], dtype: torch.dtype | None = None) -> torch.Tensor:
-    """The tensors' elements, concatenated on the CPU (in ``dtype`` when given)."""
-    return torch.cat([t.detach().reshape(-1).to("cpu", dtype or t.dtype) for t in tensors])
+def flatten(tensors: Sequence[torch.Tensor], dtype: torch.dtype | None = None,
+            device: torch.device | str = "cpu") -> torch.Tensor:
+    """The tensors' elements, concatenated on ``device`` (in ``dtype`` when given)."""
+    return torch.cat([t.detach().reshape(-1).to(device, dtype or t.dtype) for t in tensors])
 
 
 @torch.no_grad()
@@ -67,7 +69,8 @@ def load(params: Sequence[torch.Tensor], sources: Sequence[torch.Tensor]) -> Non
 
 class FlatParameters:
     """For classes that keep ``_params`` (the model's floating-point parameters), ``_global`` (the
-    global parameters, CPU) and ``_master`` (their dtype): the conversions between them."""
+    global parameters, on the device of the state) and ``_master`` (their dtype): the conversions
+    between them; flat vectors on the device of ``_global``."""
 
     _params: list[torch.Tensor]
     _global: list[torch.Tensor]
@@ -77,10 +80,10 @@ class FlatParameters:
         return split(flat, self._params)
 
     def _flatten_model(self) -> torch.Tensor:
-        return flatten(self._params, self._master)
+        return flatten(self._params, self._master, self._global[0].device)
 
     def _flatten_global(self) -> torch.Tensor:
-        return flatten(self._global)
+        return flatten(self._global, device=self._global[0].device)
 
     def _load_global(self) -> None:
         load(self._params, self._global)

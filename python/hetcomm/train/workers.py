@@ -178,7 +178,8 @@ class Workers:
     # ---- the outer reduction -----------------------------------------------------------------
 
     def reduce(self, delta: torch.Tensor, weights: Sequence[float], *, codec, feedback) -> torch.Tensor:
-        """Σ_w weights[w] Δ_w, every rank of every worker alike (see the module doc)."""
+        """Σ_w weights[w] Δ_w, every rank of every worker alike (see the module doc), on the device
+        of ``delta`` (the worker's gather goes through the CPU)."""
         n = delta.numel()
         bounds = shard_bounds(n, self.shards)
         longest = max(b - a for a, b in zip(bounds, bounds[1:]))
@@ -190,7 +191,7 @@ class Workers:
                                                         feedback=feedback, finite_checked=True)
         pieces = [torch.empty(longest, dtype=torch.float32) for _ in range(self.size)]
         dist.all_gather(pieces, mine, group=self.gather_group)
-        return torch.cat([pieces[i][:bounds[i + 1] - bounds[i]] for i in range(self.shards)])
+        return torch.cat([pieces[i][:bounds[i + 1] - bounds[i]] for i in range(self.shards)]).to(delta.device)
 
     def reduce_range(self, delta: torch.Tensor, weights: Sequence[float], *, codec, feedback) -> torch.Tensor:
         """Σ_w weights[w] Δ_w of this rank's range of the model (DiLoCo's sharded state): with the

@@ -159,7 +159,7 @@ class Agreement:
                                            background=not timed, fragment=f)
                 # The outer step of this fragment's parameters alone (the others have no gradient).
                 for g, piece in zip(self._global[i:j], _flat.split(part, self._global[i:j])):
-                    g.grad = piece.view(g.shape).to(g.dtype)
+                    g.grad = piece.view(g.shape).to(g.device, g.dtype)
                 self.outer_optimizer.step()
                 self.outer_optimizer.zero_grad(set_to_none=True)
                 self._applied += 1
@@ -259,8 +259,8 @@ class Agreement:
         self._next_delta = (self._next_delta + 1) % len(self._deltas)
         for p, s, o in zip(self._params, self._split(self._start), self._split(out)):
             src = p.detach().reshape(-1)
-            if src.device.type != "cpu" or src.dtype != o.dtype:
-                o.copy_(src)                        # to the CPU and the master precision, no new tensor
+            if src.device != o.device or src.dtype != o.dtype:
+                o.copy_(src)                        # to the state's device and precision, no new tensor
                 src = o
             torch.sub(s, src, out=o)
         return out

@@ -155,7 +155,7 @@ class Checkpoint:
             if len(saved) == len(self._feedback):
                 for fb, values in zip(self._feedback, saved):
                     for k, v in values.items():
-                        setattr(fb, k, v.to("cpu") if isinstance(v, torch.Tensor) else v)
+                        setattr(fb, k, v.to(self._device) if isinstance(v, torch.Tensor) else v)
             else:
                 warnings.warn(f"{_PREFIX}: the checkpoint's quantisation residuals are of {len(saved)} fragment(s), "
                               f"this run reduces in {len(self._feedback)}: they start from zero", stacklevel=2)

@@ -21,6 +21,7 @@ from hetcomm.train.diloco.pacing import check_pace
 from hetcomm.train.diloco.results import Results
 from hetcomm.train.diloco.schedule import Overlap, check_overlap_options, fragment_bounds
 from hetcomm.train.diloco.shard import ShardedState
+from hetcomm.train.diloco.shard import state_device as state_device_of
 from hetcomm.train.diloco.stream import Streams
 from hetcomm.train.diloco.table import _AGGREGATE, _BUDGETS, _TOT_BYTES, _TOT_IDLE, _TOT_SYNC, _TOT_WAN, _known
 from hetcomm.train.local_steps import FixedSteps, LocalStepPolicy, SpeedSteps, StepTimes, TimeSteps, make_policy
@@ -38,8 +39,8 @@ class DiLoCo(Results, ShardedState, Agreement, Checkpoint, Streams, Overlap, _fl
         inner_optimizer: the optimizer the training loop steps (its parameters must be the
             model's); DiLoCo never steps it, it keeps its state across rounds.
         group: the process group (any backend with CPU tensors: hetcomm, gloo).
-        outer_optimizer: ``callable(params) -> Optimizer`` over the global parameters (CPU);
-            default `default_outer_optimizer`.
+        outer_optimizer: ``callable(params) -> Optimizer`` over the global parameters (on the
+            device of the state, ``state_device``); default `default_outer_optimizer`.
         local_steps: ``"fixed"``, ``"speed"``, ``"time"`` or a `hetcomm.local_steps.LocalStepPolicy`.
         steps: H: the steps per round of ``fixed``, the slowest rank's for ``speed`` and the
             length of a ``time`` round in the slowest rank's steps.
@@ -89,6 +90,11 @@ class DiLoCo(Results, ShardedState, Agreement, Checkpoint, Streams, Overlap, _fl
             required (else an error); False: every rank keeps the whole state. Sharded, a rank
             holds only its share of the global parameters until `finish`:
             `gather_global_parameters` gathers them (docs/diloco.md#state-sharded-over-a-workers-ranks).
+        state_device: where the state lives: None (default) on the device of the model's
+            parameters when they all lie on one (a GPU's: the pseudo-gradients, outer step and
+            codecs run there, and only the encoded bytes cross to the CPU for the group), else
+            on the CPU; ``"cpu"``; ``"model"`` (an error when the parameters lie on several
+            devices). An elastic run keeps it on the CPU (docs/diloco.md#where-the-state-lives).
         clock: the clock DiLoCo times steps, rounds and synchronisations by, in seconds
             (default ``time.perf_counter``); a simulation, or a test, may give one of its own.
         membership: None (default): the ranks of ``group``, fixed for the run;
@@ -116,7 +122,7 @@ class DiLoCo(Results, ShardedState, Agreement, Checkpoint, Streams, Overlap, _fl
                  early_weight: float | None = None,
                  ema: float = 0.3, threshold: float = 0.01,
                  workers="sites", inner_sync: bool = True, worker_backend: str | None = None,
-                 shard_state: bool | None = None,
+                 shard_state: bool | None = None, state_device: str | None = None,
                  clock: Callable[[], float] = time.perf_counter) -> None:
         if not (dist.is_available() and dist.is_initialized()):
             raise RuntimeError(f"{_PREFIX}: torch.distributed is not initialised "
@@ -170,6 +176,7 @@ class DiLoCo(Results, ShardedState, Agreement, Checkpoint, Streams, Overlap, _fl
         # fp64 models), for the whole model or (sharded) this rank's pieces of it.
         master = torch.float64 if any(p.dtype == torch.float64 for p in self._model_params) else torch.float32
         self._master = master
+        self._device = state_device_of(self._model_params, state_device)
         self._workers = Workers(self._labels, group, worker_backend=worker_backend, background=self.overlap)
         error = None
         try:

@@ -32,13 +32,33 @@ from hetcomm.train import flat as _flat
 from hetcomm.train.diloco.outer import PER_PARAMETER
 from hetcomm.train.workers import resolve_members, shard_bounds
 
-__all__ = ["CHUNK", "Layout", "LocalShards", "ShardedState", "reachable_bytes", "shard_bounds"]
+__all__ = ["CHUNK", "Layout", "LocalShards", "ShardedState", "reachable_bytes", "shard_bounds", "state_device"]
 
 _PREFIX = "hetcomm DiLoCo"
 
 # Elements per all-gather of the exchange: the exchange's buffers, (ranks + 1) x CHUNK elements of
 # the master precision, are the only memory of a rank that does not shrink with the worker.
 CHUNK = 1 << 18
+
+
+STATE_DEVICES = (None, "cpu", "model")
+
+
+def state_device(params: Sequence[torch.Tensor], option: str | None) -> torch.device:
+    """Where DiLoCo keeps its state (DiLoCo's ``state_device``): ``"cpu"``; ``"model"``: the
+    device of the model's parameters (of their local shards with FSDP2), an error when they lie
+    on several; None (default): that device when they all lie on one, else the CPU."""
+    if option not in STATE_DEVICES:
+        raise ValueError(f"{_PREFIX}: state_device must be None, 'cpu' or 'model', got {option!r}")
+    devices = sorted({str(p.device) for p in params})
+    if option == "cpu":
+        return torch.device("cpu")
+    if len(devices) > 1:
+        if option == "model":
+            raise ValueError(f"{_PREFIX}: state_device='model', but the model's parameters lie on several devices "
+                             f"({', '.join(devices)}): state_device='cpu'")
+        return torch.device("cpu")
+    return torch.device(devices[0])
 
 
 def _offsets(sizes: Iterable[int]) -> list[int]:
@@ -247,7 +267,8 @@ class ShardedState:
         element-wise cannot step pieces: the state is then kept whole (the factory is called
         again, on the real parameters), with a warning, or an error if sharding was asked for."""
         with torch.no_grad():
-            self._global = [torch.nn.Parameter(p.detach().to("cpu", self._master, copy=True)) for p in self._params]
+            self._global = [torch.nn.Parameter(p.detach().to(self._device, self._master, copy=True))
+                            for p in self._params]
         self._fragments = whole if self._layout is None else self._layout.fragments
         if self._layout is None:
             return factory(self._global)
@@ -302,7 +323,8 @@ class ShardedState:
         return self._layout.views(self._model_params)
 
     def global_parameters(self) -> list[torch.Tensor]:
-        """The global parameters (CPU, identical on every rank after each synchronisation); with
+        """The global parameters (on the device of the state: `state_device`; identical on every
+        rank after each synchronisation); with
         overlap, after the latest update that landed (a synchronisation in flight is waited for,
         not applied; with staggered fragments, mid-round, that waits for the other ranks to reach
         the fragments in flight: call it at a round boundary). No communication: with state
@@ -317,7 +339,7 @@ class ShardedState:
                                    "worker's ranks: this rank holds only its share; call "
                                    "diloco.gather_global_parameters() on every rank of the worker (a collective), "
                                    "or construct DiLoCo with shard_state=False")
-            return [p.detach().to("cpu", self._master) for p in self._model_params]
+            return [p.detach().to(self._device, self._master) for p in self._model_params]
         if self._pending is not None and not self._closed:     # (a closed object's may never finish)
             self._hurry_streams()
             concurrent.futures.wait([self._pending])
@@ -353,7 +375,7 @@ class ShardedState:
             dtensor = _dtensor_type()
             return [dtensor.from_local(g.detach().to(p.device), p.device_mesh, p.placements, shape=p.shape,
                                        stride=p.stride(), run_check=False) for g, p in zip(self._global, self._model_params)]
-        out = [torch.empty(p.shape, dtype=self._master) for p in self._model_params]
+        out = [torch.empty(p.shape, dtype=self._master, device=self._device) for p in self._model_params]
         self._layout.exchange(range(len(self._fragments)), list(self._global), out,
                               group=self._workers.agree_group, size=self._workers.size, dtype=self._master)
         return out

@@ -81,8 +81,8 @@ class Streams:
         self._stream_base = self._fragments[1][2] if self._stagger else 0
         if self._stagger:
             n = self._start.numel() - self._stream_base
-            self._stream_delta = torch.empty(n, dtype=self._master)
-            self._stream_scratch = torch.empty(n, dtype=self._master)
+            self._stream_delta = torch.empty(n, dtype=self._master, device=self._start.device)
+            self._stream_scratch = torch.empty(n, dtype=self._master, device=self._start.device)
 
     def _plan_triggers(self) -> None:
         """At a round's start: this round's triggers (`stagger_triggers`), nothing fired yet.
@@ -211,7 +211,7 @@ class Streams:
         params = self._params[i:j]
         for p, s, o in zip(params, _flat.split(self._start[a:b], params), _flat.split(out, params)):
             src = p.detach().reshape(-1)
-            if src.device.type != "cpu" or src.dtype != o.dtype:
+            if src.device != o.device or src.dtype != o.dtype:
                 o.copy_(src)
                 src = o
             torch.sub(s, src, out=o)
@@ -280,7 +280,7 @@ class Streams:
                 part = self._reduce_agreed(delta, weights, self._feedback[f] if self._feedback is not None else None,
                                            background=not timed, fragment=f)
                 for g, piece in zip(self._global[i:j], _flat.split(part, self._global[i:j])):
-                    g.grad = piece.view(g.shape).to(g.dtype)
+                    g.grad = piece.view(g.shape).to(g.device, g.dtype)
                 self.outer_optimizer.step()
                 self.outer_optimizer.zero_grad(set_to_none=True)
                 self._applied += 1

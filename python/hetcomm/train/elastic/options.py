@@ -50,7 +50,11 @@ def check_options(membership: Elastic, fixed_only: dict, inner_sync: bool, local
         if name in ("group", "workers", "clock"):
             raise ValueError(f"{prefix}: {name}= is not an option of an elastic run (the generations form their "
                              "groups; a worker is named by Elastic(worker=...))")
-        if name != "shard_state":
+        if name == "state_device":
+            if fixed_only[name] not in (None, "cpu"):
+                raise ValueError(f"{prefix}: an elastic run keeps DiLoCo's state on the CPU (its epochs check and move "
+                                 f"it there): state_device must be None or 'cpu', got {fixed_only[name]!r}")
+        elif name != "shard_state":
             raise TypeError(f"{prefix}: unknown argument {name!r}")
     shard_state = fixed_only.get("shard_state")
     if shard_state is not None and not isinstance(shard_state, bool):

@@ -419,7 +419,7 @@ class ElasticRun(RunEpochs, ElasticBase):
             self.inner_optimizer.state.clear()     # a worker's ranks start from identical replicas
         self._model_global = False
         inner = _Generation(self.model, self.inner_optimizer, outer_optimizer=self._factory, workers=labels,
-                            shard_state=None if self._sharded else False, **self._options)
+                            shard_state=None if self._sharded else False, state_device="cpu", **self._options)
         self._phases.mark("diloco")                # (its state, its groups: with overlap, one more)
         try:
             shares = None

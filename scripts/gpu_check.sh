@@ -92,7 +92,7 @@ phase bench_reduce_kernel "$OUT/bench.log" 300 bash -c "build-gpu/benchmarks/cud
 phase pytest_cuda "$OUT/tests.log" 420 env HETCOMM_REQUIRE_CUDA=1 HETCOMM_TEST_START=spawn "$PY" -m pytest -q -rsP \
   -p no:cacheprovider tests/backend/test_cuda.py
 # DiLoCo's state on the GPU (state_device): apart, so that a failure there leaves the rest whole.
-phase pytest_diloco_cuda "$OUT/tests.log" 150 env HETCOMM_REQUIRE_CUDA=1 HETCOMM_TEST_START=spawn "$PY" -m pytest -q \
+phase pytest_diloco_cuda "$OUT/tests.log" 240 env HETCOMM_REQUIRE_CUDA=1 HETCOMM_TEST_START=spawn "$PY" -m pytest -q \
   -rs -p no:cacheprovider tests/train/test_diloco_device.py
 phase bench_allreduce_cuda "$OUT/bench.log" 300 "$PY" -m hetcomm.bench --device cuda --nprocs 2 \
   --backends nccl,hetcomm,hetcomm-shm-pin,hetcomm-tcp,gloo --sizes 8,1M,16M,64M,256M --seconds-per-size 1.0 --min-iters 5 \

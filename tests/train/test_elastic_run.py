@@ -88,14 +88,16 @@ def test_a_worker_killed_is_dropped_and_its_restart_rejoins(run, features, where
     # ~0.6 s rounds: the restart finds the run going on, with rounds left to contribute to
     rounds, ids = 10, ["w0", "w1", "w2"]
     common = ["--run", "--rounds", str(rounds), "--steps", "4", "--step-seconds", "0.15", *FEATURES[features]]
+    # (paced: over TCP links, which pacing caps; shared memory has no rate to cap)
+    env = {"HETCOMM_LOCAL": "tcp"} if "--pace" in FEATURES[features] else None
     procs = {w: run.start(w, *common, "--min-workers", "3", *(["--die", f"2:{where}"] if w == "w1" else
-                                                               ["--slow-until", f"{run.out / 'w1.joined'}:4"]))
+                                                               ["--slow-until", f"{run.out / 'w1.joined'}:4"]), env=env)
              for w in ids}
     wait_for(procs["w1"], run)
     assert procs["w1"].returncode == -9, run.logs()
     for marker in ("w1.joined", "w1.started"):          # (its first incarnation's)
         (run.out / marker).unlink()
-    run.start("w1", *common)
+    run.start("w1", *common, env=env)
     codes = run.wait_all()
     assert all(c[-1] == 0 for c in codes.values()), f"{codes}\n{run.logs()}"
     prints = check_agreement(run, ids, rounds)

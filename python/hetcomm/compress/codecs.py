@@ -37,6 +37,8 @@ def _flat_fp32(x: torch.Tensor, what: str) -> torch.Tensor:
         raise TypeError(f"{_PREFIX}: {what} takes a torch.Tensor, got {type(x).__name__}")
     if x.dtype != torch.float32:
         raise TypeError(f"{_PREFIX}: {what} takes float32, got {x.dtype}")
+    if x.device.type not in ("cpu", "cuda"):
+        raise ValueError(f"{_PREFIX}: {what} takes a CPU or CUDA tensor, got one on {x.device}")
     return x.detach().reshape(-1).contiguous()
 
 
@@ -198,7 +200,10 @@ class _IntCodec(Codec):
 
     def _quantise(self, xb: torch.Tensor, scales: torch.Tensor, q: torch.Tensor) -> None:
         lo, hi = torch.aminmax(xb, dim=1)
-        torch.div(torch.maximum(hi, lo.neg()), float(self.levels), out=scales)
+        # (by a tensor: CUDA divides by a Python number as a multiplication by its reciprocal,
+        # one bit off a true division for some maxima, and the GPU's bytes would differ)
+        levels = torch.full((), float(self.levels), dtype=torch.float32, device=xb.device)
+        torch.div(torch.maximum(hi, lo.neg()), levels, out=scales)
         # levels · fl(m / levels) can round past FLT_MAX (int8 at m = FLT_MAX): the next scale
         # down keeps every decoded value finite (q is clamped to ±levels below).
         over = torch.isinf(scales * float(self.levels))

@@ -1,6 +1,7 @@
 """The compressed weighted allreduce: quantise once, sum in fp32 at the chunk owner, quantise once more.
 
-DiLoCo synchronises pseudo-gradients ``Δ_r`` (one flat fp32 CPU tensor per rank) as a weighted sum
+DiLoCo synchronises pseudo-gradients ``Δ_r`` (one flat fp32 tensor per rank, on the CPU or a GPU:
+the codecs run there, and only the encoded bytes travel through the CPU) as a weighted sum
 ``Σ_r w_r Δ_r`` with weights every rank agreed on beforehand::
 
     reduced = weighted_allreduce(delta, weights, codec="int8", group=group, feedback=ErrorFeedback())

@@ -14,6 +14,7 @@ import torch.distributed as dist
 from hetcomm import compress as _compress
 from hetcomm._backend import group_timeout
 from hetcomm.train import flat as _flat
+from hetcomm.train.diloco import handoff
 from hetcomm.train.diloco.agreement import Agreement
 from hetcomm.train.diloco.checkpoint import Checkpoint
 from hetcomm.train.diloco.outer import PER_PARAMETER, WEIGHTINGS, default_outer_optimizer, estimate_step
@@ -176,7 +177,12 @@ class DiLoCo(Results, ShardedState, Agreement, Checkpoint, Streams, Overlap, _fl
         # fp64 models), for the whole model or (sharded) this rank's pieces of it.
         master = torch.float64 if any(p.dtype == torch.float64 for p in self._model_params) else torch.float32
         self._master = master
-        self._device = state_device_of(self._model_params, state_device)
+        error = None
+        try:
+            self._device = state_device_of(self._model_params, state_device)
+        except ValueError as e:                   # (told to the others in the agreement)
+            error, self._device = e, torch.device("cpu")
+        self._agree_on_device(state_device, group, error)
         self._workers = Workers(self._labels, group, worker_backend=worker_backend, background=self.overlap)
         error = None
         try:
@@ -589,8 +595,8 @@ class DiLoCo(Results, ShardedState, Agreement, Checkpoint, Streams, Overlap, _fl
             # (a round that held the staggered fragments back sends fragment 0 alone: `time` plans
             # by the whole round's link time, scaled up from it by elements)
             share = self._whole_sizes[0] / sum(self._whole_sizes) if self._stagger and self._held else 1.0
-            self._pending = self._executor.submit(self._exchange_and_reduce, column, delta, timed=False, plan=plan,
-                                                  link_share=share)
+            job = handoff.after(handoff.fence(self._device), self._device, self._exchange_and_reduce)
+            self._pending = self._executor.submit(job, column, delta, timed=False, plan=plan, link_share=share)
             counts = (self._r_steps, self._r_samples, self._r_compute, self._r_loss, self._r_loss_n)
             self._pending_round = (progress, counts)     # (carried on if it fails: `elastic.carry`)
             _flat.load(params, start)

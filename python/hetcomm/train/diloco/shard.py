@@ -30,6 +30,7 @@ import torch.distributed as dist
 from hetcomm import compress as _compress
 from hetcomm.train import flat as _flat
 from hetcomm.train.diloco.outer import PER_PARAMETER
+from hetcomm.train.partition import exchange_columns
 from hetcomm.train.workers import resolve_members, shard_bounds
 
 __all__ = ["CHUNK", "Layout", "LocalShards", "ShardedState", "reachable_bytes", "shard_bounds", "state_device"]
@@ -45,20 +46,23 @@ STATE_DEVICES = (None, "cpu", "model")
 
 
 def state_device(params: Sequence[torch.Tensor], option: str | None) -> torch.device:
-    """Where DiLoCo keeps its state (DiLoCo's ``state_device``): ``"cpu"``; ``"model"``: the
-    device of the model's parameters (of their local shards with FSDP2), an error when they lie
-    on several; None (default): that device when they all lie on one, else the CPU."""
+    """Where this rank would keep DiLoCo's state (DiLoCo's ``state_device``; the ranks then
+    agree: `ShardedState._agree_on_device`): ``"cpu"``; ``"model"``: the device of the model's
+    parameters (of their local shards with FSDP2), the CPU or one CUDA device, an error
+    otherwise; None (default): that device when it is one CUDA device, else the CPU (a device
+    without float64, as MPS, could not compute the fingerprints there)."""
     if option not in STATE_DEVICES:
         raise ValueError(f"{_PREFIX}: state_device must be None, 'cpu' or 'model', got {option!r}")
     devices = sorted({str(p.device) for p in params})
     if option == "cpu":
         return torch.device("cpu")
-    if len(devices) > 1:
-        if option == "model":
-            raise ValueError(f"{_PREFIX}: state_device='model', but the model's parameters lie on several devices "
-                             f"({', '.join(devices)}): state_device='cpu'")
-        return torch.device("cpu")
-    return torch.device(devices[0])
+    one = torch.device(devices[0]) if len(devices) == 1 else None
+    if one is not None and one.type in ("cpu", "cuda"):
+        return one
+    if option == "model":
+        raise ValueError(f"{_PREFIX}: state_device='model' needs the model's parameters on the CPU or on one CUDA "
+                         f"device, they lie on {', '.join(devices)}: state_device='cpu'")
+    return torch.device("cpu")
 
 
 def _offsets(sizes: Iterable[int]) -> list[int]:
@@ -207,6 +211,25 @@ def _dtensor_type():
 class ShardedState:
     """The parts of `DiLoCo` that depend on whether its state is sharded over a worker's ranks
     (``_layout``: a `Layout`, or None when every rank keeps all of it)."""
+
+    def _agree_on_device(self, option: str | None, group, error: ValueError | None) -> None:
+        """The ranks keep the state on the same kind of device (the outer step and the
+        fingerprints must round alike on every rank): where one rank's would be on the CPU and
+        another's on a GPU, every rank keeps it on the CPU (``state_device`` None), or every rank
+        refuses (``"model"``). ``error``: this rank could not place it (raised here, on the
+        others an error that names the rank)."""
+        on_gpu, failed = exchange_columns([float(self._device.type == "cuda"), float(error is not None)], group=group)
+        if error is not None:
+            raise error
+        if any(failed):
+            raise ValueError(f"{_PREFIX}: rank(s) {[r for r, bad in enumerate(failed) if bad]} could not place DiLoCo's "
+                             "state (their error names the cause)")
+        if len(set(on_gpu)) > 1:
+            if option == "model":
+                raise ValueError(f"{_PREFIX}: state_device='model', but the models of ranks "
+                                 f"{[r for r, g in enumerate(on_gpu) if g]} are on a GPU and the others' on the CPU: "
+                                 "every rank keeps the state alike (state_device=None or 'cpu')")
+            self._device = torch.device("cpu")
 
     def _choose_layout(self, shard_state: bool | None, whole: list, labels: Sequence[int],
                        rank: int) -> Layout | LocalShards | None:

@@ -31,6 +31,7 @@ import math
 import torch
 
 from hetcomm.train import flat as _flat
+from hetcomm.train.diloco import handoff
 from hetcomm.train.diloco.agreement import NonFinite
 from hetcomm.train.diloco.outer import estimate_step, outer_weights
 from hetcomm.train.diloco.pacing import make_pacer
@@ -249,7 +250,8 @@ class Streams:
         _flat.load(params, start)
         self._share([f])
         self._stream_seq += 1
-        future = self._executor.submit(self._stream_job, f, column, travel, timed=False)
+        job = handoff.after(handoff.fence(self._device), self._device, self._stream_job)
+        future = self._executor.submit(job, f, column, travel, timed=False)
         self._flight[f] = {"future": future, "seq": self._stream_seq, "steps": 0, "window": window}
         self._count_sync(begin)
 

@@ -64,8 +64,9 @@ def test_an_elastic_run_keeps_its_state_on_the_cpu():
         check_options(membership, {"state_device": "model"}, True, "fixed")
 
 
-def construct_with(rank: int, world: int, option, rank1) -> str:
-    """Rank 1's choice made ``rank1`` (a device, or an error) by a stand-in."""
+def construct_with(rank: int, world: int, options, rank1) -> str:
+    """``options[rank]`` on each rank; rank 1's choice made ``rank1`` (a device, or an error) by
+    a stand-in."""
     import hetcomm
     import hetcomm.train.diloco.loop as loop
 
@@ -77,7 +78,7 @@ def construct_with(rank: int, world: int, option, rank1) -> str:
         loop.state_device_of = chosen
     net = torch.nn.Linear(4, 4)
     try:
-        diloco = hetcomm.DiLoCo(net, torch.optim.SGD(net.parameters(), lr=0.1), state_device=option)
+        diloco = hetcomm.DiLoCo(net, torch.optim.SGD(net.parameters(), lr=0.1), state_device=options[rank])
     except ValueError as e:
         return f"error: {e}"
     where = str(diloco._global[0].device)
@@ -87,10 +88,12 @@ def construct_with(rank: int, world: int, option, rank1) -> str:
 
 def test_the_ranks_agree_on_where_the_state_lives():
     # rank 1 would keep it on a GPU, rank 0 on the CPU: both on the CPU (nothing touches the GPU)
-    assert run_ranks(2, construct_with, None, "cuda:0") == ["cpu", "cpu"]
-    for message in run_ranks(2, construct_with, "model", "cuda:0"):
-        assert "state_device='model', but the models of ranks [1] are on a GPU" in message, message
-    res = run_ranks(2, construct_with, "model", ValueError("hetcomm DiLoCo: no place for it"))
+    assert run_ranks(2, construct_with, [None, None], "cuda:0") == ["cpu", "cpu"]
+    # "model" on any rank: every rank refuses (not one raising while the other goes on)
+    for options in (["model", "model"], ["model", None], [None, "model"]):
+        for message in run_ranks(2, construct_with, options, "cuda:0"):
+            assert "state_device='model', but the models of ranks [1] are on a GPU" in message, (options, message)
+    res = run_ranks(2, construct_with, ["model", "model"], ValueError("hetcomm DiLoCo: no place for it"))
     assert "could not place DiLoCo's state" in res[0] and "no place for it" in res[1], res
 
 

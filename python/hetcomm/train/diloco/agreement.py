@@ -10,6 +10,7 @@ import zlib
 import torch
 
 from hetcomm.train import flat as _flat
+from hetcomm.train.diloco import handoff
 from hetcomm.train.diloco.outer import outer_weights
 from hetcomm.train.diloco.table import (_AGGREGATE, _BUDGETS, _COMPUTE, _DONE, _ELAPSED, _FINITE, _FRAGMENTS,
                                         _LANDED, _LOSS_N, _LOSS_SUM, _REFORM, _REPLICA, _ROWS, _SAMPLES, _STEPS,
@@ -163,6 +164,7 @@ class Agreement:
                 self.outer_optimizer.step()
                 self.outer_optimizer.zero_grad(set_to_none=True)
                 self._applied += 1
+                handoff.settle(self._device)   # (its outer step ran: the move reads it at once)
                 self._landed = f + 1           # the training thread may move onto these now
         self._landed = len(self._boundary)
         end = self._clock()

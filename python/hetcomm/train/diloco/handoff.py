@@ -26,6 +26,13 @@ def fence(device: torch.device) -> "torch.cuda.Event | None":
     return event
 
 
+def settle(device: torch.device) -> None:
+    """On the background thread, before it tells the training thread that a part of its job has
+    landed (`DiLoCo._landed`, read without waiting for the job): that part's kernels have run."""
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()
+
+
 def after(event: "torch.cuda.Event | None", device: torch.device, job: Callable) -> Callable:
     """``job`` for the background thread: its stream waits for ``event`` (on the GPU, not the
     thread), and the job returns once its kernels have run."""

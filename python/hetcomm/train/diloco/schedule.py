@@ -132,7 +132,7 @@ class Overlap:
             return
         start = self._clock()
         try:
-            concurrent.futures.wait([self._pending])
+            self._wait_lifted(self._pending)
         finally:
             end = self._clock()
             if end - start > 1e-4:
@@ -212,12 +212,10 @@ class Overlap:
         """The background thread's jobs of this object (None where there is none)."""
         return [self._pending] + [j["future"] for j in self._flight.values()]
 
-    def _wait_pending(self) -> None:
-        start = self._clock()
-        future = self._pending
-        # Paced, a boundary that waits for the previous round's job lifts its caps (the pace it
-        # was planned at, from a first step time, or for a link slower than measured, would cost
-        # idle time); the jobs after it keep theirs. (Paced, fragment 0 is the boundary's job.)
+    def _wait_lifted(self, future) -> None:
+        """Waits for the round boundary's job ``future``. Paced, the wait lifts its caps (the pace
+        it was planned at, from a first step time, or for a link slower than measured, would cost
+        idle time); the jobs after it keep theirs. (Paced, fragment 0 is the boundary's job.)"""
         lifted = self._pacer is not None and not future.done()
         if lifted:
             self._pacer.lift(0)
@@ -226,6 +224,13 @@ class Overlap:
         finally:
             if lifted:
                 self._pacer.lift(None)
+
+    def _wait_pending(self) -> None:
+        start = self._clock()
+        future = self._pending
+        try:
+            self._wait_lifted(future)
+        finally:
             end = self._clock()
             self._totals["idle"] += end - start
             self._timeline.append(("idle", start, end))

@@ -218,14 +218,15 @@ class ShardedState:
         another's on a GPU, every rank keeps it on the CPU (``state_device`` None), or every rank
         refuses (``"model"``). ``error``: this rank could not place it (raised here, on the
         others an error that names the rank)."""
-        on_gpu, failed = exchange_columns([float(self._device.type == "cuda"), float(error is not None)], group=group)
+        on_gpu, failed, model = exchange_columns([float(self._device.type == "cuda"), float(error is not None),
+                                                  float(option == "model")], group=group)
         if error is not None:
             raise error
         if any(failed):
             raise ValueError(f"{_PREFIX}: rank(s) {[r for r, bad in enumerate(failed) if bad]} could not place DiLoCo's "
                              "state (their error names the cause)")
         if len(set(on_gpu)) > 1:
-            if option == "model":
+            if any(model):                  # (any rank's "model": every rank decides alike)
                 raise ValueError(f"{_PREFIX}: state_device='model', but the models of ranks "
                                  f"{[r for r, g in enumerate(on_gpu) if g]} are on a GPU and the others' on the CPU: "
                                  "every rank keeps the state alike (state_device=None or 'cpu')")

@@ -62,22 +62,16 @@ def batch(rank: int, round_k: int, step: int) -> tuple[torch.Tensor, torch.Tenso
             torch.randn(n, 2, generator=g, dtype=torch.float64))
 
 
-def scripted_policy(measuring_rounds: int = 0):
+def scripted_policy():
     from hetcomm.train.local_steps import LocalStepPolicy
 
     class Scripted(LocalStepPolicy):
-        """Round k: SCRIPT[k % 3][rank] steps (the same script on every rank); the first
-        ``measuring_rounds`` rounds say they measure (the first alone has no synchronisation in
-        flight to stretch it)."""
+        """Round k: SCRIPT[k % 3][rank] steps (the same script on every rank)."""
         name = "scripted"
 
         def __init__(self) -> None:
             super().__init__(1)
             self.round = 0
-
-        @property
-        def measuring(self) -> bool:
-            return self.round <= measuring_rounds
 
         def start_round(self, now, start=None):
             self.round += 1

@@ -9,9 +9,7 @@
   duration that ``time`` plans by), and a job the cap did not hold back; fragments of unequal
   sizes at one rate, a job queued behind a larger one, a late one catching up, and the bound on a
   job's planned end; a fragment not measured yet paced by the bytes per element of those
-  measured, and the last round's jobs at the one rate.
-* A measurement round holds the fragments f >= 1 back, paced or not: the float64 reference
-  with the hold.
+  measured; a job whose boundary waits for it uncapped (`Pacer.lift`).
 * Pacing changes when bytes leave, not which: the staggered float64 schedule of
   test_diloco_stream, paced over TCP links, ends exactly at its reference; workers of two ranks
   with ``time`` and int8, paced, stay identical across ranks.
@@ -242,38 +240,47 @@ def test_fragments_of_unequal_sizes_share_one_rate_by_hand():
     assert job(2, 1300, 1.0) == pytest.approx(1300, abs=1)
 
 
-def test_fragments_not_measured_yet_and_the_last_round_by_hand():
+def test_fragments_not_measured_yet_and_a_lifted_job_by_hand():
     """With ``sizes``, a fragment's first job is paced by the bytes per element of those measured;
-    the time pacing added to it counts against their unpaced seconds per byte. The last round's
-    jobs (``final``) all send at the one rate, one after another, none caught up; they add no
-    pacing time to a planned round."""
+    the time pacing added to it counts against their unpaced seconds per byte. A job someone
+    waits for (`Pacer.lift`) runs uncapped from then to its end, or from its start if it had not
+    started; the jobs of other fragments keep their caps."""
+    from hetcomm.compress.collective import _phase_boundary
     from hetcomm.train.diloco.pacing import Pacer
 
     now = [0.0]
     backend = Backend(2)
     pacer = Pacer(1.0, backend, lambda: now[0], sizes=[100, 200, 300])
 
-    def job(f: int, b: int, seconds: float, final: bool = False) -> float | None:
+    def job(f: int, b: int, seconds: float, lift_during: bool = False) -> list[list[int]]:
         pacer.fired(f)
         backend.calls.clear()
-        with pacer.job(f, final=final):
+        with pacer.job(f):
+            if lift_during:
+                pacer.lift(f)
+            _phase_boundary()                    # (a second phase: capped again unless lifted)
             backend.sent = [0, backend.sent[1] + b]
             now[0] += seconds
-        return backend.calls[0][1] if backend.calls else None
+        return list(backend.calls)
 
     pacer.plan(6, 0.25, 3)                      # a slot of 0.5 s, 1.5 s of compute
-    assert job(0, 300, 0.1) is None             # nothing measured: unpaced (3 bytes an element)
+    assert job(0, 300, 0.1) == []               # nothing measured: unpaced (3 bytes an element)
     # fragment 1 (200 elements): 600 bytes expected; all three 1800 bytes over 1.5 s: 1200 B/s
-    assert job(1, 600, 0.5) == pytest.approx(1200, abs=1)
+    assert job(1, 600, 0.5)[0][1] == pytest.approx(1200, abs=1)
     # unpaced, its 600 bytes would have taken 0.2 s (fragment 0's 0.1 s for 300 bytes)
     assert pacer.take_delay() == pytest.approx(0.3)
-    assert job(2, 900, 0.75) == pytest.approx(1200, abs=1)
+    assert job(2, 900, 0.75)[0][1] == pytest.approx(1200, abs=1)
     assert pacer.take_delay() == pytest.approx(0.45)
-    # the last round: its jobs fire together; each sends at 1200 B/s, none at three times it
-    now[0] += 0.1
-    rates = [job(f, b, 0.0, final=True) for f, b in ((1, 600), (2, 900), (1, 600), (2, 900), (0, 300))]
-    assert rates == [pytest.approx(1200, abs=1)] * 5, rates
-    assert pacer.take_delay() == 0.0
+    # lifted while it runs: its caps go to 0 and its next phase is not capped again
+    calls = job(0, 300, 0.25, lift_during=True)
+    assert calls[0][1] > 0 and calls[1:] == [[0, 0], [0, 0]], calls
+    pacer.lift(None)
+    assert job(1, 600, 0.5)[0][1] > 0           # another fragment's job: capped
+    pacer.lift(0)                               # lifted before it starts: never capped
+    assert job(0, 300, 0.1) == [[0, 0]]         # (only the end's lifting)
+    assert job(1, 600, 0.5)[0][1] > 0
+    pacer.lift(None)
+    assert job(0, 300, 0.25)[0][1] > 0
     # no sizes: a fragment not measured yet is unpaced, as before
     other = Pacer(1.0, Backend(2), lambda: now[0])
     other.plan(6, 0.25, 3)
@@ -296,76 +303,6 @@ def test_paced_fragments_equal_the_float64_reference():
             assert torch.equal(g0, g), f"rank {r}'s global parameters differ from rank 0's"
 
 
-@pytest.mark.parametrize("pace", [0.5, None])
-def test_a_measurement_round_holds_the_fragments_back_as_the_reference(pace):
-    """The first round measures (the scripted policy says so): fragments 1 and 2 do not fire in
-    it, their windows run on into the next round, paced or not. Exactly the float64 reference
-    with the first round held; the reference without the hold differs, so the hold is what it
-    checks."""
-    world, F, tau, beta = 3, 3, 2, 0.25
-    want = stagger_reference(world, F, tau, beta, held=1)
-    unheld = stagger_reference(world, F, tau, beta)
-    assert any(not torch.allclose(a, b, rtol=1e-6, atol=1e-7) for a, b in zip(want, unheld))
-    per_rank = run_ranks(world, train_staggered, F, tau, beta, "nesterov", pace, 1, env=TCP)
-    for r, res in enumerate(per_rank):
-        assert pace is None or res["paced"][0] > 0, res["paced"]
-        for g, w in zip(res["global"], want):
-            torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-7, msg=lambda m: f"rank {r}: {m}")
-
-
-def test_which_rounds_hold_the_fragments_and_what_paces_them_by_hand():
-    """`Streams._plan_triggers` on a stand-in: a round whose steps are not planned holds the
-    fragments f >= 1 (no trigger) and paces by the policy's H steps at the slowest agreed step
-    time; a planned round triggers at f·H/F and paces by this worker's planned compute (without
-    `time`'s stretch for the link). `time` with a fixed round length does not know its steps
-    until a step time is agreed."""
-    import types
-
-    from hetcomm.train.diloco.stream import Streams
-    from hetcomm.train.local_steps import StepTimes, TimeSteps
-
-    plans = []
-    times = StepTimes(2)
-    policy = TimeSteps(10)
-    policy.bind(1, 2)
-    me = types.SimpleNamespace(_stagger=True, _fragments=[None] * 4, _policy=policy, _times=times, _col=1,
-                               _pacer=types.SimpleNamespace(plan=lambda *a: plans.append(a)))
-    Streams._plan_triggers(me)                  # nothing measured: held, unpaced
-    assert me._held and me._triggers == [float("inf")] * 3 and plans[-1] == (10, None, 4)
-    times.update([0.5, 0.25], [1, 1])           # one window each: still measuring
-    policy.agreed(times)
-    Streams._plan_triggers(me)
-    assert me._held and plans[-1] == (10, 0.5, 4)          # H steps at the slowest step time
-    times.update([0.5, 0.25], [1, 1])
-    policy.sync_took(1.0)
-    policy.agreed(times)                        # planned: 10 steps x 0.5 s, this worker 0.25 s a step
-    Streams._plan_triggers(me)
-    assert not me._held and me._triggers == [5, 10, 15] and plans[-1] == (20.0, 0.25, 4)
-    fixed = TimeSteps(10, round_seconds=3.0)
-    fixed.bind(1, 2)
-    assert not fixed.measuring and not fixed.knows_steps(StepTimes(2)) and fixed.knows_steps(times)
-
-
-def policy_mismatch(rank: int, world: int) -> str:
-    import hetcomm
-
-    net = torch.nn.Linear(4, 4)
-    try:
-        hetcomm.DiLoCo(net, torch.optim.SGD(net.parameters(), lr=0.1), local_steps="time",
-                       round_seconds=2.0 if rank else None, overlap=True, fragments=2)
-    except ValueError as e:
-        return str(e)
-    return "constructed"
-
-
-def test_ranks_that_plan_their_steps_differently_are_refused():
-    """Which fragments a round fires depends on the policy (a fixed round length plans steps
-    from its first step time, a measured one later): ranks that differ are refused at
-    construction, on every rank, before a collective could mismatch."""
-    for message in run_ranks(2, policy_mismatch):
-        assert "the ranks plan their local steps differently" in message, message
-
-
 def test_paced_fragments_compose_with_sharded_workers_time_and_int8():
     """Workers of two ranks (state sharded over them), ``time`` on a declared clock, int8, three
     staggered fragments moved as they land (test_diloco_stream), paced over half their slots."""
@@ -376,8 +313,6 @@ def test_paced_fragments_compose_with_sharded_workers_time_and_int8():
         for a, b, p in zip(per_rank[0]["global"], res["global"], res["model"]):
             assert torch.equal(a, b) and torch.equal(a, p)
     assert len(per_rank[0]["history"]) == 8
-    # the last round (max_rounds: synchronous, with its steps) sent at the fragments' rate
-    assert all(res["final_paced"] > 0 for res in per_rank), [res["final_paced"] for res in per_rank]
 
 
 def construct_on_gloo(rank: int, world: int) -> str:

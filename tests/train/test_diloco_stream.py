@@ -35,10 +35,8 @@ def fragments_of(sizes: list[int], F: int) -> list[tuple[int, int]]:
     return [(i, j) for i, j, _, _ in fragment_bounds(sizes, F)]
 
 
-def stagger_reference(world: int, F: int, tau: int, beta: float, outer_name: str = "nesterov",
-                      held: int = 0) -> list[torch.Tensor]:
-    """The final global parameters of the staggered schedule (see the module doc), float64; the
-    first ``held`` rounds fire no fragment f >= 1 (paced measurement rounds)."""
+def stagger_reference(world: int, F: int, tau: int, beta: float, outer_name: str = "nesterov") -> list[torch.Tensor]:
+    """The final global parameters of the staggered schedule (see the module doc), float64."""
     frags = fragments_of([p.numel() for p in make_model().parameters()], F)
     glob = [nn.Parameter(p.detach().clone()) for p in make_model().parameters()]
     outer = OUTER[outer_name](glob)
@@ -94,7 +92,7 @@ def stagger_reference(world: int, F: int, tau: int, beta: float, outer_name: str
 
         for k in range(ROUNDS + 1):               # the last: the drain's boundary, no steps
             H = SCRIPT[k % 3][r] if k < ROUNDS else 0
-            trig = {f: max(1, f * H // F) if k >= held else H + 1 for f in range(1, len(frags))}
+            trig = {f: max(1, f * H // F) for f in range(1, len(frags))}
             done = set()
             for s in range(1, H + 1):
                 x, y = batch(r, k, s - 1)
@@ -118,7 +116,7 @@ def stagger_reference(world: int, F: int, tau: int, beta: float, outer_name: str
             if 0 in flight:
                 yield ("need", 0, flight.pop(0)[0])
             for f in range(1, len(frags)):
-                if f not in done and (k >= held or k == ROUNDS):
+                if f not in done:
                     yield from fire(f)
             yield from fire(0)
         for f in list(flight):                    # the drain's last, synchronous round
@@ -175,13 +173,12 @@ def stagger_reference(world: int, F: int, tau: int, beta: float, outer_name: str
     return [g.detach().clone() for g in glob]
 
 
-def train_staggered(rank: int, world: int, F: int, tau: int, beta: float, outer_name: str, pace=None,
-                    measuring: int = 0) -> dict:
+def train_staggered(rank: int, world: int, F: int, tau: int, beta: float, outer_name: str, pace=None) -> dict:
     import hetcomm
 
     net = make_model()
     opt = torch.optim.SGD(net.parameters(), lr=INNER_LR)
-    diloco = hetcomm.DiLoCo(net, opt, local_steps=scripted_policy(measuring), weighting="batch", overlap=True,
+    diloco = hetcomm.DiLoCo(net, opt, local_steps=scripted_policy(), weighting="batch", overlap=True,
                             overlap_steps=tau, fragments=F, early_weight=beta, outer_optimizer=OUTER[outer_name],
                             pace=pace)
     for k in range(ROUNDS):
@@ -196,7 +193,7 @@ def train_staggered(rank: int, world: int, F: int, tau: int, beta: float, outer_
     pacer = diloco._pacer
     return {"global": [g.clone() for g in diloco.global_parameters()], "history": diloco.history,
             "model": [p.detach().clone() for p in net.parameters()],
-            "paced": None if pacer is None else (pacer.paced_jobs, pacer.refused_links, pacer.final_jobs)}
+            "paced": None if pacer is None else (pacer.paced_jobs, pacer.refused_links)}
 
 
 @pytest.mark.parametrize("F,tau,beta,outer_name", [(2, 1, 0.5, "nesterov"), (3, 2, 0.25, "nesterov"),
@@ -267,9 +264,7 @@ def train_workers_staggered(rank: int, world: int, pace=None) -> dict:
         diloco.step(samples=len(x))
     return {"history": diloco.history, "global": [t.clone() for t in diloco.global_parameters()],
             "model": [p.detach().clone() for p in net.parameters()], "moves": diloco._stream_moves,
-            "paced": None if diloco._pacer is None else diloco._pacer.paced_jobs,
-            "final_paced": None if diloco._pacer is None else diloco._pacer.final_jobs,
-            "sharded": diloco._layout is not None}
+            "paced": None if diloco._pacer is None else diloco._pacer.paced_jobs, "sharded": diloco._layout is not None}
 
 
 def test_staggered_fragments_compose_with_workers_time_and_int8():

@@ -148,13 +148,6 @@ class LocalStepPolicy:
         landed instead of idling for it."""
         return False
 
-    def knows_steps(self, times: "StepTimes") -> bool:
-        """Whether this round's steps are planned (`planned_steps` is what the rank will do, not a
-        measurement's one step): staggered fragments trigger by them, and a round that does not
-        know them fires no fragment but the boundary's. From agreed values only (the same on
-        every rank): the collectives line up by it."""
-        return not self.measuring
-
     def plan(self) -> dict:
         """What this policy decided for the round: identical on every rank."""
         return {"policy": self.name}
@@ -311,10 +304,6 @@ class TimeSteps(LocalStepPolicy):
 
     def plan(self) -> dict:
         return {"policy": self.name, "round_seconds": self.round_seconds}
-
-    def knows_steps(self, times: StepTimes) -> bool:
-        # (a fixed round length is not measuring, but its steps are unknown until a step time is)
-        return not self.measuring and times.estimates() is not None
 
     def planned_steps(self, times: StepTimes) -> int | None:
         """The round's seconds over this worker's agreed step time (a measurement round: its

@@ -5,7 +5,6 @@ pseudo-gradient. `Agreement` is a part of `DiLoCo`."""
 from __future__ import annotations
 
 import math
-import zlib
 
 import torch
 
@@ -40,19 +39,13 @@ class Agreement:
 
     def _agree_on_schedule(self, stagger, group) -> None:
         """At construction: the schedules of the collectives must line up from the first round on
-        (the fragments, staggered or not; sharded state or not; the shares' sizes; the local-step
-        policy, whose planned rounds decide which fragments a round fires)."""
+        (the fragments, staggered or not; sharded state or not; the shares' sizes)."""
         if not isinstance(stagger, bool):
             raise TypeError(f"{_PREFIX}: stagger must be True or False, got {stagger!r}")
         shape = float(len(self._fragments) * (-1 if stagger and len(self._fragments) > 1 else 1))
         index = -1.0 if self._layout is None or self._layout.index is None else float(self._layout.index)
-        policy = self._policy_kind()
-        shapes, sharded, indices, sizes, policies = exchange_columns(
-            [shape, float(self._layout is not None), index, float(self._start.numel()),
-             float(zlib.crc32(policy.encode()))], group=group)
-        if len(set(policies)) > 1:
-            raise ValueError(f"{_PREFIX}: the ranks plan their local steps differently (this rank: {policy}); "
-                             "construct DiLoCo with the same local_steps (and round_seconds) everywhere")
+        shapes, sharded, indices, sizes = exchange_columns(
+            [shape, float(self._layout is not None), index, float(self._start.numel())], group=group)
         if len(set(shapes)) > 1:
             raise ValueError(f"{_PREFIX}: the ranks reduce in different numbers of fragments: "
                              f"{dict(enumerate(int(x) for x in shapes))} (negative: staggered); construct DiLoCo with "
@@ -66,11 +59,6 @@ class Agreement:
             raise ValueError(f"{_PREFIX}: the ranks holding share(s) {odd} of the state hold different numbers of "
                              f"elements ({dict(enumerate(int(n) for n in sizes))}): the workers' models (or their "
                              "FSDP2 sharding) differ")
-
-    def _policy_kind(self) -> str:
-        """The local-step policy's class, name and whether its round length is fixed."""
-        fixed = getattr(self._policy, "_fixed_seconds", None) is not None
-        return f"{type(self._policy).__name__} {self._policy.name!r}" + (" with round_seconds" if fixed else "")
 
     def _agree_on_reform(self, last: bool) -> None:
         """A generation of an elastic run (`hetcomm.train.elastic.run`): whether a rank asks to end
@@ -117,11 +105,9 @@ class Agreement:
             self._join_streams(agree=self._workers.size > 1)
 
     def _exchange_and_reduce(self, column: list[float], delta: torch.Tensor, *, timed: bool,
-                             plan: dict, link_share: float = 1.0) -> tuple[list[list[float]], list[float]]:
+                             plan: dict) -> tuple[list[list[float]], list[float]]:
         """The boundary's agreement on the round's table and reduction of its fragments (in the
-        background with overlap); ``link_share``: the part of a round's bytes this job sends (the
-        boundary's fragment alone, in a round that holds the staggered ones back: its duration
-        is scaled up to the round's for ``time``)."""
+        background with overlap)."""
         group = self._sync_group
         start = self._clock()
         ranks = exchange_columns(column, group=group)
@@ -181,7 +167,7 @@ class Agreement:
             # With staggered fragments, the link's time per round is theirs too.
             busy, self._stream_busy = self._stream_busy, 0.0
             busy -= self._pacer.take_delay() if self._pacer is not None else 0.0     # (`pacing`)
-            self._sync_wall = (end - agreed + busy) / link_share if self._background_syncs > 1 else 0.0
+            self._sync_wall = end - agreed + busy if self._background_syncs > 1 else 0.0
         if any_steps:
             self._record(table, weights, round_index, plan, background=not timed)
         return table, weights

@@ -592,11 +592,8 @@ class DiLoCo(Results, ShardedState, Agreement, Checkpoint, Streams, Overlap, _fl
             estimate_step(self.outer_optimizer, self._global[:j], _flat.split(progress[:b], params), start)
             self._landed = self._moved = 0
             self._pending_agreed = None
-            # (a round that held the staggered fragments back sends fragment 0 alone: `time` plans
-            # by the whole round's link time, scaled up from it by elements)
-            share = self._whole_sizes[0] / sum(self._whole_sizes) if self._stagger and self._held else 1.0
             job = handoff.after(handoff.fence(self._device), self._device, self._exchange_and_reduce)
-            self._pending = self._executor.submit(job, column, delta, timed=False, plan=plan, link_share=share)
+            self._pending = self._executor.submit(job, column, delta, timed=False, plan=plan)
             counts = (self._r_steps, self._r_samples, self._r_compute, self._r_loss, self._r_loss_n)
             self._pending_round = (progress, counts)     # (carried on if it fails: `elastic.carry`)
             _flat.load(params, start)

@@ -18,15 +18,15 @@ planned from its trigger, or behind the job before it, and catching up when it s
 reduction (an all-to-all, then an all-gather along the ring) shares R over the links in
 proportion to what each carried in that phase last time (`Pacer.caps`), so the host sends at
 about R throughout. The caps are set when the fragment's reduction starts, changed at its phase
-boundaries and lifted when it ends. The last, synchronous round's jobs (`Pacer.job` with
-``final``) send at R one after another, without catching up: the whole model's bytes at the rate
-of the fragments, not in one burst (the run ends up to ``share`` of a round later). Unpaced:
-jobs before any fragment has sent one, rounds with no agreed step time (or a slot outside 1 ns
-to 10^6 s), and the jobs in flight once someone waits for them (`Pacer.hurry`: a checkpoint, the
-global parameters). `hetcomm.train.diloco.stream` holds the fragments f ≥ 1 back in measurement
-rounds (no slot to pace by), so that the run's start sends fragment 0 alone, paced or not. Pacing changes when
-bytes leave, never which: every rank reduces the same values whether or not it paces, or paces
-differently.
+boundaries and lifted when it ends; a round boundary that waits for the previous round's job
+lifts that job's caps (`Pacer.lift`). Unpaced: jobs before any fragment has sent one, rounds
+with no agreed step time (or a slot outside 1 ns to 10^6 s), the last, synchronous round, and
+the jobs in flight once someone waits for them (`Pacer.hurry`: the last round, a checkpoint, the
+global parameters). (Pacing the start and the last round too lowered the run's peak to 0.29×
+the whole update's at 100 Mbit/s, but only with the staggered fragments held back in the
+measurement rounds, which cost 5-7% of the loss: docs/diloco-results.md#over-the-whole-run-12-05-later-tried-not-kept.)
+Pacing changes when bytes leave, never which: every rank reduces the same values whether or not
+it paces, or paces differently.
 """
 from __future__ import annotations
 
@@ -86,7 +86,7 @@ def make_pacer(share: float | None, group: dist.ProcessGroup | None, wan: dist.P
 class Pacer:
     """The caps of one DiLoCo's fragments on the group that carries them (see the module doc).
     `plan`, `fired` and `hurry` are called on the training thread, `job` and `take_delay` on the
-    synchronisation's (`job` with ``final``: on the training thread, in the last round)."""
+    synchronisation's."""
 
     def __init__(self, share: float, backend, clock: Callable[[], float], sizes: list[int] | None = None) -> None:
         """``backend``: the hetcomm backend (`ProcessGroupHetcomm`) whose links carry the fragments;
@@ -108,7 +108,6 @@ class Pacer:
         self._running: int | None = None           # the fragment whose job runs now
         self._lift: int | None = None               # the fragment whose job runs uncapped (`lift`)
         self.paced_jobs = 0
-        self.final_jobs = 0                         # ... of them in a last, synchronous round
         self.refused_links = 0                      # links the kernel refused a cap on (summed over jobs)
 
     def plan(self, steps: float | None, step_seconds: float | None, fragments: int) -> None:
@@ -170,7 +169,7 @@ class Pacer:
             return self._sent[f]
         return max(self._sent.values(), key=lambda phases: sum(sum(p) for p in phases))
 
-    def rate(self, f: int, now: float, final: bool = False) -> float | None:
+    def rate(self, f: int, now: float) -> float | None:
         """Bytes/s this rank may send for fragment f's job, started at ``now``. Once every fragment
         has sent a job (with ``sizes``: once one has, the others estimated from it), one rate for
         them all: their last jobs' bytes over ``share`` × the round's
@@ -189,9 +188,7 @@ class Pacer:
         catches up sends at most three times its planned rate, not in one burst. (Not less the
         job's time besides the transfer: measured on each rank, it holds the wait for the other
         ranks' transfers, and the rates swung between 6 and 21 Mbit/s from one job to the next.)
-        ``final`` (the last, synchronous round's jobs, one after another): R itself, with no
-        schedule and no catching up (its jobs all fire at once: caught up, they would send at
-        three times R). None: unpaced."""
+        None: unpaced."""
         fired, slot = self._fired.get(f, (now, self.slot))
         total = self._bytes(f)
         if slot is None or not slot > 0 or total == 0 or self._hurried:
@@ -204,8 +201,6 @@ class Pacer:
             steady = total / planned
         if not (math.isfinite(steady) and steady > 0):
             return None
-        if final:
-            return steady
         took = total / steady
         if not (math.isfinite(took) and took > 0):
             return None
@@ -234,13 +229,12 @@ class Pacer:
         return [cap(rate * b / total) if b else cap(rate) for b in phase]
 
     @contextlib.contextmanager
-    def job(self, f: int, final: bool = False) -> Iterator[None]:
-        """Around fragment f's reduction (a background job; ``final``: one of the last, synchronous
-        round's, on the training thread): each phase capped from the last job's bytes (`caps`),
-        counting this one's for the next. The reduction marks its phases
+    def job(self, f: int) -> Iterator[None]:
+        """Around fragment f's reduction (a background job): each phase capped from the last job's
+        bytes (`caps`), counting this one's for the next. The reduction marks its phases
         (`hetcomm.compress.collective.phase_marks`); unmarked, the job is one phase."""
         start = self._clock()
-        rate = self.rate(f, start, final)
+        rate = self.rate(f, start)
         phases: list[list[int]] = []
         mark = list(self._backend.traffic()["bytes_sent"])
 
@@ -264,7 +258,6 @@ class Pacer:
 
         if rate is not None:
             self.paced_jobs += 1
-            self.final_jobs += final
         with self._lock:
             self._running = f
         try:
@@ -289,11 +282,10 @@ class Pacer:
         # pays for new connections); paced from the start, the need of those measured per byte.
         # A paced job held back by the link, not the cap, counts whole; from the others, what
         # they took beyond it is pacing's. (Paced times never lower it: they would become the
-        # baseline, and pacing's time would count as the link's again.) The last round's jobs
-        # count for no planned round.
+        # baseline, and pacing's time would count as the link's again.)
         if rate is None or need is None:
             self._need[f] = min(self._need.get(f, took), took)
-        elif not final and took <= _BOUND * total / rate:
+        elif took <= _BOUND * total / rate:
             self._delay += max(0.0, took - need)
 
     def _need_of(self, f: int) -> float | None:

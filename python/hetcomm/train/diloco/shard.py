@@ -435,10 +435,10 @@ class ShardedState:
         worker's ranks then step their ranges of the outer optimizer all together or not at all,
         so that after a failure inside the reduction every range of a worker holds the same
         count of outer steps (an elastic run carries the state on from them). A rank whose
-        reduction failed raises its error, the others of its worker one that names it. Paced
-        with ``pace`` (`hetcomm.train.diloco.pacing`), the last round's jobs too."""
-        if self._pacer is not None:
-            with self._pacer.job(fragment, final=not background):
+        reduction failed raises its error, the others of its worker one that names it. Paced in
+        the background with ``pace`` (`hetcomm.train.diloco.pacing`)."""
+        if background and self._pacer is not None:
+            with self._pacer.job(fragment):
                 return self._reduce_agreed_now(delta, weights, feedback, background)
         return self._reduce_agreed_now(delta, weights, feedback, background)
 

@@ -18,8 +18,7 @@ table). A rank reaches the triggers at its own steps; the jobs queue on one thre
 order on every rank (every fragment once per round, those not reached by the round's end at its
 boundary, before fragment 0), so the collectives line up. H is the worker's planned steps for
 the round (`LocalStepPolicy.planned_steps`: identical on a worker's ranks); a policy that
-plans none triggers every fragment at the boundary, and a measurement round fires none of them
-(`Streams._plan_triggers`). The last round, synchronous, reduces every
+plans none triggers every fragment at the boundary. The last round, synchronous, reduces every
 fragment's steps since its trigger at the boundary. Derivation and figures:
 docs/diloco.md#staggered-fragments.
 """
@@ -62,7 +61,6 @@ class Streams:
         # that holds no share of a worker's state and so sends nothing over it)
         wan = self._sync_group if self._workers.single else self._workers.cross_group
         self._pacer = None
-        self._held = False                         # a measurement round: fragments f >= 1 held back
         if pace is not None and self._stagger:
             self._pacer = make_pacer(pace, self._sync_group, wan, lambda: self._clock(),
                                      sizes=[b - a for _, _, a, b in self._fragments])
@@ -87,33 +85,17 @@ class Streams:
 
     def _plan_triggers(self) -> None:
         """At a round's start: this round's triggers (`stagger_triggers`), nothing fired yet.
-        A round whose steps are not planned (`LocalStepPolicy.knows_steps`: a measurement round,
-        or `time` with a fixed length before any step time is agreed; from agreed values, the
-        same on every rank) fires no fragment f >= 1: its one planned step put every trigger
-        together, and nothing plans a slot to pace them by; fired at once, they sent the whole
-        model in one burst, the run's peak rate (0.66-1.17 times the whole update's, paced or
-        not). Their windows go on into the first planned round. (Whether or not a rank paces:
-        the ranks' collectives line up.)"""
+        (Holding the fragments f >= 1 back in measurement rounds, which lowered the run's peak
+        rate, cost 5-7% of the loss at equal samples: docs/diloco-results.md#over-the-whole-run-12-05-later-tried-not-kept.)"""
         if not self._stagger:
             return
         self._fired = [False] * len(self._fragments)
         planned = self._policy.planned_steps(self._times)
-        self._held = not self._policy.knows_steps(self._times)
-        self._triggers = stagger_triggers(None if self._held else planned, len(self._fragments))
+        self._triggers = stagger_triggers(planned, len(self._fragments))
         if self._pacer is not None:          # (the planned compute: without `time`'s stretch for the link)
             t = self._times.estimates()
-            if self._held:
-                # A measurement round plans no compute (one step, then until the synchronisation
-                # in flight lands): fragment 0 is paced by a round of the policy's H steps at the
-                # slowest step time agreed so far (none before the first: unpaced). Unpaced, its
-                # jobs went one after another in the short rounds, half the model in a second
-                # (0.36-0.40 times the whole update's peak over the run). A first step time
-                # (warm-up) paces it slower than the link needs: a boundary that waits for it
-                # lifts its caps (`Overlap._wait_pending`).
-                self._pacer.plan(self._policy.steps, None if t is None else max(t), len(self._fragments))
-            else:
-                steps = None if planned is None else planned / getattr(self._policy, "stretch", 1.0)
-                self._pacer.plan(steps, None if t is None else t[self._col], len(self._fragments))
+            steps = None if planned is None else planned / getattr(self._policy, "stretch", 1.0)
+            self._pacer.plan(steps, None if t is None else t[self._col], len(self._fragments))
 
     def _count_window(self, samples: int) -> None:
         self._seen[0] += 1
@@ -138,10 +120,9 @@ class Streams:
             self._fire(f)
 
     def _fire_rest(self) -> None:
-        """At the round boundary, before fragment 0: the fragments not yet fired this round (none
-        in a round whose steps are not planned: `_plan_triggers`)."""
+        """At the round boundary, before fragment 0: the fragments not yet fired this round."""
         for f in range(1, len(self._fragments)):
-            if not self._fired[f] and not self._held:
+            if not self._fired[f]:
                 self._fire(f)
         if self._pacer is not None:
             self._pacer.fired(0)                 # (the boundary's job comes next)
@@ -149,9 +130,8 @@ class Streams:
     def _fire_last(self) -> None:
         """The last, synchronous round's boundary: every job waited for; the fragments this round
         did not fire, then every fragment's steps since its trigger, here (so that every rank runs
-        the same collectives: each fragment once per round, then once more). Paced, the jobs in
-        flight keep their caps, and these jobs send at the fragments' rate (`Pacer.job`)."""
-        self._join_streams(agree=self._workers.size > 1, hurry=False)
+        the same collectives: each fragment once per round, then once more)."""
+        self._join_streams(agree=self._workers.size > 1)
         for f in range(1, len(self._fragments)):
             if not self._fired[f]:
                 self._fire(f, inline=True)
@@ -186,12 +166,11 @@ class Streams:
             _, _, a, b = self._fragments[f]
             self._move_range(f, self._stream_scratch[a - self._stream_base:b - self._stream_base])
 
-    def _join_streams(self, agree: bool = False, hurry: bool = True) -> None:
+    def _join_streams(self, agree: bool = False) -> None:
         """Every job in flight waited for, its move still to come (a checkpoint, the global
-        parameters: unpaced from here to the next round; the last round, ``hurry=False``: at
-        their pace); ``agree``: the worker's ranks agree that none failed (a collective)."""
-        if hurry:
-            self._hurry_streams()
+        parameters, the last round: unpaced from here to the next round); ``agree``: the worker's
+        ranks agree that none failed (a collective)."""
+        self._hurry_streams()
         for f in sorted(self._flight):
             self._wait_job(self._flight[f], check=not agree)
         if self._pacer is not None:
@@ -237,8 +216,6 @@ class Streams:
         window = self._at_trigger[f]                # (its start: the job's window, if the job is lost)
         self._at_trigger[f] = list(self._seen)
         travel = delta.float()
-        if self._pacer is not None:
-            self._pacer.fired(f)
         if inline:
             self._count_sync(begin)
             self._stream_job(f, column, travel, timed=True)
@@ -250,6 +227,8 @@ class Streams:
         _flat.load(params, start)
         self._share([f])
         self._stream_seq += 1
+        if self._pacer is not None:
+            self._pacer.fired(f)
         job = handoff.after(handoff.fence(self._device), self._device, self._stream_job)
         future = self._executor.submit(job, f, column, travel, timed=False)
         self._flight[f] = {"future": future, "seq": self._stream_seq, "steps": 0, "window": window}

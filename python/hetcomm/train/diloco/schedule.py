@@ -20,6 +20,21 @@ _PREFIX = "hetcomm DiLoCo"
 # With overlap and `time`, rounds stretched to at least this many times H steps by the
 # synchronisation in flight are reported once (`Overlap._warn_if_link_bound`).
 LINK_BOUND_WARNING = 1.25
+# Seconds a rank waits for its own job in flight to end once its worker agreed that a job failed
+# (`own_error`): the ranks of a worker learn of a failure together, inside the job, so a rank's
+# own job may be a moment from raising its error when the training thread hears of it.
+OWN_ERROR_SECONDS = 5.0
+
+
+def own_error(futures: list) -> None:
+    """Raises the error of the first of ``futures`` (this rank's jobs in flight) that failed,
+    waiting up to `OWN_ERROR_SECONDS` for one to fail; returns if none did."""
+    if futures:
+        concurrent.futures.wait(futures, timeout=OWN_ERROR_SECONDS,
+                                return_when=concurrent.futures.FIRST_EXCEPTION)
+    for future in futures:
+        if future.done() and future.exception() is not None:
+            future.result()
 
 
 def check_overlap_options(overlap: bool, overlap_steps, early_weight, fragments) -> tuple[int | None, float]:
@@ -120,8 +135,7 @@ class Overlap:
             if self._workers.size > 1:                 # a worker's replicas move at the same step
                 landed = int(self._workers.least(landed))
             if landed < 0:
-                if done and self._pending.exception() is not None:
-                    self._pending.result()
+                own_error([self._pending])             # this rank's own failure: its error, not "another's"
                 raise RuntimeError(f"{_PREFIX}: another rank of this worker failed its synchronisation "
                                    "(its error names the cause)")
             if landed < total:

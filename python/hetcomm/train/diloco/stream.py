@@ -34,6 +34,7 @@ from hetcomm.train.diloco import handoff
 from hetcomm.train.diloco.agreement import NonFinite
 from hetcomm.train.diloco.outer import estimate_step, outer_weights
 from hetcomm.train.diloco.pacing import make_pacer
+from hetcomm.train.diloco.schedule import own_error
 from hetcomm.train.partition import exchange_columns
 
 _PREFIX = "hetcomm DiLoCo"
@@ -292,11 +293,9 @@ class Streams:
             if self._workers.size > 1:
                 landed = int(self._workers.least(landed))
             if landed < 0:
-                if self._stream_failed:                  # this rank's own failure: its error, not "another's"
-                    for job in self._flight.values():
-                        concurrent.futures.wait([job["future"]])
-                        if job["future"].exception() is not None:
-                            job["future"].result()
+                # this rank's own failure: its error, not "another's" (its job may be a moment
+                # from raising it: `own_error`)
+                own_error([job["future"] for job in sorted(self._flight.values(), key=lambda j: j["seq"])])
                 raise RuntimeError(f"{_PREFIX}: another rank of this worker failed a fragment's synchronisation "
                                    "(its error names the cause)")
             due = [f for f, job in self._flight.items() if job["seq"] <= landed]

@@ -126,9 +126,9 @@ class Pacer:
         self._fired[f] = (self._clock(), self.slot)
 
     def hurry(self) -> None:
-        """Someone waits for the jobs in flight (a checkpoint, the global parameters, a boundary
-        for the previous round's job): the caps are lifted now, and no job is paced until
-        `resume`."""
+        """Someone waits for the jobs in flight (the last round, a checkpoint, the global
+        parameters): the caps are lifted now, and no job is paced until `resume`. (A boundary
+        that waits for the previous round's job lifts that job's alone: `lift`.)"""
         with self._lock:
             self._hurried = True
             self._backend.set_pacing([0] * self._backend.size())

@@ -34,11 +34,16 @@ def keys(server, request):
 class _Pulse:
     """The heartbeat, as the decider reads it: ``dead`` are quiet, the others alive."""
 
-    def __init__(self, dead=()) -> None:
-        self.dead = set(dead)
+    def __init__(self, dead=(), reported=0, polls=math.inf) -> None:
+        self.dead, self._reported, self._polls = set(dead), reported, polls
+
+    def reported(self, era) -> int:
+        return self._reported if era == 1 else 0
 
     def check(self) -> None:
-        pass
+        self._polls -= 1
+        if self._polls < 0:
+            raise AssertionError("still waiting (polled too often)")
 
     def quiet(self, name, timeout) -> bool:
         return name in self.dead
@@ -61,11 +66,12 @@ class _Pulse:
 class _Member(Epochs):
     """Member ``A`` of epoch 4 (members ``prev``), arriving at epoch 5."""
 
-    def __init__(self, keys: Keys, prev: list[str], dead=(), late_timeout: float = 600.0) -> None:
+    def __init__(self, keys: Keys, prev: list[str], dead=(), late_timeout: float = 600.0, reported=0,
+                 polls=math.inf) -> None:
         self._keys, self._me, self.worker_id, self._era_number = keys, A, "a", 1
         self._decision = {"epoch": 4, "gen": 3, "round": 7, "members": prev, "holders": prev, "joined": [],
                           "left": {}, "refused": {}, "admitted_upto": 0, "fresh": False}
-        self._pulse, self._outcome, self._gaps = _Pulse(dead), "commit", {}
+        self._pulse, self._outcome, self._gaps = _Pulse(dead, reported, polls), "commit", {}
         self._heartbeat, self._timeout, self._late_timeout, self._collective_timeout = 0.05, 1.0, late_timeout, 2.0
 
     def _config(self) -> dict:
@@ -75,19 +81,28 @@ class _Member(Epochs):
         return {"holds": True, "round": 7, "group": 3, "fresh": False}
 
 
-@pytest.mark.parametrize("evidence", ["latest", "outcome", "none"])
+@pytest.mark.parametrize("evidence", ["latest", "outcome", "pong", "pong-alive", "none"])
 def test_an_epoch_decided_before_is_not_decided_again_by_a_member_left_out(keys, evidence):
     """Epoch 5 was decided without A (taken for dead) and a store writer deleted the decision
     and the arrivals: A, back, finds B silent and would decide epoch 5 with itself alone, a fork.
     With sealed records, where `latest` (kept by the members' heartbeats) or an outcome says the
     epoch was decided, A counts itself left out and writes nothing (before: it wrote [A], a
-    generation of its own). Without the secret they are a store writer's to forge (a forged
-    `latest` would make every member leave an epoch nobody decides): A decides as before."""
+    generation of its own). So also where B, answering A's ping, said it holds epoch 5 decided
+    (`Pulse.reported`; the writer deletes `latest` and the outcome as well): B silent in the
+    store, or alive and missing from the epoch (its arrival deleted: before, A waited out
+    `late_timeout` and decided alone). Without the secret they are a store writer's to forge (a
+    forged `latest` would make every member leave an epoch nobody decides): A decides as
+    before."""
     if evidence == "latest":
         keys.set("latest", 5)
     elif evidence == "outcome":
         keys.first("e5/outcome", "commit")
-    decision = _Member(keys, [A, B], dead=[B])._decide(5, _Member.arrival(None))
+    reported = 5 if evidence.startswith("pong") else 0
+    alive = evidence == "pong-alive"            # (sealed: it must not wait `late_timeout` out)
+    member = _Member(keys, [A, B], dead=[] if alive else [B], reported=reported,
+                     late_timeout=600.0 if alive and keys.sealed else 0.0 if alive else 600.0,
+                     polls=20 if alive and keys.sealed else math.inf)
+    decision = member._decide(5, _Member.arrival(None))
     if evidence == "none" or not keys.sealed:
         assert decision["members"] == [A] and keys.has("e5/decision"), decision
         return

@@ -381,3 +381,33 @@ def test_a_flood_of_connections_to_the_liveness_port_is_bounded(cluster, monkeyp
     b = pulse("b#1")
     b.watch(["a#1"])
     until(lambda: b.confirmed("a#1") and b.linked("a#1"))
+
+
+def test_a_pong_says_which_epoch_the_worker_holds_decided_and_a_forged_one_is_ignored(cluster):
+    """b, a member of era 1 holding its epoch 5 decided, answers a's pings with era and epoch
+    (`Pulse.reported`: the evidence an epoch was decided that a store writer who deletes its
+    records cannot hide). With a secret the answer is sealed with the ping's nonce: a pong whose
+    report is not the one sealed is not taken, and neither is a report for a nonce not asked."""
+    pulse, keys = cluster
+    a, b = pulse("a#1"), pulse("b#1")
+    b.member_of(1)
+    b.hold("era1/latest", 5)
+    a.watch(["b#1"])
+    until(lambda: a.reported(1) == 5)
+    assert a.reported(2) == 0
+    b.member_of(0)                                   # left out of the era: it claims nothing more
+    b.hold("era1/latest", 9)
+    beats(keys, "a#1", 3)
+    assert a.reported(1) == 5
+    if not keys.sealed:
+        return
+    a.stop()                                         # (its thread no longer pings: _pings is ours)
+    nonce = b"f" * 32
+    sealed_five = keys.mac("pulse-pong/b#1", nonce + b" 1:5").hex().encode()
+    a._pings["b#1"] = [nonce]
+    a._pong("b#1", b"!" + nonce + b" 1:7 " + sealed_five)       # the report changed: not taken
+    a._pong("b#1", b"!" + b"e" * 32 + b" 1:8 "
+            + keys.mac("pulse-pong/b#1", b"e" * 32 + b" 1:8").hex().encode())   # not asked
+    assert a.reported(1) == 5
+    a._pong("b#1", b"!" + nonce + b" 1:6 " + keys.mac("pulse-pong/b#1", nonce + b" 1:6").hex().encode())
+    assert a.reported(1) == 6

@@ -78,6 +78,7 @@ class Pulse:
         self._confirmed: set[str] = set()                  # answered, or their counter moved
         self._linked: set[str] = set()                     # their liveness connection answered and is open
         self._held: dict[str, int] = {}                    # job key -> the number it is kept at, at least
+        self._reports: dict[int, int] = {}                 # era -> the newest epoch a pong said decided
         self._error: Exception | None = None
         # The thread's own:
         self._links: dict[str, tuple[socket.socket, str, float, bytes]] = {}  # who -> sock, state, since, greeting
@@ -194,14 +195,20 @@ class Pulse:
             self._pings[name] = (self._pings.get(name, []) + [nonce])[-4:]   # (a slow answer still counts)
 
     def _pong(self, name: str, line: bytes) -> None:
-        """A line from a verified link: the answer to one of the last pings (once), or ignored."""
-        nonce, _, mac = line.removeprefix(b"!").partition(b" ")
+        """A line from a verified link: the answer to one of the last pings (once), or ignored.
+        It says which era's member the worker is and the newest epoch it holds decided there
+        (`reported`), sealed with the nonce."""
+        nonce, _, rest = line.removeprefix(b"!").partition(b" ")
+        report, _, mac = rest.partition(b" ")
         asked = self._pings.get(name, [])
         if line.startswith(b"!") and nonce in asked \
-                and hmac.compare_digest(mac, self._keys.mac(f"pulse-pong/{name}", nonce).hex().encode()):
+                and hmac.compare_digest(mac, self._keys.mac(f"pulse-pong/{name}", nonce + b" " + report).hex().encode()):
             self._pings[name] = asked[asked.index(nonce) + 1:]      # (each answer counts once)
+            era, epoch = _report(report)
             with self._lock:
                 self._answered[name] = time.monotonic()
+                if era:
+                    self._reports[era] = max(epoch, self._reports.get(era, 0))
 
     def _sound_alarm(self) -> None:
         """After a read: the armed `alarm`'s callback, on a thread of its own (the heartbeat must
@@ -386,9 +393,13 @@ class Pulse:
             # (only the newest ping is answered: a watcher that floods gets one answer a read)
             nonce = next((line[1:] for line in reversed(lines) if line.startswith(b"?") and len(line) == 33), None)
             if nonce is not None:
+                era = self._member_of
+                with self._lock:
+                    epoch = self._held.get(f"era{era}/latest", 0) if era else 0
+                report = b"%d:%d" % (era, epoch)
                 try:
-                    sock.send(b"!" + nonce + b" " + self._keys.mac(f"pulse-pong/{self._me}", nonce).hex().encode()
-                              + b"\n")
+                    sock.send(b"!" + nonce + b" " + report + b" "
+                              + self._keys.mac(f"pulse-pong/{self._me}", nonce + b" " + report).hex().encode() + b"\n")
                 except BlockingIOError:
                     pass                              # (a watcher that does not read: it asks again)
                 except OSError:
@@ -446,6 +457,13 @@ class Pulse:
             return                                # (nothing to hold: not joined yet)
         with self._lock:
             self._held[key] = max(n, self._held.get(key, n))
+
+    def reported(self, era: int) -> int:
+        """The newest epoch of ``era`` that a worker answering a ping said it holds decided (0:
+        none). With a secret the answer is sealed under the ping's nonce: a store writer who
+        deletes an epoch's records cannot hide it, nor can anyone replay it."""
+        with self._lock:
+            return self._reports.get(era, 0)
 
     def keep(self, names) -> None:
         """Stop watching everyone but ``names`` (the thread closes their connections)."""
@@ -512,6 +530,14 @@ class Pulse:
     def stop(self) -> None:
         self._stop.set()
         self._thread.join(timeout=2 * self._interval + 5)
+
+
+def _report(raw: bytes) -> tuple[int, int]:
+    """A pong's ``era:epoch`` (both at most 18 digits), or (0, 0)."""
+    era, sep, epoch = raw.partition(b":")
+    if not (sep and era.isdigit() and epoch.isdigit() and len(era) <= 18 and len(epoch) <= 18):
+        return 0, 0
+    return int(era), int(epoch)
 
 
 def _local_ip(store_address: str) -> str:

@@ -273,6 +273,10 @@ class Epochs(JoinRecords, Eras):
             decision = _read_decision(keys, epoch)
             if decision is not None:
                 return decision
+            if keys.sealed and self._pulse.reported(self._era_number) >= epoch:
+                # A worker that answered this one's ping holds the epoch decided, and its decision
+                # is not in the store (it was written before that worker held it): deleted.
+                return self._decided_without_me(keys, epoch, {**prev, "epoch": epoch, "joined": [], "refused": {}})
             for m in members:
                 if m not in arrivals:
                     theirs = self._peek_dict(keys, f"e{epoch}/arrive/{m}")
@@ -332,18 +336,26 @@ class Epochs(JoinRecords, Eras):
             # its own): this worker counts itself left out, and joins again. (Sealed records
             # only: without the secret a store writer forges decisions anyway, and a forged
             # `latest` would make every member leave an epoch nobody decides.)
-            again = _read_decision(keys, epoch)
-            return again if again is not None else {
-                **decision, "members": [], "holders": [],
-                "left": {self._me: f"epoch {epoch} was decided without it (its decision is gone from the store)"}}
+            return self._decided_without_me(keys, epoch, decision)
         decision = _checked_decision(keys, epoch, decision)
         self._set_latest(keys, epoch)
         return decision
 
-    @staticmethod
-    def _decided_before(keys: Keys, epoch: int) -> bool:
+    def _decided_without_me(self, keys: Keys, epoch: int, decision: dict) -> dict:
+        """Epoch ``epoch``'s decision, decided without this worker and gone from the store: read
+        once more, else ``decision`` with no members, this worker counted out (it joins again)."""
+        again = _read_decision(keys, epoch)
+        return again if again is not None else {
+            **decision, "members": [], "holders": [],
+            "left": {self._me: f"epoch {epoch} was decided without it (its decision is gone from the store)"}}
+
+    def _decided_before(self, keys: Keys, epoch: int) -> bool:
         """Whether epoch ``epoch`` has been decided: ``latest`` (written after a decision, and
-        kept by its members' heartbeats) is at or past it, or it has an outcome."""
+        kept by its members' heartbeats) is at or past it, it has an outcome, or a worker that
+        answered this one's ping said it holds it decided (`Pulse.reported`: where the liveness
+        connections are verified, a store writer who deletes all three cannot hide it)."""
+        if self._pulse.reported(self._era_number) >= epoch:
+            return True
         latest = _read_int(keys, "latest")
         if latest is not None and latest >= epoch:
             return True

@@ -11,8 +11,11 @@
 
 #include <sys/stat.h>
 
+#include <algorithm>
+#include <chrono>
 #include <cstdio>
 #include <mutex>
+#include <thread>
 
 #include "algorithms/emulated_device_ops.h"
 #include "backend/cuda_device_ops.h"
@@ -112,6 +115,11 @@ ProcessGroupHetcomm::ProcessGroupHetcomm(const c10::intrusive_ptr<c10d::Store>& 
     mesh_->setFailureHandler([this](const std::string& what) { failGroup(what); });
     p2p_->setFailureHandler([this](const std::string& what) { failGroup(what); });
     const std::string addr = mesh_->listenAddress().str();
+    // Test seam (HETCOMM_TEST_PUBLISH_DELAY_MS): a pause between the records above (the site
+    // label) and the address, before which no peer can read them; a test's rogue acts in it.
+    if (const int64_t pause = envInt("HETCOMM_TEST_PUBLISH_DELAY_MS", 0); pause > 0) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(std::min<int64_t>(pause, 60000)));
+    }
     publish(addressKey(incarnation_, rank), addr);
     HC_LOG(kInfo, "rank ", rank, "/", size, " listening on ", addr);
   } catch (const CommError& e) {

@@ -71,6 +71,24 @@ TEST_CASE(a_world_or_group_accessible_segment_is_refused) {
   ShmSegment::unlink(name);
 }
 
+// A segment of another user, private to it and of the right size, is refused too: a store writer
+// who is another local user (or root making one for it) names it, and the follower must not map
+// memory someone else controls. Making one needs root (to chown it).
+TEST_CASE(a_segment_of_another_user_is_refused) {
+  if (::geteuid() != 0) SKIP_TEST("not root: cannot make a segment that belongs to another user");
+  const std::string name = testName();
+  REQUIRE(plant(name, 0600, 8192));
+  const int fd = ::shm_open(name.c_str(), O_RDWR, 0);
+  REQUIRE(fd >= 0);
+  const bool chowned = ::fchown(fd, 65534, 65534) == 0;  // nobody
+  ::close(fd);
+  REQUIRE(chowned);
+  std::string why;
+  CHECK(!opens(name, 8192, &why));
+  CHECK(why.find("owner 65534") != std::string::npos);
+  ShmSegment::unlink(name);
+}
+
 // The abort word is shared memory: a value that names no local rank (written here through
 // abort() as garbage in the word would be) still aborts every wait, and abortedBy() never hands
 // it out as an index (it did: local_collectives.cc indexed the host's ranks with it).

@@ -217,7 +217,7 @@ def handshake_target(rank: int, world_size: int, port: int) -> int:
     return hetcomm.backend_of().rejected_connections()
 
 
-def claim_rank_1(store) -> str:
+def claim_rank_1(store, world_size: int = 2) -> str:
     """Connects to rank 0 as "rank 1" (a probe), proving the secret it could find in the store."""
     _await(store, "target")
     host, port = store.get("target").decode().rsplit(":", 1)
@@ -225,7 +225,7 @@ def claim_rank_1(store) -> str:
     secret = store.get(stolen[0]) if stolen else secrets.token_bytes(16)
     try:
         with socket.create_connection((host, int(port)), timeout=10) as s:
-            hello = struct.pack("<IHBBii", 0x4D435448, 2, 3, 0, 1, 2) + secrets.token_bytes(16)
+            hello = struct.pack("<IHBBii", 0x4D435448, 2, 3, 0, 1, world_size) + secrets.token_bytes(16)
             s.sendall(hello)
             challenge = _recv(s, 56)
             if len(challenge) < 56:

@@ -241,6 +241,17 @@ TEST_CASE(handshake_macs_bind_the_secret_both_nonces_and_the_role) {
   Hello h2 = h;
   h2.nonce = freshNonce();
   CHECK(accept != handshakeMac(HandshakeRole::kAcceptor, secret, h2.encode(), c));
+  // The claimed rank (and world size) are bound: a proof made for rank 1 is no proof for rank 0,
+  // and the acceptor's proof names the rank it answers as.
+  Hello claimed = h;
+  claimed.rank = 0;
+  CHECK(connect != handshakeMac(HandshakeRole::kConnector, secret, claimed.encode(), c));
+  Hello wider = h;
+  wider.worldSize = 3;
+  CHECK(connect != handshakeMac(HandshakeRole::kConnector, secret, wider.encode(), c));
+  Challenge asOther = c;
+  asOther.rank = 2;
+  CHECK(accept != handshakeMac(HandshakeRole::kAcceptor, secret, hello, asOther));
   // The secret itself never appears in what goes on the wire.
   const auto wire = c.encode();
   CHECK(std::search(hello.begin(), hello.end(), secret.begin(), secret.end()) == hello.end());

@@ -384,6 +384,52 @@ def test_a_store_writer_cannot_fail_the_group(mode: str) -> None:
         assert all(o.startswith("failed") and "forged by the rogue" in o for o in outcomes), outcomes
 
 
+# --- a store writer that forges the others' leaving --------------------------------------------------
+
+def leaves_first_or_last(rank: int, world_size: int, port: int) -> str:
+    """Rank 0 leaves the group while rank 1 is still in it; the last to leave removes the group's
+    keys, the addresses among them: a forged mark that rank 1 left must not make rank 0 the last."""
+    store = _join(rank, world_size, port)
+    _exact_allreduce(rank)
+    store.set(f"ready/{rank}", "1")
+    _await(store, "forged")
+    if rank == 0:
+        dist.destroy_process_group()
+        store.set("left/0", "1")
+        return "left"
+    _await(store, "checked")
+    dist.destroy_process_group()
+    return "left"
+
+
+def forge_rank_1s_leaving(store) -> dict:
+    for r in range(2):
+        _await(store, f"ready/{r}")
+    address = _find(store, "hetcomm/addr/INC/1")
+    store.set(address.replace("hetcomm/addr/", "hetcomm/left/"), b"\x01")   # as a rank marks it (unsealed)
+    store.set("forged", "1")
+    _await(store, "left/0")
+    kept = store.check([address])
+    store.set("checked", "1")
+    return {"address_kept": kept}
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_a_forged_mark_that_a_rank_left_does_not_make_another_remove_the_groups_keys(mode: str) -> None:
+    """With the secret the marks must open: rank 0, leaving first, does not take itself for the
+    last and leaves rank 1's address (and the failure record, the site labels) in place. Without
+    it (the control) the forged mark makes rank 0 remove them while rank 1 still runs."""
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                           timeout=datetime.timedelta(seconds=WAIT_S))
+    rogue = Rogue(server.port, forge_rank_1s_leaving)
+    rogue.start()
+    outcomes = run_ranks(2, leaves_first_or_last, server.port, init=None, timeout=120, destroy=False,
+                         env={"HETCOMM_SECRET": MODES[mode]})
+    found = rogue.finish()
+    assert outcomes == ["left", "left"], outcomes
+    assert found["address_kept"] is (mode == "out_of_band"), (mode, found)
+
+
 # --- ranks that do not share the secret -----------------------------------------------------------
 
 @pytest.mark.parametrize("rank1_secret", [None, SECRET + "-other"], ids=["none", "another"])

@@ -256,6 +256,31 @@ def test_the_state_a_joiner_receives_is_never_unpickled(tmp_path):
             generation.Generation._check_meta(joiner, {**good, **bad})
 
 
+def announce_a_huge_length(rank: int, world_size: int) -> str:
+    """Rank 0 is a peer that announces 2**40 bytes of metadata; rank 1 must refuse before it
+    allocates them."""
+    import torch
+    import torch.distributed as dist
+
+    from hetcomm.train.elastic import generation
+
+    if rank == 0:
+        dist.broadcast(torch.tensor([2 ** 40], dtype=torch.int64), src=0)
+        return "announced"
+    try:
+        generation._broadcast_meta(None, 0)
+    except ValueError as e:
+        return str(e)
+    return "took it"
+
+
+def test_metadata_a_peer_announces_is_bounded_before_it_is_allocated():
+    from harness import run_ranks
+
+    outcomes = run_ranks(2, announce_a_huge_length, timeout=60)
+    assert "announced 1099511627776 bytes of metadata" in outcomes[1], outcomes
+
+
 def test_arguments_and_misuse_raise_clearly():
     import torch
     import torch.distributed as dist

@@ -173,6 +173,25 @@ def test_a_join_request_naming_no_incarnation_is_not_read(keys):
     assert [r["who"] for _, r in regs] == [C] and upto == 3
 
 
+def test_a_join_request_that_is_json_but_not_a_request_is_not_read(keys):
+    """JSON that is not an object (a list, a number, a string, null), or an object whose fields
+    have other types: each is skipped, and the request after it read (issue 43: a record that was
+    not a JSON object raised outside the handled errors on every member). With the secret a store
+    writer cannot write these at all; here they are the store's values as they stand."""
+    from hetcomm.train.elastic.joins import JoinRecords
+
+    reader = JoinRecords()
+    reader._keys, reader._gaps, reader._timeout = keys, {}, 1.0
+    junk = [[C, False, 0], 7, "join me", None, {"who": C, "holds": "yes", "round": 0, "config": {}},
+            {"who": C, "holds": False, "round": [0], "config": {}}, {"who": [C], "holds": False, "round": 0}]
+    for i, value in enumerate(junk):
+        keys.set(f"join/{i}", value)
+    keys.set(f"join/{len(junk)}", {"who": C, "holds": False, "round": 0, "config": {}})
+    keys.at_least("joins", len(junk) + 1)
+    regs, upto = reader._registrations(keys, 0, wait=False)
+    assert [(i, r["who"]) for i, r in regs] == [(len(junk), C)] and upto == len(junk) + 1, (regs, upto)
+
+
 def test_a_refusal_names_what_differs_in_bounded_words():
     ours = {"model": "m", "settings": {"HETCOMM_TLS": ""}}
     why = Epochs._refusal({"model": ["x"] * 1_000_000, "settings": {"HETCOMM_TLS": "y" * 10_000}}, ours)

@@ -123,3 +123,28 @@ def test_a_destination_copies_what_it_holds_even_beside_a_whole_holder():
     # rank 2 holds the second half of each fragment ([9, 17), [24, 30)); rank 0 the whole state
     moves = plan({0: (1, 0), 1: (2, 0), 2: (2, 1)}, {2: (1, 0)}, WHOLE)
     assert moves == [(0, 2, 0, 9), (2, 2, 9, 17), (0, 2, 17, 24), (2, 2, 24, 30)]
+
+
+def test_announced_optimizer_keys_and_dtypes_from_a_peer_are_checked_before_use():
+    """What the first holder announces of the outer optimizer's state (its keys, their kinds and
+    dtypes) comes from a peer: a malformed list, a key twice, a dtype outside the fixed set (a
+    name that `getattr(torch, ...)` would turn into a function), or one that disagrees with what
+    this holder keeps, is a reason to refuse, named; `_dtype` never returns what is not a dtype."""
+    from hetcomm.train.elastic.sharded import _MAX_KEYS, _bad_keys, _dtype
+
+    p = torch.zeros(3)
+    state = {p: {"exp_avg": torch.zeros(3), "step": torch.tensor(2.0)}}
+    good = [["exp_avg", "tensor", "torch.float32"], ["step", "scalar", "torch.float32"]]
+    assert _bad_keys(good, state, [p]) is None
+    for keys, why in [("exp_avg", "malformed"), ([["a", "tensor"]], "malformed"),
+                      ([["k", "tensor", "torch.float32"]] * (_MAX_KEYS + 1), "malformed"),
+                      ([good[0], good[0]], "twice"), ([["x", "tensor", "load"]], "announced 'x'"),
+                      ([["x", "tensor", "torch.Tensor"]], "announced 'x'"), ([["x", "code", "int"]], "announced 'x'"),
+                      ([["exp_avg", "tensor", "torch.float64"]], "other than a torch.float64 tensor"),
+                      ([["exp_avg", "scalar", "torch.float32"]], "other than one value")]:
+        problem = _bad_keys(keys, state, [p])
+        assert problem is not None and why in problem, (keys, problem)
+    assert _dtype("torch.bfloat16") is torch.bfloat16
+    for name in ["load", "torch.load", "Tensor", "", None, 3]:
+        with pytest.raises(ValueError, match="as a dtype"):
+            _dtype(name)

@@ -430,36 +430,6 @@ def test_a_forged_mark_that_a_rank_left_does_not_make_another_remove_the_groups_
     assert found["address_kept"] is (mode == "out_of_band"), (mode, found)
 
 
-# --- ranks that do not share the secret -----------------------------------------------------------
-
-@pytest.mark.parametrize("rank1_secret", [None, SECRET + "-other"], ids=["none", "another"])
-def test_ranks_that_do_not_share_the_secret_get_a_clear_error(rank1_secret) -> None:
-    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                           timeout=datetime.timedelta(seconds=WAIT_S))
-    outcomes = run_ranks(2, rank_specific_secret, server.port, rank1_secret, init=None, timeout=120,
-                         env={"HETCOMM_SECRET": SECRET})
-    want = "rank 0 has an out-of-band secret" if rank1_secret is None else "differs from rank 0's"
-    assert want in outcomes[1], outcomes
-
-
-def rank_specific_secret(rank: int, world_size: int, port: int, rank1_secret) -> str:
-    if rank == 1:
-        if rank1_secret is None:
-            os.environ.pop("HETCOMM_SECRET")
-        else:
-            os.environ["HETCOMM_SECRET"] = rank1_secret
-    store = _client(port)
-    try:
-        # Rank 1's timeout outlasts the patience for a record that never opens (10 s), which is
-        # what must end its wait; rank 0 gives up on its own soon after.
-        timeout = 30 if rank == 1 else (3 if rank1_secret is None else 12)
-        dist.init_process_group("hetcomm", store=dist.PrefixStore("job", store), rank=rank, world_size=world_size,
-                                timeout=datetime.timedelta(seconds=timeout))
-        return "joined"
-    except Exception as e:  # noqa: BLE001
-        return str(e)
-
-
 # --- the same group made again under the same prefix ---------------------------------------------
 
 def _say_when_rewritten(port: int, pattern: str, flag: str) -> None:

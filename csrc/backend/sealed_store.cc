@@ -1,6 +1,7 @@
 #include "backend/sealed_store.h"
 
 #include <c10/util/Exception.h>
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 
 #include <algorithm>
 #include <array>
@@ -244,6 +245,28 @@ void SealedStore::append(const std::string& key, const std::vector<uint8_t>& val
   C10_THROW_ERROR(NotImplementedError, "hetcomm: append on a store whose values are sealed (HETCOMM_SECRET)");
 }
 
+namespace {
+
+// PrefixStore keeps its prefix protected: a pointer to that member, formed in a class derived from
+// it (its type is PrefixStore's member's), reads it on any PrefixStore.
+struct PrefixOf : c10d::PrefixStore {
+  static std::string c10d::PrefixStore::*member() { return &PrefixOf::prefix_; }
+};
+
+}  // namespace
+
+std::string storeScope(c10d::Store& store) {
+  std::string scope;
+  c10d::Store* s = &store;
+  for (int depth = 0; depth < 64; ++depth) {
+    auto* p = dynamic_cast<c10d::PrefixStore*>(s);
+    if (p == nullptr) break;
+    scope = (p->*PrefixOf::member()) + "/" + scope;  // PrefixStore's joinKey: prefix + "/" + key
+    s = p->getUnderlyingStore().get();
+  }
+  return scope;
+}
+
 GroupKeys agreeGroupKeys(c10d::Store& store, int rank, int size, std::vector<int64_t> jobRanks,
                          std::chrono::milliseconds timeout, const std::vector<std::string>& staleKeys,
                          StoreRecords& kept) {
@@ -257,6 +280,10 @@ GroupKeys agreeGroupKeys(c10d::Store& store, int rank, int size, std::vector<int
   if (!master) return keysThroughTheStore(store, rank, timeout, staleKeys);
   const Deadline deadline = Clock::now() + timeout;
   const Nonce own = freshNonce();
+  // The group's place in the store is part of what the record proves: a store writer who swaps
+  // nonces and records between two groups of the same ranks (two prefixes) cannot move a rank
+  // from one into the other.
+  const std::string scope = storeScope(store);
   if (rank == 0) {
     for (const std::string& key : staleKeys) store.deleteKey(key);
     store.deleteKey(kSecretKey);
@@ -295,11 +322,11 @@ GroupKeys agreeGroupKeys(c10d::Store& store, int rank, int size, std::vector<int
                                 ", did not publish their nonce within ", timeout.count(),
                                 " ms (did they create the process group, with HETCOMM_SECRET set?)"));
     }
-    const std::vector<uint8_t> record = groupRecord(*master, jobRanks, nonces);
+    const std::vector<uint8_t> record = groupRecord(*master, scope, jobRanks, nonces);
     kept.emplace_back(kRecordKey, record);
     store.set(kRecordKey, record);
     store.deleteKey(kSealedMarkKey);  // the record says as much from now on
-    return *openGroupRecord(*master, jobRanks, 0, own, record);
+    return *openGroupRecord(*master, scope, jobRanks, 0, own, record);
   }
   const std::vector<uint8_t> mine(own.begin(), own.end());
   store.set(nonceKey(rank), mine);
@@ -308,11 +335,11 @@ GroupKeys agreeGroupKeys(c10d::Store& store, int rank, int size, std::vector<int
   Deadline forgedSince{};  // ... since then
   while (true) {
     if (std::optional<std::vector<uint8_t>> record = readNow(store, kRecordKey)) {
-      if (std::optional<GroupKeys> keys = openGroupRecord(*master, jobRanks, rank, own, *record)) {
+      if (std::optional<GroupKeys> keys = openGroupRecord(*master, scope, jobRanks, rank, own, *record)) {
         store.deleteKey(nonceKey(rank));  // read: the record carries it
         return *keys;
       }
-      if (groupRecordAuthentic(*master, jobRanks, *record)) {
+      if (groupRecordAuthentic(*master, scope, jobRanks, *record)) {
         forgedNow = false;  // genuine, of another creation (an earlier one's, not yet replaced)
       } else if (!forgedNow) {
         sayIgnoredOnce(kRecordKey);

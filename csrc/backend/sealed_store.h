@@ -77,6 +77,11 @@ namespace hetcomm {
 // what it publishes to `kept` (put back should a store writer replace it). Throws CommError: no
 // record (or no nonces) within `timeout`, saying what was seen instead.
 using StoreRecords = std::vector<std::pair<std::string, std::vector<uint8_t>>>;
+// The prefix under which `store`'s keys lie in the store beneath its PrefixStores (their prefixes
+// joined as PrefixStore joins them: "job/0//" for PrefixStore("0/") over PrefixStore("job")), ""
+// for a store that is no PrefixStore: the scope the group record binds (group_secret.h).
+std::string storeScope(c10d::Store& store);
+
 GroupKeys agreeGroupKeys(c10d::Store& store, int rank, int size, std::vector<int64_t> jobRanks,
                          std::chrono::milliseconds timeout, const std::vector<std::string>& staleKeys,
                          StoreRecords& kept);

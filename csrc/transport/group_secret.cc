@@ -21,9 +21,9 @@ namespace {
 
 // Labels keep the derived keys apart: a MAC made for one purpose never verifies for another.
 constexpr char kSecretSalt[] = "hetcomm out-of-band secret v1";
-constexpr char kRecordLabel[] = "hetcomm record v1";
-constexpr char kMeshLabel[] = "hetcomm mesh v1";
-constexpr char kSealLabel[] = "hetcomm seal v1";
+constexpr char kRecordLabel[] = "hetcomm record v2";
+constexpr char kMeshLabel[] = "hetcomm mesh v2";
+constexpr char kSealLabel[] = "hetcomm seal v2";
 constexpr char kStoreLabel[] = "hetcomm store v1";
 
 std::string withoutTrailingNewline(std::string s) {
@@ -93,9 +93,12 @@ void putLe(std::vector<uint8_t>& out, uint64_t v, int bytes) {
   for (int i = 0; i < bytes; ++i) out.push_back(static_cast<uint8_t>(v >> (8 * i)));
 }
 
-std::vector<uint8_t> transcript(const std::vector<int64_t>& jobRanks, const std::vector<Nonce>& nonces) {
+std::vector<uint8_t> transcript(const std::string& scope, const std::vector<int64_t>& jobRanks,
+                                const std::vector<Nonce>& nonces) {
   std::vector<uint8_t> t;
-  t.reserve(4 + 8 * jobRanks.size() + kNonceBytes * nonces.size());
+  t.reserve(8 + scope.size() + 8 * jobRanks.size() + kNonceBytes * nonces.size());
+  putLe(t, static_cast<uint32_t>(scope.size()), 4);
+  t.insert(t.end(), scope.begin(), scope.end());
   putLe(t, static_cast<uint32_t>(jobRanks.size()), 4);
   for (int64_t g : jobRanks) putLe(t, static_cast<uint64_t>(g), 8);
   for (const Nonce& n : nonces) t.insert(t.end(), n.begin(), n.end());
@@ -170,34 +173,35 @@ GroupKeys keysFromStoreSecret(const std::array<uint8_t, kSecretBytes>& secret) {
   return keys;
 }
 
-std::vector<uint8_t> groupRecord(const Sha256Digest& master, const std::vector<int64_t>& jobRanks,
-                                 const std::vector<Nonce>& nonces) {
-  const Sha256Digest tag = labelled(master, kRecordLabel, sizeof(kRecordLabel), transcript(jobRanks, nonces));
+std::vector<uint8_t> groupRecord(const Sha256Digest& master, const std::string& scope,
+                                 const std::vector<int64_t>& jobRanks, const std::vector<Nonce>& nonces) {
+  const Sha256Digest tag = labelled(master, kRecordLabel, sizeof(kRecordLabel), transcript(scope, jobRanks, nonces));
   std::vector<uint8_t> out;
   for (const Nonce& n : nonces) out.insert(out.end(), n.begin(), n.end());
   out.insert(out.end(), tag.begin(), tag.end());
   return out;
 }
 
-bool groupRecordAuthentic(const Sha256Digest& master, const std::vector<int64_t>& jobRanks,
+bool groupRecordAuthentic(const Sha256Digest& master, const std::string& scope, const std::vector<int64_t>& jobRanks,
                           const std::vector<uint8_t>& record) {
   const size_t size = jobRanks.size();
   if (size == 0 || record.size() != size * kNonceBytes + kMacBytes) return false;
   std::vector<Nonce> nonces(size);
   for (size_t r = 0; r < size; ++r) std::copy_n(record.begin() + r * kNonceBytes, kNonceBytes, nonces[r].begin());
-  const Sha256Digest tag = labelled(master, kRecordLabel, sizeof(kRecordLabel), transcript(jobRanks, nonces));
+  const Sha256Digest tag = labelled(master, kRecordLabel, sizeof(kRecordLabel), transcript(scope, jobRanks, nonces));
   return constantTimeEqual(tag.data(), record.data() + size * kNonceBytes, kMacBytes);
 }
 
-std::optional<GroupKeys> openGroupRecord(const Sha256Digest& master, const std::vector<int64_t>& jobRanks, int rank,
-                                         const Nonce& own, const std::vector<uint8_t>& record) {
+std::optional<GroupKeys> openGroupRecord(const Sha256Digest& master, const std::string& scope,
+                                         const std::vector<int64_t>& jobRanks, int rank, const Nonce& own,
+                                         const std::vector<uint8_t>& record) {
   const size_t size = jobRanks.size();
   if (rank < 0 || static_cast<size_t>(rank) >= size || record.size() != size * kNonceBytes + kMacBytes) {
     return std::nullopt;
   }
   std::vector<Nonce> nonces(size);
   for (size_t r = 0; r < size; ++r) std::copy_n(record.begin() + r * kNonceBytes, kNonceBytes, nonces[r].begin());
-  const std::vector<uint8_t> t = transcript(jobRanks, nonces);
+  const std::vector<uint8_t> t = transcript(scope, jobRanks, nonces);
   const Sha256Digest tag = labelled(master, kRecordLabel, sizeof(kRecordLabel), t);
   if (!constantTimeEqual(tag.data(), record.data() + size * kNonceBytes, kMacBytes)) return std::nullopt;
   if (!constantTimeEqual(nonces[rank].data(), own.data(), kNonceBytes)) return std::nullopt;

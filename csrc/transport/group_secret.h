@@ -8,13 +8,18 @@
 //
 //   master  = PBKDF2-HMAC-SHA-256(secret, salt "hetcomm out-of-band secret v1", 100000 iterations)
 //   every rank r > 0 publishes a fresh nonce n_r; rank 0 draws n_0 and, once it has every n_r,
-//   transcript = u32 size || i64 job rank of each group rank || n_0 || n_1 || ... || n_{size-1}
-//   record  = n_0 || ... || n_{size-1} || HMAC(master, "hetcomm record v1\0" || transcript)
-//   a rank takes a record only if its MAC is right for the group it knows (size, job ranks) and it
-//   carries that rank's own fresh nonce: a record of another group, or an earlier creation under
-//   the same prefix, is refused;
-//   mesh    = HMAC(master, "hetcomm mesh v1\0" || transcript)[:16]   (the handshake's secret)
-//   seal    = HMAC(master, "hetcomm seal v1\0" || transcript)
+//   transcript = u32 len(scope) || scope || u32 size || i64 job rank of each group rank
+//                || n_0 || n_1 || ... || n_{size-1}
+//   where scope is the prefix under which the group's keys lie in the store (its PrefixStores'
+//   prefixes joined as PrefixStore joins them, outermost first: "job/0//" for PrefixStore("0/")
+//   over PrefixStore("job"); "" for a store that is no PrefixStore);
+//   record  = n_0 || ... || n_{size-1} || HMAC(master, "hetcomm record v2\0" || transcript)
+//   a rank takes a record only if its MAC is right for the group it knows (scope, size, job ranks)
+//   and it carries that rank's own fresh nonce: a record of another group (another prefix, even
+//   with the same ranks, whose nonces a store writer swapped), or an earlier creation under the
+//   same prefix, is refused;
+//   mesh    = HMAC(master, "hetcomm mesh v2\0" || transcript)[:16]   (the handshake's secret)
+//   seal    = HMAC(master, "hetcomm seal v2\0" || transcript)
 //   sealed  = value || HMAC(seal, "hetcomm store v1\0" || u32 len(key) || key || value)
 //
 // A value written by anyone without the secret, or moved from another key or group, fails to open
@@ -65,16 +70,19 @@ struct GroupKeys {
 // The keys of a group whose secret travels through the store (the secret itself is `mesh`).
 GroupKeys keysFromStoreSecret(const std::array<uint8_t, kSecretBytes>& secret);
 
-// The out-of-band path. `jobRanks`: each group rank's rank in the job (every rank passes the same).
-std::vector<uint8_t> groupRecord(const Sha256Digest& master, const std::vector<int64_t>& jobRanks,
-                                 const std::vector<Nonce>& nonces);
-// Whether a record's MAC is right for this group (its size and job ranks), whoever's nonces it has.
-bool groupRecordAuthentic(const Sha256Digest& master, const std::vector<int64_t>& jobRanks,
+// The out-of-band path. `scope`: the group's prefix in the store (above); `jobRanks`: each group
+// rank's rank in the job (every rank passes the same).
+std::vector<uint8_t> groupRecord(const Sha256Digest& master, const std::string& scope,
+                                 const std::vector<int64_t>& jobRanks, const std::vector<Nonce>& nonces);
+// Whether a record's MAC is right for this group (its scope, size and job ranks), whoever's nonces
+// it has.
+bool groupRecordAuthentic(const Sha256Digest& master, const std::string& scope, const std::vector<int64_t>& jobRanks,
                           const std::vector<uint8_t>& record);
 // The keys a record gives, if its MAC is right for this group and it carries `own` as `rank`'s
 // nonce; nullopt otherwise.
-std::optional<GroupKeys> openGroupRecord(const Sha256Digest& master, const std::vector<int64_t>& jobRanks, int rank,
-                                         const Nonce& own, const std::vector<uint8_t>& record);
+std::optional<GroupKeys> openGroupRecord(const Sha256Digest& master, const std::string& scope,
+                                         const std::vector<int64_t>& jobRanks, int rank, const Nonce& own,
+                                         const std::vector<uint8_t>& record);
 
 // value || tag; and the value of a sealed record if its tag is right for this key.
 std::vector<uint8_t> sealValue(const Sha256Digest& key, const std::string& storeKey, const std::vector<uint8_t>& value);

@@ -52,9 +52,10 @@ struct TempFile {
 
 const std::string kSecret = "correct horse battery staple";
 const std::vector<int64_t> kJobRanks = {0, 1};
+const std::string kScope = "job/0//";  // the group's keys under PrefixStore("0/") over PrefixStore("job")
 
 Sha256Digest master() { return *outOfBandSecret("", kSecret); }
-std::vector<uint8_t> twoRankRecord() { return groupRecord(master(), kJobRanks, {counting(0), counting(16)}); }
+std::vector<uint8_t> twoRankRecord() { return groupRecord(master(), kScope, kJobRanks, {counting(0), counting(16)}); }
 
 }  // namespace
 
@@ -71,19 +72,19 @@ TEST_CASE(the_keys_match_an_independent_implementation) {
   const std::vector<uint8_t> record = twoRankRecord();
   REQUIRE(record.size() == 2 * kNonceBytes + kMacBytes);
   CHECK_EQ(hex(record.data() + 2 * kNonceBytes, kMacBytes),
-           std::string("fdf3b97e04569f3f30e02896131654f49f1bb247bc4b60c5172ad0f4287b6d2a"));
-  const std::optional<GroupKeys> keys = openGroupRecord(m, kJobRanks, 1, counting(16), record);
+           std::string("62b0ad9e21772ab40d933ab7a8993659b2c4d9d87733d2065bba13b618cb5ac5"));
+  const std::optional<GroupKeys> keys = openGroupRecord(m, kScope, kJobRanks, 1, counting(16), record);
   REQUIRE(keys.has_value() && keys->seal.has_value());
-  CHECK_EQ(keys->incarnation, std::string("a87f71da48b0ae9d"));
+  CHECK_EQ(keys->incarnation, std::string("3018fec6db480930"));
   const std::vector<uint8_t> sealed = sealValue(*keys->seal, "hetcomm/addr/1", bytes("10.0.0.2:4242"));
   REQUIRE(sealed.size() == 13 + kMacBytes);
-  CHECK_EQ(hex(sealed.data() + 13, kMacBytes), std::string("ef050b4e2852e6e93d3188b8d4d830e1acc16f8cf95660489be170f4c14df20b"));
+  CHECK_EQ(hex(sealed.data() + 13, kMacBytes), std::string("0b011d8b1e18faca68dbe7b13f3a71fffb18e1c33f87d13d499af98c98799700"));
 }
 
 TEST_CASE(every_rank_takes_the_same_keys_from_the_record) {
   const std::vector<uint8_t> record = twoRankRecord();
-  const auto a = openGroupRecord(master(), kJobRanks, 0, counting(0), record);
-  const auto b = openGroupRecord(master(), kJobRanks, 1, counting(16), record);
+  const auto a = openGroupRecord(master(), kScope, kJobRanks, 0, counting(0), record);
+  const auto b = openGroupRecord(master(), kScope, kJobRanks, 1, counting(16), record);
   REQUIRE(a && b);
   CHECK(a->mesh == b->mesh);
   CHECK(*a->seal == *b->seal);
@@ -93,37 +94,41 @@ TEST_CASE(every_rank_takes_the_same_keys_from_the_record) {
 TEST_CASE(a_record_of_another_group_or_creation_or_secret_is_refused) {
   const std::vector<uint8_t> record = twoRankRecord();
   // Not this rank's fresh nonce (an earlier creation under the same prefix, or a replay).
-  CHECK(!openGroupRecord(master(), kJobRanks, 1, counting(17), record));
-  // Another group: other job ranks, another size.
-  CHECK(!openGroupRecord(master(), {0, 2}, 1, counting(16), record));
-  CHECK(!openGroupRecord(master(), {0, 1, 2}, 1, counting(16), record));
+  CHECK(!openGroupRecord(master(), kScope, kJobRanks, 1, counting(17), record));
+  // Another group: other job ranks, another size, or the same ranks under another prefix (a store
+  // writer who gave this rank's nonce to that group's rank 0 and moved its record here).
+  CHECK(!openGroupRecord(master(), "job/1//", kJobRanks, 1, counting(16), record));
+  CHECK(!openGroupRecord(master(), "", kJobRanks, 1, counting(16), record));
+  CHECK(!groupRecordAuthentic(master(), "other/0//", kJobRanks, record));
+  CHECK(!openGroupRecord(master(), kScope, {0, 2}, 1, counting(16), record));
+  CHECK(!openGroupRecord(master(), kScope, {0, 1, 2}, 1, counting(16), record));
   // Another secret, a flipped bit anywhere, cut short, extended, a rank out of range.
-  CHECK(!openGroupRecord(*outOfBandSecret("", kSecret + "!"), kJobRanks, 1, counting(16), record));
+  CHECK(!openGroupRecord(*outOfBandSecret("", kSecret + "!"), kScope, kJobRanks, 1, counting(16), record));
   int opened = 0;
   for (size_t i = 0; i < record.size(); ++i) {
     std::vector<uint8_t> bad = record;
     bad[i] ^= 0x10;
-    opened += openGroupRecord(master(), kJobRanks, 1, counting(16), bad).has_value();
+    opened += openGroupRecord(master(), kScope, kJobRanks, 1, counting(16), bad).has_value();
   }
   CHECK_EQ(opened, 0);
-  CHECK(!openGroupRecord(master(), kJobRanks, 1, counting(16), std::vector<uint8_t>(record.begin(), record.end() - 1)));
+  CHECK(!openGroupRecord(master(), kScope, kJobRanks, 1, counting(16), std::vector<uint8_t>(record.begin(), record.end() - 1)));
   std::vector<uint8_t> longer = record;
   longer.push_back(0);
-  CHECK(!openGroupRecord(master(), kJobRanks, 1, counting(16), longer));
-  CHECK(!openGroupRecord(master(), kJobRanks, 2, counting(16), record));
-  CHECK(!openGroupRecord(master(), kJobRanks, -1, counting(16), record));
-  CHECK(!openGroupRecord(master(), kJobRanks, 1, counting(16), {}));
+  CHECK(!openGroupRecord(master(), kScope, kJobRanks, 1, counting(16), longer));
+  CHECK(!openGroupRecord(master(), kScope, kJobRanks, 2, counting(16), record));
+  CHECK(!openGroupRecord(master(), kScope, kJobRanks, -1, counting(16), record));
+  CHECK(!openGroupRecord(master(), kScope, kJobRanks, 1, counting(16), {}));
   // A second creation of the same group: new nonces, new keys.
-  const auto first = openGroupRecord(master(), kJobRanks, 1, counting(16), record);
-  const auto second = openGroupRecord(master(), kJobRanks, 1, counting(16),
-                                      groupRecord(master(), kJobRanks, {counting(100), counting(16)}));
+  const auto first = openGroupRecord(master(), kScope, kJobRanks, 1, counting(16), record);
+  const auto second = openGroupRecord(master(), kScope, kJobRanks, 1, counting(16),
+                                      groupRecord(master(), kScope, kJobRanks, {counting(100), counting(16)}));
   REQUIRE(first && second);
   CHECK(first->mesh != second->mesh);
   CHECK(first->incarnation != second->incarnation);
 }
 
 TEST_CASE(a_sealed_value_opens_only_unchanged_under_its_own_key) {
-  const Sha256Digest seal = *openGroupRecord(master(), kJobRanks, 0, counting(0), twoRankRecord())->seal;
+  const Sha256Digest seal = *openGroupRecord(master(), kScope, kJobRanks, 0, counting(0), twoRankRecord())->seal;
   const std::vector<uint8_t> value = bytes("10.0.0.2:4242");
   const std::vector<uint8_t> sealed = sealValue(seal, "hetcomm/addr/1", value);
   CHECK(openValue(seal, "hetcomm/addr/1", sealed) == value);

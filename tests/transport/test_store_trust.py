@@ -40,20 +40,22 @@ def _master(secret: str) -> bytes:
     return hashlib.pbkdf2_hmac("sha256", secret.encode(), b"hetcomm out-of-band secret v1", 100000)
 
 
-def _transcript(job_ranks: list[int], nonces: list[bytes]) -> bytes:
-    return struct.pack("<I", len(job_ranks)) + b"".join(struct.pack("<q", g) for g in job_ranks) + b"".join(nonces)
+def _transcript(scope: str, job_ranks: list[int], nonces: list[bytes]) -> bytes:
+    return (struct.pack("<I", len(scope.encode())) + scope.encode() + struct.pack("<I", len(job_ranks))
+            + b"".join(struct.pack("<q", g) for g in job_ranks) + b"".join(nonces))
 
 
-def _open_record(secret: str, job_ranks: list[int], record: bytes) -> bytes | None:
-    """The seal key of a group record, if its MAC is right for this group."""
+def _open_record(secret: str, record_key: str, job_ranks: list[int], record: bytes) -> bytes | None:
+    """The seal key of a group record, if its MAC is right for this group: its ranks, and the prefix
+    its keys lie under in the store (``record_key`` is the record's full name there)."""
     n = len(job_ranks)
     nonces = [record[16 * r:16 * (r + 1)] for r in range(n)]
-    t = _transcript(job_ranks, nonces)
+    t = _transcript(record_key[:-len("hetcomm/record")], job_ranks, nonces)
     master = _master(secret)
-    want = hmac.new(master, b"hetcomm record v1\0" + t, hashlib.sha256).digest()
+    want = hmac.new(master, b"hetcomm record v2\0" + t, hashlib.sha256).digest()
     if len(record) != 16 * n + 32 or not hmac.compare_digest(want, record[16 * n:]):
         return None
-    return hmac.new(master, b"hetcomm seal v1\0" + t, hashlib.sha256).digest()
+    return hmac.new(master, b"hetcomm seal v2\0" + t, hashlib.sha256).digest()
 
 
 def _opens(seal_key: bytes, key: str, sealed: bytes) -> bytes | None:
@@ -182,7 +184,7 @@ def read_everything(store) -> dict:
     found = {"secret_keys": [k for k in keys if k.endswith("hetcomm/secret")], "addresses": {}}
     record_keys = [k for k in keys if k.endswith("hetcomm/record")]
     if record_keys:
-        seal = _open_record(SECRET, [0, 1], store.get(record_keys[0]))
+        seal = _open_record(SECRET, record_keys[0], [0, 1], store.get(record_keys[0]))
         found["record_ok"] = seal is not None
         for r in range(2):
             full = _find(store, rf"hetcomm/addr/INC/{r}")

@@ -91,7 +91,8 @@ class Pulse:
         self._read_at = time.monotonic()                   # when the watched counters were last read
         self._answered: dict[str, float] = {}              # who -> when its link last answered a ping
         self._drained_at = time.monotonic()                # when this thread last read its connections
-        self._pings: dict[str, list[bytes]] = {}           # who -> the last pings its link may answer
+        self._pings: dict[str, list[tuple[bytes, float]]] = {}   # who -> the last pings its link may answer, when sent
+        self._fresh: dict[str, float] = {}                 # who -> when the newest ping it answered was sent
         self._heard: dict[socket.socket, bytes] = {}       # a watcher's connection -> its partial line
         # `alarm`: (names, seconds, callback) armed, fired at most once
         self._alarm: tuple[frozenset, float, object] | None = None
@@ -192,7 +193,7 @@ class Pulse:
                     continue
             except OSError:
                 continue                              # (full: asked again next beat; a reset closes it: `_event`)
-            self._pings[name] = (self._pings.get(name, []) + [nonce])[-4:]   # (a slow answer still counts)
+            self._pings[name] = (self._pings.get(name, []) + [(nonce, time.monotonic())])[-4:]   # (a slow answer still counts)
 
     def _pong(self, name: str, line: bytes) -> None:
         """A line from a verified link: the answer to one of the last pings (once), or ignored.
@@ -201,13 +202,16 @@ class Pulse:
         nonce, _, rest = line.removeprefix(b"!").partition(b" ")
         report, _, mac = rest.partition(b" ")
         asked = self._pings.get(name, [])
-        if line.startswith(b"!") and nonce in asked \
+        which = next((i for i, (n, _) in enumerate(asked) if n == nonce), None)
+        if line.startswith(b"!") and which is not None \
                 and hmac.compare_digest(mac, self._keys.mac(f"pulse-pong/{name}", nonce + b" " + report).hex().encode()):
-            self._pings[name] = asked[asked.index(nonce) + 1:]      # (each answer counts once)
+            sent = asked[which][1]
+            self._pings[name] = asked[which + 1:]                  # (each answer counts once)
             era, epoch = _report(report)
             with self._lock:
                 self._answered[name] = time.monotonic()
-                if era:
+                self._fresh[name] = max(sent, self._fresh.get(name, sent))
+                if era and self._keys.sealed:           # (unsealed, anyone could say anything: not kept)
                     self._reports[era] = max(epoch, self._reports.get(era, 0))
 
     def _sound_alarm(self) -> None:
@@ -236,6 +240,7 @@ class Pulse:
         with self._lock:
             self._linked.discard(name)
             self._answered.pop(name, None)
+            self._fresh.pop(name, None)
         self._selector.unregister(sock)
         sock.close()
 
@@ -386,15 +391,16 @@ class Pulse:
 
     def _answer(self, sock: socket.socket, data: bytes) -> bool:
         """Data from a watcher: with a secret, its challenge first (answered once); then its pings
-        (`_ping`): the newest of each read answered with its nonce (sealed with a secret). False
-        when the connection is to be closed (a challenge that is not one, a line too long)."""
+        (`_ping`): the newest of each read answered with its nonce, this worker's era and the newest
+        epoch it holds decided there (``!nonce era:epoch mac``, sealed with a secret). False when
+        the connection is to be closed (a challenge that is not one, a line too long)."""
         if sock not in self._asked:
             *lines, rest = (self._heard.pop(sock, b"") + data).split(b"\n")
             # (only the newest ping is answered: a watcher that floods gets one answer a read)
             nonce = next((line[1:] for line in reversed(lines) if line.startswith(b"?") and len(line) == 33), None)
             if nonce is not None:
-                era = self._member_of
                 with self._lock:
+                    era = self._member_of
                     epoch = self._held.get(f"era{era}/latest", 0) if era else 0
                 report = b"%d:%d" % (era, epoch)
                 try:
@@ -445,10 +451,12 @@ class Pulse:
             memory.pop(next(iter(memory)))
 
     def member_of(self, era: int) -> None:
-        """From now on, answer probes as a member of ``era`` (`_beat`); 0: of none."""
-        if era != self._member_of:
-            self._echoed = {}
-        self._member_of = era
+        """From now on, answer probes (`_beat`) and pings (`_answer`: the era, and the newest epoch
+        held decided there) as a member of ``era``; 0: of none."""
+        with self._lock:
+            if era != self._member_of:
+                self._echoed = {}
+            self._member_of = era
 
     def hold(self, key: str, n: int) -> None:
         """Keep the job's (sealed) number ``key`` at ``n`` at least, from the next beat on: a
@@ -505,6 +513,12 @@ class Pulse:
         than ``seconds``. ``names`` None disarms it."""
         with self._lock:
             self._alarm = None if names is None else (frozenset(names) - {self._me}, float(seconds), callback)
+
+    def answered_since(self, name: str, since: float) -> bool:
+        """Whether ``name`` answered a ping this thread sent at or after ``since`` (monotonic): its
+        report (`reported`) is then no older than that."""
+        with self._lock:
+            return self._fresh.get(name, -math.inf) >= since
 
     def linked(self, name: str) -> bool:
         """Whether ``name``'s liveness connection answered (with a secret: proved who it is) and

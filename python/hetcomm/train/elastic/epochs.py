@@ -168,8 +168,9 @@ class Epochs(JoinRecords, Eras):
                 "outer optimizer": type(self.outer_optimizer).__name__, "weighting": self.weighting,
                 "compression": self._codec_name, "backend": self._backend,
                 # how the state travels to a joiner (generation._transfer): raw bytes per dtype; the
-                # rows of the epoch's table (2: since the epochs of DiLoCo in generations only)
-                "state transfer": 2, "epoch table": 2,
+                # rows of the epoch's table (2: since the epochs of DiLoCo in generations only);
+                # the liveness answers (2: with the era and epoch held decided, 12-05)
+                "state transfer": 2, "epoch table": 2, "liveness answers": 2,
                 "settings": _hosts.environment_settings() if "hetcomm" in str(self._backend) else {}}
 
     @staticmethod
@@ -274,8 +275,9 @@ class Epochs(JoinRecords, Eras):
             if decision is not None:
                 return decision
             if keys.sealed and self._pulse.reported(self._era_number) >= epoch:
-                # A worker that answered this one's ping holds the epoch decided, and its decision
-                # is not in the store (it was written before that worker held it): deleted.
+                # A worker that answered this one's ping holds the epoch decided. A decider writes
+                # the decision before it holds the epoch, so the decision was in the store before
+                # the answer: read once more (`_decided_without_me`), and if it is gone, deleted.
                 return self._decided_without_me(keys, epoch, {**prev, "epoch": epoch, "joined": [], "refused": {}})
             for m in members:
                 if m not in arrivals:
@@ -329,9 +331,14 @@ class Epochs(JoinRecords, Eras):
         decision = {"epoch": epoch, "gen": prev["gen"] + (1 if changed else 0), "round": rnd,
                     "members": new_members, "holders": holders,
                     "left": out, "joined": joiners, "refused": refused, "admitted_upto": upto, "fresh": fresh}
+        if keys.sealed:
+            # A member about to be left out that is linked may have decided this epoch while this
+            # worker was frozen (it counted this one out): its answer to a ping sent from now on
+            # says so, where one from before the freeze could not.
+            self._await_fresh_answers([m for m in members if m not in continuing and m != self._me])
         if keys.sealed and self._decided_before(keys, epoch):
-            # The epoch was decided (`latest` is past it, or it has an outcome) and its decision
-            # is gone: a store writer deleted it, perhaps with this worker's arrival or others'.
+            # The epoch was decided (`latest` is past it, it has an outcome, or a member's answer
+            # says so) and its decision is gone: a store writer deleted it, perhaps with this worker's arrival or others'.
             # Deciding it again could fork the run (two sets of members, each in a generation of
             # its own): this worker counts itself left out, and joins again. (Sealed records
             # only: without the secret a store writer forges decisions anyway, and a forged
@@ -340,6 +347,16 @@ class Epochs(JoinRecords, Eras):
         decision = _checked_decision(keys, epoch, decision)
         self._set_latest(keys, epoch)
         return decision
+
+    def _await_fresh_answers(self, names: list[str]) -> None:
+        """Waits (at most two heartbeats and a second) until each of ``names`` whose liveness
+        connection is verified has answered a ping sent from now on, or is linked no more."""
+        since = time.monotonic()
+        deadline = since + 2 * self._heartbeat + 1.0
+        while time.monotonic() < deadline:
+            if all(not self._pulse.linked(m) or self._pulse.answered_since(m, since) for m in names):
+                return
+            time.sleep(min(0.05, self._heartbeat / 4))
 
     def _decided_without_me(self, keys: Keys, epoch: int, decision: dict) -> dict:
         """Epoch ``epoch``'s decision, decided without this worker and gone from the store: read

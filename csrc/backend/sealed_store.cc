@@ -10,6 +10,7 @@
 #include <set>
 #include <thread>
 
+#include "common/env.h"
 #include "common/logging.h"
 #include "transport/group_secret.h"
 #include "transport/socket.h"
@@ -283,7 +284,10 @@ GroupKeys agreeGroupKeys(c10d::Store& store, int rank, int size, std::vector<int
   // The group's place in the store is part of what the record proves: a store writer who swaps
   // nonces and records between two groups of the same ranks (two prefixes) cannot move a rank
   // from one into the other.
-  const std::string scope = storeScope(store);
+  // HETCOMM_JOB_ID, where set, too: two jobs with one secret (and the same prefixes, as torch gives
+  // every job) are then told apart.
+  const std::string job = envStr("HETCOMM_JOB_ID");
+  const std::string scope = job.empty() ? storeScope(store) : strCat(job, std::string(1, '\0'), storeScope(store));
   if (rank == 0) {
     for (const std::string& key : staleKeys) store.deleteKey(key);
     store.deleteKey(kSecretKey);
@@ -348,7 +352,8 @@ GroupKeys agreeGroupKeys(c10d::Store& store, int rank, int size, std::vector<int
       } else if (Clock::now() - forgedSince >= kForgedRecordPatience) {
         throw CommError(strCat("rank ", rank, ": the group record in the store has not opened for ",
                                kForgedRecordPatience.count(), " s: HETCOMM_SECRET(_FILE) differs from rank 0's "
-                               "(or a store writer keeps replacing the record)"));
+                               "(or HETCOMM_JOB_ID, or the ranks run different versions of hetcomm or reach the "
+                               "store through different prefixes; or a store writer keeps replacing the record)"));
       }
     } else {
       forgedNow = false;

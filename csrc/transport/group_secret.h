@@ -12,7 +12,9 @@
 //                || n_0 || n_1 || ... || n_{size-1}
 //   where scope is the prefix under which the group's keys lie in the store (its PrefixStores'
 //   prefixes joined as PrefixStore joins them, outermost first: "job/0//" for PrefixStore("0/")
-//   over PrefixStore("job"); "" for a store that is no PrefixStore);
+//   over PrefixStore("job"); "" for a store that is no PrefixStore), preceded by HETCOMM_JOB_ID
+//   and a zero byte where that is set (torch gives every job the same prefixes: two jobs that
+//   share a secret are told apart only by it);
 //   record  = n_0 || ... || n_{size-1} || HMAC(master, "hetcomm record v2\0" || transcript)
 //   a rank takes a record only if its MAC is right for the group it knows (scope, size, job ranks)
 //   and it carries that rank's own fresh nonce: a record of another group (another prefix, even
@@ -20,6 +22,7 @@
 //   same prefix, is refused;
 //   mesh    = HMAC(master, "hetcomm mesh v2\0" || transcript)[:16]   (the handshake's secret)
 //   seal    = HMAC(master, "hetcomm seal v2\0" || transcript)
+//   incarnation = the first 8 bytes of SHA-256(mesh), in 16 lowercase hex digits
 //   sealed  = value || HMAC(seal, "hetcomm store v1\0" || u32 len(key) || key || value)
 //
 // A value written by anyone without the secret, or moved from another key or group, fails to open

@@ -135,7 +135,7 @@ def environment_settings() -> dict[str, str]:
 _AGREED_VARIABLES = ("HETCOMM_SHM", "HETCOMM_LOCAL", "HETCOMM_SHM_BYTES", "HETCOMM_SHM_SLOT_BYTES",
                      "HETCOMM_SHM_SMALL_ALLREDUCE_BYTES", "HETCOMM_LINK_MBIT", "HETCOMM_SITES", "HETCOMM_PROBE",
                      "HETCOMM_HIERARCHICAL", "HETCOMM_SEGMENT_BYTES", "HETCOMM_SMALL_ALLREDUCE_BYTES",
-                     "HETCOMM_SITE_PIECE_BYTES", "HETCOMM_TLS")
+                     "HETCOMM_SITE_PIECE_BYTES", "HETCOMM_TLS", "HETCOMM_JOB_ID")
 
 
 def check_agreement(backend, values: dict[str, str]) -> None:

@@ -330,7 +330,18 @@ def test_a_member_woken_inside_the_epoch_waits_for_a_fresh_answer_before_decidin
     B predates the freeze. It waits for B's answer to a ping sent after it woke, which says
     epoch 5 is decided, and counts itself out (before: a fork)."""
     member = _Member(sealed_keys, [A, B], late_timeout=0.0)
+    member._heartbeat = 5.0                          # (the wait's bound: far from what it takes)
     member._pulse = _WokenPulse(pings=3)
     decision = member._decide(5, _Member.arrival(None))
     assert A not in decision["members"] and not sealed_keys.has("e5/decision"), decision
     assert member._pulse.looks >= 3
+
+
+def test_a_member_that_never_answers_is_waited_for_only_so_long(sealed_keys):
+    """B's connection stays open but B answers nothing (frozen itself): A waits out the bound (two
+    heartbeats and a second) and decides without it, as before."""
+    member = _Member(sealed_keys, [A, B], late_timeout=0.0)
+    member._pulse = _WokenPulse(pings=10 ** 9)
+    decision = member._decide(5, _Member.arrival(None))
+    assert decision["members"] == [A] and sealed_keys.has("e5/decision"), decision
+    assert member._pulse.looks >= 2

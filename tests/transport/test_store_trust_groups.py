@@ -26,30 +26,20 @@ SECRET = "a test secret, long enough: 0123456789"
 WAIT_S = 30.0           # a guard against a hang, never the thing measured
 
 
-def test_a_record_moved_from_another_group_of_the_same_ranks_is_not_taken(monkeypatch):
-    from hetcomm import _engine
-
-    monkeypatch.setenv("HETCOMM_SECRET", SECRET)
-    C = _engine.extension()
-    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                           timeout=datetime.timedelta(seconds=WAIT_S))
-
-    def client(prefix: str | None = None):
-        s = dist.TCPStore("127.0.0.1", server.port, is_master=False, timeout=datetime.timedelta(seconds=WAIT_S))
-        return dist.PrefixStore(prefix, s) if prefix else s
-
+def _transplant(C, client_one, client_two, rogue_one, rogue_two, between=None) -> tuple:
+    """Group one's rank 1 waits for its record; the rogue gives its nonce to group two's rank 0 and
+    moves group two's record to group one's key. ``between()`` runs once group one's rank 1 has
+    published its nonce (and so read its settings). Returns what the two creations came to."""
     made: dict = {}
 
-    def make(name: str, prefix: str, rank: int, timeout_ms: int) -> None:
+    def make(name: str, client, rank: int, timeout_ms: int) -> None:
         try:
-            made[name] = C.ProcessGroupHetcomm(client(prefix), rank, 2, timeout_ms, "127.0.0.1", [0, 1])
+            made[name] = C.ProcessGroupHetcomm(client(), rank, 2, timeout_ms, "127.0.0.1", [0, 1])
         except Exception as e:  # noqa: BLE001 - what the creation came to is the result
             made[name] = e
 
-    rogue = client()
-
-    def read(key: str):
-        return rogue.get(key) if rogue.check([key]) else None
+    def read(store, key: str):
+        return store.get(key) if store.check([key]) else None
 
     def until(condition) -> None:
         deadline = time.monotonic() + WAIT_S
@@ -57,34 +47,80 @@ def test_a_record_moved_from_another_group_of_the_same_ranks_is_not_taken(monkey
             assert time.monotonic() < deadline, "not within the guard's time"
             time.sleep(0.005)
 
-    # Group one's rank 1 waits for its record (its rank 0 is late); the rogue reads its nonce.
-    victim = threading.Thread(target=make, args=("one/1", "one", 1, 4000))
+    victim = threading.Thread(target=make, args=("one", client_one, 1, 4000))
     victim.start()
-    until(lambda: read("one/hetcomm/nonce/1") is not None)
-    nonce = read("one/hetcomm/nonce/1")
-    # Group two's rank 0 makes its record with that nonce in rank 1's slot.
+    until(lambda: read(rogue_one, "hetcomm/nonce/1") is not None)
+    nonce = read(rogue_one, "hetcomm/nonce/1")
+    if between is not None:
+        between()
     stop = threading.Event()
 
     def keep_the_nonce() -> None:
         while not stop.is_set():
-            if read("two/hetcomm/nonce/1") != nonce:
-                rogue.set("two/hetcomm/nonce/1", nonce)
+            if read(rogue_two, "hetcomm/nonce/1") != nonce:
+                rogue_two.set("hetcomm/nonce/1", nonce)
             time.sleep(0.002)
 
     keeper = threading.Thread(target=keep_the_nonce, daemon=True)
     keeper.start()
-    maker = threading.Thread(target=make, args=("two/0", "two", 0, 20000))
+    maker = threading.Thread(target=make, args=("two", client_two, 0, 20000))
     maker.start()
-    until(lambda: read("two/hetcomm/record") is not None)
+    until(lambda: read(rogue_two, "hetcomm/record") is not None)
     stop.set()
     keeper.join()
-    rogue.set("one/hetcomm/record", read("two/hetcomm/record"))
+    rogue_one.set("hetcomm/record", read(rogue_two, "hetcomm/record"))
     victim.join(WAIT_S)
     maker.join(WAIT_S)
     assert not victim.is_alive() and not maker.is_alive()
-    two = made["two/0"]
-    assert not isinstance(two, Exception), two
-    one = made["one/1"]
-    # Not group two's keys: the moved record did not open for group one's prefix.
+    assert not isinstance(made["two"], Exception), made["two"]
+    return made["one"], made["two"]
+
+
+def _server():
+    return dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                         timeout=datetime.timedelta(seconds=WAIT_S))
+
+
+def _client(port: int, prefix: str):
+    return dist.PrefixStore(prefix, dist.TCPStore("127.0.0.1", port, is_master=False,
+                                                  timeout=datetime.timedelta(seconds=WAIT_S)))
+
+
+def test_a_record_moved_from_another_group_of_the_same_ranks_is_not_taken(monkeypatch):
+    """Two groups of one job (one store, two prefixes)."""
+    from hetcomm import _engine
+
+    monkeypatch.setenv("HETCOMM_SECRET", SECRET)
+    monkeypatch.delenv("HETCOMM_JOB_ID", raising=False)
+    server = _server()
+    one, two = _transplant(_engine.extension(), lambda: _client(server.port, "one"), lambda: _client(server.port, "two"),
+                           _client(server.port, "one"), _client(server.port, "two"))
+    # Not group two's keys: the moved record did not open for group one's prefix (the rank met
+    # it: its error says so).
     assert isinstance(one, Exception), f"group one's rank 1 took group two's record ({one.incarnation()})"
-    assert "record" in str(one) or "nonce" in str(one) or "timed out" in str(one).lower(), one
+    assert "does not open" in str(one), one
+
+
+@pytest.mark.parametrize("job_ids", [("a", "b"), None], ids=["HETCOMM_JOB_ID", "same-prefixes"])
+def test_two_jobs_with_one_secret_are_told_apart_by_their_job_ids(monkeypatch, job_ids):
+    """Two jobs, each with its own store, share a secret, and torch gives both the same prefixes:
+    the record binds ``HETCOMM_JOB_ID``, and a rank of one refuses the other's record. Without job
+    ids (the control) nothing in the record tells the jobs apart and the rank takes it: hence the
+    rule, one secret per job or a job id each (docs/security.md)."""
+    from hetcomm import _engine
+
+    monkeypatch.setenv("HETCOMM_SECRET", SECRET)
+    if job_ids:
+        monkeypatch.setenv("HETCOMM_JOB_ID", job_ids[0])
+    else:
+        monkeypatch.delenv("HETCOMM_JOB_ID", raising=False)
+    job_one, job_two = _server(), _server()
+    one, two = _transplant(_engine.extension(), lambda: _client(job_one.port, "default_pg"),
+                           lambda: _client(job_two.port, "default_pg"), _client(job_one.port, "default_pg"),
+                           _client(job_two.port, "default_pg"),
+                           between=(lambda: monkeypatch.setenv("HETCOMM_JOB_ID", job_ids[1])) if job_ids else None)
+    if job_ids:
+        assert isinstance(one, Exception), f"job one's rank 1 took job two's record ({one.incarnation()})"
+        assert "does not open" in str(one), one
+    else:
+        assert not isinstance(one, Exception) and one.incarnation() == two.incarnation(), (one, two)

@@ -11,8 +11,8 @@ the sites: the test can see the attack.
 
 Every rank pauses between publishing its site label and its address
 (``HETCOMM_TEST_PUBLISH_DELAY_MS``, a test seam): no peer can look a label up before the rank's
-address is out, so the rogue's swap lands before any rank reads a label, whatever the machine's
-load. The owners first look at their records ``HETCOMM_FAILURE_POLL_MS`` after creation: the
+address is out, so the rogue's swap lands before any rank reads a label, as long as the ranks
+publish their labels within the pause of each other (asserted: no address out before the swap). The owners first look at their records ``HETCOMM_FAILURE_POLL_MS`` after creation: the
 ranks meet the swapped labels before any is put back.
 """
 from __future__ import annotations
@@ -38,7 +38,7 @@ pytestmark = [pytest.mark.usefixtures("backend_importable"),
 SECRET = "a test secret, long enough: 0123456789"
 SITES = "aab"
 WAIT_S = 60.0           # a guard against a hang, never the thing measured
-PAUSE_MS = 1500         # between a rank's site label and its address: the rogue's window
+PAUSE_MS = 4000         # between a rank's site label and its address: the rogue's window
 
 
 @pytest.fixture(scope="module")
@@ -154,8 +154,9 @@ def _attack(mode: str, certs: str, attack: str, act) -> tuple[list, object]:
 @pytest.mark.parametrize("mode", ["out_of_band", "in_store"])
 def test_a_store_writer_swapping_site_labels_gets_no_clear_link_between_sites(certs, mode: str) -> None:
     results, swap = _attack(mode, certs, "swap", swap_the_labels)
-    # The swap landed inside the window, before any address was published.
-    assert swap["addresses_out_before"] == [] and swap["seconds"] < PAUSE_MS / 1000, swap
+    # The swap landed inside the window, before any address was published (so before any rank
+    # could read a label: a run whose ranks started further apart than the window says so here).
+    assert swap["addresses_out_before"] == [], swap
     links = _cross_site(results)
     assert len(links) == 4, results
     if mode == "out_of_band":

@@ -9,7 +9,7 @@ a death at once are `hetcomm.train.pulse.Pulse`. ``who`` is an incarnation,
 ``<worker_id>#<nonce>``, so a restarted worker's heartbeat cannot keep its dead predecessor
 looking alive.
 
-Every key: docs/elastic.md#store-keys.
+Every key: docs/elastic-protocol.md#store-keys.
 """
 from __future__ import annotations
 

@@ -13,7 +13,7 @@ The run is a sequence of generations, each a `DiLoCo` over the members of the ti
 DiLoCo feature (`run`, `ElasticRun`). Membership changes between generations, through epochs
 on the store: arrive, decide (compare_set), form the group, send the state to the members
 without it, then commit or abort (membership on the store: `hetcomm.train.membership`). The
-protocol: docs/elastic.md#an-epoch-step-by-step; behaviour: docs/elastic.md.
+protocol: docs/elastic-protocol.md#an-epoch-step-by-step; behaviour: docs/elastic.md.
 ``hetcomm.ElasticDiLoCo(model, opt, store=..., steps=...)`` is the same with the arguments of
 the class that came before (`thin`).
 

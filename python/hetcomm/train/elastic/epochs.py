@@ -1,6 +1,6 @@
 """The membership protocol of an elastic run: incarnations, join requests, the era's bootstrap,
 admission, and each change of generation (an epoch: arrive, decide, form the group, send the
-state to the members without it, commit or abort) with its events. Protocol: docs/elastic.md#an-epoch-step-by-step."""
+state to the members without it, commit or abort) with its events. Protocol: docs/elastic-protocol.md#an-epoch-step-by-step."""
 from __future__ import annotations
 
 import hashlib

@@ -308,8 +308,10 @@ PYBIND11_MODULE(_C, m) {
         const auto master = hetcomm::outOfBandSecretFromEnv();
         if (!master) return py::none();
         static const char kLabel[] = "hetcomm python store v1";   // its NUL included: a separator
+        // (HETCOMM_JOB_ID, where set, before it: two runs of one job name and secret are told apart)
+        const std::string scoped = hetcomm::withJobId(context);
         const auto key = hetcomm::hmacSha256(master->data(), master->size(),
-                                             {{kLabel, sizeof(kLabel)}, {context.data(), context.size()}});
+                                             {{kLabel, sizeof(kLabel)}, {scoped.data(), scoped.size()}});
         return py::bytes(reinterpret_cast<const char*>(key.data()), key.size());
       },
       py::arg("context"),

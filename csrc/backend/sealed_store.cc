@@ -10,7 +10,6 @@
 #include <set>
 #include <thread>
 
-#include "common/env.h"
 #include "common/logging.h"
 #include "transport/group_secret.h"
 #include "transport/socket.h"
@@ -286,8 +285,7 @@ GroupKeys agreeGroupKeys(c10d::Store& store, int rank, int size, std::vector<int
   // from one into the other.
   // HETCOMM_JOB_ID, where set, too: two jobs with one secret (and the same prefixes, as torch gives
   // every job) are then told apart.
-  const std::string job = envStr("HETCOMM_JOB_ID");
-  const std::string scope = job.empty() ? storeScope(store) : strCat(job, std::string(1, '\0'), storeScope(store));
+  const std::string scope = withJobId(storeScope(store));
   if (rank == 0) {
     for (const std::string& key : staleKeys) store.deleteKey(key);
     store.deleteKey(kSecretKey);

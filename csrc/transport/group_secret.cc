@@ -165,6 +165,19 @@ std::optional<Sha256Digest> outOfBandSecretFromEnv() {
   return outOfBandSecret(envStr("HETCOMM_SECRET_FILE"), envStr("HETCOMM_SECRET"));
 }
 
+std::string jobIdFromEnv() {
+  const std::string raw = envStr("HETCOMM_JOB_ID");
+  const char* space = " \t\n\r\v\f";  // what Python's str.strip() removes of ASCII (hosts.py compares so)
+  const size_t first = raw.find_first_not_of(space);
+  if (first == std::string::npos) return "";
+  return raw.substr(first, raw.find_last_not_of(space) - first + 1);
+}
+
+std::string withJobId(const std::string& scope) {
+  const std::string job = jobIdFromEnv();
+  return job.empty() ? scope : strCat(job, std::string(1, '\0'), scope);
+}
+
 GroupKeys keysFromStoreSecret(const std::array<uint8_t, kSecretBytes>& secret) {
   GroupKeys keys;
   keys.mesh = secret;

@@ -57,6 +57,13 @@ Nonce freshNonce();
 // kMaxOutOfBandSecretBytes, may be written by its group or others, or belongs to another user
 // (root excepted: mounted secrets). One that others may read is used, with a warning.
 std::optional<Sha256Digest> outOfBandSecretFromEnv();
+
+// HETCOMM_JOB_ID without the white space around it ("" when unset): the name of the run that every
+// rank of it sets alike, bound into each group's record (above) and into the key of the elastic
+// runs' sealed records, so that two runs sharing one secret are told apart.
+std::string jobIdFromEnv();
+// `scope` preceded by the job id and a zero byte, where one is set (the job id cannot hold one).
+std::string withJobId(const std::string& scope);
 std::optional<Sha256Digest> outOfBandSecret(const std::string& file, const std::string& value);
 
 // What a group derives from its secret: the mesh handshake's secret, the key that seals store

@@ -182,3 +182,16 @@ TEST_CASE(the_secret_comes_from_one_variable_of_sufficient_length) {
 TEST_CASE(fresh_nonces_differ) {
   CHECK(freshNonce() != freshNonce());
 }
+
+// HETCOMM_JOB_ID goes before the scope, with a zero byte between, without the white space around
+// it (as Python's str.strip() compares it in the elastic runs' agreed settings); unset or blank,
+// the scope alone.
+TEST_CASE(the_job_id_goes_before_the_scope) {
+  ::setenv("HETCOMM_JOB_ID", " \trun-7\n", 1);
+  CHECK_EQ(jobIdFromEnv(), std::string("run-7"));
+  CHECK(withJobId("job/0//") == std::string("run-7\0job/0//", 13));
+  ::setenv("HETCOMM_JOB_ID", "  ", 1);
+  CHECK_EQ(withJobId("job/0//"), std::string("job/0//"));
+  ::unsetenv("HETCOMM_JOB_ID");
+  CHECK_EQ(withJobId("job/0//"), std::string("job/0//"));
+}

@@ -78,3 +78,24 @@ def test_a_secret_file_is_the_out_of_band_secret_and_a_loose_one_is_refused(tmp_
         assert outcomes == ["formed; secrets []; records 1"] * 2, outcomes
     else:
         assert all(str(path) in o and "formed" not in o for o in outcomes), outcomes
+
+
+def test_the_elastic_records_key_binds_the_job_id(monkeypatch):
+    """The key that seals an elastic run's records, computed here from the documented derivation
+    (hashlib): the secret's master key, then HMAC over the label, ``HETCOMM_JOB_ID`` and a zero byte
+    where one is set (white space around it dropped), and the job's key prefix."""
+    import hashlib
+    import hmac
+
+    from hetcomm._engine import store_seal_key
+
+    monkeypatch.setenv("HETCOMM_SECRET", SECRET)
+    master = hashlib.pbkdf2_hmac("sha256", SECRET.encode(), b"hetcomm out-of-band secret v1", 100000)
+
+    def expected(scope: bytes) -> bytes:
+        return hmac.new(master, b"hetcomm python store v1\0" + scope, hashlib.sha256).digest()
+
+    monkeypatch.delenv("HETCOMM_JOB_ID", raising=False)
+    assert store_seal_key("hetcomm/ft/diloco/") == expected(b"hetcomm/ft/diloco/")
+    monkeypatch.setenv("HETCOMM_JOB_ID", " run-7\n")
+    assert store_seal_key("hetcomm/ft/diloco/") == expected(b"run-7\0hetcomm/ft/diloco/")

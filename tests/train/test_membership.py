@@ -8,6 +8,7 @@ know that its thread has had its turns, so a loaded machine only makes them take
 waits' limits are there to end a hang, not to judge speed."""
 from __future__ import annotations
 
+import json
 import math
 import socket
 import threading
@@ -414,3 +415,28 @@ def test_a_pong_says_which_epoch_the_worker_holds_decided_and_a_forged_one_is_ig
     assert a.reported(1) == 5
     a._pong("b#1", b"!" + nonce + b" 1:6 " + keys.mac("pulse-pong/b#1", nonce + b" 1:6").hex().encode())
     assert a.reported(1) == 6
+
+
+def test_an_address_learnt_from_the_generation_is_used_where_the_store_misleads(cluster):
+    """The store holds a wrong liveness address for b (a store writer's, kept there: here b itself
+    publishes and puts back a refused port): a, watching b, makes no connection (the counter alone
+    would decide, and a writer who also held it back could have b taken for dead). Once a learns
+    b's address from another source (their generation's group: `Generation._share_liveness`), it
+    connects and b's answers come."""
+    pulse, keys = cluster
+    a, b = pulse("a#1"), pulse("b#1")
+    real = json.dumps("127.0.0.1:%d" % b._listener.getsockname()[1]).encode()
+    b._address = json.dumps("127.0.0.1:1").encode()      # what the store says, and keeps saying
+    keys.set_bytes("addr/b#1", b._address)
+    a.watch(["b#1"])
+    beats(keys, "a#1", 5)
+    assert not a.linked("b#1")                           # (the control: misled, no connection)
+    a.learn({"b#1": real, "c#1": b"not an address"})
+    until(lambda: a.linked("b#1"))
+    since = time.monotonic()
+    until(lambda: a.answered_since("b#1", since))
+    # What a learnt goes on to its next incarnation (and into a checkpoint: `memory`).
+    assert a.memory()[2] == {"b#1": real}
+    c = pulse("a#2", memory=a.memory())
+    c.watch(["b#1"])
+    until(lambda: c.linked("b#1"))

@@ -69,7 +69,7 @@ class Pulse:
         # `memory`): each incarnation's highest heartbeat seen, and those whose verified connection
         # closed. A store writer who replays old sealed values to a fresh watch must not make a
         # dead worker look alive (from its highest value on, only a higher one is a beat).
-        highest, gone = memory or ({}, {})
+        highest, gone, *known = memory or ({}, {})
         self._highest: dict[str, int] = dict(highest)
         self._gone: dict[str, int] = dict(gone)            # (a dict: the oldest is forgotten first)
         # Shared with the training thread (under the lock):
@@ -79,6 +79,9 @@ class Pulse:
         self._linked: set[str] = set()                     # their liveness connection answered and is open
         self._held: dict[str, int] = {}                    # job key -> the number it is kept at, at least
         self._reports: dict[int, int] = {}                 # era -> the newest epoch a pong said decided
+        # who -> its liveness address as its generation's group gave it (`learn`): no store
+        # writer can forge or hide these; the store's `addr/<who>` only where none is known
+        self._known: dict[str, bytes] = dict(known[0]) if known else {}
         self._error: Exception | None = None
         # The thread's own:
         self._links: dict[str, tuple[socket.socket, str, float, bytes]] = {}  # who -> sock, state, since, greeting
@@ -270,8 +273,10 @@ class Pulse:
                     and now - self._tried.get(n, -math.inf) >= self.RETRY]
         for name in todo:
             self._tried[name] = now
+            with self._lock:
+                known = self._known.get(name)
             # (a get of a key not there waits for the store's timeout: the heartbeat would stop)
-            raw = self._keys.peek_bytes(f"addr/{name}") or b""   # none, or not the worker's: the heartbeat decides
+            raw = known or self._keys.peek_bytes(f"addr/{name}") or b""   # none, or not the worker's: the heartbeat decides
             address = _address(raw)
             if address is None:
                 continue                          # none (or no address): the heartbeat decides
@@ -437,10 +442,11 @@ class Pulse:
                     if name in self._gone:
                         self._dead.add(name)
 
-    def memory(self) -> tuple[dict, dict]:
-        """What this worker's next incarnation's `Pulse` takes over (``memory=``)."""
+    def memory(self) -> tuple[dict, dict, dict]:
+        """What this worker's next incarnation's `Pulse` takes over (``memory=``): the highest
+        heartbeats, the deaths, and the liveness addresses learnt (`learn`)."""
         with self._lock:
-            return dict(self._highest), dict(self._gone)
+            return dict(self._highest), dict(self._gone), dict(self._known)
 
     @classmethod
     def _remember(cls, memory: dict[str, int], name: str, value: int) -> None:
@@ -513,6 +519,26 @@ class Pulse:
         than ``seconds``. ``names`` None disarms it."""
         with self._lock:
             self._alarm = None if names is None else (frozenset(names) - {self._me}, float(seconds), callback)
+
+    @property
+    def address(self) -> bytes:
+        """This worker's liveness address as it publishes it (JSON ``"host:port"``; ``""`` when it
+        found none reachable)."""
+        return self._address
+
+    def learn(self, addresses: dict[str, bytes]) -> None:
+        """Liveness addresses of other workers from an authenticated source (their generation's
+        process group, `Generation._share_liveness`): used before the store's from now on, so that
+        a store writer who keeps the published ones deleted or forged no longer keeps this worker
+        from connecting (and from the answers that say a member lives, or which epoch it holds
+        decided). What does not parse as an address is ignored; at most MEMORY are kept."""
+        with self._lock:
+            for name, raw in addresses.items():
+                if name != self._me and _address(raw) is not None:
+                    self._known.pop(name, None)
+                    self._known[name] = raw
+            while len(self._known) > self.MEMORY:
+                self._known.pop(next(iter(self._known)))
 
     def answered_since(self, name: str, since: float) -> bool:
         """Whether ``name`` answered a ping this thread sent at or after ``since`` (monotonic): its

@@ -85,6 +85,10 @@ def save(run, generation_start: bool = False) -> dict:
         **shares, "kind": KIND, "version": VERSION, "job": run.job, "global": global_, "outer_optimizer": outer,
         "round": round_, "applied": applied, "samples_total": samples, "history": history,
         "membership": list(run._events), "step_times": times, "policy": policy,
+        # the liveness addresses its generations gave (`Pulse.learn`): a worker restarted from
+        # this asks the era's members there whether they live, not where the store says
+        "liveness": ({k: v.decode("ascii", "replace") for k, v in run._pulse.memory()[2].items()}
+                     if getattr(run, "_pulse", None) is not None else {}),
         "model": run.model.state_dict(),
         "inner_optimizer": run.inner_optimizer.state_dict() if run.inner_optimizer is not None else None,
     })
@@ -138,3 +142,5 @@ def load(run, state: dict) -> None:
     run._step_times = {str(k): tuple(v) for k, v in state["step_times"].items()}
     run._policy_state = copy.deepcopy(state["policy"])
     run._carried = (run._round, run._applied_total, True)    # what it brings when the era starts
+    liveness = state.get("liveness", {})          # (none in a checkpoint from before 12-05)
+    run._liveness = {str(k): str(v).encode() for k, v in liveness.items()} if isinstance(liveness, dict) else {}

@@ -18,6 +18,7 @@ from hetcomm.train.partition import exchange_columns
 # The most bytes of the metadata a joiner accepts from the holders (round, history, membership
 # events, the outer optimizer's layout): checked before it allocates them.
 _MAX_META_BYTES = 256 << 20
+_ADDRESS_BYTES = 300          # a liveness address as published (JSON "host:port"), at most
 
 
 def _broadcast_meta(meta: dict | None, src: int, group=None) -> dict:
@@ -82,6 +83,18 @@ class Generation:
                 dist.distributed_c10d._world.group_count = count
             raise
         self._gen = decision["gen"]
+        self._share_liveness(decision["members"])
+
+    def _share_liveness(self, members: list[str]) -> None:
+        """Every member's liveness address, over the generation's group (with the secret its links
+        are authenticated: no store writer can forge or hide what they carry), to the heartbeat
+        (`Pulse.learn`). A few bytes a generation."""
+        mine = torch.zeros(_ADDRESS_BYTES, dtype=torch.uint8)
+        raw = self._pulse.address[:_ADDRESS_BYTES]
+        mine[:len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+        rows = [torch.empty_like(mine) for _ in members]
+        dist.all_gather(rows, mine)
+        self._pulse.learn({m: bytes(r.tolist()).rstrip(b"\0") for m, r in zip(members, rows)})
 
     def _destroy_group(self) -> None:
         self._gen = None

@@ -144,6 +144,7 @@ class ElasticBase(Epochs, Generation, _flat.FlatParameters):
         self._joined = True
         try:
             self._pulse = Pulse(self._job_keys.clone(), self._me, self._heartbeat)
+            self._pulse.learn(getattr(self, "_liveness", {}))   # (a checkpoint's: `checkpoint.load`)
             self._era_number = self._era()
             self._pulse.hold("era", self._era_number)       # (a store writer may set it back)
             self._keys = self._job_keys.under(f"era{self._era_number}")

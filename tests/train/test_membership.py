@@ -19,17 +19,9 @@ import torch.distributed as dist
 
 from hetcomm.train.membership import Keys, StoreUnreachable, connect
 from hetcomm.train.pulse import Pulse
+from waiting import until
 
 INTERVAL = 0.2
-
-
-def until(condition, seconds: float = 60.0) -> None:
-    """Waits for ``condition``; fails after ``seconds`` (a hang, not a slow machine)."""
-    start = time.monotonic()
-    while not condition():
-        if time.monotonic() - start > seconds:
-            pytest.fail(f"not within {seconds} s")
-        time.sleep(0.01)
 
 
 def beats(keys: Keys, who: str, n: int = 3) -> None:
@@ -229,17 +221,24 @@ def test_a_dead_workers_old_heartbeats_replayed_to_a_new_watch_do_not_confirm_it
     assert math.isinf(third.silent("b#1"))
 
 
-def freeze(p: Pulse) -> threading.Event:
-    """Stops ``p``'s heartbeat thread where it stands (inside its beat), its connections open, as a
-    frozen process's; set the returned event to let it go on."""
-    thaw, frozen = threading.Event(), threading.Event()
+def freeze(p: Pulse, links: bool = True) -> threading.Event:
+    """Stops ``p``'s heartbeat threads where they stand (the store's inside its beat, the links'
+    at the top of its loop), its connections open, as a frozen process's; with ``links`` False
+    only the store's (a store that takes that long to answer). Set the returned event to let them
+    go on."""
+    thaw = threading.Event()
+    frozen = [threading.Event(), threading.Event()] if links else [threading.Event()]
 
-    def stuck():
-        frozen.set()
-        thaw.wait()
+    def stuck(i: int):
+        def wait(*_) -> None:
+            frozen[i].set()
+            thaw.wait()
+        return wait
 
-    p._beat = stuck
-    until(frozen.is_set)
+    p._beat = stuck(0)
+    if links:
+        p._prune = stuck(1)
+    until(lambda: all(f.is_set() for f in frozen))
     return thaw
 
 
@@ -398,23 +397,29 @@ def test_a_pong_says_which_epoch_the_worker_holds_decided_and_a_forged_one_is_ig
     since = time.monotonic()
     until(lambda: a.answered_since("b#1", since))
     assert a.reported(1) == (5 if keys.sealed else 0) and a.reported(2) == 0
+    assert a.holding("b#1") == ((1, 5, "-") if keys.sealed else None)    # (no decision's digest given)
+    b.decided(1, 6, "0123456789abcdef")              # and which decision: `Epochs._check_no_rival`
+    since = time.monotonic()
+    until(lambda: a.answered_since("b#1", since))
+    assert a.holding("b#1") == ((1, 6, "0123456789abcdef") if keys.sealed else None)
+    assert a.reported(1) == (6 if keys.sealed else 0)
     b.member_of(0)                                   # left out of the era: it claims nothing more
     b.hold("era1/latest", 9)
     since = time.monotonic()
     until(lambda: a.answered_since("b#1", since))    # b answered a ping sent after that
-    assert a.reported(1) == (5 if keys.sealed else 0)
+    assert a.reported(1) == (6 if keys.sealed else 0) and a.holding("b#1") is None
     if not keys.sealed:
         return
     a.stop()                                         # (its thread no longer pings: _pings is ours)
     nonce = b"f" * 32
-    sealed_five = keys.mac("pulse-pong/b#1", nonce + b" 1:5").hex().encode()
+    sealed_five = keys.mac("pulse-pong/b#1", nonce + b" 1:5:-:0").hex().encode()
     a._pings["b#1"] = [(nonce, time.monotonic())]
-    a._pong("b#1", b"!" + nonce + b" 1:7 " + sealed_five)       # the report changed: not taken
-    a._pong("b#1", b"!" + b"e" * 32 + b" 1:8 "
-            + keys.mac("pulse-pong/b#1", b"e" * 32 + b" 1:8").hex().encode())   # not asked
-    assert a.reported(1) == 5
-    a._pong("b#1", b"!" + nonce + b" 1:6 " + keys.mac("pulse-pong/b#1", nonce + b" 1:6").hex().encode())
+    a._pong("b#1", b"!" + nonce + b" 1:7:-:0 " + sealed_five)     # the report changed: not taken
+    a._pong("b#1", b"!" + b"e" * 32 + b" 1:8:-:0 "
+            + keys.mac("pulse-pong/b#1", b"e" * 32 + b" 1:8:-:0").hex().encode())   # not asked
     assert a.reported(1) == 6
+    a._pong("b#1", b"!" + nonce + b" 1:7:-:0 " + keys.mac("pulse-pong/b#1", nonce + b" 1:7:-:0").hex().encode())
+    assert a.reported(1) == 7
 
 
 def test_an_address_learnt_from_the_generation_is_used_where_the_store_misleads(cluster):
@@ -425,9 +430,10 @@ def test_an_address_learnt_from_the_generation_is_used_where_the_store_misleads(
     connects and b's answers come."""
     pulse, keys = cluster
     a, b = pulse("a#1"), pulse("b#1")
-    real = json.dumps("127.0.0.1:%d" % b._listener.getsockname()[1]).encode()
-    b._address = json.dumps("127.0.0.1:1").encode()      # what the store says, and keeps saying
-    keys.set_bytes("addr/b#1", b._address)
+    real, wrong = b.address, json.dumps("127.0.0.1:1").encode()
+    own = b._keys.set_bytes                               # (b puts the wrong one back: what the store keeps saying)
+    b._keys.set_bytes = lambda key, value: own(key, wrong if key == "addr/b#1" else value)
+    keys.set_bytes("addr/b#1", wrong)
     a.watch(["b#1"])
     beats(keys, "a#1", 5)
     assert not a.linked("b#1")                           # (the control: misled, no connection)
@@ -440,3 +446,128 @@ def test_an_address_learnt_from_the_generation_is_used_where_the_store_misleads(
     c = pulse("a#2", memory=a.memory())
     c.watch(["b#1"])
     until(lambda: c.linked("b#1"))
+
+
+def test_a_relay_at_another_address_is_not_taken_for_the_worker(cluster):
+    """a is given (as if its generation's group or the store said so) an address where a relay
+    listens that forwards every byte to b and back. Without a secret the relay is taken for b (the
+    control: the greeting is b's name). With one, b seals its own address into the greeting, and a
+    dialled another: no link, and not taken for dead either."""
+    pulse, keys = cluster
+    a, b = pulse("a#1"), pulse("b#1")
+    relay = socket.create_server(("127.0.0.1", 0))
+    target = ("127.0.0.1", b._listener.getsockname()[1])
+    stop = threading.Event()
+
+    def pipe(src: socket.socket, dst: socket.socket) -> None:
+        src.settimeout(0.2)
+        while not stop.is_set():
+            try:
+                data = src.recv(4096)
+            except socket.timeout:
+                continue
+            except OSError:
+                break
+            if not data:
+                break
+            try:
+                dst.sendall(data)
+            except OSError:
+                break
+
+    def serve() -> None:
+        relay.settimeout(0.2)
+        while not stop.is_set():
+            try:
+                conn, _ = relay.accept()
+                upstream = socket.create_connection(target)
+            except socket.timeout:
+                continue
+            except OSError:
+                break                                 # (closed: the test is over)
+            for src, dst in ((conn, upstream), (upstream, conn)):
+                threading.Thread(target=pipe, args=(src, dst), daemon=True).start()
+
+    threading.Thread(target=serve, daemon=True).start()
+    try:
+        a.learn({"b#1": json.dumps("127.0.0.1:%d" % relay.getsockname()[1]).encode()})
+        a.watch(["b#1"])
+        if not keys.sealed:
+            until(lambda: a.linked("b#1"))           # the control: the relay passes for b
+            return
+        beats(keys, "a#1", 5)                         # (the greeting comes at once; refused each time)
+        assert not a.linked("b#1") and a.silent("b#1") < math.inf
+    finally:
+        stop.set()
+        relay.close()
+
+
+def test_a_worker_whose_address_was_never_read_is_not_reached(cluster):
+    """`Pulse.reached`: whether an address of the worker was read from a source a store writer
+    cannot forge (`Eras._era_alive` takes a member for dead only then): a deleted address is not
+    read; a published one, or the record that it has none, or one learnt from a generation, is.
+    Of these only the record that it has none lets its silence count (`Pulse.evidence`, for
+    `Epochs._decide`): the others need a link made once, or a refused connection."""
+    pulse, keys = cluster
+    a = pulse("a#1")
+    keys.set("hb/d#1", 1)                             # d: no address in the store
+    keys.set("addr/e#1", "")                          # e: says it has none
+    keys.set("hb/e#1", 1)
+    keys.set("hb/f#1", 1)                             # f: learnt from a generation
+    a.learn({"f#1": json.dumps("127.0.0.1:1").encode()})
+    a.watch(["d#1", "e#1", "f#1"])
+    beats(keys, "a#1", 3)
+    assert not a.reached("d#1") and a.reached("e#1") and a.reached("f#1")
+    keys.set("addr/d#1", "127.0.0.1:1")
+    until(lambda: a.reached("d#1"), 30)               # (read at its next connection attempt)
+
+
+def test_a_stalled_store_stops_no_answer(cluster):
+    """b's store thread is stuck in a read (a slow store, or a store writer who put a huge value
+    where b's heartbeat reads): its counter stops, but its link thread, which never waits for the
+    store, still answers a's pings with the decision b holds (before, one thread did both: no
+    answer came, and a worker waiting for b's fresh answer went on without it). Its answers say
+    that its store is stalled, so they are no sign of life: b is quiet, as a worker cut off from
+    the store is."""
+    pulse, keys = cluster
+    a, b = pulse("a#1"), pulse("b#1")
+    b.member_of(1)
+    a.watch(["b#1"])
+    until(lambda: a.linked("b#1"))
+    thaw = freeze(b, links=False)
+    try:
+        b.decided(1, 6, "0123456789abcdef")
+        since = time.monotonic()
+        until(lambda: a.answered_since("b#1", since))
+        assert a.holding("b#1") == ((1, 6, "0123456789abcdef") if keys.sealed else None)
+        until(lambda: a.quiet("b#1", 4 * INTERVAL))
+        since = time.monotonic()
+        until(lambda: a.answered_since("b#1", since))   # (it still answers)
+        assert a.quiet("b#1", 4 * INTERVAL) and a.linked("b#1")
+    finally:
+        thaw.set()
+
+
+def test_connections_that_never_greet_do_not_keep_a_watcher_out(cluster, monkeypatch):
+    """Someone who reaches a's liveness port holds all its watcher slots with connections that send
+    nothing. With a secret, b's connection takes the place of the oldest of them (it proves at
+    once that it holds the secret; they never do), and b links. Without one (the control: every
+    connection is a watcher the moment it opens) b is refused while the flood lasts."""
+    monkeypatch.setattr(Pulse, "WATCHERS", 3)
+    monkeypatch.setattr(Pulse, "GREETING", 600.0)  # (the flood is not closed for its silence meanwhile)
+    pulse, keys = cluster
+    pulse("a#1")
+    host, port = keys.peek("addr/a#1").rsplit(":", 1)
+    flood = [socket.create_connection((host, int(port))) for _ in range(3)]
+    try:
+        beats(keys, "a#1")                          # (a accepted them)
+        b = pulse("b#1")
+        b.watch(["a#1"])
+        if keys.sealed:
+            until(lambda: b.linked("a#1"))
+        else:
+            beats(keys, "b#1", 5)
+            assert not b.linked("a#1")
+    finally:
+        for conn in flood:
+            conn.close()

@@ -5,12 +5,12 @@ holding the others in a collective until ``collective_timeout``.
 A process that dies closes its connections and fails the collectives at once (the alarm leaves
 it to them). One that is frozen (SIGSTOP, a debugger, a swapped-out machine), a machine that
 vanishes or a link cut without a reset keep them open, and a collective with it waits for
-``collective_timeout`` (60 s by default). While a generation runs, the heartbeat thread
+``collective_timeout`` (60 s by default). While a generation runs, the heartbeat's store thread
 (`hetcomm.train.pulse.Pulse.alarm`) watches its members. A member is *silent* when its counter
 on the store has not moved for longer than ``timeout`` (counted to this worker's last read of
 the store, so that its own stall is not taken for the others' silence) and, where its liveness
 connection is verified, that connection has answered no ping for as long: the watcher pings it
-every heartbeat and the member's heartbeat thread answers (sealed with an out-of-band secret),
+every heartbeat and the member's link thread answers (sealed with an out-of-band secret),
 so a store writer who holds a member's counter back cannot end a generation while the member
 answers. Without a connection (no address published, a port that refuses) the counter decides
 alone. Then the generation's process groups are aborted on this rank: the collectives in

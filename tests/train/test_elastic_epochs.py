@@ -74,6 +74,15 @@ class _Pulse:
     def hold(self, key, value) -> None:
         pass
 
+    def decided(self, era, epoch, digest) -> None:
+        pass
+
+    def evidence(self, name) -> bool:
+        return True                                 # (its link was made once: its silence counts)
+
+    def unanswered_since(self, name, since, grace) -> bool:
+        return True
+
 
 class _Member(Epochs):
     """Member ``A`` of epoch 4 (members ``prev``), arriving at epoch 5."""
@@ -318,6 +327,9 @@ class _WokenPulse(_Pulse):
     def answered_since(self, name, since) -> bool:
         self.looks += 1
         return self.looks >= self.pings
+
+    def unanswered_since(self, name, since, grace) -> bool:
+        return self.looks >= 5          # (the newest ping went unanswered for a heartbeat and a second)
 
     def reported(self, era) -> int:
         return 5 if self.looks >= self.pings else 0

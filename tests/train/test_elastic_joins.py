@@ -470,7 +470,8 @@ class _WaitingJoiner(Epochs):
 
     def __init__(self, keys: Keys, looks: int) -> None:
         self._keys, self._me, self._gaps, self._timeout, self._heartbeat = keys, "j#00000001", {}, 1.0, 0.01
-        self._dropped_at, self.job, self._era_number = 0, "test", 1
+        self._dropped_at, self.job, self._era_number, self._checkpoint = 0, "test", 1, False
+        self._job_keys = keys                     # (the job's keys: here the era's own)
         self._pulse, self.bootstrapped = self._Heart(looks), False
 
     def _request(self) -> dict:
@@ -496,6 +497,35 @@ def test_a_joiner_does_not_start_an_era_a_member_marked_begun(job, marked):
     with pytest.raises(_Stop):
         joiner._admit_in_era(None)
     assert joiner.bootstrapped is not marked
+
+
+def test_a_joiner_waiting_in_an_era_that_has_not_begun_moves_to_a_later_one_that_has(job, server):
+    """A whole job restarted from checkpoints on a new store: a worker without a checkpoint found
+    the `era` key missing and wrote 1; one with a checkpoint of era 4 then started era 5 (its
+    era's records are gone with the old store) and asked to join there. The first, still waiting
+    for era 1 to begin, moves to era 5 once it reads the key (before: it waited in era 1 for ever,
+    or began it alone). The controls: a key of 1, and a key of 5 while nobody began era 5 (a
+    store writer's replay of an earlier run's value), move nobody."""
+    keys, root = job
+    moved = []
+
+    def joiner() -> _WaitingJoiner:
+        j = _WaitingJoiner(keys, looks=50)
+        j._newest_era = lambda era: era
+        j._new_incarnation = lambda: moved.append(j._era_number)
+        j._pulse.hold = lambda key, n: None
+        return j
+
+    keys.first("era", 1)
+    keys.at_least("era", 1, sealed=True)
+    for era in (1, 5):
+        keys.at_least("era", era, sealed=True)
+        with pytest.raises(_Stop):               # (it waits, and would begin era 1: here it stops)
+            joiner()._admit_in_era(None)
+        assert moved == []
+    keys.under("era5").set("join/0", {"who": "r#00000001", "holds": True, "round": 7, "config": {}})
+    j = joiner()
+    assert j._admit_in_era(None) is True and j._era_number == 5 and moved == [5]
 
 
 def test_a_worker_left_out_raises_when_the_members_that_went_on_are_all_gone(job):

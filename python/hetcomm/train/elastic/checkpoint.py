@@ -87,14 +87,27 @@ def save(run, generation_start: bool = False) -> dict:
         "membership": list(run._events), "step_times": times, "policy": policy,
         # the liveness addresses its generations gave (`Pulse.learn`): a worker restarted from
         # this asks the era's members there whether they live, not where the store says
-        "liveness": ({k: v.decode("ascii", "replace") for k, v in run._pulse.memory()[2].items()}
+        # (its own too: restarted, it is another incarnation, and finds the old one dead there)
+        "liveness": ({k: v.decode("ascii", "replace")
+                      for k, v in {**run._pulse.memory()[2], run._me: run._pulse.address}.items()}
                      if getattr(run, "_pulse", None) is not None else {}),
+        # where in the job it was: a worker restarted from this judges whether the era lives by
+        # this decision where the store shows none as new (a store writer deleted the newer ones)
+        "position": _position(run),
         "model": run.model.state_dict(),
         "inner_optimizer": run.inner_optimizer.state_dict() if run.inner_optimizer is not None else None,
     })
     if inner is not None:
         inner._mark = inner._clock()          # neither the wait nor the copy is the next step's compute
     return state
+
+
+def _position(run) -> dict:
+    """The era, epoch and members of the last decision the worker took part in ({} before one)."""
+    decision = getattr(run, "_decision", None)
+    if not decision or not getattr(run, "_era_number", 0):
+        return {}
+    return {"era": run._era_number, "epoch": decision["epoch"], "members": list(decision["members"])}
 
 
 def _generation_start(run, inner, why: str) -> dict:
@@ -144,3 +157,11 @@ def load(run, state: dict) -> None:
     run._carried = (run._round, run._applied_total, True)    # what it brings when the era starts
     liveness = state.get("liveness", {})          # (none in a checkpoint from before 12-05)
     run._liveness = {str(k): str(v).encode() for k, v in liveness.items()} if isinstance(liveness, dict) else {}
+    position = state.get("position", {})           # (none in a checkpoint from before 12-06)
+    run._position = position if _position_ok(position) else {}
+
+
+def _position_ok(p) -> bool:
+    return isinstance(p, dict) and all(isinstance(p.get(k), int) and not isinstance(p.get(k), bool) and p[k] >= 1
+                                       for k in ("era", "epoch")) \
+        and isinstance(p.get("members"), list) and p["members"] and all(isinstance(m, str) for m in p["members"])

@@ -3,6 +3,8 @@ column to at each epoch, the protocol's constants, the fingerprint of the global
 the store's polling."""
 from __future__ import annotations
 
+import hashlib
+import json
 import re
 import time
 
@@ -49,6 +51,12 @@ def _from_json(obj):
 # `<worker_id>#<nonce>`: an incarnation's name (a join request naming anything else is not read: a
 # store writer's name of megabytes would be a key the store refuses, closing the reader's client)
 INCARNATION = re.compile(r"[^#]{1,256}#[0-9a-f]{8}")
+
+
+def _digest(decision: dict) -> str:
+    """A decision's digest (16 hex digits): in its generation's group prefix, and in the answers
+    to liveness pings (what a member holds decided)."""
+    return hashlib.sha256(json.dumps(decision, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def _decision_ok(d, epoch: int | None = None) -> bool:

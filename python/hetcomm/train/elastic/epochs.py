@@ -10,9 +10,10 @@ import uuid
 from collections.abc import Sequence
 
 from hetcomm import hosts as _hosts
-from hetcomm.train.elastic.common import (_PREFIX, _MAX_ABORTS, _Poll, _decision_ok, _next_decided, _read_decision,
-                                          _read_ended, _read_int, _start_epoch)
+from hetcomm.train.elastic.common import (_PREFIX, _MAX_ABORTS, _Poll, _decision_ok, _digest, _next_decided,
+                                          _read_decision, _read_ended, _read_int, _start_epoch)
 from hetcomm.train.elastic.eras import Eras
+from hetcomm.train.elastic.forks import ForkGuards
 from hetcomm.train.elastic.joins import JoinRecords
 from hetcomm.train.membership import Keys, SecretMismatch, StoreUnreachable
 from hetcomm.train.pulse import Pulse
@@ -47,7 +48,7 @@ class _Rewrite:
             self.keys.set(self.key, self.value)
             self.last = time.monotonic()
 
-class Epochs(JoinRecords, Eras):
+class Epochs(JoinRecords, Eras, ForkGuards):
     """Admission and the epochs between generations."""
 
     _left_by: list[str] | None = None     # the members of the epoch that left this worker out
@@ -81,7 +82,9 @@ class Epochs(JoinRecords, Eras):
             index, epoch = resume
         # The era's first decision is written by a waiting worker only while nothing says the
         # era started (a store writer who deleted its first decisions must not fork it).
-        started = resume is not None or self._dropped_at > 0 or _read_decision(keys, epoch) is not None
+        # (nor where this worker's checkpoint was taken in the era: its records are then gone)
+        started = resume is not None or self._dropped_at > 0 or _read_decision(keys, epoch) is not None \
+            or (self._checkpoint and getattr(self, "_position", {}).get("era") == self._era_number)
         # A worker left out of an epoch watches the members that went on without it until a
         # decision names others: if they all die before one admits it, the run's state is gone,
         # and it raises (below) instead of waiting for a decision nobody will write.
@@ -139,6 +142,13 @@ class Epochs(JoinRecords, Eras):
                 if later != epoch:
                     epoch = later                # decisions deleted (a store writer): read on
                     continue
+                there = None if started else _read_int(self._job_keys, "era")
+                if there is not None and there > self._era_number and self._begun(there):
+                    # A later era began while this worker waited in one that has not (a worker
+                    # restarted from a checkpoint started it: on a new store, the key said 1 first;
+                    # not a later era a store writer put back from an earlier run: none began it).
+                    self._move_to_era(self._newest_era(there))
+                    return True
             if epoch == 1 and not started and keys.peek_bytes("echo") is None:
                 # (a member's heartbeat keeps `echo` in an era that began: a store writer who
                 # deleted its decisions and `latest` must not make this worker start it again)
@@ -146,15 +156,19 @@ class Epochs(JoinRecords, Eras):
             elif watched and all(self._pulse.quiet(m, self._timeout) for m in watched):
                 if self._newest_era(self._era_number) > self._era_number:
                     # A later era began (a store writer had set the `era` key back): ask there.
-                    self._era_number = self._newest_era(self._era_number)
-                    self._pulse.hold("era", self._era_number)
-                    self._keys = self._job_keys.under(f"era{self._era_number}")
-                    self._dropped_at = 0                 # (an epoch of the other era)
-                    self._new_incarnation()
+                    self._move_to_era(self._newest_era(self._era_number))
                     return True
                 raise RuntimeError(f"{_PREFIX}: every member of epoch {epoch - 1} ({self._names(watched)}) is gone, "
                                    "and the run's state with them: restart the job from checkpoints (load_state_dict)")
             poll()
+
+    def _move_to_era(self, era: int) -> None:
+        """Leaves this worker's era for ``era`` (a later one), as a new incarnation."""
+        self._era_number = era
+        self._pulse.hold("era", self._era_number)
+        self._keys = self._job_keys.under(f"era{self._era_number}")
+        self._dropped_at = 0                             # (an epoch of the other era)
+        self._new_incarnation()
 
     def _config(self) -> dict:
         """What a worker must share with the run to be admitted: the model's layout, the outer
@@ -169,8 +183,8 @@ class Epochs(JoinRecords, Eras):
                 "compression": self._codec_name, "backend": self._backend,
                 # how the state travels to a joiner (generation._transfer): raw bytes per dtype; the
                 # rows of the epoch's table (2: since the epochs of DiLoCo in generations only);
-                # the liveness answers (2: with the era and epoch held decided, 12-05)
-                "state transfer": 2, "epoch table": 2, "liveness answers": 2,
+                # the liveness answers (3: with the era, the epoch held decided and its decision's digest, 12-06)
+                "state transfer": 2, "epoch table": 2, "liveness answers": 3,
                 "settings": _hosts.environment_settings() if "hetcomm" in str(self._backend) else {}}
 
     @staticmethod
@@ -258,7 +272,7 @@ class Epochs(JoinRecords, Eras):
                                               "fresh": latest is None})
         for who, why in decision.get("refused", {}).items():
             self._refuse(keys, who, why)
-        self._set_latest(keys, 1)
+        self._set_latest(keys, 1, decision)
 
     def _decide(self, epoch: int, arrival: dict) -> dict:
         """Waits until every member of the last epoch arrived at ``epoch`` or is out; the first to
@@ -266,7 +280,7 @@ class Epochs(JoinRecords, Eras):
         keys, prev = self._keys, self._decision
         members = prev["members"]
         arrivals: dict[str, dict] = {}
-        poll, progress, since, ever_out = _Poll(), -1, time.perf_counter(), set()
+        poll, progress, since, ever_out, unreached_since = _Poll(), -1, time.perf_counter(), set(), None
         rewrite = _Rewrite(keys, f"e{epoch}/arrive/{self._me}", arrival, self._heartbeat)
         while True:
             self._pulse.check()
@@ -305,6 +319,17 @@ class Epochs(JoinRecords, Eras):
                 out.update({m: f"not at the epoch {self._late_timeout:.0f} s after the others"
                             for m in missing})
                 missing = []
+            if keys.sealed:
+                # Only a member whose silence can count (`Pulse.evidence`: linked once, dead, or
+                # without an address) is left out for its silence or lateness
+                # (else a store writer who keeps the addresses deleted, the counters held back and
+                # the arrivals deleted has two sets of members each decide alone: a fork). Waited
+                # for a while, then an error (`_unreached`).
+                unreached = [m for m in out if not out[m].startswith("left: ") and not self._pulse.evidence(m)]
+                unreached_since = (unreached_since or time.perf_counter()) if unreached else None
+                if unreached:
+                    self._unreached(epoch, unreached, time.perf_counter() - unreached_since)
+                    missing = unreached
             if not missing:
                 joiners, refused, upto, pending = self._joiners(keys, prev, [m for m in members if m in arrivals])
                 if not pending:
@@ -345,49 +370,15 @@ class Epochs(JoinRecords, Eras):
             # `latest` would make every member leave an epoch nobody decides.)
             return self._decided_without_me(keys, epoch, decision)
         decision = _checked_decision(keys, epoch, decision)
-        self._set_latest(keys, epoch)
+        self._set_latest(keys, epoch, decision)
         return decision
 
-    def _await_fresh_answers(self, names: list[str]) -> None:
-        """Waits (at most two heartbeats and a second) until each of ``names`` whose liveness
-        connection is verified has answered a ping sent from now on, or is linked no more."""
-        since = time.monotonic()
-        deadline = since + 2 * self._heartbeat + 1.0
-        while time.monotonic() < deadline:
-            if all(not self._pulse.linked(m) or self._pulse.answered_since(m, since) for m in names):
-                return
-            time.sleep(min(0.05, self._heartbeat / 4))
-
-    def _decided_without_me(self, keys: Keys, epoch: int, decision: dict) -> dict:
-        """Epoch ``epoch``'s decision, decided without this worker and gone from the store: read
-        once more, else ``decision`` with no members, this worker counted out (it joins again)."""
-        again = _read_decision(keys, epoch)
-        return again if again is not None else {
-            **decision, "members": [], "holders": [],
-            "left": {self._me: f"epoch {epoch} was decided without it (its decision is gone from the store)"}}
-
-    def _decided_before(self, keys: Keys, epoch: int) -> bool:
-        """Whether epoch ``epoch`` has been decided: ``latest`` (written after a decision, and
-        kept by its members' heartbeats) is at or past it, it has an outcome, or a worker that
-        answered this one's ping said it holds it decided (`Pulse.reported`: where the liveness
-        connections are verified, a store writer who deletes all three cannot hide it)."""
-        if self._pulse.reported(self._era_number) >= epoch:
-            return True
-        latest = _read_int(keys, "latest")
-        if latest is not None and latest >= epoch:
-            return True
-        try:
-            return keys.peek(f"e{epoch}/outcome") is not None
-        except SecretMismatch:
-            raise
-        except ValueError:
-            return False
-
-    def _set_latest(self, keys: Keys, epoch: int) -> None:
+    def _set_latest(self, keys: Keys, epoch: int, decision: dict) -> None:
         """Writes ``latest``, and keeps it there (every heartbeat puts it back: a store writer who
-        deletes it must not make a new worker take the era for unstarted)."""
+        deletes it must not make a new worker take the era for unstarted); the liveness answers
+        say from now on that this worker holds ``decision``."""
         keys.set("latest", epoch)
-        self._pulse.hold(f"era{self._era_number}/latest", epoch)
+        self._pulse.decided(self._era_number, epoch, _digest(decision))
 
     def _arrival(self) -> dict:
         """What this worker says of itself when it arrives at an epoch."""
@@ -452,7 +443,9 @@ class Epochs(JoinRecords, Eras):
         # A member (every way in goes through here): it answers probes for the era and keeps
         # `latest` there (a store writer who deletes it must not make the era look unstarted).
         self._pulse.member_of(self._era_number)
-        self._pulse.hold(f"era{self._era_number}/latest", decision["epoch"])
+        self._pulse.decided(self._era_number, decision["epoch"], _digest(decision))
+        if self._keys.sealed:
+            self._check_no_rival(decision)
         self._pulse.watch(decision["members"])
         self._pulse.keep(decision["members"])
         self._scanned = (decision["admitted_upto"], 0.0)     # watch the pending joiners again

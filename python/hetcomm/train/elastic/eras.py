@@ -32,16 +32,22 @@ class Eras:
         if not isinstance(era, int) or isinstance(era, bool) or era < 1:
             raise ValueError(f"{_PREFIX}: the store value {self._job_keys.root}era is not an era number "
                              "(someone else wrote it)")
-        era = self._newest_era(era)
+        position = getattr(self, "_position", {}) if self._checkpoint else {}
+        # (a checkpoint of a later era than the key says: a store writer set it back, or deleted it)
+        era = self._newest_era(max(era, position.get("era", 0)))
         if not self._checkpoint:
             return era
         keys = self._job_keys.under(f"era{era}")
         # The newest decision: from `latest` (it may lag behind, or be an old value put back) on,
         # past decisions a store writer deleted.
         last = _read_decision(keys, _last_decided(keys, _start_epoch(keys, 1)))
+        if position.get("era") == era and (last is None or last["epoch"] < position["epoch"]):
+            # The store shows no decision as new as the one this worker took part in: it lost them
+            # (a new store), or a store writer deleted them. Judge by the checkpoint's.
+            last = {"epoch": position["epoch"], "members": position["members"]}
         if last is None:
             return era
-        if _read_ended(keys) is None and self._era_alive(keys, last):
+        if _read_ended(keys) is None and self._era_alive(era, keys, last):
             return era                               # join it
         # (not a swap from `era`: a store writer may have set the key back; if another worker
         # started the next era, or a later one, first, this one joins it)
@@ -52,21 +58,28 @@ class Eras:
                   f"{self._round}) starts or joins era {era}")
         return era
 
-    def _era_alive(self, keys: Keys, last: dict) -> bool:
+    def _era_alive(self, era: int, keys: Keys, last: dict) -> bool:
         """Whether the era whose newest decision found is ``last`` is alive: a later decision
         appears, a member of it answers on its liveness connection, or any member of the era
         (whoever: a store writer may have deleted the decisions that name the live ones) echoes
         this worker's fresh `probe` under ``era<n>/echo`` (a heartbeat a store writer replays
-        cannot). False once ``last``'s members have all been silent for ``timeout`` and no member
-        answered for two heartbeats; a RuntimeError when their heartbeats move but nothing
-        fresh answers for longer than a live member takes (someone replays them: neither
-        starting a new era, which would fork a live one, nor waiting for ever)."""
+        cannot), or a worker the checkpoint knows says it is a member of the era. False once
+        ``last``'s members have all been silent for ``timeout`` (with a secret: each at an address
+        read, `Pulse.reached`) and no member answered for two heartbeats; a RuntimeError when
+        that cannot be told for longer than a live member takes to answer (someone replays their
+        heartbeats or keeps their addresses deleted: neither starting a new era, which would fork
+        a live one, nor waiting for ever)."""
         members, slot, sent = last["members"], random.randrange(PROBE_SLOTS), collections.deque(maxlen=64)
-        self._pulse.watch(members)
+        # Also the workers the checkpoint knows (their addresses from its generations): one that
+        # answers that it is a member of the era (sealed) shows it lives, wherever the store's
+        # decisions stop.
+        known = [m for m in getattr(self, "_liveness", {}) if m not in members][:64]
+        self._pulse.watch(list(members) + known)
         poll, start, asked = _Poll(), time.monotonic(), -math.inf
         while True:
             self._pulse.check()
-            if _next_decided(keys, last["epoch"]) != last["epoch"] or any(self._pulse.linked(m) for m in members):
+            if _next_decided(keys, last["epoch"]) != last["epoch"] or any(self._pulse.linked(m) for m in members) \
+                    or self._pulse.reported(era) > 0:
                 return True
             if time.monotonic() - asked >= min(self._heartbeat, 0.5):
                 asked = time.monotonic()
@@ -78,14 +91,19 @@ class Eras:
                 sent.append(uuid.uuid4().hex.encode())
                 self._job_keys.set_bytes(f"probe/{slot}", sent[-1])
             waited = time.monotonic() - start
-            if min(self._pulse.silent(m) for m in members) > self._timeout and waited > 2 * self._heartbeat + 1:
+            # (with a secret, only members whose address was read: a store writer who keeps the
+            # addresses deleted and replays no heartbeat must not make a live era look dead)
+            if min(self._pulse.silent(m) for m in members) > self._timeout and waited > 2 * self._heartbeat + 1 \
+                    and (not keys.sealed or all(self._pulse.reached(m) for m in members)):
                 return False
             if waited > 2 * (self._timeout + self._heartbeat):
-                raise RuntimeError(f"{_PREFIX}: {keys.root.rstrip('/').rpartition('/')[2]} of job {self.job!r}: "
-                                   f"the heartbeats of its members ({self._names(members)}) move, but none "
-                                   "answers this worker: someone may be replaying their heartbeats in the store. "
-                                   "Not starting a new era (it could fork a live one): check the store's access, "
-                                   "then start this worker again")
+                why = ("their heartbeats move, but none answers this worker: someone may be replaying their "
+                       "heartbeats in the store" if min(self._pulse.silent(m) for m in members) <= self._timeout else
+                       "this worker never read their liveness addresses (the store's sealed addr/<worker>): someone "
+                       "may keep deleting them")
+                raise RuntimeError(f"{_PREFIX}: era {era} of job {self.job!r}: whether its members "
+                                   f"({self._names(members)}) live cannot be told: {why}. Not starting a new era "
+                                   "(it could fork a live one): check the store's access, then start this worker again")
             poll()
 
     def _newest_era(self, era: int) -> int:
@@ -95,12 +113,16 @@ class Eras:
         1) or put an old value back (with a secret, an old sealed value still opens); members
         put it back every heartbeat (`Pulse.hold`), and a worker reads on from it here."""
         for _ in range(_MAX_ERAS_AHEAD):
-            keys = self._job_keys.under(f"era{era + 1}")
-            if not (_next_decided(keys, 0) > 0 or _start_epoch(keys, 0) > 0
-                    or any(isinstance(self._request_at(keys, i), dict) for i in range(_FIRST_REQUESTS))):
+            if not self._begun(era + 1):
                 return era
             era += 1
         return era
+
+    def _begun(self, era: int) -> bool:
+        """Whether ``era`` has begun: it has a decision, or a request to join at its first index."""
+        keys = self._job_keys.under(f"era{era}")
+        return _next_decided(keys, 0) > 0 or _start_epoch(keys, 0) > 0 \
+            or any(isinstance(self._request_at(keys, i), dict) for i in range(_FIRST_REQUESTS))
 
     @staticmethod
     def _request_at(keys: Keys, index: int):

@@ -3,14 +3,13 @@ to members without it, and the epoch's table (fingerprints, holders, budgets, co
 from __future__ import annotations
 
 import datetime
-import hashlib
 import json
 import time
 
 import torch
 import torch.distributed as dist
 
-from hetcomm.train.elastic.common import (_PREFIX, _PRINT, _HOLDS, _MAX_ROUNDS, _MAX_SAMPLES, _CONFIG, _fingerprint,
+from hetcomm.train.elastic.common import (_PREFIX, _PRINT, _HOLDS, _MAX_ROUNDS, _MAX_SAMPLES, _CONFIG, _digest, _fingerprint,
                                           _to_json, _from_json)
 from hetcomm.train.partition import exchange_columns
 
@@ -68,7 +67,7 @@ class Generation:
         # The decision's digest in the prefix: members that read different decisions for the same
         # generation (a store writer deleted one and a second was written) never meet in one group;
         # their group formation fails and the epoch is redone.
-        digest = hashlib.sha256(json.dumps(decision, sort_keys=True).encode()).hexdigest()[:16]
+        digest = _digest(decision)
         store = dist.PrefixStore(f"{self._keys.root}g{decision['gen']}-{digest}", self._group_store.store)
         # torch names the default group after a counter (its keys on the store carry the name)
         # that a failed init_process_group advances and only destroy_process_group resets: put

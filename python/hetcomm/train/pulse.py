@@ -105,6 +105,7 @@ class Pulse(Links):
         # `alarm`: (names, seconds, callback) armed, fired at most once
         self._alarm: tuple[frozenset, float, object] | None = None
         self._stop = threading.Event()
+        self._wake = threading.Event()                     # (the store thread: new workers watched, or stop)
         self._selector = selectors.DefaultSelector()
         ip = _local_ip(keys.address)
         self._listener = socket.create_server((ip or "0.0.0.0", 0))
@@ -128,15 +129,21 @@ class Pulse(Links):
 
     def _run_store(self) -> None:
         """The store thread: the heartbeat, the watched counters, the held keys, the addresses."""
+        next_beat = 0.0
         try:
             while not self._stop.is_set():
-                self._beat()
-                with self._lock:
-                    self._beat_done = time.monotonic()
+                if time.monotonic() >= next_beat:
+                    self._beat()
+                    with self._lock:
+                        self._beat_done = time.monotonic()
+                    next_beat = time.monotonic() + self._interval
                 if self._stop.is_set():
                     break                          # (stopped while a store call took its time)
+                # (the addresses of workers watched from now on at once, not at the next beat:
+                # their links, and so their admission, wait for them)
                 self._read_addresses()
-                self._stop.wait(self._interval)
+                self._wake.wait(max(0.0, next_beat - time.monotonic()))
+                self._wake.clear()
         except Exception as e:  # noqa: BLE001 - kept for the training thread, which raises it
             self._failed(e)
 
@@ -248,6 +255,7 @@ class Pulse(Links):
                     self._watch[name] = (self._highest.get(name, -1), now)
                     if name in self._gone:
                         self._dead.add(name)
+                    self._wake.set()
 
     def memory(self) -> tuple[dict, dict, dict, dict]:
         """What this worker's next incarnation's `Pulse` takes over (``memory=``): the highest
@@ -439,5 +447,6 @@ class Pulse(Links):
 
     def stop(self) -> None:
         self._stop.set()
+        self._wake.set()
         self._thread.join(timeout=2 * self._interval + 5)
         self._store_thread.join(timeout=2 * self._interval + 5)

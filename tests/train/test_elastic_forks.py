@@ -15,6 +15,7 @@ import pytest
 import torch.distributed as dist
 
 from hetcomm.train.elastic.common import _digest
+from hetcomm.train.elastic import forks
 from hetcomm.train.elastic.epochs import Epochs
 from hetcomm.train.membership import Keys
 from hetcomm.train.pulse import Pulse
@@ -65,7 +66,7 @@ class _Member(Epochs):
         except _Stop:
             return True
         except RuntimeError as e:
-            assert "holds another decision of epoch 5" in str(e), e
+            assert "holds another decision of epoch" in str(e), e
             return False
         raise AssertionError("neither formed a group nor stopped")
 
@@ -103,8 +104,25 @@ def test_of_two_decisions_of_one_epoch_the_later_to_hold_its_own_stops_before_it
     (B still answers that it holds epoch 4); B, holding its own after, hears from A that A holds
     another decision of epoch 5, and stops with an error before its generation forms."""
     keys, a, b = pair
+    until(lambda: b._pulse.holding(A) is not None)
+    b._pulse._ping = lambda: None                   # (B's last answer from A says epoch 4 ...)
     assert a.goes_on(_alone(5, A, B))
+    announce = b._pulse.decided
+
+    def announced(*args) -> None:
+        announce(*args)
+        del b._pulse._ping                           # (... until B announced its own: only a fresh one tells)
+    b._pulse.decided = announced
+    assert b._pulse.holding(A)[1] == 4
     assert not b.goes_on(_alone(5, B, A))
+
+
+def test_a_left_out_member_that_holds_a_later_epoch_is_a_rival(pair):
+    """B, left out of A's decision of epoch 5, says it holds epoch 6 of the era decided: it went on
+    without A (its decision of 5 was a rival). A stops."""
+    keys, a, b = pair
+    b._pulse.decided(1, 6, "0123456789abcdef")
+    assert not a.goes_on(_alone(5, A, B))
 
 
 def test_a_member_left_out_that_took_the_same_decision_stops_no_one(pair):
@@ -136,21 +154,28 @@ def test_a_left_out_member_that_answers_nothing_is_waited_for_only_so_long(pair)
         thaw.set()
 
 
-def test_a_wait_for_fresh_answers_that_this_worker_outlived_still_needs_one(pair):
-    """A's link thread stalls (as in a freeze of A's process) just as A starts to wait for B's
-    fresh answer, for longer than the wait takes. On waking, A does not take the time that
-    passed for B's silence: it waits until a ping sent after it started to wait is answered, or
-    has gone unanswered for a heartbeat and a second of its link thread's reading (before, it went
-    on at once with B's answer from before the wait)."""
+def test_a_wait_for_fresh_answers_that_this_worker_outlived_still_needs_one(pair, monkeypatch):
+    """A's training thread freezes just as it starts to wait for B's fresh answer, for far longer
+    than the wait takes (its clock jumps 1000 s). On waking it does not take the time that passed
+    for B's silence: it waits for B's answer to a ping sent after it started (before, it went on at
+    once with B's answer from before the wait)."""
     keys, a, b = pair
-    thaw, returned = threading.Event(), []
-    real = a._pulse._prune
-    a._pulse._prune = lambda *_: (thaw.wait(), real())
-    since = time.monotonic()
+    real = time.monotonic
+    since = real()
+
+    class Frozen:                                     # (the forks module's clock, after the first look)
+        looks = 0
+
+        @classmethod
+        def monotonic(cls) -> float:
+            cls.looks += 1
+            return real() + (1000.0 if cls.looks > 1 else 0.0)
+
+        sleep = staticmethod(time.sleep)
+
+    monkeypatch.setattr(forks, "time", Frozen)
+    returned = []
     threading.Thread(target=lambda: returned.append(a._await_fresh_answers([B])), daemon=True).start()
-    until(lambda: time.monotonic() - since > 2 * BEAT + 1.5)   # (past the wait's bound)
-    assert not returned                                 # still waiting: nothing was asked since
-    thaw.set()
     until(lambda: returned)
     assert a._pulse.answered_since(B, since)
 
@@ -309,35 +334,42 @@ def test_a_whole_job_restarted_on_a_new_store_without_liveness_addresses_starts_
 
 class _Churned:
     """A store client of the member's, where a store writer's write to the job's `era` key lands
-    between each of the member's reads of it and its compare_set (as a writer who churns the key
-    as fast as it can does, at worst)."""
+    between each of the member's reads of it and its compare_set ("churned": garbage, as a writer
+    who churns the key as fast as it can does, at worst), or right after each of the member's
+    writes ("set-back": the old sealed value put back, the same bytes every time)."""
 
-    def __init__(self, store, key: str) -> None:
-        self._store, self._key, self._n = store, key, 0
+    def __init__(self, store, key: str, how: str, old: bytes) -> None:
+        self._store, self._key, self._how, self._old, self._n = store, key, how, old, 0
 
     def __getattr__(self, name):
         return getattr(self._store, name)
 
     def clone(self):
-        return _Churned(self._store.clone(), self._key)
+        return _Churned(self._store.clone(), self._key, self._how, self._old)
 
     def compare_set(self, key, expected, desired):
-        if key == self._key and desired != expected:
+        if key != self._key or desired == expected:
+            return self._store.compare_set(key, expected, desired)
+        if self._how == "churned":
             self._n += 1
             self._store.set(key, b"churn %d" % self._n)
-        return self._store.compare_set(key, expected, desired)
+        there = self._store.compare_set(key, expected, desired)
+        if self._how == "set-back":
+            self._store.set(key, self._old)
+        return there
 
 
-def test_a_member_stops_where_the_era_key_changes_under_every_write(server, monkeypatch):
-    """A store writer churns the job's `era` key, so that no member's heartbeat ever manages to
-    put back what it holds, or reads a later era: one would stay hidden from them. A member stops
-    with an error that says so after a few beats (before: its writes gave up quietly, beat after
+@pytest.mark.parametrize("how", ["churned", "set-back"])
+def test_a_member_stops_where_the_era_key_is_kept_from_it(server, monkeypatch, how):
+    """A store writer churns the job's `era` key, or puts its old sealed value back after every
+    write, so that the members of one era never read a later one. A member stops with an error
+    that says so after a few beats (before: its writes gave up quietly, or were undone, beat after
     beat). The control: a worker that is a member of no era goes on."""
     monkeypatch.setattr(Pulse, "CHURN", 3)
     root = f"hetcomm/ft/forks{next(_jobs)}/"
     seal = b"f" * 32
     assert Keys(server, "test", root, seal=seal).first("era", 1) == 1
-    keys = Keys(_Churned(server, root + "era"), "test", root, seal=seal)
+    keys = Keys(_Churned(server, root + "era", how, server.get(root + "era")), "test", root, seal=seal)
     m, other = Pulse(keys.clone(), "m#00000001", BEAT), Pulse(keys.clone(), "o#00000001", BEAT)
     for p in (m, other):
         p.hold("era", 2)                             # (a value above the one there: it writes)
@@ -347,7 +379,7 @@ def test_a_member_stops_where_the_era_key_changes_under_every_write(server, monk
             try:
                 m.check()
             except RuntimeError as e:
-                assert "changed under each of this worker's writes" in str(e), e
+                assert "had to be put back, or could not be" in str(e), e
                 return True
             return False
         until(stopped)

@@ -1,4 +1,4 @@
-"""The heartbeat thread of ElasticDiLoCo (`hetcomm.train.pulse.Pulse`) on its own, in one
+"""The heartbeat of ElasticDiLoCo (`hetcomm.train.pulse.Pulse`, two threads) on its own, in one
 process: whom it confirms alive, whom it takes for dead, and what it does not conclude from.
 
 What is asserted is which path decided (a closed connection makes a worker infinitely silent at
@@ -495,7 +495,8 @@ def test_a_relay_at_another_address_is_not_taken_for_the_worker(cluster):
         if not keys.sealed:
             until(lambda: a.linked("b#1"))           # the control: the relay passes for b
             return
-        beats(keys, "a#1", 5)                         # (the greeting comes at once; refused each time)
+        until(lambda: "b#1" in a._tried)             # (dialled: the greeting comes at once, and is refused)
+        until(lambda: "b#1" not in a._links)
         assert not a.linked("b#1") and a.silent("b#1") < math.inf
     finally:
         stop.set()
@@ -507,7 +508,8 @@ def test_a_worker_whose_address_was_never_read_is_not_reached(cluster):
     cannot forge (`Eras._era_alive` takes a member for dead only then): a deleted address is not
     read; a published one, or the record that it has none, or one learnt from a generation, is.
     Of these only the record that it has none lets its silence count (`Pulse.evidence`, for
-    `Epochs._decide`): the others need a link made once, or a refused connection."""
+    `Epochs._decide`): the others need a link made once (a refused connection is not enough: a
+    firewall that rejects does the same)."""
     pulse, keys = cluster
     a = pulse("a#1")
     keys.set("hb/d#1", 1)                             # d: no address in the store
@@ -556,11 +558,11 @@ def test_connections_that_never_greet_do_not_keep_a_watcher_out(cluster, monkeyp
     monkeypatch.setattr(Pulse, "WATCHERS", 3)
     monkeypatch.setattr(Pulse, "GREETING", 600.0)  # (the flood is not closed for its silence meanwhile)
     pulse, keys = cluster
-    pulse("a#1")
+    a = pulse("a#1")
     host, port = keys.peek("addr/a#1").rsplit(":", 1)
     flood = [socket.create_connection((host, int(port))) for _ in range(3)]
     try:
-        beats(keys, "a#1")                          # (a accepted them)
+        until(lambda: len(a._watchers) == 3)       # (a accepted them)
         b = pulse("b#1")
         b.watch(["a#1"])
         if keys.sealed:

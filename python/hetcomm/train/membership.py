@@ -241,20 +241,21 @@ class Keys:
         raise Forged(f"{_PREFIX}: the store counter {self.root + key} changed under each of this worker's "
                      f"{_FIRST_TRIES} compare_sets (many workers adding at once, or someone writing it)")
 
-    def at_least(self, key: str, n: int, sealed: bool = False) -> int | None:
+    def at_least(self, key: str, n: int, sealed: bool = False) -> tuple[int, bool] | None:
         """Puts a decimal counter back to ``n`` if it is below (or not a counter: a store
         writer's), with compare_set; gives up quietly after _FIRST_TRIES changes under it (the
         caller tries again later: None). With ``sealed``, a number written sealed (the era), where
-        one that does not open counts as none. The number there afterwards."""
+        one that does not open counts as none. The number there afterwards, and whether this call
+        wrote it."""
         desired = self._sealed(key, str(n).encode()) if sealed else str(n).encode()
         for _ in range(_FIRST_TRIES):
             raw = self._raw(key)
             value = raw if raw == _NOTHING or not sealed else (self._open(key, raw) or _NOTHING)
             if value != _NOTHING and _is_counter(value) and int(value) >= n:
-                return int(value)
+                return int(value), False
             expected = b"" if raw == _NOTHING else raw
             if self._call(f"set {key}", self.store.compare_set, self.root + key, expected, desired) == desired:
-                return n
+                return n, True
         return None
 
     def first(self, key: str, value):

@@ -45,12 +45,12 @@ class Pulse(Links):
 
     RETRY = 5.0            # seconds between connection attempts to a worker not reached yet
     GREETING = 5.0         # seconds a connection may take to be established and greeted
-    WATCHERS = 512         # connections of watchers kept at most (a flood beyond is refused)
+    WATCHERS = 512         # connections of watchers kept at most (beyond: `Links._accept`)
 
     MEMORY = 4096          # incarnations whose highest heartbeat and death are remembered
-    CHURN = 5              # heartbeats in a row the era key may change under every write
+    CHURN = 5              # heartbeats in a row the era key may have to be put back
 
-    def __init__(self, keys: Keys, me: str, interval: float, memory: tuple[dict, dict] | None = None) -> None:
+    def __init__(self, keys: Keys, me: str, interval: float, memory: tuple[dict, ...] | None = None) -> None:
         self._keys, self._me, self._interval = keys, me, interval
         self._lock = threading.Lock()
         # What outlives a watch (`keep` ends it; a worker's next incarnation takes it over:
@@ -85,13 +85,13 @@ class Pulse(Links):
         self._fresh: dict[str, float] = {}                 # who -> when the newest ping it answered was sent
         self._member_of = 0                                # the era this worker is a member of (echoes)
         self._later_era = 0                                # a later era the job's `era` key named (sealed)
+        self._era_set_back = 0                             # beats in a row the era key had to be put back, or could not
         self._read_at = time.monotonic()                   # when the watched counters were last read
         self._drained_at = time.monotonic()                # when the link thread last read its connections
         self._beat_done = time.monotonic()                 # when the store thread last ended a beat
         self._error: Exception | None = None               # the first failure of either thread
         # The store thread's own (`_run_store`; it has `_keys`' connection):
         self._address_read: dict[str, float] = {}          # who -> when it last read its address
-        self._era_churned = 0                              # beats in a row the era key changed under every try
         self._echoed: dict[int, bytes] = {}                # probe slot -> the nonce last echoed there
         # The link thread's own (`_run`, `hetcomm.train.pulse_links`; never the store):
         self._links: dict[str, tuple[socket.socket, str, float, bytes]] = {}  # who -> sock, state, since, greeting
@@ -184,15 +184,16 @@ class Pulse(Links):
         with self._lock:
             names, held = list(self._watch), list(self._held.items())
         for key, n in held:
-            there = self._keys.at_least(key, n, sealed=True)
+            done = self._keys.at_least(key, n, sealed=True)
             if key == "era":
-                # (`check`: a member stops where a later era began, or where the key changes under
-                # every try beat after beat: the job's workers write it only when an era begins,
-                # and someone who churns it would hide a later era from this one's members)
-                self._era_churned = 0 if there is not None else self._era_churned + 1
-                if there is not None and there > n:
-                    with self._lock:
-                        self._later_era = max(there, self._later_era)
+                # (`check`: a member stops where a later era began, or where it must put the key
+                # back, or cannot, beat after beat: the job's workers write it only when an era
+                # begins, and someone who keeps setting it back, or churns it, would hide a later
+                # era from this one's members)
+                with self._lock:
+                    self._era_set_back = 0 if done is not None and not done[1] else self._era_set_back + 1
+                    if done is not None and done[0] > n:
+                        self._later_era = max(done[0], self._later_era)
         # A member keeps `era<n>/echo` there (the era has begun: nobody may write its first
         # decision again). A worker that asks whether an era is alive writes fresh nonces under
         # `probe/<slot>` (a slot of its own choosing, PROBE_SLOTS of them: several may ask at
@@ -293,8 +294,10 @@ class Pulse(Links):
         ``digest`` (`hold` of ``era<n>/latest`` too): its answers to pings say so from now on, so
         that a worker that holds another decision of the same epoch learns of it
         (`Epochs._check_no_rival`)."""
-        self.hold(f"era{era}/latest", epoch)
-        with self._lock:
+        key = f"era{era}/latest"
+        with self._lock:                          # (one step: no answer says the epoch without its digest)
+            if epoch >= 1:
+                self._held[key] = max(epoch, self._held.get(key, epoch))
             if epoch >= self._digests.get(era, (0, b""))[0]:
                 self._digests = {era: (epoch, digest.encode("ascii")[:16])}
 
@@ -427,23 +430,23 @@ class Pulse(Links):
         member of: a worker restarted from a checkpoint took the era for dead and started the
         next, and both going on would fork the run."""
         with self._lock:
-            member_of, later = self._member_of, self._later_era
+            member_of, later, set_back = self._member_of, self._later_era, self._era_set_back
         if member_of and later > member_of:
             raise RuntimeError(f"{_PREFIX}: era {later} of the job began while this worker is a member of era "
                                f"{member_of}: a worker restarted from a checkpoint took this era for dead (its "
                                "members unreachable from it, or a store writer deleted the era's records). Stopping, "
                                "since both eras going on would fork the run: start this worker again (with its "
                                "checkpoint, if it has one): it joins the later era")
-        if member_of and self._era_churned >= self.CHURN:
-            raise RuntimeError(f"{_PREFIX}: the job's era key changed under each of this worker's writes for "
-                               f"{self._era_churned} heartbeats in a row: someone without the secret is writing it "
-                               "(it could hide a later era from this one). Stopping: check the store's access")
+        if member_of and set_back >= self.CHURN:
+            raise RuntimeError(f"{_PREFIX}: the job's era key had to be put back, or could not be, on {set_back} "
+                               "heartbeats in a row: someone without the secret keeps writing it (it could hide a "
+                               "later era from this one). Stopping: check the store's access")
         if self._error is not None:
             if isinstance(self._error, StoreUnreachable):
                 raise self._error
-            raise RuntimeError(f"{_PREFIX}: the heartbeat thread failed: {self._error!r}") from self._error
+            raise RuntimeError(f"{_PREFIX}: a heartbeat thread failed: {self._error!r}") from self._error
         if not (self._thread.is_alive() and self._store_thread.is_alive()) and not self._stop.is_set():
-            raise RuntimeError(f"{_PREFIX}: the heartbeat thread stopped")
+            raise RuntimeError(f"{_PREFIX}: a heartbeat thread stopped")
 
     def stop(self) -> None:
         self._stop.set()

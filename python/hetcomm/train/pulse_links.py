@@ -149,34 +149,44 @@ class Links:
             self._dialled[name] = raw
             self._selector.register(sock, selectors.EVENT_WRITE, name)
 
+    def _accept(self, sock: socket.socket) -> bool:
+        """Takes one watcher's connection from the listener; False when none waits."""
+        try:
+            conn, _ = sock.accept()
+        except BlockingIOError:
+            return False
+        except OSError:
+            time.sleep(0.05)                      # out of descriptors (a flood): no busy loop
+            return False
+        if len(self._watchers) >= self.WATCHERS:
+            # A flood. With a secret, the oldest connection that has not proved it holds it
+            # makes room (a watcher's challenge comes at once; a flood's never does), so that
+            # connections that never greet cannot keep the workers from linking; the watchers
+            # already here stay.
+            oldest = min(self._asked, key=self._watchers.__getitem__, default=None)
+            if oldest is None:
+                conn.close()
+                return True
+            self._close_watcher(oldest)
+        try:
+            conn.setblocking(False)               # kept open (closed by the kernel when we die)
+            if self._keys.sealed:
+                self._asked[conn] = b""           # greeted once it sent its challenge
+            else:
+                conn.send(f"{self._me}\n".encode())
+        except OSError:
+            conn.close()
+            return True
+        self._selector.register(conn, selectors.EVENT_READ, None)
+        self._watchers[conn] = time.monotonic()
+        return True
+
     def _event(self, sock: socket.socket, name, events: int) -> None:
         if name is _LISTENER:
-            try:
-                conn, _ = sock.accept()
-            except OSError:
-                time.sleep(0.05)                  # out of descriptors (a flood): no busy loop
-                return
-            if len(self._watchers) >= self.WATCHERS:
-                # A flood. With a secret, the oldest connection that has not proved it holds it
-                # makes room (a watcher's challenge comes at once; a flood's never does), so that
-                # connections that never greet cannot keep the workers from linking; the watchers
-                # already here stay.
-                oldest = min(self._asked, key=self._watchers.__getitem__, default=None)
-                if oldest is None:
-                    conn.close()
-                    return
-                self._close_watcher(oldest)
-            try:
-                conn.setblocking(False)           # kept open (closed by the kernel when we die)
-                if self._keys.sealed:
-                    self._asked[conn] = b""       # greeted once it sent its challenge
-                else:
-                    conn.send(f"{self._me}\n".encode())
-            except OSError:
-                conn.close()
-                return
-            self._selector.register(conn, selectors.EVENT_READ, None)
-            self._watchers[conn] = time.monotonic()
+            # (a burst at a time: a flood must not keep the kernel's queue full between turns)
+            for _ in range(64):
+                if not self._accept(sock):
+                    break
             return
         if name is None:                          # a connection of a worker that watches us
             try:

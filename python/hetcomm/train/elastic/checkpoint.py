@@ -103,8 +103,9 @@ def save(run, generation_start: bool = False) -> dict:
 
 
 def _position(run) -> dict:
-    """The era, epoch and members of the last decision the worker took part in ({} before one)."""
-    decision = getattr(run, "_decision", None)
+    """The era, epoch and members of the last decision the worker took part in that committed
+    ({} before one): its generation formed, so the checkpoint has its members' addresses."""
+    decision = getattr(run, "_committed", None)
     if not decision or not getattr(run, "_era_number", 0):
         return {}
     return {"era": run._era_number, "epoch": decision["epoch"], "members": list(decision["members"])}

@@ -491,6 +491,7 @@ class Epochs(JoinRecords, Eras, ForkGuards):
                                    f"last: {outcome.removeprefix('abort: ')}")
             return False
         self._aborts = []
+        self._committed = decision                    # (a checkpoint's position: `checkpoint.save`)
         begin = time.perf_counter()
         self._apply(decision)
         self._count("sync", begin)

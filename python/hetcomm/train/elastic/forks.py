@@ -25,7 +25,7 @@ class ForkGuards:
             raise RuntimeError(f"{_PREFIX}: epoch {epoch}: {self._names(names)} look gone (silent, or not at the "
                                "epoch), but this worker never had a liveness connection to them (their address in "
                                "the store, addr/<worker>, never read: someone may keep deleting it; or their "
-                               "liveness port unreachable from here: a firewall, or someone holding its 512 "
+                               "liveness port unreachable from here: a firewall, or someone holding its "
                                "connections). Not deciding without them: a store writer who also holds their "
                                "heartbeats back could have two sets of members each decide alone (a fork). Make "
                                "the liveness ports reachable (HETCOMM_LISTEN_IP) and check the store's access, then "

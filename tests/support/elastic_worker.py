@@ -14,7 +14,9 @@ after the metadata, before the parameters), ``registered`` (R ignored: right aft
 join, before the first round), ``formed`` (a member of a decision from round R on, just before
 forming its group: the others' group formation fails); ``behind`` is no death: from round R on,
 once, the reduction raises on this worker right after it returned (the others apply it, this
-one does not). ``--wait-for FILE:R`` asks to join only once FILE (another worker's JSON lines)
+one does not); ``behind-sync`` the same at the first reduction inside a synchronous round
+boundary from round R on (a fragment of it: the others apply it, then fail at the next).
+``--wait-for FILE:R`` asks to join only once FILE (another worker's JSON lines)
 reports round R, right after a round began.
 """
 from __future__ import annotations
@@ -105,14 +107,16 @@ def main(argv: list[str] | None = None) -> int:
                 kill_self()
             return real(*a, **k)
         _compress.weighted_allreduce = dying_allreduce
-    elif where == "behind":
+    elif where in ("behind", "behind-sync"):
         # Not a death: this worker fails right after a reduction returned, before applying it,
-        # once (the others apply it: they are one outer step ahead when the next generation forms)
+        # once (the others apply it: they are one outer step ahead when the next generation forms);
+        # behind-sync: the first such reduction inside a synchronous round boundary
         real_reduce, fired = _compress.weighted_allreduce, []
 
         def failing_allreduce(*a, **k):
             out = real_reduce(*a, **k)
-            if diloco.rounds >= die_round and not fired:
+            inside = where == "behind" or getattr(getattr(diloco, "_inner", None), "_sending", None) is not None
+            if diloco.rounds >= die_round and inside and not fired:
                 fired.append(True)
                 raise RuntimeError("injected: this rank fails right after the reduction, before applying it")
             return out

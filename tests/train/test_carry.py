@@ -10,7 +10,8 @@ from types import SimpleNamespace
 
 import torch
 
-from hetcomm.train.elastic.carry import Lost, Round, _lost, _with_lost, decide
+from hetcomm.train.elastic import carry
+from hetcomm.train.elastic.carry import Lost, Round, _lost, _with_lost, decide, resume_round
 
 
 def future(outcome: str) -> concurrent.futures.Future:
@@ -84,6 +85,54 @@ def test_a_round_of_no_steps_goes_on_for_its_lost_reductions_and_what_is_not_fin
     c = table(steps=[2, 2], sums=[0.5, 0.5], lost=[False, False], lost_steps=[0, 0], lost_sums=[0.0, 0.0],
               sending=[4, -1])
     assert decide(c, applied=[5, 5], labels=[0, 1]) == ([False, True], [False, False])
+
+
+def test_a_round_whose_boundary_no_member_finished_is_kept_and_one_that_a_member_finished_is_dropped():
+    # all three inside the boundary (rank 0 from outer step 5: its job of the round's first fragment
+    # had landed before); ranks 1 and 2 applied one more reduction of it, then it failed: no
+    # member counts one round more, so each keeps its round (`held_out` takes the parts out)
+    c = table(steps=[3, 3, 3], sums=[0.5, 0.25, 0.75], lost=[False] * 3, lost_steps=[0] * 3, lost_sums=[0.0] * 3,
+              sending=[5, 4, 4])
+    assert decide(c, applied=[5, 6, 6], labels=[0, 1, 2], rounds=[7, 7, 7]) == ([True] * 3, [False] * 3)
+    # a member finished the boundary (one round more; it began its next round, not sending): dropped
+    assert decide(c, applied=[5, 6, 7], labels=[0, 1, 2], rounds=[7, 7, 8]) == ([False, False, True], [False] * 3)
+    # as before where it cannot be told (rounds unknown) or the state is sharded
+    assert decide(c, applied=[5, 6, 6], labels=[0, 1, 2]) == ([False, False, False], [False] * 3)
+    assert decide(c, applied=[5, 6, 6], labels=[0, 1, 2], sharded=True, rounds=[7, 7, 7]) == ([False] * 3, [False] * 3)
+
+
+def test_the_round_kept_without_the_fragments_a_member_applied(monkeypatch):
+    """`resume_round`: the replica is the new start minus what the rank carries, without the
+    fragments whose reduction it sent before the most outer steps a member applied (hand-computed);
+    their windows begin afresh; the steps stay whole."""
+    monkeypatch.setattr(carry.dist, "get_rank", lambda: 0)
+    replica = torch.zeros(6)
+    inner = SimpleNamespace(_params=[replica], _split=lambda t: [t], _start=torch.tensor([1.0, 2.0, 3.0, 4.0, 5.0, 6.0]),
+                            _fragments=[(0, 1, 0, 2), (1, 2, 2, 4), (2, 3, 4, 6)], _stagger=True, _policy=None,
+                            _r_steps=0, _r_samples=0, _r_compute=0.0, _r_loss=0.0, _r_loss_n=0, _seen=None,
+                            _at_trigger=None, _fired=None)
+    # fragment 2's part left before outer step 10, fragment 1's before 11; fragment 0's never left
+    mine = Round(delta=torch.tensor([0.5, 0.25, 1.0, 2.0, 0.5, 0.5]), counts=(3, 48, 0.3, 1.5, 48),
+                 windows=([30, 480], [[27, 432], [28, 448], [28, 448]], [False, True, True]), applied=10, sending=10,
+                 sent={2: 10, 1: 11})
+    c = {**table(steps=[3, 3], sums=[4.75, 4.75], lost=[False] * 2, lost_steps=[0] * 2, lost_sums=[0.0] * 2,
+                 sending=[10, 10]), "cut": [False] * 2, "fired": [0, 0], "compute": [0.3, 0.3]}
+    start = {"carried": c, "applied": [10, 11], "rounds": [7, 7]}          # a member applied fragment 2's
+    with torch.no_grad():
+        assert resume_round(inner, mine, start, labels=[0, 1])
+    assert replica.tolist() == [0.5, 1.75, 2.0, 2.0, 5.0, 6.0]
+    assert inner._r_steps == 3 and mine.held_out == [2]
+    assert inner._at_trigger == [[27, 432], [28, 448], [30, 480]]        # (fragment 2's window: from now)
+    assert mine.delta.tolist() == [0.5, 0.25, 1.0, 2.0, 0.5, 0.5]         # (a retried build resumes it again)
+    assert "without fragment(s) 2" in mine.describe(True)
+    # a member applied fragment 1's too: both out; none applied: nothing out
+    replica.zero_()
+    with torch.no_grad():
+        assert resume_round(inner, mine, {**start, "applied": [10, 12]}, labels=[0, 1])
+    assert replica.tolist() == [0.5, 1.75, 3.0, 4.0, 5.0, 6.0] and mine.held_out == [1, 2]
+    with torch.no_grad():
+        assert resume_round(inner, mine, {**start, "applied": [10, 10]}, labels=[0, 1])
+    assert replica.tolist() == [0.5, 1.75, 2.0, 2.0, 4.5, 5.5] and mine.held_out == []
 
 
 def test_the_round_with_its_lost_reductions_added():

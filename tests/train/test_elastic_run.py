@@ -289,25 +289,42 @@ def test_a_rank_that_fails_after_a_reduction_the_others_applied_catches_up_from_
     and go on until their next collective fails (w0 left the group). The next epoch must name
     the two that are one outer step ahead as the holders (else the members' rounds or
     fingerprints differ: a ValueError or RuntimeError on every worker) and send their state to w0."""
-    rounds, ids = 6, ["w0", "w1", "w2"]
+    run_behind(run, features, "behind", rounds=6)
+    if "--linear" in FEATURES[features]:
+        assert_linear_reference(run, "w0")
+    assert any("aborted" in e for e in final(run, "w1")["membership"]), final(run, "w1")["membership"]
+
+
+def run_behind(run: Run, features: str, where: str, rounds: int) -> None:
+    """w0 runs with ``--die 2:<where>`` (a ``behind`` kind), w1 and w2 without: all end well, on
+    the same global parameters, every step counted once (w0's in the update it missed or in the
+    round it carried on; the others' round went on after their collective failed), nobody dropped."""
+    ids = ["w0", "w1", "w2"]
     common = ["--run", "--rounds", str(rounds), "--steps", "4", "--min-workers", "3", *FEATURES[features]]
     for w in ids:
-        run.start(w, *common, *(["--die", "2:behind"] if w == "w0" else []))
+        run.start(w, *common, *(["--die", f"2:{where}"] if w == "w0" else []))
     codes = run.wait_all()
     assert all(c == [0] for c in codes.values()), f"{codes}\n{run.logs()}"
     prints = check_agreement(run, ids, rounds)
     for w in ids:
         assert final(run, w)["final"] == prints[rounds], (w, final(run, w))
-        # every step counted once: w0's round is in the update it missed; the others' next round
-        # went on after their collective failed
         assert steps_recorded(run, w) == final(run, w)["steps_taken"], (w, run.records(w), run.logs())
-    if "--linear" in FEATURES[features]:
-        assert_linear_reference(run, "w0")
     # (w0's own event gave way to the holders' records, which it received: its log says it)
     assert "injected: this rank fails right after the reduction" in run.logs(), run.logs()
-    assert any("aborted" in e for e in final(run, "w1")["membership"]), final(run, "w1")["membership"]
     left, _ = events(final(run, "w1"))
     assert not left, final(run, "w1")["membership"]          # nobody was dropped: w0 caught up
+
+
+@pytest.mark.parametrize("features", ["fixed-fp32-overlap-staggered", "time-int8-overlap-staggered"])
+def test_a_round_boundary_that_failed_after_some_of_its_fragments_keeps_the_rest_of_the_round(run, features):
+    """w0 fails right after the first reduction of a synchronous round boundary (the last round's
+    with overlap): w1 and w2 applied that fragment, then their next reduction fails. No member
+    finished the boundary, so no one records the round: each keeps it without the fragment the
+    state holds (else its steps are counted nowhere) and the next generation reduces the rest.
+    (`test_carry.py` checks what is taken out against hand-computed numbers.)"""
+    run_behind(run, features, "behind-sync", rounds=4)
+    # (the last round's boundary reduces the staggered fragment 1 first)
+    assert run.logs().count("without fragment(s) 1 of it that the state holds already") == 3, run.logs()
 
 
 @pytest.mark.slow

@@ -36,6 +36,15 @@ class Agreement:
     _carry_round = False             # ... that ended without reducing its round (a join)
     _resumed = False                 # ... whose first round a join cut in the last (`carry.resume_round`)
     _sending: int | None = None      # outer steps applied when this rank began to send its round
+    _sent: dict[int, int] | None = None     # ... and the outer steps before each fragment's part left
+
+    def _send(self, f: int) -> None:
+        """Fragment f's part of the round is about to leave in a reduction: inside this rank's
+        synchronous boundary (`_sending`), the outer steps applied before it, the first time (a
+        fragment reduced twice there sends this rank's steps in the first: the second window is
+        empty). A member that applied more holds that part (`elastic.carry.held_out`)."""
+        if self._sending is not None and self._sent is not None:
+            self._sent.setdefault(f, self._applied)
 
     def _agree_on_schedule(self, stagger, group) -> None:
         """At construction: the schedules of the collectives must line up from the first round on
@@ -141,6 +150,7 @@ class Agreement:
         weights = outer_weights(self.weighting, table[_SAMPLES], table[_STEPS])
         if any_steps and any(w != 0.0 for w in weights):
             for f, (i, j, a, b) in enumerate(self._boundary):
+                self._send(f)
                 part = self._reduce_agreed(delta[a:b], weights,
                                            self._feedback[f] if self._feedback is not None else None,
                                            background=not timed, fragment=f)

@@ -560,8 +560,11 @@ class DiLoCo(Results, ShardedState, Agreement, Checkpoint, Streams, Overlap, _fl
             self._count_sync(begin)
             return
         if not self.overlap or self._stopped or last:
-            self._sending = self._applied         # until the global parameters are loaded
             self._count_sync(begin)
+            if self._stagger:                     # (the jobs fired inside the round: idle)
+                self._join_streams(agree=self._workers.size > 1)
+            self._sending = self._applied         # until the global parameters are loaded
+            self._sent = {}
             if self._stagger:
                 self._fire_last()                 # their steps since their trigger, here and now
             error = None

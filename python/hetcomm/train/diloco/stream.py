@@ -129,10 +129,10 @@ class Streams:
             self._pacer.fired(0)                 # (the boundary's job comes next)
 
     def _fire_last(self) -> None:
-        """The last, synchronous round's boundary: every job waited for; the fragments this round
+        """The last, synchronous round's boundary, every job waited for (`_join_streams`, before
+        the round begins to send: those jobs hold none of its steps): the fragments this round
         did not fire, then every fragment's steps since its trigger, here (so that every rank runs
         the same collectives: each fragment once per round, then once more)."""
-        self._join_streams(agree=self._workers.size > 1)
         for f in range(1, len(self._fragments)):
             if not self._fired[f]:
                 self._fire(f, inline=True)
@@ -219,7 +219,14 @@ class Streams:
         travel = delta.float()
         if inline:
             self._count_sync(begin)
-            self._stream_job(f, column, travel, timed=True)
+            self._send(f)
+            applied = self._applied
+            try:
+                self._stream_job(f, column, travel, timed=True)
+            except BaseException:
+                if self._applied == applied:        # (its steps stay in the replica: so does their window)
+                    self._at_trigger[f] = window
+                raise
             return
         params = self._params[i:j]
         start = _flat.split(self._start[a:b], params)

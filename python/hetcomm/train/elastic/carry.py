@@ -14,7 +14,9 @@ read from the store, and nothing is unpickled (a member's bytes are numbers and 
   one) are not lost: a rank adds the pseudo-gradients it sent in them to what it carries (and
   their steps and samples, or the fragment's window), so that they are reduced in the next
   generation. Where a member applied them (the reduction ended there before the failure), the
-  state it sends holds them, and they are dropped.
+  state it sends holds them, and they are dropped. A round taken inside its synchronous boundary
+  (the last round's) that no member finished goes on without the fragments whose reductions a
+  member applied (`Round.sent`).
 """
 from __future__ import annotations
 
@@ -100,6 +102,10 @@ class Round:
     lost: "Lost | None" = None    # reductions sent and applied nowhere here (overlap)
     added: bool = False           # `resume_round` added them to the round
     check: float | None = None    # with sharded state: the replica's sum (``delta`` is this rank's share's)
+    # Inside the synchronous boundary: fragment -> the run's outer steps before the reduction that
+    # took this rank's progress in it (`Agreement._send`); a member that applied more holds it.
+    sent: dict[int, int] = dataclasses.field(default_factory=dict)
+    held_out: list[int] = dataclasses.field(default_factory=list)   # `resume_round` took those out
 
     def summary(self) -> tuple[int, float, float, int, int, bool, bool, int, float]:
         """steps, a float64 sum of the progress (equal over a worker's ranks), compute seconds, the
@@ -119,8 +125,10 @@ class Round:
         if not kept:
             return ("this worker's steps in it are dropped (the state holds them already, its worker's other rank "
                     "has none, or they are not finite)")
+        without = (f", without fragment(s) {', '.join(map(str, self.held_out))} of it that the state holds already"
+                   if self.held_out else "")
         if not self.added:
-            return f"{self.counts[0]} steps carried in"
+            return f"{self.counts[0]} steps carried in{without}"
         jobs = (self.lost.counts is not None) + len(self.lost.windows)
         return (f"{self.counts[0]} steps carried in, and {jobs} reduction(s) in flight that the failure left "
                 f"unapplied ({self.lost.counts[0] if self.lost.counts else 0} more steps)")
@@ -179,22 +187,29 @@ def take_round(inner, applied_before: int, cut: bool = False) -> Round | None:
     if inner._stagger:
         windows = (list(inner._seen), [list(x) for x in inner._at_trigger], list(inner._fired))
     sharded = inner._layout is not None and inner._layout.replicated and inner._workers.size > 1
+    sending = inner._sending is not None
     return Round(delta, (inner._r_steps, inner._r_samples, inner._r_compute, inner._r_loss, inner._r_loss_n),
                  windows, applied_before + inner._applied,
-                 None if inner._sending is None else applied_before + inner._sending, cut, lost,
-                 check=inner._replica_print() if sharded else None)
+                 applied_before + inner._sending if sending else None, cut, lost,
+                 check=inner._replica_print() if sharded else None,
+                 sent={f: applied_before + a for f, a in inner._sent.items()} if sending and inner._sent else {})
 
 
-def decide(c: dict, applied: list[int], labels: list[int], sharded: bool = False) -> tuple[list[bool], list[bool]]:
+def decide(c: dict, applied: list[int], labels: list[int], sharded: bool = False,
+           rounds: list[int] | None = None) -> tuple[list[bool], list[bool]]:
     """Which ranks keep their carried round, and which add their lost reductions to it, from the
     generation's table (``c``: `start_table`'s "carried"; ``applied``: each rank's outer steps;
-    ``labels``: each rank's worker). A rank's lost reductions go on where no member applied more
-    outer steps than it did (else a member applied them: the state it sends holds them). A rank
-    keeps its round unless the round was taken inside a reduction that the state now holds, or
-    it is not finite, and a worker's ranks keep theirs only all together (the same steps and
-    progress, lost reductions included). With the state sharded over the workers' ranks
-    (``sharded``) the progress compared is the replica's sum (`Round.check`), without the lost
-    pseudo-gradients' (each rank's are its share's)."""
+    ``labels``: each rank's worker; ``rounds``: each rank's rounds). A rank's lost reductions go on
+    where no member applied more outer steps than it did (else a member applied them: the state
+    it sends holds them). A rank keeps its round unless it is not finite, or the round was taken
+    inside its synchronous boundary (it had begun to send) and a member applied more outer steps
+    since and finished that boundary (counts one round more: the state holds the whole round).
+    Where no member finished it, the rank keeps the round without the fragments a member applied
+    (`held_out`). A worker's ranks keep theirs only all together (the same steps and progress,
+    lost reductions included). With the state sharded over the workers' ranks (``sharded``) the
+    progress compared is the replica's sum (`Round.check`), without the lost pseudo-gradients'
+    (each rank's are its share's), and a round whose boundary members applied in part is dropped;
+    so is one where ``rounds`` is unknown."""
     world, best = len(labels), max(applied)
     adds = [c["lost"][r] and applied[r] == best for r in range(world)]
     steps = [c["steps"][r] + (c["lost_steps"][r] if adds[r] else 0) for r in range(world)]
@@ -202,7 +217,8 @@ def decide(c: dict, applied: list[int], labels: list[int], sharded: bool = False
 
     def whole(r: int) -> bool:
         return (c["steps"][r] >= 1 or adds[r]) and c["steps"][r] >= 0 and math.isfinite(sums[r]) \
-            and (c["sending"][r] < 0 or best <= c["sending"][r])
+            and (c["sending"][r] < 0 or best <= c["sending"][r]
+                 or (not sharded and rounds is not None and rounds[r] == max(rounds)))
     keep = [all(whole(q) and steps[q] == steps[r] and sums[q] == sums[r]
                 for q in range(world) if labels[q] == labels[r]) for r in range(world)]
     return keep, [a and k for a, k in zip(adds, keep)]
@@ -220,7 +236,7 @@ def resume_round(inner, mine: Round | None, start: dict, labels: list[int], shar
     replicas are set by `elastic.sharded.resume` (a collective)."""
     c = start["carried"]
     world = len(labels)
-    keep, adds = decide(c, start["applied"], labels, sharded is not None)
+    keep, adds = decide(c, start["applied"], labels, sharded is not None, start["rounds"])
     me = dist.get_rank()
     if sharded is not None:
         from hetcomm.train.elastic.sharded import resume
@@ -240,6 +256,7 @@ def resume_round(inner, mine: Round | None, start: dict, labels: list[int], shar
         if adds[me] and mine.lost is not None:
             delta, counts, windows = _with_lost(mine)
             mine.added = True
+        delta, windows = held_out(mine, delta, windows, max(start["applied"]), inner._fragments)
         with torch.no_grad():
             _flat.load(inner._params, inner._split(inner._start - delta))
         (inner._r_steps, inner._r_samples, inner._r_compute, inner._r_loss, inner._r_loss_n) = counts
@@ -258,6 +275,26 @@ def resume_round(inner, mine: Round | None, start: dict, labels: list[int], shar
         now = inner._clock()
         policy.start_round(now, start=now - elapsed)
     return kept
+
+
+def held_out(mine: Round, delta: torch.Tensor, windows, best: int, fragments) -> tuple:
+    """``mine``'s progress without the fragments whose reduction inside its synchronous boundary a
+    member applied (it had sent them: the state it receives holds them; ``best``: the most outer
+    steps a member applied), each such fragment's window begun afresh; `Round.held_out` names them."""
+    mine.held_out = sorted(f for f, before in mine.sent.items() if before < best and 0 <= f < len(fragments))
+    if not mine.held_out:
+        return delta, windows
+    delta = delta.clone()                 # (a retried `_build` resumes ``mine`` again)
+    for f in mine.held_out:
+        _, _, a, b = fragments[f]
+        delta[a:b] = 0
+    if windows is not None:
+        at_trigger = [list(x) for x in windows[1]]
+        for f in mine.held_out:
+            if f < len(at_trigger):
+                at_trigger[f] = list(windows[0])
+        windows = (windows[0], at_trigger, windows[2])
+    return delta, windows
 
 
 def _with_lost(mine: Round) -> tuple:

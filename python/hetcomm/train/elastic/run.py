@@ -27,8 +27,9 @@ arrive, decide, form the group, send the state to the members without it, commit
 moved since the round began and was never sent (``start − replica``), with the round's steps,
 samples and staggered windows, and moves its replica onto the new generation's global
 parameters by it; the ``time`` policy's deadline counts from when the round began. A rank drops
-it when it was taken inside the round's reduction and a holder applied an outer step since (the
-state holds the round already), and a worker's ranks keep theirs only all together. With
+it when it was taken inside the round's synchronous reduction and a member finished that (the
+state holds the round already); where none finished it but members applied some of its
+fragments, it keeps the rest (`carry.held_out`). A worker's ranks keep theirs only all together. With
 overlap, the reductions in flight that a failure leaves unapplied on every member go on with the
 round (`carry.Lost`).
 

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import torch
 
 from hetcomm.train.elastic import carry
-from hetcomm.train.elastic.carry import Lost, Round, _lost, _with_lost, decide, resume_round
+from hetcomm.train.elastic.carry import Lost, Round, _lost, _with_lost, decide, resume_round, take_round
 
 
 def future(outcome: str) -> concurrent.futures.Future:
@@ -95,10 +95,23 @@ def test_a_round_whose_boundary_no_member_finished_is_kept_and_one_that_a_member
               sending=[5, 4, 4])
     assert decide(c, applied=[5, 6, 6], labels=[0, 1, 2], rounds=[7, 7, 7]) == ([True] * 3, [False] * 3)
     # a member finished the boundary (one round more; it began its next round, not sending): dropped
-    assert decide(c, applied=[5, 6, 7], labels=[0, 1, 2], rounds=[7, 7, 8]) == ([False, False, True], [False] * 3)
+    done = dict(c, sending=[5, 4, -1])
+    assert decide(done, applied=[5, 6, 7], labels=[0, 1, 2], rounds=[7, 7, 8]) == ([False, False, True], [False] * 3)
     # as before where it cannot be told (rounds unknown) or the state is sharded
     assert decide(c, applied=[5, 6, 6], labels=[0, 1, 2]) == ([False, False, False], [False] * 3)
     assert decide(c, applied=[5, 6, 6], labels=[0, 1, 2], sharded=True, rounds=[7, 7, 7]) == ([False] * 3, [False] * 3)
+
+
+def test_a_rank_whose_boundary_recorded_the_round_before_it_failed_carries_none():
+    """Failed after its boundary recorded the round (inside the worker's agreement that follows):
+    the round is in the state, whatever the others report; before the record it is carried."""
+    inner = SimpleNamespace(overlap=False, _r_steps=3, _sending=5, _sending_from=2, _history=[{}, {}, {}],
+                            _progress=lambda: torch.tensor([0.5, 0.25]), _stagger=False, _layout=None,
+                            _r_samples=48, _r_compute=0.3, _r_loss=1.5, _r_loss_n=48, _applied=6, _sent={0: 5})
+    assert take_round(inner, applied_before=10) is None
+    inner._history = [{}, {}]
+    mine = take_round(inner, applied_before=10)
+    assert mine.delta.tolist() == [0.5, 0.25] and mine.sending == 15 and mine.applied == 16 and mine.sent == {0: 15}
 
 
 def test_the_round_kept_without_the_fragments_a_member_applied(monkeypatch):

@@ -37,6 +37,7 @@ class Agreement:
     _resumed = False                 # ... whose first round a join cut in the last (`carry.resume_round`)
     _sending: int | None = None      # outer steps applied when this rank began to send its round
     _sent: dict[int, int] | None = None     # ... and the outer steps before each fragment's part left
+    _sending_from = 0                # ... and the rounds recorded then
 
     def _send(self, f: int) -> None:
         """Fragment f's part of the round is about to leave in a reduction: inside this rank's

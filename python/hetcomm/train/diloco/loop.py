@@ -564,7 +564,7 @@ class DiLoCo(Results, ShardedState, Agreement, Checkpoint, Streams, Overlap, _fl
             if self._stagger:                     # (the jobs fired inside the round: idle)
                 self._join_streams(agree=self._workers.size > 1)
             self._sending = self._applied         # until the global parameters are loaded
-            self._sent = {}
+            self._sent, self._sending_from = {}, len(self._history)
             if self._stagger:
                 self._fire_last()                 # their steps since their trigger, here and now
             error = None

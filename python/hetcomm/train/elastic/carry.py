@@ -92,7 +92,7 @@ class Round:
     (``start − replica``, master precision: never sent), the round's counts, the staggered
     fragments' windows, and the run's outer steps applied when it was taken and, when it was
     taken inside the round's reduction, when that began (the state the next generation starts
-    from may hold the round then: it is dropped)."""
+    from may hold the round then, whole or in part: `decide`, `held_out`)."""
     delta: torch.Tensor
     counts: tuple[int, int, float, float, int]     # steps, samples, compute seconds, loss sum, loss samples
     windows: tuple[list[int], list[list[int]], list[bool]] | None    # seen, at each trigger, fired
@@ -182,6 +182,8 @@ def take_round(inner, applied_before: int, cut: bool = False) -> Round | None:
     lost = _lost(inner)                  # (first: `_progress` may write the buffer in flight)
     if inner._r_steps < 1 and lost is None:
         return None
+    if inner._sending is not None and len(inner._history) > inner._sending_from:
+        return None                      # its boundary recorded the round, then failed: the state holds it
     delta = inner._progress().clone()
     windows = None
     if inner._stagger:
@@ -209,7 +211,9 @@ def decide(c: dict, applied: list[int], labels: list[int], sharded: bool = False
     lost reductions included). With the state sharded over the workers' ranks (``sharded``) the
     progress compared is the replica's sum (`Round.check`), without the lost pseudo-gradients'
     (each rank's are its share's), and a round whose boundary members applied in part is dropped;
-    so is one where ``rounds`` is unknown."""
+    so is one where ``rounds`` is unknown. (A rank whose own boundary recorded the round carries
+    none: `take_round`. Without staggered windows, a round kept without some fragments still
+    weighs the rest by all its steps and samples.)"""
     world, best = len(labels), max(applied)
     adds = [c["lost"][r] and applied[r] == best for r in range(world)]
     steps = [c["steps"][r] + (c["lost_steps"][r] if adds[r] else 0) for r in range(world)]
@@ -226,10 +230,11 @@ def decide(c: dict, applied: list[int], labels: list[int], sharded: bool = False
 
 def resume_round(inner, mine: Round | None, start: dict, labels: list[int], sharded: dict | None = None) -> bool:
     """The carried round goes on in the new generation ``inner`` (its global parameters loaded),
-    decided alike on every rank from ``start`` (`start_table`): a rank keeps its round unless it
-    was taken inside a reduction that the state now holds (a holder applied more outer steps
-    since), and a worker's ranks keep theirs only all together (the same steps and progress).
-    Whoever keeps it moves its replica onto the new global parameters by what it carries. Every
+    decided alike on every rank from ``start`` (`start_table`, `decide`): a rank keeps its round
+    unless it was taken inside a reduction that a member finished (the state holds the round),
+    without the fragments of it the state holds (`held_out`), and a worker's ranks keep theirs
+    only all together (the same steps and progress). Whoever keeps it moves its replica onto the
+    new global parameters by what it carries. Every
     rank skips the fragments every keeper fired this round; the ``time`` policy's round started
     when the longest-carried round did. Returns whether this rank kept its round. With the state
     sharded over the workers' ranks (``sharded``: what `elastic.sharded.load` returned), the

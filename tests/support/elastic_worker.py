@@ -15,7 +15,8 @@ join, before the first round), ``formed`` (a member of a decision from round R o
 forming its group: the others' group formation fails); ``behind`` is no death: from round R on,
 once, the reduction raises on this worker right after it returned (the others apply it, this
 one does not); ``behind-sync`` the same at the first reduction inside a synchronous round
-boundary from round R on (a fragment of it: the others apply it, then fail at the next).
+boundary from round R on (a fragment of it: the others apply it, then fail at the next);
+``behind-call`` at the R-th reduction of the run.
 ``--wait-for FILE:R`` asks to join only once FILE (another worker's JSON lines)
 reports round R, right after a round began.
 """
@@ -107,16 +108,19 @@ def main(argv: list[str] | None = None) -> int:
                 kill_self()
             return real(*a, **k)
         _compress.weighted_allreduce = dying_allreduce
-    elif where in ("behind", "behind-sync"):
+    elif where in ("behind", "behind-sync", "behind-call"):
         # Not a death: this worker fails right after a reduction returned, before applying it,
         # once (the others apply it: they are one outer step ahead when the next generation forms);
-        # behind-sync: the first such reduction inside a synchronous round boundary
-        real_reduce, fired = _compress.weighted_allreduce, []
+        # behind-sync: the first such reduction inside a synchronous round boundary; behind-call:
+        # the R-th reduction of the run (a sweep over R: benchmarks/elastic_carry_sweep.py)
+        real_reduce, fired, calls = _compress.weighted_allreduce, [], []
 
         def failing_allreduce(*a, **k):
             out = real_reduce(*a, **k)
+            calls.append(1)
             inside = where == "behind" or getattr(getattr(diloco, "_inner", None), "_sending", None) is not None
-            if diloco.rounds >= die_round and inside and not fired:
+            due = len(calls) == die_round if where == "behind-call" else diloco.rounds >= die_round and inside
+            if due and not fired:
                 fired.append(True)
                 raise RuntimeError("injected: this rank fails right after the reduction, before applying it")
             return out

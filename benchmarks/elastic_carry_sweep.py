@@ -1,0 +1,107 @@
+"""Where a failure lands, swept: three elastic DiLoCo workers (tests/support/elastic_worker.py),
+w0's K-th reduction raising right after it returned (``--die K:behind-call``: the others apply
+it), for every K, with each feature set. Every run must end on every worker with the same
+global parameters after every round, and with every step a worker took counted in exactly one
+round it reports (its own, the one it received, or the one it carried on).
+
+Usage::
+
+    python benchmarks/elastic_carry_sweep.py [--calls 1-13] [--repeats 1] [--rounds 6] [--json FILE]
+                                             [--features time-int8-overlap-staggered,...]
+
+A run of 6 rounds has about 13 reductions: a larger K fires nothing (the line says so). Before
+48ff24e the last round's synchronous boundary lost steps (counted in no round) for K around
+10-12, where the failure lands in the last round (docs/elastic.md, "A round carried on";
+benchmarks/results/elastic_carry_sweep*.json)."""
+from __future__ import annotations
+
+import argparse
+import itertools
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+for sub in ("python", "tests/support", "tests/train"):
+    sys.path.insert(0, os.path.join(ROOT, sub))
+
+
+def _calls(text: str) -> list[int]:
+    out = []
+    for part in text.split(","):
+        a, _, b = part.partition("-")
+        out += list(range(int(a), int(b or a) + 1))
+    return out
+
+
+def one(features: str, k: int, rounds: int) -> dict:
+    from elastic_job import Run, check_agreement, final
+    from test_elastic_run import FEATURES, steps_recorded
+
+    run = Run(Path(tempfile.mkdtemp(prefix="carry-sweep-")), f"sweep{k}")
+    ids = ["w0", "w1", "w2"]
+    try:
+        common = ["--run", "--rounds", str(rounds), "--steps", "4", "--min-workers", "3", *FEATURES[features]]
+        for w in ids:
+            run.start(w, *common, *(["--die", f"{k}:behind-call"] if w == "w0" else []))
+        codes = run.wait_all()
+        out = {"features": features, "k": k, "codes": {w: c for w, c in codes.items()}, "problems": []}
+        if any(c != [0] for c in codes.values()):
+            out["problems"].append("a worker did not end with 0")
+        try:
+            check_agreement(run, ids, rounds)
+        except AssertionError as e:
+            out["problems"].append(f"agreement: {str(e)[:200]}")
+        out["steps"] = {}
+        for w in ids:
+            try:
+                taken, recorded = final(run, w)["steps_taken"], steps_recorded(run, w)
+            except (AssertionError, KeyError) as e:
+                out["problems"].append(f"{w}: no final record ({str(e)[:100]})")
+                continue
+            out["steps"][w] = [recorded, taken]
+            if recorded != taken:
+                out["problems"].append(f"{w}: {recorded} of {taken} steps recorded")
+        logs = run.logs()
+        out["fired"] = "injected: this rank fails right after the reduction" in logs
+        out["held_out"] = "of it that the state holds already" in logs
+        out["dropped"] = "steps in it are dropped" in logs
+        return out
+    finally:
+        run.close()
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--calls", default="1-13", help="the K swept: 1-13, or 3,5,10-12")
+    p.add_argument("--repeats", type=int, default=1, help="each K this many times")
+    p.add_argument("--features", default="time-int8-overlap-staggered,fixed-fp32-overlap-staggered")
+    p.add_argument("--rounds", type=int, default=6)
+    p.add_argument("--json", default=None, help="write a record per run (hetcomm.bench.records)")
+    args = p.parse_args()
+    rows, begin = [], time.time()
+    for repeat, features, k in itertools.product(range(args.repeats), args.features.split(","), _calls(args.calls)):
+        row = one(features, k, args.rounds)
+        rows.append({"repeat": repeat, **row})
+        print(f"{features} K={k}: {'ok' if not row['problems'] else '; '.join(row['problems'])}"
+              f"{' (fired)' if row['fired'] else ' (not fired: the run had fewer reductions)'}"
+              f"{', held out' if row['held_out'] else ''}{', dropped' if row['dropped'] else ''}", flush=True)
+    bad = [r for r in rows if r["problems"]]
+    print(f"{len(rows) - len(bad)} of {len(rows)} runs ok in {time.time() - begin:.0f} s")
+    if args.json:
+        from hetcomm.bench.records import RESULT, RUN, record, write_records
+        command = "python benchmarks/elastic_carry_sweep.py " + " ".join(sys.argv[1:])
+        import subprocess
+        commit = subprocess.run(["git", "-C", ROOT, "describe", "--always", "--dirty"], capture_output=True,
+                                text=True).stdout.strip()
+        summary = record(RUN, runs=len(rows), ok=len(rows) - len(bad), seconds=round(time.time() - begin),
+                         fired=sum(r["fired"] for r in rows), calls=args.calls, repeats=args.repeats,
+                         features=args.features, rounds=args.rounds, commit=commit)
+        write_records(args.json, [summary, *[record(RESULT, **r) for r in rows]], command)
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

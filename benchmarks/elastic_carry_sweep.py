@@ -1,8 +1,10 @@
 """Where a failure lands, swept: three elastic DiLoCo workers (tests/support/elastic_worker.py),
 w0's K-th reduction raising right after it returned (``--die K:behind-call``: the others apply
-it), for every K, with each feature set. Every run must end on every worker with the same
-global parameters after every round, and with every step a worker took counted in exactly one
-round it reports (its own, the one it received, or the one it carried on).
+it; K counts the reductions that returned in w0's process), for every K, with each feature set.
+Every run must end on every worker with the same global parameters after every round and at the
+end, nobody dropped, and every step a worker took counted in exactly one round it reports (its
+own, the one it received, or the one it carried on). A run that fired nothing (w0 returned
+fewer than K reductions) says so; the summary counts the runs that fired.
 
 Usage::
 
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import shutil
 import os
 import sys
 import tempfile
@@ -37,24 +40,36 @@ def _calls(text: str) -> list[int]:
 
 
 def one(features: str, k: int, rounds: int) -> dict:
-    from elastic_job import Run, check_agreement, final
+    from elastic_job import Run, check_agreement, events, final
     from test_elastic_run import FEATURES, steps_recorded
 
-    run = Run(Path(tempfile.mkdtemp(prefix="carry-sweep-")), f"sweep{k}")
+    where = Path(tempfile.mkdtemp(prefix="carry-sweep-"))
+    out = {"features": features, "k": k, "problems": [], "steps": {}}
     ids = ["w0", "w1", "w2"]
+    run = None
     try:
+        run = Run(where, f"sweep{k}")
         common = ["--run", "--rounds", str(rounds), "--steps", "4", "--min-workers", "3", *FEATURES[features]]
         for w in ids:
             run.start(w, *common, *(["--die", f"{k}:behind-call"] if w == "w0" else []))
-        codes = run.wait_all()
-        out = {"features": features, "k": k, "codes": {w: c for w, c in codes.items()}, "problems": []}
-        if any(c != [0] for c in codes.values()):
+        try:
+            out["codes"] = run.wait_all()
+        except BaseException as e:  # noqa: BLE001 - pytest.fail (a hang) is a BaseException: a row, not the end
+            if isinstance(e, KeyboardInterrupt):
+                raise
+            out["problems"].append(f"hung or failed to wait: {str(e)[:200]}")
+            return out
+        if any(c != [0] for c in out["codes"].values()):
             out["problems"].append("a worker did not end with 0")
         try:
-            check_agreement(run, ids, rounds)
-        except AssertionError as e:
+            prints = check_agreement(run, ids, rounds)
+            for w in ids:
+                if final(run, w)["final"] != prints[rounds]:
+                    out["problems"].append(f"{w}: its final parameters are not the last round's")
+            if events(final(run, "w1"))[0]:
+                out["problems"].append("a worker was dropped")
+        except (AssertionError, KeyError) as e:
             out["problems"].append(f"agreement: {str(e)[:200]}")
-        out["steps"] = {}
         for w in ids:
             try:
                 taken, recorded = final(run, w)["steps_taken"], steps_recorded(run, w)
@@ -64,13 +79,18 @@ def one(features: str, k: int, rounds: int) -> dict:
             out["steps"][w] = [recorded, taken]
             if recorded != taken:
                 out["problems"].append(f"{w}: {recorded} of {taken} steps recorded")
-        logs = run.logs()
+        logs = "\n".join(p.read_text() for p in sorted(where.glob("*.log")))      # (whole: `Run.logs` cuts)
         out["fired"] = "injected: this rank fails right after the reduction" in logs
         out["held_out"] = "of it that the state holds already" in logs
         out["dropped"] = "steps in it are dropped" in logs
         return out
     finally:
-        run.close()
+        if run is not None:
+            run.close()
+        if not out["problems"]:
+            shutil.rmtree(where, ignore_errors=True)
+        else:
+            out["dir"] = str(where)          # (kept for a look)
 
 
 def main() -> int:
@@ -86,8 +106,8 @@ def main() -> int:
         row = one(features, k, args.rounds)
         rows.append({"repeat": repeat, **row})
         print(f"{features} K={k}: {'ok' if not row['problems'] else '; '.join(row['problems'])}"
-              f"{' (fired)' if row['fired'] else ' (not fired: the run had fewer reductions)'}"
-              f"{', held out' if row['held_out'] else ''}{', dropped' if row['dropped'] else ''}", flush=True)
+              f"{' (fired)' if row.get('fired') else ' (not fired: w0 returned fewer reductions)'}"
+              f"{', held out' if row.get('held_out') else ''}{', dropped' if row.get('dropped') else ''}", flush=True)
     bad = [r for r in rows if r["problems"]]
     print(f"{len(rows) - len(bad)} of {len(rows)} runs ok in {time.time() - begin:.0f} s")
     if args.json:
@@ -97,7 +117,7 @@ def main() -> int:
         commit = subprocess.run(["git", "-C", ROOT, "describe", "--always", "--dirty"], capture_output=True,
                                 text=True).stdout.strip()
         summary = record(RUN, runs=len(rows), ok=len(rows) - len(bad), seconds=round(time.time() - begin),
-                         fired=sum(r["fired"] for r in rows), calls=args.calls, repeats=args.repeats,
+                         fired=sum(bool(r.get("fired")) for r in rows), calls=args.calls, repeats=args.repeats,
                          features=args.features, rounds=args.rounds, commit=commit)
         write_records(args.json, [summary, *[record(RESULT, **r) for r in rows]], command)
     return 1 if bad else 0

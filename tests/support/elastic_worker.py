@@ -16,7 +16,9 @@ forming its group: the others' group formation fails); ``behind`` is no death: f
 once, the reduction raises on this worker right after it returned (the others apply it, this
 one does not); ``behind-sync`` the same at the first reduction inside a synchronous round
 boundary from round R on (a fragment of it: the others apply it, then fail at the next);
-``behind-call`` at the R-th reduction of the run.
+``behind-call`` at the R-th reduction that returned in this process. ``agrees`` (SIGKILL) inside
+a synchronous round boundary from round R on, after the round was recorded, before the
+worker's ranks agree on it.
 ``--wait-for FILE:R`` asks to join only once FILE (another worker's JSON lines)
 reports round R, right after a round began.
 """
@@ -112,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
         # Not a death: this worker fails right after a reduction returned, before applying it,
         # once (the others apply it: they are one outer step ahead when the next generation forms);
         # behind-sync: the first such reduction inside a synchronous round boundary; behind-call:
-        # the R-th reduction of the run (a sweep over R: benchmarks/elastic_carry_sweep.py)
+        # the R-th reduction that returned in this process (a sweep: benchmarks/elastic_carry_sweep.py)
         real_reduce, fired, calls = _compress.weighted_allreduce, [], []
 
         def failing_allreduce(*a, **k):
@@ -125,6 +127,17 @@ def main(argv: list[str] | None = None) -> int:
                 raise RuntimeError("injected: this rank fails right after the reduction, before applying it")
             return out
         _compress.weighted_allreduce = failing_allreduce
+    elif where == "agrees":
+        # killed inside a synchronous round boundary from round R on, after it recorded the round
+        # and before the worker's ranks agreed on it (its worker's other ranks fail there)
+        from hetcomm.train.diloco.loop import DiLoCo
+        real_agrees = DiLoCo._worker_agrees
+
+        def dying_agrees(self, error):
+            if self._sending is not None and error is None and diloco.rounds >= die_round:   # (recorded)
+                kill_self()
+            return real_agrees(self, error)
+        DiLoCo._worker_agrees = dying_agrees
     elif where == "done":
         real_outcome = ElasticBase._outcome_of
 

@@ -329,6 +329,26 @@ def test_a_round_boundary_that_failed_after_some_of_its_fragments_keeps_the_rest
             run.logs()
 
 
+def test_a_rank_whose_boundary_recorded_the_round_before_its_worker_failed_carries_none(run):
+    """Synchronous boundaries (fixed-fp32, ``--linear``): a1, a rank of worker a, dies in round 3's
+    boundary after the round was recorded, before its worker's ranks agree on it, so a0 fails
+    there. The state holds the round: a0 must carry none of it (else its steps are recorded
+    again in the next round and the float64 reference is off). a0 and b0 go on."""
+    rounds, ranks = 6, {"a0": "a", "a1": "a", "b0": "b"}
+    common = ["--run", "--rounds", str(rounds), "--steps", "4", *FEATURES["fixed-fp32"]]
+    for r, w in ranks.items():
+        run.start(r, *common, "--worker", w, "--min-workers", "3", *(["--die", "3:agrees"] if r == "a1" else []))
+    codes = run.wait_all()
+    assert codes == {"a0": [0], "a1": [-9], "b0": [0]}, f"{codes}\n{run.logs()}"
+    prints = check_agreement(run, ["a0", "b0"], rounds)
+    for r in ("a0", "b0"):
+        assert final(run, r)["final"] == prints[rounds], (r, final(run, r))
+    recorded = sum(r["steps"][r["members"].index("a")] for r in run.records("a0") if "round" in r)
+    assert recorded == final(run, "a0")["steps_taken"], (run.records("a0"), run.logs())
+    assert_linear_reference(run, "a0")
+    assert "the generation failed" in (run.out / "a0.0.log").read_text(), run.logs()
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("features", list(FEATURES))
 def test_one_rank_of_a_two_rank_worker_killed_and_restarted(run, features):

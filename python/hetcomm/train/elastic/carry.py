@@ -231,8 +231,9 @@ def decide(c: dict, applied: list[int], labels: list[int], sharded: bool = False
 def resume_round(inner, mine: Round | None, start: dict, labels: list[int], sharded: dict | None = None) -> bool:
     """The carried round goes on in the new generation ``inner`` (its global parameters loaded),
     decided alike on every rank from ``start`` (`start_table`, `decide`): a rank keeps its round
-    unless it was taken inside a reduction that a member finished (the state holds the round),
-    without the fragments of it the state holds (`held_out`), and a worker's ranks keep theirs
+    unless it was taken inside a reduction that a member finished (the state holds the round;
+    with sharded state, or ``rounds`` unknown, one that a member applied in part), without the
+    fragments of it the state holds (`held_out`), and a worker's ranks keep theirs
     only all together (the same steps and progress). Whoever keeps it moves its replica onto the
     new global parameters by what it carries. Every
     rank skips the fragments every keeper fired this round; the ``time`` policy's round started

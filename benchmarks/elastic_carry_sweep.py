@@ -3,7 +3,9 @@ w0's K-th reduction raising right after it returned (``--die K:behind-call``: th
 it; K counts the reductions that returned in w0's process), for every K, with each feature set.
 Every run must end on every worker with the same global parameters after every round and at the
 end, nobody dropped, and every step a worker took counted in exactly one round it reports (its
-own, the one it received, or the one it carried on). A run that fired nothing (w0 returned
+own, the one it received, or the one it carried on) and in exactly one reduction of each fragment
+that the state went through (``--log-reductions``: `assert_each_step_reduced_once`); with
+``-linear`` features, the final global parameters equal a float64 sum of those reductions. A run that fired nothing (w0 returned
 fewer than K reductions) says so; the summary counts the runs that fired.
 
 Usage::
@@ -39,9 +41,20 @@ def _calls(text: str) -> list[int]:
     return out
 
 
+# ... and a model whose steps move each replica by a constant (fp32, a window's steps kept whole):
+# the final global parameters are checked against a float64 sum of the reductions applied
+LINEAR = ["--linear", "--linear-parts", "2", "--early-weight", "1"]
+
+
+def _features(name: str) -> tuple[list[str], bool]:
+    from test_elastic_run import FEATURES
+    base, linear = (name[:-len("-linear")], True) if name.endswith("-linear") else (name, False)
+    return FEATURES[base] + (LINEAR if linear else []), linear
+
+
 def one(features: str, k: int, rounds: int) -> dict:
     from elastic_job import Run, check_agreement, events, final
-    from test_elastic_run import FEATURES, steps_recorded
+    from test_elastic_run import assert_each_step_reduced_once, steps_recorded
 
     where = Path(tempfile.mkdtemp(prefix="carry-sweep-"))
     out = {"features": features, "k": k, "problems": [], "steps": {}}
@@ -49,7 +62,8 @@ def one(features: str, k: int, rounds: int) -> dict:
     run = None
     try:
         run = Run(where, f"sweep{k}")
-        common = ["--run", "--rounds", str(rounds), "--steps", "4", "--min-workers", "3", *FEATURES[features]]
+        args, linear = _features(features)
+        common = ["--run", "--rounds", str(rounds), "--steps", "4", "--min-workers", "3", "--log-reductions", *args]
         for w in ids:
             run.start(w, *common, *(["--die", f"{k}:behind-call"] if w == "w0" else []))
         try:
@@ -79,6 +93,10 @@ def one(features: str, k: int, rounds: int) -> dict:
             out["steps"][w] = [recorded, taken]
             if recorded != taken:
                 out["problems"].append(f"{w}: {recorded} of {taken} steps recorded")
+        try:                                  # every step once in each fragment's reductions (and float64)
+            assert_each_step_reduced_once(run, ids, linear)
+        except (AssertionError, KeyError, OSError, ValueError) as e:
+            out["problems"].append(f"reductions: {str(e)[:300]}")
         logs = "\n".join(p.read_text() for p in sorted(where.glob("*.log")))      # (whole: `Run.logs` cuts)
         out["fired"] = "injected: this rank fails right after the reduction" in logs
         out["held_out"] = "of it that the state holds already" in logs
@@ -97,7 +115,9 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--calls", default="1-13", help="the K swept: 1-13, or 3,5,10-12")
     p.add_argument("--repeats", type=int, default=1, help="each K this many times")
-    p.add_argument("--features", default="time-int8-overlap-staggered,fixed-fp32-overlap-staggered")
+    p.add_argument("--features", default="time-int8-overlap-staggered,fixed-fp32-overlap-staggered,"
+                   "fixed-fp32-overlap-staggered-linear", help="FEATURES of tests/train/test_elastic_run.py; "
+                   "NAME-linear: NAME with a model whose steps move by a constant (float64 reference)")
     p.add_argument("--rounds", type=int, default=6)
     p.add_argument("--json", default=None, help="write a record per run (hetcomm.bench.records)")
     args = p.parse_args()

@@ -46,6 +46,37 @@ def linear_pull(worker: str) -> torch.Tensor:
     return (1.0 + zlib.crc32(worker.encode()) % 4) * torch.linspace(0.5, 1.5, 8)
 
 
+def install_reduction_log(path: str, run) -> None:
+    """``--log-reductions``: every outer reduction this process applied, one JSON line each, in the
+    order applied: the generation, the flat elements it stepped, the workers' names (``run()``'s
+    `_workers_names`: one rank per worker), the steps and weights of its agreed table. The steps
+    and weights are taken from the `outer_weights` call right before it, on the same thread."""
+    import threading
+
+    from hetcomm.train.diloco import agreement, stream
+    from hetcomm.train.diloco.loop import DiLoCo
+    seen = threading.local()
+    real_weights = agreement.outer_weights
+
+    def noting_weights(weighting, samples, steps):
+        weights = real_weights(weighting, samples, steps)
+        seen.last = ([float(x) for x in steps], [float(x) for x in weights])
+        return weights
+    agreement.outer_weights = stream.outer_weights = noting_weights
+    real_reduce = DiLoCo._reduce_agreed
+    out = open(path, "a")
+
+    def noting_reduce(self, delta, weights, feedback, *, background, fragment):
+        part = real_reduce(self, delta, weights, feedback, background=background, fragment=fragment)
+        steps, agreed = seen.last
+        _, _, a, b = self._fragments[fragment]
+        out.write(json.dumps({"gen": run()._base[2], "elements": [a, b], "names": list(run()._workers_names),
+                              "steps": steps, "weights": agreed}) + "\n")
+        out.flush()
+        return part
+    DiLoCo._reduce_agreed = noting_reduce
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--store", required=True)
@@ -87,10 +118,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--overlap", action="store_true", help="--run: overlap=True")
     p.add_argument("--fragments", type=int, default=1, help="--run: fragments (staggered), with --overlap")
     p.add_argument("--overlap-steps", type=int, default=None, help="--run: overlap_steps (τ), with --overlap")
+    p.add_argument("--early-weight", type=float, default=None,
+                   help="--run: early_weight (β), with --overlap; 1 keeps a window's steps whole (`--linear`)")
     p.add_argument("--pace", type=float, default=None, help="--run: pace (the fragments' transfers paced)")
+    p.add_argument("--tell-fired", action="store_true",
+                   help="print the staggered fragments fired in the round before each synchronous boundary")
     p.add_argument("--linear", action="store_true",
                    help="a model whose inner steps move it by a constant: p -= 0.01 * c_w each step (c_w per worker: "
                         "the float64 reference of the global parameters), plain SGD inside and out (outer lr 1)")
+    p.add_argument("--linear-parts", type=int, default=1,
+                   help="--linear: its 8 weights in this many parameters (staggered fragments need several)")
+    p.add_argument("--log-reductions", action="store_true",
+                   help="append every reduction this process applied to OUT/ID.reductions.jsonl: its elements, "
+                        "the workers' names, steps and weights (`reductions_check` in the tests)")
     p.add_argument("--slow-until", default="", help="DIR/ID.joined:R: from round R on, until worker ID has joined (that "
                    "file exists), hold until it has started (DIR/ID.started, at most 60 s), then take steps 0.2 s "
                    "longer: the run does not end before a restarted worker is back, however loaded the machine")
@@ -100,6 +140,17 @@ def main(argv: list[str] | None = None) -> int:
     from hetcomm import compress as _compress
     from hetcomm.train.elastic.loop import ElasticBase
 
+    if args.log_reductions:
+        install_reduction_log(os.path.join(args.out, f"{args.id}.reductions.jsonl"), lambda: diloco)
+    if args.tell_fired:
+        # (their windows left in background jobs, before the boundary began: a test reads it)
+        from hetcomm.train.diloco.loop import DiLoCo
+        real_fire_last = DiLoCo._fire_last
+
+        def telling_fire_last(self):
+            print(f"fired before the synchronous boundary: {[f for f, x in enumerate(self._fired) if x]}", flush=True)
+            return real_fire_last(self)
+        DiLoCo._fire_last = telling_fire_last
     die_round, _, where = args.die.partition(":")
     die_round = int(die_round) if die_round else -1
     if where == "reduce":
@@ -181,8 +232,8 @@ def main(argv: list[str] | None = None) -> int:
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.5)
     outer = None
     if args.linear:
-        model = torch.nn.Linear(8, 1, bias=False)
-        torch.nn.init.zeros_(model.weight)
+        model = torch.nn.ParameterList([torch.nn.Parameter(torch.zeros(len(n)))
+                                        for n in torch.tensor_split(torch.arange(8), args.linear_parts)])
         opt = torch.optim.SGD(model.parameters(), lr=0.01)
         outer = lambda ps: torch.optim.SGD(ps, lr=1.0)  # noqa: E731
         pull = linear_pull(args.worker or args.id)
@@ -208,6 +259,7 @@ def main(argv: list[str] | None = None) -> int:
         diloco = hetcomm.DiLoCo(model, opt, membership=membership, outer_optimizer=outer, steps=args.steps,
                                 local_steps=args.local_steps, compress=args.compress, overlap=args.overlap,
                                 fragments=args.fragments, overlap_steps=args.overlap_steps, pace=args.pace,
+                                **({"early_weight": args.early_weight} if args.early_weight is not None else {}),
                                 error_feedback=args.compress in ("int8", "int4"),
                                 **({"shard_state": True} if args.shard_state else {}))
     else:
@@ -265,7 +317,7 @@ def main(argv: list[str] | None = None) -> int:
             if diloco.rounds == args.raise_at and step_in_round == 1:
                 raise RuntimeError("an exception in the body of the loop")
             if args.linear:
-                loss = (model.weight.view(-1) * pull).sum()
+                loss = (torch.cat([q.view(-1) for q in model]) * pull).sum()
             else:
                 loss = torch.nn.functional.mse_loss(model(x), y)
             loss.backward()

@@ -15,6 +15,8 @@ unapplied); a joiner contributes to the round it asked to join in.
 from __future__ import annotations
 
 import itertools
+import json
+import re
 import time
 
 import pytest
@@ -56,6 +58,51 @@ def assert_linear_reference(run: Run, w: str) -> None:
             expected -= 0.01 * weight * steps * linear_pull(v).double()
     got = torch.tensor(final(run, w)["global"], dtype=torch.float64)
     assert torch.allclose(got, expected, rtol=1e-5, atol=1e-6), (got, expected, run.records(w))
+
+
+def reduced_lineage(run: Run, ids: list[str]) -> list[dict]:
+    """``--log-reductions``: the reductions the run's state went through. In each generation
+    every worker applied a part of the same sequence, in order (the one that applied most held
+    the state the next generation started from; a worker whose job failed may have applied the
+    one queued behind it): checked, and that sequence taken."""
+    logs = {w: [json.loads(line) for line in (run.out / f"{w}.reductions.jsonl").read_text().splitlines()]
+            for w in ids}
+    lineage = []
+    for gen in sorted({r["gen"] for done in logs.values() for r in done}):
+        seqs = {w: [r for r in done if r["gen"] == gen] for w, done in logs.items()}
+        longest = max(seqs.values(), key=len)
+        for w, seq in seqs.items():
+            rest = iter(longest)
+            assert all(r in rest for r in seq), (gen, w, seq, longest)      # (a subsequence)
+        lineage += longest
+    return lineage
+
+
+def assert_each_step_reduced_once(run: Run, ids: list[str], linear: bool) -> None:
+    """``--log-reductions``: in the reductions the state went through (`reduced_lineage`), every
+    worker's steps appear exactly once in each fragment's windows: as many as it took. A round or
+    window carried on, or taken out, wrongly counts steps twice or never there, whatever the
+    rounds' records say. With ``--linear`` (fp32, an outer SGD of lr 1) the final global
+    parameters are also the float64 sum of those reductions' moves: −0.01 Σ weight·steps·c_v
+    over each one's elements (with overlap, at ``--early-weight 1``: a window's steps are kept
+    whole when its update lands)."""
+    done = reduced_lineage(run, ids)
+    ranges = sorted({tuple(r["elements"]) for r in done})
+    assert [b for _, b in ranges][:-1] == [a for a, _ in ranges][1:] and ranges[0][0] == 0, ranges
+    for v in ids:
+        for span in ranges:
+            counted = sum(r["steps"][r["names"].index(v)] for r in done
+                          if tuple(r["elements"]) == span and v in r["names"])
+            assert counted == final(run, v)["steps_taken"], (v, span, counted, final(run, v), done)
+    if linear:
+        expected = torch.zeros(ranges[-1][1], dtype=torch.float64)
+        for r in done:
+            a, b = r["elements"]
+            for v, steps, weight in zip(r["names"], r["steps"], r["weights"]):
+                expected[a:b] -= 0.01 * weight * steps * linear_pull(v)[a:b].double()
+        for w in ids:
+            got = torch.tensor(final(run, w)["global"], dtype=torch.float64)
+            assert torch.allclose(got, expected, rtol=1e-5, atol=1e-6), (w, got, expected, done)
 
 
 def assert_state_counted(run: Run, w: str, rounds: int) -> None:
@@ -289,18 +336,20 @@ def test_a_rank_that_fails_after_a_reduction_the_others_applied_catches_up_from_
     and go on until their next collective fails (w0 left the group). The next epoch must name
     the two that are one outer step ahead as the holders (else the members' rounds or
     fingerprints differ: a ValueError or RuntimeError on every worker) and send their state to w0."""
-    run_behind(run, features, "behind", rounds=6)
-    if "--linear" in FEATURES[features]:
+    run_behind(run, features, "behind", rounds=6, extra=("--log-reductions",))
+    linear = "--linear" in FEATURES[features]
+    if linear:
         assert_linear_reference(run, "w0")
+    assert_each_step_reduced_once(run, ["w0", "w1", "w2"], linear)
     assert any("aborted" in e for e in final(run, "w1")["membership"]), final(run, "w1")["membership"]
 
 
-def run_behind(run: Run, features: str, where: str, rounds: int) -> None:
+def run_behind(run: Run, features: str, where: str, rounds: int, extra: tuple = ()) -> None:
     """w0 runs with ``--die 2:<where>`` (a ``behind`` kind), w1 and w2 without: all end well, on
     the same global parameters, every step counted once (w0's in the update it missed or in the
     round it carried on; the others' round went on after their collective failed), nobody dropped."""
     ids = ["w0", "w1", "w2"]
-    common = ["--run", "--rounds", str(rounds), "--steps", "4", "--min-workers", "3", *FEATURES[features]]
+    common = ["--run", "--rounds", str(rounds), "--steps", "4", "--min-workers", "3", *FEATURES[features], *extra]
     for w in ids:
         run.start(w, *common, *(["--die", f"2:{where}"] if w == "w0" else []))
     codes = run.wait_all()
@@ -321,12 +370,32 @@ def test_a_round_boundary_that_failed_after_some_of_its_fragments_keeps_the_rest
     with overlap): w1 and w2 applied that fragment, then their next reduction fails. No member
     finished the boundary, so no one records the round: each keeps it without the fragment the
     state holds (else its steps are counted nowhere) and the next generation reduces the rest.
-    (`test_carry.py` checks what is taken out against hand-computed numbers.)"""
-    run_behind(run, features, "behind-sync", rounds=4)
-    # (the last round's boundary reduces the staggered fragment 1 first)
+    (`test_carry.py` checks what is taken out against hand-computed numbers.)
+
+    The boundary reduces the staggered fragment 1 first, twice: once for the ranks that did not
+    fire it in the round (their window; a rank that did sent it in a background job, before its
+    boundary began, and that job lines up with this reduction), then once more on every rank (the
+    steps since its trigger). w0's first reduction inside its boundary is always one the others
+    applied, so w0 always takes fragment 1 out. So does every rank when w0 had fired fragment 1
+    (w0 failed after the second). When w0 had not, a rank that had (under load, in CI of 12-06)
+    sent its window before its boundary began, and the reduction that failed held only its steps
+    since the trigger: it takes nothing out (else those steps' updates are lost)."""
+    linear = "fp32" in features             # (int8: the steps alone)
+    extra = ("--tell-fired", "--log-reductions",
+             *(("--linear", "--linear-parts", "2", "--early-weight", "1") if linear else ()))
+    run_behind(run, features, "behind-sync", rounds=4, extra=extra)
+    assert_each_step_reduced_once(run, ["w0", "w1", "w2"], linear)
+    fired = {}
     for i, w in enumerate(["w0", "w1", "w2"]):
-        assert "without fragment(s) 1 of it that the state holds already" in (run.out / f"{w}.{i}.log").read_text(), \
-            run.logs()
+        log = (run.out / f"{w}.{i}.log").read_text()
+        before = re.findall(r"fired before the synchronous boundary: \[([\d, ]*)\]", log)
+        assert before, run.logs()          # (the first: generation 1's; generation 2 ends the run so again)
+        fired[w] = [int(x) for x in before[0].split(",") if x.strip()]
+    for i, w in enumerate(["w0", "w1", "w2"]):
+        log = (run.out / f"{w}.{i}.log").read_text()
+        held = "without fragment(s) 1 of it that the state holds already" in log
+        assert held == (w == "w0" or 1 in fired["w0"] or 1 not in fired[w]), (w, fired, run.logs())
+        assert re.search(r"round 4 goes on in generation 2: \d+ steps carried in", log), run.logs()
 
 
 def test_a_rank_whose_boundary_recorded_the_round_before_its_worker_failed_carries_none(run):

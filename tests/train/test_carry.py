@@ -11,7 +11,8 @@ from types import SimpleNamespace
 import torch
 
 from hetcomm.train.elastic import carry
-from hetcomm.train.elastic.carry import Lost, Round, _lost, _with_lost, decide, resume_round, take_round
+from hetcomm.train.elastic.carry import (Lost, Round, _from_bits, _lost, _with_lost, added, decide, job_bits,
+                                         resume_round, take_round)
 
 
 def future(outcome: str) -> concurrent.futures.Future:
@@ -61,6 +62,69 @@ def test_a_rank_adds_its_lost_reductions_only_where_no_member_applied_more():
     # rank 0 applied fewer outer steps than the others: they applied its lost reduction (their state
     # holds it); it keeps the round it was in, without the lost one
     assert decide(c, applied=[5, 6, 6], labels=[0, 1, 2]) == ([True, True, True], [False, True, False])
+
+
+def numbered(c: dict, gen: list[int], jobs: list[int], applied: list[set], lost: list[set],
+             boundary: list[int]) -> dict:
+    """``c`` with each rank's generation, reductions submitted, and those applied and lost there."""
+    return {**c, "gen": gen, "jobs": jobs, "applied_bits": [job_bits(a, n) for a, n in zip(applied, jobs)],
+            "lost_bits": [job_bits(x, n) for x, n in zip(lost, jobs)], "lost_boundary": boundary}
+
+
+def test_reductions_as_bits_are_the_latest_fifty():
+    assert job_bits({9, 7}, 10) == 0b101 and _from_bits(0b101, 10) == {9, 7}
+    assert job_bits({0, 59}, 60) == 1 and _from_bits(1 | 1 << 50, 60) == {59}     # (0 is 60 back: left out)
+    assert _from_bits(0b110, 2) == {0}                                            # (none before the first)
+
+
+def test_a_lost_reduction_queued_behind_one_the_holders_applied_goes_on():
+    """Rank 0's fragment job 7 failed after it returned (ranks 1 and 2 applied it), and its round
+    boundary's, 8, queued behind it, failed on every rank. The state (ranks 1, 2: one outer step
+    more) holds 7 and not 8: rank 0 adds 8 with its steps (4), the others 8 too. Before the
+    reductions were numbered, rank 0 dropped both (its steps in 8 were counted nowhere)."""
+    c = table(steps=[2, 2, 2], sums=[0.5, 0.25, 0.75], lost=[True] * 3, lost_steps=[4, 4, 4],
+              lost_sums=[1.5, 1.0, 2.0])
+    early = {0, 1, 2, 3, 4, 5, 6}
+    c = numbered(c, gen=[3] * 3, jobs=[9] * 3, applied=[early, early | {7}, early | {7}],
+                 lost=[{7, 8}, {8}, {8}], boundary=[8] * 3)
+    assert [added(c, [5, 6, 6], r) for r in range(3)] == [{8}, {8}, {8}]
+    assert decide(c, applied=[5, 6, 6], labels=[0, 1, 2]) == ([True] * 3, [True] * 3)
+    # holders from another generation than rank 0's (their numbers are not its): as before
+    other = {**c, "gen": [3, 2, 2]}
+    assert [added(other, [5, 6, 6], r) for r in range(3)] == [set(), {8}, {8}]
+    # a holder that numbered fewer reductions than rank 0 lost (it reduced rank 0's job 8 inline,
+    # in the last round's boundary, and may have applied it): as before
+    fewer = {**c, "jobs": [9, 8, 9], "applied_bits": [job_bits(early, 9), job_bits(early | {7}, 8),
+                                                      job_bits(early | {7}, 9)]}
+    assert added(fewer, [5, 6, 6], 0) == set() and added(fewer, [6, 6, 6], 0) is None
+    # the boundary's job applied everywhere, the fragment's, before it, nowhere (a hole): rank 0
+    # adds the fragment's (7) though every member applied as many outer steps as it did
+    hole = numbered(c, gen=[3] * 3, jobs=[9] * 3, applied=[early | {8}] * 3, lost=[{7}] * 3, boundary=[-1] * 3)
+    assert [added(hole, [6, 6, 6], r) for r in range(3)] == [{7}] * 3
+    # a worker's two ranks (1, 2: the same replica) keep their round if they add the same, else neither
+    pair = {**c, "sum": [0.5, 0.25, 0.25], "lost_sum": [1.5, 1.0, 1.0]}
+    assert decide(pair, applied=[5, 6, 6], labels=[0, 1, 1])[0] == [True, True, True]
+    split = numbered(pair, gen=[3] * 3, jobs=[9, 9, 10], applied=[early, early | {7}, early | {7}],
+                     lost=[{7, 8}, {8}, {8, 9}], boundary=[8] * 3)          # (rank 2 submitted one more)
+    assert added(split, [5, 6, 6], 1) == {8} and added(split, [5, 6, 6], 2) is None     # (9: rank 1 has none)
+    assert decide(split, applied=[5, 6, 6], labels=[0, 1, 1])[0] == [True, False, False]
+
+
+def test_the_round_with_some_of_its_lost_reductions_added():
+    """`Lost.only`: the boundary's (its counts) or a fragment's (its window) alone."""
+    lost = Lost(parts=[(0, 2, torch.tensor([0.5, 0.5])), (2, 4, torch.tensor([1.0, 2.0]))],
+                counts=(4, 64, 1.0, 2.0, 64), windows={1: [4, 64]}, orders=[8, 7], boundary=8, jobs={1: 7},
+                submitted=9)
+    mine = Round(delta=torch.tensor([1.0, 1.0, 1.0, 1.0]), counts=(2, 32, 0.5, 1.0, 32),
+                 windows=([10, 160], [[0, 0], [8, 128]], [False, True]), applied=5, sending=None, lost=lost)
+    assert mine.summary()[9:] == (0b11, 8)
+    delta, counts, windows = _with_lost(mine, lost.only({8}))
+    assert delta.tolist() == [1.5, 1.5, 1.0, 1.0] and counts == (6, 96, 1.5, 3.0, 96)
+    assert windows == ([10, 160], [[0, 0], [8, 128]], [False, True])           # (fragment 1's: not reopened)
+    delta, counts, windows = _with_lost(mine, lost.only({7}))
+    assert delta.tolist() == [1.0, 1.0, 2.0, 3.0] and counts == (2, 32, 0.5, 1.0, 32)
+    assert windows == ([10, 160], [[0, 0], [4, 64]], [False, True])
+    assert lost.only({5}) is None
 
 
 def test_a_worker_s_ranks_keep_their_round_only_all_together():
@@ -153,7 +217,7 @@ def test_the_round_with_its_lost_reductions_added():
                 counts=(4, 64, 1.0, 2.0, 64), windows={1: [4, 64]})
     mine = Round(delta=torch.tensor([1.0, 1.0, 1.0, 1.0]), counts=(2, 32, 0.5, 1.0, 32),
                  windows=([10, 160], [[0, 0], [8, 128]], [False, True]), applied=5, sending=None, lost=lost)
-    assert mine.summary()[-3:] == (True, 4, 4.0)
+    assert mine.summary()[6:9] == (True, 4, 4.0)
     delta, counts, windows = _with_lost(mine)
     assert delta.tolist() == [1.5, 1.5, 2.0, 3.0]
     assert counts == (6, 96, 1.5, 3.0, 96)
@@ -161,7 +225,7 @@ def test_the_round_with_its_lost_reductions_added():
     assert windows == ([10, 160], [[0, 0], [4, 64]], [False, True])
     only_fragments = Round(delta=torch.zeros(4), counts=(2, 32, 0.5, 1.0, 32), windows=None, applied=5,
                            sending=None, lost=Lost(parts=[(2, 4, torch.tensor([1.0, 2.0]))], counts=None, windows={}))
-    assert only_fragments.summary()[-3:] == (True, 0, 3.0)
+    assert only_fragments.summary()[6:9] == (True, 0, 3.0)
     assert _with_lost(only_fragments)[1] == (2, 32, 0.5, 1.0, 32)
 
 
@@ -206,7 +270,8 @@ def lose_a_reduction(rank: int, world: int) -> list[dict]:
         lost = _lost(d)
         row = {"case": case, "parts": [(a, b, t.tolist()) for a, b, t in lost.parts], "counts": lost.counts,
                "windows": lost.windows, "boundary": [list(x) for x in d._boundary],
-               "fragments": [list(x) for x in d._fragments]}
+               "fragments": [list(x) for x in d._fragments], "orders": lost.orders, "lost_boundary": lost.boundary,
+               "jobs": lost.jobs, "submitted": d._jobs, "applied_jobs": sorted(d._applied_jobs)}
         if case == "boundary":
             row["sent"] = sent["args"][1].tolist()           # (column, delta, ...)
         else:
@@ -234,3 +299,10 @@ def test_a_reduction_that_fails_while_waited_for_is_kept_with_what_it_sent():
     # the window reopens where the lost job's began: its steps are counted again at the next trigger
     start = fragment["windows"][f]
     assert fragment["trigger"][0] - start[0] == fragment["window_steps"] and start[1] == 3 * start[0]
+    # numbered (`DiLoCo._jobs`): the lost one applied nothing here, every one submitted before it did
+    b = boundary["lost_boundary"]
+    assert boundary["orders"] == [b] * len(boundary["boundary"]) and boundary["jobs"] == {}
+    assert boundary["applied_jobs"] == list(range(b)) and boundary["submitted"] >= b + 1
+    o = fragment["jobs"][f]
+    assert fragment["orders"] == [o] and fragment["lost_boundary"] == -1
+    assert o not in fragment["applied_jobs"] and set(range(o)) <= set(fragment["applied_jobs"])

@@ -115,9 +115,9 @@ class Agreement:
             self._join_streams(agree=self._workers.size > 1)
 
     def _exchange_and_reduce(self, column: list[float], delta: torch.Tensor, *, timed: bool,
-                             plan: dict) -> tuple[list[list[float]], list[float]]:
+                             plan: dict, order: int | None = None) -> tuple[list[list[float]], list[float]]:
         """The boundary's agreement on the round's table and reduction of its fragments (in the
-        background with overlap)."""
+        background with overlap: ``order``, its number, `_jobs`)."""
         group = self._sync_group
         start = self._clock()
         ranks = exchange_columns(column, group=group)
@@ -161,6 +161,8 @@ class Agreement:
                 self.outer_optimizer.step()
                 self.outer_optimizer.zero_grad(set_to_none=True)
                 self._applied += 1
+                if order is not None:          # (a part of it applied: a holder of the state holds it)
+                    self._applied_jobs.add(order)
                 handoff.settle(self._device)   # (its outer step ran: the move reads it at once)
                 self._landed = f + 1           # the training thread may move onto these now
         self._landed = len(self._boundary)

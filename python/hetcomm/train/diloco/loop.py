@@ -217,6 +217,7 @@ class DiLoCo(Results, ShardedState, Agreement, Checkpoint, Streams, Overlap, _fl
         self._groups_released = False
         self._pending: concurrent.futures.Future | None = None
         self._pending_round: tuple | None = None  # its pseudo-gradient and the round's counts (`carry`)
+        self._pending_order = -1                 # ... its number (`_jobs`)
         if self.overlap:
             ranks = dist.get_process_group_ranks(group) if group is not None else list(range(self._world))
             backend = dist.get_backend(group)
@@ -272,6 +273,11 @@ class DiLoCo(Results, ShardedState, Agreement, Checkpoint, Streams, Overlap, _fl
         self._reform: Callable[[], int] = lambda: 0
         self._print_rounds = False
         self._applied = 0
+        # The background reductions, numbered in the order submitted (the same on every rank: their
+        # collectives line up), and those that applied an outer step here (an elastic run tells
+        # a lost one that a holder of the state applied from one it did not: `elastic.carry`).
+        self._jobs = 0
+        self._applied_jobs: set[int] = set()
         self._t0 = self._clock()
         self._last_elapsed = 0.0
         self._policy.start_round(self._clock())
@@ -596,7 +602,8 @@ class DiLoCo(Results, ShardedState, Agreement, Checkpoint, Streams, Overlap, _fl
             self._landed = self._moved = 0
             self._pending_agreed = None
             job = handoff.after(handoff.fence(self._device), self._device, self._exchange_and_reduce)
-            self._pending = self._executor.submit(job, column, delta, timed=False, plan=plan)
+            self._pending_order, self._jobs = self._jobs, self._jobs + 1
+            self._pending = self._executor.submit(job, column, delta, timed=False, plan=plan, order=self._pending_order)
             counts = (self._r_steps, self._r_samples, self._r_compute, self._r_loss, self._r_loss_n)
             self._pending_round = (progress, counts)     # (carried on if it fails: `elastic.carry`)
             _flat.load(params, start)

@@ -238,13 +238,16 @@ class Streams:
         if self._pacer is not None:
             self._pacer.fired(f)
         job = handoff.after(handoff.fence(self._device), self._device, self._stream_job)
-        future = self._executor.submit(job, f, column, travel, timed=False)
-        self._flight[f] = {"future": future, "seq": self._stream_seq, "steps": 0, "window": window}
+        order, self._jobs = self._jobs, self._jobs + 1
+        future = self._executor.submit(job, f, column, travel, timed=False, order=order)
+        self._flight[f] = {"future": future, "seq": self._stream_seq, "steps": 0, "window": window, "order": order}
         self._count_sync(begin)
 
-    def _stream_job(self, f: int, column: list[float], delta: torch.Tensor, *, timed: bool) -> None:
+    def _stream_job(self, f: int, column: list[float], delta: torch.Tensor, *, timed: bool,
+                    order: int | None = None) -> None:
         """Agrees on fragment f's window (weights, finiteness), reduces Δ_f and steps its
-        parameters. Background thread (or the last round's, ``timed``)."""
+        parameters. Background thread (``order``: its number, `_jobs`), or the last round's
+        (``timed``)."""
         try:
             start = self._clock()
             ranks = exchange_columns(column, group=self._sync_group)
@@ -273,6 +276,8 @@ class Streams:
                 self.outer_optimizer.step()
                 self.outer_optimizer.zero_grad(set_to_none=True)
                 self._applied += 1
+                if order is not None:
+                    self._applied_jobs.add(order)
             end = self._clock()
             self._timeline.append(("sync", start, end))
             if timed:

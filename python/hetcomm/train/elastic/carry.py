@@ -31,8 +31,20 @@ from hetcomm.train.local_steps import TimeSteps
 from hetcomm.train.partition import exchange_columns
 
 NAME_BYTES = 128              # a worker's name, UTF-8 (`Elastic(worker=)`, `worker_id`)
-_HEAD = 14                    # rows before the name's bytes
+_HEAD = 19                    # rows before the name's bytes
 _FIRED_BITS = 50              # staggered fragments whose "fired" flags travel (exactly, in a float64)
+_JOB_BITS = 50                # ... and the latest background reductions, whether applied or lost
+_BITS_MAX = (1 << 50) - 1
+
+
+def job_bits(orders, submitted: int) -> int:
+    """Background reductions (their numbers, `DiLoCo._jobs`) as bits: bit i is the reduction
+    ``submitted − 1 − i``, the latest 50 (older ones are left out)."""
+    return sum(1 << (submitted - 1 - o) for o in set(orders) if 0 <= submitted - 1 - o < _JOB_BITS)
+
+
+def _from_bits(bits: int, submitted: int) -> set[int]:
+    return {submitted - 1 - i for i in range(_JOB_BITS) if bits >> i & 1 and submitted - 1 - i >= 0}
 
 
 def encode_name(name: str) -> list[float]:
@@ -48,15 +60,19 @@ def _decode_name(values) -> str:
 
 
 def start_table(name: str, explicit: bool, carried_round: int, carried_applied: int, samples: int,
-                disowned: bool, carried: tuple | None = None) -> dict:
+                disowned: bool, carried: tuple | None = None, jobs: tuple[int, int, int] | None = None) -> dict:
     """One exchange over the generation's group. ``disowned``: this member holds the run's state
     and the decision names another round than its own (a forged record on the store).
-    ``carried``: `Round.summary` of the round this member carries in, if any."""
-    steps, total, compute, fired, sending, cut, lost, lost_steps, lost_sum = \
-        carried or (-1, 0.0, 0.0, 0, -1, False, False, 0, 0.0)
+    ``carried``: `Round.summary` of the round this member carries in, if any. ``jobs``: the last
+    generation it was in, the background reductions submitted there and those applied here
+    (`job_bits`), if any."""
+    steps, total, compute, fired, sending, cut, lost, lost_steps, lost_sum, lost_bits, lost_boundary = \
+        carried or (-1, 0.0, 0.0, 0, -1, False, False, 0, 0.0, 0, -1)
+    gen, submitted, applied_bits = jobs or (-1, 0, 0)
     column = [float(carried_round), float(carried_applied), float(samples), float(explicit), float(disowned),
               float(steps), float(total), float(compute), float(fired), float(sending), float(cut),
-              float(lost), float(lost_steps), float(lost_sum)]
+              float(lost), float(lost_steps), float(lost_sum), float(gen), float(submitted), float(applied_bits),
+              float(lost_bits), float(lost_boundary)]
     table = exchange_columns(column + encode_name(name))
     world = len(table[0])
     names = [_decode_name([table[_HEAD + i][r] for i in range(NAME_BYTES)]) for r in range(world)]
@@ -68,7 +84,11 @@ def start_table(name: str, explicit: bool, carried_round: int, carried_applied: 
                         "fired": _counts(table[8], "fragments fired", most=(1 << _FIRED_BITS) - 1),
                         "sending": _counts(table[9], "outer steps", least=-1), "cut": [x > 0 for x in table[10]],
                         "lost": [x > 0 for x in table[11]], "lost_steps": _counts(table[12], "lost steps"),
-                        "lost_sum": list(table[13])}}
+                        "lost_sum": list(table[13]), "gen": _counts(table[14], "generation", least=-1),
+                        "jobs": _counts(table[15], "reductions"),
+                        "applied_bits": _counts(table[16], "reductions applied", most=_BITS_MAX),
+                        "lost_bits": _counts(table[17], "reductions lost", most=_BITS_MAX),
+                        "lost_boundary": _counts(table[18], "reductions", least=-1)}}
 
 
 _LONGEST = 7 * 86400.0        # seconds a carried round may have lasted (longer: not taken into the deadline)
@@ -101,24 +121,28 @@ class Round:
     cut: bool = False             # taken at a boundary a join cut (else after a failure)
     lost: "Lost | None" = None    # reductions sent and applied nowhere here (overlap)
     added: bool = False           # `resume_round` added them to the round
+    added_lost: "Lost | None" = None    # ... those of them it added (`added`; None: all)
     check: float | None = None    # with sharded state: the replica's sum (``delta`` is this rank's share's)
     # Inside the synchronous boundary: fragment -> the run's outer steps before the reduction that
     # took this rank's progress in it (`Agreement._send`); a member that applied more holds it.
     sent: dict[int, int] = dataclasses.field(default_factory=dict)
     held_out: list[int] = dataclasses.field(default_factory=list)   # `resume_round` took those out
 
-    def summary(self) -> tuple[int, float, float, int, int, bool, bool, int, float]:
+    def summary(self, submitted: int | None = None) -> tuple[int, float, float, int, int, bool, bool, int, float,
+                                                             int, int]:
         """steps, a float64 sum of the progress (equal over a worker's ranks), compute seconds, the
         fragments fired (bits), the outer steps applied when it began to send (-1: it had not),
         whether a join cut it; whether reductions were lost, their steps and the float64 sum of
-        their pseudo-gradients."""
+        their pseudo-gradients, which they were (`Lost.bits`, counted back from ``submitted``,
+        the reductions of the generation that `start_table` names) and the boundary's number."""
         flags = self.windows[2] if self.windows and len(self.windows[2]) <= _FIRED_BITS else []
         lost = self.lost
         total = self.check if self.check is not None else float(torch.sum(self.delta, dtype=torch.float64))
         return (self.counts[0], total, self.counts[2],
                 sum(1 << f for f, x in enumerate(flags) if x), -1 if self.sending is None else self.sending, self.cut,
                 lost is not None, lost.counts[0] if lost is not None and lost.counts else 0,
-                lost.total() if lost is not None else 0.0)
+                lost.total() if lost is not None else 0.0, lost.bits(submitted) if lost is not None else 0,
+                lost.boundary if lost is not None and lost.bits(submitted) else -1)
 
     def describe(self, kept: bool) -> str:
         """What became of it (`resume_round` returned ``kept``), for the log."""
@@ -129,9 +153,12 @@ class Round:
                    if self.held_out else "")
         if not self.added:
             return f"{self.counts[0]} steps carried in{without}"
-        jobs = (self.lost.counts is not None) + len(self.lost.windows)
+        lost = self.added_lost or self.lost
+        jobs = (lost.counts is not None) + len(lost.windows)
+        held = (self.lost.counts is not None) + len(self.lost.windows) - jobs
         return (f"{self.counts[0]} steps carried in, and {jobs} reduction(s) in flight that the failure left "
-                f"unapplied ({self.lost.counts[0] if self.lost.counts else 0} more steps)")
+                f"unapplied ({lost.counts[0] if lost.counts else 0} more steps)"
+                + (f"; {held} other(s) it lost the state holds" if held else ""))
 
 
 @dataclasses.dataclass
@@ -143,9 +170,33 @@ class Lost:
     parts: list[tuple[int, int, torch.Tensor]]
     counts: tuple[int, int, float, float, int] | None
     windows: dict[int, list[int]]
+    # The number (`DiLoCo._jobs`) of each part's reduction (-1: unknown), of the boundary's (the
+    # counts'; -1: not lost, or unknown) and of each lost fragment's; the reductions submitted.
+    orders: list[int] = dataclasses.field(default_factory=list)
+    boundary: int = -1
+    jobs: dict[int, int] = dataclasses.field(default_factory=dict)
+    submitted: int = 0
 
     def total(self) -> float:
         return sum(float(torch.sum(d, dtype=torch.float64)) for _, _, d in self.parts)
+
+    def bits(self, submitted: int | None = None) -> int:
+        """The reductions lost (`job_bits`, counted back from ``submitted``, by default the
+        reductions submitted when they were lost); 0 where one's number is unknown."""
+        if len(self.orders) != len(self.parts) or any(o < 0 for o in self.orders):
+            return 0
+        return job_bits(self.orders, self.submitted if submitted is None else submitted)
+
+    def only(self, orders: set[int]) -> "Lost | None":
+        """Those of these reductions that are numbered in ``orders`` (None: none)."""
+        keep = [i for i, o in enumerate(self.orders) if o in orders]
+        if not keep:
+            return None
+        boundary = self.boundary if self.boundary in orders else -1
+        return Lost([self.parts[i] for i in keep], self.counts if boundary >= 0 else None,
+                    {f: w for f, w in self.windows.items() if self.jobs.get(f) in orders},
+                    [self.orders[i] for i in keep], boundary,
+                    {f: o for f, o in self.jobs.items() if o in orders}, self.submitted)
 
 
 def _failed(future) -> bool:
@@ -158,21 +209,26 @@ def _lost(inner) -> Lost | None:
     and each staggered fragment's in flight (a wait that sees a job fail leaves it in
     ``_pending`` or ``_flight``). Their buffers are intact: a fragment's is written again only
     at its next trigger, after its job succeeded; the boundary's only by the second `_progress`
-    after it, and `take_round` copies them before its own."""
+    after it, and `take_round` copies them before its own. Each is named by its number
+    (`DiLoCo._jobs`), so that the next generation tells those a holder of the state applied."""
     if not inner.overlap:
         return None
-    parts, counts, windows = [], None, {}
+    parts, counts, windows, orders, boundary, jobs = [], None, {}, [], -1, {}
     if _failed(inner._pending) and inner._landed == 0 and inner._pending_round is not None:
         progress, counts = inner._pending_round
+        boundary = getattr(inner, "_pending_order", -1)
         for _, _, a, b in inner._boundary:
             parts.append((a, b, progress[a:b].clone()))
+            orders.append(boundary)
     for f, job in sorted(inner._flight.items()):
         if _failed(job["future"]) and "window" in job:
             _, _, a, b = inner._fragments[f]
             base = inner._stream_base
             parts.append((a, b, inner._stream_delta[a - base:b - base].clone()))
             windows[f] = list(job["window"])
-    return Lost(parts, counts, windows) if parts else None
+            jobs[f] = job.get("order", -1)
+            orders.append(jobs[f])
+    return Lost(parts, counts, windows, orders, boundary, jobs, getattr(inner, "_jobs", 0)) if parts else None
 
 
 def take_round(inner, applied_before: int, cut: bool = False) -> Round | None:
@@ -197,33 +253,61 @@ def take_round(inner, applied_before: int, cut: bool = False) -> Round | None:
                  sent={f: applied_before + a for f, a in inner._sent.items()} if sending and inner._sent else {})
 
 
+def added(c: dict, applied: list[int], r: int, sharded: bool = False) -> set[int] | None:
+    """Which of rank r's lost reductions go on (their numbers; None: all): those that no holder
+    of the state applied. The holders are the members with the most outer steps (``applied``)
+    that were in r's last generation too (``c``: `start_table`'s "carried": each member's
+    reductions applied and lost there, `job_bits`): a job of r that failed, applied by the
+    others, and the boundary's queued behind it, that failed on every member, hold one outer
+    step of r's that the state holds and one that no one applied. Where the numbers are unknown,
+    no holder was in that generation, a holder did not number one of them (it reduced it in the
+    last round's synchronous boundary, where r's was a job still in flight), or the state is
+    sharded over the workers' ranks: all of them where no member applied more outer steps than r
+    did, else none."""
+    if not c["lost"][r]:
+        return set()
+    best = max(applied)
+    gens = c.get("gen", [-1] * len(applied))
+    holders = [h for h in range(len(applied)) if applied[h] == best and gens[r] >= 0 and gens[h] == gens[r]]
+    lost = _from_bits(c["lost_bits"][r], c["jobs"][r]) if holders else set()
+    if sharded or not lost or any(c["jobs"][h] <= max(lost) for h in holders):
+        return None if applied[r] == best else set()
+    # (a holder's reductions older than its latest 50 had all landed: one that fails ends the generation)
+    return {o for o in lost if not any(o in _from_bits(c["applied_bits"][h], c["jobs"][h])
+                                       or c["jobs"][h] - 1 - o >= _JOB_BITS for h in holders)}
+
+
 def decide(c: dict, applied: list[int], labels: list[int], sharded: bool = False,
            rounds: list[int] | None = None) -> tuple[list[bool], list[bool]]:
-    """Which ranks keep their carried round, and which add their lost reductions to it, from the
+    """Which ranks keep their carried round, and which add lost reductions to it, from the
     generation's table (``c``: `start_table`'s "carried"; ``applied``: each rank's outer steps;
     ``labels``: each rank's worker; ``rounds``: each rank's rounds). A rank's lost reductions go on
-    where no member applied more outer steps than it did (else a member applied them: the state
-    it sends holds them). A rank keeps its round unless it is not finite, or the round was taken
+    unless a holder of the state applied them (`added`: the state it sends holds them). A rank
+    keeps its round unless it is not finite, or the round was taken
     inside its synchronous boundary (it had begun to send) and a member applied more outer steps
     since and finished that boundary (counts one round more: the state holds the whole round).
     Where no member finished it, the rank keeps the round without the fragments a member applied
     (`held_out`). A worker's ranks keep theirs only all together (the same steps and progress,
-    lost reductions included). With the state sharded over the workers' ranks (``sharded``) the
+    the same lost reductions added). With the state sharded over the workers' ranks (``sharded``) the
     progress compared is the replica's sum (`Round.check`), without the lost pseudo-gradients'
     (each rank's are its share's), and a round whose boundary members applied in part is dropped;
     so is one where ``rounds`` is unknown. (A rank whose own boundary recorded the round carries
     none: `take_round`. Without staggered windows, a round kept without some fragments still
     weighs the rest by all its steps and samples.)"""
     world, best = len(labels), max(applied)
-    adds = [c["lost"][r] and applied[r] == best for r in range(world)]
-    steps = [c["steps"][r] + (c["lost_steps"][r] if adds[r] else 0) for r in range(world)]
+    goes = [added(c, applied, r, sharded) for r in range(world)]
+    adds = [bool(c["lost"][r] and (g is None or g)) for r, g in enumerate(goes)]
+    boundary = c.get("lost_boundary", [-1] * world)
+    steps = [c["steps"][r] + (c["lost_steps"][r] if adds[r] and (goes[r] is None or boundary[r] in goes[r]) else 0)
+             for r in range(world)]
     sums = [c["sum"][r] + (c["lost_sum"][r] if adds[r] and not sharded else 0.0) for r in range(world)]
+    which = [None if g is None else frozenset(g) for g in goes]
 
     def whole(r: int) -> bool:
         return (c["steps"][r] >= 1 or adds[r]) and c["steps"][r] >= 0 and math.isfinite(sums[r]) \
             and (c["sending"][r] < 0 or best <= c["sending"][r]
                  or (not sharded and rounds is not None and rounds[r] == max(rounds)))
-    keep = [all(whole(q) and steps[q] == steps[r] and sums[q] == sums[r]
+    keep = [all(whole(q) and steps[q] == steps[r] and sums[q] == sums[r] and which[q] == which[r]
                 for q in range(world) if labels[q] == labels[r]) for r in range(world)]
     return keep, [a and k for a, k in zip(adds, keep)]
 
@@ -259,9 +343,10 @@ def resume_round(inner, mine: Round | None, start: dict, labels: list[int], shar
     kept = keep[me] and mine is not None
     if kept and sharded is None:
         delta, counts, windows = mine.delta, mine.counts, mine.windows
-        if adds[me] and mine.lost is not None:
-            delta, counts, windows = _with_lost(mine)
-            mine.added = True
+        take = _taking(mine.lost, added(c, start["applied"], me)) if adds[me] and mine.lost is not None else None
+        if take is not None:
+            delta, counts, windows = _with_lost(mine, take)
+            mine.added, mine.added_lost = True, take
         delta, windows = held_out(mine, delta, windows, max(start["applied"]), inner._fragments)
         with torch.no_grad():
             _flat.load(inner._params, inner._split(inner._start - delta))
@@ -303,20 +388,26 @@ def held_out(mine: Round, delta: torch.Tensor, windows, best: int, fragments) ->
     return delta, windows
 
 
-def _with_lost(mine: Round) -> tuple:
-    """``mine``'s progress, counts and windows with its lost reductions added back: their
-    pseudo-gradients on their element ranges, the boundary's steps and samples, each lost
-    fragment's window reopened where it began."""
+def _taking(lost: Lost, orders: set[int] | None) -> Lost | None:
+    """The reductions of ``lost`` numbered ``orders`` (None: all; `added`)."""
+    return lost if orders is None else lost.only(orders)
+
+
+def _with_lost(mine: Round, lost: Lost | None = None) -> tuple:
+    """``mine``'s progress, counts and windows with its lost reductions (``lost``, default
+    all of them) added back: their pseudo-gradients on their element ranges, the boundary's
+    steps and samples, each lost fragment's window reopened where it began."""
+    lost = mine.lost if lost is None else lost
     delta = mine.delta.clone()            # (a retried `_build` resumes ``mine`` again)
-    for a, b, part in mine.lost.parts:
+    for a, b, part in lost.parts:
         delta[a:b] += part
     counts = mine.counts
-    if mine.lost.counts is not None:
-        counts = tuple(x + y for x, y in zip(counts, mine.lost.counts))
+    if lost.counts is not None:
+        counts = tuple(x + y for x, y in zip(counts, lost.counts))
     windows = mine.windows
-    if windows is not None and mine.lost.windows:
+    if windows is not None and lost.windows:
         at_trigger = [list(x) for x in windows[1]]
-        for f, start in mine.lost.windows.items():
+        for f, start in lost.windows.items():
             if 0 <= f < len(at_trigger):
                 at_trigger[f] = list(start)
         windows = (windows[0], at_trigger, windows[2])

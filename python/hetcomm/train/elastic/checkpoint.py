@@ -156,6 +156,7 @@ def load(run, state: dict) -> None:
     run._step_times = {str(k): tuple(v) for k, v in state["step_times"].items()}
     run._policy_state = copy.deepcopy(state["policy"])
     run._carried = (run._round, run._applied_total, True)    # what it brings when the era starts
+    run._jobs_done = None                         # (no generation's reductions: `carry.added`)
     liveness = state.get("liveness", {})          # (none in a checkpoint from before 12-05)
     run._liveness = {str(k): str(v).encode() for k, v in liveness.items()} if isinstance(liveness, dict) else {}
     position = state.get("position", {})           # (none in a checkpoint from before 12-06)

@@ -58,8 +58,8 @@ from hetcomm.train.diloco.outer import default_outer_optimizer
 from hetcomm.train.diloco.pacing import check_pace
 from hetcomm.train.diloco.shard import reachable_bytes
 from hetcomm.train.elastic import checkpoint as _checkpoint, handover, sharded, watchdog
-from hetcomm.train.elastic.carry import (Round, encode_name, resume_round, seed_policy, share_timing, start_table,
-                                         take_round)
+from hetcomm.train.elastic.carry import (Round, encode_name, job_bits, resume_round, seed_policy, share_timing,
+                                         start_table, take_round)
 from hetcomm.train.elastic.common import _MAX_ABORTS, _PREFIX, _read_ended
 from hetcomm.train.elastic.loop import ElasticBase
 from hetcomm.train.elastic.options import Elastic, check_options
@@ -140,6 +140,7 @@ class ElasticRun(RunEpochs, ElasticBase):
         except ValueError as e:
             raise ValueError(f"{_PREFIX}: {e}") from None
         self._carried = (0, 0, False)              # (round, outer steps, held the state) before the last epoch
+        self._jobs_done: tuple[int, int, int] | None = None    # (generation, reductions, applied: `_carry_out`)
         self._inner: DiLoCo | None = None
         self._base = (0, 0, None)          # (round, applied, generation) at the inner DiLoCo's start
         self._applied_total = 0            # outer steps applied in the run (one per fragment)
@@ -394,7 +395,8 @@ class ElasticRun(RunEpochs, ElasticBase):
         disowned = named and (self._carried[0] != self._decision["round"] if self._carried[2]
                               else not self._decision.get("fresh"))
         start = start_table(self._worker, self._explicit, *self._carried[:2], self._samples_total, disowned=disowned,
-                            carried=self._carry and self._carry.summary())
+                            carried=self._carry and self._carry.summary(self._jobs_done and self._jobs_done[1]),
+                            jobs=self._jobs_done)
         self._phases.mark("start table")          # (the first exchange: waits for the slowest member)
         if start["disowned"]:
             raise ValueError(f"{_PREFIX}: the decision of epoch {self._decision['epoch']} (on the store) names round "
@@ -484,6 +486,8 @@ class ElasticRun(RunEpochs, ElasticBase):
         self._round = self._base[0] + len(records)
         self._samples_total += sum(sum(r["samples"]) for r in records)
         self._applied_total = self._base[1] + inner._applied
+        # (which of its background reductions applied here: `carry.added`)
+        self._jobs_done = (self._base[2], inner._jobs, job_bits(inner._applied_jobs, inner._jobs))
         times = inner._times
         for label, name in enumerate(self._workers_names):
             if times._t[label] is not None:
@@ -594,6 +598,7 @@ class ElasticRun(RunEpochs, ElasticBase):
                         f"round {self._round}: this worker was dropped ({self._dropped_why}); it joins again")
             self._holds = False
             self._carry = None             # (it joins again: from the run's state)
+            self._jobs_done = None
             self._destroy_group()
             self._new_incarnation()
             self._admit()

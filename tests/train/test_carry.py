@@ -92,11 +92,15 @@ def test_a_lost_reduction_queued_behind_one_the_holders_applied_goes_on():
     # holders from another generation than rank 0's (their numbers are not its): as before
     other = {**c, "gen": [3, 2, 2]}
     assert [added(other, [5, 6, 6], r) for r in range(3)] == [set(), {8}, {8}]
-    # a holder that numbered fewer reductions than rank 0 lost (it reduced rank 0's job 8 inline,
-    # in the last round's boundary, and may have applied it): as before
+    # a holder that submitted fewer reductions (its generation failed before it submitted 8) never
+    # ran the others: rank 0 adds 8 all the same
     fewer = {**c, "jobs": [9, 8, 9], "applied_bits": [job_bits(early, 9), job_bits(early | {7}, 8),
                                                       job_bits(early | {7}, 9)]}
-    assert added(fewer, [5, 6, 6], 0) == set() and added(fewer, [6, 6, 6], 0) is None
+    assert added(fewer, [5, 6, 6], 0) == {8}
+    # a lost reduction not among a holder's latest 50 (more than 50 fragments): as before
+    far = numbered(c, gen=[3] * 3, jobs=[9, 60, 60], applied=[early, early | {7}, early | {7}],
+                   lost=[{7, 8}, set(), set()], boundary=[8, -1, -1])
+    assert added(far, [5, 6, 6], 0) == set() and added(far, [6, 6, 6], 0) is None
     # the boundary's job applied everywhere, the fragment's, before it, nowhere (a hole): rank 0
     # adds the fragment's (7) though every member applied as many outer steps as it did
     hole = numbered(c, gen=[3] * 3, jobs=[9] * 3, applied=[early | {8}] * 3, lost=[{7}] * 3, boundary=[-1] * 3)
@@ -106,7 +110,7 @@ def test_a_lost_reduction_queued_behind_one_the_holders_applied_goes_on():
     assert decide(pair, applied=[5, 6, 6], labels=[0, 1, 1])[0] == [True, True, True]
     split = numbered(pair, gen=[3] * 3, jobs=[9, 9, 10], applied=[early, early | {7}, early | {7}],
                      lost=[{7, 8}, {8}, {8, 9}], boundary=[8] * 3)          # (rank 2 submitted one more)
-    assert added(split, [5, 6, 6], 1) == {8} and added(split, [5, 6, 6], 2) is None     # (9: rank 1 has none)
+    assert added(split, [5, 6, 6], 1) == {8} and added(split, [5, 6, 6], 2) == {8, 9}
     assert decide(split, applied=[5, 6, 6], labels=[0, 1, 1])[0] == [True, False, False]
 
 
@@ -125,6 +129,8 @@ def test_the_round_with_some_of_its_lost_reductions_added():
     assert delta.tolist() == [1.0, 1.0, 2.0, 3.0] and counts == (2, 32, 0.5, 1.0, 32)
     assert windows == ([10, 160], [[0, 0], [4, 64]], [False, True])
     assert lost.only({5}) is None
+    # (counted back from the reductions submitted; one of them 50 or more back: unknown)
+    assert lost.bits(10) == 0b110 and lost.bits(57) == 1 << 48 | 1 << 49 and lost.bits(58) == 0
 
 
 def test_a_worker_s_ranks_keep_their_round_only_all_together():

@@ -395,7 +395,7 @@ def test_a_round_boundary_that_failed_after_some_of_its_fragments_keeps_the_rest
         log = (run.out / f"{w}.{i}.log").read_text()
         held = "without fragment(s) 1 of it that the state holds already" in log
         assert held == (w == "w0" or 1 in fired["w0"] or 1 not in fired[w]), (w, fired, run.logs())
-        assert re.search(r"round 4 goes on in generation 2: \d+ steps carried in", log), run.logs()
+        assert re.search(r"round 4 goes on in generation \d+: \d+ steps carried in", log), run.logs()
 
 
 def test_a_rank_whose_boundary_recorded_the_round_before_its_worker_failed_carries_none(run):

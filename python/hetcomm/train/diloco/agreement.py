@@ -161,7 +161,7 @@ class Agreement:
                 self.outer_optimizer.step()
                 self.outer_optimizer.zero_grad(set_to_none=True)
                 self._applied += 1
-                if order is not None:          # (a part of it applied: a holder of the state holds it)
+                if order is not None:          # (a part applied: a rank that lost it drops it whole)
                     self._applied_jobs.add(order)
                 handoff.settle(self._device)   # (its outer step ran: the move reads it at once)
                 self._landed = f + 1           # the training thread may move onto these now

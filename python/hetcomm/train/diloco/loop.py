@@ -273,11 +273,8 @@ class DiLoCo(Results, ShardedState, Agreement, Checkpoint, Streams, Overlap, _fl
         self._reform: Callable[[], int] = lambda: 0
         self._print_rounds = False
         self._applied = 0
-        # The background reductions, numbered in the order submitted (the same on every rank: their
-        # collectives line up), and those that applied an outer step here (an elastic run tells
-        # a lost one that a holder of the state applied from one it did not: `elastic.carry`).
-        self._jobs = 0
-        self._applied_jobs: set[int] = set()
+        # reductions numbered as submitted, alike on every rank (`_fire_last`); those applied here (`carry.added`)
+        self._jobs, self._applied_jobs = 0, set()
         self._t0 = self._clock()
         self._last_elapsed = 0.0
         self._policy.start_round(self._clock())

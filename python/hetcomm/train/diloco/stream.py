@@ -134,8 +134,8 @@ class Streams:
         did not fire, then every fragment's steps since its trigger, here (so that every rank runs
         the same collectives: each fragment once per round, then once more)."""
         for f in range(1, len(self._fragments)):
-            if not self._fired[f]:
-                self._fire(f, inline=True)
+            if not self._fired[f]:                  # (another rank's may be a job: numbered alike)
+                self._fire(f, inline=True, numbered=True)
         for f in range(1, len(self._fragments)):
             self._fire(f, inline=True)
 
@@ -198,9 +198,10 @@ class Streams:
             torch.sub(s, src, out=o)
         return out
 
-    def _fire(self, f: int, *, inline: bool = False) -> None:
+    def _fire(self, f: int, *, inline: bool = False, numbered: bool = False) -> None:
         """Fragment f's trigger: its window's pseudo-gradient, the replica's jump to the start
-        estimate, and its job (on the background thread; ``inline``: here, in the last round)."""
+        estimate, and its job (on the background thread; ``inline``: here, in the last round,
+        ``numbered`` among the jobs where it stands for another rank's, `_jobs`)."""
         # its previous job (not moved by now: steps kept whole)
         self._wait_stream(f, agree=self._workers.size > 1 and not inline)
         self._fired[f] = True
@@ -220,9 +221,11 @@ class Streams:
         if inline:
             self._count_sync(begin)
             self._send(f)
-            applied = self._applied
+            applied, order = self._applied, None
+            if numbered:
+                order, self._jobs = self._jobs, self._jobs + 1
             try:
-                self._stream_job(f, column, travel, timed=True)
+                self._stream_job(f, column, travel, timed=True, order=order)
             except BaseException:
                 if self._applied == applied:        # (its steps stay in the replica: so does their window)
                     self._at_trigger[f] = window

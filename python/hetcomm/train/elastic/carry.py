@@ -13,8 +13,8 @@ read from the store, and nothing is unpickled (a member's bytes are numbers and 
   synchronisation in flight, staggered fragments' jobs: failed, or cancelled behind a failed
   one) are not lost: a rank adds the pseudo-gradients it sent in them to what it carries (and
   their steps and samples, or the fragment's window), so that they are reduced in the next
-  generation. Where a member applied them (the reduction ended there before the failure), the
-  state it sends holds them, and they are dropped. A round taken inside its synchronous boundary
+  generation. Where a holder of the state applied them (the reduction ended there before the
+  failure), the state it sends holds them, and they are dropped (`added`). A round taken inside its synchronous boundary
   (the last round's) that no member finished goes on without the fragments whose reductions a
   member applied (`Round.sent`).
 """
@@ -88,7 +88,7 @@ def start_table(name: str, explicit: bool, carried_round: int, carried_applied: 
                         "jobs": _counts(table[15], "reductions"),
                         "applied_bits": _counts(table[16], "reductions applied", most=_BITS_MAX),
                         "lost_bits": _counts(table[17], "reductions lost", most=_BITS_MAX),
-                        "lost_boundary": _counts(table[18], "reductions", least=-1)}}
+                        "lost_boundary": _counts(table[18], "lost boundary's reduction", least=-1)}}
 
 
 _LONGEST = 7 * 86400.0        # seconds a carried round may have lasted (longer: not taken into the deadline)
@@ -183,9 +183,10 @@ class Lost:
     def bits(self, submitted: int | None = None) -> int:
         """The reductions lost (`job_bits`, counted back from ``submitted``, by default the
         reductions submitted when they were lost); 0 where one's number is unknown."""
-        if len(self.orders) != len(self.parts) or any(o < 0 for o in self.orders):
+        submitted = self.submitted if submitted is None else submitted
+        if len(self.orders) != len(self.parts) or any(not 0 <= submitted - 1 - o < _JOB_BITS for o in self.orders):
             return 0
-        return job_bits(self.orders, self.submitted if submitted is None else submitted)
+        return job_bits(self.orders, submitted)
 
     def only(self, orders: set[int]) -> "Lost | None":
         """Those of these reductions that are numbered in ``orders`` (None: none)."""
@@ -259,22 +260,22 @@ def added(c: dict, applied: list[int], r: int, sharded: bool = False) -> set[int
     that were in r's last generation too (``c``: `start_table`'s "carried": each member's
     reductions applied and lost there, `job_bits`): a job of r that failed, applied by the
     others, and the boundary's queued behind it, that failed on every member, hold one outer
-    step of r's that the state holds and one that no one applied. Where the numbers are unknown,
-    no holder was in that generation, a holder did not number one of them (it reduced it in the
-    last round's synchronous boundary, where r's was a job still in flight), or the state is
-    sharded over the workers' ranks: all of them where no member applied more outer steps than r
-    did, else none."""
+    step of r's that the state holds and one that no one applied. (A holder that submitted
+    fewer reductions never ran the others; holders that applied different ones hold different
+    states, which the rounds' fingerprints catch: any holder's counts.) Where the numbers are
+    unknown or one of them is not among a holder's latest 50 (more than 50 fragments), no holder
+    was in that generation, or the state is sharded over the workers' ranks: all of them where no
+    member applied more outer steps than r did, else none."""
     if not c["lost"][r]:
         return set()
     best = max(applied)
     gens = c.get("gen", [-1] * len(applied))
     holders = [h for h in range(len(applied)) if applied[h] == best and gens[r] >= 0 and gens[h] == gens[r]]
     lost = _from_bits(c["lost_bits"][r], c["jobs"][r]) if holders else set()
-    if sharded or not lost or any(c["jobs"][h] <= max(lost) for h in holders):
+    if sharded or not lost or any(c["jobs"][h] - 1 - min(lost) >= _JOB_BITS for h in holders):
         return None if applied[r] == best else set()
-    # (a holder's reductions older than its latest 50 had all landed: one that fails ends the generation)
-    return {o for o in lost if not any(o in _from_bits(c["applied_bits"][h], c["jobs"][h])
-                                       or c["jobs"][h] - 1 - o >= _JOB_BITS for h in holders)}
+    held = set().union(*(_from_bits(c["applied_bits"][h], c["jobs"][h]) for h in holders))
+    return lost - held
 
 
 def decide(c: dict, applied: list[int], labels: list[int], sharded: bool = False,

@@ -486,8 +486,7 @@ class ElasticRun(RunEpochs, ElasticBase):
         self._round = self._base[0] + len(records)
         self._samples_total += sum(sum(r["samples"]) for r in records)
         self._applied_total = self._base[1] + inner._applied
-        # (which of its background reductions applied here: `carry.added`)
-        self._jobs_done = (self._base[2], inner._jobs, job_bits(inner._applied_jobs, inner._jobs))
+        self._jobs_done = (self._base[2], inner._jobs, job_bits(inner._applied_jobs, inner._jobs))  # `carry.added`
         times = inner._times
         for label, name in enumerate(self._workers_names):
             if times._t[label] is not None:

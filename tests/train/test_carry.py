@@ -131,6 +131,7 @@ def test_the_round_with_some_of_its_lost_reductions_added():
     assert lost.only({5}) is None
     # (counted back from the reductions submitted; one of them 50 or more back: unknown)
     assert lost.bits(10) == 0b110 and lost.bits(57) == 1 << 48 | 1 << 49 and lost.bits(58) == 0
+    assert Lost(parts=lost.parts[:1], counts=None, windows={}, orders=[-1], submitted=3).bits() == 0   # (unknown)
 
 
 def test_a_worker_s_ranks_keep_their_round_only_all_together():

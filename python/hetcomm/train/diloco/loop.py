@@ -273,7 +273,7 @@ class DiLoCo(Results, ShardedState, Agreement, Checkpoint, Streams, Overlap, _fl
         self._reform: Callable[[], int] = lambda: 0
         self._print_rounds = False
         self._applied = 0
-        # reductions numbered as submitted, alike on every rank (`_fire_last`); those applied here (`carry.added`)
+        # reductions numbered in order, alike on every rank (`_fire_last`); those applied here (`carry.added`)
         self._jobs, self._applied_jobs = 0, set()
         self._t0 = self._clock()
         self._last_elapsed = 0.0

@@ -184,7 +184,8 @@ class Lost:
         """The reductions lost (`job_bits`, counted back from ``submitted``, by default the
         reductions submitted when they were lost); 0 where one's number is unknown."""
         submitted = self.submitted if submitted is None else submitted
-        if len(self.orders) != len(self.parts) or any(not 0 <= submitted - 1 - o < _JOB_BITS for o in self.orders):
+        if len(self.orders) != len(self.parts) or any(o < 0 or not 0 <= submitted - 1 - o < _JOB_BITS
+                                                      for o in self.orders):
             return 0
         return job_bits(self.orders, submitted)
 
@@ -260,9 +261,9 @@ def added(c: dict, applied: list[int], r: int, sharded: bool = False) -> set[int
     that were in r's last generation too (``c``: `start_table`'s "carried": each member's
     reductions applied and lost there, `job_bits`): a job of r that failed, applied by the
     others, and the boundary's queued behind it, that failed on every member, hold one outer
-    step of r's that the state holds and one that no one applied. (A holder that submitted
+    step of r's that the state holds and one that no one applied. (A holder that numbered
     fewer reductions never ran the others; holders that applied different ones hold different
-    states, which the rounds' fingerprints catch: any holder's counts.) Where the numbers are
+    states, which the start of the next epoch refuses: any holder's counts.) Where the numbers are
     unknown or one of them is not among a holder's latest 50 (more than 50 fragments), no holder
     was in that generation, or the state is sharded over the workers' ranks: all of them where no
     member applied more outer steps than r did, else none."""
